@@ -1,0 +1,34 @@
+# Two commands set up a fresh machine: `make serve` and `make test`.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+# The CPU build of torch; override on a GPU machine (e.g. TORCH_SPEC=torch).
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR  ?= .demo-model
+HOST      ?= 127.0.0.1
+PORT      ?= 8000
+
+.PHONY: install serve test demo-model clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, so that nothing later pulls the multi-GB CUDA build
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DEMO_DIR)/model.safetensors: | $(VENV)/.installed
+	$(VENV)/bin/loom demo-model $(DEMO_DIR)
+
+demo-model: $(DEMO_DIR)/model.safetensors
+
+serve: $(VENV)/.installed $(DEMO_DIR)/model.safetensors
+	$(VENV)/bin/loom serve $(DEMO_DIR) --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) *.egg-info

@@ -1,0 +1,1 @@
+"""Benchmarks: `loom bench throughput|latency|serve`."""

@@ -1,0 +1,1 @@
+"""Worker processes, one per device: model runner, KV cache, sampler."""

@@ -1,0 +1,51 @@
+"""Attention metadata for one step, and the attention layer that uses it.
+
+The metadata follows vLLM's contract so that one varlen kernel serves prefill,
+chunked prefill, prefix-cache hits and decode in the same batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B+1]: where each sequence's new tokens start
+    seq_lens: torch.Tensor         # int32 [B]: full context, new tokens included
+    block_table: torch.Tensor      # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token (-1 = padding)
+    max_query_len: int             # the largest single query, not a sum
+    max_seq_len: int
+    backend: str = "torch"         # "torch" (reference) or "triton"
+
+
+class Attention(nn.Module):
+    """Writes this step's keys/values into the paged cache, then attends over it."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        if meta.backend == "triton":
+            from kernels.paged_attention import paged_attention, write_kv_cache
+            write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                  meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len)
+        else:
+            write_kv_cache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
+            out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                      meta.block_table, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

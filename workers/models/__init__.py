@@ -1,0 +1,1 @@
+"""Our own torch implementations of the supported architectures."""
