@@ -62,3 +62,339 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
     return out
+
+
+# --------------------------------------------------------------------------
+# Triton implementations
+# --------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def _is_interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+def _use_triton(fn, t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1
+    (when the kernel was decorated in interpreter mode); otherwise the caller
+    falls back to the torch reference."""
+    return t.is_cuda or _is_interpreted(fn)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    kc = kc_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    vc = vc_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton version of write_kv_cache_ref (same arguments, same semantics).
+
+    key/value may be strided views ([T, Hkv, D] with a contiguous last dim,
+    e.g. slices of a fused qkv projection); the caches need a contiguous last
+    dim. Slots < 0 are skipped."""
+    if not _use_triton(_write_kv_cache_kernel, key):
+        return write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert value.shape == key.shape
+    assert key_cache.shape[2:] == (num_heads, head_dim) and value_cache.shape == key_cache.shape
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous last dim"
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    slot_mapping = slot_mapping.contiguous()
+    block_size = key_cache.shape[1]
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        num_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,
+    qk_scale, num_seqs, num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
+    (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if ONE_TILE_PER_SEQ:
+        seq = pid
+        tile = pid * 0
+    else:
+        # Tiles of sequence i are programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1);
+        # binary search for the last i whose first tile is <= pid.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            if first <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        tile = pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + offs_m // GROUP  # query index inside this sequence
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx  # absolute position of each row's token
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:  # the interpreter's tl.dot mishandles bf16/fp16 operands
+        q = q.to(tl.float32)
+
+    # keys this tile can see: [0, kv_end) (causal w.r.t. the tile's last query)
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    else:
+        kv_lo = kv_end * 0
+        kv_hi = kv_end
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_head = kc_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = vc_ptr + kvh.to(tl.int64) * stride_vh
+
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_hi
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+        k = tl.load(k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + offs_d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if DOT_F32:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if DOT_F32:
+            p = p.to(v.dtype)
+            v = v.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # partial results, [T, Hq, NUM_SPLITS, (D | 2)] fp32: unnormalised acc, (max, sum)
+        row = (tok * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row = (t * num_q_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l_ = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits carry m = -1e30 -> weight 0
+    total = tl.sum(w * l_, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 32
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                         device: torch.device) -> int:
+    """Split-KV (flash-decoding) heuristic: only for pure decode batches whose
+    (sequence, kv head) programs would leave most SMs idle for long contexts.
+    Returns a power of two (1 = no split) so few kernel variants get compiled."""
+    if max_query_len != 1 or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    want = min(triton.cdiv(2 * sms, programs), max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
+    if want < 2:
+        return 1
+    return 1 << (want.bit_length() - 1)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int, num_kv_splits: int | None = None) -> torch.Tensor:
+    """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref.
+
+    query [T, Hq, D] (last dim contiguous; token/head strides free), caches
+    [num_blocks, block_size, Hkv, D], query_start_loc int32 [B+1], seq_lens
+    int32 [B], block_table int32 [B, max_blocks]. max_query_len / max_seq_len
+    are host ints: max_query_len must be >= every q_len (it picks the tiling);
+    max_seq_len only feeds the split-KV heuristic. num_kv_splits forces the
+    number of KV splits (1 = off; None = automatic, decode-only)."""
+    if not _use_triton(_paged_attention_kernel, query):
+        return paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, kd = key_cache.shape
+    assert kd == head_dim and value_cache.shape == key_cache.shape
+    assert num_q_heads % num_kv_heads == 0
+    assert key_cache.dtype == value_cache.dtype == query.dtype, "query and caches must share a dtype"
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    group = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    query = _last_dim_contiguous(query)
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    block_table = block_table.to(torch.int32)
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    max_query_len = max(1, int(max_query_len))
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    group_pad = triton.next_power_of_2(group)
+    is_fp32 = query.dtype == torch.float32
+    big = 64 if (is_fp32 or block_d > 128) else 128
+    block_m = max(16, group_pad, min(big, triton.next_power_of_2(max_query_len * group)))
+    block_q = block_m // group
+    block_n = 32 if (is_fp32 or block_d > 128) else 64
+    one_tile = max_query_len <= block_q
+
+    if num_kv_splits is None:
+        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, query.device)
+    else:
+        num_splits = max(1, int(num_kv_splits))
+
+    num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, out, part_acc, part_ml,
+        query_start_loc, seq_lens, block_table,
+        float(scale) * 1.4426950408889634, num_seqs, num_q_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
+        IEEE=is_fp32, DOT_F32=_is_interpreted(_paged_attention_kernel) and not is_fp32, num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )
+    if num_splits > 1:
+        _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out

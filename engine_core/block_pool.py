@@ -1,0 +1,81 @@
+"""BlockPool: the KV blocks, their reference counts, and the prefix cache.
+
+Free blocks wait in an LRU queue (oldest freed first). A free block keeps its
+hash, so a later request with the same prefix can revive it until the block is
+handed out again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def take_new(self, n: int) -> list[KVBlock]:
+        """Hand out n blocks from the front of the LRU queue, evicting their hashes."""
+        assert n <= len(self.free_queue)
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache hits; a free block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Callers pass blocks tail first, so a request's last blocks are evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is cached already; this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash. Only possible when no block is in use."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

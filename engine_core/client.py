@@ -1,0 +1,230 @@
+"""Clients of an engine core: token ids in, EngineCoreOutputs out.
+
+Used by the API servers (async), the offline LLM (sync), and any external
+scheduler or router. The client binds an input ROUTER and an output PULL; the
+engine connects to both and says READY first. The engine is declared dead on
+an ENGINE_DEAD message, on the output connection dropping, or (when this
+client owns the process) on its exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ipc.messages import (EngineCoreOutputs, EngineCoreRequest, EngineReady, MsgType, UtilityRequest)
+from ipc.serial import Decoder, Encoder
+from ipc.sockets import make_socket
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core (or one of its workers) is gone; nothing more will come."""
+
+
+class _ClientBase:
+    def __init__(self, ctx: zmq.Context, input_address: str, output_address: str, client_index: int):
+        self.client_index = client_index
+        self.input = make_socket(ctx, zmq.ROUTER, input_address, bind=True)
+        self.output = make_socket(ctx, zmq.PULL, output_address, bind=True)
+        self.monitor = self.output.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.enc = Encoder()
+        self.out_dec = Decoder(EngineCoreOutputs)
+        self.ready_dec = Decoder(EngineReady)
+        self.engine_identity: bytes | None = None
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self._call_ids = itertools.count()
+        self._connected = False
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def _frames(self, kind: MsgType, msg: Any) -> list:
+        return [self.engine_identity, *self.enc.encode(kind.value, msg)]
+
+    def _on_monitor(self, frames: list) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self._connected:
+            self.dead_reason = self.dead_reason or "the engine core closed its connection (it exited)"
+
+    def _on_output_frames(self, frames: list) -> EngineCoreOutputs | None:
+        kind = bytes(frames[0].buffer)
+        if kind == MsgType.ENGINE_DEAD.value:
+            self.dead_reason = f"engine core died: {bytes(frames[1].buffer).decode(errors='replace')}"
+            return None
+        return self.out_dec.decode(frames)
+
+    def _on_ready(self, frames: list) -> None:
+        self.engine_identity = bytes(frames[0].buffer)
+        self.ready = self.ready_dec.decode(frames[1:])
+
+    def _close_sockets(self) -> None:
+        for s in (self.monitor, self.input, self.output):
+            s.close(linger=0)
+
+
+class EngineCoreClient(_ClientBase):
+    """Blocking client (offline LLM, scripts)."""
+
+    def __init__(self, input_address: str, output_address: str, client_index: int = 0, engine_proc=None):
+        self.ctx = zmq.Context()
+        super().__init__(self.ctx, input_address, output_address, client_index)
+        self.engine_proc = engine_proc
+        self.poller = zmq.Poller()
+        for s in (self.output, self.monitor):
+            self.poller.register(s, zmq.POLLIN)
+        self._pending: list[EngineCoreOutputs] = []
+
+    def _check_proc(self) -> None:
+        p = self.engine_proc
+        if p is not None and not p.is_alive() and not self.dead_reason:
+            self.dead_reason = f"engine core exited with code {p.exitcode}"
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+
+    def wait_ready(self, timeout: float = 900.0) -> EngineReady:
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            if self.input.poll(100):
+                self._on_ready(self.input.recv_multipart(copy=False))
+            self._check_proc()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
+        return self.ready
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._check_proc()
+        req.client_index = self.client_index
+        self.input.send_multipart(self._frames(MsgType.ADD, req), copy=False)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids)), copy=False)
+
+    def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """The next batch of outputs; None on timeout."""
+        if self._pending:
+            return self._pending.pop(0)
+        return self._recv_outputs(timeout)
+
+    def _recv_outputs(self, timeout: float | None) -> EngineCoreOutputs | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for sock, _ in self.poller.poll(100):
+                if sock is self.monitor:
+                    self._on_monitor(sock.recv_multipart())
+                    continue
+                outs = self._on_output_frames(sock.recv_multipart(copy=False))
+                if outs is not None:
+                    return outs
+            self._check_proc()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
+        call_id = next(self._call_ids)
+        self.input.send_multipart(self._frames(
+            MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args))), copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"utility call {method} timed out")
+            outs = self._recv_outputs(left)
+            if outs is None:
+                continue
+            u = outs.utility_output
+            if u is not None and u.call_id == call_id:
+                if outs.outputs or outs.scheduler_stats or outs.finished_timings:
+                    outs.utility_output = None
+                    self._pending.append(outs)
+                if u.failure:
+                    raise RuntimeError(u.failure)
+                return u.result
+            self._pending.append(outs)
+
+    def close(self) -> None:
+        self._close_sockets()
+        self.ctx.term()
+
+
+class AsyncEngineCoreClient(_ClientBase):
+    """asyncio client (API servers). Outputs are delivered to `on_outputs`."""
+
+    def __init__(self, input_address: str, output_address: str, client_index: int, on_outputs, on_dead):
+        self.ctx = zmq.asyncio.Context()
+        super().__init__(self.ctx, input_address, output_address, client_index)
+        self.on_outputs = on_outputs
+        self.on_dead = on_dead
+        self._calls: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def wait_ready(self, timeout: float = 900.0) -> EngineReady:
+        if not await self.input.poll(timeout * 1000):
+            raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
+        self._on_ready(await self.input.recv_multipart(copy=False))
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._monitor_loop())]
+        return self.ready
+
+    async def _output_loop(self) -> None:
+        while not self.is_dead:
+            frames = await self.output.recv_multipart(copy=False)
+            outs = self._on_output_frames(frames)
+            if outs is None:
+                self._declare_dead()
+                return
+            u = outs.utility_output
+            if u is not None:
+                fut = self._calls.pop(u.call_id, None)
+                if fut is not None and not fut.done():
+                    if u.failure:
+                        fut.set_exception(RuntimeError(u.failure))
+                    else:
+                        fut.set_result(u.result)
+            self.on_outputs(outs)
+
+    async def _monitor_loop(self) -> None:
+        while not self.is_dead:
+            self._on_monitor(await self.monitor.recv_multipart())
+        self._declare_dead()
+
+    def _declare_dead(self) -> None:
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self.dead_reason))
+        self._calls.clear()
+        self.on_dead(self.dead_reason)
+
+    async def add_request(self, req: EngineCoreRequest) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        req.client_index = self.client_index
+        await self.input.send_multipart(self._frames(MsgType.ADD, req), copy=False)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            await self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids)), copy=False)
+
+    async def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self.input.send_multipart(self._frames(
+            MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args))), copy=False)
+        return await asyncio.wait_for(fut, timeout)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._close_sockets()
+        self.ctx.term()

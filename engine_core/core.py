@@ -1,0 +1,281 @@
+"""The engine core: one busy-loop process.
+
+    input thread  -> queue -> main loop (schedule, execute, update) -> output thread
+
+The main loop blocks on the queue when there is nothing to run, so an idle
+engine uses no CPU. Sockets: the engine connects a DEALER to each client's
+input ROUTER (READY first, then it receives ADD/ABORT/UTILITY) and a PUSH to
+each client's output PULL.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from engine_core.config import ConfigError, EngineConfig
+from engine_core.executor import Executor
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler import Scheduler
+from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
+                          ModelRunnerOutput, MsgType, UtilityOutput, UtilityRequest)
+from ipc.procs import child_signals, watch_parent
+from ipc.serial import Decoder, Encoder
+from ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Scheduling and execution, with no sockets: easy to drive from tests."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: str):
+        self.config = config
+        self.executor = Executor(config, ipc_dir)
+        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+        config.check_num_blocks(num_blocks)
+        self.executor.collective_rpc("initialize_cache", [num_blocks])
+        self.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(config, num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, ecr: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; a bad one fails alone with an error output."""
+        error = self._validate(ecr)
+        if error:
+            return EngineCoreOutput(ecr.request_id, [], "error", error=error)
+        seed = ecr.sampling_params.seed
+        if seed is None:
+            seed = random.getrandbits(62)
+        self.scheduler.add_request(Request(ecr, self.config.max_model_len, seed))
+        return None
+
+    def _validate(self, ecr: EngineCoreRequest) -> str | None:
+        n = len(ecr.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.config.max_model_len:
+            return (f"the prompt has {n} tokens, but --max-model-len is {self.config.max_model_len} "
+                    f"(and at least one token must be generated)")
+        vocab = self.config.vocab_size
+        if vocab and any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        if ecr.request_id in self.scheduler.requests:
+            return f"request id {ecr.request_id!r} is already in use"
+        try:
+            ecr.sampling_params.validate(self.config.max_logprobs)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def abort_requests(self, req_ids: list[str]) -> list[Request]:
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> dict[int, list[EngineCoreOutput]]:
+        so = self.scheduler.schedule()
+        if so.req_ids or so.new_requests or so.finished_req_ids:
+            out = self.executor.execute_model(so)
+        else:
+            out = ModelRunnerOutput([], [])
+        return self.scheduler.update_from_output(out)
+
+    # ------------------------------------------------------------ utility calls
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def ping(self) -> str:
+        return "pong"
+
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
+
+    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc"})
+
+    shutting_down = False
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        self.executor.shutdown()
+
+
+class EngineCoreProc(EngineCore):
+    """The engine-core process: EngineCore plus its sockets and I/O threads."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: str, clients: list[tuple[str, str]],
+                 engine_index: int = 0):
+        super().__init__(config, ipc_dir)
+        self.engine_index = engine_index
+        self.ctx = zmq.Context()
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.client_addresses = clients
+        self._stop = threading.Event()
+        ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
+                            engine_index, config.model_name)
+        self.in_thread = threading.Thread(target=self._input_loop, args=(ready,), name="engine-input", daemon=True)
+        self.out_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
+        self.out_thread.start()
+        self.in_thread.start()
+
+    # ------------------------------------------------------------ threads
+
+    def _input_loop(self, ready: EngineReady) -> None:
+        enc = Encoder()
+        decoders = {MsgType.ADD.value: Decoder(EngineCoreRequest), MsgType.ABORT.value: Decoder(list[str]),
+                    MsgType.UTILITY.value: Decoder(UtilityRequest)}
+        poller = zmq.Poller()
+        socks = []
+        for input_addr, _ in self.client_addresses:
+            sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False)
+            sock.send_multipart(enc.encode(MsgType.READY.value, ready))
+            poller.register(sock, zmq.POLLIN)
+            socks.append(sock)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(200):
+                frames = sock.recv_multipart(copy=False)
+                kind = bytes(frames[0].buffer)
+                try:
+                    self.inputs.put((kind, decoders[kind].decode(frames)))
+                except Exception as e:  # a malformed message fails alone
+                    logger.warning("dropping a malformed %r message: %s", kind, e)
+        for sock in socks:
+            sock.close()
+
+    def _output_loop(self) -> None:
+        enc = Encoder()
+        socks = [make_socket(self.ctx, zmq.PUSH, out_addr, bind=False, linger=2000)
+                 for _, out_addr in self.client_addresses]
+        while True:
+            item = self.outputs.get()
+            if item is None:
+                break
+            client_index, kind, msg = item
+            targets = socks if client_index < 0 else [socks[client_index]]
+            frames = enc.encode(kind, msg)
+            for sock in targets:
+                sock.send_multipart(frames, copy=False)
+        for sock in socks:
+            sock.close()
+
+    def send_dead(self, reason: str) -> None:
+        self.outputs.put((-1, MsgType.ENGINE_DEAD.value, reason))
+        self.outputs.put(None)
+        self.out_thread.join(timeout=2)
+
+    # ------------------------------------------------------------ main loop
+
+    def run_busy_loop(self) -> None:
+        step = 0
+        while True:
+            self._drain_inputs(block=not self.has_work())
+            if not self.has_work():
+                continue
+            by_client = self.step()
+            step += 1
+            stats = self.scheduler.make_stats()
+            timings: dict[int, list] = {}
+            for ci, t in self.scheduler.take_timings():
+                timings.setdefault(ci, []).append(t)
+            stats_client = step % len(self.client_addresses)  # per-step stats go to one client
+            now = time.time()
+            for ci in set(by_client) | set(timings) | {stats_client}:
+                self.outputs.put((ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
+                    by_client.get(ci, []), self.engine_index, now,
+                    stats if ci == stats_client else None, None, timings.get(ci, []))))
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.inputs.get(timeout=None) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_input(*item)
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_input(self, kind: bytes, msg: Any) -> None:
+        if kind == MsgType.ADD.value:
+            err = self.add_request(msg)
+            if err is not None:
+                self._send(msg.client_index, [err])
+        elif kind == MsgType.ABORT.value:
+            self.abort_requests(msg)
+        elif kind == MsgType.UTILITY.value:
+            self._run_utility(msg)
+
+    def _send(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
+        self.outputs.put((client_index, MsgType.OUTPUTS.value,
+                          EngineCoreOutputs(outputs, self.engine_index, time.time())))
+
+    def _run_utility(self, req: UtilityRequest) -> None:
+        out = UtilityOutput(req.call_id)
+        try:
+            if req.method not in self.UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {req.method!r}")
+            out.result = getattr(self, req.method)(*req.args)
+        except Exception as e:
+            out.failure = f"{type(e).__name__}: {e}"
+        self.outputs.put((req.client_index, MsgType.OUTPUTS.value,
+                          EngineCoreOutputs([], self.engine_index, time.time(), utility_output=out)))
+
+
+def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]], death_pipe) -> None:
+    """Process entry point."""
+    watch_parent(death_pipe)
+    child_signals()
+    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s engine %(levelname)s %(message)s")
+    config = EngineConfig.from_dict(config_dict)
+    engine = None
+    code = 0
+    try:
+        engine = EngineCoreProc(config, ipc_dir, clients)
+        _watch_workers(engine)
+        engine.run_busy_loop()
+    except SystemExit:
+        pass
+    except ConfigError as e:
+        logger.error("%s", e)
+        code = 2
+    except BaseException as e:
+        logger.error("engine core failed: %s\n%s", e, traceback.format_exc())
+        if engine is not None:
+            engine.send_dead(f"engine core failed: {e}")
+        code = 1
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    os._exit(code)
+
+
+def _watch_workers(engine: EngineCoreProc) -> None:
+    """A dead worker takes the engine down at once, telling every client first."""
+    from multiprocessing.connection import wait
+
+    def _watch():
+        wait(engine.executor.sentinels())
+        if engine.shutting_down:
+            return
+        reason = engine.executor.dead_worker() or "a worker exited"
+        logger.error("%s; engine core shutting down", reason)
+        engine.send_dead(reason)
+        os._exit(1)
+    threading.Thread(target=_watch, name="worker-watch", daemon=True).start()

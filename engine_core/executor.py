@@ -1,0 +1,119 @@
+"""Executor: the engine core's side of the workers.
+
+Starts one worker process per device, broadcasts each step through the
+shared-memory ring, and collects replies. A worker that dies or reports an
+error raises WorkerError within ~0.1 s, whatever the engine is waiting for.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+from multiprocessing.connection import wait as wait_sentinels
+
+from engine_core.config import EngineConfig
+from ipc.messages import ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
+from ipc.procs import start_process, stop_processes
+from ipc.serial import Decoder, Encoder
+from ipc.sockets import ipc_address, make_socket
+
+logger = logging.getLogger(__name__)
+_POLL_MS = 100
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout: float = 900.0):
+        from shm.broadcast_ring import BroadcastRing
+        from workers.worker import run_worker
+        self.world_size = config.tensor_parallel_size
+        self.ctx = zmq.Context()
+        self.enc = Encoder()
+        self.dec = Decoder(WorkerReply)
+        self.ring = BroadcastRing.create(self.world_size, ipc_dir)
+        self.replies = []
+        self.procs = []
+        for rank in range(self.world_size):
+            addr = ipc_address(ipc_dir, f"worker-reply-{rank}")
+            self.replies.append(make_socket(self.ctx, zmq.PULL, addr, bind=True))
+            self.procs.append(start_process(run_worker, f"loom-worker-{rank}",
+                                            (rank, config.to_dict(), self.ring.handle(), addr)))
+        self.poller = zmq.Poller()
+        for sock in self.replies:
+            self.poller.register(sock, zmq.POLLIN)
+        self.ring.wait_until_ready(timeout=startup_timeout)
+        for rank in range(self.world_size):
+            self._recv(rank, timeout=startup_timeout)  # "ready" once the model is loaded
+
+    # ------------------------------------------------------------ liveness
+
+    def dead_worker(self) -> str | None:
+        for p in self.procs:
+            if not p.is_alive():
+                return f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}"
+        return None
+
+    def _check_alive(self) -> None:
+        dead = self.dead_worker()
+        if dead:
+            raise WorkerError(dead)
+
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.procs]
+
+    # ------------------------------------------------------------ calls
+
+    def _recv(self, rank: int, timeout: float | None = None) -> WorkerReply:
+        """The next reply of `rank`; errors from any rank raise."""
+        while True:
+            reply = self._recv_any(timeout)
+            if reply.rank == rank:
+                return reply
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.ring.enqueue(self.enc.encode(MsgType.WORKER_STEP.value, so))
+        return self._recv(0).output
+
+    def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        self.ring.enqueue(self.enc.encode(MsgType.WORKER_CALL.value,
+                                          WorkerCall(method, list(args), kwargs or {})))
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            reply = self._recv_any(left)
+            results[reply.rank] = reply.result
+            pending.discard(reply.rank)
+        return results
+
+    def _recv_any(self, timeout: float | None) -> WorkerReply:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for sock, _ in self.poller.poll(_POLL_MS):
+                reply: WorkerReply = self.dec.decode(sock.recv_multipart(copy=False))
+                if reply.error is not None:
+                    raise WorkerError(f"worker {reply.rank}: {reply.error}")
+                return reply
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("collective_rpc timed out")
+
+    def shutdown(self) -> None:
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self.ring.enqueue(self.enc.encode(MsgType.WORKER_CALL.value, WorkerCall("shutdown")))
+                wait_sentinels(self.sentinels(), timeout=5)
+        except Exception:
+            pass
+        stop_processes(self.procs)
+        self.ring.close()
+        for sock in self.replies:
+            sock.close()
+        self.ctx.term()

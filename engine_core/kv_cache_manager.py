@@ -1,0 +1,99 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and
+the block arithmetic (a request of n tokens needs ceil(n / block_size) blocks)."""
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from engine_core.block_pool import BlockPool, KVBlock
+from engine_core.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+    """A full block's hash chains its parent's, so equal hashes mean equal prefixes."""
+    payload = msgspec.msgpack.encode((parent or b"", token_ids, list(extra_keys)))
+    return hashlib.sha256(payload).digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes over every full block of its known tokens."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        while (len(hashes) + 1) * bs <= req.num_tokens:
+            i = len(hashes)
+            tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The longest cached prefix, leaving at least the last token to compute."""
+        if not self.enable_caching:
+            return []
+        self.update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Make room for num_new_tokens more tokens; None if the pool is short.
+
+        computed_blocks are prefix-cache hits for a request not yet running."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
+        # Hits that sit in the free queue stop being free once touched.
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need + revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.take_new(max(need, 0))
+        blocks = self.req_blocks.setdefault(req.request_id, held)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Publish the hashes of blocks that are full once num_computed_tokens are in the cache."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(req)
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        for i in range(num_full):
+            self.pool.cache(blocks[i], req.block_hashes[i])
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, [])]
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

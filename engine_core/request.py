@@ -1,0 +1,84 @@
+"""Request: the engine core's view of one sequence being generated."""
+from __future__ import annotations
+
+import enum
+import time
+
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Holds only data (no callbacks or bound methods), so it dies with its last reference."""
+
+    __slots__ = ("request_id", "client_index", "prompt_token_ids", "output_token_ids",
+                 "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
+                 "num_computed_tokens", "num_cached_tokens", "stop_reason", "block_hashes",
+                 "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions",
+                 "__weakref__")
+
+    def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
+        self.request_id = req.request_id
+        self.client_index = req.client_index
+        self.prompt_token_ids = req.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.eos_token_ids = req.eos_token_ids
+        room = max_model_len - len(req.prompt_token_ids)
+        mt = req.sampling_params.max_tokens
+        self.max_tokens = room if mt is None else min(mt, room)
+        self.seed = seed
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1      # prefix-cache hit on first scheduling (-1: not yet)
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,220 @@
+"""Scheduler: continuous batching with one token budget per step.
+
+Running requests are served first (decodes and unfinished prompt chunks),
+then waiting ones; a long prompt is prefilled in chunks across steps. When KV
+blocks run out, the newest running request is preempted (its blocks freed, to
+be recomputed) and returns to the front of the queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine_core.config import EngineConfig
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.request import Request, RequestStatus
+from ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                          RequestTiming, SchedulerOutput, SchedulerStats)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []   # to tell workers at the next step
+        self.step_id = 0
+        self._stats = SchedulerStats()
+        self._timings: list[tuple[int, RequestTiming]] = []   # (client_index, timing)
+        self._unfittable: list[Request] = []     # failed at scheduling; reported with the next outputs
+
+    # ------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort); returns those that were still alive."""
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._free(req, status)
+            done.append(req)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.append(req.request_id)
+        if req.first_token_time:
+            now = time.monotonic()
+            self._timings.append((req.client_index, RequestTiming(
+                req.request_id, req.first_scheduled_time - req.arrival_time,
+                req.first_token_time - req.first_scheduled_time, now - req.first_token_time,
+                req.num_prompt_tokens, len(req.output_token_ids))))
+
+    # ------------------------------------------------------------ one step
+
+    def schedule(self, allow_new: bool = True) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes and unfinished prompt chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: nothing below it is left either
+            num_sched[req.request_id] = n
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, oldest (or just preempted) first. None join in a step that preempted.
+        while (allow_new and not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.config.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(req, n, hits)
+            if new_blocks is None:
+                if not self.running:
+                    self._fail_unfittable(req)
+                    continue
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self._stats.prefix_cache_queries += req.num_tokens
+                self._stats.prefix_cache_hits += num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if not req.first_scheduled_time:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            num_sched[req.request_id] = n
+            new_reqs.append(NewRequestData(
+                req.request_id, req.prompt_token_ids, req.sampling_params,
+                self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
+                req.eos_token_ids))
+            budget -= n
+
+        # 3. Advance counters now, so the next step can be scheduled before this one returns.
+        req_ids = list(num_sched)
+        for rid, n in num_sched.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens <= req.num_prompt_tokens:
+                self._stats.num_prompt_tokens += n
+        self._stats.num_preemptions += len(preempted)
+        self._stats.num_scheduled_tokens += sum(num_sched.values())
+
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        self.step_id += 1
+        return SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
+                               sum(num_sched.values()), finished, self.step_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.finished_req_ids.append(req.request_id)  # workers drop its state; it comes back as new
+
+    def _fail_unfittable(self, req: Request) -> None:
+        """Alone, and still too big for the whole cache: it can never run."""
+        self.waiting.popleft()
+        self._free(req, RequestStatus.FINISHED_ERROR)
+        req.stop_reason = (f"request needs {req.num_tokens} tokens of KV cache but only "
+                           f"{self.kv.num_blocks * self.config.block_size} exist")
+        self._unfittable.append(req)
+
+    def update_from_output(self, out: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
+        """Append sampled tokens, finish what stopped; outputs grouped by client_index."""
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        for req in self._unfittable:
+            outputs.setdefault(req.client_index, []).append(
+                EngineCoreOutput(req.request_id, [], "error", error=str(req.stop_reason)))
+        self._unfittable = []
+        logprobs = out.logprobs or {}
+        prompt_logprobs = out.prompt_logprobs or {}
+        for rid, token in zip(out.req_ids, out.sampled_token_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            plp = prompt_logprobs.get(rid)
+            if token < 0:
+                if plp is not None:
+                    outputs.setdefault(req.client_index, []).append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
+                continue  # a prompt chunk: nothing sampled yet
+            req.output_token_ids.append(token)
+            self._stats.num_generation_tokens += 1
+            if not req.first_token_time:
+                req.first_token_time = time.monotonic()
+            self.kv.update_block_hashes(req)
+            status = self._check_stop(req, token)
+            outputs.setdefault(req.client_index, []).append(EngineCoreOutput(
+                rid, [token], status.finish_reason if status else None,
+                req.stop_reason, logprobs.get(rid), plp,
+                max(req.num_cached_tokens, 0)))
+            if status is not None:
+                self.running.remove(req)
+                self._free(req, status)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        n_out = len(req.output_token_ids)
+        params = req.sampling_params
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        stats, self._stats = self._stats, SchedulerStats()
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_cache_usage = self.kv.usage()
+        return stats
+
+    def take_timings(self) -> list[tuple[int, RequestTiming]]:
+        timings, self._timings = self._timings, []
+        return timings
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

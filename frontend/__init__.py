@@ -1,0 +1,13 @@
+"""The frontend: API servers (OpenAI-compatible HTTP), the offline LLM class,
+tokenization, chat templates and incremental detokenization."""
+from ipc.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    # Imported lazily so that `import frontend` stays light (the CLI, spawned children).
+    if name == "LLM":
+        from frontend.llm import LLM
+        return LLM
+    raise AttributeError(name)

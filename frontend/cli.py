@@ -1,0 +1,74 @@
+"""The `loom` command: serve, demo-model, bench."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from engine_core.config import EngineConfig
+
+# EngineConfig fields that are not command-line options
+_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, so `loom serve` and `LLM(...)` take the same options."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _INTERNAL:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, default=default)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - _INTERNAL
+    return EngineConfig(model=args.model, **{n: getattr(args, n) for n in names})
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="a Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-server-count", type=int, default=1)
+    p.add_argument("--enable-control-endpoints", action="store_true")
+    p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
+    p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
+    p.add_argument("--engine-auth-key", default=None)
+    p.add_argument("--enable-mfu-metrics", action="store_true")
+    add_engine_args(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loom", description="Loom LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    demo = sub.add_parser("demo-model", help="build the tiny embedded demo model (Qwen3 architecture)")
+    demo.add_argument("dir")
+    demo.add_argument("--steps", type=int, default=None)
+    try:
+        from bench.cli import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from frontend.launcher import serve
+        return serve(args)
+    if args.command == "demo-model":
+        from frontend.demo_model import build_demo_model
+        build_demo_model(args.dir, steps=args.steps)
+        return 0
+    if args.command == "bench":
+        return args.func(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

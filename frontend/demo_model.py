@@ -1,0 +1,360 @@
+"""Build the embedded demo model: a tiny Qwen3 checkpoint that recites the Zen of Python.
+
+``build_demo_model(out_dir)`` trains, from scratch and with no network access,
+
+* a byte-level BPE tokenizer (``tokenizers``) on the Zen of Python (``this``
+  module) plus a few ChatML examples, and
+* a tiny ``Qwen3ForCausalLM`` (transformers) that memorises the Zen, both as
+  plain text completion ("Beautiful is better than" -> " ugly.") and as
+  ChatML conversations,
+
+and writes a Hugging Face checkpoint directory (``config.json``,
+``model.safetensors``, ``generation_config.json``, ``tokenizer.json``,
+``tokenizer_config.json``, ...) that ``AutoConfig`` / ``AutoTokenizer`` /
+``AutoModelForCausalLM.from_pretrained`` load offline.
+
+Training is deterministic: fixed seeds, a fixed number of steps, a fixed
+intra-op thread count and deterministic algorithms, so two builds with the
+same arguments produce byte-identical ``model.safetensors``.
+
+Manual run::
+
+    python -m frontend.demo_model OUT_DIR [--steps N] [--seed S]
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import random
+import time
+
+logger = logging.getLogger(__name__)
+
+# Special tokens (Qwen / ChatML naming).
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+# Default number of optimizer steps (about 30 s on a 2-core CPU).
+DEFAULT_STEPS = 300
+
+# Tokenizer / model sizes.
+TOKENIZER_VOCAB_SIZE = 512  # upper bound, including the 256-byte alphabet + specials
+MODEL_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_cache=True,
+)
+
+BATCH_SIZE = 8
+LEARNING_RATE = 3e-3
+WARMUP_STEPS = 20
+NUM_THREADS = 2
+TRAIN_ATTN_IMPL = "eager"
+
+# Qwen-style ChatML template (no default system prompt, no tools).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+# ---------------------------------------------------------------------------
+# Corpus
+# ---------------------------------------------------------------------------
+
+
+def zen_text() -> str:
+    """The Zen of Python, decoded from the ``this`` module (without printing it)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # noqa: F401  (prints the Zen on first import)
+    return codecs.decode(this.s, "rot13")
+
+
+def _chat(user: str, assistant: str) -> str:
+    return (
+        f"{IM_START}user\n{user}{IM_END}\n"
+        f"{IM_START}assistant\n{assistant}{IM_END}\n"
+    )
+
+
+def _documents(zen: str) -> tuple[list[str], list[str]]:
+    """Return (completion documents, chat documents) as raw strings."""
+    lines = zen.split("\n")
+    title = lines[0]
+    aphorisms = [ln for ln in lines[1:] if ln]
+    body = "\n".join(aphorisms)
+
+    # Plain completion: the Zen from every line start onwards, then <|endoftext|>.
+    completions = []
+    starts = [0] + [i for i in range(1, len(zen)) if zen[i - 1] == "\n" and zen[i] != "\n"]
+    for s in starts:
+        completions.append(zen[s:] + ENDOFTEXT)
+
+    chats = [
+        _chat("Recite the Zen of Python.", body),
+        _chat("What is the Zen of Python?", f"{title}\n\n{body}"),
+    ]
+    for i, line in enumerate(aphorisms):
+        nxt = aphorisms[i + 1 : i + 3]
+        if nxt:
+            chats.append(_chat(line, "\n".join(nxt)))
+        else:
+            chats.append(_chat(line, "That is the last line of the Zen of Python."))
+        if i + 1 < len(aphorisms):
+            chats.append(
+                _chat(f"What comes after \"{line}\"?", aphorisms[i + 1])
+            )
+    return completions, chats
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+
+def _train_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Strip the special tokens from the training text: they are added as
+    # atomic tokens and must not take part in merges.
+    plain = []
+    for t in texts:
+        for sp in SPECIAL_TOKENS:
+            t = t.replace(sp, "\n")
+        plain.append(t)
+    tok.train_from_iterator(plain, trainer=trainer)
+    return tok
+
+
+def _wrap_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+        add_bos_token=False,
+    )
+
+
+def _save_tokenizer(hf_tok, out_dir: str) -> None:
+    hf_tok.save_pretrained(out_dir)
+    # Keep the chat template inside tokenizer_config.json (classic layout that
+    # every loader understands) rather than a separate chat_template.jinja.
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False, sort_keys=True)
+        f.write("\n")
+    jinja = os.path.join(out_dir, "chat_template.jinja")
+    if os.path.exists(jinja):
+        os.remove(jinja)
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+
+def _lr_at(step: int, steps: int) -> float:
+    if step < WARMUP_STEPS:
+        return LEARNING_RATE * (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)
+    return LEARNING_RATE * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _make_batch(samples: list[list[int]], pad_id: int):
+    import torch
+
+    n = max(len(s) for s in samples)
+    ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), n), -100, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        labels[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    # Right padding only: with causal attention the pads never influence real
+    # tokens, and their labels are ignored.
+    return ids, labels
+
+
+def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> None:
+    """Train the demo tokenizer + model and write a HF checkpoint into ``out_dir``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    steps = DEFAULT_STEPS if steps is None else int(steps)
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.monotonic()
+
+    zen = zen_text()
+    completions, chats = _documents(zen)
+
+    # --- tokenizer -------------------------------------------------------
+    tok = _train_tokenizer([zen] + chats)
+    hf_tok = _wrap_tokenizer(tok)
+    eot_id = tok.token_to_id(ENDOFTEXT)
+    im_start_id = tok.token_to_id(IM_START)
+    im_end_id = tok.token_to_id(IM_END)
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    vocab_size = ((n_tok + 63) // 64) * 64
+    logger.info("demo tokenizer: %d tokens (model vocab %d)", n_tok, vocab_size)
+
+    comp_ids = [tok.encode(t).ids for t in completions]
+    chat_ids = [tok.encode(t).ids for t in chats]
+    # The must-have behaviour starts at the first aphorism: weight it up.
+    beautiful = next(i for i, t in enumerate(completions) if t.startswith("Beautiful"))
+
+    # --- model -----------------------------------------------------------
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        bos_token_id=eot_id,
+        eos_token_id=im_end_id,
+        pad_token_id=eot_id,
+        torch_dtype="float32",
+        **MODEL_CONFIG,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    py_state = random.getstate()
+    try:
+        torch.set_num_threads(NUM_THREADS)
+        torch.use_deterministic_algorithms(True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            rng = random.Random(seed)
+            random.seed(seed)
+
+            model = Qwen3ForCausalLM(config)
+            model.config._attn_implementation = TRAIN_ATTN_IMPL
+            model.train()
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0
+            )
+
+            for step in range(steps):
+                samples = []
+                for b in range(BATCH_SIZE):
+                    r = rng.random()
+                    if b == 0:
+                        samples.append(comp_ids[beautiful])
+                    elif r < 0.6:
+                        samples.append(rng.choice(comp_ids))
+                    else:
+                        samples.append(rng.choice(chat_ids))
+                ids, labels = _make_batch(samples, eot_id)
+                lr = _lr_at(step, steps)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                out = model(input_ids=ids, labels=labels)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                if step % 25 == 0 or step == steps - 1:
+                    logger.info(
+                        "demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
+                        step + 1, steps, out.loss.item(), lr, time.monotonic() - t0,
+                    )
+            model.eval()
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_det_warn)
+        random.setstate(py_state)
+
+    # --- save ------------------------------------------------------------
+    model.config._attn_implementation = "sdpa"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    gen = GenerationConfig(
+        bos_token_id=eot_id,
+        eos_token_id=[im_end_id, eot_id],
+        pad_token_id=eot_id,
+        do_sample=False,
+    )
+    gen.save_pretrained(out_dir)
+    _save_tokenizer(hf_tok, out_dir)
+
+    # Normalise config.json: classic ``torch_dtype`` key, sorted, no attn impl.
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("_attn_implementation", None)
+    cfg.pop("_attn_implementation_autoset", None)
+    cfg["torch_dtype"] = "float32"
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    cfg["model_type"] = "qwen3"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    logger.info("demo model written to %s in %.1fs", out_dir, time.monotonic() - t0)
+    del im_start_id
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Build the tiny Zen-of-Python Qwen3 demo model.")
+    p.add_argument("out_dir")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    build_demo_model(args.out_dir, steps=args.steps, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()

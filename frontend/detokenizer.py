@@ -1,0 +1,47 @@
+"""Incremental detokenization, O(1) per token, and stop strings.
+
+tokenizers' DecodeStream keeps only a small window of recent ids, so each step
+costs the same however long the output grows. Stop strings are searched only
+in the tail that the new text could complete, and text that might still
+become a stop string is held back from streaming.
+"""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from ipc.sampling_params import SamplingParams
+
+_PREFIX_IDS = 6  # prompt ids fed first, so the first output token gets its spacing right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self._tok = tokenizer._tokenizer  # the Rust tokenizer behind a PreTrainedTokenizerFast
+        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PREFIX_IDS:]),
+                                    skip_special_tokens=params.skip_special_tokens)
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self._sent = 0  # chars of self.text already handed out
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token. Returns the stop string if the text now contains one."""
+        piece = self._stream.step(self._tok, token_id)
+        if not piece:
+            return None
+        start = max(len(self.text) - self._hold, 0)
+        self.text += piece
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0:
+                self.text = self.text[:i + len(s) if self.include_stop else i]
+                return s
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        """New text since the last call, holding back a possible stop-string prefix."""
+        end = len(self.text) if finished else max(len(self.text) - self._hold, self._sent)
+        delta = self.text[self._sent:end]
+        self._sent = end
+        return delta

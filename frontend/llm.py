@@ -1,0 +1,161 @@
+"""The offline API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
+
+It drives the same engine-core and worker processes as `loom serve`, and
+tokenizes and detokenizes in the calling process.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Sequence
+
+from engine_core.client import EngineCoreClient
+from engine_core.config import EngineConfig
+from engine_core.core import run_engine_core
+from frontend.output_processor import RequestState
+from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.processing import check_prompt, engine_requests, load_tokenizer, new_request_id, to_token_ids
+from ipc.procs import start_process, stop_processes
+from ipc.sampling_params import SamplingParams
+from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
+
+
+class LLM:
+    def __init__(self, model: str, **options):
+        """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
+        self.config = EngineConfig(model=model, **options).resolve()
+        self.tokenizer = load_tokenizer(self.config)
+        self.ipc_dir = make_ipc_dir()
+        in_addr = ipc_address(self.ipc_dir, "client0-input")
+        out_addr = ipc_address(self.ipc_dir, "client0-output")
+        self.client = EngineCoreClient(in_addr, out_addr, client_index=0)
+        self.engine_proc = start_process(run_engine_core, "loom-engine-core",
+                                         (self.config.to_dict(), self.ipc_dir, [(in_addr, out_addr)]))
+        self.client.engine_proc = self.engine_proc
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine_proc, self.client, self.ipc_dir)
+        try:
+            ready = self.client.wait_ready()
+        except Exception:
+            self.shutdown()
+            raise
+        self.num_gpu_blocks = ready.num_gpu_blocks
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
+        {"prompt_token_ids": [...]} dicts."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        results: list[RequestOutput] = []
+        states: dict[str, tuple[int, RequestState]] = {}
+        now = time.time()
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = to_token_ids(self.tokenizer, prompt)
+            check_prompt(self.config, ids, params)
+            rid = new_request_id()
+            results.append(RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)]))
+            for j, ecr in enumerate(engine_requests(rid, ids, params, self.config.eos_token_ids, now)):
+                states[ecr.request_id] = (i, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
+                                                          self.tokenizer))
+                self.client.add_request(ecr)
+        try:
+            self._run(results, states, use_tqdm)
+        except BaseException:
+            self.client.abort(list(states))
+            raise
+        return results
+
+    def _run(self, results: list[RequestOutput], states: dict, use_tqdm: bool) -> None:
+        pending = set(states)
+        bar = _progress(len(results), use_tqdm)
+        done_per_result = [0] * len(results)
+        while pending:
+            outs = self.client.get_outputs()
+            for out in outs.outputs:
+                entry = states.get(out.request_id)
+                if entry is None or out.request_id not in pending:
+                    continue
+                i, st = entry
+                delta, abort = st.process(out)
+                if abort:
+                    self.client.abort([out.request_id])
+                if delta is None:
+                    continue
+                choice = results[i].outputs[st.index]
+                choice.text += delta.text
+                choice.token_ids.extend(delta.token_ids)
+                if delta.logprobs is not None:
+                    choice.logprobs = (choice.logprobs or []) + delta.logprobs
+                if delta.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+                    results[i].num_cached_tokens = st.num_cached_tokens
+                    results[i].prompt_logprobs = st.prompt_logprobs
+                    pending.discard(out.request_id)
+                    done_per_result[i] += 1
+                    if done_per_result[i] == len(results[i].outputs):
+                        results[i].finished = True
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    bar.add_tokens(len(delta.token_ids))
+        if bar is not None:
+            bar.close()
+
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
+                       timeout: float | None = None):
+        return self.client.call_utility("collective_rpc", method, args or [], kwargs or {}, timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.client.call_utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _shutdown(proc, client: EngineCoreClient, ipc_dir: str) -> None:
+    stop_processes([proc], timeout=10)
+    client.close()
+    remove_ipc_dir(ipc_dir)
+
+
+class _progress:
+    """tqdm bar with requests done and output tok/s."""
+
+    def __new__(cls, total: int, enabled: bool):
+        if not enabled:
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def update(self, n: int) -> None:
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"output: {rate:.1f} tok/s", refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,69 @@
+"""Turns EngineCoreOutputs into RequestOutput deltas: detokenize, stop strings, logprobs.
+
+Shared by the offline LLM and the API servers' AsyncLLM.
+"""
+from __future__ import annotations
+
+from ipc.messages import EngineCoreOutput, Logprobs, PromptLogprobs
+from ipc.sampling_params import SamplingParams
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.outputs import CompletionOutput, Logprob
+
+
+class RequestState:
+    """One engine request (one choice of a user request)."""
+
+    __slots__ = ("engine_id", "index", "params", "tokenizer", "detok", "token_ids",
+                 "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp")
+
+    def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer):
+        self.engine_id = engine_id
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self._new_lp: list | None = None
+
+    def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
+        """Returns (delta or None, abort_in_engine). abort_in_engine: a stop string ended it here."""
+        abort = False
+        if out.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._convert(out.prompt_logprobs))
+        new_ids = []
+        lp_entries = self._convert(out.logprobs) if out.logprobs is not None else None
+        new_lp = [] if self.params.logprobs is not None else None
+        for j, tok in enumerate(out.new_token_ids):
+            self.token_ids.append(tok)
+            new_ids.append(tok)
+            if new_lp is not None and lp_entries:
+                new_lp.append(lp_entries[j])
+            stop = self.detok.add(tok)
+            if stop is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
+                abort = out.finish_reason is None
+                break
+        self.num_cached_tokens = out.num_cached_tokens
+        if self.finish_reason is None and out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason if out.error is None else out.error
+        finished = self.finish_reason is not None
+        text = self.detok.take_delta(finished)
+        if not new_ids and not text and not finished:
+            return None, abort
+        return CompletionOutput(self.index, text, new_ids, self.finish_reason, self.stop_reason, new_lp), abort
+
+    def _convert(self, lp: Logprobs | PromptLogprobs) -> list[dict[int, Logprob]]:
+        decode = self.tokenizer.decode
+        entries = []
+        for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            d = {ids[0]: Logprob(vals[0], rank, decode([ids[0]]))}
+            for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+                d.setdefault(tid, Logprob(v, r, decode([tid])))
+            entries.append(d)
+        return entries

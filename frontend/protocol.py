@@ -1,0 +1,496 @@
+"""The OpenAI-compatible wire format: request parsing and validation, and
+response / stream-chunk formatting.
+
+Pure functions and msgspec Structs; nothing here touches the engine or the
+event loop, so all of it is unit-testable (tests/test_protocol.py). Requests
+are decoded with strict types (a string where a number belongs is a 400 naming
+the field); optional fields accept JSON null as "not given". Extra fields are
+ignored, as OpenAI clients send some we do not use (user, ...).
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from ipc.sampling_params import SamplingParams
+
+# ------------------------------------------------------------------ errors
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Becomes an HTTP error response in OpenAI's shape (see `error_body`)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type or _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param, self.type)
+
+
+def error_body(message: str, status: int = 400, param: str | None = None, type: str | None = None) -> dict:
+    return {"error": {"message": message,
+                      "type": type or _ERROR_TYPES.get(status, "InternalServerError"),
+                      "param": param,
+                      "code": status}}
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(f"The model `{name}` does not exist.", 404, "model", "NotFoundError")
+
+
+# ------------------------------------------------------------------ requests
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None   # accepted, ignored
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to /v1/completions and /v1/chat/completions (OpenAI + vLLM's extras)."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: Any = msgspec.UNSET           # str | list[int] | list[str] | list[list[int]]; checked by hand
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    add_special_tokens: bool | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: Any = msgspec.UNSET         # list of {"role", "content"}; checked by hand
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int] = msgspec.UNSET
+
+
+_PATH_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def parse_request(body: bytes, cls: type[msgspec.Struct]):
+    """JSON body -> request Struct, or APIError(400) naming the field at fault."""
+    if not body or not body.strip():
+        raise APIError("The request body is empty; expected a JSON object.", 400)
+    try:
+        req = msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH_FIELD.search(msg) or _MISSING_FIELD.search(msg)
+        param = m.group(1) if m else None
+        if param is not None:
+            msg = f"Invalid value for '{param}': {msg}"
+        raise APIError(msg, 400, param) from None
+    except msgspec.DecodeError as e:
+        raise APIError(f"Invalid JSON in the request body: {e}", 400) from None
+    for name in req.__struct_fields__:
+        if getattr(req, name) is msgspec.UNSET:
+            raise APIError(f"'{name}' is a required field", 400, name)
+    return req
+
+
+def check_model(req_model: str | None, served_name: str, also: str | None = None) -> None:
+    if req_model is None or req_model == "" or req_model == served_name or (also and req_model == also):
+        return
+    raise model_not_found(req_model)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: "text", [ids], ["text", ...], [[ids], ...] -> list of prompts."""
+    bad = APIError("'prompt' must be a string, a list of token ids, a list of strings, "
+                   "or a list of token-id lists", 400, "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise bad
+    if not prompt:
+        raise APIError("'prompt' must not be empty", 400, "prompt")
+    if all(_is_int(t) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise bad
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Chat messages with content as a string (text parts joined with newlines)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list of messages", 400, "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(f"messages[{i}] must be an object with 'role' and 'content'", 400, "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise APIError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", 400, "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if isinstance(part, str):
+                    texts.append(part)
+                    continue
+                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(f"messages[{i}].content: content parts of type {kind!r} are not supported "
+                                   "(only 'text')", 400, "messages")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise APIError(f"messages[{i}].content: a text part needs a string 'text'", 400, "messages")
+                texts.append(text)
+            content = "\n".join(texts)
+        elif content is None:
+            if role != "assistant":
+                raise APIError(f"messages[{i}].content is required for role {role!r}", 400, "messages")
+        elif not isinstance(content, str):
+            raise APIError(f"messages[{i}].content must be a string or a list of text parts", 400, "messages")
+        msg = dict(m)
+        msg["content"] = content if content is not None else ""
+        out.append(msg)
+    return out
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int = 20,
+                          vocab_size: int = 0) -> SamplingParams:
+    """Request fields -> validated SamplingParams (APIError 400 naming the param on failure)."""
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
+    logprobs: int | None
+    if chat:
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("when using 'top_logprobs', 'logprobs' must be set to true", 400, "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise APIError(f"response_format {req.response_format.get('type')!r} is not supported", 400,
+                           "response_format")
+    else:
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens_param = "max_tokens"
+        logprobs = req.logprobs
+        if req.suffix:
+            raise APIError("suffix is not supported", 400, "suffix")
+    logit_bias = None
+    if req.logit_bias:
+        logit_bias = {}
+        for k, v in req.logit_bias.items():
+            try:
+                tok = int(k)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {k!r}", 400, "logit_bias") from None
+            if tok < 0 or (vocab_size and tok >= vocab_size):
+                raise APIError(f"logit_bias token id {tok} is out of the vocabulary [0, {vocab_size})", 400,
+                               "logit_bias")
+            logit_bias[tok] = v
+    if req.stop_token_ids and vocab_size:
+        for t in req.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise APIError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab_size})", 400,
+                               "stop_token_ids")
+    if req.top_k is not None and req.top_k < -1:
+        raise APIError(f"top_k must be -1 (disabled) or at least 1, got {req.top_k}", 400, "top_k")
+    stop = req.stop
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    kw: dict[str, Any] = dict(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        seed=req.seed, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
+                            **kw)
+    try:
+        params.validate(max_logprobs=max_logprobs)
+    except ValueError as e:
+        msg = str(e)
+        param = _param_of(msg)
+        if param == "max_tokens":
+            param = max_tokens_param
+            msg = param + msg[len("max_tokens"):]
+        elif chat and param == "logprobs":
+            param = "top_logprobs"
+            msg = param + msg[len("logprobs"):]
+        raise APIError(msg, 400, param) from None
+    return params
+
+
+def stream_include_usage(req: _SamplingFields) -> bool:
+    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+
+
+# ------------------------------------------------------------------ tokenizer side (run off the event loop)
+
+def encode_prompts(tokenizer, prompts: list[str | list[int]], add_special_tokens: bool = True
+                   ) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, tokenizer.encode(p, add_special_tokens=add_special_tokens)))
+        else:
+            out.append((None, p))
+    return out
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list | None = None,
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False
+                ) -> tuple[str, list[int]]:
+    """Apply the chat template; returns (prompt text, token ids)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError("This model has no chat template; use /v1/completions instead.", 400, "messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError("add_generation_prompt and continue_final_message cannot both be true", 400,
+                       "continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("tokenize", "conversation", "messages", "add_generation_prompt", "continue_final_message"):
+        kwargs.pop(reserved, None)
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:  # jinja TemplateError (raise_exception in the template), bad messages, ...
+        raise APIError(f"Cannot apply the chat template: {e}", 400, "messages") from None
+    if not isinstance(text, str):  # some versions return a list for batched input
+        text = text[0]
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# ------------------------------------------------------------------ responses
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def _lp(x: float) -> float:
+    # JSON has no -inf; vLLM clamps the same way
+    return max(float(x), -9999.0) if x == x else -9999.0
+
+
+def _tok_str(lp, tid: int) -> str:
+    s = getattr(lp, "decoded_token", None)
+    return s if s is not None else f"token_id:{tid}"
+
+
+def _ranked(entry: dict) -> list:
+    """(token id, Logprob) sorted by rank (unknown ranks last, keeping order)."""
+    items = list(entry.items())
+    return sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], num_top: int, text_offset: int = 0
+                        ) -> tuple[dict, int]:
+    """Completions logprobs for some generated tokens -> (OpenAI dict, next text offset).
+
+    top_logprobs holds the top `num_top` tokens plus the sampled one (num_top=0: the sampled one alone)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid)
+        s = _tok_str(sampled, tid) if sampled is not None else f"token_id:{tid}"
+        tokens.append(s)
+        token_lps.append(_lp(sampled.logprob) if sampled is not None else None)
+        top: dict[str, float] = {}
+        if sampled is not None:
+            top[s] = _lp(sampled.logprob)
+        for other, lp in _ranked(entry):
+            if other == tid or lp.rank is None or lp.rank > num_top:
+                continue
+            top.setdefault(_tok_str(lp, other), _lp(lp.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, text_offset
+
+
+def merge_completion_logprobs(parts: list[dict]) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k].extend(p[k])
+    return out
+
+
+def _chat_tok(s: str, lp: float) -> dict:
+    return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], num_top: int) -> dict:
+    """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [top num_top by rank]}]}."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry.get(tid)
+        item = _chat_tok(_tok_str(sampled, tid) if sampled is not None else f"token_id:{tid}",
+                         sampled.logprob if sampled is not None else float("-inf"))
+        tops = []
+        if num_top:
+            for other, lp in _ranked(entry):
+                if lp.rank is None or lp.rank > num_top or len(tops) >= num_top:
+                    continue
+                tops.append(_chat_tok(_tok_str(lp, other), lp.logprob))
+        item["top_logprobs"] = tops
+        content.append(item)
+    return {"content": content}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
+                      logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+                     ) -> dict:
+    d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        d["usage"] = usage_
+    return d
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
+                logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None, stop_reason=None,
+                      logprobs: dict | None = None) -> dict:
+    d = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        d["stop_reason"] = stop_reason
+    return d
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
+    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        d["usage"] = usage_
+    return d
+
+
+def models_response(name: str, root: str, max_model_len: int, created: int | None = None) -> dict:
+    return {"object": "list",
+            "data": [{"id": name, "object": "model", "created": created or now(), "owned_by": "loom",
+                      "root": root, "parent": None, "max_model_len": max_model_len, "permission": []}]}
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def dumps(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

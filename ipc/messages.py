@@ -1,0 +1,179 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Structs are `array_like`: fields travel by position, so new fields are only
+ever appended at the end. Frames on a socket are `[type byte, body, *buffers]`.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from ipc.sampling_params import SamplingParams
+
+
+class MsgType(bytes, enum.Enum):
+    ADD = b"\x00"          # client -> engine: EngineCoreRequest
+    ABORT = b"\x01"        # client -> engine: list[str] of request ids
+    UTILITY = b"\x02"      # client -> engine: UtilityRequest
+    READY = b"\x03"        # engine -> client (on the input socket): EngineReady
+    OUTPUTS = b"\x04"      # engine -> client: EngineCoreOutputs
+    ENGINE_DEAD = b"\x05"  # engine -> client: a str reason
+    HELLO = b"\x06"        # handshake (attach from elsewhere)
+    WORKER_STEP = b"\x07"  # engine -> workers (ring): SchedulerOutput
+    WORKER_CALL = b"\x08"  # engine -> workers (ring): WorkerCall
+    WORKER_REPLY = b"\x09" # worker -> engine: WorkerReply
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# ---------------------------------------------------------------- client <-> engine
+
+class EngineCoreRequest(_Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    client_index: int = 0
+
+
+class Logprobs(_Msg):
+    """Per generated token: the sampled token first, then the top-N."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]               # rank of the sampled token in the full distribution (1 = best)
+
+
+class PromptLogprobs(_Msg):
+    """Per prompt position p >= 1: the prompt token at p first, then the top-N."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(_Msg):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(_Msg):
+    """One engine step's view, for logging and metrics."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0     # tokens looked up this step
+    prefix_cache_hits: int = 0        # tokens found this step
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0     # tokens in this iteration
+    num_prompt_tokens: int = 0        # prefill tokens computed this step
+    num_generation_tokens: int = 0
+    sleep_level: int = 0
+    is_paused: bool = False
+
+
+class RequestTiming(_Msg):
+    """Engine-side timestamps of a finished request (seconds, time.monotonic domain of the engine)."""
+    request_id: str
+    queued_time: float                  # waiting before first scheduled
+    prefill_time: float                 # first scheduled -> first token
+    decode_time: float                  # first token -> last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class UtilityOutput(_Msg):
+    call_id: int
+    result: Any = None
+    failure: str | None = None
+
+
+class EngineCoreOutputs(_Msg):
+    outputs: list[EngineCoreOutput] = []
+    engine_index: int = 0
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+    finished_timings: list[RequestTiming] = []
+
+
+class UtilityRequest(_Msg):
+    client_index: int
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class EngineReady(_Msg):
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    engine_index: int = 0
+    model: str = ""
+
+
+class AttachRequest(_Msg):
+    """Handshake reply of a client attaching from elsewhere: where the engine should connect."""
+    input_address: str
+    output_address: str
+    auth_key: str = ""
+
+
+# ---------------------------------------------------------------- engine <-> workers
+
+class NewRequestData(_Msg):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []   # non-empty when a preempted request resumes
+    seed: int = 0                      # the request's sampling seed (always set)
+    eos_token_ids: list[int] = []      # min_tokens masks these
+
+
+class CachedRequestData(_Msg):
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(_Msg):
+    """One step, as a diff against what the workers already hold."""
+    new_requests: list[NewRequestData]
+    cached_requests: CachedRequestData
+    req_ids: list[str]                    # scheduled requests, in batch order
+    num_scheduled_tokens: list[int]       # aligned with req_ids
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
+    step_id: int = 0
+
+
+class ModelRunnerOutput(_Msg):
+    req_ids: list[str]
+    sampled_token_ids: list[int]          # -1 where a partial prefill sampled nothing
+    logprobs: dict[str, Logprobs] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
+
+
+class WorkerCall(_Msg):
+    """A control call broadcast to every worker (collective RPC)."""
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class WorkerReply(_Msg):
+    rank: int
+    output: ModelRunnerOutput | None = None
+    result: Any = None
+    error: str | None = None

@@ -1,0 +1,45 @@
+"""ZMQ helpers: private ipc:// directories and socket construction."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+
+import zmq
+
+
+def make_ipc_dir() -> str:
+    """A private (0700) directory for this run's ipc:// socket files."""
+    return tempfile.mkdtemp(prefix="loom-ipc-")
+
+
+def remove_ipc_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def ipc_address(ipc_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, name)}"
+
+
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
+                identity: bytes | None = None, linger: int = 0) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger)
+    # Unbounded queues: backpressure is the scheduler's job, and dropping a message is a bug.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

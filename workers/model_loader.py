@@ -1,0 +1,131 @@
+"""Build one of our model classes from a HF model directory and fill its weights.
+
+    model = load_model(model_dir, torch.bfloat16, "cuda")
+    num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
+
+The model is constructed directly on the target device in the target dtype
+(parameters are created empty, then filled), so nothing goes through the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads
+from workers.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_SEED = 0
+DUMMY_RANGE = 1e-3
+
+
+def model_kv_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim): what the KV cache is allocated for."""
+    return config.num_hidden_layers, get_num_kv_heads(config), get_head_dim(config)
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    """torch.dtype passes through; "auto" takes the checkpoint's dtype (float32
+    if none); other strings name a torch dtype ("bfloat16", "float16", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return getattr(torch, d) if isinstance(d, str) else d
+    return getattr(torch, dtype)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Our model for `config`, parameters uninitialized, on device in dtype
+    (the rotary cos/sin cache stays float32)."""
+    cls = get_model_class(config)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(config)
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files, sorted: the shards in model.safetensors.index.json,
+    else model.safetensors, else every *.safetensors (Mistral's
+    consolidated*.safetensors skipped when others exist)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(os.path.join(model_dir, name) for name in set(weight_map.values()))
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    others = [f for f in files if not os.path.basename(f).startswith("consolidated")]
+    files = others or files
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {model_dir!r} "
+                                "(only safetensors is supported; use load_format='dummy' for random weights)")
+    return files
+
+
+def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    device = str(torch.device(device))
+    for path in files:
+        with safe_open(path, framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -DUMMY_RANGE,
+                       high: float = DUMMY_RANGE) -> None:
+    """Deterministic random weights in place on the parameters' device:
+    uniform(low, high) everywhere, RMSNorm weights set to 1."""
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for _, p in model.named_parameters():
+        if id(p) in norm_params:
+            p.fill_(1.0)
+            continue
+        g = generators.get(p.device)
+        if g is None:
+            g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.uniform_(low, high, generator=g)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
+               load_format: str = "auto") -> nn.Module:
+    """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
+    mode with requires_grad off.
+
+    load_format: "auto"/"safetensors" read the safetensors files (tensors go
+    straight to the device); "dummy" needs only config.json and fills
+    deterministic random weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
+    config = load_config(model_dir)
+    model = build_model(config, resolve_dtype(dtype, config), device)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(iterate_safetensors(safetensors_files(model_dir), device))
+    return model

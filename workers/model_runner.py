@@ -1,0 +1,219 @@
+"""ModelRunner: owns the model, the KV cache and the persistent batch, and runs one step."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine_core.config import EngineConfig
+from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from workers.attention import AttentionMetadata
+from workers.input_batch import CachedRequestState, InputBatch
+from workers.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    if config.device == "auto":
+        return torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if config.device == "cuda":
+        return torch.device(f"cuda:{rank}")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        from workers.model_loader import load_model, model_kv_shape
+        self.config = config
+        self.device = resolve_device(config, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config, self.device)
+        backend = config.attention_backend
+        self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.model = load_model(config.model, self.dtype, self.device, config.load_format)
+        logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
+        self.num_layers, self.num_kv_heads, self.head_dim = model_kv_shape(self.model.config)
+        self.sampler = Sampler(use_triton=self.backend == "triton")
+        self.block_size = config.block_size
+        self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------ KV cache
+
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_num_blocks()
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            full = cfg.max_num_seqs * self.max_blocks_per_req * self.block_bytes()
+            budget = min(full, 2 << 30)
+        return max(budget // self.block_bytes(), 1)
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self) -> int:
+        """Run the largest step once, then give the KV cache what the memory budget leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            torch.tensor([n], dtype=torch.int32, device=self.device),
+            torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device),
+            torch.full((n,), -1, dtype=torch.long, device=self.device), n, n, self.backend)
+        dummy = [(torch.empty(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                              device=self.device),) * 2 for _ in range(self.num_layers)]
+        hidden = self.model(ids, torch.arange(n, device=self.device), dummy, meta)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = total * self.config.gpu_memory_utilization - peak - max(used_by_others, 0)
+        del hidden, dummy
+        torch.cuda.empty_cache()
+        return max(int(budget // self.block_bytes()), 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.num_layers)]
+
+    # ------------------------------------------------------------ one step
+
+    def _apply_diff(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.batch.remove(rid)
+        for r in so.new_requests:
+            self.batch.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids,
+                           r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids)
+        c = so.cached_requests
+        for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            if blocks:
+                self.batch.append_blocks(rid, blocks)
+            self.batch.requests[rid].num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diff(so)
+        if not so.req_ids:
+            return ModelRunnerOutput([], [])
+        states = [self.batch.requests[rid] for rid in so.req_ids]
+        n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
+        inputs = self._prepare_inputs(n, start, slots)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+
+        # Rows whose prompt is complete after this step sample a token; others are mid-prompt.
+        end = start + n
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        sample_mask = end >= num_tokens
+        sample_rows = np.nonzero(sample_mask)[0]
+        sampled = [-1] * len(states)
+        logprobs = None
+        if len(sample_rows):
+            idx = torch.as_tensor(inputs["last_index"][sample_rows], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            rows = [self._sampling_row(states[i]) for i in sample_rows]
+            tokens, topk = self.sampler(logits, rows)
+            token_list = tokens.tolist()
+            for j, i in enumerate(sample_rows):
+                sampled[i] = token_list[j]
+            if topk is not None:
+                logprobs = self._pack_logprobs(states, sample_rows, topk)
+        prompt_logprobs = self._prompt_logprobs(states, hidden, inputs["qsl"], start, n)
+        for i, st in enumerate(states):
+            st.num_computed_tokens = int(end[i])
+            if sampled[i] >= 0:
+                self.batch.append_token(st, sampled[i])
+        return ModelRunnerOutput(list(so.req_ids), sampled, logprobs, prompt_logprobs)
+
+    def _prepare_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict:
+        bs = self.block_size
+        qsl = np.zeros(len(n) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        total = int(qsl[-1])
+        tok_row = np.repeat(np.arange(len(n)), n)
+        positions = np.arange(total) - np.repeat(qsl[:-1] - start, n)
+        tok_slot = slots[tok_row]
+        input_ids = self.batch.token_ids[tok_slot, positions]
+        blocks = self.batch.block_table[tok_slot, positions // bs]
+        slot_mapping = blocks.astype(np.int64) * bs + positions % bs
+        seq_lens = start + n
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_table = self.batch.block_table[slots, :max_blocks]
+        dev = self.device
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
+        meta = AttentionMetadata(
+            query_start_loc=to(qsl, torch.int32), seq_lens=to(seq_lens, torch.int32),
+            block_table=to(block_table, torch.int32), slot_mapping=to(slot_mapping, torch.int64),
+            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), backend=self.backend)
+        return {"input_ids": to(input_ids, torch.int64), "positions": to(positions, torch.int64),
+                "meta": meta, "last_index": qsl[1:] - 1, "qsl": qsl}
+
+    def _sampling_row(self, st: CachedRequestState) -> SamplingRow:
+        return SamplingRow(st.params, st.seed, st.num_tokens - st.num_prompt_tokens,
+                           self.batch.prompt_token_ids(st), self.batch.output_token_ids(st),
+                           st.eos_token_ids)
+
+    def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
+        tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)
+        out = {}
+        for j, i in enumerate(sample_rows):
+            st = states[i]
+            k = st.params.logprobs
+            if k is None:
+                continue
+            out[st.req_id] = Logprobs([[tokens[j]] + top_ids[j][:k]], [[sampled_lp[j]] + top_lp[j][:k]],
+                                      [ranks[j]])
+        return out
+
+    def _prompt_logprobs(self, states, hidden, qsl, start, n) -> dict[str, PromptLogprobs] | None:
+        out = None
+        for i, st in enumerate(states):
+            k = st.params.prompt_logprobs
+            if k is None or start[i] >= st.num_prompt_tokens:
+                continue
+            # position p predicts token p+1; keep those that are still prompt tokens
+            lo, cnt = int(start[i]), int(min(n[i], st.num_prompt_tokens - 1 - start[i]))
+            out = out or {}
+            if cnt <= 0:
+                out[st.req_id] = PromptLogprobs([], [], [])
+                continue
+            h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
+            lp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
+            targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+            tlp = lp.gather(1, targets.view(-1, 1))
+            ranks = ((lp > tlp).sum(-1) + 1).tolist()
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+            out[st.req_id] = PromptLogprobs(
+                [[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
+                [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+        return out

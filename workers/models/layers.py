@@ -1,0 +1,363 @@
+"""Layers shared by the decoder-only architectures (Llama, Mistral, Qwen2, Qwen3).
+
+Every hot op goes through one small module-level function (`rms_norm`,
+`fused_add_rms_norm`, `rotary_embedding`, `silu_and_mul`) written in plain
+torch. To move an op onto a Triton kernel later, rebind the function here (or
+branch on the tensor's device inside it); the layers call the module-level name
+at run time, so nothing else changes.
+
+Parameters are created with `torch.empty` (no init): the model is built under
+`torch.device(...)` and a default dtype by `workers.model_loader`, and then every
+parameter is filled by the weight loader (or with dummy values).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention import Attention, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- ops
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, exactly as HF: statistics in float32, the
+    normalized value cast back to x's dtype, then scaled by the weight."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual = x + residual (in the model dtype, like HF); returns
+    (rms_norm(residual), residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style (rotate-half) rotary embedding, HF's `apply_rotary_pos_emb`.
+
+    positions [T]; query [T, Hq*head_size]; key [T, Hkv*head_size];
+    cos_sin_cache [max_pos, rot_dim] float32, cos in the first rot_dim/2
+    columns and sin in the rest (vLLM's layout). The first rot_dim dims of each
+    head are rotated, the rest pass through. Math in float32, results in the
+    input dtype, same shapes as the inputs (out of place)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rot/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot_dim = cos_sin_cache.shape[-1]
+    half = rot_dim // 2
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.reshape(t, -1, head_size)
+        xf = x[..., :rot_dim].float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if rot_dim < head_size:
+            rotated = torch.cat((rotated, x[..., rot_dim:]), dim=-1)
+        return rotated.reshape(t, -1)
+
+    return apply(query), apply(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------ config helpers
+def get_head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def get_num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def get_rope_params(config) -> dict:
+    """The rope parameters as one flat dict with at least `rope_theta` and
+    `rope_type`, from either layout:
+
+    * transformers 5: `config.rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`
+      (possibly keyed per layer type; we take "full_attention");
+    * older configs: `config.rope_theta` plus `config.rope_scaling` (None, or a
+      dict with "rope_type" or the older "type")."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]
+    out: dict = {}
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        out.update(scaling)
+    if isinstance(params, dict):
+        out.update(params)
+    if out.get("rope_theta") is None:
+        out["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    rope_type = out.get("rope_type") or out.get("type") or "default"
+    out["rope_type"] = rope_type
+    if getattr(config, "partial_rotary_factor", None) is not None and "partial_rotary_factor" not in out:
+        out["partial_rotary_factor"] = config.partial_rotary_factor
+    return out
+
+
+# ------------------------------------------------------------------------ layers
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: the normalized x. With residual: x + residual is
+        normalized and (out, new_residual) returned."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Positions-based rotary embedding over a precomputed float32 cos/sin cache
+    of `max_position` rows. One instance is shared by all layers of a model.
+
+    rope_type: "default", "linear" or "llama3" (as HF's
+    `_compute_llama3_parameters`). Other types raise NotImplementedError."""
+
+    def __init__(self, head_size: int, max_position: int, rope_params: dict):
+        super().__init__()
+        self.head_size = head_size
+        factor = rope_params.get("partial_rotary_factor", 1.0) or 1.0
+        self.rotary_dim = int(head_size * factor)
+        self.rope_params = dict(rope_params)
+        self.rope_type = rope_params["rope_type"]
+        inv_freq = self._inv_freq()
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))  # [max_pos, rot/2]
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        p, dim = self.rope_params, self.rotary_dim
+        base = float(p["rope_theta"])
+        # Computed on the CPU (as HF does at init), then moved to the build device.
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+        if self.rope_type == "default":
+            return inv_freq
+        if self.rope_type == "linear":
+            return inv_freq / float(p["factor"])
+        if self.rope_type == "llama3":
+            factor = p["factor"]
+            low_freq_factor = p["low_freq_factor"]
+            high_freq_factor = p["high_freq_factor"]
+            old_context_len = p["original_max_position_embeddings"]
+            low_freq_wavelen = old_context_len / low_freq_factor
+            high_freq_wavelen = old_context_len / high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+            is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+            return torch.where(is_medium, smoothed, inv_freq_llama)
+        raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported "
+                                  "(supported: default, linear, llama3)")
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), parameters left uninitialized."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several linear layers with the same input stacked along the output dim
+    (qkv_proj = [q; k; v], gate_up_proj = [gate; up]). `shards` names each
+    slice in order; the weight loader copies checkpoint tensors into them."""
+
+    def __init__(self, in_features: int, shards: dict, bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shard_ranges: dict = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shard_ranges[name] = (offset, size)
+            offset += size
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SelfAttention(nn.Module):
+    """qkv projection -> [per-head q/k RMSNorm] -> rotary -> paged attention -> o_proj."""
+
+    def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = get_num_kv_heads(config)
+        self.head_dim = get_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size,
+                                     {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # shared instance
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried between layers so the
+    add can be fused into the next norm."""
+
+    def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, mlp_bias: bool):
+        super().__init__()
+        self.self_attn = SelfAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def warn_if_sliding_window(config) -> None:
+    """Sliding-window attention is not implemented: every layer attends to the
+    full context. That is exact while sequences stay within the window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = "sliding_attention" in layer_types
+    if not layer_types and window and getattr(config, "use_sliding_window", True):
+        # Mistral-style configs: a window applies to every layer when set.
+        uses_window = window < getattr(config, "max_position_embeddings", window + 1)
+    if uses_window:
+        logger.warning("%s: sliding_window=%s is ignored (full attention in every layer); "
+                       "outputs differ from the reference past %s tokens",
+                       (getattr(config, "architectures", None) or ["model"])[0], window, window)
+
+
+# ---------------------------------------------------------------- weight loading
+def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         stacked_mapping: list[tuple[str, str, object]],
+                         ignore: callable = lambda name: False) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters.
+
+    stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
+    rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
+    duplicate checkpoint name, a shape mismatch, checkpoint weights that map to
+    nothing, or parameters (or shards of fused ones) left unloaded.
+    Returns the set of checkpoint names loaded."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in weights:
+        if ckpt_name in seen:
+            raise ValueError(f"weight {ckpt_name!r} appears twice in the checkpoint")
+        seen.add(ckpt_name)
+        if ignore(ckpt_name):
+            continue
+        name, shard_id = ckpt_name, None
+        for fused, part, sid in stacked_mapping:
+            if part in ckpt_name:
+                name, shard_id = ckpt_name.replace(part, fused), sid
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        target = param.data
+        if shard_id is not None:
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            offset, size = module.shard_ranges[shard_id]
+            target = target.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)} "
+                             f"!= expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.setdefault(name, set()).add(shard_id)
+
+    missing = []
+    for name in params:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        expected = set(module.shard_ranges) if isinstance(module, MergedLinear) else {None}
+        got = loaded.get(name, set())
+        missing += [name if s is None else f"{name}[{s}]" for s in expected if s not in got]
+    if unexpected or missing:
+        msg = []
+        if unexpected:
+            msg.append(f"checkpoint weights with no matching parameter: {_short(unexpected)}")
+        if missing:
+            msg.append(f"parameters not loaded from the checkpoint: {_short(missing)}")
+        raise ValueError(f"{type(model).__name__}: " + "; ".join(msg))
+    return seen
+
+
+def _short(names: list[str], n: int = 10) -> str:
+    more = f" ... (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(sorted(names)[:n]) + more

@@ -1,0 +1,98 @@
+"""Llama (and Mistral): the base decoder-only model the other architectures reuse.
+
+Subclasses change behaviour through the class flags below rather than by
+overriding layers:
+    qkv_bias / o_bias  -- biases on the fused qkv projection / the output projection
+                          (None: follow `config.attention_bias`, as HF Llama does)
+    qk_norm            -- per-head RMSNorm on q and k before rotary (Qwen3)
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from workers.attention import AttentionMetadata
+from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabEmbedding,
+                                   get_head_dim, get_rope_params, load_stacked_weights,
+                                   warn_if_sliding_window)
+
+# (our fused parameter, checkpoint part, shard id)
+STACKED_PARAMS = [
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(get_head_dim(config), config.max_position_embeddings,
+                                          get_rope_params(config))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias,
+                         qk_norm=qk_norm, mlp_bias=mlp_bias)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias: bool | None = None  # None: config.attention_bias
+    o_bias: bool | None = None    # None: config.attention_bias
+    qk_norm: bool = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        warn_if_sliding_window(config)
+        self.model = LlamaModel(
+            config,
+            qkv_bias=attention_bias if self.qkv_bias is None else self.qkv_bias,
+            o_bias=attention_bias if self.o_bias is None else self.o_bias,
+            qk_norm=self.qk_norm,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # shares the weight Parameter
+        else:
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Flattened (varlen) tokens of all sequences -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    def _ignore_weight(self, name: str) -> bool:
+        if "rotary_emb." in name:  # HF buffers (inv_freq, cos/sin caches)
+            return True
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; see `layers.load_stacked_weights` for the errors raised."""
+        return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama-shaped; `head_dim` may be explicit in the config (handled by
+    `get_head_dim`). `sliding_window` is NOT implemented: attention is full
+    (a warning is logged when the window is shorter than the context)."""

@@ -1,0 +1,97 @@
+"""Sampler: logits of the rows that finished their prompt -> next tokens (+ logprobs).
+
+Order: raw logprobs are taken first (what users compare with the model), then
+logit_bias, min_tokens, penalties, and finally temperature / top-k / top-p /
+min-p sampling. The random draw of a row is a pure function of the request's
+seed and the index of the token being generated, so a seeded request gives the
+same output whatever else is in the batch and however it was scheduled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ipc.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    output_index: int                 # which output token this draw produces
+    prompt_token_ids: np.ndarray      # for the repetition penalty
+    output_token_ids: np.ndarray
+    eos_token_ids: list[int]
+
+
+class Sampler:
+    def __init__(self, use_triton: bool):
+        self.use_triton = use_triton
+
+    def _sample(self, *args) -> torch.Tensor:
+        from kernels import sampling  # imported on first random draw: greedy-only runs never need it
+        return (sampling.sample if self.use_triton else sampling.sample_ref)(*args)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        """logits: float32 [B, V]. Returns (token_ids int64 [B] tensor, logprobs or None)."""
+        device = logits.device
+        max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
+
+        if any(r.params.logit_bias or r.params.min_tokens or r.params.needs_penalties for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                _adjust_row(logits[i], r)
+
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            p = [r.params for r in rows]
+            f32 = dict(dtype=torch.float32, device=device)
+            tokens = self._sample(
+                logits,
+                torch.tensor([x.temperature for x in p], **f32),
+                torch.tensor([x.top_k for x in p], dtype=torch.int32, device=device),
+                torch.tensor([x.top_p for x in p], **f32),
+                torch.tensor([x.min_p for x in p], **f32),
+                torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device),
+                torch.tensor([r.output_index for r in rows], dtype=torch.int64, device=device),
+            )
+        topk = None
+        if raw_logprobs is not None:
+            sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
+            ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+            k = max(max_lp, 0)
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
+            topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
+        return tokens, topk
+
+
+def _adjust_row(row: torch.Tensor, r: SamplingRow) -> None:
+    params = r.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long, device=row.device)
+        vals = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
+        valid = ids < row.shape[0]
+        row.index_add_(0, ids[valid], vals[valid])
+    if params.min_tokens and len(r.output_token_ids) < params.min_tokens:
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.update(r.eos_token_ids)
+        if banned:
+            row[torch.tensor(sorted(banned), dtype=torch.long, device=row.device)] = float("-inf")
+    if params.needs_penalties:
+        vocab = row.shape[0]
+        out = torch.as_tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
+        counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.as_tensor(r.prompt_token_ids, dtype=torch.long, device=row.device)
+            seen[prompt] = True
+            penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
+        row -= params.frequency_penalty * counts
+        row -= params.presence_penalty * (counts > 0).to(row.dtype)

@@ -1,0 +1,105 @@
+"""The worker process: reads each step from the broadcast ring, runs it, replies.
+
+Only rank 0 returns sampled tokens; every rank reports errors.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import zmq
+
+from engine_core.config import EngineConfig
+from ipc.messages import MsgType, SchedulerOutput, WorkerCall, WorkerReply
+from ipc.procs import child_signals, watch_parent
+from ipc.serial import Decoder, Encoder
+from ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+
+
+def remote(fn):
+    """Mark a Worker method as callable through collective_rpc."""
+    fn._loom_remote = True
+    return fn
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int):
+        from workers.model_runner import ModelRunner
+        self.rank = rank
+        self.runner = ModelRunner(config, rank)
+
+    @remote
+    def ping(self) -> str:
+        return "pong"
+
+    @remote
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    @remote
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_cache(num_blocks)
+
+    @remote
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def call(self, call: WorkerCall):
+        fn = getattr(self, call.method, None)
+        if fn is None or not getattr(fn, "_loom_remote", False):
+            raise ValueError(f"method {call.method!r} is not callable on workers")
+        return fn(*call.args, **call.kwargs)
+
+
+def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, death_pipe) -> None:
+    watch_parent(death_pipe)
+    child_signals()
+    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+    from shm.broadcast_ring import BroadcastRing
+    ctx = zmq.Context()
+    reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000)
+    enc = Encoder()
+    send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
+    ring = None
+    try:
+        ring = BroadcastRing.attach(ring_handle, rank)
+        worker = Worker(EngineConfig.from_dict(config_dict), rank)
+        send(WorkerReply(rank, result="ready"))
+        step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
+        while True:
+            frames = ring.dequeue()
+            kind = bytes(frames[0])
+            if kind == MsgType.WORKER_STEP.value:
+                try:
+                    out = worker.runner.execute(step_dec.decode(frames))
+                except Exception:
+                    send(WorkerReply(rank, error=traceback.format_exc()))
+                    raise
+                if rank == 0:
+                    send(WorkerReply(rank, output=out))
+            else:
+                call = call_dec.decode(frames)
+                if call.method == "shutdown":
+                    break
+                try:
+                    send(WorkerReply(rank, result=worker.call(call)))
+                except Exception as e:
+                    send(WorkerReply(rank, error=f"{type(e).__name__}: {e}"))
+    except SystemExit:
+        pass
+    except Exception:
+        logger.exception("worker %d failed", rank)
+        try:
+            send(WorkerReply(rank, error=traceback.format_exc()))
+        except Exception:
+            pass
+        raise SystemExit(1)
+    finally:
+        if ring is not None:
+            ring.close()
+        reply.close()
+        ctx.term()
