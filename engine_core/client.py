@@ -13,6 +13,7 @@ import itertools
 import time
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -58,7 +59,7 @@ class _ClientBase:
     def _on_output_frames(self, frames: list) -> EngineCoreOutputs | None:
         kind = bytes(frames[0].buffer)
         if kind == MsgType.ENGINE_DEAD.value:
-            self.dead_reason = f"engine core died: {bytes(frames[1].buffer).decode(errors='replace')}"
+            self.dead_reason = f"engine core died: {msgspec.msgpack.decode(frames[1].buffer)}"
             return None
         return self.out_dec.decode(frames)
 
@@ -95,6 +96,8 @@ class EngineCoreClient(_ClientBase):
         while self.ready is None:
             if self.input.poll(100):
                 self._on_ready(self.input.recv_multipart(copy=False))
+            elif self.output.poll(0):
+                self._on_output_frames(self.output.recv_multipart(copy=False))
             self._check_proc()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")

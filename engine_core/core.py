@@ -254,16 +254,30 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
         pass
     except ConfigError as e:
         logger.error("%s", e)
+        _report_startup_failure(clients, str(e))
         code = 2
     except BaseException as e:
         logger.error("engine core failed: %s\n%s", e, traceback.format_exc())
         if engine is not None:
             engine.send_dead(f"engine core failed: {e}")
+        else:
+            _report_startup_failure(clients, f"engine core failed to start: {e}")
         code = 1
     finally:
         if engine is not None:
             engine.shutdown()
     os._exit(code)
+
+
+def _report_startup_failure(clients: list[tuple[str, str]], reason: str) -> None:
+    """Tell every client why the engine never became ready."""
+    ctx = zmq.Context()
+    frames = Encoder().encode(MsgType.ENGINE_DEAD.value, reason)
+    for _, out_addr in clients:
+        sock = make_socket(ctx, zmq.PUSH, out_addr, bind=False, linger=1000)
+        sock.send_multipart(frames)
+        sock.close()
+    ctx.term()
 
 
 def _watch_workers(engine: EngineCoreProc) -> None:

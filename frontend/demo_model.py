@@ -66,10 +66,11 @@ MODEL_CONFIG = dict(
 )
 
 BATCH_SIZE = 8
+N_LONG_CHATS = 2
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
 NUM_THREADS = 2
-TRAIN_ATTN_IMPL = "eager"
+TRAIN_ATTN_IMPL = "sdpa"
 
 # Qwen-style ChatML template (no default system prompt, no tools).
 CHAT_TEMPLATE = (
@@ -122,6 +123,7 @@ def _documents(zen: str) -> tuple[list[str], list[str]]:
     for s in starts:
         completions.append(zen[s:] + ENDOFTEXT)
 
+    # The first N_LONG_CHATS are full recitations.
     chats = [
         _chat("Recite the Zen of Python.", body),
         _chat("What is the Zen of Python?", f"{title}\n\n{body}"),
@@ -214,7 +216,7 @@ def _lr_at(step: int, steps: int) -> float:
     return LEARNING_RATE * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _make_batch(samples: list[list[int]], pad_id: int):
+def _pad(samples: list[list[int]], pad_id: int):
     import torch
 
     n = max(len(s) for s in samples)
@@ -226,6 +228,30 @@ def _make_batch(samples: list[list[int]], pad_id: int):
     # Right padding only: with causal attention the pads never influence real
     # tokens, and their labels are ignored.
     return ids, labels
+
+
+def _micro_batches(samples: list[list[int]]) -> list[list[list[int]]]:
+    """Split a batch into length buckets so little compute goes to padding.
+
+    Sorts by length (descending, stable) and picks the contiguous partition
+    that minimises padded tokens plus a fixed per-forward overhead.
+    """
+    order = sorted(samples, key=len, reverse=True)
+    n = len(order)
+    overhead = 64  # tokens' worth of per-forward cost
+    best = [0.0] + [math.inf] * n  # best[i]: cost of the first i samples
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            c = best[j] + (i - j) * len(order[j]) + overhead
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    groups = []
+    i = n
+    while i > 0:
+        groups.append(order[cut[i] : i])
+        i = cut[i]
+    return groups[::-1]
 
 
 def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> None:
@@ -252,6 +278,8 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
 
     comp_ids = [tok.encode(t).ids for t in completions]
     chat_ids = [tok.encode(t).ids for t in chats]
+    long_chat_ids = chat_ids[:N_LONG_CHATS]
+    short_chat_ids = chat_ids[N_LONG_CHATS:]
     # The must-have behaviour starts at the first aphorism: weight it up.
     beautiful = next(i for i, t in enumerate(completions) if t.startswith("Beautiful"))
 
@@ -286,28 +314,41 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
             )
 
             for step in range(steps):
-                samples = []
-                for b in range(BATCH_SIZE):
+                # Every batch holds the whole Zen from "Beautiful" on (the
+                # must-have completion); the rest is a mix of completions from
+                # every line start, full chat recitations and short chats.
+                samples = [comp_ids[beautiful]]
+                for _ in range(BATCH_SIZE - 1):
                     r = rng.random()
-                    if b == 0:
-                        samples.append(comp_ids[beautiful])
-                    elif r < 0.6:
+                    if r < 0.5:
                         samples.append(rng.choice(comp_ids))
+                    elif r < 0.65:
+                        samples.append(rng.choice(long_chat_ids))
                     else:
-                        samples.append(rng.choice(chat_ids))
-                ids, labels = _make_batch(samples, eot_id)
+                        samples.append(rng.choice(short_chat_ids))
+                n_targets = sum(len(s) - 1 for s in samples)
                 lr = _lr_at(step, steps)
                 for g in opt.param_groups:
                     g["lr"] = lr
-                out = model(input_ids=ids, labels=labels)
                 opt.zero_grad(set_to_none=True)
-                out.loss.backward()
+                total = 0.0
+                for group in _micro_batches(samples):
+                    ids, labels = _pad(group, eot_id)
+                    logits = model(input_ids=ids).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]),
+                        labels[:, 1:].reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    ) / n_targets
+                    loss.backward()
+                    total += loss.item()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 if step % 25 == 0 or step == steps - 1:
                     logger.info(
                         "demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
-                        step + 1, steps, out.loss.item(), lr, time.monotonic() - t0,
+                        step + 1, steps, total, lr, time.monotonic() - t0,
                     )
             model.eval()
     finally:

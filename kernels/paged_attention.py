@@ -389,7 +389,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_table.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
-        IEEE=is_fp32, DOT_F32=_is_interpreted(_paged_attention_kernel) and not is_fp32, num_warps=8 if block_m >= 128 else 4, num_stages=2,
+        IEEE=is_fp32, DOT_F32=_is_interpreted(_paged_attention_kernel) and not is_fp32,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
     )
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](

@@ -49,7 +49,7 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **override
               tie_word_embeddings=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
               bos_token_id=None, pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
     kw.update(extra)
-    kw.update(overrides)
+    kw.update({k: dict(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
     config = getattr(transformers, cfg_name)(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()

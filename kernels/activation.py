@@ -1,0 +1,48 @@
+"""SwiGLU gate: silu_and_mul(x [T, 2I]) = silu(x[:, :I]) * x[:, I:].
+
+Numerics follow HF (act_fn(gate) * up in the model dtype): silu computed in
+fp32 and rounded to x.dtype, then the product computed in fp32 and rounded.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    i = x.shape[-1] // 2
+    return F.silu(x[..., :i]) * x[..., i:]
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = (a / (1.0 + tl.exp(-a))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, (silu * b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (last dim contiguous) -> new [..., I] in x.dtype."""
+    if not (x.is_cuda or type(_silu_and_mul_kernel).__name__ == "InterpretedFunction"):
+        return silu_and_mul_ref(x)
+    two_i = x.shape[-1]
+    assert two_i % 2 == 0
+    i = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], i), dtype=x.dtype, device=x.device)
+    n_rows = x2.shape[0]
+    if n_rows == 0 or i == 0:
+        return out
+    block = min(2048, triton.next_power_of_2(i))
+    _silu_and_mul_kernel[(n_rows, triton.cdiv(i, block))](
+        x2, out, x2.stride(0), i, BLOCK=block, num_warps=4 if block >= 1024 else 2,
+    )
+    return out

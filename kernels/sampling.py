@@ -1,0 +1,312 @@
+"""Token sampling: greedy, temperature, min-p, top-k, top-p; one program per row.
+
+Semantics (shared exactly by the Triton kernel and the torch reference):
+
+* temperature <= 0: greedy, argmax of the raw logits (first index on ties).
+* otherwise, with m = max(logits) and inv_t = 1 / temperature, each token gets
+  d = (m - logit) * inv_t >= 0 (its distance from the best token; the
+  unnormalised probability is e = exp(-d), the best token has e = 1).
+  All three filters are thresholds on d, so the kept set is always
+  "every token with d <= thr" (ties at the threshold are kept):
+  - min_p (> 0): keep p >= min_p * p_max, i.e. d <= -log(min_p);
+  - top_k (0 < k < V): keep the k smallest d (of those min_p kept);
+  - top_p (< 1): of what is left, keep the smallest set of highest-probability
+    tokens whose mass (renormalised over what is left) is >= top_p, at least
+    one token.
+  d is compared through its float bits, so thresholds are found exactly by
+  bisection over 32-bit keys (several pivots per pass over the vocabulary)
+  instead of sorting the row.
+* the token is argmax over kept tokens of e / q with q ~ Exp(1) (exponential
+  race == sampling from the renormalised distribution).
+
+Randomness is a pure function of (seed, position, token index): the Triton
+path draws q from Philox (tl.rand) keyed by a hash of (seed, position), at
+counter = token index; the reference uses a torch.Generator seeded from the
+same hash. The two streams differ; `sample_with_noise*` take q explicitly so
+that both paths can be compared exactly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_C_SEED = _signed64(0x9E3779B97F4A7C15)
+_C_POS = _signed64(0xD1B54A32D192ED03)
+_C_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_C_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix_seed(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 hash of (seed, position) (splitmix64 finaliser, wrapping int64 math)."""
+    x = seeds.long() * _C_SEED + positions.long() * _C_POS
+    x = (x ^ _lshr(x, 30)) * _C_MIX1
+    x = (x ^ _lshr(x, 27)) * _C_MIX2
+    return x ^ _lshr(x, 31)
+
+
+def _prepare(logits, temperature, top_k, top_p, min_p):
+    """Per-row parameters as both paths use them."""
+    temperature = temperature.float()
+    greedy = temperature <= 0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature)
+    min_p = min_p.float().clamp(max=1.0)
+    max_d = torch.where(min_p > 0, -torch.log(min_p), torch.full_like(min_p, float("inf")))
+    return greedy, inv_t, top_k.to(torch.int32), top_p.float(), max_d
+
+
+def _keys(d: torch.Tensor) -> torch.Tensor:
+    return d.view(torch.int32) & 0x7FFFFFFF
+
+
+# --------------------------------------------------------------------------
+# torch reference
+# --------------------------------------------------------------------------
+def _threshold_ref(key: torch.Tensor, e: torch.Tensor, key0: int, k: int, p: float) -> int:
+    vocab = key.shape[0]
+    thr = key0
+    allowed = key <= thr
+    if 0 < k < vocab and k < int(allowed.sum()):
+        thr = int(torch.sort(key[allowed]).values[k - 1])
+        allowed = key <= thr
+    if p < 1.0:
+        uniq, inv = torch.unique(key[allowed], sorted=True, return_inverse=True)
+        mass = torch.zeros(uniq.shape[0], dtype=torch.float32, device=key.device).index_add_(0, inv, e[allowed])
+        cum = mass.cumsum(0)
+        target = p * float(cum[-1])
+        idx = int(torch.nonzero(cum >= target)[0, 0])
+        thr = int(uniq[idx])
+    return thr
+
+
+def sample_with_noise_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Reference sampler with explicit Exp(1) noise [B, V] (ignored for greedy rows)."""
+    logits = logits.float()
+    greedy, inv_t, top_k, top_p, max_d = _prepare(logits, temperature, top_k, top_p, min_p)
+    out = torch.argmax(logits, dim=-1)
+    m = logits.max(dim=-1).values
+    d = (m[:, None] - logits) * inv_t[:, None]
+    key = _keys(d)
+    e = torch.exp(-d)
+    key0 = _keys(max_d).tolist()
+    greedy_l, k_l, p_l = greedy.tolist(), top_k.tolist(), top_p.tolist()
+    for i in range(logits.shape[0]):
+        if greedy_l[i]:
+            continue
+        thr = _threshold_ref(key[i], e[i], key0[i], k_l[i], p_l[i])
+        score = torch.where(key[i] <= thr, e[i] / noise[i].float(), torch.full_like(e[i], -1.0))
+        out[i] = torch.argmax(score)
+    return out
+
+
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Reference sampler; row i's noise comes from a torch.Generator seeded with
+    mix_seed(seed_i, position_i), so it depends on nothing else in the batch."""
+    bsz, vocab = logits.shape
+    noise = torch.empty((bsz, vocab), dtype=torch.float32, device=logits.device)
+    for i, s in enumerate(mix_seed(seeds, positions).tolist()):
+        g = torch.Generator(device=logits.device)
+        g.manual_seed(s & _MASK64)
+        noise[i].exponential_(generator=g)
+    return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
+
+
+# --------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------
+@triton.jit
+def _key_e(l, m, inv_t, mask):
+    d = (m - l) * inv_t
+    key = tl.where(mask, d.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7FFFFFFF)
+    e = tl.where(mask, tl.exp(-d), 0.0)
+    return key, e
+
+
+@triton.jit
+def _count_mass_at(row_ptr, vocab, m, inv_t, thr, BLOCK: tl.constexpr):
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    mass = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < vocab
+        l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        key, e = _key_e(l, m, inv_t, msk)
+        le = key <= thr
+        cnt += le.to(tl.int32)
+        mass += tl.where(le, e, 0.0)
+    return tl.sum(cnt, 0), tl.sum(mass, 0)
+
+
+@triton.jit
+def _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    """NPIV pivots strictly inside (lo, hi) (some may equal lo when the span is
+    small): count and mass of tokens with key <= each pivot."""
+    j = tl.arange(0, NPIV)
+    span = (hi - lo).to(tl.int64)
+    piv = (lo.to(tl.int64) + span * (j + 1).to(tl.int64) // (NPIV + 1)).to(tl.int32)
+    cnt = tl.zeros([NPIV], dtype=tl.int32)
+    mass = tl.zeros([NPIV], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < vocab
+        l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        key, e = _key_e(l, m, inv_t, msk)
+        le = key[:, None] <= piv[None, :]
+        cnt += tl.sum(le.to(tl.int32), 0)
+        mass += tl.sum(tl.where(le, e[:, None], 0.0), 0)
+    return piv, cnt, mass
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_l, noise_ptr, stride_n,
+    greedy_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, max_d_ptr, seed_ptr, out_ptr,
+    vocab,
+    BLOCK: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_l
+
+    # pass 1: max and (first) argmax of the raw logits
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_i = tl.arange(0, BLOCK)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        l = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        upd = l > best
+        best = tl.where(upd, l, best)
+        best_i = tl.where(upd, offs, best_i)
+    m = tl.max(best, 0)
+    arg = tl.min(tl.where(best == m, best_i, vocab), 0)
+    if tl.load(greedy_ptr + row) != 0:
+        tl.store(out_ptr + row, arg.to(tl.int64))
+        return
+
+    inv_t = tl.load(inv_t_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    thr = tl.load(max_d_ptr + row).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # min_p
+    j = tl.arange(0, NPIV)
+    need_k = (k > 0) & (k < vocab)
+    need_p = p < 1.0
+    if need_k | need_p:
+        hi = thr
+        c_hi, s_hi = _count_mass_at(row_ptr, vocab, m, inv_t, hi, BLOCK)
+        if need_k & (k < c_hi):
+            # smallest key K with count(key <= K) >= k; invariant: count(<= lo) < k <= count(<= hi)
+            lo = hi * 0 - 1
+            while (hi - lo > 1) & (c_hi != k):
+                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV)
+                first = tl.min(tl.where(cnt >= k, j, NPIV), 0)
+                sel = j == first
+                has = first < NPIV
+                sel_lo = j == first - 1
+                lo = tl.where(first > 0, tl.sum(tl.where(sel_lo, piv, 0), 0), lo)
+                c_hi = tl.where(has, tl.sum(tl.where(sel, cnt, 0), 0), c_hi)
+                s_hi = tl.where(has, tl.sum(tl.where(sel, mass, 0.0), 0), s_hi)
+                hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
+        if need_p:
+            # smallest key K with mass(key <= K) >= p * mass(kept so far), at least one token
+            target = p * s_hi
+            lo = hi * 0 - 1
+            c_lo = c_hi * 0
+            while (hi - lo > 1) & (c_hi - c_lo > 1):
+                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV)
+                first = tl.min(tl.where((mass >= target) & (cnt >= 1), j, NPIV), 0)
+                sel = j == first
+                has = first < NPIV
+                sel_lo = j == first - 1
+                has_lo = first > 0
+                lo = tl.where(has_lo, tl.sum(tl.where(sel_lo, piv, 0), 0), lo)
+                c_lo = tl.where(has_lo, tl.sum(tl.where(sel_lo, cnt, 0), 0), c_lo)
+                c_hi = tl.where(has, tl.sum(tl.where(sel, cnt, 0), 0), c_hi)
+                hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
+        thr = hi
+
+    # last pass: exponential race over the kept tokens
+    seed = tl.load(seed_ptr + row)
+    best = tl.full([BLOCK], -1.0, dtype=tl.float32)
+    best_i = tl.arange(0, BLOCK)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < vocab
+        l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        key, e = _key_e(l, m, inv_t, msk)
+        if USE_NOISE:
+            q = tl.load(noise_ptr + row * stride_n + offs, mask=msk, other=1.0).to(tl.float32)
+        else:
+            q = -tl.log(tl.rand(seed, offs))
+        score = tl.where(msk & (key <= thr), e / q, -1.0)
+        upd = score > best
+        best = tl.where(upd, score, best)
+        best_i = tl.where(upd, offs, best_i)
+    top = tl.max(best, 0)
+    tok = tl.min(tl.where(best == top, best_i, vocab), 0)
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+_BLOCK = 1024
+_NPIV = 16
+
+
+def _launch(logits, temperature, top_k, top_p, min_p, seeds, noise):
+    bsz, vocab = logits.shape
+    out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    if bsz == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    greedy, inv_t, top_k, top_p, max_d = _prepare(logits, temperature, top_k, top_p, min_p)
+    greedy = greedy.to(torch.int32)
+    use_noise = noise is not None
+    if use_noise:
+        if noise.stride(-1) != 1:
+            noise = noise.contiguous()
+        stride_n = noise.stride(0)
+    else:
+        noise, stride_n = logits, 0  # unused
+    block = min(_BLOCK, triton.next_power_of_2(vocab))
+    _sample_kernel[(bsz,)](
+        logits, logits.stride(0), noise, stride_n,
+        greedy.contiguous(), inv_t.contiguous(), top_k.contiguous(), top_p.contiguous(), max_d.contiguous(),
+        seeds.contiguous(), out, vocab,
+        BLOCK=block, NPIV=_NPIV, USE_NOISE=use_noise, num_warps=8,
+    )
+    return out
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or type(_sample_kernel).__name__ == "InterpretedFunction"
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32, temperature [B] fp32 (0 = greedy), top_k [B] int32
+    (<= 0 or >= V: off), top_p [B] fp32 (1.0: off), min_p [B] fp32 (0: off),
+    seeds [B] int64, positions [B] int64 -> token ids int64 [B]."""
+    if not _use_triton(logits):
+        return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions)
+    return _launch(logits, temperature, top_k, top_p, min_p, mix_seed(seeds, positions), None)
+
+
+def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The Triton sampler with explicit Exp(1) noise [B, V] instead of Philox."""
+    if not _use_triton(logits):
+        return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
+    seeds = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return _launch(logits, temperature, top_k, top_p, min_p, seeds, noise)

@@ -1,0 +1,124 @@
+"""Shared fixtures: tiny models, real `loom serve` processes on free ports, cleanup checks."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU CI runs Triton kernels in the interpreter
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import requests
+import torch
+
+from ipc.sockets import free_tcp_port
+from tests.tiny_models import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make(arch, **overrides) -> a model dir, built once per distinct arguments."""
+    cache: dict = {}
+
+    def make(arch: str = "qwen3", **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch, **overrides)
+        return cache[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_factory) -> str:
+    return model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> str:
+    from frontend.demo_model import build_demo_model
+    out = str(tmp_path_factory.mktemp("demo"))
+    build_demo_model(out)
+    return out
+
+
+def shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "loom" in n.lower()}
+
+
+def loom_ipc_dirs() -> set[str]:
+    import tempfile
+    tmp = tempfile.gettempdir()
+    return {n for n in os.listdir(tmp) if n.startswith("loom-ipc-")}
+
+
+class Server:
+    """A real `loom serve` child process on a free port."""
+
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None):
+        self.port = free_tcp_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", model_dir, "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.log = open(os.devnull, "w") if os.environ.get("LOOM_TEST_QUIET") else None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
+
+    def wait_healthy(self, timeout: float = 120.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"loom serve exited with code {self.proc.returncode}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("loom serve did not become healthy")
+
+    def descendants(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # whatever is left of the session is a bug, but never leave it running
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_server():
+    """start_server(model_dir, *flags) -> a healthy Server; stopped at teardown whatever happens."""
+    servers: list[Server] = []
+
+    def start(model_dir: str, *args: str, wait: bool = True, env: dict | None = None) -> Server:
+        s = Server(model_dir, *args, env=env)
+        servers.append(s)
+        return s.wait_healthy() if wait else s
+    yield start
+    for s in servers:
+        s.stop()

@@ -1,0 +1,395 @@
+"""Triton kernels vs their torch references.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1)
+on CPU tensors. Triton reads that variable when a kernel is *decorated*, so it
+must be set before the kernel modules are imported; if another test imported
+them first, they are reloaded here (see _load) and test_triton_path_is_active
+checks that the Triton path, not the torch fallback, is what runs.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+
+_KERNEL_NAMES = {
+    "kernels.paged_attention": ["_write_kv_cache_kernel", "_paged_attention_kernel", "_split_kv_reduce_kernel"],
+    "kernels.rms_norm": ["_rms_norm_kernel"],
+    "kernels.rotary": ["_rotary_kernel"],
+    "kernels.activation": ["_silu_and_mul_kernel"],
+    "kernels.sampling": ["_sample_kernel"],
+}
+
+
+def _interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+def _load(name: str):
+    mod = importlib.import_module(name)
+    if INTERPRET and not all(_interpreted(getattr(mod, k)) for k in _KERNEL_NAMES[name]):
+        mod = importlib.reload(mod)  # imported before TRITON_INTERPRET was set
+    return mod
+
+
+pa = _load("kernels.paged_attention")
+rn = _load("kernels.rms_norm")
+rot = _load("kernels.rotary")
+act = _load("kernels.activation")
+smp = _load("kernels.sampling")
+
+# bf16: the interpreter's fp32 -> bf16 cast is not exactly round-to-nearest-even, so
+# allow a few bf16 ulps (2^-8 relative each)
+BF16_TOL = dict(atol=2e-2, rtol=3e-2)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def test_triton_path_is_active():
+    for name, kernels in _KERNEL_NAMES.items():
+        mod = importlib.import_module(name)
+        for k in kernels:
+            fn = getattr(mod, k)
+            if DEVICE == "cpu":
+                assert _interpreted(fn), f"{name}.{k} is not running under the Triton interpreter"
+            else:
+                assert not _interpreted(fn)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype=torch.float32, g=None, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=DEVICE)
+
+
+# --------------------------------------------------------------------------
+# KV-cache write
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache(dtype):
+    g = _gen(1)
+    T, H, D, bs, nb = 11, 2, 16, 4, 7
+    qkv = _randn(T, 4 * H * D, dtype=dtype, g=g)  # strided k/v views, as from a fused projection
+    k = qkv[:, 2 * H * D:3 * H * D].view(T, H, D)
+    v = qkv[:, 3 * H * D:].view(T, H, D)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[[2, 7]] = -1  # padding
+    slots = slots.to(DEVICE)
+    kc, vc = _randn(nb, bs, H, D, dtype=dtype, g=g), _randn(nb, bs, H, D, dtype=dtype, g=g)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    pa.write_kv_cache(k, v, kc, vc, slots)
+    pa.write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+# --------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------
+def _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q=False):
+    g = _gen(seed)
+    n_blk = [(s + bs - 1) // bs for s in seq_lens]
+    total = sum(n_blk) + 3
+    kc = _randn(total, bs, hkv, d, dtype=dtype, g=g)
+    vc = _randn(total, bs, hkv, d, dtype=dtype, g=g)
+    perm = torch.randperm(total, generator=g).tolist()  # non-contiguous, shuffled block ids
+    bt = torch.full((len(seq_lens), max(n_blk) + 2), 10_000, dtype=torch.int32)  # junk past the end
+    i = 0
+    for b, n in enumerate(n_blk):
+        bt[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+        i += n
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(qsl[-1])
+    if strided_q:
+        q = _randn(T, hq + 2 * hkv, d, dtype=dtype, g=g)[:, :hq]
+    else:
+        q = _randn(T, hq, d, dtype=dtype, g=g)
+    return q, kc, vc, qsl.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), bt.to(DEVICE)
+
+
+def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, splits=(1,), seed=0, strided_q=False):
+    q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q)
+    scale = d ** -0.5
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale).float()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for ns in splits:
+        out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        err = (out.float() - ref).abs().max().item()
+        assert err < tol, f"splits={ns}: max err {err}"
+
+
+def test_attention_mixed_prefill_chunked_decode():
+    # prefill (q_len == seq_len), chunked prefill / prefix hit (q_len < seq_len), decode, empty seq; GQA 2
+    _check_attention([6, 1, 4, 0, 1, 3], [6, 21, 13, 9, 1, 30], hq=4, hkv=2, d=32, bs=4, splits=(1, 3))
+
+
+def test_attention_multi_tile_gqa3_strided_query():
+    # q_len * group > BLOCK_M: several query tiles per sequence (binary-search path); group 3 (not a power of 2)
+    _check_attention([27, 1, 9], [40, 17, 9], hq=6, hkv=2, d=16, bs=8, splits=(1, 2), strided_q=True)
+
+
+def test_attention_decode_split_kv():
+    # pure decode, long-ish context, splits forced on (incl. a non-power-of-2 count) and automatic
+    q_lens, seq_lens = [1, 1, 1], [70, 5, 130]
+    _check_attention(q_lens, seq_lens, hq=8, hkv=2, d=32, bs=16, splits=(1, 4, 5))
+    # the automatic choice: splits only for decode batches that leave SMs idle on long contexts
+    assert pa.choose_num_kv_splits(1, 1, 1, 4096, torch.device("cpu")) > 1
+    assert pa.choose_num_kv_splits(1, 1, 7, 4096, torch.device("cpu")) == 1
+    assert pa.choose_num_kv_splits(1, 1, 1, 100, torch.device("cpu")) == 1
+    _check_attention([1], [600], hq=2, hkv=1, d=16, bs=16, splits=(None,), seed=3)
+
+
+def test_attention_bf16():
+    _check_attention([5, 1, 3], [5, 40, 19], hq=4, hkv=1, d=32, bs=8, dtype=torch.bfloat16, splits=(1, 2))
+
+
+# --------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(dtype):
+    g = _gen(2)
+    eps = 1e-6
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    x = _randn(7, 96, dtype=dtype, g=g, scale=3.0)
+    w = _randn(96, dtype=dtype, g=g)
+    torch.testing.assert_close(rn.rms_norm(x, w, eps), rn.rms_norm_ref(x, w, eps), **tol)
+    # Qwen3 per-head q/k norm: [T, H, D] views of a fused projection
+    qkv = _randn(5, 3 * 4 * 32, dtype=dtype, g=g)
+    q = qkv[:, :128].view(5, 4, 32)
+    wq = _randn(32, dtype=dtype, g=g)
+    out = rn.rms_norm(q, wq, eps)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, rn.rms_norm_ref(q, wq, eps), **tol)
+    torch.testing.assert_close(out.view(20, 32), rn.rms_norm_ref(q.reshape(20, 32), wq, eps), **tol)
+    # fused residual add
+    r = _randn(7, 96, dtype=dtype, g=g)
+    out, new_r = rn.fused_add_rms_norm(x, r, w, eps)
+    out_ref, new_r_ref = rn.fused_add_rms_norm_ref(x, r, w, eps)
+    exact = dtype == torch.float32 or not INTERPRET  # (the interpreter's bf16 rounding is approximate)
+    torch.testing.assert_close(new_r, new_r_ref, **(dict(atol=0, rtol=0) if exact else tol))
+    torch.testing.assert_close(out, out_ref, **tol)
+
+
+# --------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------
+def _hf_inv_freq(rope_scaling, head_dim, base):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kw = dict(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, rope_theta=base,
+              max_position_embeddings=4096)
+    if rope_scaling is not None:
+        kw["rope_scaling"] = dict(rope_scaling)
+    cfg = LlamaConfig(**kw)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")[0]
+    # transformers >= 5 keeps the default init on the model's rotary class
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    return LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)[0]
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "default"},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 512},
+])
+def test_build_rope_cache_matches_transformers(rope_scaling):
+    head_dim, base, max_pos = 64, 500000.0, 300
+    inv_freq = _hf_inv_freq(rope_scaling, head_dim, base).float()
+    cache = rot.build_rope_cache(head_dim, max_pos, base, rope_scaling)
+    assert cache.shape == (max_pos, head_dim) and cache.dtype == torch.float32
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]  # as HF's forward
+    torch.testing.assert_close(cache[:, :head_dim // 2], freqs.cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[:, head_dim // 2:], freqs.sin(), atol=1e-6, rtol=0)
+    if rope_scaling and rope_scaling["rope_type"] == "llama3":
+        alias = {("type" if k == "rope_type" else k): v for k, v in rope_scaling.items()}
+        assert torch.equal(rot.build_rope_cache(head_dim, max_pos, base, alias), cache)
+        assert not torch.allclose(cache, rot.build_rope_cache(head_dim, max_pos, base, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding(dtype):
+    g = _gen(3)
+    T, hq, hkv, d = 6, 4, 2, 32
+    cache = rot.build_rope_cache(d, 64, 10000.0, None).to(DEVICE)
+    qkv = _randn(T, (hq + 2 * hkv) * d, dtype=dtype, g=g)
+    q = qkv[:, :hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    pos = torch.randint(0, 64, (T,), generator=g).to(DEVICE)
+    q_before, k_before = q.clone(), k.clone()
+    qo, ko = rot.rotary_embedding(pos, q, k, cache)
+    qr, kr = rot.rotary_embedding_ref(pos, q, k, cache)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(qo, qr, **tol)
+    torch.testing.assert_close(ko, kr, **tol)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    if dtype == torch.float32:  # the convention is HF's rotate_half one
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        cos, sin = cache[pos].chunk(2, dim=-1)
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        qh, kh = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, unsqueeze_dim=0)
+        torch.testing.assert_close(qo, qh.transpose(0, 1), **tol)
+        torch.testing.assert_close(ko, kh.transpose(0, 1), **tol)
+
+
+def test_rotary_partial():
+    g = _gen(4)
+    cache = rot.build_rope_cache(16, 32, 10000.0, None).to(DEVICE)  # rotates 16 of 32 dims
+    q, k = _randn(3, 2, 32, g=g), _randn(3, 1, 32, g=g)
+    pos = torch.tensor([0, 5, 31], device=DEVICE)
+    for a, b in zip(rot.rotary_embedding(pos, q, k, cache), rot.rotary_embedding_ref(pos, q, k, cache)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# SiLU-and-mul
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    g = _gen(5)
+    x = _randn(5, 2 * 80, dtype=dtype, g=g, scale=3.0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    out = act.silu_and_mul(x)
+    assert out.shape == (5, 80) and out.dtype == dtype
+    torch.testing.assert_close(out, act.silu_and_mul_ref(x), **tol)
+
+
+# --------------------------------------------------------------------------
+# sampling
+# --------------------------------------------------------------------------
+V = 2000
+
+
+def _sampling_params():
+    # rows: greedy, plain, top-k, top-k+top-p, top-p, min-p, top-k=1, k>=V (off), all three, top_p=0, greedy
+    temp = [0.0, 1.0, 0.7, 1.3, 1.0, 0.8, 1.0, 1.0, 0.5, 1.0, 0.0]
+    top_k = [0, 0, 5, 40, 0, 0, 1, V, 30, 0, 10]
+    top_p = [1.0, 1.0, 1.0, 0.8, 0.9, 1.0, 1.0, 1.0, 0.7, 0.0, 0.5]
+    min_p = [0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0]
+    return (torch.tensor(temp, device=DEVICE), torch.tensor(top_k, dtype=torch.int32, device=DEVICE),
+            torch.tensor(top_p, device=DEVICE), torch.tensor(min_p, device=DEVICE))
+
+
+def _logits(b, g, scale=3.0):
+    x = _randn(b, V, g=g, scale=scale)
+    x[0, 17] = x[0].max() + 5.0  # a clear argmax for the first row
+    return x
+
+
+def _allowed_mask(logits, temp, top_k, top_p, min_p):
+    """Kept set by sorting (independent of both implementations' threshold search)."""
+    b = logits.shape[0]
+    allowed = torch.zeros(b, V, dtype=torch.bool)
+    for i in range(b):
+        lg = logits[i].float().cpu()
+        if temp[i] <= 0:
+            allowed[i, torch.argmax(lg)] = True
+            continue
+        p = torch.softmax(lg / float(temp[i]), -1)
+        keep = torch.ones(V, dtype=torch.bool)
+        if min_p[i] > 0:
+            keep &= p >= float(min_p[i]) * p.max() * (1 - 1e-5)
+        order = torch.argsort(p, descending=True)
+        k = int(top_k[i])
+        if 0 < k < V:
+            kth = p[order[min(k, int(keep.sum())) - 1]]
+            keep &= p >= kth * (1 - 1e-5)
+        if top_p[i] < 1:
+            pk = torch.where(keep, p, torch.zeros_like(p))
+            pk = pk / pk.sum()
+            cum = pk[order].cumsum(0)
+            n = int(torch.searchsorted(cum, float(top_p[i]) * (1 - 1e-5))) + 1
+            keep &= pk >= pk[order[min(n, V) - 1]] * (1 - 1e-5)
+        allowed[i] = keep
+    return allowed
+
+
+def test_sample_noise_variant_matches_ref():
+    g = _gen(6)
+    temp, top_k, top_p, min_p = _sampling_params()
+    logits = _logits(temp.shape[0], g)
+    for trial in range(2):
+        noise = torch.empty(temp.shape[0], V).exponential_(generator=g).to(DEVICE)
+        out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise)
+        ref = smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise)
+        assert out.dtype == torch.int64
+        assert out.tolist() == ref.tolist()
+    greedy = (temp == 0).cpu()
+    assert torch.equal(out.cpu()[greedy], torch.argmax(logits, -1).cpu()[greedy])
+    assert out[0].item() == 17
+    assert out[6].item() == torch.argmax(logits[6]).item()  # top_k = 1
+    assert out[9].item() == torch.argmax(logits[9]).item()  # top_p = 0 keeps one token
+
+
+def test_sample_respects_filters_and_is_seeded():
+    g = _gen(7)
+    temp, top_k, top_p, min_p = _sampling_params()
+    b = temp.shape[0]
+    logits = _logits(b, g, scale=2.0)
+    allowed = _allowed_mask(logits, temp, top_k, top_p, min_p)
+    assert allowed[2].sum() == 5 and allowed[6].sum() == 1
+    seeds = torch.arange(100, 100 + b, device=DEVICE)
+    positions = torch.arange(b, device=DEVICE) * 3
+    outs = []
+    for fn in (smp.sample, smp.sample_ref):
+        out = fn(logits, temp, top_k, top_p, min_p, seeds, positions)
+        assert all(allowed[i, t] for i, t in enumerate(out.tolist())), fn.__name__
+        # same (seed, position) -> same token, whatever else is in the batch
+        again = fn(logits, temp, top_k, top_p, min_p, seeds, positions)
+        assert again.tolist() == out.tolist()
+        rows = [3, 8, 4]
+        sub = fn(logits[rows], temp[rows], top_k[rows], top_p[rows], min_p[rows], seeds[rows], positions[rows])
+        assert sub.tolist() == [out[r].item() for r in rows]
+        outs.append(out)
+    # a different position draws different noise
+    many = 6
+    lg = logits[1:2].expand(many, V).contiguous()
+    ones = torch.ones(many, device=DEVICE)
+    toks = smp.sample(lg, ones, torch.zeros(many, dtype=torch.int32, device=DEVICE), ones,
+                      torch.zeros(many, device=DEVICE), torch.full((many,), 5, device=DEVICE),
+                      torch.arange(many, device=DEVICE))
+    assert len(set(toks.tolist())) > 1
+
+
+def test_sample_distribution():
+    # Philox exponential race samples from softmax(logits / T) restricted to the kept set
+    g = _gen(8)
+    n, v = 64, 6
+    logits = _randn(1, v, g=g).expand(n, v).contiguous()
+    temp = torch.full((n,), 0.8, device=DEVICE)
+    toks = smp.sample(logits, temp, torch.full((n,), 3, dtype=torch.int32, device=DEVICE),
+                      torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+                      torch.full((n,), 1234, device=DEVICE), torch.arange(n, device=DEVICE))
+    p = torch.softmax(logits[0].float().cpu() / 0.8, -1)
+    top = torch.topk(p, 3).indices
+    assert set(toks.tolist()) <= set(top.tolist())
+    p_top = p[top] / p[top].sum()
+    freq = torch.tensor([(toks.cpu() == t).float().mean().item() for t in top.tolist()])
+    assert (freq - p_top).abs().max() < 0.2, (freq, p_top)
+
+
+# --------------------------------------------------------------------------
+# GPU: real shapes, bf16
+# --------------------------------------------------------------------------
+@gpu
+@needs_cuda
+def test_gpu_real_shapes():
+    from bench import kernels_gpu
+
+    failures = kernels_gpu.check_all(quick=True)
+    assert not failures, failures

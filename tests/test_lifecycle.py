@@ -1,0 +1,128 @@
+"""Shutdown, death detection and cleanup of real processes."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from frontend import LLM, SamplingParams
+from tests.conftest import loom_ipc_dirs, shm_entries
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_and_worker(server) -> tuple[int, int]:
+    """The engine core is the launcher's child that has a child of its own (its worker)."""
+    for pid in _children(server.proc.pid):
+        kids = [k for k in _children(pid) if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
+        if kids:
+            return pid, kids[0]
+    raise AssertionError("engine core process not found")
+
+
+def _assert_clean(before_ipc: set[str], server=None) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = server.descendants() if server else []
+        if not left and not shm_entries() and loom_ipc_dirs() <= before_ipc:
+            return
+        time.sleep(0.2)
+    assert not (server.descendants() if server else []), "processes left behind"
+    assert not shm_entries(), f"/dev/shm entries left: {shm_entries()}"
+    assert loom_ipc_dirs() <= before_ipc, "ipc socket directory left behind"
+
+
+def test_sigterm_stops_everything(tiny_model_dir, start_server):
+    before = loom_ipc_dirs()
+    server = start_server(tiny_model_dir, "--max-model-len", "128")
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 200
+    assert len(server.descendants()) >= 4  # launcher, engine, worker, API server
+    assert server.stop(signal.SIGTERM) == 0
+    _assert_clean(before, server)
+
+
+def test_sigint_stops_everything(tiny_model_dir, start_server):
+    before = loom_ipc_dirs()
+    server = start_server(tiny_model_dir, "--max-model-len", "128")
+    assert server.stop(signal.SIGINT) == 0
+    _assert_clean(before, server)
+
+
+def test_idle_engine_does_not_spin(tiny_model_dir, start_server):
+    server = start_server(tiny_model_dir, "--max-model-len", "128")
+    engine, worker = _engine_and_worker(server)
+    time.sleep(1.0)
+    c0 = _cpu_seconds(engine) + _cpu_seconds(worker)
+    time.sleep(2.0)
+    used = _cpu_seconds(engine) + _cpu_seconds(worker) - c0
+    assert used < 0.4, f"idle engine + worker used {used:.2f} CPU-seconds in 2 s"
+
+
+@pytest.mark.parametrize("victim", ["engine", "worker"])
+def test_death_is_noticed(tiny_model_dir, start_server, victim):
+    before = loom_ipc_dirs()
+    server = start_server(tiny_model_dir, "--max-model-len", "512")
+    engine, worker = _engine_and_worker(server)
+    # A long stream in flight when the process dies: it must end with an error event, not hang.
+    r = requests.post(server.url + "/v1/completions", stream=True, timeout=10,
+                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
+    events = []
+    killed_at = None
+    for line in r.iter_lines():
+        if not line:
+            continue
+        events.append(json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]")
+        if len(events) == 5:
+            os.kill(engine if victim == "engine" else worker, signal.SIGKILL)
+            killed_at = time.monotonic()
+    assert killed_at is not None
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert time.monotonic() - killed_at < 2.0
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-2] if "choices" in e) < 400
+    # /health says 503 while the API server lives, and new requests fail fast
+    r = requests.get(server.url + "/health", timeout=2)
+    assert r.status_code == 503
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=2)
+    assert r.status_code == 503 and "error" in r.json()
+    server.proc.wait(15)
+    assert server.proc.returncode not in (0, None)
+    _assert_clean(before, server)
+
+
+def test_llm_shutdown_and_gc_cleanup(tiny_model_dir):
+    llm = LLM(tiny_model_dir, max_model_len=128)
+    proc, ipc_dir = llm.engine_proc, llm.ipc_dir
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+    del llm, out
+    gc.collect()
+    proc.join(15)
+    assert not proc.is_alive()
+    assert not os.path.exists(ipc_dir)
+    assert not shm_entries()
+
+
+def test_startup_validation_fails_fast(tiny_model_dir, start_server):
+    # 2 blocks of 16 tokens can never hold a 128-token request
+    server = start_server(tiny_model_dir, "--max-model-len", "128", "--num-gpu-blocks-override", "2", wait=False)
+    assert server.proc.wait(60) != 0
+    with pytest.raises(Exception, match="blocks"):
+        LLM(tiny_model_dir, max_model_len=128, num_gpu_blocks_override=2)
