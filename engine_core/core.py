@@ -105,7 +105,13 @@ class EngineCore:
                        timeout: float | None = None) -> list[Any]:
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
-    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc"})
+    def debug_info(self) -> dict:
+        """Counts for leak checks. No gc.collect(): a request kept alive only by a cycle must show."""
+        return {"live_requests": len(Request.live), "tracked_requests": len(self.scheduler.requests),
+                "free_blocks": self.scheduler.kv.pool.num_free_blocks, "num_blocks": self.num_gpu_blocks,
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+
+    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info"})
 
     shutting_down = False
 
@@ -244,6 +250,9 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine %(levelname)s %(message)s")
     config = EngineConfig.from_dict(config_dict)
+    if os.environ.get("LOOM_DEBUG_DISABLE_GC") == "1":
+        import gc
+        gc.disable()  # leak tests: finished requests must be freed by reference counting alone
     engine = None
     code = 0
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
@@ -37,6 +38,8 @@ _FINISH_REASONS = {
 class Request:
     """Holds only data (no callbacks or bound methods), so it dies with its last reference."""
 
+    live: "weakref.WeakSet[Request]" = weakref.WeakSet()   # for leak checks
+
     __slots__ = ("request_id", "client_index", "prompt_token_ids", "output_token_ids",
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_cached_tokens", "stop_reason", "block_hashes",
@@ -63,6 +66,7 @@ class Request:
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self.num_preemptions = 0
+        Request.live.add(self)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -510,7 +510,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
@@ -539,7 +539,7 @@ async def serve(llm, host: str = "127.0.0.1", port: int = 8000, sock: socket.soc
     """Serve until cancelled. `sock`: an already-bound listening socket (shared by several API
     server processes), else bind host:port."""
     app = build_app(llm, api_key, enable_control_endpoints)
-    runner = web.AppRunner(app, handler_cancellation=False, access_log=logger if access_log else None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=logger if access_log else None)
     await runner.setup()
     try:
         if sock is not None:

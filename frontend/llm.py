@@ -39,6 +39,7 @@ class LLM:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
+        self.stats = EngineStatsTotals()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -82,6 +83,8 @@ class LLM:
         done_per_result = [0] * len(results)
         while pending:
             outs = self.client.get_outputs()
+            if outs.scheduler_stats is not None:
+                self.stats.add(outs.scheduler_stats)
             for out in outs.outputs:
                 entry = states.get(out.request_id)
                 if entry is None or out.request_id not in pending:
@@ -119,6 +122,10 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.client.call_utility("reset_prefix_cache")
 
+    def debug_info(self) -> dict:
+        """Engine internals for tests: live requests, free blocks."""
+        return self.client.call_utility("debug_info")
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -127,6 +134,20 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+class EngineStatsTotals:
+    """Running totals of the per-step stats the engine sends."""
+
+    def __init__(self):
+        self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
+        self.steps = 0
+
+    def add(self, s) -> None:
+        self.steps += 1
+        self.prefix_cache_queries += s.prefix_cache_queries
+        self.prefix_cache_hits += s.prefix_cache_hits
+        self.num_preemptions += s.num_preemptions
 
 
 def _shutdown(proc, client: EngineCoreClient, ipc_dir: str) -> None:

@@ -269,7 +269,7 @@ def model_dir(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--max-model-len", "256")
+    s = Server(model_dir, "--max-model-len", "128")
     try:
         s.wait_healthy(180)
         yield s
@@ -303,8 +303,12 @@ def test_health_models_version(server, model_dir, model_name):
     models = requests.get(server.url + "/v1/models", timeout=10).json()
     assert models["object"] == "list" and len(models["data"]) == 1
     assert models["data"][0]["object"] == "model" and model_name == model_dir
-    assert models["data"][0]["max_model_len"] == 256
+    assert models["data"][0]["max_model_len"] == 128
     assert requests.get(server.url + "/version", timeout=10).json()["version"]
+    one = requests.get(server.url + "/v1/models/" + model_name.lstrip("/"), timeout=10)
+    assert one.status_code == 404   # a leading "/" is part of the id
+    one = requests.get(server.url + "/v1/models/" + model_name, timeout=10)
+    assert one.status_code == 200 and one.json()["id"] == model_name
 
 
 def test_models_via_openai_client(client, model_name):
@@ -363,7 +367,7 @@ def test_chat_default_max_tokens_is_up_to_max_model_len(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.total_tokens == 256
+    assert r.usage.total_tokens == 128
 
 
 def test_token_id_prompt_and_batch(client, model_name, hf_tokenizer):
@@ -466,7 +470,7 @@ def test_concurrent_streams_match(client, model_name):
 def test_tokenize_detokenize(server, hf_tokenizer):
     r = requests.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()
     assert r["tokens"] == hf_tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"])
-    assert r["max_model_len"] == 256
+    assert r["max_model_len"] == 128
     d = requests.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
     assert d == {"prompt": PROMPT}
     chat = requests.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=10).json()
@@ -492,8 +496,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hello " * 300}, 400, "prompt"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hello " * 200}, 400, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 125}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 1000}, 400, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "model": "nope"}, 404, "model"),

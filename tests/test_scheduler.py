@@ -1,0 +1,137 @@
+"""The scheduler and KV-cache manager in-process: block arithmetic, prefix-cache
+hashing, chunking, preemption, and object lifetimes without the cyclic GC."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from engine_core.config import EngineConfig
+from engine_core.kv_cache_manager import KVCacheManager, cdiv, hash_block
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler import Scheduler
+from ipc.messages import EngineCoreRequest, ModelRunnerOutput
+from ipc.sampling_params import SamplingParams
+
+
+def cfg(**kw) -> EngineConfig:
+    base = dict(model="unused", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
+    return Request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), [0]), 256, 0)
+
+
+def fake_step(s: Scheduler, token: int = 7):
+    so = s.schedule()
+    sampled = [token if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else -1
+               for r in so.req_ids]
+    return so, s.update_from_output(ModelRunnerOutput(list(so.req_ids), sampled))
+
+
+def test_block_arithmetic():
+    assert [cdiv(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    kv = KVCacheManager(10, 4, enable_caching=False)
+    r = req("a", list(range(1, 10)))  # 9 tokens -> 3 blocks
+    assert len(kv.allocate_slots(r, 9)) == 3
+    r.num_computed_tokens = 9
+    assert len(kv.allocate_slots(r, 3)) == 0   # 12 tokens still fit in 3 blocks
+    assert len(kv.allocate_slots(r, 4)) == 1   # 13 need a 4th
+    assert kv.usage() == pytest.approx(0.4)
+    kv.free(r)
+    assert kv.usage() == 0.0
+
+
+def test_prefix_hits_follow_hash_chain():
+    s = Scheduler(cfg(), 64)
+    prefix = list(range(100, 110))        # 10 tokens: 2 full blocks of 4
+    a = req("a", prefix + [1, 2, 3])
+    s.add_request(a)
+    while s.has_unfinished():
+        fake_step(s)
+    b = req("b", prefix + [9])
+    s.add_request(b)
+    fake_step(s)
+    assert b.num_cached_tokens == 8       # the third block differs
+    h0 = hash_block(None, prefix[:4])
+    assert b.block_hashes[:2] == [h0, hash_block(h0, prefix[4:8])]
+    # a hit never covers the whole prompt: the last token must be computed
+    c = req("c", prefix[:8])
+    s.add_request(c)
+    fake_step(s)
+    assert c.num_cached_tokens == 4
+
+
+def test_freed_blocks_are_revived_lru():
+    kv = KVCacheManager(4, 4, enable_caching=True)
+    a = req("a", list(range(1, 9)))
+    kv.allocate_slots(a, 8)
+    kv.cache_blocks(a, 8)
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 4
+    b = req("b", list(range(1, 9)) + [50])
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 2                 # still cached while free
+    assert kv.allocate_slots(b, 1, hits) is not None
+    assert kv.pool.num_free_blocks == 1
+
+
+def test_chunked_prefill_and_decode_share_a_step():
+    s = Scheduler(cfg(max_num_batched_tokens=8), 64)
+    a, b = req("a", [1, 2, 3]), req("b", list(range(10, 30)))
+    s.add_request(a)
+    fake_step(s)                                    # a's prompt
+    s.add_request(b)
+    so, _ = fake_step(s)
+    assert dict(zip(so.req_ids, so.num_scheduled_tokens)) == {"a": 1, "b": 7}
+    so, _ = fake_step(s)
+    assert dict(zip(so.req_ids, so.num_scheduled_tokens)) == {"a": 1, "b": 7}
+
+
+def test_preemption_requeues_at_front_and_counts():
+    s = Scheduler(cfg(block_size=4, max_num_batched_tokens=64), 4)   # 16 tokens of KV in all
+    a, b = req("a", list(range(1, 8)), max_tokens=6), req("b", list(range(20, 27)), max_tokens=6)
+    s.add_request(a)
+    s.add_request(b)
+    preempted = 0
+    for _ in range(40):
+        if not s.has_unfinished():
+            break
+        fake_step(s)
+        preempted += s.make_stats().num_preemptions
+    assert not s.has_unfinished()
+    assert preempted >= 1
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_unfittable_request_errors_instead_of_looping():
+    s = Scheduler(cfg(block_size=4), 2)                 # 8 tokens of KV
+    r = req("big", list(range(1, 12)))
+    s.add_request(r)
+    _, outs = fake_step(s)
+    assert outs[0][0].finish_reason == "error"
+    assert not s.has_unfinished()
+
+
+def test_finished_requests_are_freed_without_cyclic_gc():
+    gc.disable()
+    try:
+        s = Scheduler(cfg(), 256)
+        refs = []
+        for i in range(50):
+            r = req(f"r{i}", [1, 2, 3, i + 5], max_tokens=3)
+            refs.append(weakref.ref(r))
+            s.add_request(r)
+            del r
+        aborted = s.finish_requests([f"r{i}" for i in range(0, 50, 5)], RequestStatus.FINISHED_ABORTED)
+        del aborted
+        while s.has_unfinished():
+            fake_step(s)
+        s.take_timings()
+        assert sum(ref() is not None for ref in refs) == 0
+        assert s.kv.pool.num_free_blocks == 256
+    finally:
+        gc.enable()

@@ -1,0 +1,79 @@
+"""Identical output under every schedule: prefix caching off, every prompt chunked,
+and a KV cache so small that requests are preempted and resumed. Greedy and seeded."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from frontend import LLM, SamplingParams
+
+MAX_NEW = 10
+
+
+def _workload(vocab: int) -> list[list[int]]:
+    rng = random.Random(1)
+    shared = [rng.randrange(3, vocab - 16) for _ in range(21)]
+    prompts = [shared + [rng.randrange(3, vocab - 16) for _ in range(k)] for k in (1, 5, 11)]
+    prompts += [[rng.randrange(3, vocab - 16) for _ in range(k)] for k in (2, 19, 33, 7)]
+    return prompts
+
+
+def _run(model_dir: str, prompts, params, **options):
+    llm = LLM(model_dir, max_model_len=64, block_size=4, **options)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.stats
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(model_factory):
+    model_dir = model_factory("qwen3")
+    prompts = _workload(300)
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    params = greedy + seeded
+    ample, _ = _run(model_dir, prompts + prompts, params, enable_prefix_caching=False)
+    return model_dir, prompts + prompts, params, ample
+
+
+@pytest.mark.parametrize("name,options", [
+    ("prefix_caching", dict(enable_prefix_caching=True)),
+    ("chunked", dict(max_num_batched_tokens=8, max_num_seqs=4)),
+    ("preempted", dict(num_gpu_blocks_override=20, max_num_seqs=8)),
+])
+def test_same_output_under_schedule(setup, name, options):
+    model_dir, prompts, params, ample = setup
+    got, stats = _run(model_dir, prompts, params, **options)
+    assert got == ample
+    if name == "prefix_caching":
+        assert stats.prefix_cache_hits > 0
+    if name == "preempted":
+        assert stats.num_preemptions > 0
+
+
+def test_prefix_hits_counted_exactly(model_factory):
+    """Hits are the full blocks of the shared prefix, as the hash chain predicts."""
+    model_dir = model_factory("qwen3")
+    bs, shared = 4, list(range(40, 63))          # 23 tokens: 5 full blocks
+    llm = LLM(model_dir, max_model_len=64, block_size=bs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3)
+        first = llm.generate({"prompt_token_ids": shared + [5]}, params, use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0
+        q0, h0 = llm.stats.prefix_cache_queries, llm.stats.prefix_cache_hits
+        suffixes = [[7], [8, 9, 10], [11] * 6]
+        outs = llm.generate([{"prompt_token_ids": shared + s} for s in suffixes], params, use_tqdm=False)
+        expected = [(len(shared) // bs) * bs] * len(suffixes)
+        assert [o.num_cached_tokens for o in outs] == expected
+        assert llm.stats.prefix_cache_hits - h0 == sum(expected)
+        assert llm.stats.prefix_cache_queries - q0 == sum(len(shared) + len(s) for s in suffixes)
+        # after a reset nothing is found
+        assert llm.reset_prefix_cache() is True
+        again = llm.generate({"prompt_token_ids": shared + [7]}, params, use_tqdm=False)[0]
+        assert again.num_cached_tokens == 0
+    finally:
+        llm.shutdown()
