@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from engine_core.config import ConfigError, EngineConfig
+from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
 from engine_core.executor import Executor
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -44,6 +45,8 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
+        self.control = ControlState()
+        self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ------------------------------------------------------------ requests
@@ -81,12 +84,15 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a step could make progress now (else the loop blocks on its input queue)."""
+        if not self.control.can_step:
+            return False
+        return bool(self.scheduler.running) or (self.control.admits_new and bool(self.scheduler.waiting))
 
     # ------------------------------------------------------------ one step
 
     def step(self) -> dict[int, list[EngineCoreOutput]]:
-        so = self.scheduler.schedule()
+        so = self.scheduler.schedule(allow_new=self.control.admits_new)
         if so.req_ids or so.new_requests or so.finished_req_ids:
             out = self.executor.execute_model(so)
         else:
@@ -97,6 +103,73 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """0: stop scheduling. 1: also offload weights to CPU and free the KV cache. 2: discard both."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"level must be 0, 1 or 2, got {level}")
+        if level == 0:
+            self.control.asleep.add("scheduling")
+        else:
+            if not self.config.enable_sleep_mode:
+                raise ValueError("sleep levels 1 and 2 need --enable-sleep-mode")
+            self.scheduler.preempt_all()  # their KV is about to go; they recompute after wake-up
+            self.executor.collective_rpc("sleep", [level])
+            self.scheduler.reset_prefix_cache()
+            self.control.asleep.update(SLEEP_TAGS)
+        self.control.sleep_level = max(self.control.sleep_level, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = list(tags or SLEEP_TAGS)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {unknown}; use {list(SLEEP_TAGS)}")
+        worker_tags = [t for t in ("weights", "kv_cache") if t in tags and t in self.control.asleep]
+        if worker_tags:
+            self.executor.collective_rpc("wake_up", [worker_tags])
+        self.control.asleep.difference_update(tags)
+        if not self.control.asleep:
+            self.control.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.control.is_sleeping
+
+    def pause(self, mode: str = "abort", clear_cache: bool = False):
+        """abort: end in-flight requests; wait: return once they finish; keep: freeze them."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        if mode == "keep":
+            self.control.pause = PauseState.PAUSED_ALL
+            if clear_cache:  # never wait on frozen requests: recompute them after resume instead
+                self.scheduler.preempt_all()
+                self.scheduler.reset_prefix_cache()
+            return None
+        self.control.pause = PauseState.PAUSED_NEW
+        if mode == "abort":
+            self._abort_all()
+            if clear_cache:
+                self.scheduler.reset_prefix_cache()
+            return None
+
+        def drained() -> bool:
+            if self.scheduler.running:
+                return False
+            if clear_cache:
+                self.scheduler.reset_prefix_cache()
+            return True
+        return Deferred(drained)
+
+    def resume(self) -> None:
+        self.control.pause = PauseState.UNPAUSED
+
+    def is_paused(self) -> bool:
+        return self.control.pause != PauseState.UNPAUSED
+
+    def _abort_all(self) -> None:
+        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for req in self.abort_requests([r.request_id for r in reqs]):
+            self.pending_outputs.setdefault(req.client_index, []).append(
+                EngineCoreOutput(req.request_id, [], "abort"))
 
     def ping(self) -> str:
         return "pong"
@@ -111,7 +184,8 @@ class EngineCore:
                 "free_blocks": self.scheduler.kv.pool.num_free_blocks, "num_blocks": self.num_gpu_blocks,
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
 
-    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info"})
+    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info", "sleep",
+                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused"})
 
     shutting_down = False
 
@@ -132,6 +206,7 @@ class EngineCoreProc(EngineCore):
         self.outputs: queue.Queue = queue.Queue()
         self.client_addresses = clients
         self._stop = threading.Event()
+        self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
                             engine_index, config.model_name)
         self.in_thread = threading.Thread(target=self._input_loop, args=(ready,), name="engine-input", daemon=True)
@@ -189,12 +264,17 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         step = 0
         while True:
-            self._drain_inputs(block=not self.has_work())
-            if not self.has_work():
+            self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
+            by_client = self.step() if self.has_work() else {}
+            for ci, outs in self.pending_outputs.items():
+                by_client.setdefault(ci, [])[:0] = outs
+            self.pending_outputs = {}
+            self._finish_deferred()
+            if not by_client and not self.scheduler.finished_req_ids and step == self.scheduler.step_id:
                 continue
-            by_client = self.step()
-            step += 1
+            step = self.scheduler.step_id
             stats = self.scheduler.make_stats()
+            stats.sleep_level, stats.is_paused = self.control.sleep_level, self.is_paused()
             timings: dict[int, list] = {}
             for ci, t in self.scheduler.take_timings():
                 timings.setdefault(ci, []).append(t)
@@ -221,25 +301,36 @@ class EngineCoreProc(EngineCore):
         if kind == MsgType.ADD.value:
             err = self.add_request(msg)
             if err is not None:
-                self._send(msg.client_index, [err])
+                self.pending_outputs.setdefault(msg.client_index, []).append(err)
         elif kind == MsgType.ABORT.value:
             self.abort_requests(msg)
         elif kind == MsgType.UTILITY.value:
             self._run_utility(msg)
-
-    def _send(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
-        self.outputs.put((client_index, MsgType.OUTPUTS.value,
-                          EngineCoreOutputs(outputs, self.engine_index, time.time())))
 
     def _run_utility(self, req: UtilityRequest) -> None:
         out = UtilityOutput(req.call_id)
         try:
             if req.method not in self.UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {req.method!r}")
-            out.result = getattr(self, req.method)(*req.args)
+            result = getattr(self, req.method)(*req.args)
+            if isinstance(result, Deferred):
+                self._deferred.append((req.client_index, out, result))
+                return
+            out.result = result
         except Exception as e:
             out.failure = f"{type(e).__name__}: {e}"
-        self.outputs.put((req.client_index, MsgType.OUTPUTS.value,
+        self._send_utility(req.client_index, out)
+
+    def _finish_deferred(self) -> None:
+        for item in list(self._deferred):
+            client_index, out, deferred = item
+            if deferred.done():
+                self._deferred.remove(item)
+                out.result = deferred.result
+                self._send_utility(client_index, out)
+
+    def _send_utility(self, client_index: int, out: UtilityOutput) -> None:
+        self.outputs.put((client_index, MsgType.OUTPUTS.value,
                           EngineCoreOutputs([], self.engine_index, time.time(), utility_output=out)))
 
 

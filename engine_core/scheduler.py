@@ -141,6 +141,11 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
                                sum(num_sched.values()), finished, self.step_id)
 
+    def preempt_all(self) -> None:
+        """Free every running request's KV; they resume, recomputed, in their order."""
+        while self.running:  # newest first, so the oldest ends up at the front of the queue
+            self._preempt(self.running.pop())
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED

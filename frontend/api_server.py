@@ -535,11 +535,14 @@ def build_app(llm, api_key: str | None = None, enable_control_endpoints: bool = 
 
 async def serve(llm, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
                 api_key: str | None = None, enable_control_endpoints: bool = False,
-                access_log: bool = False, ready: asyncio.Event | None = None, **_ignored) -> None:
+                access_log: bool = False, ready: asyncio.Event | None = None, shutdown_timeout: float = 3.0,
+                **_ignored) -> None:
     """Serve until cancelled. `sock`: an already-bound listening socket (shared by several API
-    server processes), else bind host:port."""
+    server processes), else bind host:port. `ready` is set once listening. On shutdown, requests
+    in flight get `shutdown_timeout` seconds to finish."""
     app = build_app(llm, api_key, enable_control_endpoints)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=logger if access_log else None)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+                           access_log=logger if access_log else None)
     await runner.setup()
     try:
         if sock is not None:

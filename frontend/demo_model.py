@@ -42,8 +42,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
-# Default number of optimizer steps (about 30 s on a 2-core CPU).
-DEFAULT_STEPS = 300
+# Default number of optimizer steps (~35 s of CPU time, single-threaded).
+DEFAULT_STEPS = 200
 
 # Tokenizer / model sizes.
 TOKENIZER_VOCAB_SIZE = 512  # upper bound, including the 256-byte alphabet + specials
@@ -69,8 +69,11 @@ BATCH_SIZE = 8
 N_LONG_CHATS = 2
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
-NUM_THREADS = 2
-TRAIN_ATTN_IMPL = "sdpa"
+# Fixed intra-op thread count during training (the float reduction order, and
+# so the exact weights, can depend on it).  One thread: the result is the same
+# on every machine, and it avoids the OpenMP spin-wait collapse seen with two
+# threads on a busy 2-core box (CPU time went from ~35 s to 90-140 s).
+NUM_THREADS = 1
 
 # Qwen-style ChatML template (no default system prompt, no tools).
 CHAT_TEMPLATE = (
@@ -196,6 +199,9 @@ def _save_tokenizer(hf_tok, out_dir: str) -> None:
         cfg = json.load(f)
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # Classic key (transformers 4.x and 5.x both read it).
+    cfg.pop("extra_special_tokens", None)
+    cfg["additional_special_tokens"] = [IM_START]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, ensure_ascii=False, sort_keys=True)
         f.write("\n")
@@ -272,6 +278,8 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
     eot_id = tok.token_to_id(ENDOFTEXT)
     im_start_id = tok.token_to_id(IM_START)
     im_end_id = tok.token_to_id(IM_END)
+    for sp, sp_id in ((ENDOFTEXT, eot_id), (IM_START, im_start_id), (IM_END, im_end_id)):
+        assert tok.encode(sp).ids == [sp_id], sp  # atomic special tokens
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     vocab_size = ((n_tok + 63) // 64) * 64
     logger.info("demo tokenizer: %d tokens (model vocab %d)", n_tok, vocab_size)
@@ -307,7 +315,6 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
             random.seed(seed)
 
             model = Qwen3ForCausalLM(config)
-            model.config._attn_implementation = TRAIN_ATTN_IMPL
             model.train()
             opt = torch.optim.AdamW(
                 model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0
@@ -357,7 +364,6 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
         random.setstate(py_state)
 
     # --- save ------------------------------------------------------------
-    model.config._attn_implementation = "sdpa"
     model.save_pretrained(out_dir, safe_serialization=True)
     gen = GenerationConfig(
         bos_token_id=eot_id,
@@ -378,11 +384,16 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
     cfg["dtype"] = "float32"
     cfg["architectures"] = ["Qwen3ForCausalLM"]
     cfg["model_type"] = "qwen3"
+    # Legacy top-level key as well as transformers 5's ``rope_parameters``.
+    cfg["rope_theta"] = MODEL_CONFIG["rope_theta"]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o644)
     logger.info("demo model written to %s in %.1fs", out_dir, time.monotonic() - t0)
-    del im_start_id
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,8 @@ class LLM:
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
         self.stats = EngineStatsTotals()
+        self._results: list[RequestOutput] = []                         # enqueued, in order
+        self._states: dict[str, tuple[RequestOutput, RequestState]] = {}  # by engine request id
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -48,72 +50,103 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts."""
+        self.enqueue(prompts, sampling_params)
+        return self.wait_for_completion(use_tqdm=use_tqdm)
+
+    def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
+        """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if not prompts:
-            return []
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        results: list[RequestOutput] = []
-        states: dict[str, tuple[int, RequestState]] = {}
-        now = time.time()
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        checked = []
+        for prompt, params in zip(prompts, params_list):  # check all before sending any
             text, ids = to_token_ids(self.tokenizer, prompt)
             check_prompt(self.config, ids, params)
+            checked.append((text, ids, params))
+        now, ids_out = time.time(), []
+        for text, ids, params in checked:
             rid = new_request_id()
-            results.append(RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)]))
+            result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
+            self._results.append(result)
             for j, ecr in enumerate(engine_requests(rid, ids, params, self.config.eos_token_ids, now)):
-                states[ecr.request_id] = (i, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
-                                                          self.tokenizer))
+                self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
+                                                                     self.tokenizer))
                 self.client.add_request(ecr)
+            ids_out.append(rid)
+        return ids_out
+
+    def wait_for_completion(self, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every enqueued request to the end; their outputs, in the order enqueued."""
+        results, self._results = self._results, []
         try:
-            self._run(results, states, use_tqdm)
+            self._run(results, use_tqdm)
         except BaseException:
-            self.client.abort(list(states))
+            self.client.abort(list(self._states))
+            self._states.clear()
             raise
         return results
 
-    def _run(self, results: list[RequestOutput], states: dict, use_tqdm: bool) -> None:
-        pending = set(states)
+    def _run(self, results: list[RequestOutput], use_tqdm: bool) -> None:
         bar = _progress(len(results), use_tqdm)
-        done_per_result = [0] * len(results)
-        while pending:
+        while self._states:
             outs = self.client.get_outputs()
             if outs.scheduler_stats is not None:
                 self.stats.add(outs.scheduler_stats)
             for out in outs.outputs:
-                entry = states.get(out.request_id)
-                if entry is None or out.request_id not in pending:
+                entry = self._states.get(out.request_id)
+                if entry is None:
                     continue
-                i, st = entry
+                result, st = entry
                 delta, abort = st.process(out)
                 if abort:
                     self.client.abort([out.request_id])
                 if delta is None:
                     continue
-                choice = results[i].outputs[st.index]
+                choice = result.outputs[st.index]
                 choice.text += delta.text
                 choice.token_ids.extend(delta.token_ids)
                 if delta.logprobs is not None:
                     choice.logprobs = (choice.logprobs or []) + delta.logprobs
-                if delta.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-                    results[i].num_cached_tokens = st.num_cached_tokens
-                    results[i].prompt_logprobs = st.prompt_logprobs
-                    pending.discard(out.request_id)
-                    done_per_result[i] += 1
-                    if done_per_result[i] == len(results[i].outputs):
-                        results[i].finished = True
-                        if bar is not None:
-                            bar.update(1)
                 if bar is not None:
                     bar.add_tokens(len(delta.token_ids))
+                if delta.finish_reason is None:
+                    continue
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+                result.num_cached_tokens = st.num_cached_tokens
+                result.prompt_logprobs = st.prompt_logprobs
+                del self._states[out.request_id]
+                if all(c.finish_reason is not None for c in result.outputs):
+                    result.finished = True
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
+
+    # ------------------------------------------------------------ control
+
+    def sleep(self, level: int = 1) -> None:
+        self.client.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.client.call_utility("is_sleeping")
+
+    def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """abort: in-flight requests end with "abort"; wait: returns once they finish; keep: freeze them."""
+        self.client.call_utility("pause", mode, clear_cache)
+
+    def resume(self) -> None:
+        self.client.call_utility("resume")
+
+    def is_paused(self) -> bool:
+        return self.client.call_utility("is_paused")
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None):

@@ -32,53 +32,66 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    n_rows, n_inner, stride_x0, stride_x1, stride_r0, stride_r1, n_cols, eps,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """ROWS rows per program; row r of the input is at (r // n_inner) * stride0
+    + (r % n_inner) * stride1 ([T, H, D] views need no copy). Outputs are
+    contiguous."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < n_rows)[:, None] & (offs < n_cols)[None, :]
+    outer = rows // n_inner
+    inner = rows % n_inner
+    x = tl.load(x_ptr + (outer * stride_x0 + inner * stride_x1)[:, None] + offs[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    out_off = rows[:, None] * n_cols + offs[None, :]
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + (outer * stride_r0 + inner * stride_r1)[:, None] + offs[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
         xr = (x + r).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * n_cols + offs, xr, mask=mask)
+        tl.store(res_out_ptr + out_off, xr, mask=mask)
         x = xr.to(tl.float32)
-    var = tl.sum(x * x, 0) / n_cols
+    var = tl.sum(x * x, 1) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., H] -> [R, H] with a contiguous last dim (a view when possible)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
+def _as_rows(t: torch.Tensor, three_d: bool):
+    """-> (tensor, n_inner, stride0, stride1) addressing t's rows of length H."""
+    if three_d:
+        return t, t.shape[1], t.stride(0), t.stride(1)
+    t2 = t.reshape(-1, t.shape[-1])  # a view when possible
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2, 1, t2.stride(0), 0
 
 
 def _launch(x, residual, weight, eps):
     h = x.shape[-1]
     assert weight.shape == (h,)
     weight = weight.contiguous()
-    x2 = _rows(x)
-    n_rows = x2.shape[0]
+    three_d = x.dim() == 3 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    x2, n_inner, sx0, sx1 = _as_rows(x, three_d)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape
-        r2 = _rows(residual)
+        r2, _, sr0, sr1 = _as_rows(residual, three_d)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
-        r2, res_out = x2, out
+        r2, sr0, sr1, res_out = x2, sx0, sx1, out
+    n_rows = x.numel() // h if h else 0
     if n_rows == 0:
         return out, res_out
     block = triton.next_power_of_2(h)
-    num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _rms_norm_kernel[(n_rows,)](
-        x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), h, float(eps),
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+    rows = max(1, min(32, 2048 // block))
+    tile = rows * block
+    num_warps = 2 if tile <= 512 else 4 if tile <= 4096 else 8 if tile <= 8192 else 16
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        x2, r2, weight, out, res_out, n_rows, n_inner, sx0, sx1, sr0, sr1, h, float(eps),
+        BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
     )
     return out, res_out
 
@@ -88,7 +101,8 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H], weight [H] -> new tensor of x's shape and dtype."""
+    """x [..., H] (e.g. [T, H] or per-head [T, heads, head_dim]), weight [H] ->
+    new contiguous tensor of x's shape and dtype."""
     if not _use_triton(x):
         return rms_norm_ref(x, weight, eps)
     return _launch(x, None, weight, eps)[0]

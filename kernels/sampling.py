@@ -50,7 +50,10 @@ def _lshr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def mix_seed(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int64 hash of (seed, position) (splitmix64 finaliser, wrapping int64 math)."""
+    """int64 hash of (seed, position) (splitmix64 finaliser, wrapping int64 math).
+
+    The Triton kernel computes the same hash in-kernel as its Philox key; the
+    reference seeds its torch.Generator with it."""
     x = seeds.long() * _C_SEED + positions.long() * _C_POS
     x = (x ^ _lshr(x, 30)) * _C_MIX1
     x = (x ^ _lshr(x, 27)) * _C_MIX2
@@ -62,8 +65,8 @@ def _prepare(logits, temperature, top_k, top_p, min_p):
     temperature = temperature.float()
     greedy = temperature <= 0
     inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature)
-    min_p = min_p.float().clamp(max=1.0)
-    max_d = torch.where(min_p > 0, -torch.log(min_p), torch.full_like(min_p, float("inf")))
+    min_p = min_p.float()
+    max_d = torch.where(min_p > 0, -torch.log(min_p.clamp(1e-30, 1.0)), torch.full_like(min_p, float("inf")))
     return greedy, inv_t, top_k.to(torch.int32), top_p.float(), max_d
 
 
@@ -125,9 +128,15 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
 
 
+
 # --------------------------------------------------------------------------
 # Triton
 # --------------------------------------------------------------------------
+_BLOCK = 1024  # tokens per loop step; also fixes the Philox stream layout (4 x _RAND_Q)
+_RAND_Q = 256  # token t draws output (t // 256) % 4 of Philox counter (t // 1024) * 256 + t % 256
+_NPIV = 4      # pivots per bisection pass (the pass is compute-bound: cost grows with pivots)
+
+
 @triton.jit
 def _key_e(l, m, inv_t, mask):
     d = (m - l) * inv_t
@@ -152,31 +161,48 @@ def _count_mass_at(row_ptr, vocab, m, inv_t, thr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """NPIV pivots strictly inside (lo, hi) (some may equal lo when the span is
-    small): count and mass of tokens with key <= each pivot."""
+def _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi,
+                BLOCK: tl.constexpr, NPIV: tl.constexpr, NEED_MASS: tl.constexpr):
+    """NPIV pivots in [lo, hi) (the last one strictly inside (lo, hi) when
+    hi - lo >= 2): count (and mass) of the tokens with key <= each pivot."""
     j = tl.arange(0, NPIV)
     span = (hi - lo).to(tl.int64)
     piv = (lo.to(tl.int64) + span * (j + 1).to(tl.int64) // (NPIV + 1)).to(tl.int32)
-    cnt = tl.zeros([NPIV], dtype=tl.int32)
-    mass = tl.zeros([NPIV], dtype=tl.float32)
+    acc_c = tl.zeros([BLOCK, NPIV], dtype=tl.int32)
+    acc_m = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < vocab
         l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
         key, e = _key_e(l, m, inv_t, msk)
         le = key[:, None] <= piv[None, :]
-        cnt += tl.sum(le.to(tl.int32), 0)
-        mass += tl.sum(tl.where(le, e[:, None], 0.0), 0)
-    return piv, cnt, mass
+        acc_c += le.to(tl.int32)
+        if NEED_MASS:
+            acc_m += tl.where(le, e[:, None], 0.0)
+    return piv, tl.sum(acc_c, 0), tl.sum(acc_m, 0)
+
+
+@triton.jit
+def _race(row_ptr, noise_row_ptr, offs, vocab, m, inv_t, thr, u, best, best_i, USE_NOISE: tl.constexpr):
+    msk = offs < vocab
+    l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+    key, e = _key_e(l, m, inv_t, msk)
+    if USE_NOISE:
+        q = tl.load(noise_row_ptr + offs, mask=msk, other=1.0).to(tl.float32)
+        score = tl.math.div_rn(e, q)  # IEEE division, as torch does
+    else:
+        score = e / -tl.log(u)  # u == 0 -> q = inf -> score 0
+    score = tl.where(msk & (key <= thr), score, -1.0)
+    upd = score > best
+    return tl.where(upd, score, best), tl.where(upd, offs, best_i)
 
 
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride_l, noise_ptr, stride_n,
-    greedy_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, max_d_ptr, seed_ptr, out_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, out_ptr,
     vocab,
-    BLOCK: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
+    BLOCK: tl.constexpr, RAND_Q: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
@@ -192,14 +218,17 @@ def _sample_kernel(
         best_i = tl.where(upd, offs, best_i)
     m = tl.max(best, 0)
     arg = tl.min(tl.where(best == m, best_i, vocab), 0)
-    if tl.load(greedy_ptr + row) != 0:
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    if temp <= 0.0:
         tl.store(out_ptr + row, arg.to(tl.int64))
         return
 
-    inv_t = tl.load(inv_t_ptr + row)
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
-    thr = tl.load(max_d_ptr + row).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # min_p
+    inv_t = tl.math.div_rn(1.0, temp)  # IEEE, as the reference's 1 / temperature
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    p = tl.load(top_p_ptr + row).to(tl.float32)
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
+    thr = max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # min_p: keep d <= -log(min_p)
     j = tl.arange(0, NPIV)
     need_k = (k > 0) & (k < vocab)
     need_p = p < 1.0
@@ -210,22 +239,22 @@ def _sample_kernel(
             # smallest key K with count(key <= K) >= k; invariant: count(<= lo) < k <= count(<= hi)
             lo = hi * 0 - 1
             while (hi - lo > 1) & (c_hi != k):
-                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV)
+                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV, False)
                 first = tl.min(tl.where(cnt >= k, j, NPIV), 0)
                 sel = j == first
                 has = first < NPIV
-                sel_lo = j == first - 1
-                lo = tl.where(first > 0, tl.sum(tl.where(sel_lo, piv, 0), 0), lo)
+                lo = tl.where(first > 0, tl.sum(tl.where(j == first - 1, piv, 0), 0), lo)
                 c_hi = tl.where(has, tl.sum(tl.where(sel, cnt, 0), 0), c_hi)
-                s_hi = tl.where(has, tl.sum(tl.where(sel, mass, 0.0), 0), s_hi)
                 hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
+            if need_p:
+                c_hi, s_hi = _count_mass_at(row_ptr, vocab, m, inv_t, hi, BLOCK)
         if need_p:
             # smallest key K with mass(key <= K) >= p * mass(kept so far), at least one token
             target = p * s_hi
             lo = hi * 0 - 1
             c_lo = c_hi * 0
             while (hi - lo > 1) & (c_hi - c_lo > 1):
-                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV)
+                piv, cnt, mass = _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi, BLOCK, NPIV, True)
                 first = tl.min(tl.where((mass >= target) & (cnt >= 1), j, NPIV), 0)
                 sel = j == first
                 has = first < NPIV
@@ -237,41 +266,45 @@ def _sample_kernel(
                 hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
         thr = hi
 
+    # Philox key: splitmix64 of (seed, position), as mix_seed()
+    x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
+        + tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0xD1B54A32D192ED03
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    x = x ^ (x >> 31)
+
     # last pass: exponential race over the kept tokens
-    seed = tl.load(seed_ptr + row)
-    best = tl.full([BLOCK], -1.0, dtype=tl.float32)
-    best_i = tl.arange(0, BLOCK)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < vocab
-        l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
-        key, e = _key_e(l, m, inv_t, msk)
+    noise_row = noise_ptr + row * stride_n
+    best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
+    best_i = tl.arange(0, RAND_Q)
+    lane = tl.arange(0, RAND_Q)
+    for start in range(0, vocab, 4 * RAND_Q):
         if USE_NOISE:
-            q = tl.load(noise_ptr + row * stride_n + offs, mask=msk, other=1.0).to(tl.float32)
+            u0 = tl.zeros([RAND_Q], dtype=tl.float32)
+            u1 = u0
+            u2 = u0
+            u3 = u0
         else:
-            q = -tl.log(tl.rand(seed, offs))
-        score = tl.where(msk & (key <= thr), e / q, -1.0)
-        upd = score > best
-        best = tl.where(upd, score, best)
-        best_i = tl.where(upd, offs, best_i)
+            u0, u1, u2, u3 = tl.rand4x(x, start // 4 + lane)
+        best, best_i = _race(row_ptr, noise_row, start + lane, vocab, m, inv_t, thr, u0, best, best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, vocab, m, inv_t, thr, u1, best, best_i,
+                             USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, vocab, m, inv_t, thr, u2, best,
+                             best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, vocab, m, inv_t, thr, u3, best,
+                             best_i, USE_NOISE)
     top = tl.max(best, 0)
     tok = tl.min(tl.where(best == top, best_i, vocab), 0)
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
-_BLOCK = 1024
-_NPIV = 16
-
-
-def _launch(logits, temperature, top_k, top_p, min_p, seeds, noise):
+def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise):
     bsz, vocab = logits.shape
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     if bsz == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    greedy, inv_t, top_k, top_p, max_d = _prepare(logits, temperature, top_k, top_p, min_p)
-    greedy = greedy.to(torch.int32)
     use_noise = noise is not None
     if use_noise:
         if noise.stride(-1) != 1:
@@ -279,12 +312,11 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, noise):
         stride_n = noise.stride(0)
     else:
         noise, stride_n = logits, 0  # unused
-    block = min(_BLOCK, triton.next_power_of_2(vocab))
     _sample_kernel[(bsz,)](
         logits, logits.stride(0), noise, stride_n,
-        greedy.contiguous(), inv_t.contiguous(), top_k.contiguous(), top_p.contiguous(), max_d.contiguous(),
-        seeds.contiguous(), out, vocab,
-        BLOCK=block, NPIV=_NPIV, USE_NOISE=use_noise, num_warps=8,
+        temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
+        seeds.contiguous(), positions.contiguous(), out, vocab,
+        BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise, num_warps=8,
     )
     return out
 
@@ -297,10 +329,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32, temperature [B] fp32 (0 = greedy), top_k [B] int32
     (<= 0 or >= V: off), top_p [B] fp32 (1.0: off), min_p [B] fp32 (0: off),
-    seeds [B] int64, positions [B] int64 -> token ids int64 [B]."""
+    seeds [B] int64, positions [B] int64 -> token ids int64 [B].
+
+    One kernel launch, no host sync and no other device work (per-row
+    parameters are read in the kernel)."""
     if not _use_triton(logits):
         return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    return _launch(logits, temperature, top_k, top_p, min_p, mix_seed(seeds, positions), None)
+    return _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, None)
 
 
 def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -308,5 +343,5 @@ def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     """The Triton sampler with explicit Exp(1) noise [B, V] instead of Philox."""
     if not _use_triton(logits):
         return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
-    seeds = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _launch(logits, temperature, top_k, top_p, min_p, seeds, noise)
+    zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise)

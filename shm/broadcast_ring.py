@@ -601,9 +601,12 @@ class BroadcastRing:
         self.close()
 
     def __del__(self) -> None:
+        # Dropped without close(): never block here on unsent overflow messages.
         try:
             if not self._closed:
-                self._unlink_segment()
+                if self._ovf is not None:
+                    self._ovf.setsockopt(zmq.LINGER, 0)
+                self.close()
         except Exception:
             pass
 

@@ -117,12 +117,18 @@ def test_timeouts_and_close(ipc_dir):
     assert os.listdir(ipc_dir) == []
 
 
-def test_unlinked_before_ready_is_cleaned_on_close(ipc_dir):
+def test_writer_closed_before_ready_cleans_up(ipc_dir):
     ring = BroadcastRing.create(2, ipc_dir)
-    name = ring.handle().shm_name
-    assert name in _loom_shm() and len(os.listdir(ipc_dir)) == 2
-    ring.close()
-    assert name not in _loom_shm() and os.listdir(ipc_dir) == []
+    handle = ring.handle()
+    reader = BroadcastRing.attach(handle, 0)  # binds its notify socket file
+    try:
+        assert handle.shm_name in _loom_shm() and len(os.listdir(ipc_dir)) == 2
+    finally:
+        ring.close()
+    assert handle.shm_name not in _loom_shm() and os.listdir(ipc_dir) == []
+    with pytest.raises(RingClosed):
+        reader.dequeue(timeout=1)
+    reader.close()
 
 
 def test_idle_reader_sleeps_and_wakes(ipc_dir):

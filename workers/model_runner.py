@@ -54,6 +54,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
 
     # ------------------------------------------------------------ KV cache
 
@@ -104,6 +105,54 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
+
+    # ------------------------------------------------------------ sleep / wake
+
+    def sleep(self, level: int) -> None:
+        """Level 1: weights to CPU memory, KV cache freed. Level 2: both discarded."""
+        self._weights_backup = None
+        if level == 1:
+            pin = self.device.type == "cuda"
+            self._weights_backup = {n: t.detach().to("cpu").pin_memory() if pin else t.detach().clone()
+                                    for n, t in self.model.state_dict(keep_vars=True).items()}
+        for t in self.model.state_dict(keep_vars=True).values():
+            t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        self.kv_caches = []
+        self._release_memory()
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            if self._weights_backup is not None:
+                for n, t in self.model.state_dict(keep_vars=True).items():
+                    t.data = self._weights_backup[n].to(self.device, non_blocking=True)
+                self._weights_backup = None
+            else:  # level 2: reload from the model directory
+                from workers.model_loader import load_model
+                torch.manual_seed(self.config.seed)
+                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format)
+                for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
+                                            fresh.state_dict(keep_vars=True).items()):
+                    t.data = src.data
+                del fresh
+        if "kv_cache" in tags:
+            self.initialize_cache(self.num_blocks)
+
+    def _release_memory(self) -> None:
+        import gc
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def memory_info(self) -> dict:
+        """Bytes held by model weights and KV cache; on CUDA also the device's view."""
+        info = {"weights": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                "kv_cache": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            info.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
+                        device_used=total - free)
+        return info
 
     # ------------------------------------------------------------ one step
 

@@ -44,6 +44,18 @@ class Worker:
         self.runner.initialize_cache(num_blocks)
 
     @remote
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    @remote
+    def wake_up(self, tags: list[str]) -> None:
+        self.runner.wake_up(tags)
+
+    @remote
+    def memory_info(self) -> dict:
+        return self.runner.memory_info()
+
+    @remote
     def get_pid(self) -> int:
         return os.getpid()
 
