@@ -178,6 +178,12 @@ def test_rms_norm(dtype):
     out, new_r = rn.fused_add_rms_norm(x, r, w, eps)
     out_ref, new_r_ref = rn.fused_add_rms_norm_ref(x, r, w, eps)
     exact = dtype == torch.float32 or not INTERPRET  # (the interpreter's bf16 rounding is approximate)
+    # ... and on [T, H, D] views, as for Qwen3's per-head norms
+    qr = _randn(5, 4, 32, dtype=dtype, g=g)
+    o3, nr3 = rn.fused_add_rms_norm(q, qr, wq, eps)
+    o3_ref, nr3_ref = rn.fused_add_rms_norm_ref(q, qr, wq, eps)
+    torch.testing.assert_close(nr3, nr3_ref, **(dict(atol=0, rtol=0) if exact else tol))
+    torch.testing.assert_close(o3, o3_ref, **tol)
     torch.testing.assert_close(new_r, new_r_ref, **(dict(atol=0, rtol=0) if exact else tol))
     torch.testing.assert_close(out, out_ref, **tol)
 
