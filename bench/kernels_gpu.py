@@ -88,22 +88,24 @@ def _attention(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
     scale = d ** -0.5
     if quick:
         cases = {
-            "mixed": ([300, 1, 1, 40], [300, 900, 77, 1000]),
-            "decode-long": ([1, 1], [5000, 3000]),
+            "mixed": ([300, 1, 1, 40], [300, 900, 77, 1000], 0),
+            "mixed, decodes first": ([1, 1, 300, 40], [900, 77, 300, 1000], 2),
+            "decode-long": ([1, 1], [5000, 3000], 0),
         }
     else:
         cases = {
-            "prefill 2x2048": ([2048, 2048], [2048, 2048]),
-            "chunk 512 of 4096, x2": ([512, 512], [4096, 4096]),
-            "mixed 1x1024+63 dec@2k": ([1024] + [1] * 63, [1024] + [2048] * 63),
-            "decode 64@4096": ([1] * 64, [4096] * 64),
-            "decode 256@1024": ([1] * 256, [1024] * 256),
-            "decode 2@32768": ([1, 1], [32768, 32768]),
+            "prefill 2x2048": ([2048, 2048], [2048, 2048], 0),
+            "chunk 512 of 4096, x2": ([512, 512], [4096, 4096], 0),
+            "mixed 1x1024+63 dec@2k": ([1024] + [1] * 63, [1024] + [2048] * 63, 0),
+            "mixed 63 dec@2k+1x1024 hint": ([1] * 63 + [1024], [2048] * 63 + [1024], 63),
+            "decode 64@4096": ([1] * 64, [4096] * 64, 0),
+            "decode 256@1024": ([1] * 256, [1024] * 256, 0),
+            "decode 2@32768": ([1, 1], [32768, 32768], 0),
         }
-    for label, (q_lens, seq_lens) in cases.items():
+    for label, (q_lens, seq_lens, nd) in cases.items():
         q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, seq_lens, hq, hkv, d, 16, BF16, dev, gen)
         args = (q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens))
-        out = pa.paged_attention(*args)
+        out = pa.paged_attention(*args, num_decodes=nd)
         ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale)
         ctx.check(f"paged_attention {model} {label}", out, ref, atol=1.5e-2, rtol=2e-2)
         splits = pa.choose_num_kv_splits(len(seq_lens), hkv, max(q_lens), max(seq_lens), q.device)
@@ -114,7 +116,7 @@ def _attention(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         q_bytes = 2 * q.numel() * 2
         flops = sum(4 * ql * (s - ql / 2) * hq * d for ql, s in zip(q_lens, seq_lens))
         ctx.bench("paged_attention" + (f" split={splits}" if splits > 1 else ""),
-                  f"{model} {label}", lambda: pa.paged_attention(*args), kv_bytes + q_bytes, flops)
+                  f"{model} {label}", lambda: pa.paged_attention(*args, num_decodes=nd), kv_bytes + q_bytes, flops)
         if splits > 1:
             ctx.bench("paged_attention split=1", f"{model} {label}",
                       lambda: pa.paged_attention(*args, num_kv_splits=1), kv_bytes + q_bytes, flops)

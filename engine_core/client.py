@@ -9,6 +9,7 @@ client owns the process) on its exit.
 from __future__ import annotations
 
 import asyncio
+import socket
 import itertools
 import time
 from typing import Any
@@ -18,7 +19,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ipc.messages import (EngineCoreOutputs, EngineCoreRequest, EngineReady, MsgType, UtilityRequest)
+from ipc.messages import (AttachRequest, EngineCoreOutputs, EngineCoreRequest, EngineReady, Hello, MsgType,
+                          UtilityRequest)
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
@@ -32,6 +34,9 @@ class _ClientBase:
         self.client_index = client_index
         self.input = make_socket(ctx, zmq.ROUTER, input_address, bind=True)
         self.output = make_socket(ctx, zmq.PULL, output_address, bind=True)
+        # the addresses as bound ("tcp://host:*" picks a free port)
+        self.input_address = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.output_address = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
         self.monitor = self.output.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.enc = Encoder()
         self.out_dec = Decoder(EngineCoreOutputs)
@@ -66,14 +71,66 @@ class _ClientBase:
     def _on_ready(self, frames: list) -> None:
         self.engine_identity = bytes(frames[0].buffer)
         self.ready = self.ready_dec.decode(frames[1:])
+        self.client_index = self.ready.client_index
 
     def _close_sockets(self) -> None:
         for s in (self.monitor, self.input, self.output):
             s.close(linger=0)
 
 
+def local_address_towards(engine_address: str) -> str:
+    """The IP of this host on the route to the engine: where the engine can reach our sockets."""
+    host, port = engine_address.split("://", 1)[-1].rsplit(":", 1)
+    host = host.strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))
+        return s.getsockname()[0]
+
+
+def attach_handshake(engine_address: str, input_address: str, output_address: str,
+                     auth_key: str | None = None, timeout: float = 30.0) -> None:
+    """Ask the engine at its handshake address to connect to our sockets (docs/protocol.md)."""
+    from engine_core.client_io import auth_proof
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, engine_address, bind=False)
+    try:
+        enc = Encoder()
+        sock.send_multipart(enc.encode(MsgType.HELLO.value, None))
+        if not sock.poll(timeout * 1000):
+            raise TimeoutError(f"no engine answered at {engine_address}")
+        frames = sock.recv_multipart(copy=False)
+        hello: Hello = Decoder(Hello).decode(frames)
+        if hello.auth_required and not auth_key:
+            raise PermissionError("the engine requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
+        proof = auth_proof(auth_key, hello.nonce) if hello.auth_required else ""
+        sock.send_multipart(enc.encode(MsgType.ATTACH.value, AttachRequest(input_address, output_address, proof)))
+        if not sock.poll(timeout * 1000):
+            raise TimeoutError(f"the engine at {engine_address} did not answer the attach request")
+        frames = sock.recv_multipart(copy=False)  # READY (accepted; READY also comes on our input) or REFUSED
+        if bytes(frames[0].buffer) == MsgType.REFUSED.value:
+            raise PermissionError(f"the engine refused to attach: {msgspec.msgpack.decode(frames[1].buffer)}")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 class EngineCoreClient(_ClientBase):
-    """Blocking client (offline LLM, scripts)."""
+    """Blocking client (offline LLM, scripts, external schedulers and routers)."""
+
+    @classmethod
+    def attach(cls, engine_address: str, auth_key: str | None = None, timeout: float = 30.0) -> "EngineCoreClient":
+        """Attach to a running engine core (`loom serve --headless --engine-address tcp://...`)."""
+        host = local_address_towards(engine_address)
+        client = cls(f"tcp://{host}:*", f"tcp://{host}:*")
+        try:
+            attach_handshake(engine_address, client.input_address, client.output_address, auth_key, timeout)
+            client.wait_ready(timeout)
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     def __init__(self, input_address: str, output_address: str, client_index: int = 0, engine_proc=None):
         self.ctx = zmq.Context()
@@ -169,6 +226,12 @@ class AsyncEngineCoreClient(_ClientBase):
         self.on_dead = on_dead
         self._calls: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+
+    async def attach(self, engine_address: str, auth_key: str | None = None, timeout: float = 30.0) -> EngineReady:
+        """Attach to an engine core at its handshake address, then wait for READY."""
+        await asyncio.get_running_loop().run_in_executor(
+            None, attach_handshake, engine_address, self.input_address, self.output_address, auth_key, timeout)
+        return await self.wait_ready(timeout)
 
     async def wait_ready(self, timeout: float = 900.0) -> EngineReady:
         if not await self.input.poll(timeout * 1000):

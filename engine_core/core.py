@@ -22,6 +22,7 @@ import zmq
 
 from engine_core.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
+from engine_core.client_io import CLIENT_GONE, ClientIO
 from engine_core.executor import Executor
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -195,69 +196,27 @@ class EngineCore:
 
 
 class EngineCoreProc(EngineCore):
-    """The engine-core process: EngineCore plus its sockets and I/O threads."""
+    """The engine-core process: EngineCore plus its client connections (ClientIO)."""
 
     def __init__(self, config: EngineConfig, ipc_dir: str, clients: list[tuple[str, str]],
-                 engine_index: int = 0):
+                 handshake_address: str | None = None, auth_key: str | None = None, engine_index: int = 0):
+        if handshake_address:
+            check_handshake_security(handshake_address, auth_key)
         super().__init__(config, ipc_dir)
         self.engine_index = engine_index
-        self.ctx = zmq.Context()
         self.inputs: queue.Queue = queue.Queue()
-        self.outputs: queue.Queue = queue.Queue()
-        self.client_addresses = clients
-        self._stop = threading.Event()
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
                             engine_index, config.model_name)
-        self.in_thread = threading.Thread(target=self._input_loop, args=(ready,), name="engine-input", daemon=True)
-        self.out_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
-        self.out_thread.start()
-        self.in_thread.start()
-
-    # ------------------------------------------------------------ threads
-
-    def _input_loop(self, ready: EngineReady) -> None:
-        enc = Encoder()
-        decoders = {MsgType.ADD.value: Decoder(EngineCoreRequest), MsgType.ABORT.value: Decoder(list[str]),
-                    MsgType.UTILITY.value: Decoder(UtilityRequest)}
-        poller = zmq.Poller()
-        socks = []
-        for input_addr, _ in self.client_addresses:
-            sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False)
-            sock.send_multipart(enc.encode(MsgType.READY.value, ready))
-            poller.register(sock, zmq.POLLIN)
-            socks.append(sock)
-        while not self._stop.is_set():
-            for sock, _ in poller.poll(200):
-                frames = sock.recv_multipart(copy=False)
-                kind = bytes(frames[0].buffer)
-                try:
-                    self.inputs.put((kind, decoders[kind].decode(frames)))
-                except Exception as e:  # a malformed message fails alone
-                    logger.warning("dropping a malformed %r message: %s", kind, e)
-        for sock in socks:
-            sock.close()
-
-    def _output_loop(self) -> None:
-        enc = Encoder()
-        socks = [make_socket(self.ctx, zmq.PUSH, out_addr, bind=False, linger=2000)
-                 for _, out_addr in self.client_addresses]
-        while True:
-            item = self.outputs.get()
-            if item is None:
-                break
-            client_index, kind, msg = item
-            targets = socks if client_index < 0 else [socks[client_index]]
-            frames = enc.encode(kind, msg)
-            for sock in targets:
-                sock.send_multipart(frames, copy=False)
-        for sock in socks:
-            sock.close()
+        self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
+        self.io.start()
 
     def send_dead(self, reason: str) -> None:
-        self.outputs.put((-1, MsgType.ENGINE_DEAD.value, reason))
-        self.outputs.put(None)
-        self.out_thread.join(timeout=2)
+        self.io.send_dead(reason)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.io.close()
 
     # ------------------------------------------------------------ main loop
 
@@ -278,12 +237,13 @@ class EngineCoreProc(EngineCore):
             timings: dict[int, list] = {}
             for ci, t in self.scheduler.take_timings():
                 timings.setdefault(ci, []).append(t)
-            stats_client = step % len(self.client_addresses)  # per-step stats go to one client
+            live = self.io.client_indices()
+            stats_client = live[step % len(live)] if live else -2  # per-step stats go to one client
             now = time.time()
-            for ci in set(by_client) | set(timings) | {stats_client}:
-                self.outputs.put((ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
+            for ci in set(by_client) | set(timings) | ({stats_client} if live else set()):
+                self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
                     by_client.get(ci, []), self.engine_index, now,
-                    stats if ci == stats_client else None, None, timings.get(ci, []))))
+                    stats if ci == stats_client else None, None, timings.get(ci, [])))
 
     def _drain_inputs(self, block: bool) -> None:
         try:
@@ -306,6 +266,10 @@ class EngineCoreProc(EngineCore):
             self.abort_requests(msg)
         elif kind == MsgType.UTILITY.value:
             self._run_utility(msg)
+        elif kind == CLIENT_GONE:
+            self.abort_requests([r.request_id for r in list(self.scheduler.requests.values())
+                                 if r.client_index == msg])
+            self._deferred = [d for d in self._deferred if d[0] != msg]
 
     def _run_utility(self, req: UtilityRequest) -> None:
         out = UtilityOutput(req.call_id)
@@ -330,11 +294,20 @@ class EngineCoreProc(EngineCore):
                 self._send_utility(client_index, out)
 
     def _send_utility(self, client_index: int, out: UtilityOutput) -> None:
-        self.outputs.put((client_index, MsgType.OUTPUTS.value,
-                          EngineCoreOutputs([], self.engine_index, time.time(), utility_output=out)))
+        self.io.send(client_index, MsgType.OUTPUTS.value,
+                     EngineCoreOutputs([], self.engine_index, time.time(), utility_output=out))
 
 
-def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]], death_pipe) -> None:
+def check_handshake_security(address: str, auth_key: str | None) -> None:
+    """Anyone who reaches a TCP handshake socket could drive the engine: off loopback, require a key."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if not auth_key and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"--engine-address {address} is reachable from the network: set --engine-auth-key "
+                          f"(or LOOM_ENGINE_AUTH_KEY) so that only your clients can attach")
+
+
+def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]],
+                    handshake_address: str | None, auth_key: str | None, death_pipe) -> None:
     """Process entry point."""
     watch_parent(death_pipe)
     child_signals()
@@ -347,7 +320,7 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     engine = None
     code = 0
     try:
-        engine = EngineCoreProc(config, ipc_dir, clients)
+        engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key)
         _watch_workers(engine)
         engine.run_busy_loop()
     except SystemExit:

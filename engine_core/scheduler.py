@@ -130,6 +130,9 @@ class Scheduler:
         for rid, n in num_sched.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
+            # MFU metrics: tokens c-n..c-1 attend to c-n+1..c keys each; the chunk reads c KV tokens
+            self._stats.num_attn_query_key_pairs += n * req.num_computed_tokens - n * (n - 1) // 2
+            self._stats.num_kv_tokens_read += req.num_computed_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 self._stats.num_prompt_tokens += n

@@ -2,7 +2,10 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not),
 GET /v1/models, GET /health, GET /version, POST /tokenize, POST /detokenize,
-and with --enable-control-endpoints POST /reset_prefix_cache.
+and with --enable-control-endpoints POST /reset_prefix_cache, /sleep?level=,
+/wake_up?tags=, /pause?mode=&clear_cache=, /resume, /collective_rpc and GET
+/is_sleeping, /is_paused. Every response carries X-Loom-Server-Index (which
+API-server process answered).
 
 Tokenization and chat templating run in a one-thread executor, never on the
 event loop, so /health and streaming stay responsive under big prompts.
@@ -66,6 +69,54 @@ def _value_error(e: ValueError) -> APIError:
         word = msg.split(" ", 1)[0]
         param = word if word in _PARAM_NAMES else None
     return APIError(msg, 400, param)
+
+
+# ---- control endpoints: helpers (--enable-control-endpoints) ----------------------------------
+
+import re as _re  # noqa: E402
+
+import msgspec as _msgspec  # noqa: E402
+
+from engine_core.control import PAUSE_MODES, SLEEP_TAGS  # noqa: E402
+
+SERVER_INDEX_HEADER = "X-Loom-Server-Index"
+# collective_rpc methods that are remote but would desync the engine's own state: use the endpoints
+_RPC_DENIED = {"sleep": "use POST /sleep", "wake_up": "use POST /wake_up",
+               "initialize_cache": "the KV cache is the engine's", "shutdown": "use SIGTERM on `loom serve`"}
+# "ValueError: msg", or "WorkerError: worker 0: ValueError: msg" from a worker: the caller's fault
+_CLIENT_FAILURE = _re.compile(r"^(?:WorkerError: worker \d+: )?(ValueError|TypeError|ConfigError): (.*)\Z",
+                              _re.DOTALL)
+
+
+class CollectiveRPCRequest(_msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    method: str
+    args: list = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+
+
+def _query_choice(request: web.Request, name: str, choices, default: str) -> str:
+    value = request.query.get(name, default)
+    if value not in choices:
+        raise APIError(f"'{name}' must be one of {', '.join(map(str, choices))}; got {value!r}", 400, name)
+    return value
+
+
+def _query_bool(request: web.Request, name: str, default: bool) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise APIError(f"'{name}' must be true or false; got {value!r}", 400, name)
+
+
+def _remote_worker_method(name: str) -> bool:
+    from workers.worker import Worker  # light: the model runner is imported only when a Worker is built
+    return not name.startswith("_") and getattr(getattr(Worker, name, None), "_loom_remote", False) is True
 
 
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
@@ -257,6 +308,69 @@ class OpenAIServer:
         self._check_alive()
         ok = await self.llm.call_utility("reset_prefix_cache")
         return _json({"success": bool(ok) if ok is not None else True})
+
+    # ---- control endpoints (--enable-control-endpoints; the engine core owns the state, so every
+    # API server answers the same). Engine-side ValueErrors are the caller's fault: 400; else 500.
+
+    async def _control(self, method: str, *args, param: str | None = None):
+        self._check_alive()
+        try:
+            # no timeout: pause?mode=wait answers only once the requests in flight have finished
+            return await self.llm.call_utility(method, *args)
+        except EngineDeadError:
+            raise
+        except RuntimeError as e:
+            m = _CLIENT_FAILURE.match(str(e))
+            if m:
+                raise APIError(m.group(2), 400, param) from None
+            raise APIError(f"{method} failed in the engine: {e}", 500) from None
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        level = int(_query_choice(request, "level", ("0", "1", "2"), "1"))
+        await self._control("sleep", level, param="level")
+        return _json({"status": "ok"})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = [t for v in request.query.getall("tags", []) for t in v.split(",") if t]
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise APIError(f"unknown tags {bad}; 'tags' must be among {', '.join(SLEEP_TAGS)}", 400, "tags")
+        await self._control("wake_up", tags or None, param="tags")
+        return _json({"status": "ok"})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return _json({"is_sleeping": bool(await self._control("is_sleeping"))})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = _query_choice(request, "mode", PAUSE_MODES, "abort")
+        clear_cache = _query_bool(request, "clear_cache", False)
+        await self._control("pause", mode, clear_cache, param="mode")
+        return _json({"status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self._control("resume")
+        return _json({"status": "ok"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": bool(await self._control("is_paused"))})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        req: CollectiveRPCRequest = await self._body(request, CollectiveRPCRequest)
+        if req.method in _RPC_DENIED:
+            raise APIError(f"method {req.method!r} is not allowed through collective_rpc: "
+                           f"{_RPC_DENIED[req.method]}", 400, "method")
+        if not _remote_worker_method(req.method):
+            raise APIError(f"method {req.method!r} is not callable on workers", 400, "method")
+        if req.timeout is not None and not req.timeout > 0:
+            raise APIError(f"'timeout' must be positive (seconds) or null; got {req.timeout}", 400, "timeout")
+        results = await self._control("collective_rpc", req.method, req.args, req.kwargs, req.timeout)
+        return _json({"results": results})
+
+    async def _add_server_index(self, request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare, so streamed responses (prepared inside the handler) get it too."""
+        response.headers[SERVER_INDEX_HEADER] = str(getattr(self.llm, "client_index", 0))
+
+    # ---- end of control endpoints
 
     # ------------------------------------------------------------ completions
 
@@ -517,6 +631,15 @@ class OpenAIServer:
         app.router.add_post("/detokenize", self.detokenize)
         if self.enable_control_endpoints:
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+            # ---- control endpoints
+            app.router.add_post("/sleep", self.sleep)
+            app.router.add_post("/wake_up", self.wake_up)
+            app.router.add_get("/is_sleeping", self.is_sleeping)
+            app.router.add_post("/pause", self.pause)
+            app.router.add_post("/resume", self.resume)
+            app.router.add_get("/is_paused", self.is_paused)
+            app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.on_response_prepare.append(self._add_server_index)  # X-Loom-Server-Index on every response
         app[SERVER_KEY] = self
         app.on_cleanup.append(self._on_cleanup)
         return app

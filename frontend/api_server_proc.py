@@ -9,6 +9,17 @@ from engine_core.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
 
 
+_DEAD_ENGINE_GRACE_S = 1.5  # answer 503 for a moment, then exit non-zero
+
+
+async def _exit_when_dead(llm) -> None:
+    while not llm.is_dead:
+        await asyncio.sleep(0.1)
+    logging.getLogger(__name__).error("engine is dead (%s); exiting", llm.dead_reason)
+    await asyncio.sleep(_DEAD_ENGINE_GRACE_S)
+    os._exit(1)
+
+
 def run_api_server_process(config_dict: dict, server_opts: dict, client_index: int, input_address: str,
                            output_address: str, listen_sock, death_pipe) -> None:
     watch_parent(death_pipe)
@@ -19,11 +30,18 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     from frontend.api_server import serve
     from frontend.async_llm import AsyncLLM
 
+    opts = dict(server_opts)
+    engine_address, auth_key = opts.pop("engine_address", None), opts.pop("engine_auth_key", None)
+
     async def _main():
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
         try:
-            await llm.start()
-            await serve(llm, sock=listen_sock, **server_opts)
+            await llm.start(engine_address=engine_address, auth_key=auth_key)
+            if engine_address:  # no parent watches a remote engine: leave when it dies
+                asyncio.get_running_loop().create_task(_exit_when_dead(llm))
+            from metrics.attach import attach_metrics
+            attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))
+            await serve(llm, sock=listen_sock, **opts)
         finally:
             llm.close()
 

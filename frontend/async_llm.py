@@ -23,15 +23,24 @@ _DEAD = object()  # queue sentinel
 class AsyncLLM:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, client_index: int = 0):
         self.config = config
-        self.client_index = client_index
         self.tokenizer = load_tokenizer(config)
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead)
         self._queues: dict[str, asyncio.Queue] = {}
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
 
-    async def start(self, timeout: float = 900.0) -> None:
-        await self.client.wait_ready(timeout)
+    async def start(self, timeout: float = 900.0, engine_address: str | None = None,
+                    auth_key: str | None = None) -> None:
+        """Wait for the engine's READY; with engine_address, attach to that engine first."""
+        if engine_address:
+            await self.client.attach(engine_address, auth_key, timeout)
+        else:
+            await self.client.wait_ready(timeout)
+
+    @property
+    def client_index(self) -> int:
+        """This API server's index at the engine (given by the engine when attached from elsewhere)."""
+        return self.client.client_index
 
     @property
     def is_dead(self) -> bool:

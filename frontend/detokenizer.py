@@ -22,12 +22,29 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._skip_special = params.skip_special_tokens
+        self._undecoded: list[int] = []   # ids whose bytes do not yet form whole characters
         self.text = ""
         self._sent = 0  # chars of self.text already handed out
 
     def add(self, token_id: int) -> str | None:
         """Append one token. Returns the stop string if the text now contains one."""
         piece = self._stream.step(self._tok, token_id)
+        if piece is None:
+            self._undecoded.append(token_id)
+            return None
+        self._undecoded.clear()
+        return self._append(piece)
+
+    def flush(self) -> str | None:
+        """At the end: bytes of an incomplete character decode as U+FFFD, as a full decode would."""
+        if not self._undecoded:
+            return None
+        piece = self._tok.decode(self._undecoded, skip_special_tokens=self._skip_special)
+        self._undecoded.clear()
+        return self._append(piece)
+
+    def _append(self, piece: str) -> str | None:
         if not piece:
             return None
         start = max(len(self.text) - self._hold, 0)

@@ -14,13 +14,29 @@ import sys
 from multiprocessing.connection import wait
 
 from engine_core.config import ConfigError
-from engine_core.core import run_engine_core
+from engine_core.client import local_address_towards
+from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args
 from ipc.procs import start_process, stop_processes
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
+from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
 logger = logging.getLogger("loom")
 _DEAD_ENGINE_GRACE_S = 1.5  # let API servers answer 503 / fail in-flight requests before they go
+
+
+def _listen(host: str, port: int) -> socket.socket | None:
+    """Bind the HTTP port here, so that a port in use fails at once and all API servers share it."""
+    listen = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listen.bind((host, port))
+    except OSError as e:
+        print(f"loom serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        listen.close()
+        return None
+    listen.listen(1024)
+    return listen
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -35,26 +51,48 @@ def serve(args: argparse.Namespace) -> int:
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
         return 2
-    listen = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listen.bind((args.host, args.port))
-    except OSError as e:
-        print(f"loom serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    if args.headless and not args.engine_address:
+        print("loom serve: --headless needs --engine-address tcp://HOST:PORT to listen on", file=sys.stderr)
         return 2
-    listen.listen(1024)
+    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
+    attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
+    if args.headless:
+        try:
+            check_handshake_security(args.engine_address, auth_key)
+        except ConfigError as e:
+            print(f"loom serve: {e}", file=sys.stderr)
+            return 2
+
+    servers, listen = [], None
+    if not args.headless:
+        listen = _listen(args.host, args.port)
+        if listen is None:
+            return 2
     ipc_dir = make_ipc_dir()
-    clients = [(ipc_address(ipc_dir, f"client{i}-input"), ipc_address(ipc_dir, f"client{i}-output"))
-               for i in range(n_servers)]
-    server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
-                   "enable_control_endpoints": args.enable_control_endpoints}
-    from frontend.api_server_proc import run_api_server_process
-    servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
-                             (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
-               for i in range(n_servers)]
-    listen.close()  # the API servers hold it now
-    engine = start_process(run_engine_core, "loom-engine-core", (config.to_dict(), ipc_dir, clients))
-    children = [engine, *servers]
+    if attach:
+        host = local_address_towards(args.engine_address)
+        clients = [(f"tcp://{host}:*", f"tcp://{host}:*")] * n_servers
+    else:
+        clients = [(ipc_address(ipc_dir, f"client{i}-input"), ipc_address(ipc_dir, f"client{i}-output"))
+                   for i in range(0 if args.headless else n_servers)]
+    engine = None
+    if not attach:
+        engine = start_process(run_engine_core, "loom-engine-core",
+                               (config.to_dict(), ipc_dir, clients,
+                                args.engine_address if args.headless else None, auth_key))
+    metrics_dir = None
+    if listen is not None:
+        metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
+        server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
+                       "enable_control_endpoints": args.enable_control_endpoints,
+                       "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
+                       "enable_mfu_metrics": args.enable_mfu_metrics}
+        from frontend.api_server_proc import run_api_server_process
+        servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
+                                 (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
+                   for i in range(n_servers)]
+        listen.close()  # the API servers hold it now
+    children = ([engine] if engine else []) + servers
 
     stopping = False
 
@@ -72,12 +110,14 @@ def serve(args: argparse.Namespace) -> int:
                 for p in dead:
                     logger.error("%s exited with code %s; shutting down", p.name, p.exitcode)
                 code = 1
-                if engine in dead:
+                if engine is not None and engine in dead:
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
                 break
     finally:
         stop_processes(servers, timeout=5)
-        stop_processes([engine], timeout=10)
+        if engine is not None:
+            stop_processes([engine], timeout=10)
         remove_ipc_dir(ipc_dir)
+        remove_multiproc_dir(metrics_dir)
     logger.info("stopped (exit code %d)", code)
     return code

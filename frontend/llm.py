@@ -30,7 +30,7 @@ class LLM:
         out_addr = ipc_address(self.ipc_dir, "client0-output")
         self.client = EngineCoreClient(in_addr, out_addr, client_index=0)
         self.engine_proc = start_process(run_engine_core, "loom-engine-core",
-                                         (self.config.to_dict(), self.ipc_dir, [(in_addr, out_addr)]))
+                                         (self.config.to_dict(), self.ipc_dir, [(in_addr, out_addr)], None, None))
         self.client.engine_proc = self.engine_proc
         self._finalizer = weakref.finalize(self, _shutdown, self.engine_proc, self.client, self.ipc_dir)
         try:

@@ -53,6 +53,8 @@ class RequestState:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason if out.error is None else out.error
         finished = self.finish_reason is not None
+        if finished and self.stop_reason is None or finished and not isinstance(self.stop_reason, str):
+            self.detok.flush()
         text = self.detok.take_delta(finished)
         if not new_ids and not text and not finished:
             return None, abort

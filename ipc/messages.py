@@ -24,6 +24,8 @@ class MsgType(bytes, enum.Enum):
     WORKER_STEP = b"\x07"  # engine -> workers (ring): SchedulerOutput
     WORKER_CALL = b"\x08"  # engine -> workers (ring): WorkerCall
     WORKER_REPLY = b"\x09" # worker -> engine: WorkerReply
+    ATTACH = b"\x0a"       # client -> engine (handshake socket): AttachRequest
+    REFUSED = b"\x0b"      # engine -> client (handshake socket): a str reason
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -79,6 +81,9 @@ class SchedulerStats(_Msg):
     num_generation_tokens: int = 0
     sleep_level: int = 0
     is_paused: bool = False
+    # attention work of this step, for the MFU estimates (metrics/mfu.py)
+    num_attn_query_key_pairs: int = 0  # sum over scheduled tokens of the keys each attends to (causal)
+    num_kv_tokens_read: int = 0       # sum over scheduled requests of their context length after this step
 
 
 class RequestTiming(_Msg):
@@ -119,13 +124,21 @@ class EngineReady(_Msg):
     block_size: int
     engine_index: int = 0
     model: str = ""
+    client_index: int = 0          # the index the engine gave this client
+
+
+class Hello(_Msg):
+    """The engine's answer to a client knocking on the handshake socket."""
+    nonce: bytes                   # sign with HMAC-SHA256(auth key, nonce) when a key is required
+    auth_required: bool
+    model: str = ""
 
 
 class AttachRequest(_Msg):
-    """Handshake reply of a client attaching from elsewhere: where the engine should connect."""
+    """A client attaching from elsewhere: where the engine should connect, and its proof."""
     input_address: str
     output_address: str
-    auth_key: str = ""
+    auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce); empty when no key is required
 
 
 # ---------------------------------------------------------------- engine <-> workers

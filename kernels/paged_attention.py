@@ -149,7 +149,7 @@ def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    qk_scale, num_seqs, num_q_heads,
+    qk_scale, num_seqs, num_q_heads, part_tok_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -182,6 +182,8 @@ def _paged_attention_kernel(
             else:
                 hi = mid
         seq = lo - 1
+        if seq < 0:  # (a launch over a slice of the batch: qsl[0] > 0)
+            return
         tile = pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
 
     q_start = tl.load(qsl_ptr + seq)
@@ -261,7 +263,7 @@ def _paged_attention_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # partial results, [T, Hq, NUM_SPLITS, (D | 2)] fp32: unnormalised acc, (max, sum)
-        row = (tok * num_q_heads + head) * NUM_SPLITS + split
+        row = ((tok - part_tok_base) * num_q_heads + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
@@ -270,11 +272,11 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _split_kv_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, tok_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)  # token - tok_base
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
@@ -289,7 +291,8 @@ def _split_kv_reduce_kernel(
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + (t + tok_base) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 _SM_COUNT: dict = {}
@@ -328,15 +331,25 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, num_kv_splits: int | None = None) -> torch.Tensor:
+                    max_seq_len: int, num_kv_splits: int | None = None,
+                    num_decodes: int = 0) -> torch.Tensor:
     """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref.
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
     [num_blocks, block_size, Hkv, D], query_start_loc int32 [B+1], seq_lens
     int32 [B], block_table int32 [B, max_blocks]. max_query_len / max_seq_len
     are host ints: max_query_len must be >= every q_len (it picks the tiling);
-    max_seq_len only feeds the split-KV heuristic. num_kv_splits forces the
-    number of KV splits (1 = off; None = automatic, decode-only)."""
+    max_seq_len only feeds the split-KV heuristic.
+
+    num_kv_splits forces the number of KV splits (1 = off; None = automatic:
+    decode-only batches with long contexts and few (sequence, kv head) pairs).
+
+    num_decodes (optional host hint): if the first num_decodes sequences are
+    decodes (q_len == 1, so they own tokens [0, num_decodes)), a mixed batch is
+    run as two launches, the decodes with decode tiling (and split-KV when
+    worth it) and the rest with prefill tiling; otherwise a mixed batch runs in
+    one launch with prefill-sized tiles, which wastes tensor-core work on the
+    decode rows. The result is the same either way."""
     if not _use_triton(_paged_attention_kernel, query):
         return paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -345,7 +358,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert num_q_heads % num_kv_heads == 0
     assert key_cache.dtype == value_cache.dtype == query.dtype, "query and caches must share a dtype"
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    group = num_q_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -357,6 +369,26 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     max_query_len = max(1, int(max_query_len))
+    nd = int(num_decodes)
+    if 0 < nd < num_seqs and max_query_len > 1:
+        _attention_launch(query, key_cache, value_cache, out, query_start_loc[:nd + 1], seq_lens[:nd],
+                          block_table[:nd], scale, 1, max_seq_len, num_kv_splits, 0, nd)
+        _attention_launch(query, key_cache, value_cache, out, query_start_loc[nd:], seq_lens[nd:],
+                          block_table[nd:], scale, max_query_len, max_seq_len, num_kv_splits, nd, num_tokens)
+    else:
+        _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
+                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens)
+    return out
+
+
+def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale,
+                      max_query_len, max_seq_len, num_kv_splits, tok_lo, tok_hi):
+    """One launch over the sequences given (query_start_loc holds absolute token
+    indices; every token they own is in [tok_lo, tok_hi))."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     group_pad = triton.next_power_of_2(group)
@@ -372,7 +404,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     else:
         num_splits = max(1, int(num_kv_splits))
 
-    num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
+    num_tiles = num_seqs if one_tile else tok_hi // block_q + num_seqs
+    num_tokens = tok_hi - tok_lo
+    if num_tokens <= 0 or num_seqs == 0:
+        return
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
@@ -382,7 +417,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
-        float(scale) * 1.4426950408889634, num_seqs, num_q_heads,
+        float(scale) * 1.4426950408889634, num_seqs, num_q_heads, tok_lo,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -393,9 +428,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         num_warps=8 if block_m >= 128 else 4, num_stages=2,
     )
     if num_splits > 1:
+        # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads,
+            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, tok_lo,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
-    return out

@@ -20,10 +20,17 @@ Semantics (shared exactly by the Triton kernel and the torch reference):
   race == sampling from the renormalised distribution).
 
 Randomness is a pure function of (seed, position, token index): the Triton
-path draws q from Philox (tl.rand) keyed by a hash of (seed, position), at
-counter = token index; the reference uses a torch.Generator seeded from the
-same hash. The two streams differ; `sample_with_noise*` take q explicitly so
-that both paths can be compared exactly.
+path draws q = -log(u) from Philox (tl.rand4x) keyed by mix_seed(seed,
+position), token t taking output (t // 256) % 4 of counter
+(t // 1024) * 256 + t % 256; the reference uses a torch.Generator seeded with
+the same mix_seed. The two streams differ; `sample_with_noise*` take q
+explicitly so that both paths can be compared exactly.
+
+The Triton path is one launch with no host sync: per-row parameters are read
+(and the seed hashed) in the kernel. Cost per non-greedy row: one pass over the
+vocabulary for max/argmax, one for the exponential race, plus for top-k/top-p
+one counting pass and a few bisection passes (4 pivots each, early exit once
+the threshold is pinned down).
 """
 from __future__ import annotations
 

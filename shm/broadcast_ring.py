@@ -99,7 +99,6 @@ _CHUNK_HDR = struct.Struct("<II")  # kind, n_frames
 _OVF_HDR = struct.Struct("<cQI")  # b"o", seq, n_frames: first frame of an overflow message
 _RANK_TOPIC = b"\xfeloom-rank-%d"
 _SLEEP_RECHECK_S = 0.2  # a sleeping reader re-checks the ring this often anyway
-_ZERO_COPY_MIN = 65536  # overflow frames of immutable bytes at least this big go zero-copy
 _SUN_PATH_MAX = 107
 
 _fence_lock = threading.Lock()
@@ -384,11 +383,11 @@ class BroadcastRing:
             _CHUNK_HDR.pack_into(buf, off, _KIND_OVERFLOW, nf)
             sock = self._ovf
             sock.send(_OVF_HDR.pack(b"o", seq, nf), zmq.SNDMORE if nf else 0)
-            for i, (f, m) in enumerate(zip(frames, views)):
-                # zero-copy only for immutable bytes: the caller could modify
-                # anything else while zmq is still sending it
-                zc = type(f) is bytes and len(f) >= _ZERO_COPY_MIN
-                sock.send(f if zc else m, zmq.SNDMORE if i < nf - 1 else 0, copy=not zc)
+            # Always copied: zero-copy sends would let the caller modify a
+            # buffer zmq is still sending, and go through pyzmq's garbage-
+            # collector thread, which can hang context teardown / exit.
+            for i, m in enumerate(views):
+                sock.send(m, zmq.SNDMORE if i < nf - 1 else 0)
         _fence()  # data before seq
         _U64.pack_into(buf, seq_off, seq)
         _fence()  # seq store before the sleep-flag loads (Dekker)

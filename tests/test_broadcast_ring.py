@@ -28,6 +28,12 @@ def _loom_shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "loom" in n}
 
 
+def _our_shm(pid: int) -> set[str]:
+    """Segments a writer in process `pid` made (other Loom runs on this host
+    may create their own meanwhile, so a global before/after diff could flake)."""
+    return {n for n in _loom_shm() if f"_{pid}_" in n}
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -50,7 +56,6 @@ def _reap(procs):
 
 def test_three_readers_in_order_with_overflow_and_wraparound(ipc_dir):
     n_readers, n_msgs, big = 3, 400, 200_000
-    before = _loom_shm()
     ring = BroadcastRing.create(n_readers, ipc_dir, max_chunk_bytes=64 * 1024, n_chunks=4)
     handle = ring.handle()
     shm_name = handle.shm_name
@@ -81,7 +86,7 @@ def test_three_readers_in_order_with_overflow_and_wraparound(ipc_dir):
     finally:
         ring.close()
         _reap(procs)
-    assert _loom_shm() - before == set()
+    assert _our_shm(os.getpid()) == set()
     assert os.listdir(ipc_dir) == []
 
 
@@ -171,7 +176,6 @@ def test_dead_reader_fails_writer_fast(ipc_dir):
 
 
 def test_sigkill_leaves_nothing_behind(ipc_dir):
-    before = _loom_shm()
     parent, child = CTX.Pipe(duplex=False)
     writer = _start(rr.writer_then_sleep, 1, ipc_dir, child)
     child.close()
@@ -185,7 +189,7 @@ def test_sigkill_leaves_nothing_behind(ipc_dir):
         os.kill(reader.pid, signal.SIGKILL)
         writer.join(5)
         reader.join(5)
-        assert _loom_shm() - before == set()
+        assert _our_shm(writer.pid) == set()
         assert os.listdir(ipc_dir) == []
     finally:
         _reap([p for p in (writer, reader) if p is not None])

@@ -13,10 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo-model")
-    build_demo_model(str(out))
-    return str(out)
+def demo_dir(demo_model_dir):
+    # Built once per session by conftest's ``demo_model_dir`` (default steps).
+    return demo_model_dir
 
 
 def test_files(demo_dir):

@@ -1,31 +1,40 @@
 """Triton kernels vs their torch references.
 
-Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1)
-on CPU tensors. Triton reads that variable when a kernel is *decorated*, so it
-must be set before the kernel modules are imported; if another test imported
-them first, they are reloaded here (see _load) and test_triton_path_is_active
-checks that the Triton path, not the torch fallback, is what runs.
+Without CUDA the kernels run under the Triton interpreter on CPU tensors.
+Triton decides interpreter-or-compiler when a function is *decorated*: for our
+kernels, and for triton.language's own jit'd helpers (tl.sum, ...) when triton
+is first imported. So this module:
+
+* with CUDA: imports kernels.* and runs everything on the GPU;
+* without CUDA: sets TRITON_INTERPRET=1 only while it loads private copies of
+  the kernel modules (the shared kernels.* modules other tests import keep
+  falling back to the torch refs on CPU), and during each of its tests;
+* if triton was already imported (by an earlier test module or conftest)
+  without TRITON_INTERPRET=1, the interpreter cannot run in this process: the
+  tests here are skipped and test_in_fresh_interpreter reruns this file in a
+  subprocess with TRITON_INTERPRET=1. (Setting TRITON_INTERPRET=1 in
+  tests/conftest.py before anything imports triton avoids that detour.)
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
-
-_KERNEL_NAMES = {
-    "kernels.paged_attention": ["_write_kv_cache_kernel", "_paged_attention_kernel", "_split_kv_reduce_kernel"],
-    "kernels.rms_norm": ["_rms_norm_kernel"],
-    "kernels.rotary": ["_rotary_kernel"],
-    "kernels.activation": ["_silu_and_mul_kernel"],
-    "kernels.sampling": ["_sample_kernel"],
+_ROOT = Path(__file__).resolve().parents[1]
+_KERNELS = {
+    "paged_attention": ["_write_kv_cache_kernel", "_paged_attention_kernel", "_split_kv_reduce_kernel"],
+    "rms_norm": ["_rms_norm_kernel"],
+    "rotary": ["_rotary_kernel"],
+    "activation": ["_silu_and_mul_kernel"],
+    "sampling": ["_sample_kernel"],
 }
 
 
@@ -33,18 +42,69 @@ def _interpreted(fn) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
 
 
-def _load(name: str):
-    mod = importlib.import_module(name)
-    if INTERPRET and not all(_interpreted(getattr(mod, k)) for k in _KERNEL_NAMES[name]):
-        mod = importlib.reload(mod)  # imported before TRITON_INTERPRET was set
+def _load_private(name: str):
+    """kernels/<name>.py as a separate module object, decorated now."""
+    spec = importlib.util.spec_from_file_location(f"_loom_test_kernels_{name}", _ROOT / "kernels" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
     return mod
 
 
-pa = _load("kernels.paged_attention")
-rn = _load("kernels.rms_norm")
-rot = _load("kernels.rotary")
-act = _load("kernels.activation")
-smp = _load("kernels.sampling")
+if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    MODE = "cuda"
+    _mods = {name: importlib.import_module(f"kernels.{name}") for name in _KERNELS}
+else:
+    _prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as _tl
+
+        if _interpreted(_tl.sum):
+            MODE = "interpret"
+            _mods = {name: _load_private(name) for name in _KERNELS}
+        else:
+            MODE = "subprocess"
+            _mods = {name: importlib.import_module(f"kernels.{name}") for name in _KERNELS}
+    finally:
+        if _prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _prev
+
+INTERPRET = MODE != "cuda"
+DEVICE = "cuda" if MODE == "cuda" else "cpu"
+pa, rn, rot, act, smp = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling"))
+
+
+@pytest.fixture(autouse=True)
+def _triton_mode(request, monkeypatch):
+    if request.node.name == "test_in_fresh_interpreter":
+        yield
+        return
+    if MODE == "subprocess":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; see test_in_fresh_interpreter")
+    if MODE == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def test_in_fresh_interpreter():
+    if MODE != "subprocess":
+        pytest.skip("the kernels run in this process")
+    assert not os.environ.get("_LOOM_KERNEL_TESTS_CHILD"), "TRITON_INTERPRET=1 did not take effect in the subprocess"
+    env = dict(os.environ, TRITON_INTERPRET="1", _LOOM_KERNEL_TESTS_CHILD="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                          cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_triton_path_is_active():
+    for name, kernels in _KERNELS.items():
+        for k in kernels:
+            fn = getattr(_mods[name], k)
+            assert _interpreted(fn) == (MODE == "interpret"), f"{name}.{k}: {type(fn).__name__} in mode {MODE}"
+
 
 # bf16: the interpreter's fp32 -> bf16 cast is not exactly round-to-nearest-even, so
 # allow a few bf16 ulps (2^-8 relative each)
@@ -52,17 +112,6 @@ BF16_TOL = dict(atol=2e-2, rtol=3e-2)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def test_triton_path_is_active():
-    for name, kernels in _KERNEL_NAMES.items():
-        mod = importlib.import_module(name)
-        for k in kernels:
-            fn = getattr(mod, k)
-            if DEVICE == "cpu":
-                assert _interpreted(fn), f"{name}.{k} is not running under the Triton interpreter"
-            else:
-                assert not _interpreted(fn)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -117,13 +166,15 @@ def _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q=False):
     return q, kc, vc, qsl.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), bt.to(DEVICE)
 
 
-def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, splits=(1,), seed=0, strided_q=False):
+def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, splits=(1,), seed=0, strided_q=False,
+                     num_decodes=0):
     q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q)
     scale = d ** -0.5
     ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale).float()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for ns in splits:
-        out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns)
+        out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns,
+                                 num_decodes=num_decodes)
         assert out.shape == q.shape and out.dtype == q.dtype
         err = (out.float() - ref).abs().max().item()
         assert err < tol, f"splits={ns}: max err {err}"
@@ -132,6 +183,10 @@ def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, spli
 def test_attention_mixed_prefill_chunked_decode():
     # prefill (q_len == seq_len), chunked prefill / prefix hit (q_len < seq_len), decode, empty seq; GQA 2
     _check_attention([6, 1, 4, 0, 1, 3], [6, 21, 13, 9, 1, 30], hq=4, hkv=2, d=32, bs=4, splits=(1, 3))
+    # decodes first + the num_decodes hint: two launches (decode tiling / prefill tiling, multi-tile)
+    # (group 8: 8-token query tiles, so the prefill launch's first tiles fall before its first sequence)
+    _check_attention([1] * 9 + [20, 3], [30, 7, 50, 3, 9, 12, 1, 40, 16, 25, 20], hq=8, hkv=1, d=16, bs=8,
+                     splits=(None, 2), num_decodes=9, seed=5)
 
 
 def test_attention_multi_tile_gqa3_strided_query():

@@ -1,0 +1,90 @@
+"""The periodic stats log line, like vLLM's:
+
+    Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.1 tokens/s,
+    Running: 12 reqs, Waiting: 0 reqs, KV cache usage: 7.8%, Prefix cache hit rate: 41.2%
+
+One API server (client index 0) logs it every `--log-stats-interval` seconds
+(off with `--disable-log-stats`). It reads the merged Prometheus values, the
+same ones /metrics shows, so the numbers cover all API servers even though each
+engine step's stats reach only one of them: throughputs are the growth of
+vllm:prompt_tokens / vllm:generation_tokens over the interval, the hit rate
+that of the prefix-cache counters over the interval. Nothing is logged while
+the engine is idle (one last line after activity ends).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from metrics.registry import collect_registry
+
+logger = logging.getLogger("loom.stats")
+
+_COUNTERS = {"vllm:prompt_tokens_total": "prompt", "vllm:generation_tokens_total": "generation",
+             "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def snapshot(model_name: str, registry=None) -> dict[str, float]:
+    """Totals over engines of the values the log line needs."""
+    out = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
+    engines: set[str] = set()
+    for family in (registry or collect_registry()).collect():
+        for sample in family.samples:
+            key = _COUNTERS.get(sample.name) or _GAUGES.get(sample.name)
+            if key is None or sample.labels.get("model_name") != model_name:
+                continue
+            out[key] += sample.value
+            if key == "kv_usage":
+                engines.add(sample.labels.get("engine", ""))
+    out["kv_usage"] /= max(len(engines), 1)   # mean over engines
+    return out
+
+
+class LiveStatsLogger:
+    def __init__(self, model_name: str, interval: float = 10.0, registry=None):
+        self.model_name = model_name
+        self.interval = max(float(interval), 0.05)
+        self.registry = registry
+        self._last = snapshot(model_name, registry)
+        self._last_time = time.monotonic()
+        self._was_idle = True
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """In the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="loom-stats-log")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                self.log_once()
+            except Exception:  # noqa: BLE001  (logging must never take the server down)
+                logger.debug("stats logging failed", exc_info=True)
+
+    def log_once(self) -> str | None:
+        """Log the line for the interval since the last call; returns it (None when idle)."""
+        now, cur = time.monotonic(), snapshot(self.model_name, self.registry)
+        dt = max(now - self._last_time, 1e-9)
+        prev, self._last, self._last_time = self._last, cur, now
+        d = {k: cur[k] - prev[k] for k in ("prompt", "generation", "queries", "hits")}
+        idle = not (d["prompt"] or d["generation"] or cur["running"] or cur["waiting"])
+        if idle and self._was_idle:
+            return None
+        self._was_idle = idle
+        hit_rate = 100.0 * d["hits"] / d["queries"] if d["queries"] > 0 else 0.0
+        line = (f"Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {d['generation'] / dt:.1f} tokens/s, "
+                f"Running: {cur['running']:.0f} reqs, Waiting: {cur['waiting']:.0f} reqs, "
+                f"KV cache usage: {100.0 * cur['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+        logger.info("%s", line)
+        return line

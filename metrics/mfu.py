@@ -1,0 +1,123 @@
+"""Estimated FLOPs and memory traffic of each engine step (`--enable-mfu-metrics`).
+
+The estimate is for a dense decoder-only transformer with grouped-query
+attention and a gated (SwiGLU) MLP: the Llama / Qwen / Mistral family. Shapes
+come from the model's config.json (its `text_config` when nested):
+
+    L  num_hidden_layers        H  hidden_size          I  intermediate_size
+    q  num_attention_heads      k  num_key_value_heads  d  head_dim (default H / q)
+    V  vocab_size               b  bytes per element of the model dtype (weights and KV cache)
+    tp tensor_parallel_size
+
+Per engine step, from SchedulerStats:
+
+    T  num_scheduled_tokens      tokens run through the model
+    P  num_attn_query_key_pairs  sum over those tokens of the keys each attends to (causal)
+    K  num_kv_tokens_read        sum over scheduled requests of their context length after the step
+    S  num_generation_tokens     tokens sampled (one LM-head row each)
+
+FLOPs (a multiply-add counts 2):
+
+    per layer  2·T·H·(q+2k)·d        Q, K, V projections
+             + 2·T·q·d·H             output projection
+             + 3·2·T·H·I             gate, up and down projections
+             + 2·2·P·q·d             Q·Kᵀ and attention·V
+    step       L·(per layer) + 2·S·H·V      (LM head)
+
+Bytes read:
+
+    weights, once per step that ran tokens (T > 0):
+               b·(L·(H·(q+2k)·d + q·d·H + 3·H·I) + V·H)
+    KV cache   b·L·2·k·d·K
+    embedding rows  b·T·H
+
+Bytes written: the new KV entries, b·L·2·k·d·T.
+
+Each total is divided by tp (per GPU). Not counted: norms, rotary embedding,
+softmax, sampling, and activations passed between kernels; MoE, sliding-window
+and quantized weights are not modelled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    tp: int = 1
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, dtype_bytes: int, tp: int = 1) -> "ModelShape":
+        c = hf.get("text_config", hf)
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        return cls(num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+                   num_kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or hidden // heads),
+                   intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
+                   dtype_bytes=dtype_bytes, tp=tp)
+
+    @classmethod
+    def from_engine_config(cls, config) -> "ModelShape":
+        with open(os.path.join(config.model, "config.json")) as f:
+            hf = json.load(f)
+        return cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
+
+
+def dtype_bytes(config) -> int:
+    """Bytes per element of the dtype the workers run in: "auto" is bf16 on a GPU, fp32 on CPU
+    (as workers/model_runner.resolve_dtype decides)."""
+    if config.dtype != "auto":
+        return _DTYPE_BYTES[config.dtype]
+    device = config.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return 2 if device.startswith("cuda") else 4
+
+
+@dataclass
+class StepCost:
+    flops: float = 0.0
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+
+
+class MfuEstimator:
+    def __init__(self, shape: ModelShape):
+        self.s = s = shape
+        qkv = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        out = s.num_heads * s.head_dim * s.hidden_size
+        mlp = 3 * s.hidden_size * s.intermediate_size
+        self._layer_matmul_params = qkv + out + mlp
+        self._weight_params = s.num_layers * self._layer_matmul_params + s.vocab_size * s.hidden_size
+        self._kv_elems_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim
+
+    def step(self, num_tokens: int, num_qk_pairs: int, num_kv_tokens_read: int,
+             num_sampled: int) -> StepCost:
+        s = self.s
+        if num_tokens <= 0 and num_sampled <= 0:
+            return StepCost()
+        flops = (s.num_layers * (2 * num_tokens * self._layer_matmul_params
+                                 + 4 * num_qk_pairs * s.num_heads * s.head_dim)
+                 + 2 * num_sampled * s.hidden_size * s.vocab_size)
+        read = s.dtype_bytes * ((self._weight_params if num_tokens > 0 else 0)
+                                + self._kv_elems_per_token * num_kv_tokens_read
+                                + num_tokens * s.hidden_size)
+        write = s.dtype_bytes * self._kv_elems_per_token * num_tokens
+        return StepCost(flops / s.tp, read / s.tp, write / s.tp)
+
+    def from_stats(self, stats) -> StepCost:
+        return self.step(stats.num_scheduled_tokens, stats.num_attn_query_key_pairs, stats.num_kv_tokens_read,
+                         stats.num_generation_tokens)

@@ -1,0 +1,235 @@
+"""PrometheusStatLogger: vLLM's metrics, recorded in one API-server process.
+
+Two sources feed it:
+
+* every EngineCoreOutputs this API server receives (AsyncLLM.stat_listeners):
+  the per-step SchedulerStats (each step's stats go to exactly one API server)
+  and the engine-side RequestTiming of this server's finished requests;
+* the RequestMetrics of this server's requests (metrics/request_metrics.py),
+  updated by AsyncLLM.generate() as outputs arrive.
+
+Counters and histograms add up across API-server processes; gauges set from
+per-step stats carry the engine's send time as their timestamp, so the
+multiprocess "mostrecent" merge picks the newest engine step whichever
+process recorded it.
+
+Every vllm: metric has the labels model_name (the served model name) and
+engine (the engine index); vllm:cache_config_info adds the cache settings, and
+vllm:engine_sleep_state adds sleep_state = awake | weights_offloaded |
+discard_all (1 for the current state, 0 for the others; Loom's sleep level 0,
+which only stops scheduling, reads as awake).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+from metrics.mfu import MfuEstimator, ModelShape
+from metrics.registry import Builder
+
+logger = logging.getLogger("loom.metrics")
+
+LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")   # sleep level 0, 1, 2
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_BUCKETS = [1, 2, 5, 10, 20]
+_FIRST = 1e-9   # timestamp of a gauge's initial value: any real update is more recent
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+def _set_at(gauge_child, value: float, timestamp: float) -> None:
+    """Gauge.set with our own timestamp for the multiprocess "mostrecent" merge."""
+    gauge_child._value.set(float(value), timestamp=timestamp)
+
+
+class PrometheusStatLogger:
+    def __init__(self, config, engine_index: int = 0, num_gpu_blocks: int | None = None,
+                 enable_mfu: bool = False, builder: Builder | None = None):
+        self.config = config
+        self.model_name = config.model_name
+        self.engine = str(engine_index)
+        self.max_model_len = config.max_model_len or 1
+        self.num_gpu_blocks = num_gpu_blocks
+        self.mfu = MfuEstimator(ModelShape.from_engine_config(config)) if enable_mfu else None
+        b = builder or Builder()
+        self.registry = b.registry
+        tok = build_1_2_5_buckets(self.max_model_len)
+        L = LABELS
+        self._defs = SimpleNamespace(
+            # gauges: the engine's state at its latest step
+            running=b.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", L),
+            waiting=b.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", L),
+            kv_usage=b.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L),
+            sleep=b.gauge("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; "
+                          "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
+                          "discard_all = 1 means sleep level 2.", L + ("sleep_state",)),
+            # counters
+            prefix_queries=b.counter("vllm:prefix_cache_queries",
+                                     "Prefix cache queries, in terms of number of queried tokens.", L),
+            prefix_hits=b.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                  L),
+            preemptions=b.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", L),
+            prompt_tokens=b.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L),
+            generation_tokens=b.counter("vllm:generation_tokens", "Number of generation tokens processed.", L),
+            success=b.counter("vllm:request_success", "Count of successfully processed requests.",
+                              L + ("finished_reason",)),
+            # histograms
+            iteration_tokens=b.histogram("vllm:iteration_tokens_total",
+                                         "Histogram of number of tokens per engine_step.", L,
+                                         ITERATION_TOKENS_BUCKETS),
+            prompt_len=b.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", L, tok),
+            generation_len=b.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                       L, tok),
+            max_tokens=b.histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                   L, tok),
+            n=b.histogram("vllm:request_params_n", "Histogram of the n request parameter.", L, N_BUCKETS),
+            ttft=b.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", L,
+                             TTFT_BUCKETS),
+            itl=b.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L,
+                            ITL_BUCKETS),
+            tpot=b.histogram("vllm:request_time_per_output_token_seconds",
+                             "Histogram of time_per_output_token_seconds per request.", L, ITL_BUCKETS),
+            e2e=b.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", L,
+                            REQUEST_LATENCY_BUCKETS),
+            queue=b.histogram("vllm:request_queue_time_seconds",
+                              "Histogram of time spent in WAITING phase for request.", L, REQUEST_LATENCY_BUCKETS),
+            inference=b.histogram("vllm:request_inference_time_seconds",
+                                  "Histogram of time spent in RUNNING phase for request.", L,
+                                  REQUEST_LATENCY_BUCKETS),
+            prefill=b.histogram("vllm:request_prefill_time_seconds",
+                                "Histogram of time spent in PREFILL phase for request.", L, REQUEST_LATENCY_BUCKETS),
+            decode=b.histogram("vllm:request_decode_time_seconds",
+                               "Histogram of time spent in DECODE phase for request.", L, REQUEST_LATENCY_BUCKETS),
+        )
+        if self.mfu is not None:
+            d = self._defs
+            d.flops = b.counter("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations "
+                                "per GPU (for Model FLOPs Utilization calculations).", L)
+            d.read_bytes = b.counter("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from "
+                                     "memory per GPU (for Model FLOPs Utilization calculations).", L)
+            d.write_bytes = b.counter("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to "
+                                      "memory per GPU (for Model FLOPs Utilization calculations).", L)
+        self._engines: dict[str, SimpleNamespace] = {}
+        self._info = b.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                             ("model_name", "engine", *self._cache_info()))
+        self._bind(self.engine)
+
+    # ------------------------------------------------------------ series of one engine
+
+    def _cache_info(self) -> dict[str, str]:
+        c = self.config
+        return {"block_size": str(c.block_size), "cache_dtype": "auto",
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.gpu_memory_utilization),
+                "num_gpu_blocks": str(self.num_gpu_blocks), "num_gpu_blocks_override": str(c.num_gpu_blocks_override),
+                "kv_cache_memory_bytes": str(c.kv_cache_memory_bytes)}
+
+    def _bind(self, engine: str) -> SimpleNamespace:
+        """Children of every metric for one engine, created at 0 so that every series shows."""
+        e = self._engines.get(engine)
+        if e is not None:
+            return e
+        d, lv = self._defs, (self.model_name, engine)
+        e = SimpleNamespace(**{k: m.labels(*lv) for k, m in vars(d).items() if k not in ("sleep", "success")})
+        e.sleep = {s: d.sleep.labels(*lv, s) for s in SLEEP_STATES}
+        e.success = {r: d.success.labels(*lv, r) for r in FINISH_REASONS}
+        for g in (e.running, e.waiting, e.kv_usage):
+            _set_at(g, 0, _FIRST)
+        for s, g in e.sleep.items():
+            _set_at(g, s == "awake", _FIRST)
+        self._info.labels(self.model_name, engine, **self._cache_info()).set(1)
+        self._engines[engine] = e
+        return e
+
+    # ------------------------------------------------------------ per-step stats (stat_listeners)
+
+    def on_outputs(self, outs) -> None:
+        """An EngineCoreOutputs as it reached this API server."""
+        engine = str(outs.engine_index)
+        if engine != self.engine:
+            self.engine = engine   # per-request metrics go to the engine last heard from
+        e = self._bind(engine)
+        s = outs.scheduler_stats
+        if s is not None:
+            ts = outs.timestamp or time.time()
+            _set_at(e.running, s.num_running, ts)
+            _set_at(e.waiting, s.num_waiting, ts)
+            _set_at(e.kv_usage, s.kv_cache_usage, ts)
+            level = min(max(s.sleep_level, 0), 2)
+            for i, state in enumerate(SLEEP_STATES):
+                _set_at(e.sleep[state], i == level, ts)
+            if s.prefix_cache_queries:
+                e.prefix_queries.inc(s.prefix_cache_queries)
+            if s.prefix_cache_hits:
+                e.prefix_hits.inc(s.prefix_cache_hits)
+            if s.num_preemptions:
+                e.preemptions.inc(s.num_preemptions)
+            if s.num_scheduled_tokens:
+                e.iteration_tokens.observe(s.num_scheduled_tokens)
+            if self.mfu is not None:
+                cost = self.mfu.from_stats(s)
+                if cost.flops:
+                    e.flops.inc(cost.flops)
+                if cost.read_bytes:
+                    e.read_bytes.inc(cost.read_bytes)
+                if cost.write_bytes:
+                    e.write_bytes.inc(cost.write_bytes)
+        for t in outs.finished_timings:
+            e.queue.observe(max(t.queued_time, 0.0))
+            e.prefill.observe(max(t.prefill_time, 0.0))
+            e.decode.observe(max(t.decode_time, 0.0))
+            e.inference.observe(max(t.prefill_time + t.decode_time, 0.0))
+
+    def record_sleep_level(self, level: int, timestamp: float | None = None) -> None:
+        """For control endpoints: the sleep state changed (per-step stats only come while the engine steps)."""
+        e, ts = self._bind(self.engine), timestamp or time.time()
+        level = min(max(level, 0), 2)
+        for i, state in enumerate(SLEEP_STATES):
+            _set_at(e.sleep[state], i == level, ts)
+
+    # ------------------------------------------------------------ per-request (RequestMetrics sink)
+
+    def record_prompt_tokens(self, n: int) -> None:
+        if n:
+            self._bind(self.engine).prompt_tokens.inc(n)
+
+    def record_tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
+        e = self._bind(self.engine)
+        e.generation_tokens.inc(n)
+        if ttft is not None:
+            e.ttft.observe(max(ttft, 0.0))
+        if itl is not None:
+            e.itl.observe(max(itl, 0.0))
+
+    def record_finished(self, rm) -> None:
+        e = self._bind(self.engine)
+        e.success[rm.finish_reason if rm.finish_reason in e.success else "error"].inc()
+        e.e2e.observe(max(rm.e2e_latency, 0.0))
+        e.tpot.observe(rm.time_per_output_token)
+        e.prompt_len.observe(rm.num_prompt_tokens)
+        e.generation_len.observe(rm.num_generation_tokens)
+        if rm.is_first_choice:
+            max_tokens = rm.max_tokens
+            if max_tokens is None:
+                max_tokens = max(self.max_model_len - rm.num_prompt_tokens, 0)
+            e.max_tokens.observe(max_tokens)
+            e.n.observe(rm.n)

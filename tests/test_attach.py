@@ -1,0 +1,140 @@
+"""Engine cores attached from elsewhere: a headless engine, API servers of a second
+`loom serve`, and Python clients, all at once; disconnects abort only their own requests;
+a wrong key is refused."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from engine_core.client import EngineCoreClient, EngineDeadError
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
+from ipc.sockets import free_tcp_port
+from tests.conftest import ROOT, Server, shm_entries
+from tests.hf_oracle import hf_greedy
+
+KEY = "s3cret-key"
+PROMPTS = [[11, 12, 13, 14], [50, 60, 70], [101, 102, 103, 104, 105, 106]]
+
+
+def _generate(client: EngineCoreClient, rid: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    client.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                     ignore_eos=True)))
+    tokens: list[int] = []
+    while True:
+        outs = client.get_outputs(timeout=60)
+        assert outs is not None, "no output within 60 s"
+        for o in outs.outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                if o.finish_reason:
+                    return tokens
+
+
+def _attach(address: str, key: str | None = KEY, timeout: float = 120) -> EngineCoreClient:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return EngineCoreClient.attach(address, key, timeout=2)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+@pytest.fixture
+def headless(tiny_model_dir):
+    port = free_tcp_port()
+    address = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
+                             "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "512"],
+                            cwd=ROOT, start_new_session=True)
+    try:
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_attach_headless_engine(tiny_model_dir, headless):
+    address, engine_proc = headless
+    client = _attach(address)
+    try:
+        expected = [hf_greedy(tiny_model_dir, p, 8) for p in PROMPTS]
+        # API servers of a second `loom serve`, attached to the same engine
+        api = Server(tiny_model_dir, "--engine-address", address, "--api-server-count", "2",
+                     "--max-model-len", "512", env={"LOOM_ENGINE_AUTH_KEY": KEY})
+        try:
+            api.wait_healthy()
+
+            def http(prompt):
+                r = requests.post(api.url + "/v1/completions", timeout=60, json={
+                    "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+            tok = __import__("transformers").AutoTokenizer.from_pretrained(tiny_model_dir)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                texts = list(pool.map(http, PROMPTS * 4))
+                got = [_generate(client, f"c-{i}", p) for i, p in enumerate(PROMPTS)]
+            assert got == expected
+            # random tokens of a random model are often partial UTF-8, which streaming and whole
+            # decodes render with different numbers of U+FFFD: compare the real characters
+            clean = lambda t: t.replace("\ufffd", "")
+            assert [clean(t) for t in texts] == [clean(tok.decode(e)) for e in expected] * 4
+
+            # a client that dies loses its requests; the engine and the others go on
+            doomed = subprocess.Popen([sys.executable, "-m", "tests.attach_client", address, KEY], cwd=ROOT,
+                                      stdout=subprocess.PIPE, text=True)
+            assert doomed.stdout.readline().strip() == "running"
+            assert client.call_utility("debug_info")["tracked_requests"] == 3
+            doomed.kill()
+            doomed.wait()
+            deadline = time.monotonic() + 5
+            while client.call_utility("debug_info")["tracked_requests"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            info = client.call_utility("debug_info")
+            assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
+            assert _generate(client, "after", PROMPTS[0]) == expected[0]
+            assert clean(http(PROMPTS[1])) == clean(tok.decode(expected[1]))
+
+            # a wrong key, or none, is refused
+            with pytest.raises(PermissionError):
+                EngineCoreClient.attach(address, "wrong", timeout=5)
+            with pytest.raises(PermissionError):
+                EngineCoreClient.attach(address, None, timeout=5)
+        finally:
+            api.stop()
+    finally:
+        client.close()
+
+    # killing the engine reaches attached clients and ends `loom serve --headless` non-zero
+    client = _attach(address)
+    try:
+        engine_proc.terminate()
+        assert engine_proc.wait(30) == 0
+        with pytest.raises(EngineDeadError):
+            for _ in range(50):
+                client.get_outputs(timeout=0.1)
+    finally:
+        client.close()
+    assert not shm_entries()
+
+
+def test_headless_refuses_network_address_without_key(tiny_model_dir):
+    r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
+                        "--engine-address", "tcp://0.0.0.0:5999"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "auth-key" in r.stderr
