@@ -16,6 +16,7 @@ from frontend.outputs import RequestOutput
 from frontend.processing import check_prompt, engine_requests, load_tokenizer
 from ipc.messages import EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
+from metrics.request_metrics import RequestMetrics
 
 _DEAD = object()  # queue sentinel
 
@@ -28,6 +29,7 @@ class AsyncLLM:
                                             self._on_outputs, self._on_dead)
         self._queues: dict[str, asyncio.Queue] = {}
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
+        self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
 
     async def start(self, timeout: float = 900.0, engine_address: str | None = None,
                     auth_key: str | None = None) -> None:
@@ -53,10 +55,11 @@ class AsyncLLM:
     # ------------------------------------------------------------ outputs in
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        now = time.monotonic()  # when these outputs reached the frontend, for latency metrics
         for out in outs.outputs:
             q = self._queues.get(out.request_id)
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait((out, now))
         for listener in self.stat_listeners:
             listener(outs)
 
@@ -70,6 +73,7 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
+        arrival = time.monotonic()
         check_prompt(self.config, prompt_token_ids, params)
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
         queue: asyncio.Queue = asyncio.Queue()
@@ -78,6 +82,8 @@ class AsyncLLM:
             states[ecr.request_id] = RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
                                                   self.tokenizer)
             self._queues[ecr.request_id] = queue
+        rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
+               for i, ecr in enumerate(ecrs)}
         unfinished = set(states)
         try:
             for ecr in ecrs:
@@ -93,17 +99,19 @@ class AsyncLLM:
                         raise EngineDeadError(self.dead_reason)
                     batch.append(nxt)
                 deltas, st = [], None
-                for out in batch:
+                for out, t in batch:
                     st = states[out.request_id]
                     if out.request_id not in unfinished:
                         continue
                     if out.error is not None and not st.token_ids:
+                        rms[out.request_id].finish("error", t)
                         raise ValueError(out.error)
                     delta, abort = st.process(out)
                     if abort:
                         await self.client.abort([out.request_id])
                     if delta is None:
                         continue
+                    rms[out.request_id].on_output(t, len(delta.token_ids), delta.finish_reason)
                     if delta.finish_reason is not None:
                         unfinished.discard(out.request_id)
                     deltas.append(delta)
@@ -113,6 +121,8 @@ class AsyncLLM:
         finally:
             for rid in states:
                 self._queues.pop(rid, None)
+            for rid in unfinished:
+                rms[rid].finish("error" if self.is_dead else "abort")
             if unfinished and not self.is_dead:
                 await self.client.abort(list(unfinished))
 
