@@ -221,7 +221,7 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------ main loop
 
     def run_busy_loop(self) -> None:
-        step = 0
+        step, control = 0, (0, False)
         while True:
             self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
             by_client = self.step() if self.has_work() else {}
@@ -229,7 +229,9 @@ class EngineCoreProc(EngineCore):
                 by_client.setdefault(ci, [])[:0] = outs
             self.pending_outputs = {}
             self._finish_deferred()
-            if not by_client and not self.scheduler.finished_req_ids and step == self.scheduler.step_id:
+            last_control, control = control, (self.control.sleep_level, self.is_paused())
+            if (not by_client and not self.scheduler.finished_req_ids and step == self.scheduler.step_id
+                    and control == last_control):  # a sleep / pause change is reported even without a step
                 continue
             step = self.scheduler.step_id
             stats = self.scheduler.make_stats()
