@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp on uvloop), one per API-server process.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not),
-GET /v1/models, GET /health, GET /version, POST /tokenize, POST /detokenize,
+GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, POST /tokenize, POST /detokenize,
 and with --enable-control-endpoints POST /reset_prefix_cache, /sleep?level=,
 /wake_up?tags=, /pause?mode=&clear_cache=, /resume, /collective_rpc and GET
 /is_sleeping, /is_paused. Every response carries X-Loom-Server-Index (which
@@ -36,12 +36,15 @@ from frontend.protocol import (SSE_DONE, APIError, ChatCompletionRequest, Comple
                                error_body, merge_completion_logprobs, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, sse, stream_include_usage, usage)
 from ipc.sampling_params import SamplingParams
+from metrics.http import HttpMetrics
+from metrics.registry import render as render_metrics
 
 logger = logging.getLogger("loom.api")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _END = object()
 SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
+_OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 
 
@@ -83,9 +86,8 @@ SERVER_INDEX_HEADER = "X-Loom-Server-Index"
 # collective_rpc methods that are remote but would desync the engine's own state: use the endpoints
 _RPC_DENIED = {"sleep": "use POST /sleep", "wake_up": "use POST /wake_up",
                "initialize_cache": "the KV cache is the engine's", "shutdown": "use SIGTERM on `loom serve`"}
-# "ValueError: msg", or "WorkerError: worker 0: ValueError: msg" from a worker: the caller's fault
-_CLIENT_FAILURE = _re.compile(r"^(?:WorkerError: worker \d+: )?(ValueError|TypeError|ConfigError): (.*)\Z",
-                              _re.DOTALL)
+# "ValueError: msg", or "WorkerError: worker 0: ValueError: msg" from a worker
+_FAILURE = _re.compile(r"^(?:WorkerError: worker \d+: )?(\w+): (.*)\Z", _re.DOTALL)
 
 
 class CollectiveRPCRequest(_msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -211,7 +213,7 @@ class OpenAIServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         try:
-            if self.api_key is not None and request.path != "/health":
+            if self.api_key is not None and request.path not in _OPEN_PATHS:
                 auth = request.headers.get("Authorization", "")
                 token = auth[7:] if auth[:7].lower() == "bearer " else ""
                 if not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -260,6 +262,12 @@ class OpenAIServer:
         if self.llm.is_dead:
             return _json(error_body(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503), 503)
         return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus exposition (all API servers' values under `loom serve`); open like /health."""
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            None, render_metrics, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": _version()})
@@ -312,7 +320,8 @@ class OpenAIServer:
     # ---- control endpoints (--enable-control-endpoints; the engine core owns the state, so every
     # API server answers the same). Engine-side ValueErrors are the caller's fault: 400; else 500.
 
-    async def _control(self, method: str, *args, param: str | None = None):
+    async def _control(self, method: str, *args, param: str | None = None,
+                       client_errors: tuple[str, ...] = ("ValueError",)):
         self._check_alive()
         try:
             # no timeout: pause?mode=wait answers only once the requests in flight have finished
@@ -320,8 +329,8 @@ class OpenAIServer:
         except EngineDeadError:
             raise
         except RuntimeError as e:
-            m = _CLIENT_FAILURE.match(str(e))
-            if m:
+            m = _FAILURE.match(str(e))
+            if m and m.group(1) in client_errors:
                 raise APIError(m.group(2), 400, param) from None
             raise APIError(f"{method} failed in the engine: {e}", 500) from None
 
@@ -363,7 +372,8 @@ class OpenAIServer:
             raise APIError(f"method {req.method!r} is not callable on workers", 400, "method")
         if req.timeout is not None and not req.timeout > 0:
             raise APIError(f"'timeout' must be positive (seconds) or null; got {req.timeout}", 400, "timeout")
-        results = await self._control("collective_rpc", req.method, req.args, req.kwargs, req.timeout)
+        results = await self._control("collective_rpc", req.method, req.args, req.kwargs, req.timeout,
+                                      client_errors=("ValueError", "TypeError"))  # TypeError: bad args
         return _json({"results": results})
 
     async def _add_server_index(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -620,12 +630,14 @@ class OpenAIServer:
     # ------------------------------------------------------------ app
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[HttpMetrics().middleware, self._middleware],  # metrics outermost
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)

@@ -35,13 +35,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("model", help="a Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     p.add_argument("--api-server-count", type=int, default=1)
     p.add_argument("--enable-control-endpoints", action="store_true")
     p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
     p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
     p.add_argument("--engine-auth-key", default=None)
-    p.add_argument("--enable-mfu-metrics", action="store_true")
+    p.add_argument("--enable-mfu-metrics", action="store_true",
+                   help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; metrics/mfu.py)")
     add_engine_args(p)
 
 

@@ -123,7 +123,7 @@ class LLM:
                 if all(c.finish_reason is not None for c in result.outputs):
                     result.finished = True
                     if bar is not None:
-                        bar.update(1)
+                        bar.update(1, len(result.prompt_token_ids) * len(result.outputs))
         if bar is not None:
             bar.close()
 
@@ -190,7 +190,8 @@ def _shutdown(proc, client: EngineCoreClient, ipc_dir: str) -> None:
 
 
 class _progress:
-    """tqdm bar with requests done and output tok/s."""
+    """tqdm bar: requests done, and est. speed of input (prompts of finished requests, once per
+    choice, as vLLM counts them) and output tokens; the speeds refresh as tokens arrive."""
 
     def __new__(cls, total: int, enabled: bool):
         if not enabled:
@@ -200,16 +201,24 @@ class _progress:
     def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
         self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-        self.tokens = 0
-        self.start = time.perf_counter()
+        self.tokens = self.prompt_tokens = 0
+        self.start = self.shown = time.perf_counter()
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
+        if time.perf_counter() - self.shown > 0.5:
+            self._postfix(refresh=True)
 
-    def update(self, n: int) -> None:
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"output: {rate:.1f} tok/s", refresh=False)
+    def update(self, n: int, prompt_tokens: int = 0) -> None:
+        self.prompt_tokens += prompt_tokens
+        self._postfix(refresh=False)
         self.bar.update(n)
+
+    def _postfix(self, refresh: bool) -> None:
+        self.shown = now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        self.bar.set_postfix_str(f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.tokens / elapsed:.2f} toks/s", refresh=refresh)
 
     def close(self) -> None:
         self.bar.close()

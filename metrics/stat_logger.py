@@ -156,7 +156,7 @@ class PrometheusStatLogger:
             _set_at(g, 0, _FIRST)
         for s, g in e.sleep.items():
             _set_at(g, s == "awake", _FIRST)
-        self._info.labels(self.model_name, engine, **self._cache_info()).set(1)
+        self._info.labels(model_name=self.model_name, engine=engine, **self._cache_info()).set(1)
         self._engines[engine] = e
         return e
 

@@ -11,7 +11,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU CI runs Triton kernels in 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import requests
 import torch
 
 from ipc.sockets import free_tcp_port
@@ -78,6 +77,7 @@ class Server:
                                      env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
 
     def wait_healthy(self, timeout: float = 120.0) -> "Server":
+        import requests
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -38,6 +38,8 @@ def servers(model_factory):
     try:
         one.wait_healthy(180)
         multi.wait_healthy(180)
+        # all three API servers up before any test: their start-up would compete for the CPU
+        run(lambda s: _indexes_seen(s, multi.url, "/health", timeout=120), fresh_connections=True)
         yield one, multi
     finally:
         one.stop()
@@ -193,7 +195,7 @@ def test_pause_wait_returns_after_in_flight_requests(one):
         await asyncio.wait_for(task, 10)
         assert st.finish == "length"  # finished, not aborted
         # /pause answered once the request was done (its last chunk may trail the reply by a hair)
-        assert st.times[-1] - t1 < 0.2, (st.times[-1] - t1)
+        assert st.times[-1] - t1 < 0.5, (st.times[-1] - t1)
         assert t1 - t0 > 0.5 * (st.times[-1] - t0), (t1 - t0, st.times[-1] - t0)
         assert await call(s, "POST", url + "/resume") == (200, {"status": "ok"})
     run(scenario, one.url)
@@ -211,7 +213,7 @@ def test_pause_keep_freezes_and_resumes_exactly(one, clear_cache):
         t0 = time.monotonic()
         status, _ = await call(s, "POST", url + f"/pause?mode=keep&clear_cache={str(clear_cache).lower()}")
         assert status == 200 and time.monotonic() - t0 < 2.0  # never waits on the frozen requests
-        await asyncio.sleep(0.1)  # what was already on its way
+        await asyncio.sleep(0.3)  # what was already on its way
         n = len(st.texts)
         await asyncio.sleep(0.5)
         assert len(st.texts) == n and not st.done, "tokens arrived while paused"
@@ -279,7 +281,6 @@ def test_many_clients_over_three_api_servers(multi):
     prompts = ["Beautiful is better than", "Hello world! How are", "The quick brown fox", "Tell me a story"]
 
     async def scenario(s, url):
-        await _indexes_seen(s, url, "/health")  # all three are up
         refs = [await complete(s, url, {"prompt": p, "temperature": 0, "max_tokens": 8}, AUTH) for p in prompts]
         streams = await asyncio.gather(*(
             stream_completion(s, url, {"prompt": prompts[i % 4], "temperature": 0, "max_tokens": 8}, AUTH)
@@ -288,6 +289,7 @@ def test_many_clients_over_three_api_servers(multi):
             assert st.done and st.finish in ("length", "stop") and st.text == refs[i % 4], (i, st.text)
         counts = {k: sum(st.index == k for st in streams) for k in ("0", "1", "2")}
         assert all(counts.values()), counts
+        print("requests per API server:", counts)
     run(scenario, multi.url, fresh_connections=True)
 
 
@@ -412,4 +414,7 @@ def test_fake_control_arguments_and_failures():
         status, body = await call(s, "POST", url + "/collective_rpc", json={"method": "ping"})
         assert status == 500 and "CUDA error" in body["error"]["message"], body
         assert body["error"]["type"] == "InternalServerError"
+        llm.fail = RuntimeError("TypeError: an engine bug")  # only collective_rpc's TypeErrors are the caller's
+        status, body = await call(s, "POST", url + "/pause")
+        assert status == 500 and "an engine bug" in body["error"]["message"], body
     _run_fake(_FakeLLM(), scenario, enable_control_endpoints=True)

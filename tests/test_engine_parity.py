@@ -46,3 +46,10 @@ def test_llama3_rope_scaling(model_factory):
                                                      ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
                                                      ("original_max_position_embeddings", 64)))
     check_parity(model_dir, _prompts(300, 3), block_size=8, max_model_len=256)
+
+
+def test_triton_path_matches_hf(model_factory):
+    """The whole engine on the Triton kernels (run by the interpreter on CPU) still matches HF."""
+    model_dir = model_factory("qwen3")
+    check_parity(model_dir, _prompts(300, 3), block_size=8, max_num_seqs=2, max_model_len=64,
+                 attention_backend="triton")

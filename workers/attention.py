@@ -22,6 +22,7 @@ class AttentionMetadata:
     max_query_len: int             # the largest single query, not a sum
     max_seq_len: int
     backend: str = "torch"         # "torch" (reference) or "triton"
+    num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
 
 
 class Attention(nn.Module):
@@ -43,7 +44,8 @@ class Attention(nn.Module):
             from kernels.paged_attention import paged_attention, write_kv_cache
             write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                  meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len)
+                                  meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
+                                  num_decodes=meta.num_decodes)
         else:
             write_kv_cache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,

@@ -46,6 +46,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format)
+        if self.backend == "triton":
+            from workers.models.layers import use_triton_kernels
+            use_triton_kernels()
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
         self.num_layers, self.num_kv_heads, self.head_dim = model_kv_shape(self.model.config)
         self.sampler = Sampler(use_triton=self.backend == "triton")
@@ -55,6 +58,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
+        self.graphs: dict[int, tuple] = {}
+        self._weights_asleep = False
 
     # ------------------------------------------------------------ KV cache
 
@@ -105,6 +110,68 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
+        if not self._weights_asleep:
+            self.capture_cudagraphs()
+
+    # ------------------------------------------------------------ CUDA graphs (decode)
+
+    def capture_cudagraphs(self) -> None:
+        """Capture the model's forward for pure-decode batches at padded sizes.
+
+        Inputs live in persistent buffers that each replay reads; padding rows
+        write nowhere (slot -1) and are dropped."""
+        self.graphs = {}
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend != "triton":
+            return
+        max_bs = min(self.config.max_num_seqs, 512)
+        sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
+        dev = self.device
+        self.gbuf = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros((max_bs, self.max_blocks_per_req), dtype=torch.int32, device=dev),
+        }
+        b = self.gbuf
+        pool = None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(sizes):
+                meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
+                                         b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
+                                         num_decodes=bs)
+                args = (b["input_ids"][:bs], b["positions"][:bs], self.kv_caches, meta)
+                self.model(*args)  # warm-up: compiles the kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(*args)
+                pool = graph.pool()
+                self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+        self.graph_sizes = sizes
+        logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs", len(sizes), max_bs, time.perf_counter() - t0)
+
+    def _graph_size(self, n: np.ndarray) -> int | None:
+        if not self.graphs or len(n) > self.graph_sizes[-1] or not (n == 1).all():
+            return None
+        return next(s for s in self.graph_sizes if s >= len(n))
+
+    def _run_graph(self, bs: int, inputs: dict) -> torch.Tensor:
+        b, meta = self.gbuf, inputs["meta"]
+        B = meta.seq_lens.shape[0]
+        b["input_ids"][:B].copy_(inputs["input_ids"], non_blocking=True)
+        b["positions"][:B].copy_(inputs["positions"], non_blocking=True)
+        b["slot_mapping"][:B].copy_(meta.slot_mapping, non_blocking=True)
+        b["slot_mapping"][B:bs].fill_(-1)
+        b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
+        b["seq_lens"][B:bs].fill_(1)
+        b["block_table"][:B, :meta.block_table.shape[1]].copy_(meta.block_table, non_blocking=True)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return out[:B]
 
     # ------------------------------------------------------------ sleep / wake
 
@@ -117,7 +184,9 @@ class ModelRunner:
                                     for n, t in self.model.state_dict(keep_vars=True).items()}
         for t in self.model.state_dict(keep_vars=True).values():
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        self._weights_asleep = True
         self.kv_caches = []
+        self.graphs = {}  # they point at the freed memory; recaptured on wake-up
         self._release_memory()
 
     def wake_up(self, tags: list[str]) -> None:
@@ -134,6 +203,9 @@ class ModelRunner:
                                             fresh.state_dict(keep_vars=True).items()):
                     t.data = src.data
                 del fresh
+            self._weights_asleep = False
+            if self.kv_caches:
+                self.capture_cudagraphs()
         if "kv_cache" in tags:
             self.initialize_cache(self.num_blocks)
 
@@ -178,7 +250,11 @@ class ModelRunner:
         start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         inputs = self._prepare_inputs(n, start, slots)
-        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+        graph_bs = self._graph_size(n)
+        if graph_bs is not None:
+            hidden = self._run_graph(graph_bs, inputs)
+        else:
+            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
 
         # Rows whose prompt is complete after this step sample a token; others are mid-prompt.
         end = start + n
@@ -223,7 +299,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=to(qsl, torch.int32), seq_lens=to(seq_lens, torch.int32),
             block_table=to(block_table, torch.int32), slot_mapping=to(slot_mapping, torch.int64),
-            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), backend=self.backend)
+            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), backend=self.backend,
+            num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n))
         return {"input_ids": to(input_ids, torch.int64), "positions": to(positions, torch.int64),
                 "meta": meta, "last_index": qsl[1:] - 1, "qsl": qsl}
 

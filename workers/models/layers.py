@@ -79,6 +79,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ config helpers
+def use_triton_kernels() -> None:
+    """The GPU path: route the ops above through the Triton kernels in kernels/."""
+    from kernels import activation, rotary
+    from kernels import rms_norm as triton_norm
+
+    def rotary_triton(positions, query, key, cos_sin_cache, head_size):
+        t = query.shape[0]
+        q, k = rotary.rotary_embedding(positions, query.view(t, -1, head_size), key.view(t, -1, head_size),
+                                       cos_sin_cache)
+        return q.view(t, -1), k.view(t, -1)
+    globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
+                     silu_and_mul=activation.silu_and_mul, rotary_embedding=rotary_triton)
+
+
 def get_head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

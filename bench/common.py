@@ -1,0 +1,104 @@
+"""Options and helpers shared by the offline benchmarks (throughput, latency, hf)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+from bench.presets import PRESETS, write_preset
+from engine_core.config import EngineConfig
+
+DEFAULT_MAX_MODEL_LEN = 4096
+# EngineConfig fields that are not bench flags: filled by resolve(), or set by the bench itself
+_SKIP = {"model", "model_max_len", "vocab_size", "eos_token_ids", "seed"}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="a Hugging Face model directory")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="the real config of a known model with random weights (--load-format dummy)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every `loom serve` engine option (--max-num-seqs, --enforce-eager, --dtype, ...).
+    --max-model-len defaults to min(4096, the model's limit); --load-format to dummy for presets."""
+    g = p.add_argument_group("engine options (as for `loom serve`)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.name in ("max_model_len", "load_format") else f.default
+        if f.type in ("bool", bool):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            g.add_argument(flag, type=kind, default=default)
+
+
+def read_model_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    return hf.get("text_config", hf)
+
+
+def engine_options(args: argparse.Namespace, model_dir: str) -> dict:
+    """LLM(...) keyword options from the parsed flags."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - _SKIP
+    opts = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    opts["seed"] = args.seed
+    if opts.get("load_format") is None:
+        opts["load_format"] = "dummy" if getattr(args, "preset", None) else "auto"
+    if opts.get("max_model_len") is None:
+        limit = int(read_model_config(model_dir).get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
+        opts["max_model_len"] = min(DEFAULT_MAX_MODEL_LEN, limit)
+    return opts
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace):
+    """The model directory to load: --model as given, or a temporary one for --preset."""
+    if not getattr(args, "preset", None):
+        yield args.model
+        return
+    tmp = tempfile.mkdtemp(prefix=f"loom-bench-{args.preset}-")
+    try:
+        write_preset(args.preset, tmp)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    return f"preset:{args.preset}" if getattr(args, "preset", None) else args.model
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"results written to {path}")
+
+
+def environment() -> dict:
+    """What the numbers were measured on."""
+    import platform
+    import torch
+    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import subprocess
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                       text=True, timeout=5).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        env["commit"] = None
+    return env

@@ -1,0 +1,136 @@
+"""Real model shapes for benchmarks: the config.json of Qwen3-0.6B, Llama-3.2-1B,
+Llama-3.1-8B and Qwen3-8B (values as published on the Hugging Face Hub), plus
+a stand-in tokenizer, written into a directory that `LLM(..., load_format="dummy")`
+and `loom serve DIR --load-format dummy` can load. Speed does not depend on the
+weights' values, so no checkpoint is needed.
+
+The tokenizer is byte-level BPE with no merges whose vocabulary covers every id
+of the model (256 byte tokens, the model's special tokens at their real ids, and
+one word-like token for each other id), so every generated id decodes to text:
+a streamed completion then carries one chunk per token, as with the real model.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+_QWEN3_COMMON = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+_LLAMA3_COMMON = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {"factor": factor, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": {**_QWEN3_COMMON, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "max_window_layers": 28, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "max_window_layers": 36, "tie_word_embeddings": False},
+    "llama-3.2-1b": {**_LLAMA3_COMMON, "head_dim": 64, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "rope_scaling": _llama3_rope(32.0), "tie_word_embeddings": True,
+                     "transformers_version": "4.45.0.dev0"},
+    "llama-3.1-8b": {**_LLAMA3_COMMON, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "rope_scaling": _llama3_rope(8.0), "tie_word_embeddings": False,
+                     "transformers_version": "4.43.0.dev0"},
+}
+
+# special tokens at their real ids; the first listed eos is the model's eos_token
+_SPECIAL = {
+    "qwen3": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"},
+    "llama": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>"},
+}
+
+
+def num_params(cfg: dict) -> int:
+    """Parameter count of a decoder-only preset (for messages and memory estimates)."""
+    h, i, n, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    if cfg["model_type"] == "qwen3":
+        per_layer += 2 * d  # q_norm, k_norm
+    return n * per_layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h
+
+
+def write_tokenizer(out_dir: str, vocab_size: int, special: dict[int, str], eos_id: int, bos_id: int | None):
+    """A byte-level BPE tokenizer (no merges) whose vocabulary is exactly vocab_size ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab: dict[str, int] = {}
+    for i in range(vocab_size):
+        if i in special:
+            tok = special[i]
+        elif i < len(alphabet):
+            tok = alphabet[i]
+        else:
+            tok = f"\u0120t{i}"      # "Ġt123" decodes to " t123"
+        vocab[tok] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special.values()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special[eos_id],
+                                   bos_token=special.get(bos_id) if bos_id is not None else None,
+                                   pad_token=special[eos_id], unk_token=None)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def write_preset(name: str, out_dir: str) -> str:
+    """Write config.json, generation_config.json and the tokenizer of preset `name` into out_dir."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (one of {', '.join(PRESETS)})")
+    cfg = PRESETS[name]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f, indent=2)
+    write_tokenizer(out_dir, cfg["vocab_size"], _SPECIAL[cfg["model_type"]], cfg["eos_token_id"],
+                    cfg["bos_token_id"] if cfg["model_type"] == "llama" else None)
+    return out_dir

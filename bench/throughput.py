@@ -1,0 +1,124 @@
+"""`loom bench throughput`: the offline workload through `LLM.generate`.
+
+By default the nano-vllm / mini-sglang workload of docs/performance.md: 256
+random token-id prompts of 100-1024 tokens, max_tokens 100-1024, temperature
+0.6, ignore_eos, max_model_len 4096, one warm-up call first. Throughput is
+output tokens over the wall time of the whole generate() call (prefill
+included). --input-len/--output-len switch to fixed lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench import common
+from bench.workloads import OFFLINE_OUTPUT_TOKENS, OFFLINE_PROMPT_TOKENS, make_workload
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput (LLM.generate) on the standard workload",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 256)")
+    p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="fixed output length instead of randint(100, 1024)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (also the engine's sampling seed)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up call")
+    p.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="then run HF transformers generate on the same model and shape in this process "
+                        "(fixed lengths; the random workload uses its mean lengths) and print the ratio")
+    p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
+    common.add_engine_args(p)
+    p.set_defaults(func=main)
+
+
+def check_fits(workload, max_model_len: int) -> None:
+    longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens))
+    if longest > max_model_len:
+        raise SystemExit(f"a request needs {longest} tokens but --max-model-len is {max_model_len}; "
+                         f"raise --max-model-len or shorten the requests")
+
+
+def main(args: argparse.Namespace) -> int:
+    from frontend import LLM, SamplingParams
+
+    with common.model_dir(args) as mdir:
+        opts = common.engine_options(args, mdir)
+        vocab = common.read_model_config(mdir).get("vocab_size")
+        wl = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, vocab)
+        if wl.is_default:
+            assert (wl.prompt_tokens, wl.output_tokens) == (OFFLINE_PROMPT_TOKENS, OFFLINE_OUTPUT_TOKENS), \
+                (wl.prompt_tokens, wl.output_tokens)
+        check_fits(wl, opts["max_model_len"])
+        shape = ("standard offline workload (random lengths)" if wl.is_default else
+                 "random lengths" if args.input_len is None and args.output_len is None else
+                 f"fixed lengths {len(wl.prompts[0])} in / {wl.max_tokens[0]} out")
+        print(f"model {common.model_label(args)}: {len(wl)} requests, {shape}, "
+              f"{wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens", flush=True)
+
+        t0 = time.perf_counter()
+        llm = LLM(mdir, **opts)
+        startup = time.perf_counter() - t0
+        print(f"engine up in {startup:.1f} s ({llm.num_gpu_blocks} KV blocks)", flush=True)
+        try:
+            if not args.no_warmup:
+                warm = [[(7 * i + 3) % (vocab or 1000) for i in range(16)]]
+                llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True),
+                             use_tqdm=False)
+            params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m)
+                      for m in wl.max_tokens]
+            t0 = time.perf_counter()
+            outs = llm.generate(wl.prompts, params, use_tqdm=args.progress)
+            elapsed = time.perf_counter() - t0
+            preemptions = llm.stats.num_preemptions
+        finally:
+            llm.shutdown()
+
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        result = {
+            "model": common.model_label(args),
+            "workload": "offline-default" if wl.is_default else "custom",
+            "num_requests": len(outs),
+            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+            "temperature": args.temperature,
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "expected_prompt_tokens": wl.prompt_tokens, "expected_output_tokens": wl.output_tokens,
+            "elapsed_s": elapsed,
+            "requests_per_s": len(outs) / elapsed,
+            "output_tok_per_s": output_tokens / elapsed,
+            "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
+            "num_preemptions": preemptions,
+            "startup_s": startup,
+            "engine_options": opts,
+            "env": common.environment(),
+        }
+        print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+              f"{result['output_tok_per_s']:.2f} output tok/s, {result['total_tok_per_s']:.2f} total tok/s")
+        print(f"Tokens: {prompt_tokens} prompt + {output_tokens} output in {elapsed:.2f} s "
+              f"({preemptions} preemptions)")
+        ok = (prompt_tokens, output_tokens) == (wl.prompt_tokens, wl.output_tokens)
+        if wl.is_default:
+            print(f"Standard workload totals (142,827 prompt / 133,966 output): {'OK' if ok else 'MISMATCH'}")
+        elif not ok:
+            print(f"Token totals MISMATCH: expected {wl.prompt_tokens} prompt / {wl.output_tokens} output")
+
+        if args.compare_hf:
+            from bench.hf import hf_generate_bench
+            n = len(wl)
+            in_len = args.input_len if args.input_len is not None else round(wl.prompt_tokens / n)
+            out_len = args.output_len if args.output_len is not None else round(wl.output_tokens / n)
+            if args.input_len is None or args.output_len is None:
+                print(f"HF baseline on the mean lengths: {n} x {in_len} in / {out_len} out")
+            hf = hf_generate_bench(mdir, n, in_len, out_len, dtype=opts["dtype"], device=opts["device"],
+                                   seed=args.seed, temperature=args.temperature)
+            result["hf"] = hf
+            result["speedup_vs_hf"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
+            print(f"HF transformers generate: {hf['output_tok_per_s']:.2f} output tok/s "
+                  f"(batch {n}, {in_len} in / {out_len} out, {hf['elapsed_s']:.2f} s)")
+            print(f"Loom / HF output tok/s: {result['speedup_vs_hf']:.2f}x")
+        common.write_json(args.output_json, result)
+    return 0 if ok else 1
