@@ -1,1 +1,1 @@
-"""Benchmarks: `loom bench throughput|latency|serve`."""
+"""Benchmarks: `loom bench throughput|latency|serve|hf|preset` (bench/README.md)."""

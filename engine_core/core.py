@@ -47,6 +47,8 @@ class EngineCore:
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
         self.control = ControlState()
+        self.depth = 2 if config.async_scheduling else 1   # steps in flight at once
+        self.in_flight = 0
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
@@ -85,7 +87,10 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        """Whether a step could make progress now (else the loop blocks on its input queue)."""
+        """Whether stepping could make progress now (else the loop blocks on its input queue)."""
+        return self.in_flight > 0 or self._can_schedule()
+
+    def _can_schedule(self) -> bool:
         if not self.control.can_step:
             return False
         return bool(self.scheduler.running) or (self.control.admits_new and bool(self.scheduler.waiting))
@@ -93,12 +98,28 @@ class EngineCore:
     # ------------------------------------------------------------ one step
 
     def step(self) -> dict[int, list[EngineCoreOutput]]:
-        so = self.scheduler.schedule(allow_new=self.control.admits_new)
-        if so.req_ids or so.new_requests or so.finished_req_ids:
-            out = self.executor.execute_model(so)
-        else:
-            out = ModelRunnerOutput([], [])
-        return self.scheduler.update_from_output(out)
+        """Schedule and run one step. With async scheduling, step N+1 is sent to the
+        workers before step N's output is taken, so the GPU never waits for this loop."""
+        if self.in_flight < self.depth and self._can_schedule():
+            so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            if so.req_ids or so.new_requests or so.finished_req_ids:
+                self.executor.submit(so)
+                self.in_flight += 1
+                if self.in_flight < self.depth and self._can_schedule():
+                    return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
+        if not self.in_flight:
+            return self.scheduler.update_from_output(ModelRunnerOutput([], []))
+        self.in_flight -= 1
+        return self.scheduler.update_from_output(self.executor.collect())
+
+    def drain(self) -> dict[int, list[EngineCoreOutput]]:
+        """Take every step in flight (before control calls that touch the workers)."""
+        outs: dict[int, list[EngineCoreOutput]] = {}
+        while self.in_flight:
+            self.in_flight -= 1
+            for ci, o in self.scheduler.update_from_output(self.executor.collect()).items():
+                outs.setdefault(ci, []).extend(o)
+        return outs
 
     # ------------------------------------------------------------ utility calls
 
@@ -275,6 +296,8 @@ class EngineCoreProc(EngineCore):
 
     def _run_utility(self, req: UtilityRequest) -> None:
         out = UtilityOutput(req.call_id)
+        for ci, outs in self.drain().items():  # control calls see (and workers finish) every step sent
+            self.pending_outputs.setdefault(ci, []).extend(outs)
         try:
             if req.method not in self.UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {req.method!r}")

@@ -75,9 +75,16 @@ class Executor:
             if reply.rank == rank:
                 return reply
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput) -> None:
+        """Send a step; its output comes from collect(), in order."""
         self.ring.enqueue(self.enc.encode(MsgType.WORKER_STEP.value, so))
+
+    def collect(self) -> ModelRunnerOutput:
         return self._recv(0).output
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(so)
+        return self.collect()
 
     def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:

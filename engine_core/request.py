@@ -42,7 +42,7 @@ class Request:
 
     __slots__ = ("request_id", "client_index", "prompt_token_ids", "output_token_ids",
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
-                 "num_computed_tokens", "num_cached_tokens", "stop_reason", "block_hashes",
+                 "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions",
                  "__weakref__")
 
@@ -59,6 +59,7 @@ class Request:
         self.seed = seed
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens sampled by steps in flight, not yet received
         self.num_cached_tokens = -1      # prefix-cache hit on first scheduling (-1: not yet)
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []

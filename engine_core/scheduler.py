@@ -79,7 +79,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
+                i += 1
+                continue
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -130,6 +133,8 @@ class Scheduler:
         for rid, n in num_sched.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1   # this step samples a token we will only see later
             # MFU metrics: tokens c-n..c-1 attend to c-n+1..c keys each; the chunk reads c KV tokens
             self._stats.num_attn_query_key_pairs += n * req.num_computed_tokens - n * (n - 1) // 2
             self._stats.num_kv_tokens_read += req.num_computed_tokens
@@ -149,8 +154,15 @@ class Scheduler:
         while self.running:  # newest first, so the oldest ends up at the front of the queue
             self._preempt(self.running.pop())
 
+    def _at_limit(self, req: Request) -> bool:
+        """With tokens still in flight, whether those already reach max_tokens or max_model_len."""
+        pending = req.num_output_placeholders
+        return pending > 0 and (len(req.output_token_ids) + pending >= req.max_tokens
+                                or req.num_tokens + pending >= self.config.max_model_len)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.num_output_placeholders = 0   # a token still in flight for it is dropped; recompute makes it again
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -184,6 +196,7 @@ class Scheduler:
                     outputs.setdefault(req.client_index, []).append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
                 continue  # a prompt chunk: nothing sampled yet
             req.output_token_ids.append(token)
+            req.num_output_placeholders -= 1
             self._stats.num_generation_tokens += 1
             if not req.first_token_time:
                 req.first_token_time = time.monotonic()

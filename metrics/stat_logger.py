@@ -17,7 +17,8 @@ Every vllm: metric has the labels model_name (the served model name) and
 engine (the engine index); vllm:cache_config_info adds the cache settings, and
 vllm:engine_sleep_state adds sleep_state = awake | weights_offloaded |
 discard_all (1 for the current state, 0 for the others; Loom's sleep level 0,
-which only stops scheduling, reads as awake).
+which only stops scheduling, reads as awake). The engine reports a sleep change
+with stats even though it does not step while asleep.
 """
 from __future__ import annotations
 
@@ -69,7 +70,12 @@ class PrometheusStatLogger:
         self.engine = str(engine_index)
         self.max_model_len = config.max_model_len or 1
         self.num_gpu_blocks = num_gpu_blocks
-        self.mfu = MfuEstimator(ModelShape.from_engine_config(config)) if enable_mfu else None
+        self.mfu = None
+        if enable_mfu:
+            try:
+                self.mfu = MfuEstimator(ModelShape.from_engine_config(config))
+            except (OSError, KeyError, ValueError, TypeError) as e:
+                logger.warning("--enable-mfu-metrics: cannot read the model's shapes (%s); no MFU metrics", e)
         b = builder or Builder()
         self.registry = b.registry
         tok = build_1_2_5_buckets(self.max_model_len)
@@ -198,13 +204,6 @@ class PrometheusStatLogger:
             e.prefill.observe(max(t.prefill_time, 0.0))
             e.decode.observe(max(t.decode_time, 0.0))
             e.inference.observe(max(t.prefill_time + t.decode_time, 0.0))
-
-    def record_sleep_level(self, level: int, timestamp: float | None = None) -> None:
-        """For control endpoints: the sleep state changed (per-step stats only come while the engine steps)."""
-        e, ts = self._bind(self.engine), timestamp or time.time()
-        level = min(max(level, 0), 2)
-        for i, state in enumerate(SLEEP_STATES):
-            _set_at(e.sleep[state], i == level, ts)
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
 

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU CI runs Triton kernels in the interpreter
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU CI runs Triton kernels in the interpreter
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import torch
 
 from ipc.sockets import free_tcp_port
 from tests.tiny_models import make_tiny_model

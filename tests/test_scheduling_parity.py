@@ -44,6 +44,9 @@ def setup(model_factory):
     ("prefix_caching", dict(enable_prefix_caching=True)),
     ("chunked", dict(max_num_batched_tokens=8, max_num_seqs=4)),
     ("preempted", dict(num_gpu_blocks_override=20, max_num_seqs=8)),
+    ("async", dict(async_scheduling=True)),
+    ("async_chunked_preempted", dict(async_scheduling=True, num_gpu_blocks_override=20,
+                                     max_num_batched_tokens=8, max_num_seqs=4)),
 ])
 def test_same_output_under_schedule(setup, name, options):
     model_dir, prompts, params, ample = setup
@@ -51,7 +54,7 @@ def test_same_output_under_schedule(setup, name, options):
     assert got == ample
     if name == "prefix_caching":
         assert stats.prefix_cache_hits > 0
-    if name == "preempted":
+    if "preempted" in name:
         assert stats.num_preemptions > 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +32,19 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[config.dtype]
+
+
+@dataclass
+class PendingStep:
+    """A step launched on the device whose sampled tokens are not yet on the CPU."""
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    sample_rows: np.ndarray
+    tokens: torch.Tensor | None = None        # on the device
+    tokens_host: torch.Tensor | None = None   # pinned copy, valid once `event` has fired
+    event: object = None
+    topk: tuple | None = None
+    prompt_logprobs: dict | None = None
 
 
 class ModelRunner:
@@ -240,16 +254,31 @@ class ModelRunner:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.launch(so))
+
+    def can_overlap(self, so: SchedulerOutput) -> bool:
+        """Whether `so` may be launched before the previous step's tokens reach the CPU:
+        not when a request's sampling reads its own output history (penalties, min_tokens)."""
+        params = [r.sampling_params for r in so.new_requests]
+        params += [self.batch.requests[rid].params for rid in so.cached_requests.req_ids
+                   if rid in self.batch.requests]
+        return not any(p.needs_penalties or p.min_tokens for p in params)
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
+        """Queue one step on the device without waiting for it. Decode inputs that are
+        tokens of `prev` (still in flight) are taken from prev's device tensor."""
         self._apply_diff(so)
         if not so.req_ids:
-            return ModelRunnerOutput([], [])
+            return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
         states = [self.batch.requests[rid] for rid in so.req_ids]
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         inputs = self._prepare_inputs(n, start, slots)
+        if prev is not None and prev.tokens is not None:
+            self._feed_from(prev, states, start, inputs)
         graph_bs = self._graph_size(n)
         if graph_bs is not None:
             hidden = self._run_graph(graph_bs, inputs)
@@ -259,26 +288,56 @@ class ModelRunner:
         # Rows whose prompt is complete after this step sample a token; others are mid-prompt.
         end = start + n
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        sample_mask = end >= num_tokens
-        sample_rows = np.nonzero(sample_mask)[0]
-        sampled = [-1] * len(states)
-        logprobs = None
+        sample_rows = np.nonzero(end >= num_tokens)[0]
+        step = PendingStep(list(so.req_ids), states, sample_rows)
         if len(sample_rows):
             idx = torch.as_tensor(inputs["last_index"][sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            rows = [self._sampling_row(states[i]) for i in sample_rows]
-            tokens, topk = self.sampler(logits, rows)
-            token_list = tokens.tolist()
-            for j, i in enumerate(sample_rows):
-                sampled[i] = token_list[j]
-            if topk is not None:
-                logprobs = self._pack_logprobs(states, sample_rows, topk)
-        prompt_logprobs = self._prompt_logprobs(states, hidden, inputs["qsl"], start, n)
+            rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+            step.tokens, step.topk = self.sampler(logits, rows)
+            if self.device.type == "cuda":  # start the copy back now; finish() waits for it
+                step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+                step.tokens_host.copy_(step.tokens, non_blocking=True)
+                step.event = torch.cuda.Event()
+                step.event.record()
+            else:
+                step.tokens_host = step.tokens
+        step.prompt_logprobs = self._prompt_logprobs(states, hidden, inputs["qsl"], start, n)
         for i, st in enumerate(states):
             st.num_computed_tokens = int(end[i])
-            if sampled[i] >= 0:
-                self.batch.append_token(st, sampled[i])
-        return ModelRunnerOutput(list(so.req_ids), sampled, logprobs, prompt_logprobs)
+        return step
+
+    def finish(self, step: "PendingStep") -> ModelRunnerOutput:
+        """Wait for a launched step and record its tokens."""
+        sampled = [-1] * len(step.req_ids)
+        logprobs = None
+        if step.tokens is not None:
+            if step.event is not None:
+                step.event.synchronize()
+            token_list = step.tokens_host.tolist()
+            for j, i in enumerate(step.sample_rows):
+                sampled[i] = token_list[j]
+                st = step.states[i]
+                if self.batch.requests.get(st.req_id) is st:  # not dropped by a later step's diff
+                    self.batch.append_token(st, token_list[j])
+            if step.topk is not None:
+                logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+
+    def _feed_from(self, prev: "PendingStep", states, start: np.ndarray, inputs: dict) -> None:
+        """Decode rows whose input is a token of `prev` read it on the device: no round trip."""
+        src_row = {id(prev.states[i]): j for j, i in enumerate(prev.sample_rows)}
+        dst, src = [], []
+        first_token = inputs["qsl"][:-1]
+        for i, st in enumerate(states):
+            j = src_row.get(id(st))
+            if j is not None and start[i] == st.num_tokens:  # its first input is prev's token
+                dst.append(int(first_token[i]))
+                src.append(j)
+        if dst:
+            dev = self.device
+            inputs["input_ids"].index_copy_(0, torch.tensor(dst, device=dev),
+                                            prev.tokens.index_select(0, torch.tensor(src, device=dev)))
 
     def _prepare_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict:
         bs = self.block_size
@@ -304,8 +363,9 @@ class ModelRunner:
         return {"input_ids": to(input_ids, torch.int64), "positions": to(positions, torch.int64),
                 "meta": meta, "last_index": qsl[1:] - 1, "qsl": qsl}
 
-    def _sampling_row(self, st: CachedRequestState) -> SamplingRow:
-        return SamplingRow(st.params, st.seed, st.num_tokens - st.num_prompt_tokens,
+    def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
+        # the token drawn lands at `position`: its output index is fixed whatever the schedule
+        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens,
                            self.batch.prompt_token_ids(st), self.batch.output_token_ids(st),
                            st.eos_token_ids)
 

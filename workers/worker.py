@@ -82,25 +82,42 @@ def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, de
         worker = Worker(EngineConfig.from_dict(config_dict), rank)
         send(WorkerReply(rank, result="ready"))
         step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
+        runner = worker.runner
+        pending = None  # a launched step whose tokens are not yet sent
+
+        def finish_pending():
+            nonlocal pending
+            out, pending = runner.finish(pending), None
+            if rank == 0:
+                send(WorkerReply(rank, output=out))
         while True:
-            frames = ring.dequeue()
-            kind = bytes(frames[0])
-            if kind == MsgType.WORKER_STEP.value:
+            try:
+                frames = ring.dequeue(timeout=0 if pending is not None else None)
+            except TimeoutError:  # nothing queued behind the pending step: deliver it
+                finish_pending()
+                continue
+            if bytes(frames[0]) == MsgType.WORKER_STEP.value:
+                so = step_dec.decode(frames)
                 try:
-                    out = worker.runner.execute(step_dec.decode(frames))
+                    if pending is not None and not runner.can_overlap(so):
+                        finish_pending()
+                    step = runner.launch(so, pending)  # queued on the GPU behind `pending`
+                    if pending is not None:
+                        finish_pending()
+                    pending = step
                 except Exception:
                     send(WorkerReply(rank, error=traceback.format_exc()))
                     raise
-                if rank == 0:
-                    send(WorkerReply(rank, output=out))
-            else:
-                call = call_dec.decode(frames)
-                if call.method == "shutdown":
-                    break
-                try:
-                    send(WorkerReply(rank, result=worker.call(call)))
-                except Exception as e:
-                    send(WorkerReply(rank, error=f"{type(e).__name__}: {e}"))
+                continue
+            if pending is not None:
+                finish_pending()
+            call = call_dec.decode(frames)
+            if call.method == "shutdown":
+                break
+            try:
+                send(WorkerReply(rank, result=worker.call(call)))
+            except Exception as e:
+                send(WorkerReply(rank, error=f"{type(e).__name__}: {e}"))
     except SystemExit:
         pass
     except Exception:

@@ -1,0 +1,329 @@
+"""`loom bench serve`: an HTTP load generator against a running server, in the
+manner of `vllm bench serve`.
+
+Random dataset with fixed lengths: every prompt is a list of --random-input-len
+random token ids (so its length is exact) and asks for --random-output-len
+tokens with ignore_eos. Requests go to /v1/completions, streamed with
+stream_options.include_usage, at Poisson arrivals of --request-rate per second
+(inf: all at once), at most --max-concurrency in flight.
+
+Per request: TTFT (time to the first chunk carrying text), ITL (gaps between
+successive chunks carrying text), TPOT ((E2E - TTFT) / (output tokens - 1)) and
+E2E. Output tokens are the server's usage.completion_tokens.
+
+    loom serve DIR --load-format dummy &
+    loom bench serve --random-input-len 512 --random-output-len 256 --num-prompts 256 --max-concurrency 256
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from bench import common
+from bench.workloads import MAX_TOKEN_ID, fixed_workload
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+PERCENTILES = (50, 90, 99)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="online serving load generator (like `vllm bench serve`)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt ids stay below this (default: the model's config.json if the server's model "
+                        "root is a local directory, else probed with /detokenize)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the one short test request")
+    p.add_argument("--result-file", default=None, help="write all metrics and per-request data as JSON")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=main)
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def send_request(session, url: str, payload: dict, headers: dict) -> RequestResult:
+    """One streamed completion; timing of every chunk that carries text."""
+    res = RequestResult(prompt_len=len(payload["prompt"]))
+    chunks = 0
+    st = time.perf_counter()
+    res.start = st
+    last = st
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return res
+            buf = b""
+            done = False
+            async for data in resp.content.iter_any():
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        body = line[5:].strip()
+                        if body == b"[DONE]":
+                            done = True
+                            continue
+                        obj = json.loads(body)
+                        if "error" in obj:
+                            res.error = json.dumps(obj["error"])[:500]
+                            return res
+                        now = time.perf_counter()
+                        choices = obj.get("choices") or []
+                        if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
+                            if chunks == 0:
+                                res.ttft = now - st
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                            chunks += 1
+                        usage = obj.get("usage")
+                        if usage:
+                            res.output_tokens = int(usage.get("completion_tokens") or 0)
+            res.e2el = time.perf_counter() - st
+            if not done:
+                res.error = "the stream ended without [DONE]"
+                return res
+    except Exception as e:  # noqa: BLE001
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if res.output_tokens == 0:
+        res.output_tokens = chunks      # no usage chunk: one token per chunk
+    if chunks == 0:
+        res.error = "no output"
+        return res
+    res.success = True
+    return res
+
+
+async def _get_json(session, url: str, headers: dict, payload: dict | None = None):
+    method = session.post if payload is not None else session.get
+    async with method(url, json=payload, headers=headers) as resp:
+        return resp.status, (await resp.json(content_type=None) if resp.status < 500 else None)
+
+
+async def detect_vocab(session, base_url: str, headers: dict, model_root: str | None) -> int:
+    """Prompt ids must be < this: the model's vocab_size when the server's model directory is
+    readable here, else the first id /detokenize rejects (binary search below 10001)."""
+    if model_root and os.path.isfile(os.path.join(model_root, "config.json")):
+        try:
+            v = common.read_model_config(model_root).get("vocab_size")
+            if v:
+                return int(v)
+        except (OSError, ValueError):
+            pass
+    url = base_url + "/detokenize"
+    try:
+        status, _ = await _get_json(session, url, headers, {"tokens": [MAX_TOKEN_ID]})
+        if status == 200:
+            return MAX_TOKEN_ID + 1
+        if status == 404:
+            return MAX_TOKEN_ID + 1
+        lo, hi = 0, MAX_TOKEN_ID           # id lo is valid, id hi is not
+        status, _ = await _get_json(session, url, headers, {"tokens": [0]})
+        if status != 200:
+            return MAX_TOKEN_ID + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            status, _ = await _get_json(session, url, headers, {"tokens": [mid]})
+            lo, hi = (mid, hi) if status == 200 else (lo, mid)
+        return hi
+    except Exception:  # noqa: BLE001
+        return MAX_TOKEN_ID + 1
+
+
+def _stats(values: list[float]) -> dict:
+    import numpy as np
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    a = np.asarray(values) * 1000.0
+    out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
+    out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES})
+    return out
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
+              "itl": [x for r in ok for x in r.itl], "e2el": [r.e2el for r in ok]}
+    out = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": total_out / duration if duration > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
+    }
+    for name in METRICS:
+        s = _stats(series[name])
+        for k, v in s.items():
+            out[f"{k}_{name}_ms"] = v
+    return out
+
+
+def _peak_concurrency(results: list[RequestResult]) -> int:
+    events = sorted([(r.start, 1) for r in results] + [(r.start + r.e2el, -1) for r in results if r.e2el > 0],
+                    key=lambda e: (e[0], e[1]))
+    cur = peak = 0
+    for _, d in events:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def print_report(m: dict, args) -> None:
+    w = 50
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="))
+    rows = [("Successful requests:", m["completed"]), ("Failed requests:", m["failed"]),
+            ("Request rate configured (RPS):", f"{args.request_rate:.2f}"),
+            ("Maximum request concurrency:", args.max_concurrency),
+            ("Peak concurrent requests:", m["peak_concurrency"]),
+            ("Benchmark duration (s):", f"{m['duration']:.2f}"),
+            ("Total input tokens:", m["total_input_tokens"]),
+            ("Total generated tokens:", m["total_output_tokens"]),
+            ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+    for k, v in rows:
+        print(f"{k:<40} {v!s:<10}")
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for name in METRICS:
+        print("{s:{c}^{n}}".format(s=titles[name], n=w, c="-"))
+        up = name.upper().replace("E2EL", "E2E")
+        for key, label in [("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")]:
+            print(f"{label + ' ' + up + ' (ms):':<40} {m[f'{key}_{name}_ms']:<10.2f}")
+    print("=" * w)
+
+
+async def run(args) -> dict:
+    import aiohttp
+    headers = _headers(args.api_key)
+    base = args.base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        status, models = await _get_json(session, base + "/v1/models", headers)
+        if status != 200 or not models or not models.get("data"):
+            raise SystemExit(f"GET {base}/v1/models answered {status}: {models}")
+        card = models["data"][0]
+        model = args.model or card["id"]
+        root = card.get("root") if not args.model or args.model == card["id"] else None
+        vocab = args.vocab_size or await detect_vocab(session, base, headers, root)
+        wl = fixed_workload(args.num_prompts, args.random_input_len, args.random_output_len, args.seed,
+                            vocab_size=vocab)
+        url = base + args.endpoint
+
+        def payload(prompt: list[int], max_tokens: int) -> dict:
+            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+        if not args.no_warmup:
+            print("Sending one test request...", flush=True)
+            test = await send_request(session, url, payload(wl.prompts[0], min(args.random_output_len, 4)),
+                                      headers)
+            if not test.success:
+                raise SystemExit(f"the test request failed: {test.error}")
+
+        print(f"Model {model}: {args.num_prompts} prompts, {args.random_input_len} in / "
+              f"{args.random_output_len} out, request rate {args.request_rate}, "
+              f"max concurrency {args.max_concurrency}", flush=True)
+        bar = None
+        if not args.disable_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=args.num_prompts, dynamic_ncols=True)
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        rng = random.Random(args.seed)
+
+        async def one(prompt: list[int], max_tokens: int) -> RequestResult:
+            if sem is None:
+                r = await send_request(session, url, payload(prompt, max_tokens), headers)
+            else:
+                async with sem:
+                    r = await send_request(session, url, payload(prompt, max_tokens), headers)
+            if bar is not None:
+                bar.update(1)
+            return r
+
+        start = time.perf_counter()
+        tasks = []
+        for i, (prompt, max_tokens) in enumerate(zip(wl.prompts, wl.max_tokens)):
+            if i > 0 and args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+            tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+
+    m = summarize(results, duration)
+    m["peak_concurrency"] = _peak_concurrency([r for r in results if r.success])
+    errors = [r.error for r in results if not r.success]
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "loom", "base_url": base,
+        "endpoint": args.endpoint, "model_id": model, "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts, "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "max_concurrency": args.max_concurrency, "seed": args.seed, "temperature": args.temperature,
+        **m,
+        "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results], "e2els": [r.e2el for r in results],
+        "itls": [r.itl for r in results], "errors": errors,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    result = runner(run(args))
+    print_report(result, args)
+    if result["errors"]:
+        print(f"first error: {result['errors'][0]}")
+    common.write_json(args.result_file, result)
+    return 0 if result["failed"] == 0 else 1

@@ -1,0 +1,92 @@
+"""`loom bench`: the workload generator, presets, and the throughput and serve commands on CPU."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+from bench.workloads import (OFFLINE_OUTPUT_TOKENS, OFFLINE_PROMPT_TOKENS, fixed_workload, make_workload,
+                             offline_workload)
+from tests.conftest import ROOT
+
+
+def _loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frontend.cli", "bench", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_offline_workload_totals():
+    wl = make_workload(None, None, None, seed=0)
+    assert wl.is_default and len(wl) == 256
+    assert wl.prompt_tokens == OFFLINE_PROMPT_TOKENS == 142_827
+    assert wl.output_tokens == OFFLINE_OUTPUT_TOKENS == 133_966
+    # the same stream as nano-vllm's bench.py (module-level random after random.seed(0))
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert wl.prompts == prompts and wl.max_tokens == max_tokens
+    assert all(100 <= len(p) <= 1024 and max(p) <= 10000 for p in wl.prompts)
+    # a tiny vocabulary wraps the ids but keeps every length
+    small = offline_workload(vocab_size=300)
+    assert [len(p) for p in small.prompts] == [len(p) for p in prompts] and small.max_tokens == max_tokens
+    assert max(max(p) for p in small.prompts) < 300
+
+
+def test_fixed_workload():
+    wl = fixed_workload(5, 12, 7, seed=3, vocab_size=50)
+    assert [len(p) for p in wl.prompts] == [12] * 5 and wl.max_tokens == [7] * 5
+    assert all(0 <= t < 50 for p in wl.prompts for t in p)
+    assert not make_workload(4, 8, 8, seed=0).is_default
+
+
+def test_preset_loads(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from bench.presets import PRESETS, num_params, write_preset
+    from engine_core.config import EngineConfig
+    d = write_preset("llama-3.2-1b", str(tmp_path / "llama"))
+    cfg = EngineConfig(model=d, load_format="dummy", max_model_len=4096).resolve()
+    assert cfg.vocab_size == 128256 and cfg.eos_token_ids == [128001]
+    hf = AutoConfig.from_pretrained(d)
+    assert hf.hidden_size == 2048 and hf.num_hidden_layers == 16 and hf.tie_word_embeddings
+    tok = AutoTokenizer.from_pretrained(d)
+    assert len(tok) == 128256 and tok.eos_token_id == 128001 and tok.bos_token_id == 128000
+    assert all(tok.decode([i]) for i in (5, 300, 100000, 128255))   # every id decodes to text
+    assert round(num_params(PRESETS["qwen3-0.6b"]) / 1e6) == 596
+    assert round(num_params(PRESETS["llama-3.1-8b"]) / 1e6) == 8030
+
+
+def test_bench_throughput_tiny(model_factory, tmp_path):
+    out = tmp_path / "tp.json"
+    r = _loom("throughput", "--model", model_factory("qwen3"), "--num-prompts", "4", "--input-len", "8",
+              "--output-len", "8", "--output-json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 4
+    assert res["prompt_tokens"] == 32 and res["output_tokens"] == 32
+    assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
+    assert "output tok/s" in r.stdout
+
+
+def test_bench_serve_tiny(model_factory, start_server, tmp_path):
+    server = start_server(model_factory("qwen3"))
+    out = tmp_path / "serve.json"
+    r = _loom("serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "10",
+              "--random-output-len", "5", "--request-rate", "50", "--max-concurrency", "3", "--seed", "1",
+              "--disable-tqdm", "--result-file", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == 6 and res["failed"] == 0
+    assert res["total_input_tokens"] == 60 and res["total_output_tokens"] == 30
+    assert res["output_lens"] == [5] * 6 and res["input_lens"] == [10] * 6
+    assert res["peak_concurrency"] <= 3
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert res[key] > 0, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p50", "p90", "p99", "std"):
+            assert f"{stat}_{metric}_ms" in res, (stat, metric)
+        if metric != "itl":  # a tiny byte-level tokenizer can put several tokens into one chunk
+            assert res[f"mean_{metric}_ms"] > 0, metric
+    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
+    assert "Serving Benchmark Result" in r.stdout
