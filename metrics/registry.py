@@ -17,7 +17,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-ENV = "PROMETHEUS_MULTIPROC_DIR"
+from metrics.multiproc import ENV
 _registry: CollectorRegistry | None = None
 
 
@@ -28,7 +28,7 @@ def multiproc_dir() -> str | None:
 def process_registry() -> CollectorRegistry:
     global _registry
     if _registry is None:
-        _registry = CollectorRegistry(auto_describe=True)
+        _registry = CollectorRegistry()
     return _registry
 
 

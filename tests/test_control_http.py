@@ -292,7 +292,6 @@ def test_many_clients_over_three_api_servers(multi):
             assert st.done and st.finish in ("length", "stop") and st.text == refs[i % 4], (i, st.text)
         counts = {k: sum(st.index == k for st in streams) for k in ("0", "1", "2")}
         assert all(counts.values()), counts
-        print("requests per API server:", counts)
     run(scenario, multi.url, fresh_connections=True)
 
 

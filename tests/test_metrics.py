@@ -129,6 +129,30 @@ def test_progress_bar_shows_speeds(capsys):
     assert "est. speed input:" in postfix and "output:" in postfix and "toks/s" in postfix
 
 
+def test_metrics_open_without_api_key_and_http_metrics():
+    from tests.test_api_server import FakeLLM, run_fake
+
+    async def scenario(s, url, llm):
+        async def scrape() -> dict:
+            async with s.get(url + "/metrics") as r:   # open, like /health
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+                        for f in text_string_to_metric_families(await r.text()) for smp in f.samples}
+        before = await scrape()
+        for path in ("/v1/models", "/v1/models", "/nowhere", "/health"):
+            async with s.get(url + path) as r:
+                assert r.status in (200, 401, 404)
+        after = await scrape()
+
+        def delta(handler, status):
+            key = ("http_requests_total", (("handler", handler), ("method", "GET"), ("status", status)))
+            return after.get(key, 0) - before.get(key, 0)
+        assert delta("/v1/models", "4xx") == 2      # no key: 401
+        assert delta("none", "4xx") == 1            # no route
+        assert delta("/health", "2xx") == 0 and delta("/metrics", "2xx") == 0   # probes, scrapes: left out
+    run_fake(FakeLLM(), scenario, api_key="sekrit")
+
+
 # ======================================================================= part 2: a real server
 
 NAMES = {
