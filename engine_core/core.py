@@ -29,6 +29,7 @@ from engine_core.scheduler import Scheduler
 from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
                           ModelRunnerOutput, MsgType, UtilityOutput, UtilityRequest)
 from ipc.procs import child_signals, watch_parent
+from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
@@ -196,8 +197,15 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
+    # Worker methods that change state the engine tracks: only the engine may call them.
+    _ENGINE_ONLY_WORKER_METHODS = frozenset({"sleep", "wake_up", "initialize_cache", "determine_num_blocks",
+                                             "shutdown"})
+
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
+        """Run a @remote worker method on every worker; their results, by rank."""
+        if method in self._ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
+            raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
     def debug_info(self) -> dict:
@@ -227,6 +235,7 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index
         self.inputs: queue.Queue = queue.Queue()
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
+        self._published_step, self._published_control = 0, (0, False)
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
                             engine_index, config.model_name)
         self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
@@ -242,31 +251,34 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------ main loop
 
     def run_busy_loop(self) -> None:
-        step, control = 0, (0, False)
         while True:
             self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
             by_client = self.step() if self.has_work() else {}
             for ci, outs in self.pending_outputs.items():
                 by_client.setdefault(ci, [])[:0] = outs
             self.pending_outputs = {}
-            self._finish_deferred()
-            last_control, control = control, (self.control.sleep_level, self.is_paused())
-            if (not by_client and not self.scheduler.finished_req_ids and step == self.scheduler.step_id
-                    and control == last_control):  # a sleep / pause change is reported even without a step
-                continue
-            step = self.scheduler.step_id
-            stats = self.scheduler.make_stats()
-            stats.sleep_level, stats.is_paused = self.control.sleep_level, self.is_paused()
-            timings: dict[int, list] = {}
-            for ci, t in self.scheduler.take_timings():
-                timings.setdefault(ci, []).append(t)
-            live = self.io.client_indices()
-            stats_client = live[step % len(live)] if live else -2  # per-step stats go to one client
-            now = time.time()
-            for ci in set(by_client) | set(timings) | ({stats_client} if live else set()):
-                self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
-                    by_client.get(ci, []), self.engine_index, now,
-                    stats if ci == stats_client else None, None, timings.get(ci, [])))
+            self._publish(by_client)
+            self._finish_deferred()  # after the outputs a deferred reply waited for have gone out
+
+    def _publish(self, by_client: dict[int, list[EngineCoreOutput]]) -> None:
+        """Send outputs, finished-request timings and this step's stats (to one client)."""
+        step = self.scheduler.step_id
+        control = (self.control.sleep_level, self.is_paused())
+        if not by_client and step == self._published_step and control == self._published_control:
+            return  # nothing new (a sleep / pause change is reported even without a step)
+        self._published_step, self._published_control = step, control
+        stats = self.scheduler.make_stats()
+        stats.sleep_level, stats.is_paused = control
+        timings: dict[int, list] = {}
+        for ci, t in self.scheduler.take_timings():
+            timings.setdefault(ci, []).append(t)
+        live = self.io.client_indices()
+        stats_client = live[step % len(live)] if live else None
+        now = time.time()
+        for ci in set(by_client) | set(timings) | ({stats_client} if live else set()):
+            self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
+                by_client.get(ci, []), self.engine_index, now,
+                stats if ci == stats_client else None, None, timings.get(ci, [])))
 
     def _drain_inputs(self, block: bool) -> None:
         try:
@@ -347,7 +359,8 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     try:
         engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key)
         _watch_workers(engine)
-        engine.run_busy_loop()
+        with maybe_profile("engine_core"):
+            engine.run_busy_loop()
     except SystemExit:
         pass
     except ConfigError as e:

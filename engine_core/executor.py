@@ -6,6 +6,7 @@ error raises WorkerError within ~0.1 s, whatever the engine is waiting for.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -35,6 +36,7 @@ class Executor:
         self.ctx = zmq.Context()
         self.enc = Encoder()
         self.dec = Decoder(WorkerReply)
+        self._call_ids = itertools.count(1)
         self.ring = BroadcastRing.create(self.world_size, ipc_dir)
         self.replies = []
         self.procs = []
@@ -47,8 +49,9 @@ class Executor:
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
         self.ring.wait_until_ready(timeout=startup_timeout)
+        deadline = time.monotonic() + startup_timeout
         for rank in range(self.world_size):
-            self._recv(rank, timeout=startup_timeout)  # "ready" once the model is loaded
+            self._recv_step(rank, deadline)  # "ready" once the model is loaded
 
     # ------------------------------------------------------------ liveness
 
@@ -68,10 +71,23 @@ class Executor:
 
     # ------------------------------------------------------------ calls
 
-    def _recv(self, rank: int, timeout: float | None = None) -> WorkerReply:
-        """The next reply of `rank`; errors from any rank raise."""
+    def _recv_any(self, deadline: float | None = None) -> WorkerReply:
+        """The next reply of any worker, checking every 0.1 s that all of them live."""
         while True:
-            reply = self._recv_any(timeout)
+            for sock, _ in self.poller.poll(_POLL_MS):
+                return self.dec.decode(sock.recv_multipart(copy=False))
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("no reply from the workers in time")
+
+    def _recv_step(self, rank: int, deadline: float | None = None) -> WorkerReply:
+        """The next step-level reply of `rank`. A step error is fatal; stale call replies are dropped."""
+        while True:
+            reply = self._recv_any(deadline)
+            if reply.call_id:
+                continue  # the late answer of a call that timed out
+            if reply.error is not None:
+                raise WorkerError(f"worker {reply.rank}: {reply.error}")
             if reply.rank == rank:
                 return reply
 
@@ -80,37 +96,30 @@ class Executor:
         self.ring.enqueue(self.enc.encode(MsgType.WORKER_STEP.value, so))
 
     def collect(self) -> ModelRunnerOutput:
-        return self._recv(0).output
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(so)
-        return self.collect()
+        return self._recv_step(0).output
 
     def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
+        """Run a method on every worker; their results by rank. A method that fails on any
+        worker raises RuntimeError once every worker has answered."""
+        call_id = next(self._call_ids)
         self.ring.enqueue(self.enc.encode(MsgType.WORKER_CALL.value,
-                                          WorkerCall(method, list(args), kwargs or {})))
-        results: list[Any] = [None] * self.world_size
-        pending = set(range(self.world_size))
+                                          WorkerCall(method, list(args), kwargs or {}, call_id)))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            reply = self._recv_any(left)
-            results[reply.rank] = reply.result
-            pending.discard(reply.rank)
-        return results
-
-    def _recv_any(self, timeout: float | None) -> WorkerReply:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for sock, _ in self.poller.poll(_POLL_MS):
-                reply: WorkerReply = self.dec.decode(sock.recv_multipart(copy=False))
-                if reply.error is not None:
+        while len(results) < self.world_size:
+            reply = self._recv_any(deadline)
+            if reply.call_id != call_id:
+                if reply.call_id == 0 and reply.error is not None:
                     raise WorkerError(f"worker {reply.rank}: {reply.error}")
-                return reply
-            self._check_alive()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError("collective_rpc timed out")
+                continue
+            results[reply.rank] = reply.result
+            if reply.error is not None:
+                errors.append(f"worker {reply.rank}: {reply.error}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return [results[r] for r in range(self.world_size)]
 
     def shutdown(self) -> None:
         try:

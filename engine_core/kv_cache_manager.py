@@ -26,6 +26,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}   # leading blocks of a request already published
 
     @property
     def num_blocks(self) -> int:
@@ -81,16 +82,21 @@ class KVCacheManager:
         """Publish the hashes of blocks that are full once num_computed_tokens are in the cache."""
         if not self.enable_caching:
             return
+        done = self.num_cached_blocks.get(req.request_id, 0)
+        if (done + 1) * self.block_size > num_computed_tokens:
+            return  # no block became full
         self.update_block_hashes(req)
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
-        for i in range(num_full):
+        for i in range(done, num_full):
             self.pool.cache(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = max(done, num_full)
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, [])]
 
     def free(self, req: Request) -> None:
+        self.num_cached_blocks.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))

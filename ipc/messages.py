@@ -183,6 +183,7 @@ class WorkerCall(_Msg):
     method: str
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
+    call_id: int = 0                  # echoed in the reply; 0 is never used by a call
 
 
 class WorkerReply(_Msg):
@@ -190,3 +191,4 @@ class WorkerReply(_Msg):
     output: ModelRunnerOutput | None = None
     result: Any = None
     error: str | None = None
+    call_id: int = 0                  # 0: a step (or start-up); else the WorkerCall it answers

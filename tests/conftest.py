@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 
+# Several processes share CI's 2 cores: OpenMP worker threads spinning on each other cost 10x.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 if not torch.cuda.is_available():

@@ -11,6 +11,7 @@ import torch
 from engine_core.config import EngineConfig
 from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from workers.attention import AttentionMetadata
+from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
 
@@ -66,6 +67,7 @@ class ModelRunner:
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
         self.num_layers, self.num_kv_heads, self.head_dim = model_kv_shape(self.model.config)
         self.sampler = Sampler(use_triton=self.backend == "triton")
+        self.h2d = HostToDevice(self.device)
         self.block_size = config.block_size
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
@@ -191,6 +193,10 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """Level 1: weights to CPU memory, KV cache freed. Level 2: both discarded."""
+        if self._weights_asleep:  # asleep already: a deeper level only drops the CPU copy
+            if level == 2:
+                self._weights_backup = None
+            return
         self._weights_backup = None
         if level == 1:
             pin = self.device.type == "cuda"
@@ -276,25 +282,30 @@ class ModelRunner:
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
-        inputs = self._prepare_inputs(n, start, slots)
+        end = start + n
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
+        rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        host = self._host_inputs(n, start, slots)
+        host["sample_index"] = host["qsl"][1:][sample_rows] - 1
+        host.update(self.sampler.host_params(rows))
         if prev is not None and prev.tokens is not None:
-            self._feed_from(prev, states, start, inputs)
+            host["feed_dst"], host["feed_src"] = self._feed_indices(prev, states, start, host["qsl"])
+        dev = self.h2d(host)
+        inputs = self._device_inputs(host, dev, n)
+        if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
+            # decode inputs that are prev's tokens come straight from the device: no round trip
+            inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
         graph_bs = self._graph_size(n)
         if graph_bs is not None:
             hidden = self._run_graph(graph_bs, inputs)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
 
-        # Rows whose prompt is complete after this step sample a token; others are mid-prompt.
-        end = start + n
-        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        sample_rows = np.nonzero(end >= num_tokens)[0]
         step = PendingStep(list(so.req_ids), states, sample_rows)
         if len(sample_rows):
-            idx = torch.as_tensor(inputs["last_index"][sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
-            step.tokens, step.topk = self.sampler(logits, rows)
+            logits = self.model.compute_logits(hidden.index_select(0, dev["sample_index"]))
+            step.tokens, step.topk = self.sampler(logits, rows, dev)
             if self.device.type == "cuda":  # start the copy back now; finish() waits for it
                 step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
                 step.tokens_host.copy_(step.tokens, non_blocking=True)
@@ -302,7 +313,7 @@ class ModelRunner:
                 step.event.record()
             else:
                 step.tokens_host = step.tokens
-        step.prompt_logprobs = self._prompt_logprobs(states, hidden, inputs["qsl"], start, n)
+        step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n)
         for i, st in enumerate(states):
             st.num_computed_tokens = int(end[i])
         return step
@@ -324,44 +335,40 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
-    def _feed_from(self, prev: "PendingStep", states, start: np.ndarray, inputs: dict) -> None:
-        """Decode rows whose input is a token of `prev` read it on the device: no round trip."""
+    @staticmethod
+    def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
+        """(token index in this step, row in prev's tokens) for inputs that are prev's tokens."""
         src_row = {id(prev.states[i]): j for j, i in enumerate(prev.sample_rows)}
         dst, src = [], []
-        first_token = inputs["qsl"][:-1]
         for i, st in enumerate(states):
             j = src_row.get(id(st))
-            if j is not None and start[i] == st.num_tokens:  # its first input is prev's token
-                dst.append(int(first_token[i]))
+            if j is not None and start[i] == st.num_tokens:  # its first input is the token prev samples
+                dst.append(int(qsl[i]))
                 src.append(j)
-        if dst:
-            dev = self.device
-            inputs["input_ids"].index_copy_(0, torch.tensor(dst, device=dev),
-                                            prev.tokens.index_select(0, torch.tensor(src, device=dev)))
+        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
-    def _prepare_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict:
+    def _host_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """The step's inputs and attention metadata as host arrays, built without per-token loops."""
         bs = self.block_size
         qsl = np.zeros(len(n) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
-        total = int(qsl[-1])
         tok_row = np.repeat(np.arange(len(n)), n)
-        positions = np.arange(total) - np.repeat(qsl[:-1] - start, n)
+        positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1] - start, n)
         tok_slot = slots[tok_row]
-        input_ids = self.batch.token_ids[tok_slot, positions]
         blocks = self.batch.block_table[tok_slot, positions // bs]
-        slot_mapping = blocks.astype(np.int64) * bs + positions % bs
         seq_lens = start + n
         max_blocks = int(-(-seq_lens.max() // bs))
-        block_table = self.batch.block_table[slots, :max_blocks]
-        dev = self.device
-        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)
+        return {"input_ids": self.batch.token_ids[tok_slot, positions], "positions": positions,
+                "slot_mapping": blocks.astype(np.int64) * bs + positions % bs, "qsl": qsl,
+                "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks].astype(np.int64)}
+
+    def _device_inputs(self, host: dict, dev: dict, n: np.ndarray) -> dict:
         meta = AttentionMetadata(
-            query_start_loc=to(qsl, torch.int32), seq_lens=to(seq_lens, torch.int32),
-            block_table=to(block_table, torch.int32), slot_mapping=to(slot_mapping, torch.int64),
-            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), backend=self.backend,
+            query_start_loc=dev["qsl"].to(torch.int32), seq_lens=dev["seq_lens"].to(torch.int32),
+            block_table=dev["block_table"].to(torch.int32), slot_mapping=dev["slot_mapping"],
+            max_query_len=int(n.max()), max_seq_len=int(host["seq_lens"].max()), backend=self.backend,
             num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n))
-        return {"input_ids": to(input_ids, torch.int64), "positions": to(positions, torch.int64),
-                "meta": meta, "last_index": qsl[1:] - 1, "qsl": qsl}
+        return {"input_ids": dev["input_ids"], "positions": dev["positions"], "meta": meta}
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule

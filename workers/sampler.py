@@ -34,9 +34,19 @@ class Sampler:
         from kernels import sampling  # imported on first random draw: greedy-only runs never need it
         return (sampling.sample if self.use_triton else sampling.sample_ref)(*args)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
-        """logits: float32 [B, V]. Returns (token_ids int64 [B] tensor, logprobs or None)."""
-        device = logits.device
+    @staticmethod
+    def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
+        """Per-row parameters as host arrays (they travel to the device with the step's inputs)."""
+        p = [r.params for r in rows]
+        f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=len(rows))
+        i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=len(rows))
+        return {"temperature": f32(x.temperature for x in p), "top_k": i64(x.top_k for x in p),
+                "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
+                "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows), "out_positions": i64(r.output_index for r in rows)}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]):
+        """logits: float32 [B, V]; dev: host_params() on the device.
+        Returns (token_ids int64 [B] tensor, logprobs or None)."""
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
 
@@ -48,17 +58,8 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
-            p = [r.params for r in rows]
-            f32 = dict(dtype=torch.float32, device=device)
-            tokens = self._sample(
-                logits,
-                torch.tensor([x.temperature for x in p], **f32),
-                torch.tensor([x.top_k for x in p], dtype=torch.int32, device=device),
-                torch.tensor([x.top_p for x in p], **f32),
-                torch.tensor([x.min_p for x in p], **f32),
-                torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device),
-                torch.tensor([r.output_index for r in rows], dtype=torch.int64, device=device),
-            )
+            tokens = self._sample(logits, dev["temperature"], dev["top_k"].to(torch.int32), dev["top_p"],
+                                  dev["min_p"], dev["seeds"], dev["out_positions"])
         topk = None
         if raw_logprobs is not None:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))

@@ -13,6 +13,7 @@ import zmq
 from engine_core.config import EngineConfig
 from ipc.messages import MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import child_signals, watch_parent
+from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
@@ -66,6 +67,50 @@ class Worker:
         return fn(*call.args, **call.kwargs)
 
 
+def serve_steps(worker: Worker, ring, send) -> None:
+    """The worker loop. A step is launched on the device as soon as it arrives; when the
+    next step is already queued, it is launched too before the first one's tokens are
+    awaited, so the device never waits for this loop."""
+    runner, rank = worker.runner, worker.rank
+    step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
+    pending = None  # a launched step whose tokens are not yet sent
+
+    def finish_pending():
+        nonlocal pending
+        out, pending = runner.finish(pending), None
+        if rank == 0:
+            send(WorkerReply(rank, output=out))
+
+    while True:
+        try:
+            frames = ring.dequeue(timeout=0 if pending is not None else None)
+        except TimeoutError:  # nothing queued behind the pending step: deliver it
+            finish_pending()
+            continue
+        if bytes(frames[0]) == MsgType.WORKER_STEP.value:
+            so = step_dec.decode(frames)
+            try:
+                if pending is not None and not runner.can_overlap(so):
+                    finish_pending()
+                step = runner.launch(so, pending)  # queued on the device behind `pending`
+                if pending is not None:
+                    finish_pending()
+                pending = step
+            except Exception:
+                send(WorkerReply(rank, error=traceback.format_exc()))
+                raise
+            continue
+        if pending is not None:
+            finish_pending()
+        call = call_dec.decode(frames)
+        if call.method == "shutdown":
+            return
+        try:
+            send(WorkerReply(rank, result=worker.call(call), call_id=call.call_id))
+        except Exception as e:  # a failed call is the caller's problem, not the worker's
+            send(WorkerReply(rank, error=f"{type(e).__name__}: {e}", call_id=call.call_id))
+
+
 def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, death_pipe) -> None:
     watch_parent(death_pipe)
     child_signals()
@@ -81,43 +126,8 @@ def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, de
         ring = BroadcastRing.attach(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank)
         send(WorkerReply(rank, result="ready"))
-        step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
-        runner = worker.runner
-        pending = None  # a launched step whose tokens are not yet sent
-
-        def finish_pending():
-            nonlocal pending
-            out, pending = runner.finish(pending), None
-            if rank == 0:
-                send(WorkerReply(rank, output=out))
-        while True:
-            try:
-                frames = ring.dequeue(timeout=0 if pending is not None else None)
-            except TimeoutError:  # nothing queued behind the pending step: deliver it
-                finish_pending()
-                continue
-            if bytes(frames[0]) == MsgType.WORKER_STEP.value:
-                so = step_dec.decode(frames)
-                try:
-                    if pending is not None and not runner.can_overlap(so):
-                        finish_pending()
-                    step = runner.launch(so, pending)  # queued on the GPU behind `pending`
-                    if pending is not None:
-                        finish_pending()
-                    pending = step
-                except Exception:
-                    send(WorkerReply(rank, error=traceback.format_exc()))
-                    raise
-                continue
-            if pending is not None:
-                finish_pending()
-            call = call_dec.decode(frames)
-            if call.method == "shutdown":
-                break
-            try:
-                send(WorkerReply(rank, result=worker.call(call)))
-            except Exception as e:
-                send(WorkerReply(rank, error=f"{type(e).__name__}: {e}"))
+        with maybe_profile(f"worker{rank}"):
+            serve_steps(worker, ring, send)
     except SystemExit:
         pass
     except Exception:

@@ -1,0 +1,49 @@
+"""One step's host arrays to the device in one transfer per dtype, from pinned memory.
+
+A copy from pageable memory makes the host wait for the device's queue to
+drain, which would undo the overlap of step N+1's preparation with step N.
+Two pinned buffers alternate, so a buffer is never rewritten while the copy
+that reads it may still be queued (at most one step is in flight behind us).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostToDevice:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buffers: dict[tuple[np.dtype, int], torch.Tensor] = {}
+        self._parity = 0
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        if not self.pinned:
+            return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+        self._parity ^= 1
+        out: dict[str, torch.Tensor] = {}
+        for dtype in {a.dtype for a in arrays.values()}:
+            group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
+            total = sum(a.size for _, a in group)
+            host = self._buffer(dtype, total)
+            flat = host.numpy()
+            offset = 0
+            for _, a in group:
+                flat[offset:offset + a.size] = a.reshape(-1)
+                offset += a.size
+            dev = host[:total].to(self.device, non_blocking=True)
+            offset = 0
+            for k, a in group:
+                out[k] = dev[offset:offset + a.size].view(a.shape)
+                offset += a.size
+        return out
+
+    def _buffer(self, dtype: np.dtype, size: int) -> torch.Tensor:
+        key = (dtype, self._parity)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < size:
+            torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
+            buf = torch.empty(max(size, 1 << 16), dtype=torch_dtype, pin_memory=True)
+            self._buffers[key] = buf
+        return buf
