@@ -41,7 +41,8 @@ def setup(model_factory):
 
 
 @pytest.mark.parametrize("name,options", [
-    ("prefix_caching", dict(enable_prefix_caching=True)),
+    # max_num_seqs=2: later prompts are admitted after the shared prefix is cached, whatever the timing
+    ("prefix_caching", dict(enable_prefix_caching=True, max_num_seqs=2)),
     ("chunked", dict(max_num_batched_tokens=8, max_num_seqs=4)),
     ("preempted", dict(num_gpu_blocks_override=20, max_num_seqs=8)),
     ("async", dict(async_scheduling=True)),
