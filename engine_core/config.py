@@ -31,7 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"     # auto | torch | triton
-    async_scheduling: bool = False
+    async_scheduling: bool = True       # schedule step N+1 while step N runs (--no-async-scheduling: off)
     tensor_parallel_size: int = 1
     enable_sleep_mode: bool = False
     max_logprobs: int = 20

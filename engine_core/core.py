@@ -264,8 +264,9 @@ class EngineCoreProc(EngineCore):
         """Send outputs, finished-request timings and this step's stats (to one client)."""
         step = self.scheduler.step_id
         control = (self.control.sleep_level, self.is_paused())
-        if not by_client and step == self._published_step and control == self._published_control:
-            return  # nothing new (a sleep / pause change is reported even without a step)
+        if (not by_client and step == self._published_step and control == self._published_control
+                and not self.scheduler.has_timings()):
+            return  # nothing new (a sleep / pause change, or an abort's timing, is reported even without a step)
         self._published_step, self._published_control = step, control
         stats = self.scheduler.make_stats()
         stats.sleep_level, stats.is_paused = control

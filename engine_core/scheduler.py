@@ -233,6 +233,9 @@ class Scheduler:
         stats.kv_cache_usage = self.kv.usage()
         return stats
 
+    def has_timings(self) -> bool:
+        return bool(self._timings)
+
     def take_timings(self) -> list[tuple[int, RequestTiming]]:
         timings, self._timings = self._timings, []
         return timings

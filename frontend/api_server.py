@@ -86,8 +86,8 @@ SERVER_INDEX_HEADER = "X-Loom-Server-Index"
 # collective_rpc methods that are remote but would desync the engine's own state: use the endpoints
 _RPC_DENIED = {"sleep": "use POST /sleep", "wake_up": "use POST /wake_up",
                "initialize_cache": "the KV cache is the engine's", "shutdown": "use SIGTERM on `loom serve`"}
-# "ValueError: msg", or "WorkerError: worker 0: ValueError: msg" from a worker
-_FAILURE = _re.compile(r"^(?:WorkerError: worker \d+: )?(\w+): (.*)\Z", _re.DOTALL)
+# "ValueError: msg", or "RuntimeError: worker 0: ValueError: msg" from a worker
+_FAILURE = _re.compile(r"^(?:(?:WorkerError|RuntimeError): worker \d+: )?(\w+): (.*)\Z", _re.DOTALL)
 
 
 class CollectiveRPCRequest(_msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

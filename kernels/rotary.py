@@ -45,20 +45,22 @@ def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling
                      device=None) -> torch.Tensor:
     """float32 [max_position, head_dim]: cos of the head_dim // 2 frequencies, then sin.
 
-    rope_scaling: None, {"rope_type": "default"} or {"rope_type": "llama3",
+    rope_scaling: None, {"rope_type": "default"}, {"rope_type": "linear", "factor"} or {"rope_type": "llama3",
     "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}; the key "type" is accepted for
     "rope_type". Other keys (e.g. "rope_theta") are ignored."""
     rope_type = "default"
     if rope_scaling:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) or "default"
-    inv_freq = _inv_freq(head_dim, base, device)
+    inv_freq = _inv_freq(head_dim, base, "cpu")  # on the CPU, as HF computes it at init
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(rope_scaling["factor"])
     elif rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
     t = torch.arange(max_position, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq.float())  # same products as HF's inv_freq @ position_ids
+    freqs = torch.outer(t, inv_freq.to(t.device).float())  # same products as HF's inv_freq @ position_ids
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
 
 

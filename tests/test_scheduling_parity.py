@@ -1,5 +1,6 @@
-"""Identical output under every schedule: prefix caching off, every prompt chunked,
-and a KV cache so small that requests are preempted and resumed. Greedy and seeded."""
+"""Identical output under every schedule: prefix caching on, every prompt chunked,
+a KV cache so small that requests are preempted and resumed, and overlapped (async)
+scheduling on and off. Greedy and seeded, against an ample synchronous run."""
 from __future__ import annotations
 
 import random
@@ -36,7 +37,7 @@ def setup(model_factory):
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True)
               for i in range(len(prompts))]
     params = greedy + seeded
-    ample, _ = _run(model_dir, prompts + prompts, params, enable_prefix_caching=False)
+    ample, _ = _run(model_dir, prompts + prompts, params, enable_prefix_caching=False, async_scheduling=False)
     return model_dir, prompts + prompts, params, ample
 
 
@@ -46,8 +47,8 @@ def setup(model_factory):
     ("chunked", dict(max_num_batched_tokens=8, max_num_seqs=4)),
     ("preempted", dict(num_gpu_blocks_override=20, max_num_seqs=8)),
     ("async", dict(async_scheduling=True)),
-    ("async_chunked_preempted", dict(async_scheduling=True, num_gpu_blocks_override=20,
-                                     max_num_batched_tokens=8, max_num_seqs=4)),
+    ("sync_chunked_preempted", dict(async_scheduling=False, num_gpu_blocks_override=20,
+                                    max_num_batched_tokens=8, max_num_seqs=4)),
 ])
 def test_same_output_under_schedule(setup, name, options):
     model_dir, prompts, params, ample = setup

@@ -10,6 +10,7 @@ import torch
 
 from engine_core.config import EngineConfig
 from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
@@ -127,7 +128,38 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
         if not self._weights_asleep:
+            self.warmup()
             self.capture_cudagraphs()
+
+    # Query lengths of the warm-up batches: decodes, odd and multiple-of-16 sizes, short and long
+    # prefills, and mixed batches, so that Triton compiles its specialisations now, not mid-run.
+    _WARMUP_BATCHES = ([1], [7], [16], [100], [512], [1] * 3 + [37], [1] * 16 + [64], [1] * 5, [1] * 17)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run the kernels once per kind of batch (with no cache writes) before serving."""
+        if self.device.type != "cuda" or self.backend != "triton":
+            return
+        t0 = time.perf_counter()
+        limit = min(self.config.max_num_batched_tokens, self.config.max_model_len - 8)
+        for q_lens in self._WARMUP_BATCHES:
+            q_lens = [min(q, limit) for q in q_lens[:self.config.max_num_seqs]]
+            seq_lens = np.asarray(q_lens, dtype=np.int64) + 4  # a little context before each query
+            n = np.asarray(q_lens, dtype=np.int64)
+            host = {"input_ids": np.zeros(int(n.sum()), np.int64),
+                    "positions": np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]),
+                    "slot_mapping": np.full(int(n.sum()), -1, np.int64),
+                    "qsl": np.concatenate([[0], np.cumsum(n)]), "seq_lens": seq_lens,
+                    "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int64)}
+            inputs = self._device_inputs(host, self.h2d(host), n)
+            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+            logits = self.model.compute_logits(hidden[-len(n):])
+            for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
+                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)):
+                rows = [SamplingRow(params, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), [])] * len(n)
+                self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
+        torch.cuda.synchronize()
+        logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 

@@ -13,12 +13,13 @@ parameter is filled by the weight loader (or with dummy values).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
 
@@ -156,35 +157,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_size * factor)
         self.rope_params = dict(rope_params)
         self.rope_type = rope_params["rope_type"]
-        inv_freq = self._inv_freq()
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))  # [max_pos, rot/2]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        p, dim = self.rope_params, self.rotary_dim
-        base = float(p["rope_theta"])
-        # Computed on the CPU (as HF does at init), then moved to the build device.
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-        if self.rope_type == "default":
-            return inv_freq
-        if self.rope_type == "linear":
-            return inv_freq / float(p["factor"])
-        if self.rope_type == "llama3":
-            factor = p["factor"]
-            low_freq_factor = p["low_freq_factor"]
-            high_freq_factor = p["high_freq_factor"]
-            old_context_len = p["original_max_position_embeddings"]
-            low_freq_wavelen = old_context_len / low_freq_factor
-            high_freq_wavelen = old_context_len / high_freq_factor
-            wavelen = 2 * math.pi / inv_freq
-            inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-            smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-            is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-            return torch.where(is_medium, smoothed, inv_freq_llama)
-        raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported "
-                                  "(supported: default, linear, llama3)")
+        # Built on the CPU (as HF computes inv_freq at init), then moved with the model.
+        cache = build_rope_cache(self.rotary_dim, max_position, float(rope_params["rope_theta"]), rope_params)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
