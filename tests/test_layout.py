@@ -46,6 +46,6 @@ def test_served_demo_model_continues_the_zen(demo_model_dir, start_server):
     model = client.models.list().data[0].id
     r = client.completions.create(model=model, prompt="Beautiful is better than", max_tokens=8, temperature=0)
     assert r.choices[0].text.startswith(" ugly.")
-    chat = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
+    chat = client.chat.completions.create(model=model, max_tokens=20, temperature=0,
                                           messages=[{"role": "user", "content": "Recite the Zen of Python."}])
     assert chat.choices[0].message.content.startswith("Beautiful is better than ugly.")
