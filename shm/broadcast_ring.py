@@ -442,6 +442,11 @@ class BroadcastRing:
                 raise ReaderGone(f"broadcast ring: readers {blocking} closed or died")
 
     # --------------------------------------------------------------- reader
+    def ready(self) -> bool:
+        """Whether dequeue() would return at once (a cheap check for polling loops)."""
+        idx = (self._next_seq - 1) % self._L.n_chunks
+        return _U64.unpack_from(self._buf, self._L.seq_off(idx))[0] == self._next_seq
+
     def dequeue(self, timeout: float | None = None) -> list[Union[bytes, memoryview]]:
         """The next message, as a list of frames: ``bytes`` for a message that
         fit a chunk, read-only ``memoryview`` for an overflow one.  Raises

@@ -149,8 +149,8 @@ class ModelRunner:
             host = {"input_ids": np.zeros(int(n.sum()), np.int64),
                     "positions": np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]),
                     "slot_mapping": np.full(int(n.sum()), -1, np.int64),
-                    "qsl": np.concatenate([[0], np.cumsum(n)]), "seq_lens": seq_lens,
-                    "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int64)}
+                    "qsl": np.concatenate([[0], np.cumsum(n)]).astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
+                    "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32)}
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
@@ -350,6 +350,11 @@ class ModelRunner:
             st.num_computed_tokens = int(end[i])
         return step
 
+    @staticmethod
+    def is_done(step: "PendingStep") -> bool:
+        """Whether finish(step) would return without waiting for the device."""
+        return step.event is None or step.event.query()
+
     def finish(self, step: "PendingStep") -> ModelRunnerOutput:
         """Wait for a launched step and record its tokens."""
         sampled = [-1] * len(step.req_ids)
@@ -382,17 +387,17 @@ class ModelRunner:
     def _host_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The step's inputs and attention metadata as host arrays, built without per-token loops."""
         bs = self.block_size
-        qsl = np.zeros(len(n) + 1, dtype=np.int64)
+        qsl = np.zeros(len(n) + 1, dtype=np.int32)  # int32 metadata: no conversions on the device
         np.cumsum(n, out=qsl[1:])
         tok_row = np.repeat(np.arange(len(n)), n)
         positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1] - start, n)
         tok_slot = slots[tok_row]
         blocks = self.batch.block_table[tok_slot, positions // bs]
-        seq_lens = start + n
+        seq_lens = (start + n).astype(np.int32)
         max_blocks = int(-(-seq_lens.max() // bs))
         return {"input_ids": self.batch.token_ids[tok_slot, positions], "positions": positions,
                 "slot_mapping": blocks.astype(np.int64) * bs + positions % bs, "qsl": qsl,
-                "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks].astype(np.int64)}
+                "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks]}
 
     def _device_inputs(self, host: dict, dev: dict, n: np.ndarray) -> dict:
         meta = AttentionMetadata(

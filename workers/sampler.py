@@ -39,8 +39,9 @@ class Sampler:
         """Per-row parameters as host arrays (they travel to the device with the step's inputs)."""
         p = [r.params for r in rows]
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=len(rows))
+        i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=len(rows))
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=len(rows))
-        return {"temperature": f32(x.temperature for x in p), "top_k": i64(x.top_k for x in p),
+        return {"temperature": f32(x.temperature for x in p), "top_k": i32(x.top_k for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows), "out_positions": i64(r.output_index for r in rows)}
 
@@ -58,7 +59,7 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, dev["temperature"], dev["top_k"].to(torch.int32), dev["top_p"],
+            tokens = self._sample(logits, dev["temperature"], dev["top_k"], dev["top_p"],
                                   dev["min_p"], dev["seeds"], dev["out_positions"])
         topk = None
         if raw_logprobs is not None:

@@ -68,9 +68,9 @@ class Worker:
 
 
 def serve_steps(worker: Worker, ring, send) -> None:
-    """The worker loop. A step is launched on the device as soon as it arrives; when the
-    next step is already queued, it is launched too before the first one's tokens are
-    awaited, so the device never waits for this loop."""
+    """The worker loop. A step is launched on the device as soon as it arrives, behind
+    the one still running there, so the device never waits for this loop; a step's
+    tokens are sent once the device has produced them."""
     runner, rank = worker.runner, worker.rank
     step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
     pending = None  # a launched step whose tokens are not yet sent
@@ -82,11 +82,15 @@ def serve_steps(worker: Worker, ring, send) -> None:
             send(WorkerReply(rank, output=out))
 
     while True:
-        try:
-            frames = ring.dequeue(timeout=0 if pending is not None else None)
-        except TimeoutError:  # nothing queued behind the pending step: deliver it
-            finish_pending()
+        if pending is not None and not ring.ready():
+            # Until the next step arrives, deliver the pending one as soon as the device
+            # is done with it; a step that arrives first is launched behind it, unwaited.
+            if runner.is_done(pending):
+                finish_pending()
+            else:
+                os.sched_yield()
             continue
+        frames = ring.dequeue()
         if bytes(frames[0]) == MsgType.WORKER_STEP.value:
             so = step_dec.decode(frames)
             try:
