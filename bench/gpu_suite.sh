@@ -5,7 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/loom-bench}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOOM_LOG_LEVEL=${LOOM_LOG_LEVEL:-WARNING}
-loom() { python3 -m frontend.cli "$@"; }
+LOOM="python3 -m frontend.cli"
 run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to stdout
   local name=$1 t=$2; shift 2
   echo "=== $name: $*"
@@ -15,19 +15,19 @@ run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to
 for section in "$@"; do case $section in
   gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
   kernels) run kernels 200 python3 -m bench.kernels_gpu ;;
-  qwen3) run qwen3-throughput 200 loom bench throughput --preset qwen3-0.6b ;;
-  qwen3-sync) run qwen3-throughput-sync 200 loom bench throughput --preset qwen3-0.6b --no-async-scheduling ;;
-  qwen3-latency) run qwen3-latency 200 loom bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024 --iters 3 ;;
-  qwen3-profile) LOOM_PROFILE_DIR=$OUT/prof run qwen3-latency-profiled 200 loom bench latency --preset qwen3-0.6b --iters 2
+  qwen3) run qwen3-throughput 200 $LOOM bench throughput --preset qwen3-0.6b ;;
+  qwen3-sync) run qwen3-throughput-sync 200 $LOOM bench throughput --preset qwen3-0.6b --no-async-scheduling ;;
+  qwen3-latency) run qwen3-latency 200 $LOOM bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024 --iters 3 ;;
+  qwen3-profile) LOOM_PROFILE_DIR=$OUT/prof run qwen3-latency-profiled 200 $LOOM bench latency --preset qwen3-0.6b --iters 2
                  python3 -m ipc.profiling "$OUT/prof" 18 | cut -c1-150 > "$OUT/profile.txt"; head -c 6000 "$OUT/profile.txt" ;;
-  qwen3-hf) run qwen3-vs-hf 300 loom bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --compare-hf ;;
-  llama8b) run llama8b-throughput 300 loom bench throughput --preset llama-3.1-8b ;;
-  llama8b-latency) run llama8b-latency 200 loom bench latency --preset llama-3.1-8b --iters 3 ;;
-  serve) loom bench preset qwen3-0.6b /tmp/q3 > /dev/null
-         loom serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 > "$OUT/server.log" 2>&1 & pid=$!
+  qwen3-hf) run qwen3-vs-hf 300 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --compare-hf ;;
+  llama8b) run llama8b-throughput 300 $LOOM bench throughput --preset llama-3.1-8b ;;
+  llama8b-latency) run llama8b-latency 200 $LOOM bench latency --preset llama-3.1-8b --iters 3 ;;
+  serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+         $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 > "$OUT/server.log" 2>&1 & pid=$!
          for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
-         run serve-c256 200 loom bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
-         run offline-same-shape 200 loom bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256
+         run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
+         run offline-same-shape 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256
          kill -INT $pid; wait $pid ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -2,8 +2,9 @@
 
 A copy from pageable memory makes the host wait for the device's queue to
 drain, which would undo the overlap of step N+1's preparation with step N.
-Two pinned buffers alternate, so a buffer is never rewritten while the copy
-that reads it may still be queued (at most one step is in flight behind us).
+Two pinned buffers alternate; before one is rewritten, the event recorded
+after its last copy is awaited (normally long done), so a copy still queued
+on the device never reads data of a later step.
 """
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ class HostToDevice:
         self.pinned = device.type == "cuda"
         self._buffers: dict[tuple[np.dtype, int], torch.Tensor] = {}
         self._parity = 0
+        self._copied: list = [None, None]  # per parity: event after its last copy
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         if not self.pinned:
             return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
         self._parity ^= 1
+        if self._copied[self._parity] is not None:
+            self._copied[self._parity].synchronize()
         out: dict[str, torch.Tensor] = {}
         for dtype in {a.dtype for a in arrays.values()}:
             group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
@@ -37,6 +41,8 @@ class HostToDevice:
             for k, a in group:
                 out[k] = dev[offset:offset + a.size].view(a.shape)
                 offset += a.size
+        self._copied[self._parity] = torch.cuda.Event()
+        self._copied[self._parity].record()
         return out
 
     def _buffer(self, dtype: np.dtype, size: int) -> torch.Tensor:
