@@ -15,6 +15,7 @@ from workers.attention import AttentionMetadata
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
+from workers.step_stats import StepStats, enabled as step_stats_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class PendingStep:
     event: object = None
     topk: tuple | None = None
     prompt_logprobs: dict | None = None
+    stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
 
 
 class ModelRunner:
@@ -77,6 +79,7 @@ class ModelRunner:
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
         self.graphs: dict[int, tuple] = {}
         self._weights_asleep = False
+        self.stats = StepStats(self.device) if step_stats_enabled() else None
 
     # ------------------------------------------------------------ KV cache
 
@@ -130,6 +133,8 @@ class ModelRunner:
         if not self._weights_asleep:
             self.warmup()
             self.capture_cudagraphs()
+            if self.stats is not None and not self.stats.serving:
+                self.stats.start_serving()
 
     # Query lengths of the warm-up batches: decodes, odd and multiple-of-16 sizes, short and long
     # prefills, and mixed batches, so that Triton compiles its specialisations now, not mid-run.
@@ -310,6 +315,7 @@ class ModelRunner:
         self._apply_diff(so)
         if not so.req_ids:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
+        stats_token = self.stats.begin() if self.stats is not None else None
         states = [self.batch.requests[rid] for rid in so.req_ids]
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
@@ -348,6 +354,8 @@ class ModelRunner:
         step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n)
         for i, st in enumerate(states):
             st.num_computed_tokens = int(end[i])
+        if stats_token is not None:
+            step.stats_mark = self.stats.end(stats_token, "graph" if graph_bs is not None else "eager", int(n.sum()))
         return step
 
     @staticmethod
@@ -370,6 +378,8 @@ class ModelRunner:
                     self.batch.append_token(st, token_list[j])
             if step.topk is not None:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
+        if self.stats is not None:
+            self.stats.finished(step.stats_mark)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
     @staticmethod

@@ -57,6 +57,11 @@ class Worker:
         return self.runner.memory_info()
 
     @remote
+    def step_stats(self) -> dict | None:
+        """Host and device time per step, and Triton compiles after warm-up (LOOM_STEP_STATS=1)."""
+        return self.runner.stats.summary() if self.runner.stats is not None else None
+
+    @remote
     def get_pid(self) -> int:
         return os.getpid()
 
@@ -108,6 +113,8 @@ def serve_steps(worker: Worker, ring, send) -> None:
             finish_pending()
         call = call_dec.decode(frames)
         if call.method == "shutdown":
+            if runner.stats is not None:
+                runner.stats.log()
             return
         try:
             send(WorkerReply(rank, result=worker.call(call), call_id=call.call_id))

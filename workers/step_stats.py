@@ -1,0 +1,91 @@
+"""Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
+
+Per kind of step (CUDA graph or eager), it sums the host time spent launching
+a step and the device time between two events around it, and it counts the
+Triton kernels compiled after warm-up (a compile mid-run costs 0.1-1 s).
+The summary is logged when the worker exits and returned by the `step_stats`
+worker method (collective_rpc).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    return os.environ.get("LOOM_STEP_STATS", "") not in ("", "0")
+
+
+class StepStats:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host_s: dict[str, float] = defaultdict(float)
+        self.device_s: dict[str, float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.compiles: list[str] = []
+        self.serving = False
+        self._unread: list = []  # marks whose events may not have fired yet
+
+    def start_serving(self) -> None:
+        """From now on a Triton compile is a warm-up miss: count and name it."""
+        self.serving = True
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+
+        def hook(*args, **kwargs):
+            what = str(kwargs.get("repr", getattr(kwargs.get("fn"), "name", "?")))
+            self.compiles.append(what)
+            logger.warning("Triton compiled during serving: %s", what[:400])
+            return False
+        knobs.runtime.jit_post_compile_hook = hook
+
+    def begin(self):
+        """Call before launching a step; returns the token for end()."""
+        start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        if start is not None:
+            start.record()
+        return time.perf_counter(), start
+
+    def end(self, token, kind: str, num_tokens: int):
+        """Call after the step's last kernel is queued; returns what finished() takes."""
+        t0, start = token
+        self.host_s[kind] += time.perf_counter() - t0
+        self.steps[kind] += 1
+        self.tokens[kind] += num_tokens
+        stop = None
+        if start is not None:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+        return kind, start, stop
+
+    def finished(self, mark, wait: bool = False) -> None:
+        """Call when the step is delivered; device times are read once their events fire."""
+        if mark is not None and mark[1] is not None:
+            self._unread.append(mark)
+        still = []
+        for kind, start, stop in self._unread:
+            if wait or stop.query():
+                self.device_s[kind] += start.elapsed_time(stop) / 1e3
+            else:
+                still.append((kind, start, stop))
+        self._unread = still
+
+    def summary(self) -> dict:
+        self.finished(None, wait=True)
+        return {kind: {"steps": n, "tokens": self.tokens[kind],
+                       "host_ms_per_step": 1e3 * self.host_s[kind] / n,
+                       "device_ms_per_step": 1e3 * self.device_s[kind] / n}
+                for kind, n in self.steps.items()} | {"triton_compiles_while_serving": len(self.compiles)}
+
+    def log(self) -> None:
+        for kind, s in self.summary().items():
+            logger.warning("step stats %s: %s", kind, s)
