@@ -70,6 +70,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels.jit import step_jit  # noqa: E402
+
 
 def _is_interpreted(fn) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
@@ -82,7 +84,7 @@ def _use_triton(fn, t: torch.Tensor) -> bool:
     return t.is_cuda or _is_interpreted(fn)
 
 
-@triton.jit
+@step_jit(pointers=("slot_ptr",))
 def _write_kv_cache_kernel(
     key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -144,7 +146,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     )
 
 
-@triton.jit
+@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt"),
+          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
@@ -270,7 +273,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@step_jit(ints=("tok_base",))
 def _split_kv_reduce_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, tok_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -307,8 +310,8 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-_MIN_SPLIT_TOKENS = 256
-_MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 256  # the least KV per split worth a split of its own
+MAX_KV_SPLITS = 32
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
@@ -316,13 +319,13 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     """Split-KV (flash-decoding) heuristic: only for pure decode batches whose
     (sequence, kv head) programs would leave most SMs idle for long contexts.
     Returns a power of two (1 = no split) so few kernel variants get compiled."""
-    if max_query_len != 1 or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
+    if max_query_len != 1 or max_seq_len < 2 * MIN_SPLIT_TOKENS:
         return 1
     programs = max(1, num_seqs * num_kv_heads)
     sms = _sm_count(device)
     if programs >= sms:
         return 1
-    want = min(triton.cdiv(2 * sms, programs), max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
+    want = min(triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
     if want < 2:
         return 1
     return 1 << (want.bit_length() - 1)

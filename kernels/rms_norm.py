@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit import step_jit
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -29,7 +31,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-@triton.jit
+@step_jit(ints=("n_rows",))
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, n_inner, stride_x0, stride_x1, stride_r0, stride_r1, n_cols, eps,

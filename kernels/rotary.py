@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit import step_jit
+
 
 def _inv_freq(head_dim: int, base: float, device=None) -> torch.Tensor:
     # Same expression as transformers' default rope init.
@@ -99,7 +101,7 @@ def _rotate_heads(x_ptr, o_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, n
     tl.store(op + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@step_jit(pointers=("pos_ptr",))
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,

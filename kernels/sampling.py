@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit import step_jit
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -204,7 +206,7 @@ def _race(row_ptr, noise_row_ptr, offs, vocab, m, inv_t, thr, u, best, best_i, U
     return tl.where(upd, score, best), tl.where(upd, offs, best_i)
 
 
-@triton.jit
+@step_jit(pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
 def _sample_kernel(
     logits_ptr, stride_l, noise_ptr, stride_n,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, out_ptr,

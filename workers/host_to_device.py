@@ -29,18 +29,18 @@ class HostToDevice:
         out: dict[str, torch.Tensor] = {}
         for dtype in {a.dtype for a in arrays.values()}:
             group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
-            total = sum(a.size for _, a in group)
+            # every array starts 16-byte aligned, as a fresh tensor would: kernels then see
+            # the same pointer alignment every step (no Triton recompiles)
+            align = max(1, 16 // dtype.itemsize)
+            starts = np.cumsum([0] + [-(-a.size // align) * align for _, a in group])
+            total = int(starts[-1])
             host = self._buffer(dtype, total)
             flat = host.numpy()
-            offset = 0
-            for _, a in group:
-                flat[offset:offset + a.size] = a.reshape(-1)
-                offset += a.size
+            for (_, a), start in zip(group, starts):
+                flat[start:start + a.size] = a.reshape(-1)
             dev = host[:total].to(self.device, non_blocking=True)
-            offset = 0
-            for k, a in group:
-                out[k] = dev[offset:offset + a.size].view(a.shape)
-                offset += a.size
+            for (k, a), start in zip(group, starts):
+                out[k] = dev[start:start + a.size].view(a.shape)
         self._copied[self._parity] = torch.cuda.Event()
         self._copied[self._parity].record()
         return out

@@ -136,9 +136,11 @@ class ModelRunner:
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
 
-    # Query lengths of the warm-up batches: decodes, odd and multiple-of-16 sizes, short and long
-    # prefills, and mixed batches, so that Triton compiles its specialisations now, not mid-run.
-    _WARMUP_BATCHES = ([1], [7], [16], [100], [512], [1] * 3 + [37], [1] * 16 + [64], [1] * 5, [1] * 17)
+    # Query lengths of the warm-up batches, so that Triton compiles its variants now, not mid-run:
+    # decodes, prefills whose longest query hits each attention tile size (1 to 128 rows, one tile
+    # per sequence or several), and mixed batches (decodes first, then prefills).
+    _WARMUP_BATCHES = ([1], [1] * 5, [1] * 17, [2], [3], [5], [8], [12], [16], [24], [32], [48], [64], [100],
+                       [512], [1] * 3 + [37], [1] * 16 + [64])
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -163,8 +165,26 @@ class ModelRunner:
                            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)):
                 rows = [SamplingRow(params, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), [])] * len(n)
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
+        self._warmup_split_kv()
         torch.cuda.synchronize()
         logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
+
+    def _warmup_split_kv(self) -> None:
+        """Decode attention over long contexts splits the KV (2, 4, ... ways): compile each
+        split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
+        from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
+        key_cache, value_cache = self.kv_caches[0]
+        hq = self.model.config.num_attention_heads
+        q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
+        seq_len = self.config.max_model_len
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
+        block_table = torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device)
+        splits = 2
+        while splits <= min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS):
+            paged_attention(q, key_cache, value_cache, qsl, seq_lens, block_table, 1.0, 1, seq_len,
+                            num_kv_splits=splits)
+            splits *= 2
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 

@@ -1,0 +1,26 @@
+"""`triton.jit` for kernels called with per-step values.
+
+Triton compiles a variant of a kernel per "specialization": whether each int
+argument is 1 or a multiple of 16, and whether each pointer is 16-byte
+aligned. Per-step metadata (sequence counts, token offsets, slices of the
+step's host-to-device buffer) would make a serving run compile new variants
+mid-run, 0.1-1 s each. Arguments named here are never specialized; they are
+all scalars or pointers read a few elements at a time, so nothing is lost.
+"""
+from __future__ import annotations
+
+import inspect
+
+import triton
+
+_HAS_ALIGNMENT_FLAG = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+
+
+def step_jit(*, ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()):
+    """triton.jit that does not specialize on the given int values or pointer alignments."""
+    kwargs = {"do_not_specialize": list(ints)}
+    if _HAS_ALIGNMENT_FLAG:
+        kwargs["do_not_specialize_on_alignment"] = list(pointers)
+    else:  # older Triton: do_not_specialize also drops a pointer's alignment check
+        kwargs["do_not_specialize"] += list(pointers)
+    return triton.jit(**kwargs)
