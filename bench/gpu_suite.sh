@@ -29,8 +29,10 @@ for section in "$@"; do case $section in
   serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
          $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 > "$OUT/server.log" 2>&1 & pid=$!
          for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
-         run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
-         run offline-same-shape 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256
-         kill -INT $pid; wait $pid ;;
+         TAIL=30 run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
+         kill -INT $pid; wait $pid  # the GPU is free again for the offline run at the same shape
+         run offline-same-shape 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256 ;;
+  profile) TAIL=40 run profile-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 1 128 --context 1024 --top 14
+           TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -1,0 +1,105 @@
+"""`loom bench profile-step`: where one decode step's device time goes, per kernel.
+
+Runs the model's forward (Triton kernels on CUDA, eager so that the profiler
+sees each kernel) on a decode batch of --batch sequences with --context tokens
+of KV each, under torch.profiler, and prints device time per kernel per step
+beside the step's memory floor (weights + KV read over 4.3 TB/s).
+
+    loom bench profile-step --preset qwen3-0.6b --batch 1 128 --context 1024
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench import common
+
+HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (performance.md)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile-step", help="per-kernel device time of one decode step",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
+    p.add_argument("--device", default="cuda")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.attention import AttentionMetadata
+    from workers.model_loader import load_model, model_kv_shape
+    from workers.models.layers import use_triton_kernels
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "triton" if device.type == "cuda" else "torch"
+    with common.model_dir(args) as mdir:
+        model = load_model(mdir, dtype, device, "dummy" if args.preset else "auto")
+    if backend == "triton":
+        use_triton_kernels()
+    num_layers, kv_heads, head_dim = model_kv_shape(model.config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = 16
+    blocks_per_seq = -(-(args.context + 1) // block)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    for bs in args.batch:
+        num_blocks = bs * blocks_per_seq
+        shape = (num_blocks, block, kv_heads, head_dim)
+        caches = [(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
+                  for _ in range(num_layers)]
+        table = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(bs, blocks_per_seq)
+        seq_lens = torch.full((bs,), args.context + 1, dtype=torch.int32, device=device)
+        slots = (table[:, args.context // block].long() * block + args.context % block)
+        meta = AttentionMetadata(torch.arange(bs + 1, dtype=torch.int32, device=device), seq_lens, table, slots,
+                                 1, args.context + 1, backend, num_decodes=bs)
+        ids = torch.randint(0, model.config.vocab_size, (bs,), device=device)
+        pos = torch.full((bs,), args.context, dtype=torch.long, device=device)
+
+        def step():
+            with torch.inference_mode():
+                hidden = model(ids, pos, caches, meta)
+                return model.compute_logits(hidden).argmax(-1)
+
+        for _ in range(3):  # compiles and warms up outside the profile
+            step()
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(args.iters):
+                step()
+            sync()
+        kv_bytes = 2 * num_layers * bs * (args.context + 1) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        floor_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+        _report(prof, bs, args, floor_ms, weight_bytes, kv_bytes, device.type == "cuda")
+        del caches
+    return 0
+
+
+def _report(prof, bs: int, args, floor_ms: float, weight_bytes: int, kv_bytes: int, cuda: bool) -> None:
+    from torch.autograd import DeviceType
+    rows = []
+    for e in prof.key_averages():
+        if cuda:  # kernels only (CPU ops also carry their children's device time)
+            if e.device_type != DeviceType.CUDA:
+                continue
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = e.self_cpu_time_total
+        if t:
+            rows.append((t / args.iters / 1e3, e.count // args.iters, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    launches = sum(r[1] for r in rows)
+    print(f"\nbatch {bs}, context {args.context}: {total:.3f} ms of kernels per step in {launches} launches "
+          f"(floor {floor_ms:.3f} ms: weights {weight_bytes / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB "
+          f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+    print(f"{'ms/step':>9} {'calls':>6}  kernel")
+    for t, n, name in rows[:args.top]:
+        print(f"{t:9.4f} {n:6d}  {name[:110]}")
