@@ -63,12 +63,16 @@ class EngineConfig:
             hf = json.load(f)
         text_cfg = hf.get("text_config", hf)
         self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+        limit = f"max_position_embeddings {self.model_max_len}"
+        window = attention_window(text_cfg)
+        if window is not None and window < self.model_max_len:
+            # Sliding-window attention is not implemented; within the window it equals full attention.
+            self.model_max_len, limit = window, f"sliding_window {window} (sliding-window attention is not supported)"
         self.vocab_size = int(text_cfg.get("vocab_size") or 0)
         if self.max_model_len is None:
             self.max_model_len = self.model_max_len
         if self.max_model_len > self.model_max_len:
-            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {self.model_max_len}")
+            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's {limit}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
@@ -105,6 +109,24 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def attention_window(hf_cfg: dict) -> int | None:
+    """The sliding window some layers of this model attend within, or None (full attention).
+    Mistral sets `sliding_window` for every layer; Qwen2 only with `use_sliding_window`, from
+    layer `max_window_layers` on; newer configs list `layer_types`."""
+    window = hf_cfg.get("sliding_window")
+    if not window:
+        return None
+    layer_types = hf_cfg.get("layer_types")
+    if layer_types:
+        return int(window) if "sliding_attention" in layer_types else None
+    if "use_sliding_window" in hf_cfg:
+        if not hf_cfg["use_sliding_window"]:
+            return None
+        if hf_cfg.get("max_window_layers", 0) >= hf_cfg.get("num_hidden_layers", 0):
+            return None
+    return int(window)
 
 
 def _eos_token_ids(model_dir: str, hf_cfg: dict) -> list[int]:

@@ -53,3 +53,11 @@ def test_triton_path_matches_hf(model_factory):
     model_dir = model_factory("qwen3")
     check_parity(model_dir, _prompts(300, 3), block_size=8, max_num_seqs=2, max_model_len=64,
                  attention_backend="triton")
+
+
+def test_sliding_window_model_is_capped_at_its_window(model_factory):
+    """Sliding-window attention is not implemented, so --max-model-len is capped at the window,
+    where HF's sliding-window attention (Mistral) equals full attention: still token-exact."""
+    model_dir = model_factory("mistral", sliding_window=48)
+    llm = check_parity(model_dir, _prompts(300, 4), block_size=4, max_num_seqs=2)
+    assert llm.config.max_model_len == 48

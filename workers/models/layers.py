@@ -274,21 +274,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def warn_if_sliding_window(config) -> None:
-    """Sliding-window attention is not implemented: every layer attends to the
-    full context. That is exact while sequences stay within the window."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    uses_window = "sliding_attention" in layer_types
-    if not layer_types and window and getattr(config, "use_sliding_window", True):
-        # Mistral-style configs: a window applies to every layer when set.
-        uses_window = window < getattr(config, "max_position_embeddings", window + 1)
-    if uses_window:
-        logger.warning("%s: sliding_window=%s is ignored (full attention in every layer); "
-                       "outputs differ from the reference past %s tokens",
-                       (getattr(config, "architectures", None) or ["model"])[0], window, window)
-
-
 # ---------------------------------------------------------------- weight loading
 def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          stacked_mapping: list[tuple[str, str, object]],

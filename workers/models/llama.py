@@ -15,8 +15,7 @@ from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabEmbedding,
-                                   get_head_dim, get_rope_params, load_stacked_weights,
-                                   warn_if_sliding_window)
+                                   get_head_dim, get_rope_params, load_stacked_weights)
 
 # (our fused parameter, checkpoint part, shard id)
 STACKED_PARAMS = [
@@ -59,7 +58,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         attention_bias = bool(getattr(config, "attention_bias", False))
-        warn_if_sliding_window(config)
         self.model = LlamaModel(
             config,
             qkv_bias=attention_bias if self.qkv_bias is None else self.qkv_bias,
@@ -94,5 +92,5 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama-shaped; `head_dim` may be explicit in the config (handled by
-    `get_head_dim`). `sliding_window` is NOT implemented: attention is full
-    (a warning is logged when the window is shorter than the context)."""
+    `get_head_dim`). Sliding-window attention is not implemented: the engine caps
+    --max-model-len at `sliding_window`, where full attention is the same."""

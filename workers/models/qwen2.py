@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5: Llama with biases on q, k and v (none on o_proj).
 
-`use_sliding_window` / sliding layers are not implemented (full attention; a
-warning is logged when the config enables them)."""
+Sliding layers (`use_sliding_window`) are not implemented: the engine caps
+--max-model-len at the window, where full attention is the same."""
 from __future__ import annotations
 
 from workers.models.llama import LlamaForCausalLM
