@@ -30,7 +30,7 @@ from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
                           ModelRunnerOutput, MsgType, UtilityOutput, UtilityRequest)
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
-from ipc.serial import Decoder, Encoder
+from ipc.serial import Encoder
 from ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)

@@ -256,6 +256,17 @@ class OpenAIServer:
         except ValueError as e:
             raise _value_error(e) from None
 
+    @staticmethod
+    async def _outputs(first, stream: AsyncIterator):
+        """`first` (from _first), then the rest of the stream."""
+        item = first
+        while item is not _END:
+            yield item
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+
     # ------------------------------------------------------------ simple endpoints
 
     async def health(self, request: web.Request) -> web.Response:
@@ -445,15 +456,10 @@ class OpenAIServer:
         return res
 
     async def _full_completions(self, stream, first, rid, created, params, n, choices, prompt_tokens):
-        item = first
-        while item is not _END:
-            i, out = item
+        async for i, out in self._outputs(first, stream):
             self._completion_delta(i, out, params, n, choices)
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                item = _END
-        self._raise_choice_error(choices)
+        for c in choices:
+            _check_choice(c)
         body = [completion_choice(k, "".join(c.text), c.finish_reason, c.stop_reason,
                                   merge_completion_logprobs(c.logprobs) if params.logprobs is not None else None)
                 for k, c in enumerate(choices)]
@@ -468,8 +474,7 @@ class OpenAIServer:
         async def emit(item) -> None:
             i, out = item
             for k, text, lp, st in self._completion_delta(i, out, params, n, choices):
-                if st.finish_reason == "error":
-                    raise _ChoiceError(st.stop_reason)
+                _check_choice(st)
                 if not text and lp is None and st.finish_reason is None:
                     continue
                 await resp.write(sse(completion_chunk(rid, created, model, [
@@ -528,14 +533,10 @@ class OpenAIServer:
         return res
 
     async def _full_chat(self, stream, first, rid, created, params, choices, prompt_tokens):
-        item = first
-        while item is not _END:
-            self._chat_delta(item[1], params, choices)
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                item = _END
-        self._raise_choice_error(choices)
+        async for _, out in self._outputs(first, stream):
+            self._chat_delta(out, params, choices)
+        for c in choices:
+            _check_choice(c)
         body = [chat_choice(k, "".join(c.text), c.finish_reason, c.stop_reason,
                             {"content": c.logprobs} if params.logprobs is not None else None)
                 for k, c in enumerate(choices)]
@@ -554,8 +555,7 @@ class OpenAIServer:
 
         async def emit(item) -> None:
             for k, text, lp, st in self._chat_delta(item[1], params, choices):
-                if st.finish_reason == "error":
-                    raise _ChoiceError(st.stop_reason)
+                _check_choice(st)
                 if not text and lp is None and st.finish_reason is None:
                     continue
                 await resp.write(sse(chat_chunk(rid, created, model, [
@@ -571,12 +571,6 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ streaming plumbing
 
-    @staticmethod
-    def _raise_choice_error(choices: list[_Choice]) -> None:
-        for c in choices:
-            if c.finish_reason == "error":
-                raise APIError(f"The request failed in the engine: {c.stop_reason}", 500)
-
     async def _sse_response(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -590,21 +584,16 @@ class OpenAIServer:
         try:
             if begin is not None:
                 await begin()
-            item = first
-            while item is not _END:
+            async for item in self._outputs(first, stream):
                 await emit(item)
-                try:
-                    item = await stream.__anext__()
-                except StopAsyncIteration:
-                    item = _END
             await final()
         except ConnectionResetError:
             logger.debug("client went away mid-stream")
             return resp
         except EngineDeadError as e:
             await self._write_error(resp, f"The engine is dead: {e or self.llm.dead_reason}", 503)
-        except _ChoiceError as e:
-            await self._write_error(resp, f"The request failed in the engine: {e}", 500)
+        except APIError as e:
+            await self._write_error(resp, e.message, e.status, e.param)
         except ValueError as e:
             err = _value_error(e)
             await self._write_error(resp, err.message, 400, err.param)
@@ -632,25 +621,22 @@ class OpenAIServer:
     def build(self) -> web.Application:
         app = web.Application(middlewares=[HttpMetrics().middleware, self._middleware],  # metrics outermost
                               client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/version", self.version)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
+        routes = [("POST", "/v1/completions", self.completions),
+                  ("POST", "/v1/chat/completions", self.chat_completions),
+                  ("GET", "/v1/models", self.models), ("GET", "/v1/models/{model:.+}", self.model),
+                  ("GET", "/health", self.health), ("GET", "/metrics", self.metrics),
+                  ("GET", "/version", self.version),
+                  ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
         if self.enable_control_endpoints:
-            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-            # ---- control endpoints
-            app.router.add_post("/sleep", self.sleep)
-            app.router.add_post("/wake_up", self.wake_up)
-            app.router.add_get("/is_sleeping", self.is_sleeping)
-            app.router.add_post("/pause", self.pause)
-            app.router.add_post("/resume", self.resume)
-            app.router.add_get("/is_paused", self.is_paused)
-            app.router.add_post("/collective_rpc", self.collective_rpc)
+            routes += [("POST", "/reset_prefix_cache", self.reset_prefix_cache),
+                       ("POST", "/sleep", self.sleep), ("POST", "/wake_up", self.wake_up),
+                       ("GET", "/is_sleeping", self.is_sleeping),
+                       ("POST", "/pause", self.pause), ("POST", "/resume", self.resume),
+                       ("GET", "/is_paused", self.is_paused),
+                       ("POST", "/collective_rpc", self.collective_rpc)]
+        add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
+        for method, path, handler in routes:
+            add[method](path, handler)
         app.on_response_prepare.append(self._add_server_index)  # X-Loom-Server-Index on every response
         app[SERVER_KEY] = self
         app.on_cleanup.append(self._on_cleanup)
@@ -660,8 +646,10 @@ class OpenAIServer:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-class _ChoiceError(Exception):
-    """A choice finished with finish_reason "error"."""
+def _check_choice(choice) -> None:
+    """A choice the engine finished with an error fails the request (500)."""
+    if choice.finish_reason == "error":
+        raise APIError(f"The request failed in the engine: {choice.stop_reason}", 500)
 
 
 def build_app(llm, api_key: str | None = None, enable_control_endpoints: bool = False) -> web.Application:

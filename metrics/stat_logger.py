@@ -183,22 +183,16 @@ class PrometheusStatLogger:
             level = min(max(s.sleep_level, 0), 2)
             for i, state in enumerate(SLEEP_STATES):
                 _set_at(e.sleep[state], i == level, ts)
-            if s.prefix_cache_queries:
-                e.prefix_queries.inc(s.prefix_cache_queries)
-            if s.prefix_cache_hits:
-                e.prefix_hits.inc(s.prefix_cache_hits)
-            if s.num_preemptions:
-                e.preemptions.inc(s.num_preemptions)
-            if s.num_scheduled_tokens:
-                e.iteration_tokens.observe(s.num_scheduled_tokens)
+            counts = [(e.prefix_queries, s.prefix_cache_queries), (e.prefix_hits, s.prefix_cache_hits),
+                      (e.preemptions, s.num_preemptions)]
             if self.mfu is not None:
                 cost = self.mfu.from_stats(s)
-                if cost.flops:
-                    e.flops.inc(cost.flops)
-                if cost.read_bytes:
-                    e.read_bytes.inc(cost.read_bytes)
-                if cost.write_bytes:
-                    e.write_bytes.inc(cost.write_bytes)
+                counts += [(e.flops, cost.flops), (e.read_bytes, cost.read_bytes), (e.write_bytes, cost.write_bytes)]
+            for counter, n in counts:
+                if n:
+                    counter.inc(n)
+            if s.num_scheduled_tokens:
+                e.iteration_tokens.observe(s.num_scheduled_tokens)
         for t in outs.finished_timings:
             e.queue.observe(max(t.queued_time, 0.0))
             e.prefill.observe(max(t.prefill_time, 0.0))

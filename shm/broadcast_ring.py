@@ -147,6 +147,11 @@ class _Layout:
         self.flags_struct = struct.Struct(f"<{self.flag_bytes // 8}Q")
         self.all_read = (0x0101010101010101,) * (self.flag_bytes // 8)
 
+    def chunk_of(self, seq: int) -> tuple[int, int]:
+        """(chunk index, offset of its sequence word) of message number `seq` (from 1)."""
+        idx = (seq - 1) % self.n_chunks
+        return idx, self.seq_off(idx)
+
     def seq_off(self, idx: int) -> int:
         return self.meta_off + idx * self.meta_stride
 
@@ -351,8 +356,7 @@ class BroadcastRing:
         L = self._L
         buf = self._buf
         seq = self._next_seq
-        idx = (seq - 1) % L.n_chunks
-        seq_off = L.seq_off(idx)
+        idx, seq_off = L.chunk_of(seq)
         if L.flags_struct.unpack_from(buf, seq_off + 8) != L.all_read:
             self._wait_free(seq_off, timeout)
         _fence()  # the readers' loads of the old data happen before our stores
@@ -444,8 +448,7 @@ class BroadcastRing:
     # --------------------------------------------------------------- reader
     def ready(self) -> bool:
         """Whether dequeue() would return at once (a cheap check for polling loops)."""
-        idx = (self._next_seq - 1) % self._L.n_chunks
-        return _U64.unpack_from(self._buf, self._L.seq_off(idx))[0] == self._next_seq
+        return _U64.unpack_from(self._buf, self._L.chunk_of(self._next_seq)[1])[0] == self._next_seq
 
     def dequeue(self, timeout: float | None = None) -> list[Union[bytes, memoryview]]:
         """The next message, as a list of frames: ``bytes`` for a message that
@@ -459,8 +462,7 @@ class BroadcastRing:
         L = self._L
         buf = self._buf
         seq = self._next_seq
-        idx = (seq - 1) % L.n_chunks
-        seq_off = L.seq_off(idx)
+        idx, seq_off = L.chunk_of(seq)
         deadline = None if timeout is None else time.monotonic() + timeout
         if _U64.unpack_from(buf, seq_off)[0] != seq:
             self._wait_written(seq_off, seq, deadline)

@@ -63,6 +63,47 @@ def shm_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "loom" in n.lower()}
 
 
+def child_pids(pid: int, trackers: bool = False) -> list[int]:
+    """A process's children; multiprocessing's resource tracker only if asked for."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+    return kids if trackers else [k for k in kids if not _is_resource_tracker(k)]
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except FileNotFoundError:
+        return True  # gone: not one of ours to count
+
+
+def run_fake(llm, scenario, **serve_kw):
+    """Serve `llm` (a stand-in for AsyncLLM) on a free port in a fresh event loop and
+    return `await scenario(session, base_url, llm)`."""
+    import asyncio
+
+    import aiohttp
+
+    from frontend.api_server import serve
+
+    async def main():
+        port = free_tcp_port()
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve(llm, "127.0.0.1", port, ready=ready, **serve_kw))
+        await asyncio.wait_for(ready.wait(), 10)
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await scenario(session, f"http://127.0.0.1:{port}", llm)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return asyncio.run(main())
+
+
 def loom_ipc_dirs() -> set[str]:
     import tempfile
     tmp = tempfile.gettempdir()

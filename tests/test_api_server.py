@@ -27,7 +27,7 @@ from engine_core.config import EngineConfig
 from frontend.api_server import serve
 from frontend.errors import EngineDeadError
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from ipc.sockets import free_tcp_port
+from tests.conftest import run_fake
 
 # ======================================================================= part 1: fake engine
 
@@ -102,22 +102,6 @@ class FakeLLM:
 
     async def call_utility(self, method, *args):
         return True
-
-
-def run_fake(llm: FakeLLM, scenario, **serve_kw):
-    """Serve `llm` on a free port in this thread's loop and run `scenario(session, base_url, llm)`."""
-    async def main():
-        port = free_tcp_port()
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve(llm, "127.0.0.1", port, ready=ready, **serve_kw))
-        await asyncio.wait_for(ready.wait(), 10)
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await scenario(session, f"http://127.0.0.1:{port}", llm)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return asyncio.run(main())
 
 
 def test_fake_completion_and_chat_shapes():

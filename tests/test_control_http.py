@@ -18,8 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from frontend.api_server import serve
-from tests.conftest import Server, shm_entries
+from tests.conftest import Server, child_pids, run_fake, shm_entries
 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -308,26 +307,9 @@ def test_pause_is_seen_by_every_api_server(multi):
     run(scenario, multi.url, fresh_connections=True)
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _is_tracker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
-    except FileNotFoundError:
-        return True
-
-
 def test_killing_one_api_server_stops_everything(multi):
     """Runs last on `multi`."""
-    api_servers = [p for p in _children(multi.proc.pid)
-                   if not _is_tracker(p) and not [k for k in _children(p) if not _is_tracker(k)]]
+    api_servers = [p for p in child_pids(multi.proc.pid) if not child_pids(p)]
     assert len(api_servers) == 3, api_servers
     os.kill(api_servers[1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -361,23 +343,6 @@ class _FakeLLM:
         return {"is_sleeping": True, "is_paused": False, "collective_rpc": ["pong"]}.get(method)
 
 
-def _run_fake(llm, scenario, **serve_kw):
-    from ipc.sockets import free_tcp_port
-
-    async def main():
-        port = free_tcp_port()
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve(llm, "127.0.0.1", port, ready=ready, **serve_kw))
-        await asyncio.wait_for(ready.wait(), 10)
-        try:
-            async with aiohttp.ClientSession() as s:
-                return await scenario(s, f"http://127.0.0.1:{port}", llm)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return asyncio.run(main())
-
-
 def test_fake_control_endpoints_off_by_default():
     async def scenario(s, url, llm):
         for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/pause"),
@@ -387,7 +352,7 @@ def test_fake_control_endpoints_off_by_default():
                 assert r.status == 404, path
                 assert r.headers[INDEX] == "2"
         assert llm.calls == []
-    _run_fake(_FakeLLM(client_index=2), scenario)
+    run_fake(_FakeLLM(client_index=2), scenario)
 
 
 def test_fake_control_arguments_and_failures():
@@ -419,4 +384,4 @@ def test_fake_control_arguments_and_failures():
         llm.fail = RuntimeError("TypeError: an engine bug")  # only collective_rpc's TypeErrors are the caller's
         status, body = await call(s, "POST", url + "/pause")
         assert status == 500 and "an engine bug" in body["error"]["message"], body
-    _run_fake(_FakeLLM(), scenario, enable_control_endpoints=True)
+    run_fake(_FakeLLM(), scenario, enable_control_endpoints=True)

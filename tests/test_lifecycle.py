@@ -11,15 +11,7 @@ import pytest
 import requests
 
 from frontend import LLM, SamplingParams
-from tests.conftest import loom_ipc_dirs, shm_entries
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
+from tests.conftest import child_pids, loom_ipc_dirs, shm_entries
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -30,8 +22,8 @@ def _cpu_seconds(pid: int) -> float:
 
 def _engine_and_worker(server) -> tuple[int, int]:
     """The engine core is the launcher's child that has a child of its own (its worker)."""
-    for pid in _children(server.proc.pid):
-        kids = [k for k in _children(pid) if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
+    for pid in child_pids(server.proc.pid):
+        kids = child_pids(pid)
         if kids:
             return pid, kids[0]
     raise AssertionError("engine core process not found")

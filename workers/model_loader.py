@@ -35,17 +35,6 @@ def load_config(model_dir: str):
     return AutoConfig.from_pretrained(model_dir)
 
 
-def resolve_dtype(dtype, config) -> torch.dtype:
-    """torch.dtype passes through; "auto" takes the checkpoint's dtype (float32
-    if none); other strings name a torch dtype ("bfloat16", "float16", ...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        return getattr(torch, d) if isinstance(d, str) else d
-    return getattr(torch, dtype)
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -123,7 +112,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
-    model = build_model(config, resolve_dtype(dtype, config), device)
+    model = build_model(config, dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

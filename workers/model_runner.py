@@ -430,9 +430,9 @@ class ModelRunner:
                 "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks]}
 
     def _device_inputs(self, host: dict, dev: dict, n: np.ndarray) -> dict:
-        meta = AttentionMetadata(
-            query_start_loc=dev["qsl"].to(torch.int32), seq_lens=dev["seq_lens"].to(torch.int32),
-            block_table=dev["block_table"].to(torch.int32), slot_mapping=dev["slot_mapping"],
+        meta = AttentionMetadata(  # the host built qsl, seq_lens and block_table as int32
+            query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"],
+            block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
             max_query_len=int(n.max()), max_seq_len=int(host["seq_lens"].max()), backend=self.backend,
             num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n))
         return {"input_ids": dev["input_ids"], "positions": dev["positions"], "meta": meta}
