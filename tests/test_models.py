@@ -120,13 +120,15 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-def check_prefill(ours, hf, prompts: list[list[int]]) -> None:
-    batch = PagedBatch(ours, ours.config.num_hidden_layers)
+def check_prefill(ours, hf, prompts: list[list[int]], batch: "PagedBatch | None" = None) -> "PagedBatch":
+    """Prefill every prompt in one step of `batch` (a fresh one if None); logits match HF's."""
+    batch = batch or PagedBatch(ours, ours.config.num_hidden_layers)
     outs = batch.step(ours, list(enumerate(prompts)))
     for prompt, out in zip(prompts, outs):
         ref = hf_logits(hf, prompt)
         torch.testing.assert_close(out[-1], ref[-1], atol=ATOL, rtol=0)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    return batch
 
 
 def run_scenario(ours, hf, seed: int = 0) -> None:
@@ -134,13 +136,7 @@ def run_scenario(ours, hf, seed: int = 0) -> None:
     chunks, each chunk batched with decodes of the others."""
     rng = random.Random(seed)
     seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 9, 3)]
-    batch = PagedBatch(ours, ours.config.num_hidden_layers)
-
-    outs = batch.step(ours, list(enumerate(seqs)))
-    for seq, out in zip(seqs, outs):
-        ref = hf_logits(hf, seq)
-        torch.testing.assert_close(out[-1], ref[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    batch = check_prefill(ours, hf, seqs)
 
     def decode_all(extra=()):
         new = [rng.randrange(VOCAB) for _ in seqs]
