@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from kernels import activation, paged_attention as pa, rms_norm as rn, rotary, sampling
+from kernels import activation, paged_attention as pa, qk_rope_cache as qrc, rms_norm as rn, rotary, sampling
 
 PEAK_GBS = 4300.0
 BF16 = torch.bfloat16
@@ -123,24 +123,6 @@ def _attention(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         del q, kc, vc
 
 
-def _write_kv(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
-    hkv, d = cfg["hkv"], cfg["d"]
-    t = 256 if quick else 8192
-    nb, bs = (t // 16) * 2, 16
-    kv = torch.randn(t, 2 * hkv, d, dtype=BF16, device=dev, generator=gen)
-    k, v = kv[:, :hkv], kv[:, hkv:]
-    slots = torch.randperm(nb * bs, device=dev, generator=gen)[:t]
-    slots[::17] = -1
-    kc = torch.zeros(nb, bs, hkv, d, dtype=BF16, device=dev)
-    vc = torch.zeros_like(kc)
-    kc2, vc2 = kc.clone(), vc.clone()
-    pa.write_kv_cache(k, v, kc, vc, slots)
-    pa.write_kv_cache_ref(k, v, kc2, vc2, slots)
-    ctx.expect(f"write_kv_cache {model}", torch.equal(kc, kc2) and torch.equal(vc, vc2))
-    ctx.bench("write_kv_cache", f"{model} T={t}", lambda: pa.write_kv_cache(k, v, kc, vc, slots),
-              4 * k.numel(), ref_fn=lambda: pa.write_kv_cache_ref(k, v, kc2, vc2, slots))
-
-
 def _norms(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
     h, hq, d = cfg["hidden"], cfg["hq"], cfg["d"]
     t = 128 if quick else 8192
@@ -165,24 +147,36 @@ def _norms(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
               2 * qh.numel() * 2, ref_fn=lambda: rn.rms_norm_ref(qh, wq, 1e-6))
 
 
-def _rope(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
+def _prologue(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
+    """q/k norm (Qwen3) + rotary + KV-cache write, fused, at decode and prefill token counts."""
     hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
-    t = 128 if quick else 8192
-    scaling = None if model.startswith("qwen") else {
+    qwen = model.startswith("qwen")
+    scaling = None if qwen else {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
     cache = rotary.build_rope_cache(d, 32768, 500000.0, scaling, device=dev)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=BF16, device=dev, generator=gen)
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-    pos = torch.randint(0, 32768, (t,), device=dev, generator=gen)
-    qo, ko = rotary.rotary_embedding(pos, q, k, cache)
-    qr, kr = rotary.rotary_embedding_ref(pos, q, k, cache)
-    ctx.check(f"rotary q {model}", qo, qr, atol=2e-2, rtol=1e-2)
-    ctx.check(f"rotary k {model}", ko, kr, atol=2e-2, rtol=1e-2)
-    nbytes = 2 * (q.numel() + k.numel()) * 2 + t * d * 4
-    ctx.bench("rotary_embedding", f"{model} T={t}", lambda: rotary.rotary_embedding(pos, q, k, cache), nbytes,
-              ref_fn=lambda: rotary.rotary_embedding_ref(pos, q, k, cache))
+    for t in ([128] if quick else [1, 256, 8192]):
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=BF16, device=dev, generator=gen)
+        q = qkv[:, :hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        qw, kw = (torch.randn(d, dtype=BF16, device=dev, generator=gen) for _ in range(2)) if qwen else (None, None)
+        pos = torch.randint(0, 32768, (t,), device=dev, generator=gen)
+        nb, bs = (t // 16 + 1) * 2, 16
+        slots = torch.randperm(nb * bs, device=dev, generator=gen)[:t]
+        slots[1::17] = -1
+        kc, vc = (torch.randn(nb, bs, hkv, d, dtype=BF16, device=dev, generator=gen) for _ in range(2))
+        kc2, vc2 = kc.clone(), vc.clone()
+        args = (pos, q, k, v, cache)
+        out = qrc.qk_norm_rope_cache(*args, kc, vc, slots, qw, kw, 1e-6)
+        ref = qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6)
+        ctx.check(f"qk_norm_rope_cache {model} T={t} q", out, ref, atol=2e-2, rtol=1e-2)
+        ctx.check(f"qk_norm_rope_cache {model} T={t} k cache", kc, kc2, atol=2e-2, rtol=1e-2)
+        ctx.expect(f"qk_norm_rope_cache {model} T={t} v cache", torch.equal(vc, vc2))
+        nbytes = 2 * qkv.numel() * 2 - 2 * t * hkv * d * 2 + t * d * 4  # read qkv, write q + k + v, cos/sin
+        ctx.bench("qk_norm_rope_cache", f"{model} T={t}", lambda: qrc.qk_norm_rope_cache(
+            *args, kc, vc, slots, qw, kw, 1e-6), nbytes,
+            ref_fn=lambda: qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6))
 
 
 def _silu(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
@@ -234,7 +228,7 @@ def run(quick: bool, timing: bool, device: str = "cuda") -> Ctx:
     ctx = Ctx(timing and dev.type == "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for model, cfg in MODELS.items():
-        for part in (_write_kv, _norms, _rope, _silu, _sampling, _attention):
+        for part in (_prologue, _norms, _silu, _sampling, _attention):
             try:
                 part(ctx, model, cfg, quick, dev, gen)
             except Exception as exc:  # keep going: report every kernel

@@ -1,11 +1,14 @@
-"""`loom bench profile-step`: where one decode step's device time goes, per kernel.
+"""`loom bench profile-step`: where one step's device time goes, per kernel.
 
 Runs the model's forward (Triton kernels on CUDA, eager so that the profiler
-sees each kernel) on a decode batch of --batch sequences with --context tokens
-of KV each, under torch.profiler, and prints device time per kernel per step
-beside the step's memory floor (weights + KV read over 4.3 TB/s).
+sees each kernel) under torch.profiler and prints device time per kernel per
+step beside the step's floor. Decode (default): --batch sequences with
+--context tokens of KV each; floor = (weights + KV read) over 4.3 TB/s.
+--prefill: --batch whole prompts of --context tokens each; floor = the
+matmul FLOPs at 790 TFLOP/s.
 
     loom bench profile-step --preset qwen3-0.6b --batch 1 128 --context 1024
+    loom bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import argparse
 from bench import common
 
 HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (performance.md)
+MATMUL_FLOPS = 790e12     # bf16 dense matmul rate measured on the H200
 
 
 def add_parser(sub) -> None:
@@ -22,6 +26,7 @@ def add_parser(sub) -> None:
     common.add_model_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 128])
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill", action="store_true", help="whole prompts of --context tokens, not decodes")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
     p.add_argument("--device", default="cuda")
@@ -56,17 +61,23 @@ def main(args: argparse.Namespace) -> int:
         caches = [(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
                   for _ in range(num_layers)]
         table = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(bs, blocks_per_seq)
-        seq_lens = torch.full((bs,), args.context + 1, dtype=torch.int32, device=device)
-        slots = (table[:, args.context // block].long() * block + args.context % block)
-        meta = AttentionMetadata(torch.arange(bs + 1, dtype=torch.int32, device=device), seq_lens, table, slots,
-                                 1, args.context + 1, backend, num_decodes=bs)
-        ids = torch.randint(0, model.config.vocab_size, (bs,), device=device)
-        pos = torch.full((bs,), args.context, dtype=torch.long, device=device)
+        if args.prefill:  # q_len = seq_len = context: every token is new
+            q_len, seq_len, positions = args.context, args.context, torch.arange(args.context, device=device)
+        else:
+            q_len, seq_len, positions = 1, args.context + 1, torch.tensor([args.context], device=device)
+        seq_lens = torch.full((bs,), seq_len, dtype=torch.int32, device=device)
+        pos = positions.repeat(bs)
+        slots = (table.long().gather(1, (positions // block).repeat(bs, 1)) * block + positions % block).view(-1)
+        qsl = torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len
+        meta = AttentionMetadata(qsl, seq_lens, table, slots, q_len, seq_len, backend,
+                                 num_decodes=0 if args.prefill else bs)
+        ids = torch.randint(0, model.config.vocab_size, (len(pos),), device=device)
+        last = qsl[1:] - 1
 
         def step():
             with torch.inference_mode():
                 hidden = model(ids, pos, caches, meta)
-                return model.compute_logits(hidden).argmax(-1)
+                return model.compute_logits(hidden[last]).argmax(-1)
 
         for _ in range(3):  # compiles and warms up outside the profile
             step()
@@ -75,16 +86,25 @@ def main(args: argparse.Namespace) -> int:
             for _ in range(args.iters):
                 step()
             sync()
-        kv_bytes = 2 * num_layers * bs * (args.context + 1) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        floor_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
-        _report(prof, bs, args, floor_ms, weight_bytes, kv_bytes, device.type == "cuda")
+        kv_bytes = 2 * num_layers * bs * seq_len * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        if args.prefill:  # matmuls over every token (the lm_head over one per sequence)
+            layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+            embed = model.config.vocab_size * model.config.hidden_size
+            floor_ms = 1e3 * 2 * (len(pos) * layer_params + bs * embed) / MATMUL_FLOPS
+            floor = f"{floor_ms:.3f} ms: matmuls at {MATMUL_FLOPS / 1e12:.0f} TFLOP/s"
+        else:
+            floor_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+            floor = (f"{floor_ms:.3f} ms: weights {weight_bytes / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB "
+                     f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
+        _report(prof, f"{'prefill' if args.prefill else 'decode'} batch {bs}, context {args.context}", args, floor)
         del caches
     return 0
 
 
-def _report(prof, bs: int, args, floor_ms: float, weight_bytes: int, kv_bytes: int, cuda: bool) -> None:
+def _report(prof, title: str, args, floor: str) -> None:
     from torch.autograd import DeviceType
     rows = []
+    cuda = args.device.startswith("cuda")
     for e in prof.key_averages():
         if cuda:  # kernels only (CPU ops also carry their children's device time)
             if e.device_type != DeviceType.CUDA:
@@ -97,9 +117,7 @@ def _report(prof, bs: int, args, floor_ms: float, weight_bytes: int, kv_bytes: i
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     launches = sum(r[1] for r in rows)
-    print(f"\nbatch {bs}, context {args.context}: {total:.3f} ms of kernels per step in {launches} launches "
-          f"(floor {floor_ms:.3f} ms: weights {weight_bytes / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB "
-          f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+    print(f"\n{title}: {total:.3f} ms of kernels per step in {launches} launches (floor {floor})")
     print(f"{'ms/step':>9} {'calls':>6}  kernel")
     for t, n, name in rows[:args.top]:
         print(f"{t:9.4f} {n:6d}  {name[:110]}")

@@ -1,4 +1,5 @@
-"""Paged attention over block tables, and the KV-cache write.
+"""Paged attention over block tables (the KV-cache write is fused into the
+attention prologue: kernels/qk_rope_cache.py).
 
 KV cache layout, per layer: key_cache and value_cache, each
 [num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of a
@@ -84,66 +85,8 @@ def _use_triton(fn, t: torch.Tensor) -> bool:
     return t.is_cuda or _is_interpreted(fn)
 
 
-@step_jit(pointers=("slot_ptr",))
-def _write_kv_cache_kernel(
-    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
-    num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
-    t64 = t.to(tl.int64)
-    k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    kc = kc_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = vc_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Triton version of write_kv_cache_ref (same arguments, same semantics).
-
-    key/value may be strided views ([T, Hkv, D] with a contiguous last dim,
-    e.g. slices of a fused qkv projection); the caches need a contiguous last
-    dim. Slots < 0 are skipped."""
-    if not _use_triton(_write_kv_cache_kernel, key):
-        return write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
-    num_tokens, num_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    assert value.shape == key.shape
-    assert key_cache.shape[2:] == (num_heads, head_dim) and value_cache.shape == key_cache.shape
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous last dim"
-    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-    slot_mapping = slot_mapping.contiguous()
-    block_size = key_cache.shape[1]
-    _write_kv_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
-    )
 
 
 @step_jit(ints=("num_seqs", "part_tok_base", "stride_bt"),
@@ -384,6 +327,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
+def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool) -> dict:
+    """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
+    KV head), BLOCK_N keys per iteration, warps and pipeline stages."""
+    big = 64 if (is_fp32 or block_d > 128) else 128
+    block_m = max(16, triton.next_power_of_2(group), min(big, triton.next_power_of_2(max_query_len * group)))
+    return dict(block_m=block_m, block_n=32 if (is_fp32 or block_d > 128) else 64,
+                num_warps=8 if block_m >= 128 else 4, num_stages=2)
+
+
 def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale,
                       max_query_len, max_seq_len, num_kv_splits, tok_lo, tok_hi):
     """One launch over the sequences given (query_start_loc holds absolute token
@@ -394,12 +346,10 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     num_seqs = seq_lens.shape[0]
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    group_pad = triton.next_power_of_2(group)
     is_fp32 = query.dtype == torch.float32
-    big = 64 if (is_fp32 or block_d > 128) else 128
-    block_m = max(16, group_pad, min(big, triton.next_power_of_2(max_query_len * group)))
+    tiles = tile_config(group, block_d, max_query_len, is_fp32)
+    block_m = tiles["block_m"]
     block_q = block_m // group
-    block_n = 32 if (is_fp32 or block_d > 128) else 64
     one_tile = max_query_len <= block_q
 
     if num_kv_splits is None:
@@ -426,9 +376,9 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
+        BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         IEEE=is_fp32, DOT_F32=_is_interpreted(_paged_attention_kernel) and not is_fp32,
-        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split

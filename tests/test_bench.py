@@ -6,6 +6,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from bench.workloads import (OFFLINE_OUTPUT_TOKENS, OFFLINE_PROMPT_TOKENS, fixed_workload, make_workload,
                              offline_workload)
 from tests.conftest import ROOT
@@ -67,6 +69,15 @@ def test_bench_throughput_tiny(model_factory, tmp_path):
     assert res["prompt_tokens"] == 32 and res["output_tokens"] == 32
     assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
     assert "output tok/s" in r.stdout
+
+
+@pytest.mark.parametrize("mode", [[], ["--prefill"]])
+def test_bench_profile_step_tiny(model_factory, mode):
+    r = _loom("profile-step", "--model", model_factory("qwen3"), "--device", "cpu", "--batch", "2",
+              "--context", "20", "--iters", "2", *mode)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kind = "prefill" if mode else "decode"
+    assert f"{kind} batch 2, context 20:" in r.stdout and "launches (floor" in r.stdout
 
 
 def test_bench_serve_tiny(model_factory, start_server, tmp_path):

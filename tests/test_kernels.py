@@ -30,11 +30,12 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 _ROOT = Path(__file__).resolve().parents[1]
 _KERNELS = {
-    "paged_attention": ["_write_kv_cache_kernel", "_paged_attention_kernel", "_split_kv_reduce_kernel"],
+    "paged_attention": ["_paged_attention_kernel", "_split_kv_reduce_kernel"],
     "rms_norm": ["_rms_norm_kernel"],
-    "rotary": ["_rotary_kernel"],
+    "rotary": [],
     "activation": ["_silu_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
+    "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
 }
 
 
@@ -74,7 +75,8 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling"))
+pa, rn, rot, act, smp, qrc = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling",
+                                                  "qk_rope_cache"))
 
 
 @pytest.fixture(autouse=True)
@@ -120,26 +122,6 @@ def _gen(seed: int) -> torch.Generator:
 
 def _randn(*shape, dtype=torch.float32, g=None, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=DEVICE)
-
-
-# --------------------------------------------------------------------------
-# KV-cache write
-# --------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cache(dtype):
-    g = _gen(1)
-    T, H, D, bs, nb = 11, 2, 16, 4, 7
-    qkv = _randn(T, 4 * H * D, dtype=dtype, g=g)  # strided k/v views, as from a fused projection
-    k = qkv[:, 2 * H * D:3 * H * D].view(T, H, D)
-    v = qkv[:, 3 * H * D:].view(T, H, D)
-    slots = torch.randperm(nb * bs, generator=g)[:T]
-    slots[[2, 7]] = -1  # padding
-    slots = slots.to(DEVICE)
-    kc, vc = _randn(nb, bs, H, D, dtype=dtype, g=g), _randn(nb, bs, H, D, dtype=dtype, g=g)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    pa.write_kv_cache(k, v, kc, vc, slots)
-    pa.write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
 # --------------------------------------------------------------------------
@@ -283,38 +265,50 @@ def test_build_rope_cache_matches_transformers(rope_scaling):
         assert not torch.allclose(cache, rot.build_rope_cache(head_dim, max_pos, base, None))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_embedding(dtype):
+def test_rotary_reference_is_hf_rotate_half():
+    # the reference (which the fused prologue kernel is checked against) follows HF's convention
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     g = _gen(3)
     T, hq, hkv, d = 6, 4, 2, 32
-    cache = rot.build_rope_cache(d, 64, 10000.0, None).to(DEVICE)
-    qkv = _randn(T, (hq + 2 * hkv) * d, dtype=dtype, g=g)
+    cache = rot.build_rope_cache(d, 64, 10000.0, None)
+    q, k = torch.randn(T, hq, d, generator=g), torch.randn(T, hkv, d, generator=g)
+    pos = torch.randint(0, 64, (T,), generator=g)
+    qo, ko = rot.rotary_embedding_ref(pos, q, k, cache)
+    cos, sin = cache[pos].chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    qh, kh = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, unsqueeze_dim=0)
+    torch.testing.assert_close(qo, qh.transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ko, kh.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# the fused attention prologue: q/k norm + rotary + KV-cache write
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,norm,rot_dim", [(torch.float32, True, 32), (torch.bfloat16, True, 32),
+                                                (torch.bfloat16, False, 32), (torch.float32, True, 16)])
+def test_qk_norm_rope_cache(dtype, norm, rot_dim):
+    g = _gen(6)
+    T, hq, hkv, d, bs, nb = 7, 6, 2, 32, 4, 6  # GQA 3 (a head count that is not a power of 2)
+    cache = rot.build_rope_cache(rot_dim, 64, 10000.0, None).to(DEVICE)
+    qkv = _randn(T, (hq + 2 * hkv) * d, dtype=dtype, g=g, scale=2.0)  # views of a fused projection
     q = qkv[:, :hq * d].view(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
     pos = torch.randint(0, 64, (T,), generator=g).to(DEVICE)
-    q_before, k_before = q.clone(), k.clone()
-    qo, ko = rot.rotary_embedding(pos, q, k, cache)
-    qr, kr = rot.rotary_embedding_ref(pos, q, k, cache)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[[1, 5]] = -1  # padding tokens: their keys and values are not written
+    slots = slots.to(DEVICE)
+    qw, kw = (_randn(d, dtype=dtype, g=g), _randn(d, dtype=dtype, g=g)) if norm else (None, None)
+    kc, vc = _randn(nb, bs, hkv, d, dtype=dtype, g=g), _randn(nb, bs, hkv, d, dtype=dtype, g=g)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    before = qkv.clone()
+    out = qrc.qk_norm_rope_cache(pos, q, k, v, cache, kc, vc, slots, qw, kw, 1e-6)
+    ref = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref, vc_ref, slots, qw, kw, 1e-6)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
-    torch.testing.assert_close(qo, qr, **tol)
-    torch.testing.assert_close(ko, kr, **tol)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)
-    if dtype == torch.float32:  # the convention is HF's rotate_half one
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        cos, sin = cache[pos].chunk(2, dim=-1)
-        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        qh, kh = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, unsqueeze_dim=0)
-        torch.testing.assert_close(qo, qh.transpose(0, 1), **tol)
-        torch.testing.assert_close(ko, kh.transpose(0, 1), **tol)
-
-
-def test_rotary_partial():
-    g = _gen(4)
-    cache = rot.build_rope_cache(16, 32, 10000.0, None).to(DEVICE)  # rotates 16 of 32 dims
-    q, k = _randn(3, 2, 32, g=g), _randn(3, 1, 32, g=g)
-    pos = torch.tensor([0, 5, 31], device=DEVICE)
-    for a, b in zip(rot.rotary_embedding(pos, q, k, cache), rot.rotary_embedding_ref(pos, q, k, cache)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(kc, kc_ref, **tol)
+    assert torch.equal(vc, vc_ref) and torch.equal(qkv, before)
 
 
 # --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from kernels.paged_attention import paged_attention_ref
 
 
 @dataclass
@@ -26,28 +26,25 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Writes this step's keys/values into the paged cache, then attends over it."""
+    """Attention of this step's queries over the paged cache (which already holds
+    this step's keys and values: see layers.qk_norm_rope_cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq * D]."""
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         if meta.backend == "triton":
-            from kernels.paged_attention import paged_attention, write_kv_cache
-            write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            from kernels.paged_attention import paged_attention
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes)
         else:
-            write_kv_cache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,7 +1,7 @@
 """Layers shared by the decoder-only architectures (Llama, Mistral, Qwen2, Qwen3).
 
 Every hot op goes through one small module-level function (`rms_norm`,
-`fused_add_rms_norm`, `rotary_embedding`, `silu_and_mul`) written in plain
+`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`) written in plain
 torch. To move an op onto a Triton kernel later, rebind the function here (or
 branch on the tensor's device inside it); the layers call the module-level name
 at run time, so nothing else changes.
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.paged_attention import write_kv_cache_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
@@ -73,6 +74,22 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     return apply(query), apply(key)
 
 
+def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                       eps: float) -> torch.Tensor:
+    """The attention prologue. q [T, Hq, D], k/v [T, Hkv, D]: optional per-head
+    RMSNorm of q and k (Qwen3), rotary on both, then k and v written into the
+    paged caches at slot_mapping (< 0: padding). Returns q [T, Hq, D]."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    t, head_size = q.shape[0], q.shape[-1]
+    q, k = rotary_embedding(positions, q.reshape(t, -1), k.reshape(t, -1), cos_sin_cache, head_size)
+    k = k.view(t, -1, head_size)
+    write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping)
+    return q.view(t, -1, head_size)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
@@ -82,16 +99,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ config helpers
 def use_triton_kernels() -> None:
     """The GPU path: route the ops above through the Triton kernels in kernels/."""
-    from kernels import activation, rotary
+    from kernels import activation, qk_rope_cache
     from kernels import rms_norm as triton_norm
 
-    def rotary_triton(positions, query, key, cos_sin_cache, head_size):
-        t = query.shape[0]
-        q, k = rotary.rotary_embedding(positions, query.view(t, -1, head_size), key.view(t, -1, head_size),
-                                       cos_sin_cache)
-        return q.view(t, -1), k.view(t, -1)
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
-                     silu_and_mul=activation.silu_and_mul, rotary_embedding=rotary_triton)
+                     silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
 
 
 def get_head_dim(config) -> int:
@@ -161,8 +173,6 @@ class RotaryEmbedding(nn.Module):
         cache = build_rope_cache(self.rotary_dim, max_position, float(rope_params["rope_theta"]), rope_params)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size)
 
 
 class Linear(nn.Module):
@@ -217,7 +227,7 @@ class GatedMLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """qkv projection -> [per-head q/k RMSNorm] -> rotary -> paged attention -> o_proj."""
+    """qkv projection -> [per-head q/k RMSNorm] -> rotary, KV-cache write -> paged attention -> o_proj."""
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool):
@@ -241,13 +251,14 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+        q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping, *norms)
+        return self.o_proj(self.attn(q, kv_cache, meta))
 
 
 class DecoderLayer(nn.Module):

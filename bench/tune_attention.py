@@ -1,0 +1,98 @@
+"""Sweep the paged-attention launch parameters on the GPU (tiles, warps, stages,
+KV splits) over decode and prefill shapes; print each shape's fastest configs
+beside today's default. The numbers behind kernels/paged_attention.py's
+tile_config and choose_num_kv_splits.
+
+    export PYTHONPATH=$PWD; python3 -m bench.tune_attention [--quick]
+
+Each variant is timed as a CUDA-graph replay (do_bench_cudagraph), as decode
+runs in the engine, and checked against the torch reference once.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import triton
+
+from bench.kernels_gpu import _paged_batch
+from kernels import paged_attention as pa
+
+SHAPES = {"qwen3": (16, 8, 128), "llama8b": (32, 8, 128)}  # (q heads, kv heads, head dim)
+
+
+def _time(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=30)
+    except Exception:  # older triton / a kernel that cannot be captured
+        return triton.testing.do_bench(fn, warmup=5, rep=30)
+
+
+def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, gen) -> None:
+    hq, hkv, d = SHAPES[model]
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, seq_lens, hq, hkv, d, 16, torch.bfloat16, "cuda", gen)
+    args = (q, kc, vc, qsl, sl, bt, d ** -0.5, max(q_lens), max(seq_lens))
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, d ** -0.5).float()
+    kv_bytes = sum(seq_lens) * hkv * d * 2 * 2
+    default_splits = pa.choose_num_kv_splits(len(seq_lens), hkv, max(q_lens), max(seq_lens), q.device)
+    original = pa.tile_config
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        for cfg in grid:
+            splits = cfg.get("splits", default_splits)
+            tiles = {k: v for k, v in cfg.items() if k != "splits"}
+            pa.tile_config = lambda *a, _t=tiles: {**original(*a), **_t}
+            fn = lambda: pa.paged_attention(*args, num_kv_splits=splits)  # noqa: E731
+            try:
+                err = (fn().float() - ref).abs().max().item()
+                ms = _time(fn)
+            except Exception as exc:  # e.g. out of shared memory
+                print(f"  {label} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            rows.append((ms, splits, tiles, err))
+    finally:
+        pa.tile_config = original
+    default = _time(lambda: pa.paged_attention(*args))
+    rows.sort(key=lambda r: r[0])
+    print(f"\n== {model} {label}: default {default * 1e3:.1f} us "
+          f"(splits {default_splits}, {original(hq // hkv, d, max(q_lens), False)}), "
+          f"KV floor {kv_bytes / 4.3e12 * 1e6:.1f} us; {len(grid)} variants in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    for ms, splits, tiles, err in rows[:top]:
+        print(f"  {ms * 1e3:8.1f} us  splits={splits:<3d} {tiles}  err {err:.3g}", flush=True)
+    del q, kc, vc
+
+
+def _grid(**axes) -> list[dict]:
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*axes.values())]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--top", type=int, default=6)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
+    decode = _grid(splits=[1, 4, 8, 16, 32], block_n=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 3])
+    if args.quick:
+        decode = decode[::7]
+    for model, ctx in [("qwen3", 1024), ("qwen3", 256), ("llama8b", 1024), ("qwen3", 4096)]:
+        sweep(f"decode 1@{ctx}", model, [1], [ctx], decode, args.top, gen)
+    mid = _grid(splits=[1, 2, 4], block_n=[32, 64], num_warps=[2, 4], num_stages=[2, 3])
+    for model, bs in [("qwen3", 16), ("qwen3", 64)]:
+        sweep(f"decode {bs}@1024", model, [1] * bs, [1024] * bs, mid, args.top, gen)
+    sweep("decode 256@1024", "qwen3", [1] * 256, [1024] * 256,
+          _grid(splits=[1], block_n=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[2, 3, 4]), args.top, gen)
+    prefill = _grid(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
+    for model in ("qwen3", "llama8b"):
+        sweep("prefill 8x1024", model, [1024] * 8, [1024] * 8, prefill, args.top, gen)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
