@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="also: host time to launch one step (no sync) and the N functions that take it")
     p.set_defaults(func=main)
 
 
@@ -97,8 +99,32 @@ def main(args: argparse.Namespace) -> int:
             floor = (f"{floor_ms:.3f} ms: weights {weight_bytes / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB "
                      f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
         _report(prof, f"{'prefill' if args.prefill else 'decode'} batch {bs}, context {args.context}", args, floor)
+        if args.host:
+            _report_host(step, sync, args)
         del caches
     return 0
+
+
+def _report_host(step, sync, args) -> None:
+    """The model forward's launch cost on the host: what an eager step costs when the
+    device is faster than Python."""
+    import cProfile
+    import pstats
+    import time
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    host_ms = 1e3 * (time.perf_counter() - t0) / args.iters
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.iters):
+        step()
+    prof.disable()
+    sync()
+    print(f"host: {host_ms:.3f} ms to launch one step; by own time (cProfile, {args.iters} steps):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.host)
 
 
 def _report(prof, title: str, args, floor: str) -> None:

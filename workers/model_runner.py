@@ -114,7 +114,7 @@ class ModelRunner:
         dummy = [(torch.empty(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                               device=self.device),) * 2 for _ in range(self.num_layers)]
         hidden = self.model(ids, torch.arange(n, device=self.device), dummy, meta)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:]).float()  # as logprobs/penalties need
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
@@ -468,7 +468,7 @@ class ModelRunner:
                 out[st.req_id] = PromptLogprobs([], [], [])
                 continue
             h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
-            lp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
+            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
             targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
             tlp = lp.gather(1, targets.view(-1, 1))
             ranks = ((lp > tlp).sum(-1) + 1).tolist()

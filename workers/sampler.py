@@ -46,13 +46,17 @@ class Sampler:
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows), "out_positions": i64(r.output_index for r in rows)}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]):
-        """logits: float32 [B, V]; dev: host_params() on the device.
-        Returns (token_ids int64 [B] tensor, logprobs or None)."""
+        """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device.
+        Returns (token_ids int64 [B] tensor, logprobs or None).
+
+        Rounded bf16 logits convert to float32 exactly, so reading them as they are
+        (argmax, the sampling kernel) equals reading a float32 copy; a copy is made
+        only for logprobs and per-row adjustments."""
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_lp is not None else None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_lp is not None else None
 
         if any(r.params.logit_bias or r.params.min_tokens or r.params.needs_penalties for r in rows):
-            logits = logits.clone()
+            logits = logits.to(torch.float32, copy=True)
             for i, r in enumerate(rows):
                 _adjust_row(logits[i], r)
 

@@ -77,8 +77,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads
+        bf16 directly and converts to float32 only where it computes on them)."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight)
 
     def _ignore_weight(self, name: str) -> bool:
         if "rotary_emb." in name:  # HF buffers (inv_freq, cos/sin caches)
