@@ -36,7 +36,6 @@ _KERNELS = {
     "activation": ["_silu_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
-    "linear": ["_skinny_linear_kernel"],
 }
 
 
@@ -76,8 +75,8 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, lin = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation",
-                                                       "sampling", "qk_rope_cache", "linear"))
+pa, rn, rot, act, smp, qrc = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling",
+                                                  "qk_rope_cache"))
 
 
 @pytest.fixture(autouse=True)
@@ -310,24 +309,6 @@ def test_qk_norm_rope_cache(dtype, norm, rot_dim):
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(kc, kc_ref, **tol)
     assert torch.equal(vc, vc_ref) and torch.equal(qkv, before)
-
-
-# --------------------------------------------------------------------------
-# the decode-batch linear layer
-# --------------------------------------------------------------------------
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_skinny_linear(m):
-    g = _gen(7)
-    k, n = 96, 40  # K not a multiple of BLOCK_K=64, N not of BLOCK_N=16: the masked paths
-    x = _randn(m + 2, k, dtype=torch.bfloat16, g=g)[1:m + 1]  # a row-strided view
-    w = _randn(n, k, dtype=torch.bfloat16, g=g, scale=0.1)
-    b = _randn(n, dtype=torch.bfloat16, g=g)
-    for bias in (None, b):
-        for tiles in (None, dict(block_n=16, block_k=64, num_warps=4, num_stages=2)):
-            out = lin.skinny_linear(x, w, bias, tiles)
-            assert out.shape == (m, n) and out.dtype == torch.bfloat16
-            want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
-            torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Layers shared by the decoder-only architectures (Llama, Mistral, Qwen2, Qwen3).
 
 Every hot op goes through one small module-level function (`rms_norm`,
-`fused_add_rms_norm`, `qk_norm_rope_cache`, `linear`, `silu_and_mul`) written in plain
+`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`) written in plain
 torch. To move an op onto a Triton kernel later, rebind the function here (or
 branch on the tensor's device inside it); the layers call the module-level name
 at run time, so nothing else changes.
@@ -90,10 +90,6 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     return q.view(t, -1, head_size)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
@@ -104,12 +100,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def use_triton_kernels() -> None:
     """The GPU path: route the ops above through the Triton kernels in kernels/."""
     from kernels import activation, qk_rope_cache
-    from kernels import linear as triton_linear
     from kernels import rms_norm as triton_norm
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
-                     silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache,
-                     linear=triton_linear.linear)
+                     silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
 
 
 def get_head_dim(config) -> int:
@@ -194,7 +188,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
