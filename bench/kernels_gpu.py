@@ -220,6 +220,17 @@ def _sampling(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         # GB/s counts one read of the logits; the kernel makes several passes over each row
         ctx.bench("sample", f"{model} B={b} {label}",
                   lambda: sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos), logits.numel() * 4)
+        if not bool(((top_k > 0) | (top_p < 1)).any()):  # rows split over vocabulary chunks
+            chunked = sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos, top_k_top_p=False)
+            ctx.expect(f"sample {model} {label} chunked == per row", torch.equal(chunked, s1))
+            for rows in ([1, b, 256] if ctx.timing else []):
+                lg = logits[:1].expand(rows, vocab).contiguous()
+                args = (temp[:1].expand(rows).contiguous(), top_k[:1].expand(rows).contiguous(),
+                        top_p[:1].expand(rows).contiguous(), min_p[:1].expand(rows).contiguous(),
+                        torch.arange(rows, device=dev), torch.arange(rows, device=dev))
+                for flag in (True, False):
+                    ctx.bench("sample" + ("" if flag else " chunked"), f"{model} B={rows} {label}",
+                              lambda: sampling.sample(lg, *args, top_k_top_p=flag), lg.numel() * 4)
 
 
 def run(quick: bool, timing: bool, device: str = "cuda") -> Ctx:

@@ -307,7 +307,130 @@ def _sample_kernel(
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
-def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise):
+@step_jit(ints=("num_chunks",))
+def _chunk_max_kernel(logits_ptr, stride_l, part_max_ptr, part_arg_ptr, vocab, chunk, num_chunks,
+                      BLOCK: tl.constexpr):
+    """Program (row, c): max and first argmax of the row's logits in [c * chunk, (c + 1) * chunk)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_l
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_i = tl.arange(0, BLOCK)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        l = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        upd = l > best
+        best = tl.where(upd, l, best)
+        best_i = tl.where(upd, offs, best_i)
+    m = tl.max(best, 0)
+    tl.store(part_max_ptr + row * num_chunks + c, m)
+    tl.store(part_arg_ptr + row * num_chunks + c, tl.min(tl.where(best == m, best_i, vocab), 0))
+
+
+@step_jit(ints=("num_chunks",), pointers=("temp_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
+def _chunk_race_kernel(
+    logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, min_p_ptr, seed_ptr, pos_ptr,
+    part_max_ptr, part_score_ptr, part_tok_ptr, vocab, chunk, num_chunks,
+    RAND_Q: tl.constexpr, BLOCK_C: tl.constexpr, USE_NOISE: tl.constexpr,
+):
+    """Program (row, c): the exponential race over the row's chunk c (as _sample_kernel's last
+    pass, min_p the only filter), given the row max from the chunk maxima."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    if temp <= 0.0:
+        return
+    offs_c = tl.arange(0, BLOCK_C)
+    m = tl.max(tl.load(part_max_ptr + row * num_chunks + offs_c, mask=offs_c < num_chunks,
+                       other=float("-inf")), 0)
+    inv_t = tl.math.div_rn(1.0, temp)
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
+    thr = max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
+        + tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0xD1B54A32D192ED03
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    x = x ^ (x >> 31)
+    row_ptr = logits_ptr + row * stride_l
+    noise_row = noise_ptr + row * stride_n
+    best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
+    best_i = tl.arange(0, RAND_Q)
+    lane = tl.arange(0, RAND_Q)
+    lo = c * chunk  # a multiple of 4 * RAND_Q: the same Philox counters as one program per row
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, 4 * RAND_Q):
+        if USE_NOISE:
+            u0 = tl.zeros([RAND_Q], dtype=tl.float32)
+            u1 = u0
+            u2 = u0
+            u3 = u0
+        else:
+            u0, u1, u2, u3 = tl.rand4x(x, start // 4 + lane)
+        best, best_i = _race(row_ptr, noise_row, start + lane, hi, m, inv_t, thr, u0, best, best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, hi, m, inv_t, thr, u1, best, best_i,
+                             USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, hi, m, inv_t, thr, u2, best,
+                             best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, hi, m, inv_t, thr, u3, best,
+                             best_i, USE_NOISE)
+    top = tl.max(best, 0)
+    tl.store(part_score_ptr + row * num_chunks + c, top)
+    tl.store(part_tok_ptr + row * num_chunks + c, tl.min(tl.where(best == top, best_i, vocab), 0))
+
+
+@step_jit(ints=("num_chunks",), pointers=("temp_ptr",))
+def _chunk_pick_kernel(temp_ptr, part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, out_ptr, num_chunks,
+                       BLOCK_C: tl.constexpr):
+    """Per row: greedy -> the first argmax over the chunks; else the race winner (the first
+    chunk's on a tie, so the lowest token index, as one program per row)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    ok = offs_c < num_chunks
+    base = row * num_chunks + offs_c
+    if tl.load(temp_ptr + row).to(tl.float32) <= 0.0:
+        val = tl.load(part_max_ptr + base, mask=ok, other=float("-inf"))
+        tok = tl.load(part_arg_ptr + base, mask=ok, other=0)
+    else:
+        val = tl.load(part_score_ptr + base, mask=ok, other=-2.0)
+        tok = tl.load(part_tok_ptr + base, mask=ok, other=0)
+    first = tl.min(tl.where(val == tl.max(val, 0), offs_c, BLOCK_C), 0)
+    tl.store(out_ptr + row, tl.sum(tl.where(offs_c == first, tok, 0), 0).to(tl.int64))
+
+
+def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, num_chunks=None):
+    """Rows split over vocabulary chunks: about four programs per SM however small the batch."""
+    bsz, vocab = logits.shape
+    step = 4 * _RAND_Q
+    max_chunks = triton.cdiv(vocab, step)
+    if num_chunks is None:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
+        num_chunks = triton.cdiv(4 * sms, bsz)
+    num_chunks = max(1, min(int(num_chunks), max_chunks, 64))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), step) * step
+    num_chunks = triton.cdiv(vocab, chunk)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    part_max, part_score = torch.empty(bsz, num_chunks, **f32), torch.empty(bsz, num_chunks, **f32)
+    part_arg, part_tok = torch.empty(bsz, num_chunks, **i32), torch.empty(bsz, num_chunks, **i32)
+    block_c = triton.next_power_of_2(num_chunks)
+    use_noise = noise is not None
+    if not use_noise:
+        noise = logits
+    _chunk_max_kernel[(bsz, num_chunks)](logits, logits.stride(0), part_max, part_arg, vocab, chunk, num_chunks,
+                                         BLOCK=_BLOCK, num_warps=4)
+    _chunk_race_kernel[(bsz, num_chunks)](
+        logits, logits.stride(0), noise, noise.stride(0) if use_noise else 0, temperature, min_p, seeds, positions,
+        part_max, part_score, part_tok, vocab, chunk, num_chunks,
+        RAND_Q=_RAND_Q, BLOCK_C=block_c, USE_NOISE=use_noise, num_warps=4)
+    _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
+                               BLOCK_C=block_c, num_warps=1)
+    return out
+
+
+def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, top_k_top_p, num_chunks=None):
     bsz, vocab = logits.shape
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     if bsz == 0:
@@ -315,9 +438,13 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise):
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     use_noise = noise is not None
+    if use_noise and noise.stride(-1) != 1:
+        noise = noise.contiguous()
+    temperature, min_p = temperature.contiguous(), min_p.contiguous()
+    seeds, positions = seeds.contiguous(), positions.contiguous()
+    if not top_k_top_p:
+        return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, num_chunks)
     if use_noise:
-        if noise.stride(-1) != 1:
-            noise = noise.contiguous()
         stride_n = noise.stride(0)
     else:
         noise, stride_n = logits, 0  # unused
@@ -335,22 +462,27 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] fp32, temperature [B] fp32 (0 = greedy), top_k [B] int32
-    (<= 0 or >= V: off), top_p [B] fp32 (1.0: off), min_p [B] fp32 (0: off),
-    seeds [B] int64, positions [B] int64 -> token ids int64 [B].
+           min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k_top_p: bool = True,
+           num_chunks: int | None = None) -> torch.Tensor:
+    """logits [B, V] (fp32, or bf16/fp16 read as fp32), temperature [B] fp32 (0 =
+    greedy), top_k [B] int32 (<= 0 or >= V: off), top_p [B] fp32 (1.0: off),
+    min_p [B] fp32 (0: off), seeds [B] int64, positions [B] int64 -> token ids
+    int64 [B]. No host sync (per-row parameters are read in the kernels).
 
-    One kernel launch, no host sync and no other device work (per-row
-    parameters are read in the kernel)."""
+    top_k_top_p=False promises that no row uses top-k or top-p: each row is then
+    split over vocabulary chunks (num_chunks, default about four programs per
+    SM) in three small launches instead of one program per row, which leaves
+    most SMs idle at small batches. Same tokens either way."""
     if not _use_triton(logits):
         return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    return _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, None)
+    return _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, None, top_k_top_p, num_chunks)
 
 
 def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+                      top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, top_k_top_p: bool = True,
+                      num_chunks: int | None = None) -> torch.Tensor:
     """The Triton sampler with explicit Exp(1) noise [B, V] instead of Philox."""
     if not _use_triton(logits):
         return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise)
+    return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise, top_k_top_p, num_chunks)

@@ -391,6 +391,30 @@ def test_sample_noise_variant_matches_ref():
     assert out[9].item() == torch.argmax(logits[9]).item()  # top_p = 0 keeps one token
 
 
+def test_sample_chunked_rows_match():
+    # rows without top-k/top-p may be split over vocabulary chunks: the same tokens as one
+    # program per row (Philox) and as the reference (explicit noise), bf16 logits included
+    g = _gen(9)
+    b = 6
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 0.5], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.02], device=DEVICE)
+    top_k = torch.zeros(b, dtype=torch.int32, device=DEVICE)
+    top_p = torch.ones(b, device=DEVICE)
+    seeds, positions = torch.arange(b, device=DEVICE) + 7, torch.arange(b, device=DEVICE) * 5
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = _logits(b, g).to(dtype)
+        logits[4, 1500] = logits[4].max() + 3  # a greedy row whose argmax sits in the second chunk
+        noise = torch.empty(b, V).exponential_(generator=g).to(DEVICE)
+        ref = smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise).tolist()
+        one = smp.sample(logits, temp, top_k, top_p, min_p, seeds, positions).tolist()
+        for chunks in (2, 1):  # V = 2000: chunks of 1024 tokens
+            assert smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, top_k_top_p=False,
+                                         num_chunks=chunks).tolist() == ref
+            assert smp.sample(logits, temp, top_k, top_p, min_p, seeds, positions, top_k_top_p=False,
+                              num_chunks=chunks).tolist() == one
+        assert ref[4] == 1500 and ref[0] == 17
+
+
 def test_sample_respects_filters_and_is_seeded():
     g = _gen(7)
     temp, top_k, top_p, min_p = _sampling_params()

@@ -30,9 +30,15 @@ class Sampler:
     def __init__(self, use_triton: bool):
         self.use_triton = use_triton
 
-    def _sample(self, *args) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]) -> torch.Tensor:
         from kernels import sampling  # imported on first random draw: greedy-only runs never need it
-        return (sampling.sample if self.use_triton else sampling.sample_ref)(*args)
+        args = (logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"],
+                dev["out_positions"])
+        if not self.use_triton:
+            return sampling.sample_ref(*args)
+        vocab = logits.shape[-1]
+        top_k_top_p = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
+        return sampling.sample(*args, top_k_top_p=top_k_top_p)
 
     @staticmethod
     def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
@@ -63,8 +69,7 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, dev["temperature"], dev["top_k"], dev["top_p"],
-                                  dev["min_p"], dev["seeds"], dev["out_positions"])
+            tokens = self._sample(logits, rows, dev)
         topk = None
         if raw_logprobs is not None:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
