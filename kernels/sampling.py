@@ -144,6 +144,7 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 _BLOCK = 1024  # tokens per loop step; also fixes the Philox stream layout (4 x _RAND_Q)
 _RAND_Q = 256  # token t draws output (t // 256) % 4 of Philox counter (t // 1024) * 256 + t % 256
 _NPIV = 4      # pivots per bisection pass (the pass is compute-bound: cost grows with pivots)
+_MAX_CHUNKS = 64  # vocabulary chunks per row at most (a fixed tile: no recompiles as the batch changes)
 
 
 @triton.jit
@@ -408,14 +409,13 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, nu
     if num_chunks is None:
         sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
         num_chunks = triton.cdiv(4 * sms, bsz)
-    num_chunks = max(1, min(int(num_chunks), max_chunks, 64))
+    num_chunks = max(1, min(int(num_chunks), max_chunks, _MAX_CHUNKS))
     chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), step) * step
     num_chunks = triton.cdiv(vocab, chunk)
     f32 = dict(dtype=torch.float32, device=logits.device)
     i32 = dict(dtype=torch.int32, device=logits.device)
     part_max, part_score = torch.empty(bsz, num_chunks, **f32), torch.empty(bsz, num_chunks, **f32)
     part_arg, part_tok = torch.empty(bsz, num_chunks, **i32), torch.empty(bsz, num_chunks, **i32)
-    block_c = triton.next_power_of_2(num_chunks)
     use_noise = noise is not None
     if not use_noise:
         noise = logits
@@ -424,9 +424,9 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, nu
     _chunk_race_kernel[(bsz, num_chunks)](
         logits, logits.stride(0), noise, noise.stride(0) if use_noise else 0, temperature, min_p, seeds, positions,
         part_max, part_score, part_tok, vocab, chunk, num_chunks,
-        RAND_Q=_RAND_Q, BLOCK_C=block_c, USE_NOISE=use_noise, num_warps=4)
+        RAND_Q=_RAND_Q, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=4)
     _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
-                               BLOCK_C=block_c, num_warps=1)
+                               BLOCK_C=_MAX_CHUNKS, num_warps=1)
     return out
 
 
