@@ -23,6 +23,7 @@ class AttentionMetadata:
     max_seq_len: int
     backend: str = "torch"         # "torch" (reference) or "triton"
     num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
+    num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
 
 
 class Attention(nn.Module):
@@ -43,7 +44,7 @@ class Attention(nn.Module):
             from kernels.paged_attention import paged_attention
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
-                                  num_decodes=meta.num_decodes)
+                                  num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits)
         else:
             out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale)

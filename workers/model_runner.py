@@ -225,27 +225,41 @@ class ModelRunner:
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "block_table": torch.zeros((max_bs, self.max_blocks_per_req), dtype=torch.int32, device=dev),
         }
-        b = self.gbuf
-        pool = None
+        self._graph_pool = None
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for bs in reversed(sizes):
-                meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
-                                         b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
-                                         num_decodes=bs)
-                args = (b["input_ids"][:bs], b["positions"][:bs], self.kv_caches, meta)
-                self.model(*args)  # warm-up: compiles the kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(*args)
-                pool = graph.pool()
-                self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize()
+        for bs in reversed(sizes):  # the largest first: the others reuse its memory
+            self._capture(bs, bs)
         self.graph_for = pick_graph_sizes({bs: self._time_graph(bs) for bs in sizes})
+        # a graph that now also runs smaller batches splits the KV as for the smallest of them
+        # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
+        for g in sizes:
+            smallest = next((b for b in range(1, len(self.graph_for)) if self.graph_for[b] == g), g)
+            if self._kv_splits(smallest) != self._kv_splits(g):
+                self._capture(g, smallest)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in sizes if s >= b)}
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs; run in a larger graph because it is "
                     "faster: %s", len(sizes), max_bs, time.perf_counter() - t0, padded or "none")
+
+    def _kv_splits(self, num_seqs: int) -> int:
+        from kernels.paged_attention import choose_num_kv_splits
+        return choose_num_kv_splits(num_seqs, self.num_kv_heads, 1, self.config.max_model_len, self.device)
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, split_for: int) -> None:
+        """Capture the batch-bs decode graph, its KV split as for a batch of split_for."""
+        b = self.gbuf
+        meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
+                                 b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
+                                 num_decodes=bs, num_kv_splits=self._kv_splits(split_for))
+        args = (b["input_ids"][:bs], b["positions"][:bs], self.kv_caches, meta)
+        self.model(*args)  # warm-up: compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self.model(*args)
+        self._graph_pool = graph.pool()
+        self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
 
     def _time_graph(self, bs: int) -> float:
         """Seconds per replay of the batch-bs graph, on its idle inputs (padding rows: no
