@@ -9,9 +9,9 @@ def test_smallest_fitting_graph_by_default():
 
 
 def test_a_faster_larger_graph_wins_beyond_the_margin():
-    # batch 1..4 run faster padded to 16 (e.g. cuBLAS's one-row kernels are slow); 8 is within 3%
-    times = {1: 1.5, 2: 1.5, 4: 1.45, 8: 1.33, 16: 1.32, 32: 2.0}
+    # batch 1..4 run faster padded to 8 (e.g. cuBLAS's one-row kernels are slow); 16 is within 5% of 8
+    times = {1: 1.5, 2: 1.5, 4: 1.45, 8: 1.33, 16: 1.3, 32: 2.0}
     pick = pick_graph_sizes(times)
-    assert pick[1:5] == [8, 8, 8, 8]   # 1.33 beats 1.5 / 1.45 by more than 3%; 16 beats 8 by less
+    assert pick[1:5] == [8, 8, 8, 8]   # 1.33 beats 1.5 / 1.45 by more than 5%; 16 beats 8 by less
     assert pick[5:9] == [8] * 4 and pick[9:17] == [16] * 8 and pick[17:] == [32] * 16
     assert pick_graph_sizes(times, margin=0.0)[1] == 16
