@@ -27,7 +27,7 @@ for section in "$@"; do case $section in
   llama8b) run llama8b-throughput 300 $LOOM bench throughput --preset llama-3.1-8b ;;
   llama8b-latency) run llama8b-latency 200 $LOOM bench latency --preset llama-3.1-8b --iters 3 ;;
   serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
-         $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 > "$OUT/server.log" 2>&1 & pid=$!
+         $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 & pid=$!
          for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
          TAIL=30 run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
          kill -INT $pid; wait $pid  # the GPU is free again for the offline run at the same shape
