@@ -207,6 +207,58 @@ def _race(row_ptr, noise_row_ptr, offs, vocab, m, inv_t, thr, u, best, best_i, U
     return tl.where(upd, score, best), tl.where(upd, offs, best_i)
 
 
+@triton.jit
+def _max_argmax(row_ptr, lo, hi, vocab, BLOCK: tl.constexpr):
+    """Max of the logits in [lo, hi) (not empty) and its first index."""
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_i = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        l = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        upd = l > best
+        best = tl.where(upd, l, best)
+        best_i = tl.where(upd, offs, best_i)
+    m = tl.max(best, 0)
+    return m, tl.min(tl.where(best == m, best_i, vocab), 0)
+
+
+@triton.jit
+def _philox_key(seed_ptr, pos_ptr, row):
+    """The row's Philox key: splitmix64 of (seed, position), as mix_seed()."""
+    x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
+        + tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0xD1B54A32D192ED03
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _race_range(row_ptr, noise_row, lo, hi, vocab, m, inv_t, thr, key, RAND_Q: tl.constexpr,
+                USE_NOISE: tl.constexpr):
+    """The exponential race over tokens [lo, hi) (lo a multiple of 4 * RAND_Q): returns the
+    best score and its first token (vocab if none)."""
+    best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
+    best_i = tl.arange(0, RAND_Q)
+    lane = tl.arange(0, RAND_Q)
+    for start in range(lo, hi, 4 * RAND_Q):
+        if USE_NOISE:
+            u0 = tl.zeros([RAND_Q], dtype=tl.float32)
+            u1 = u0
+            u2 = u0
+            u3 = u0
+        else:
+            u0, u1, u2, u3 = tl.rand4x(key, start // 4 + lane)
+        best, best_i = _race(row_ptr, noise_row, start + lane, hi, m, inv_t, thr, u0, best, best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, hi, m, inv_t, thr, u1, best, best_i,
+                             USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, hi, m, inv_t, thr, u2, best,
+                             best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, hi, m, inv_t, thr, u3, best,
+                             best_i, USE_NOISE)
+    top = tl.max(best, 0)
+    return top, tl.min(tl.where(best == top, best_i, vocab), 0)
+
+
 @step_jit(pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
 def _sample_kernel(
     logits_ptr, stride_l, noise_ptr, stride_n,
@@ -218,16 +270,7 @@ def _sample_kernel(
     row_ptr = logits_ptr + row * stride_l
 
     # pass 1: max and (first) argmax of the raw logits
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_i = tl.arange(0, BLOCK)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        l = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        upd = l > best
-        best = tl.where(upd, l, best)
-        best_i = tl.where(upd, offs, best_i)
-    m = tl.max(best, 0)
-    arg = tl.min(tl.where(best == m, best_i, vocab), 0)
+    m, arg = _max_argmax(row_ptr, 0, vocab, vocab, BLOCK)
     temp = tl.load(temp_ptr + row).to(tl.float32)
     if temp <= 0.0:
         tl.store(out_ptr + row, arg.to(tl.int64))
@@ -276,35 +319,9 @@ def _sample_kernel(
                 hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
         thr = hi
 
-    # Philox key: splitmix64 of (seed, position), as mix_seed()
-    x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
-        + tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0xD1B54A32D192ED03
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-    x = x ^ (x >> 31)
-
     # last pass: exponential race over the kept tokens
-    noise_row = noise_ptr + row * stride_n
-    best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
-    best_i = tl.arange(0, RAND_Q)
-    lane = tl.arange(0, RAND_Q)
-    for start in range(0, vocab, 4 * RAND_Q):
-        if USE_NOISE:
-            u0 = tl.zeros([RAND_Q], dtype=tl.float32)
-            u1 = u0
-            u2 = u0
-            u3 = u0
-        else:
-            u0, u1, u2, u3 = tl.rand4x(x, start // 4 + lane)
-        best, best_i = _race(row_ptr, noise_row, start + lane, vocab, m, inv_t, thr, u0, best, best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, vocab, m, inv_t, thr, u1, best, best_i,
-                             USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, vocab, m, inv_t, thr, u2, best,
-                             best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, vocab, m, inv_t, thr, u3, best,
-                             best_i, USE_NOISE)
-    top = tl.max(best, 0)
-    tok = tl.min(tl.where(best == top, best_i, vocab), 0)
+    top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, vocab, vocab, m, inv_t, thr,
+                           _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -314,20 +331,10 @@ def _chunk_max_kernel(logits_ptr, stride_l, part_max_ptr, part_arg_ptr, vocab, c
     """Program (row, c): max and first argmax of the row's logits in [c * chunk, (c + 1) * chunk)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    row_ptr = logits_ptr + row * stride_l
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_i = tl.arange(0, BLOCK)
     lo = c * chunk
-    hi = tl.minimum(lo + chunk, vocab)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        l = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-        upd = l > best
-        best = tl.where(upd, l, best)
-        best_i = tl.where(upd, offs, best_i)
-    m = tl.max(best, 0)
+    m, arg = _max_argmax(logits_ptr + row * stride_l, lo, tl.minimum(lo + chunk, vocab), vocab, BLOCK)
     tl.store(part_max_ptr + row * num_chunks + c, m)
-    tl.store(part_arg_ptr + row * num_chunks + c, tl.min(tl.where(best == m, best_i, vocab), 0))
+    tl.store(part_arg_ptr + row * num_chunks + c, arg)
 
 
 @step_jit(ints=("num_chunks",), pointers=("temp_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
@@ -350,36 +357,12 @@ def _chunk_race_kernel(
     min_p = tl.load(min_p_ptr + row).to(tl.float32)
     max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
     thr = max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
-        + tl.load(pos_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0xD1B54A32D192ED03
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-    x = x ^ (x >> 31)
-    row_ptr = logits_ptr + row * stride_l
-    noise_row = noise_ptr + row * stride_n
-    best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
-    best_i = tl.arange(0, RAND_Q)
-    lane = tl.arange(0, RAND_Q)
     lo = c * chunk  # a multiple of 4 * RAND_Q: the same Philox counters as one program per row
-    hi = tl.minimum(lo + chunk, vocab)
-    for start in range(lo, hi, 4 * RAND_Q):
-        if USE_NOISE:
-            u0 = tl.zeros([RAND_Q], dtype=tl.float32)
-            u1 = u0
-            u2 = u0
-            u3 = u0
-        else:
-            u0, u1, u2, u3 = tl.rand4x(x, start // 4 + lane)
-        best, best_i = _race(row_ptr, noise_row, start + lane, hi, m, inv_t, thr, u0, best, best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, hi, m, inv_t, thr, u1, best, best_i,
-                             USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, hi, m, inv_t, thr, u2, best,
-                             best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, hi, m, inv_t, thr, u3, best,
-                             best_i, USE_NOISE)
-    top = tl.max(best, 0)
+    top, tok = _race_range(logits_ptr + row * stride_l, noise_ptr + row * stride_n, lo,
+                           tl.minimum(lo + chunk, vocab), vocab, m, inv_t, thr,
+                           _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
     tl.store(part_score_ptr + row * num_chunks + c, top)
-    tl.store(part_tok_ptr + row * num_chunks + c, tl.min(tl.where(best == top, best_i, vocab), 0))
+    tl.store(part_tok_ptr + row * num_chunks + c, tok)
 
 
 @step_jit(ints=("num_chunks",), pointers=("temp_ptr",))
