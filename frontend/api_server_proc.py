@@ -7,6 +7,7 @@ import os
 
 from engine_core.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
+from ipc.profiling import maybe_profile
 
 
 _DEAD_ENGINE_GRACE_S = 1.5  # answer 503 for a moment, then exit non-zero
@@ -46,6 +47,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
             llm.close()
 
     try:
-        uvloop.run(_main())
+        with maybe_profile(f"api_server{client_index}"):
+            uvloop.run(_main())
     except (KeyboardInterrupt, SystemExit):
         pass

@@ -1,4 +1,4 @@
-"""Opt-in CPU profiles of the engine and worker processes: set LOOM_PROFILE_DIR.
+"""Opt-in CPU profiles of the engine, worker and API-server processes: set LOOM_PROFILE_DIR.
 
 Each process writes <dir>/<name>.prof (cProfile) when it exits normally; read
 them with `python -m pstats` or `python -m ipc.profiling DIR`.
