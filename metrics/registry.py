@@ -12,10 +12,12 @@ Metric objects register in one per-process registry; registering a name again
 """
 from __future__ import annotations
 
+import glob
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from metrics.multiproc import ENV
 _registry: CollectorRegistry | None = None
@@ -61,10 +63,29 @@ def collect_registry() -> CollectorRegistry:
     path = multiproc_dir()
     if path is None:
         return process_registry()
-    from prometheus_client.multiprocess import MultiProcessCollector
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path)
+    _ProcessFiles(registry, path)
     return registry
+
+
+class _ProcessFiles(MultiProcessCollector):
+    """prometheus_client's merge of every process's files, skipping a file that another
+    process has only just created: it is empty until that process sizes it, and reading
+    it raises (an API server starting beside another crashed on exactly that)."""
+
+    def __init__(self, registry: CollectorRegistry, path: str):
+        super().__init__(registry, path)
+        self.dir = path
+
+    def collect(self):
+        return self.merge([f for f in glob.glob(os.path.join(self.dir, "*.db")) if _nonempty(f)], accumulate=True)
+
+
+def _nonempty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:  # removed meanwhile
+        return False
 
 
 def render(accept_header: str | None = None) -> tuple[bytes, str]:

@@ -36,6 +36,22 @@ from tests.test_scheduler import cfg, fake_step, req
 # ======================================================================= part 1: in-process
 
 
+def test_merge_skips_a_file_another_process_is_creating(tmp_path, monkeypatch):
+    # a process that has just created its file has not sized it yet: reading it must not fail
+    # (an API server that started beside another crashed on this)
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from metrics.multiproc import ENV
+    from metrics.registry import collect_registry
+    d = MmapedDict(str(tmp_path / "counter_101.db"))
+    d.write_value(mmap_key("loom_x", "loom_x_total", [], [], "x"), 3.0, 0.0)
+    d.close()
+    (tmp_path / "counter_102.db").touch()  # the other process, mid-creation
+    monkeypatch.setenv(ENV, str(tmp_path))
+    values = {s.name: s.value for fam in collect_registry().collect() for s in fam.samples}
+    assert values == {"loom_x_total": 3.0}
+
+
 def test_scheduler_counts_attention_work_of_chunks():
     s = Scheduler(cfg(max_num_batched_tokens=8, enable_prefix_caching=False), 64)
     s.add_request(req("a", list(range(1, 13)), max_tokens=2))   # 12 prompt tokens: chunks of 8 and 4
