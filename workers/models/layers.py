@@ -1,10 +1,10 @@
 """Layers shared by the decoder-only architectures (Llama, Mistral, Qwen2, Qwen3).
 
-Every hot op goes through one small module-level function (`rms_norm`,
-`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`) written in plain
-torch. To move an op onto a Triton kernel later, rebind the function here (or
-branch on the tensor's device inside it); the layers call the module-level name
-at run time, so nothing else changes.
+Every hot op goes through one module-level name (`rms_norm`,
+`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`): the plain-torch
+reference from kernels/ by default, rebound to the Triton kernel by
+use_triton_kernels(). The layers look the name up at run time, so nothing else
+changes.
 
 Parameters are created with `torch.empty` (no init): the model is built under
 `torch.device(...)` and a default dtype by `workers.model_loader`, and then every
@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import write_kv_cache_ref
+from kernels.activation import silu_and_mul_ref
+from kernels.qk_rope_cache import qk_norm_rope_cache_ref
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
@@ -30,70 +32,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 # --------------------------------------------------------------------------- ops
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, exactly as HF: statistics in float32, the
-    normalized value cast back to x's dtype, then scaled by the weight."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual = x + residual (in the model dtype, like HF); returns
-    (rms_norm(residual), residual)."""
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
-
-
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX-style (rotate-half) rotary embedding, HF's `apply_rotary_pos_emb`.
-
-    positions [T]; query [T, Hq*head_size]; key [T, Hkv*head_size];
-    cos_sin_cache [max_pos, rot_dim] float32, cos in the first rot_dim/2
-    columns and sin in the rest (vLLM's layout). The first rot_dim dims of each
-    head are rotated, the rest pass through. Math in float32, results in the
-    input dtype, same shapes as the inputs (out of place)."""
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rot/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot_dim = cos_sin_cache.shape[-1]
-    half = rot_dim // 2
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.reshape(t, -1, head_size)
-        xf = x[..., :rot_dim].float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        if rot_dim < head_size:
-            rotated = torch.cat((rotated, x[..., rot_dim:]), dim=-1)
-        return rotated.reshape(t, -1)
-
-    return apply(query), apply(key)
-
-
-def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                       eps: float) -> torch.Tensor:
-    """The attention prologue. q [T, Hq, D], k/v [T, Hkv, D]: optional per-head
-    RMSNorm of q and k (Qwen3), rotary on both, then k and v written into the
-    paged caches at slot_mapping (< 0: padding). Returns q [T, Hq, D]."""
-    if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    t, head_size = q.shape[0], q.shape[-1]
-    q, k = rotary_embedding(positions, q.reshape(t, -1), k.reshape(t, -1), cos_sin_cache, head_size)
-    k = k.view(t, -1, head_size)
-    write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping)
-    return q.view(t, -1, head_size)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim -> silu(gate) * up."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+# The torch references in kernels/ (HF's numerics); use_triton_kernels() rebinds them.
+rms_norm = rms_norm_ref
+fused_add_rms_norm = fused_add_rms_norm_ref
+qk_norm_rope_cache = qk_norm_rope_cache_ref  # per-head q/k norm, rotary, then the KV-cache write
+silu_and_mul = silu_and_mul_ref
 
 
 # ------------------------------------------------------------------ config helpers
@@ -256,8 +199,9 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
-        q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping, *norms)
+        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
+                               *norms)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
 
