@@ -1,4 +1,5 @@
-"""`triton.jit` for kernels called with per-step values.
+"""`triton.jit` for kernels called with per-step values, and the SM count their
+launch grids are sized by.
 
 Triton compiles a variant of a kernel per "specialization": whether each int
 argument is 1 or a multiple of 16, and whether each pointer is 16-byte
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import triton
 
 _HAS_ALIGNMENT_FLAG = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
@@ -24,3 +26,16 @@ def step_jit(*, ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()):
     else:  # older Triton: do_not_specialize also drops a pointer's alignment check
         kwargs["do_not_specialize"] += list(pointers)
     return triton.jit(**kwargs)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: read every step); 4 elsewhere."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -71,7 +71,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.jit import step_jit  # noqa: E402
+from kernels.jit import sm_count, step_jit  # noqa: E402
 
 
 def _is_interpreted(fn) -> bool:
@@ -241,18 +241,6 @@ def _split_kv_reduce_kernel(
              mask=d_ok)
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 MIN_SPLIT_TOKENS = 32  # the least KV per split worth a program of its own
 MAX_KV_SPLITS = 32
 
@@ -269,7 +257,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     if max_query_len != 1 or max_seq_len < 2 * MIN_SPLIT_TOKENS:
         return 1
     programs = max(1, num_seqs * num_kv_heads)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if programs >= 2 * sms:
         return 1
     want = min(triton.cdiv(4 * sms, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import step_jit
+from kernels.jit import sm_count, step_jit
 
 _MASK64 = (1 << 64) - 1
 
@@ -223,6 +223,14 @@ def _max_argmax(row_ptr, lo, hi, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _min_p_key(min_p_ptr, row):
+    """min_p keeps d <= -log(min_p): that bound as a key (everything when min_p is 0)."""
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
+    return max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def _philox_key(seed_ptr, pos_ptr, row):
     """The row's Philox key: splitmix64 of (seed, position), as mix_seed()."""
     x = tl.load(seed_ptr + row).to(tl.int64).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15 \
@@ -279,9 +287,7 @@ def _sample_kernel(
     inv_t = tl.math.div_rn(1.0, temp)  # IEEE, as the reference's 1 / temperature
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
-    min_p = tl.load(min_p_ptr + row).to(tl.float32)
-    max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
-    thr = max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # min_p: keep d <= -log(min_p)
+    thr = _min_p_key(min_p_ptr, row)
     j = tl.arange(0, NPIV)
     need_k = (k > 0) & (k < vocab)
     need_p = p < 1.0
@@ -354,9 +360,7 @@ def _chunk_race_kernel(
     m = tl.max(tl.load(part_max_ptr + row * num_chunks + offs_c, mask=offs_c < num_chunks,
                        other=float("-inf")), 0)
     inv_t = tl.math.div_rn(1.0, temp)
-    min_p = tl.load(min_p_ptr + row).to(tl.float32)
-    max_d = tl.where(min_p > 0.0, -tl.log(tl.minimum(tl.maximum(min_p, 1e-30), 1.0)), float("inf"))
-    thr = max_d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    thr = _min_p_key(min_p_ptr, row)
     lo = c * chunk  # a multiple of 4 * RAND_Q: the same Philox counters as one program per row
     top, tok = _race_range(logits_ptr + row * stride_l, noise_ptr + row * stride_n, lo,
                            tl.minimum(lo + chunk, vocab), vocab, m, inv_t, thr,
@@ -390,8 +394,7 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, nu
     step = 4 * _RAND_Q
     max_chunks = triton.cdiv(vocab, step)
     if num_chunks is None:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
-        num_chunks = triton.cdiv(4 * sms, bsz)
+        num_chunks = triton.cdiv(4 * sm_count(logits.device), bsz)
     num_chunks = max(1, min(int(num_chunks), max_chunks, _MAX_CHUNKS))
     chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), step) * step
     num_chunks = triton.cdiv(vocab, chunk)
