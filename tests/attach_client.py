@@ -12,6 +12,11 @@ if __name__ == "__main__":
     for i in range(3):
         client.add_request(EngineCoreRequest(f"doomed-{i}", [5, 6, 7, i + 8],
                                              SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
-    client.get_outputs(timeout=30)
-    print("running", flush=True)
+    # "running" only once every request has produced a token: all three are in the engine
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(seen) < 3 and time.monotonic() < deadline:
+        outs = client.get_outputs(timeout=1)
+        seen.update(o.request_id for o in (outs.outputs if outs else []))
+    print("running" if len(seen) == 3 else f"only {sorted(seen)}", flush=True)
     time.sleep(600)
