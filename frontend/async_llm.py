@@ -1,6 +1,8 @@
 """AsyncLLM: what an API server talks to. Tokenizer + engine client + output processing.
 
-`generate()` yields RequestOutput deltas; if its consumer goes away (a client
+Outputs are turned into deltas (detokenized, stop strings, metrics) as they
+arrive, for every request at once; `generate()` yields what has piled up for
+its request as one RequestOutput. If its consumer goes away (a client
 disconnects and the handler is cancelled), the request is aborted in the engine.
 """
 from __future__ import annotations
@@ -12,13 +14,69 @@ from typing import Any, AsyncIterator
 from engine_core.client import AsyncEngineCoreClient, EngineDeadError
 from engine_core.config import EngineConfig
 from frontend.output_processor import RequestState
-from frontend.outputs import RequestOutput
+from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import check_prompt, engine_requests, load_tokenizer
-from ipc.messages import EngineCoreOutputs
+from ipc.messages import EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
 
-_DEAD = object()  # queue sentinel
+
+class _Collector:
+    """One user request in this API server: the state and metrics of each of its choices, and
+    the deltas that _on_outputs made but generate() has not taken yet. Deltas pile up while the
+    consumer is busy and are taken together, so a slow client gets fewer, larger deltas (vLLM's
+    RequestOutputCollector)."""
+
+    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter")
+
+    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics]):
+        self.states = states
+        self.metrics = metrics
+        self.unfinished = set(states)
+        self.num_cached_tokens = 0
+        self.deltas: list[CompletionOutput] = []
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def process(self, out: EngineCoreOutput, now: float) -> bool:
+        """Turn one engine output into a delta. True: a stop string ended it here (abort in the engine)."""
+        rid = out.request_id
+        if rid not in self.unfinished:
+            return False
+        st = self.states[rid]
+        if out.error is not None and not st.token_ids:   # the engine refused it
+            self.unfinished.discard(rid)
+            self.metrics[rid].finish("error", now)
+            self.fail(ValueError(out.error))
+            return False
+        delta, abort = st.process(out)
+        if delta is not None:
+            self.metrics[rid].on_output(now, len(delta.token_ids), delta.finish_reason)
+            if delta.finish_reason is not None:
+                self.unfinished.discard(rid)
+            self.num_cached_tokens = st.num_cached_tokens
+            self.deltas.append(delta)
+            self._wake()
+        return abort
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[CompletionOutput]:
+        """Every delta made since the last call, waiting for one if there is none."""
+        while not self.deltas and self.error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self.error is not None:
+            raise self.error
+        deltas, self.deltas = self.deltas, []
+        return deltas
 
 
 class AsyncLLM:
@@ -27,7 +85,8 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config)
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
+        self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
 
@@ -55,17 +114,31 @@ class AsyncLLM:
     # ------------------------------------------------------------ outputs in
 
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        """Every output is detokenized and counted here, as it arrives, once per engine step."""
         now = time.monotonic()  # when these outputs reached the frontend, for latency metrics
+        stopped = []
         for out in outs.outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait((out, now))
-        for listener in self.stat_listeners:
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue
+            try:
+                if req.process(out, now):
+                    stopped.append(out.request_id)
+            except Exception as e:  # noqa: BLE001  (one request's failure must not stop the others')
+                req.fail(e)
+        for listener in self.stat_listeners:   # after the outputs: metrics write this step's tokens at once
             listener(outs)
+        if stopped:
+            self._in_background(self.client.abort(stopped))
 
     def _on_dead(self, reason: str | None) -> None:
-        for q in self._queues.values():
-            q.put_nowait(_DEAD)
+        for req in set(self._requests.values()):
+            req.fail(EngineDeadError(reason or self.dead_reason))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)   # the loop keeps only a weak reference
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ requests
 
@@ -76,58 +149,32 @@ class AsyncLLM:
         arrival = time.monotonic()
         check_prompt(self.config, prompt_token_ids, params)
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
-        queue: asyncio.Queue = asyncio.Queue()
-        states = {}
-        for i, ecr in enumerate(ecrs):
-            states[ecr.request_id] = RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
-                                                  self.tokenizer)
-            self._queues[ecr.request_id] = queue
+        states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
+                                               self.tokenizer) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
-        unfinished = set(states)
+        req = _Collector(states, rms)
+        for rid in states:   # before any await: _on_dead must see it
+            self._requests[rid] = req
         try:
             for ecr in ecrs:
                 await self.client.add_request(ecr)
-            while unfinished:
-                out = await queue.get()
-                if out is _DEAD:
-                    raise EngineDeadError(self.dead_reason)
-                batch = [out]
-                while not queue.empty():  # coalesce what has piled up into one delta
-                    nxt = queue.get_nowait()
-                    if nxt is _DEAD:
-                        raise EngineDeadError(self.dead_reason)
-                    batch.append(nxt)
-                deltas, st = [], None
-                for out, t in batch:
-                    st = states[out.request_id]
-                    if out.request_id not in unfinished:
-                        continue
-                    if out.error is not None and not st.token_ids:
-                        rms[out.request_id].finish("error", t)
-                        raise ValueError(out.error)
-                    delta, abort = st.process(out)
-                    if abort:
-                        await self.client.abort([out.request_id])
-                    if delta is None:
-                        continue
-                    rms[out.request_id].on_output(t, len(delta.token_ids), delta.finish_reason)
-                    if delta.finish_reason is not None:
-                        unfinished.discard(out.request_id)
-                    deltas.append(delta)
-                if deltas:
-                    yield RequestOutput(request_id, None, prompt_token_ids, _merge(deltas),
-                                        finished=not unfinished, num_cached_tokens=st.num_cached_tokens)
+            finished = False
+            while not finished:
+                deltas = await req.take()
+                finished = not req.unfinished
+                yield RequestOutput(request_id, None, prompt_token_ids, _merge(deltas), finished=finished,
+                                    num_cached_tokens=req.num_cached_tokens)
         finally:
             for rid in states:
-                self._queues.pop(rid, None)
-            for rid in unfinished:
+                self._requests.pop(rid, None)
+            for rid in req.unfinished:
                 rms[rid].finish("error" if self.is_dead else "abort")
-            if unfinished and not self.is_dead:
-                await self.client.abort(list(unfinished))
+            if req.unfinished and not self.is_dead:
+                await self.client.abort(list(req.unfinished))
 
     async def abort(self, request_id: str) -> None:
-        ids = [rid for rid in self._queues if rid == request_id or rid.startswith(request_id + "-")]
+        ids = [rid for rid in self._requests if rid == request_id or rid.startswith(request_id + "-")]
         await self.client.abort(ids)
 
     async def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:

@@ -6,7 +6,11 @@ Two sources feed it:
   the per-step SchedulerStats (each step's stats go to exactly one API server)
   and the engine-side RequestTiming of this server's finished requests;
 * the RequestMetrics of this server's requests (metrics/request_metrics.py),
-  updated by AsyncLLM.generate() as outputs arrive.
+  updated by AsyncLLM as outputs arrive. Their per-token records (token
+  counts, TTFT, ITL) are gathered in memory and written once per engine step
+  (flush(), at the end of on_outputs) or when a request finishes: in
+  multiprocess mode each counter or bucket write is a store into an mmap
+  file, and one write per token cost more than detokenizing it.
 
 Counters and histograms add up across API-server processes; gauges set from
 per-step stats carry the engine's send time as their timestamp, so the
@@ -22,8 +26,10 @@ with stats even though it does not step while asleep.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 from metrics.mfu import MfuEstimator, ModelShape
@@ -55,6 +61,19 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+def _observe_many(hist_child, values: list[float]) -> None:
+    """Histogram.observe for each value, with one write per bucket touched and one to the sum:
+    in multiprocess mode every write is a store into an mmap file."""
+    bounds = getattr(hist_child, "_upper_bounds", None)
+    if bounds is None:   # another prometheus_client layout: the public, slower way
+        for v in values:
+            hist_child.observe(v)
+        return
+    for i, n in Counter(bisect.bisect_left(bounds, v) for v in values).items():
+        hist_child._buckets[i].inc(n)
+    hist_child._sum.inc(sum(values))
 
 
 def _set_at(gauge_child, value: float, timestamp: float) -> None:
@@ -135,6 +154,11 @@ class PrometheusStatLogger:
             d.write_bytes = b.counter("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to "
                                       "memory per GPU (for Model FLOPs Utilization calculations).", L)
         self._engines: dict[str, SimpleNamespace] = {}
+        # per-token records, written by flush() once per engine step
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._ttfts: list[float] = []
+        self._itls: list[float] = []
         self._info = b.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                              ("model_name", "engine", *self._cache_info()))
         self._bind(self.engine)
@@ -172,6 +196,7 @@ class PrometheusStatLogger:
         """An EngineCoreOutputs as it reached this API server."""
         engine = str(outs.engine_index)
         if engine != self.engine:
+            self.flush()
             self.engine = engine   # per-request metrics go to the engine last heard from
         e = self._bind(engine)
         s = outs.scheduler_stats
@@ -198,22 +223,38 @@ class PrometheusStatLogger:
             e.prefill.observe(max(t.prefill_time, 0.0))
             e.decode.observe(max(t.decode_time, 0.0))
             e.inference.observe(max(t.prefill_time + t.decode_time, 0.0))
+        self.flush()   # AsyncLLM calls this after the step's outputs: their tokens are recorded by now
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
 
     def record_prompt_tokens(self, n: int) -> None:
-        if n:
-            self._bind(self.engine).prompt_tokens.inc(n)
+        self._prompt_tokens += n
 
     def record_tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
-        e = self._bind(self.engine)
-        e.generation_tokens.inc(n)
+        self._generation_tokens += n
         if ttft is not None:
-            e.ttft.observe(max(ttft, 0.0))
+            self._ttfts.append(max(ttft, 0.0))
         if itl is not None:
-            e.itl.observe(max(itl, 0.0))
+            self._itls.append(max(itl, 0.0))
+
+    def flush(self) -> None:
+        """Write the per-token records gathered since the last flush."""
+        e = self._bind(self.engine)
+        if self._prompt_tokens:
+            e.prompt_tokens.inc(self._prompt_tokens)
+            self._prompt_tokens = 0
+        if self._generation_tokens:
+            e.generation_tokens.inc(self._generation_tokens)
+            self._generation_tokens = 0
+        if self._ttfts:
+            _observe_many(e.ttft, self._ttfts)
+            self._ttfts = []
+        if self._itls:
+            _observe_many(e.itl, self._itls)
+            self._itls = []
 
     def record_finished(self, rm) -> None:
+        self.flush()
         e = self._bind(self.engine)
         e.success[rm.finish_reason if rm.finish_reason in e.success else "error"].inc()
         e.e2e.observe(max(rm.e2e_latency, 0.0))

@@ -121,6 +121,34 @@ def test_stat_logger_and_stats_log_line():
     assert live.log_once() is None
 
 
+def test_observe_many_matches_observe():
+    from prometheus_client import Histogram
+    from metrics.stat_logger import _observe_many
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.3, 7.0, 1e9, 0.02]   # on a bound, just above one, past the last
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("h", "", buckets=[0.01, 0.3, 5.0], registry=one)
+    h2 = Histogram("h", "", buckets=[0.01, 0.3, 5.0], registry=many)
+    for v in values:
+        h1.observe(v)
+    _observe_many(h2, values)
+    samples = lambda reg: sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                                 for m in reg.collect() for s in m.samples if not s.name.endswith("_created"))
+    assert samples(one) == samples(many)
+
+
+def test_token_metrics_are_written_per_step():
+    log, reg = _local_logger()
+    rm = RequestMetrics(log, 5, None, arrival_time=100.0)
+    rm.on_output(100.5, 1)
+    rm.on_output(100.7, 3)
+    assert _value(reg, "vllm:generation_tokens_total") == 0       # gathered, not written yet
+    log.on_outputs(EngineCoreOutputs([], 0, time.time(), None))   # the step's outputs are done
+    assert _value(reg, "vllm:generation_tokens_total") == 4
+    assert _value(reg, "vllm:prompt_tokens_total") == 5
+    assert _value(reg, "vllm:time_to_first_token_seconds_count") == 1
+    assert _value(reg, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.2)
+
+
 def test_request_metrics_prompt_counted_once():
     log, reg = _local_logger()
     RequestMetrics(log, 7, None).finish("abort")                # aborted in the queue: counted
