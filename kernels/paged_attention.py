@@ -34,35 +34,58 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         block_table: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged caches. Returns [T, Hq, D].
 
-    Pure torch, one sequence at a time: the oracle for the Triton kernel and
-    the CPU path of the model runner."""
+    Pure torch: the oracle for the Triton kernel and the CPU path of the model
+    runner. Sequences with one query (decode) go in one batched product, the
+    others one at a time."""
     out = torch.empty_like(query)
-    num_kv_heads = key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    block_size = key_cache.shape[1]
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q_lo, q_hi = qsl[i], qsl[i + 1]
-        q_len = q_hi - q_lo
-        if q_len == 0:
-            continue
-        n_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_table[i, :n_blocks].long()
-        k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [S, Hkv, D]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len]
-        q = query[q_lo:q_hi].float()  # [Q, Hq, D]
-        k = k.float().repeat_interleave(group, dim=1)
-        v = v.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,shd->hqs", q, k) * scale
-        # query j sits at absolute position seq_len - q_len + j; it sees keys <= that.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] > q_pos[:, None]
-        scores.masked_fill_(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, decode)
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i)
     return out
+
+
+def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int):
+    """Sequence i's queries, which are the last q_len of its seq_len tokens."""
+    group = query.shape[1] // key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    q_lo, q_hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+    q_len, seq_len = q_hi - q_lo, int(seq_lens[i])
+    blocks = block_table[i, :(seq_len + block_size - 1) // block_size].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [S, Hkv, D]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    q = query[q_lo:q_hi].float()  # [Q, Hq, D]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+    # query j sits at absolute position seq_len - q_len + j; it sees keys <= that.
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    k_pos = torch.arange(seq_len, device=query.device)
+    scores.masked_fill_((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
+
+
+def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
+                rows: list[int]):
+    """The sequences `rows`, each with one query that sees all its tokens, padded to the longest."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    idx = torch.tensor(rows, device=query.device)
+    lens = seq_lens[idx].long()                                   # [B]
+    max_len = int(lens.max())
+    blocks = block_table[idx, :(max_len + block_size - 1) // block_size].long().clamp(0, num_blocks - 1)
+    k = key_cache[blocks].flatten(1, 2)[:, :max_len].float()      # [B, S, Hkv, D]; past a length: masked
+    v = value_cache[blocks].flatten(1, 2)[:, :max_len].float()
+    tok = query_start_loc[idx].long()
+    q = query[tok].float().view(len(rows), num_kv_heads, -1, head_dim)   # [B, Hkv, group, D]
+    scores = torch.einsum("bkgd,bskd->bkgs", q, k) * scale
+    pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]   # [B, S]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out[tok] = torch.einsum("bkgs,bskd->bkgd", probs, v).flatten(1, 2).to(query.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -162,6 +162,16 @@ def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, spli
         assert err < tol, f"splits={ns}: max err {err}"
 
 
+def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
+    # the reference batches its decode rows (GQA 3, junk past each block table's end, lengths 1..50)
+    q, kc, vc, qsl, sl, bt = _make_batch([1, 5, 1, 1, 0, 1], [50, 9, 1, 17, 4, 33], 6, 2, 16, 4, torch.float32, 7)
+    got = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25)
+    want = torch.empty_like(q)
+    for i in (0, 1, 2, 3, 5):
+        pa._sequence_ref(want, q, kc, vc, qsl, sl, bt, 0.25, i)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_mixed_prefill_chunked_decode():
     # prefill (q_len == seq_len), chunked prefill / prefix hit (q_len < seq_len), decode, empty seq; GQA 2
     _check_attention([6, 1, 4, 0, 1, 3], [6, 21, 13, 9, 1, 30], hq=4, hkv=2, d=32, bs=4, splits=(1, 3))
