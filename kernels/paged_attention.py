@@ -84,6 +84,7 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
     scores = torch.einsum("bkgd,bskd->bkgs", q, k) * scale
     pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]   # [B, S]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    v.masked_fill_(pad[:, :, None, None], 0.0)   # unwritten slots may hold NaN, and 0 * NaN is NaN
     probs = torch.softmax(scores, dim=-1)
     out[tok] = torch.einsum("bkgs,bskd->bkgd", probs, v).flatten(1, 2).to(query.dtype)
 

@@ -163,8 +163,14 @@ def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, spli
 
 
 def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
-    # the reference batches its decode rows (GQA 3, junk past each block table's end, lengths 1..50)
+    # the reference batches its decode rows (GQA 3, junk past each block table's end, lengths 1..50,
+    # NaN in every cache slot that no sequence has written)
     q, kc, vc, qsl, sl, bt = _make_batch([1, 5, 1, 1, 0, 1], [50, 9, 1, 17, 4, 33], 6, 2, 16, 4, torch.float32, 7)
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(sl.tolist()):
+        for p in range(n):
+            written[bt[i, p // 4], p % 4] = True
+    kc[~written], vc[~written] = float("nan"), float("nan")
     got = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25)
     want = torch.empty_like(q)
     for i in (0, 1, 2, 3, 5):
