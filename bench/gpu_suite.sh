@@ -32,6 +32,8 @@ for section in "$@"; do case $section in
          TAIL=30 run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
          kill -INT $pid; wait $pid  # the GPU is free again for the offline run at the same shape
          run offline-same-shape 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256 ;;
+  qwen3-mnbt) for t in 8192 16384 8192 16384; do  # fewer, larger eager prefill steps: host-bound ones
+                 run qwen3-mnbt-$t 200 $LOOM bench throughput --preset qwen3-0.6b --max-num-batched-tokens $t; done ;;
   profile) TAIL=40 run profile-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 1 256 --context 1024 --top 16
            TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
