@@ -28,13 +28,22 @@ def reference(llm):
     return _gen(llm)
 
 
+def _until_waiting(llm, n: int, timeout: float = 30.0) -> dict:
+    """debug_info once the engine holds n waiting requests (enqueue returns before they arrive)."""
+    deadline = time.monotonic() + timeout
+    while (info := llm.debug_info())["waiting"] < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert info["waiting"] == n, info
+    return info
+
+
 def test_sleep_level0_queues_then_runs(llm, reference):
     llm.sleep(0)
     assert llm.is_sleeping()
     llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    time.sleep(0.5)
-    info = llm.debug_info()
-    assert info["waiting"] == len(PROMPTS) and info["running"] == 0
+    info = _until_waiting(llm, len(PROMPTS))
+    time.sleep(0.3)
+    assert info == llm.debug_info() and info["running"] == 0   # queued, and nothing moves
     llm.wake_up(["scheduling"])
     assert not llm.is_sleeping()
     assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == reference
@@ -70,6 +79,7 @@ def test_pause_abort_then_resume(llm, reference):
     outs = llm.wait_for_completion()
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"] * len(PROMPTS)
     llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)  # queued while paused
+    _until_waiting(llm, len(PROMPTS))
     time.sleep(0.3)
     assert llm.debug_info()["running"] == 0
     llm.resume()
