@@ -139,6 +139,12 @@ def _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q=False):
     for b, n in enumerate(n_blk):
         bt[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
         i += n
+    # NaN in every slot no sequence has written: a kernel must not read past a sequence's length
+    written = torch.zeros((total, bs), dtype=torch.bool)
+    for b, s in enumerate(seq_lens):
+        for p in range(s):
+            written[bt[b, p // bs], p % bs] = True
+    kc[~written.to(kc.device)], vc[~written.to(vc.device)] = float("nan"), float("nan")
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     T = int(qsl[-1])
     if strided_q:
@@ -166,11 +172,6 @@ def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
     # the reference batches its decode rows (GQA 3, junk past each block table's end, lengths 1..50,
     # NaN in every cache slot that no sequence has written)
     q, kc, vc, qsl, sl, bt = _make_batch([1, 5, 1, 1, 0, 1], [50, 9, 1, 17, 4, 33], 6, 2, 16, 4, torch.float32, 7)
-    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
-    for i, n in enumerate(sl.tolist()):
-        for p in range(n):
-            written[bt[i, p // 4], p % 4] = True
-    kc[~written], vc[~written] = float("nan"), float("nan")
     got = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25)
     want = torch.empty_like(q)
     for i in (0, 1, 2, 3, 5):
