@@ -480,10 +480,11 @@ class OpenAIServer:
                 await resp.write(sse(completion_chunk(rid, created, model, [
                     completion_choice(k, text, st.finish_reason, st.stop_reason, lp)])))
 
-        async def final() -> None:
-            if include_usage:
-                await resp.write(sse(completion_chunk(rid, created, model, [],
-                                                      usage(prompt_tokens, sum(c.num_tokens for c in choices)))))
+        def final() -> bytes:
+            if not include_usage:
+                return b""
+            return sse(completion_chunk(rid, created, model, [],
+                                        usage(prompt_tokens, sum(c.num_tokens for c in choices))))
 
         return await self._pump_sse(resp, stream, first, emit, final)
 
@@ -548,10 +549,9 @@ class OpenAIServer:
         resp = await self._sse_response(request)
         model = self.model_name
 
-        async def begin() -> None:
-            for k in range(len(choices)):
-                await resp.write(sse(chat_chunk(rid, created, model, [
-                    chat_chunk_choice(k, {"role": "assistant", "content": ""})])))
+        def begin() -> bytes:
+            return b"".join(sse(chat_chunk(rid, created, model, [
+                chat_chunk_choice(k, {"role": "assistant", "content": ""})])) for k in range(len(choices)))
 
         async def emit(item) -> None:
             for k, text, lp, st in self._chat_delta(item[1], params, choices):
@@ -562,10 +562,10 @@ class OpenAIServer:
                     chat_chunk_choice(k, {"content": text} if text else {}, st.finish_reason, st.stop_reason,
                                       lp)])))
 
-        async def final() -> None:
-            if include_usage:
-                await resp.write(sse(chat_chunk(rid, created, model, [],
-                                                usage(prompt_tokens, sum(c.num_tokens for c in choices)))))
+        def final() -> bytes:
+            if not include_usage:
+                return b""
+            return sse(chat_chunk(rid, created, model, [], usage(prompt_tokens, sum(c.num_tokens for c in choices))))
 
         return await self._pump_sse(resp, stream, first, emit, final, begin)
 
@@ -579,42 +579,36 @@ class OpenAIServer:
 
     async def _pump_sse(self, resp: web.StreamResponse, stream, first, emit, final, begin=None
                         ) -> web.StreamResponse:
-        """Write every output as SSE, then usage and [DONE]; errors become an error event.
-        A dead client (write fails) ends it: the caller's finally closes the stream, which aborts."""
+        """Write `begin()`'s events, every output as SSE (`emit`), then `final()`'s events (usage) and
+        [DONE] with the end of the body in one write; an error becomes an error event instead of
+        `final()`'s. A dead client (write fails) ends it: the caller's finally closes the stream, which
+        aborts."""
         try:
             if begin is not None:
-                await begin()
+                await resp.write(begin())
             async for item in self._outputs(first, stream):
                 await emit(item)
-            await final()
+            tail = final()
         except ConnectionResetError:
             logger.debug("client went away mid-stream")
             return resp
         except EngineDeadError as e:
-            await self._write_error(resp, f"The engine is dead: {e or self.llm.dead_reason}", 503)
+            tail = sse(error_body(f"The engine is dead: {e or self.llm.dead_reason}", 503))
         except APIError as e:
-            await self._write_error(resp, e.message, e.status, e.param)
+            tail = sse(error_body(e.message, e.status, e.param))
         except ValueError as e:
             err = _value_error(e)
-            await self._write_error(resp, err.message, 400, err.param)
+            tail = sse(error_body(err.message, 400, err.param))
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001
             logger.exception("error while streaming")
-            await self._write_error(resp, f"Internal server error: {type(e).__name__}: {e}", 500)
+            tail = sse(error_body(f"Internal server error: {type(e).__name__}: {e}", 500))
         try:
-            await resp.write(SSE_DONE)
-            await resp.write_eof()
+            await resp.write_eof(tail + SSE_DONE)
         except ConnectionResetError:
             pass
         return resp
-
-    @staticmethod
-    async def _write_error(resp, message: str, status: int, param: str | None = None) -> None:
-        try:
-            await resp.write(sse(error_body(message, status, param)))
-        except ConnectionResetError:
-            pass
 
     # ------------------------------------------------------------ app
 
