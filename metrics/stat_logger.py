@@ -223,7 +223,7 @@ class PrometheusStatLogger:
             e.prefill.observe(max(t.prefill_time, 0.0))
             e.decode.observe(max(t.decode_time, 0.0))
             e.inference.observe(max(t.prefill_time + t.decode_time, 0.0))
-        self.flush()   # AsyncLLM calls this after the step's outputs: their tokens are recorded by now
+        self.flush()   # AsyncLLM calls on_outputs after it processed the step's outputs: their tokens are in
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
 
