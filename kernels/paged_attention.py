@@ -50,23 +50,20 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int):
     """Sequence i's queries, which are the last q_len of its seq_len tokens."""
-    group = query.shape[1] // key_cache.shape[2]
-    block_size = key_cache.shape[1]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     q_lo, q_hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
     q_len, seq_len = q_hi - q_lo, int(seq_lens[i])
     blocks = block_table[i, :(seq_len + block_size - 1) // block_size].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [S, Hkv, D]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len]
-    q = query[q_lo:q_hi].float()  # [Q, Hq, D]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, Hkv, D]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    q = query[q_lo:q_hi].float().view(q_len, num_kv_heads, -1, head_dim)  # [Q, Hkv, group, D]
+    scores = torch.einsum("qkgd,skd->kgqs", q, k) * scale
     # query j sits at absolute position seq_len - q_len + j; it sees keys <= that.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
-    scores.masked_fill_((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
+    out[q_lo:q_hi] = torch.einsum("kgqs,skd->qkgd", probs, v).flatten(1, 2).to(query.dtype)
 
 
 def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
