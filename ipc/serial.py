@@ -6,11 +6,11 @@ copy=False; the receiver wraps the frame without copying. Tiny arrays go inline.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 _EXT_ARRAY = 1
 _EXT_TENSOR = 2
@@ -30,7 +30,8 @@ class Encoder:
         return frames
 
     def _hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")   # not imported here: the engine core has no other use for it
+        if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach().cpu().contiguous()
             arr = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
             return msgspec.msgpack.Ext(_EXT_TENSOR, self._put(str(t.dtype).removeprefix("torch."), list(t.shape), arr))
@@ -68,6 +69,7 @@ class Decoder:
         if code == _EXT_ARRAY:
             return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
         if code == _EXT_TENSOR:
+            import torch   # only where a tensor arrives (~2 s to import: the engine core starts without it)
             torch_dtype = getattr(torch, dtype)
             if len(buf) == 0:
                 return torch.empty(shape, dtype=torch_dtype)
