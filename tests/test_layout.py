@@ -49,3 +49,10 @@ def test_served_demo_model_continues_the_zen(demo_model_dir, start_server):
     chat = client.chat.completions.create(model=model, max_tokens=20, temperature=0,
                                           messages=[{"role": "user", "content": "Recite the Zen of Python."}])
     assert chat.choices[0].message.content.startswith("Beautiful is better than ugly.")
+
+
+def test_engine_core_starts_without_torch():
+    """The engine core starts its workers first thing: importing torch (~2 s) would delay every start."""
+    code = "import sys, engine_core.core, engine_core.executor; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr[-2000:]
