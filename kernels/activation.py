@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.jit import runs_triton
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
@@ -29,7 +31,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (last dim contiguous) -> new [..., I] in x.dtype."""
-    if not (x.is_cuda or type(_silu_and_mul_kernel).__name__ == "InterpretedFunction"):
+    if not runs_triton(_silu_and_mul_kernel, x):
         return silu_and_mul_ref(x)
     two_i = x.shape[-1]
     assert two_i % 2 == 0

@@ -1,5 +1,5 @@
-"""`triton.jit` for kernels called with per-step values, and the SM count their
-launch grids are sized by.
+"""`triton.jit` for kernels called with per-step values, whether a kernel runs
+(CUDA, or the CPU interpreter), and the SM count launch grids are sized by.
 
 Triton compiles a variant of a kernel per "specialization": whether each int
 argument is 1 or a multiple of 16, and whether each pointer is 16-byte
@@ -26,6 +26,17 @@ def step_jit(*, ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()):
     else:  # older Triton: do_not_specialize also drops a pointer's alignment check
         kwargs["do_not_specialize"] += list(pointers)
     return triton.jit(**kwargs)
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether a kernel was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def runs_triton(kernel, t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors when the kernel is interpreted;
+    otherwise the caller falls back to its torch reference."""
+    return t.is_cuda or is_interpreted(kernel)
 
 
 _SM_COUNT: dict[int, int] = {}

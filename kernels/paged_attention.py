@@ -92,18 +92,7 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.jit import sm_count, step_jit  # noqa: E402
-
-
-def _is_interpreted(fn) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
-
-
-def _use_triton(fn, t: torch.Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1
-    (when the kernel was decorated in interpreter mode); otherwise the caller
-    falls back to the torch reference."""
-    return t.is_cuda or _is_interpreted(fn)
+from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit  # noqa: E402
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -309,7 +298,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     worth it) and the rest with prefill tiling; otherwise a mixed batch runs in
     one launch with prefill-sized tiles, which wastes tensor-core work on the
     decode rows. The result is the same either way."""
-    if not _use_triton(_paged_attention_kernel, query):
+    if not runs_triton(_paged_attention_kernel, query):
         return paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kd = key_cache.shape
@@ -391,7 +380,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         block_table.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
-        IEEE=is_fp32, DOT_F32=_is_interpreted(_paged_attention_kernel) and not is_fp32,
+        IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     if num_splits > 1:

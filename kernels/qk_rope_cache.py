@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import step_jit
+from kernels.jit import runs_triton, step_jit
 from kernels.paged_attention import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
@@ -117,7 +117,7 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     """Triton version of qk_norm_rope_cache_ref (same arguments, same results).
 
     q_weight / k_weight: the per-head RMSNorm weights [D] (both or neither)."""
-    if not (q.is_cuda or type(_qk_norm_rope_cache_kernel).__name__ == "InterpretedFunction"):
+    if not runs_triton(_qk_norm_rope_cache_kernel, q):
         return qk_norm_rope_cache_ref(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
                                       q_weight, k_weight, eps)
     num_tokens, num_q_heads, head_dim = q.shape

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import step_jit
+from kernels.jit import runs_triton, step_jit
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,14 +98,10 @@ def _launch(x, residual, weight, eps):
     return out, res_out
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or type(_rms_norm_kernel).__name__ == "InterpretedFunction"
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] (e.g. [T, H] or per-head [T, heads, head_dim]), weight [H] ->
     new contiguous tensor of x's shape and dtype."""
-    if not _use_triton(x):
+    if not runs_triton(_rms_norm_kernel, x):
         return rms_norm_ref(x, weight, eps)
     return _launch(x, None, weight, eps)[0]
 
@@ -113,6 +109,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) as new tensors; inputs untouched."""
-    if not _use_triton(x):
+    if not runs_triton(_rms_norm_kernel, x):
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     return _launch(x, residual, weight, eps)
