@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
         _report(prof, f"{'prefill' if args.prefill else 'decode'} batch {bs}, context {args.context}", args, floor)
         if args.host:
             _report_host(step, sync, args)
-        del caches
+        caches = None  # free this batch size's KV before the next one
     return 0
 
 

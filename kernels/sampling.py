@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import sm_count, step_jit
+from kernels.jit import runs_triton, sm_count, step_jit
 
 _MASK64 = (1 << 64) - 1
 
@@ -388,7 +388,7 @@ def _chunk_pick_kernel(temp_ptr, part_max_ptr, part_arg_ptr, part_score_ptr, par
     tl.store(out_ptr + row, tl.sum(tl.where(offs_c == first, tok, 0), 0).to(tl.int64))
 
 
-def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, num_chunks=None):
+def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out, num_chunks):
     """Rows split over vocabulary chunks: about four programs per SM however small the batch."""
     bsz, vocab = logits.shape
     step = 4 * _RAND_Q
@@ -402,13 +402,10 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, nu
     i32 = dict(dtype=torch.int32, device=logits.device)
     part_max, part_score = torch.empty(bsz, num_chunks, **f32), torch.empty(bsz, num_chunks, **f32)
     part_arg, part_tok = torch.empty(bsz, num_chunks, **i32), torch.empty(bsz, num_chunks, **i32)
-    use_noise = noise is not None
-    if not use_noise:
-        noise = logits
     _chunk_max_kernel[(bsz, num_chunks)](logits, logits.stride(0), part_max, part_arg, vocab, chunk, num_chunks,
                                          BLOCK=_BLOCK, num_warps=4)
     _chunk_race_kernel[(bsz, num_chunks)](
-        logits, logits.stride(0), noise, noise.stride(0) if use_noise else 0, temperature, min_p, seeds, positions,
+        logits, logits.stride(0), noise, stride_n, temperature, min_p, seeds, positions,
         part_max, part_score, part_tok, vocab, chunk, num_chunks,
         RAND_Q=_RAND_Q, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=4)
     _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
@@ -424,27 +421,22 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     use_noise = noise is not None
-    if use_noise and noise.stride(-1) != 1:
+    if not use_noise:
+        noise = logits  # a stand-in pointer, never read
+    elif noise.stride(-1) != 1:
         noise = noise.contiguous()
+    stride_n = noise.stride(0) if use_noise else 0
     temperature, min_p = temperature.contiguous(), min_p.contiguous()
     seeds, positions = seeds.contiguous(), positions.contiguous()
     if not top_k_top_p:
-        return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, out, num_chunks)
-    if use_noise:
-        stride_n = noise.stride(0)
-    else:
-        noise, stride_n = logits, 0  # unused
+        return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out,
+                               num_chunks)
     _sample_kernel[(bsz,)](
-        logits, logits.stride(0), noise, stride_n,
-        temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
-        seeds.contiguous(), positions.contiguous(), out, vocab,
+        logits, logits.stride(0), noise, stride_n, temperature, top_k.contiguous(), top_p.contiguous(), min_p,
+        seeds, positions, out, vocab,
         BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise, num_warps=8,
     )
     return out
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or type(_sample_kernel).__name__ == "InterpretedFunction"
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -459,7 +451,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     split over vocabulary chunks (num_chunks, default about four programs per
     SM) in three small launches instead of one program per row, which leaves
     most SMs idle at small batches. Same tokens either way."""
-    if not _use_triton(logits):
+    if not runs_triton(_sample_kernel, logits):
         return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions)
     return _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, None, top_k_top_p, num_chunks)
 
@@ -468,7 +460,7 @@ def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
                       top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, top_k_top_p: bool = True,
                       num_chunks: int | None = None) -> torch.Tensor:
     """The Triton sampler with explicit Exp(1) noise [B, V] instead of Philox."""
-    if not _use_triton(logits):
+    if not runs_triton(_sample_kernel, logits):
         return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise, top_k_top_p, num_chunks)
