@@ -10,7 +10,7 @@ import shutil
 import tempfile
 
 from bench.presets import PRESETS, write_preset
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # EngineConfig fields that are not bench flags: filled by resolve(), or set by the bench itself

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from engine_core.config import ConfigError, EngineConfig
+from ipc.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
 from engine_core.client_io import CLIENT_GONE, ClientIO
 from engine_core.executor import Executor

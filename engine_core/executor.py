@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 from multiprocessing.connection import wait as wait_sentinels
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import start_process, stop_processes
 from ipc.serial import Decoder, Encoder

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,

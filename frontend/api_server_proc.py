@@ -5,7 +5,7 @@ import asyncio
 import logging
 import os
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 

@@ -12,7 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from engine_core.client import AsyncEngineCoreClient, EngineDeadError
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import check_prompt, engine_requests, load_tokenizer

@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import sys
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 
 # EngineConfig fields that are not command-line options
 _INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}

@@ -13,7 +13,7 @@ import socket
 import sys
 from multiprocessing.connection import wait
 
-from engine_core.config import ConfigError
+from ipc.config import ConfigError
 from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args

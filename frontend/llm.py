@@ -10,7 +10,7 @@ import weakref
 from typing import Sequence
 
 from engine_core.client import EngineCoreClient
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput

@@ -6,7 +6,7 @@ import uuid
 
 from transformers import AutoTokenizer
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from frontend.errors import RequestError
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams

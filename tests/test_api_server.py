@@ -23,7 +23,7 @@ import openai
 import pytest
 import requests
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from frontend.api_server import serve
 from frontend.errors import EngineDeadError
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput

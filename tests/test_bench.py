@@ -46,7 +46,7 @@ def test_preset_loads(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.presets import PRESETS, num_params, write_preset
-    from engine_core.config import EngineConfig
+    from ipc.config import EngineConfig
     d = write_preset("llama-3.2-1b", str(tmp_path / "llama"))
     cfg = EngineConfig(model=d, load_format="dummy", max_model_len=4096).resolve()
     assert cfg.vocab_size == 128256 and cfg.eos_token_ids == [128001]

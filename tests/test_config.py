@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engine_core.config import ConfigError, EngineConfig
+from ipc.config import ConfigError, EngineConfig
 
 
 def _model_dir(tmp_path, **cfg) -> str:

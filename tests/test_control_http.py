@@ -327,7 +327,7 @@ def test_killing_one_api_server_stops_everything(multi):
 
 class _FakeLLM:
     def __init__(self, client_index: int = 0):
-        from engine_core.config import EngineConfig
+        from ipc.config import EngineConfig
         self.config = EngineConfig(model="fake", max_model_len=64, vocab_size=100)
         self.tokenizer = None
         self.client_index = client_index

@@ -22,7 +22,7 @@ import requests
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from engine_core.scheduler import Scheduler
 from ipc.messages import EngineCoreOutputs, RequestTiming, SchedulerStats
 from metrics.live_stats import LiveStatsLogger

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager, cdiv, hash_block
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler

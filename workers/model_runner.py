@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata

@@ -10,7 +10,7 @@ import traceback
 
 import zmq
 
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from ipc.messages import MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
