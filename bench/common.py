@@ -27,17 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every `loom serve` engine option (--max-num-seqs, --enforce-eager, --dtype, ...).
     --max-model-len defaults to min(4096, the model's limit); --load-format to dummy for presets."""
+    from frontend.cli import add_engine_args as add_flags
     g = p.add_argument_group("engine options (as for `loom serve`)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _SKIP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = None if f.name in ("max_model_len", "load_format") else f.default
-        if f.type in ("bool", bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            g.add_argument(flag, type=kind, default=default)
+    add_flags(g, defaults={"max_model_len": None, "load_format": None}, skip=_SKIP)
 
 
 def read_model_config(model_dir: str) -> dict:

@@ -11,18 +11,21 @@ from ipc.config import EngineConfig
 _INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, so `loom serve` and `LLM(...)` take the same options."""
+def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:
+    """One flag per EngineConfig field, so `loom serve`, `loom bench` and `LLM(...)` take the same
+    options; help and choices come from the field (ipc/config.py `option`). `defaults` overrides
+    a field's default (bench: None where it picks its own)."""
     for f in dataclasses.fields(EngineConfig):
-        if f.name in _INTERNAL:
+        if f.name in _INTERNAL or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default = (defaults or {}).get(f.name, f.default)
+        help_text = f.metadata.get("help", "") + " (default: %(default)s)"
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

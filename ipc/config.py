@@ -12,31 +12,43 @@ class ConfigError(ValueError):
     """A configuration that can never work; reported at start-up."""
 
 
+def option(default, help: str, choices: tuple | None = None):
+    """An EngineConfig field that is also a `loom serve` flag: its help (and choices) live here,
+    beside the default, so the CLI, `LLM(...)` and the bench commands describe it the same way."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
     model: str
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"                 # auto: bf16 on GPU, fp32 on CPU
-    device: str = "auto"                # auto | cpu | cuda
-    load_format: str = "auto"           # auto | safetensors | dummy
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None   # CPU: KV budget (default: room for max_num_seqs full requests, capped at 2 GiB)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    attention_backend: str = "auto"     # auto | torch | triton
-    async_scheduling: bool = True       # schedule step N+1 while step N runs (--no-async-scheduling: off)
-    tensor_parallel_size: int = 1
-    enable_sleep_mode: bool = False
-    max_logprobs: int = 20
-    disable_log_stats: bool = False
-    log_stats_interval: float = 10.0
+    served_model_name: str | None = option(None, "the model name clients send (default: the model directory)")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 on GPU, float32 on CPU",
+                        ("auto", "bfloat16", "float16", "float32", "half", "float"))
+    device: str = option("auto", "where the workers run; auto: CUDA if available, else CPU", ("auto", "cpu", "cuda"))
+    load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from "
+                              "config.json alone (benchmarks)", ("auto", "safetensors", "dummy"))
+    seed: int = option(0, "seed of the workers' random state (dummy weights)")
+    max_model_len: int | None = option(None, "longest sequence (prompt + output); default: the model's")
+    max_num_seqs: int = option(256, "most requests in one step")
+    max_num_batched_tokens: int | None = option(None, "token budget of one step (default: max(8192, --max-num-seqs))")
+    block_size: int = option(16, "tokens per KV-cache block (a power of two)")
+    num_gpu_blocks_override: int | None = option(None, "a fixed number of KV-cache blocks instead of the profiled one")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and KV cache")
+    kv_cache_memory_bytes: int | None = option(None, "CPU: bytes of KV cache (default: room for --max-num-seqs "
+                                               "full requests, at most 2 GiB)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    attention_backend: str = option("auto", "auto: Triton on GPU, torch on CPU", ("auto", "torch", "triton"))
+    async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
+                                    "--no-async-scheduling turns it off)")
+    tensor_parallel_size: int = option(1, "GPUs (worker processes) one model is split over")
+    enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
+    max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    disable_log_stats: bool = option(False, "no periodic stats log line")
+    log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
