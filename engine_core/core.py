@@ -59,6 +59,7 @@ class EngineCore:
         """Queue a request; a bad one fails alone with an error output."""
         error = self._validate(ecr)
         if error:
+            self.scheduler.release_mm(ecr.mm_items)  # the workers still hold a store reference each
             return EngineCoreOutput(ecr.request_id, [], "error", error=error)
         seed = ecr.sampling_params.seed
         if seed is None:
@@ -78,6 +79,16 @@ class EngineCore:
             return f"prompt token ids must be in [0, {vocab})"
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
+        if ecr.mm_items:
+            if not self.config.mm_encoder_budget:
+                return "this model takes no images (or was started with --language-model-only)"
+            end = 0
+            for it in ecr.mm_items:
+                if it.offset < end or it.length < 1 or it.offset + it.length > n:
+                    return "multimodal placeholder ranges must be sorted, disjoint and inside the prompt"
+                if it.length > self.config.mm_encoder_budget:
+                    return f"an image of {it.length} tokens exceeds the encoder budget ({self.config.mm_encoder_budget})"
+                end = it.offset + it.length
         try:
             ecr.sampling_params.validate(self.config.max_logprobs)
         except ValueError as e:
@@ -94,7 +105,8 @@ class EngineCore:
     def _can_schedule(self) -> bool:
         if not self.control.can_step:
             return False
-        return bool(self.scheduler.running) or (self.control.admits_new and bool(self.scheduler.waiting))
+        return (bool(self.scheduler.running) or (self.control.admits_new and bool(self.scheduler.waiting))
+                or self.scheduler.has_releases())
 
     # ------------------------------------------------------------ one step
 
@@ -103,7 +115,7 @@ class EngineCore:
         workers before step N's output is taken, so the GPU never waits for this loop."""
         if self.in_flight < self.depth and self._can_schedule():
             so = self.scheduler.schedule(allow_new=self.control.admits_new)
-            if so.req_ids or so.new_requests or so.finished_req_ids:
+            if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
                 self.executor.submit(so)
                 self.in_flight += 1
                 if self.in_flight < self.depth and self._can_schedule():

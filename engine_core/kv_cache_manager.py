@@ -42,7 +42,10 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            # images in the block are extra keys: same text, different image, different KV
+            extra = tuple(it.hash for it in req.mm_items
+                          if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute."""

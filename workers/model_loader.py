@@ -27,6 +27,7 @@ DUMMY_RANGE = 1e-3
 
 def model_kv_shape(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim): what the KV cache is allocated for."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return config.num_hidden_layers, get_num_kv_heads(config), get_head_dim(config)
 
 
@@ -45,12 +46,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(config, dtype: torch.dtype, device: torch.device | str,
+                language_model_only: bool = False) -> nn.Module:
     """Our model for `config`, parameters uninitialized, on device in dtype
-    (the rotary cos/sin cache stays float32)."""
+    (the rotary cos/sin cache stays float32). language_model_only: a vision-language
+    model without its vision tower."""
     cls = get_model_class(config)
+    kwargs = {"language_model_only": True} if language_model_only and getattr(cls, "is_multimodal", False) else {}
     with torch.device(device), _default_dtype(dtype):
-        model = cls(config)
+        model = cls(config, **kwargs)
     return model.eval().requires_grad_(False)
 
 
@@ -102,7 +106,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto") -> nn.Module:
+               load_format: str = "auto", language_model_only: bool = False) -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
@@ -112,7 +116,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
-    model = build_model(config, dtype, device)
+    model = build_model(config, dtype, device, language_model_only)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
