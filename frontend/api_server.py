@@ -33,11 +33,13 @@ from frontend.protocol import (SSE_DONE, APIError, ChatCompletionRequest, Comple
                                TokenizeRequest, build_sampling_params, chat_choice, chat_chunk, chat_chunk_choice,
                                chat_logprobs, chat_response, check_model, completion_choice, completion_chunk,
                                completion_logprobs, completion_prompts, completion_response, dumps, encode_prompts,
-                               error_body, merge_completion_logprobs, models_response, normalize_messages, now,
+                               error_body, image_urls, merge_completion_logprobs, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, sse, stream_include_usage, usage)
 from ipc.sampling_params import SamplingParams
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
+from multimodal.media import MediaError, load_image_url
+from multimodal.processor import mm_reject
 
 logger = logging.getLogger("loom.api")
 
@@ -504,10 +506,16 @@ class OpenAIServer:
             tools=req.tools if req.tool_choice != "none" else None,
             chat_template_kwargs=req.chat_template_kwargs,
             add_special_tokens=bool(req.add_special_tokens))
-        self._check_prompt(ids, params)
+        ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
+        try:
+            self._check_prompt(ids, params)
+        except APIError:
+            self.llm.mm.unref(mm_items) if mm_items else None
+            raise
         rid = random_id("chatcmpl")
         created = now()
-        stream = _merge([self.llm.generate(ids, params, rid)])
+        extra = {"mm_items": mm_items} if mm_items else {}
+        stream = _merge([self.llm.generate(ids, params, rid, **extra)])
         try:
             first = await self._first(stream)
             choices = [_Choice() for _ in range(params.n)]
@@ -517,6 +525,23 @@ class OpenAIServer:
             return await self._full_chat(stream, first, rid, created, params, choices, len(ids))
         finally:
             await stream.aclose()
+
+    async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
+        """Load a chat's images (http(s) fetched here, decoding and the HF processor off the
+        loop), expand their placeholders and put them in the shared-memory store."""
+        urls = image_urls(messages)
+        if not urls:
+            return ids, []
+        mm = getattr(self.llm, "mm", None)
+        try:
+            if mm is None or len(urls) > self.config.mm_limit("image"):
+                return mm_reject(self.config, len(urls))
+            if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
+                raise MediaError("mm_processor_kwargs must be an object")
+            images = [await load_image_url(u, self.config.allowed_local_media_path, self._off_loop) for u in urls]
+            return await self._off_loop(mm.process, ids, images, mm_kwargs)
+        except MediaError as e:
+            raise APIError(str(e), 400, "messages") from None
 
     def _chat_delta(self, out, params: SamplingParams, choices: list[_Choice]):
         res = []

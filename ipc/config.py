@@ -108,8 +108,8 @@ class EngineConfig:
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         self.limit_mm_per_prompt = {str(k): int(v) for k, v in (self.limit_mm_per_prompt or {}).items()}
         for k, v in self.limit_mm_per_prompt.items():
-            if k != "image" or v < 0:
-                raise ConfigError(f"--limit-mm-per-prompt: only 'image' limits >= 0 are supported, got {k}={v}")
+            if v < 0 or (k != "image" and v > 0):
+                raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
         self.mm_max_item_tokens = max_item_tokens(self.model, hf)
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0

@@ -98,18 +98,18 @@ async def fetch_http(url: str, timeout: float = FETCH_TIMEOUT_S) -> bytes:
     return data
 
 
-async def load_image_url(url: str, allowed_dir: str | None) -> Image.Image:
-    """An image_url part's URL -> an RGB image (decoding runs in the caller's thread pool for
-    data:/file:, after an async fetch for http(s))."""
+async def load_image_url(url: str, allowed_dir: str | None, off_loop) -> Image.Image:
+    """An image_url part's URL -> an RGB image. off_loop(fn, *args) runs the decoding away
+    from the event loop (http(s) is fetched asynchronously first)."""
     if not isinstance(url, str) or not url:
         raise MediaError("image_url.url must be a non-empty string")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return load_data_url(url)
+        return await off_loop(load_data_url, url)
     if scheme == "file":
-        return load_file_url(url, allowed_dir)
+        return await off_loop(load_file_url, url, allowed_dir)
     if scheme in ("http", "https"):
-        return decode_image(await fetch_http(url))
+        return await off_loop(decode_image, await fetch_http(url))
     raise MediaError(f"unsupported image URL scheme {scheme or url[:16]!r} (data:, file:, http(s): are)")
 
 

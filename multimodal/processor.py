@@ -129,12 +129,8 @@ class MultiModalProcessor:
         """Expand each image placeholder token of prompt_ids into the image's tokens and store
         the images. Blocking (run it off the event loop)."""
         kwargs = dict(kwargs or {})
-        limit = self.config.mm_limit("image")
-        if len(images) > limit:
-            if limit == 0:
-                raise MediaError("this model does not take images" + (
-                    " (started with --language-model-only)" if self.config.language_model_only else ""))
-            raise MediaError(f"At most {limit} image(s) may be provided in one prompt.")
+        if len(images) > self.config.mm_limit("image"):
+            mm_reject(self.config, len(images))
         spots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         if len(spots) != len(images):
             raise MediaError(f"the prompt has {len(spots)} image placeholder(s) for {len(images)} image(s)")
@@ -174,3 +170,14 @@ def make_mm_processor(config: EngineConfig, client_index: int) -> MultiModalProc
     store = ObjectStoreWriter(segment_name(client_index), int(config.mm_processor_cache_gb * (1 << 30)),
                               n_readers=config.tensor_parallel_size)
     return MultiModalProcessor(config, store)
+
+
+def mm_reject(config: EngineConfig, num_images: int):
+    """Raise the MediaError for more images than --limit-mm-per-prompt (or any, for a text-only
+    model)."""
+    limit = config.mm_limit("image")
+    if limit == 0:
+        why = (" (it was started with --language-model-only)" if config.language_model_only else
+               " (it is text-only)")
+        raise MediaError("this model does not take images" + why)
+    raise MediaError(f"At most {limit} image(s) may be provided in one prompt; got {num_images}.")
