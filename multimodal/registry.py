@@ -33,8 +33,12 @@ def max_item_tokens(model_dir: str, hf: dict) -> int:
 
 
 def llava_image_tokens(hf: dict) -> int:
+    """The tower's tokens (CLIP: a class token + the patches; SigLIP: the patches), less the
+    first under the "default" select strategy (as HF's LLaVA crops it)."""
     vc = hf.get("vision_config") or {}
     n = (int(vc.get("image_size", 336)) // int(vc.get("patch_size", 14))) ** 2
-    if hf.get("vision_feature_select_strategy", "default") == "full" and vc.get("model_type") != "siglip_vision_model":
-        n += 1  # CLIP's class token is kept
+    if vc.get("model_type", "clip_vision_model") != "siglip_vision_model":
+        n += 1
+    if hf.get("vision_feature_select_strategy", "default") == "default":
+        n -= 1
     return n

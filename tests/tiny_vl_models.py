@@ -123,3 +123,63 @@ def random_image(seed: int, w: int, h: int):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def make_tiny_llava(out_dir: str, seed: int = 0, tower: str = "clip", vision_feature_layer=-2,
+                    select_strategy: str = "default") -> str:
+    """LLaVA: a tiny CLIP (or SigLIP) tower, a 2-layer MLP projector and a Llama language model,
+    with the PIL image processor (CLIP's, or SigLIP's) and an <image> token."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, SiglipVisionConfig)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+    os.makedirs(out_dir, exist_ok=True)
+    tok = make_tokenizer(out_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>\n")
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(vocab_size=len(tok) + 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                       pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
+    vkw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
+               patch_size=14)
+    vision = CLIPVisionConfig(**vkw, projection_dim=32) if tower == "clip" else SiglipVisionConfig(**vkw)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                         vision_feature_layer=vision_feature_layer, vision_feature_select_strategy=select_strategy,
+                         image_seq_length=16 + (tower == "clip") - (select_strategy == "default"),
+                         tie_word_embeddings=False)
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    _scale_weights(model, seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tower == "clip":
+        ip = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    else:
+        ip = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    _save_processor(out_dir, ip, tok, LlavaProcessor)
+    return out_dir
+
+
+def hf_llava_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(prompt ids with each <image> expanded to the model's image tokens, HF's greedy continuation)."""
+    import json
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from multimodal.registry import llava_image_tokens
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        n = llava_image_tokens(json.load(f))
+    image_id = tok.convert_tokens_to_ids("<image>")
+    ids = []
+    for t in tok.encode(prompt):
+        ids.extend([image_id] * n if t == image_id else [t])
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")["pixel_values"]
+    model = hf_vl_model(model_dir)
+    with torch.no_grad():
+        g = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                           eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), **kwargs)
+    return ids, g[0, len(ids):].tolist()
