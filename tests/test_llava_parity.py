@@ -5,7 +5,6 @@ layout (vision_tower.vision_model.*) loads too."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from frontend import LLM, SamplingParams
 from tests.tiny_vl_models import hf_llava_greedy, make_tiny_llava, random_image
@@ -45,3 +44,21 @@ def test_llava_siglip_feature_layer_list_hub_layout(tmp_path):
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in w.items()},
               f"{d}/model.safetensors", metadata={"format": "pt"})
     _check(d, CASES[:1] + CASES[2:])
+
+
+def test_language_model_only(tmp_path):
+    """--language-model-only: the vision tower is not loaded (fewer weight bytes), text still
+    matches HF, and an image is refused."""
+    d = make_tiny_llava(str(tmp_path), tower="clip")
+    with LLM(d, max_model_len=128, language_model_only=True) as llm:
+        weights = llm.collective_rpc("memory_info")[0]["weights"]
+        from safetensors import safe_open
+        with safe_open(f"{d}/model.safetensors", "pt") as f:
+            lm_bytes = sum(f.get_tensor(k).nbytes for k in f.keys() if k.startswith("language_model."))
+        assert weights == lm_bytes
+        text = chat("Tell me a story about a cat.")
+        out = llm.generate(text, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_llava_greedy(d, text, [], MAX_NEW)[1]
+        with pytest.raises(ValueError, match="does not take images"):
+            llm.generate({"prompt": chat("<image>"), "multi_modal_data": {"image": random_image(53, 56, 56)}},
+                         use_tqdm=False)
