@@ -32,6 +32,8 @@ from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
+from ipc.validation import Limits, RequestError, validate_request
+from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
+        self.limits = Limits.of(config)
         self.control = ControlState()
         self.depth = 2 if config.async_scheduling else 1   # steps in flight at once
         self.in_flight = 0
@@ -67,20 +70,12 @@ class EngineCore:
         return None
 
     def _validate(self, ecr: EngineCoreRequest) -> str | None:
-        n = len(ecr.prompt_token_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.config.max_model_len:
-            return (f"the prompt has {n} tokens, but --max-model-len is {self.config.max_model_len} "
-                    f"(and at least one token must be generated)")
-        vocab = self.config.vocab_size
-        if vocab and any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
-            return f"prompt token ids must be in [0, {vocab})"
+        """The same checks as the API server's (ipc/validation.py): attached clients are not trusted."""
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
         try:
-            ecr.sampling_params.validate(self.config.max_logprobs)
-        except ValueError as e:
+            validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids)
+        except RequestError as e:
             return str(e)
         return None
 
@@ -197,14 +192,10 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
-    # Worker methods that change state the engine tracks: only the engine may call them.
-    _ENGINE_ONLY_WORKER_METHODS = frozenset({"sleep", "wake_up", "initialize_cache", "determine_num_blocks",
-                                             "shutdown"})
-
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
-        if method in self._ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
+        if method in ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
             raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 

@@ -49,6 +49,7 @@ class PendingStep:
     topk: tuple | None = None
     prompt_logprobs: dict | None = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    failed: dict | None = None                # req_id -> error: requests that failed alone in this step
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -367,9 +368,6 @@ class ModelRunner:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(so))
-
     def can_overlap(self, so: SchedulerOutput) -> bool:
         """Whether `so` may be launched before the previous step's tokens reach the CPU:
         not when a request's sampling reads its own output history (penalties, min_tokens)."""
@@ -413,7 +411,9 @@ class ModelRunner:
         step = PendingStep(list(so.req_ids), states, sample_rows)
         if len(sample_rows):
             logits = self.model.compute_logits(hidden.index_select(0, dev["sample_index"]))
-            step.tokens, step.topk = self.sampler(logits, rows, dev)
+            step.tokens, step.topk, failed = self.sampler(logits, rows, dev)
+            if failed:
+                step.failed = {states[sample_rows[i]].req_id: why for i, why in failed.items()}
             if self.device.type == "cuda":  # start the copy back now; finish() waits for it
                 step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
                 step.tokens_host.copy_(step.tokens, non_blocking=True)
@@ -421,7 +421,7 @@ class ModelRunner:
                 step.event.record()
             else:
                 step.tokens_host = step.tokens
-        step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n)
+        step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n, step)
         for i, st in enumerate(states):
             st.num_computed_tokens = int(end[i])
         if stats_token is not None:
@@ -450,7 +450,7 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, step.failed)
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -505,25 +505,30 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n) -> dict[str, PromptLogprobs] | None:
+    def _prompt_logprobs(self, states, hidden, qsl, start, n, step: "PendingStep") -> dict[str, PromptLogprobs] | None:
         out = None
         for i, st in enumerate(states):
             k = st.params.prompt_logprobs
             if k is None or start[i] >= st.num_prompt_tokens:
                 continue
-            # position p predicts token p+1; keep those that are still prompt tokens
-            lo, cnt = int(start[i]), int(min(n[i], st.num_prompt_tokens - 1 - start[i]))
             out = out or {}
-            if cnt <= 0:
-                out[st.req_id] = PromptLogprobs([], [], [])
-                continue
-            h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
-            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-            targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
-            tlp = lp.gather(1, targets.view(-1, 1))
-            ranks = ((lp > tlp).sum(-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-            out[st.req_id] = PromptLogprobs(
-                [[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+            try:
+                out[st.req_id] = self._prompt_logprobs_of(st, hidden, int(qsl[i]), int(start[i]), int(n[i]), k)
+            except Exception as e:  # noqa: BLE001  (fails this request alone)
+                step.failed = step.failed or {}
+                step.failed[st.req_id] = f"{type(e).__name__}: {e}"
         return out
+
+    def _prompt_logprobs_of(self, st, hidden, q0: int, lo: int, n: int, k: int) -> PromptLogprobs:
+        # position p predicts token p+1; keep those that are still prompt tokens
+        cnt = min(n, st.num_prompt_tokens - 1 - lo)
+        if cnt <= 0:
+            return PromptLogprobs([], [], [])
+        h = hidden[q0:q0 + cnt]
+        lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+        targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+        tlp = lp.gather(1, targets.view(-1, 1))
+        ranks = ((lp > tlp).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+        return PromptLogprobs([[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
+                              [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
