@@ -230,7 +230,7 @@ class OpenAIServer:
             [(_, ids)] = await self.tokenizers.run(size, encode_prompts, [req.prompt], add_special)
         else:
             check_request_chat_template(req, self.options.trust_request_chat_template)
-            messages = normalize_messages(req.messages, self.content_format)
+            messages = normalize_messages(req.messages, self._content_format(req))
             _, ids = await self.tokenizers.run(
                 size, render_chat, messages,
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
@@ -340,7 +340,7 @@ class OpenAIServer:
                                 self.options.enable_prompt_tokens_details, echo_texts=echo_texts, role=role)
         return await self._generate(ctx)
 
-    def _content_format(self, req: ChatCompletionRequest) -> str:
+    def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         if req.chat_template is not None and self.options.chat_template_content_format == "auto":
             return detect_content_format(req.chat_template)
         return self.content_format

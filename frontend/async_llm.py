@@ -51,6 +51,7 @@ class _Collector:
             return False
         delta, abort = st.process(out)
         if delta is not None:
+            self.metrics[rid].num_cached_tokens = st.num_cached_tokens
             self.metrics[rid].on_output(now, len(delta.token_ids), delta.finish_reason)
             if delta.finish_reason is not None:
                 self.unfinished.discard(rid)
@@ -171,6 +172,9 @@ class AsyncLLM:
                 self._requests.pop(rid, None)
             for rid in req.unfinished:
                 rms[rid].finish("error" if self.is_dead else "abort")
+            if self.stat_logger is not None and any(rm.finish_reason != "error" or rm.num_generation_tokens
+                                                    for rm in rms.values()):
+                self.stat_logger.record_request_done(max(rm.num_generation_tokens for rm in rms.values()))
             if req.unfinished and not self.is_dead:
                 await self.client.abort(list(req.unfinished))
 

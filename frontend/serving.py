@@ -129,7 +129,7 @@ class GenerationContext:
             if c.finish_reason is not None:
                 st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
             check_choice(st)
-            if not text and not c.token_ids and lp is None and st.finish_reason is None:
+            if not text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
                 continue
             res.append((k, completion_choice(k, text, st.finish_reason, st.stop_reason, lp,
                                              prompt_token_ids=prompt_token_ids,
@@ -172,7 +172,7 @@ class GenerationContext:
             if c.finish_reason is not None:
                 st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
             check_choice(st)
-            if not c.text and lp is None and st.finish_reason is None:
+            if not c.text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
                 continue
             res.append((c.index, chat_chunk_choice(
                 c.index, {"content": c.text} if c.text else {}, st.finish_reason, st.stop_reason, lp,

@@ -289,3 +289,29 @@ def test_usage_and_models_and_sse():
     assert json.loads(raw[6:]) == chunk
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["finish_reason"] is None
     assert not math.isnan(usage(0, 0)["total_tokens"])
+
+
+def test_detect_content_format():
+    from frontend.protocol import detect_content_format
+    assert detect_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+    assert detect_content_format("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages") == "string" and detect_content_format(None) == "string"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}]
+    assert normalize_messages(parts, "openai")[0]["content"] == [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]
+    assert normalize_messages(parts, "string")[0]["content"] == "a\nb"
+
+
+def test_echoed_prompt_logprobs_format():
+    from frontend.protocol import prompt_logprobs_json
+    entries = [None, {7: Logprob(-1.0, 2, "b"), 9: Logprob(-float("inf"), 1, "a")}]
+    lp, off = completion_logprobs([5, 7], entries, num_top=1, decode=lambda t: "xy")
+    assert lp["tokens"] == ["xy", "b"] and lp["token_logprobs"] == [None, -1.0]
+    assert lp["top_logprobs"] == [None, {"b": -1.0, "a": -9999.0}] and lp["text_offset"] == [0, 2] and off == 3
+    lp, _ = completion_logprobs([5, 7], entries, num_top=0, as_ids=True)
+    assert lp["tokens"] == ["token_id:5", "token_id:7"]
+    assert prompt_logprobs_json(entries) == [None, {"7": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+                                                    "9": {"logprob": -9999.0, "rank": 1, "decoded_token": "a"}}]
