@@ -319,3 +319,89 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     assert after == before
     info = client.call_utility("debug_info")
     assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
+
+
+# ------------------------------------------------------------------ fuzzing every endpoint's fields
+
+_FUZZ_BUDGET_S = 50.0
+_ENDPOINTS = {
+    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
+                        "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "echo", "logit_bias",
+                        "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options",
+                        "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+                        "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "best_of",
+                        "suffix", "add_special_tokens", "response_format", "model", "user", "guided_regex"],
+    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "n",
+                             "logprobs", "top_logprobs", "stop", "stream", "stream_options", "echo", "tools",
+                             "tool_choice", "add_generation_prompt", "continue_final_message", "chat_template",
+                             "chat_template_kwargs", "prompt_logprobs", "return_token_ids", "logit_bias",
+                             "min_tokens", "response_format", "model"],
+    "/tokenize": ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                  "chat_template_kwargs", "model"],
+    "/detokenize": ["tokens", "model"],
+    "/invocations": ["prompt", "messages", "max_tokens", "stream", "temperature"],
+    "/collective_rpc": ["method", "args", "kwargs", "timeout"],
+}
+
+
+def _fuzz_values():
+    from hypothesis import strategies as st
+    scalars = st.one_of(
+        st.none(), st.booleans(),
+        st.sampled_from([0, 1, 2, 3, -1, -2, 7, 255, 256, 2 ** 31 - 1, 2 ** 31, 2 ** 63, 2 ** 64, -2 ** 63 - 1,
+                         2 ** 100, 10 ** 6]),
+        st.integers(-300, 300),
+        st.floats(allow_nan=False, allow_infinity=False, width=64),
+        st.sampled_from([0.0, 0.5, 1.0, 1e308, -1e-9, 2.0, 100.0]),
+        st.text(max_size=12), st.sampled_from(["", "hi", "text", "user", "assistant", "wizard", "ping", "sleep",
+                                               "required", "auto", "none", "json_object", "\u0000", "\ud7ff"]))
+    tree = st.recursive(scalars, lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage",
+                                         "continuous_usage_stats", "1", "-1", "99999", "name", "x"]), kids,
+                        max_size=4)), max_leaves=12)
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool",
+                                                                        "bad"]),
+                                               "content": st.one_of(st.text(max_size=20), tree)}),
+                        max_size=3)
+    return tree, messages
+
+
+def test_fuzz_every_endpoint(server):
+    """Random bodies, field by field, to every POST endpoint: always 2xx or 4xx in OpenAI's error
+    shape, never a 5xx or a hang; afterwards a greedy request gives the same text as before."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    tree, messages = _fuzz_values()
+    before = _greedy(server)
+    start = time.monotonic()
+    seen = {"requests": 0}
+
+    body = st.sampled_from(sorted(_ENDPOINTS)).flatmap(lambda path: st.tuples(st.just(path), st.one_of(
+        st.fixed_dictionaries({}, optional={f: (messages if f == "messages" else tree) for f in _ENDPOINTS[path]}),
+        st.binary(max_size=40))))
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(body)
+    def one(case):
+        if time.monotonic() - start > _FUZZ_BUDGET_S:
+            return
+        path, payload = case
+        if isinstance(payload, dict) and isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 8:
+            payload["max_tokens"] = 8      # keep the CPU work of one case small; range checks are above
+        raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        r = requests.post(server.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        seen["requests"] += 1
+        body_text = r.text     # a stream is read to its end here
+        assert r.status_code < 500, (path, raw[:300], r.status_code, body_text[:300])
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["code"] == r.status_code and isinstance(err["message"], str), body_text
+        elif r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            assert body_text.rstrip().endswith("data: [DONE]"), body_text[-200:]
+            assert '"code":5' not in body_text, body_text[-300:]
+    one()
+    assert seen["requests"] >= 50
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    assert _greedy(server) == before
