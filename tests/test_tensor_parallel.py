@@ -8,13 +8,19 @@ sampling too (every rank samples the same tokens).
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import time
 
 import pytest
+import requests
 
 from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
+from tests.conftest import child_pids, loom_ipc_dirs
 from tests.hf_oracle import hf_greedy
+from tests.test_lifecycle import _assert_clean
 from tests.test_engine_parity import check_parity
 
 MAX_NEW = 10
@@ -94,3 +100,32 @@ def test_one_kv_head_replicates_and_tp_must_divide_over_nodes(tmp_path):
     EngineConfig(model=str(tmp_path), tensor_parallel_size=8, device="cpu").resolve()
     with pytest.raises(ConfigError, match="--nnodes"):
         EngineConfig(model=str(tmp_path), tensor_parallel_size=2, nnodes=3, device="cpu").resolve()
+
+
+def test_serve_tp2_has_two_workers_and_dies_with_either(tiny_model_dir, start_server):
+    """`loom serve -tp 2`: one engine core with two worker processes. SIGKILL of rank 1 mid-stream:
+    the stream ends with an error, /health is 503 within a second, loom serve exits non-zero,
+    and no process, /dev/shm entry or ipc directory is left."""
+    before = loom_ipc_dirs()
+    server = start_server(tiny_model_dir, "-tp", "2", "--max-model-len", "512")
+    engine = next(pid for pid in child_pids(server.proc.pid) if child_pids(pid))
+    workers = child_pids(engine)
+    assert len(workers) == 2, workers
+    r = requests.post(server.url + "/v1/completions", stream=True, timeout=10,
+                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
+    events, killed_at = [], None
+    for line in r.iter_lines():
+        if not line:
+            continue
+        events.append(json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]")
+        if len(events) == 5:
+            os.kill(workers[1], signal.SIGKILL)
+            killed_at = time.monotonic()
+    assert killed_at is not None
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    while requests.get(server.url + "/health", timeout=2).status_code != 503:
+        assert time.monotonic() - killed_at < 1.0, "/health still 200 a second after a rank died"
+        time.sleep(0.02)
+    server.proc.wait(15)
+    assert server.proc.returncode not in (0, None)
+    _assert_clean(before, server)
