@@ -14,13 +14,14 @@ from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import check_prompt, engine_requests, load_tokenizer, new_request_id, to_token_ids
+from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.chat import render_chat
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
+from ipc.validation import Limits, validate_request
 
 
 class LLM:
@@ -76,7 +77,7 @@ class LLM:
                 text, ids = to_token_ids(self.tokenizer, prompt)
                 ids, items = self._multimodal(prompt, ids, params.n)
                 checked.append((text, ids, params, items))
-                check_prompt(self.config, ids, params)
+                validate_request(ids, params, Limits.of(self.config))
         except BaseException:
             for *_, items in checked:
                 self.mm.unref(items)

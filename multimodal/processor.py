@@ -46,6 +46,7 @@ class MultiModalProcessor:
         self._lock = threading.Lock()
         self._image_processor = None
         self._lengths: OrderedDict[str, int] = OrderedDict()   # hash -> placeholder tokens (cache index)
+        self._executor = None   # the API server's thread for decoding and processing images
         if self.model_type in QWEN_VL_TYPES:
             self.image_token_id = int(self.hf["image_token_id"])
         elif self.model_type in LLAVA_TYPES:
@@ -62,6 +63,20 @@ class MultiModalProcessor:
                 from transformers import AutoImageProcessor
                 self._image_processor = AutoImageProcessor.from_pretrained(self.config.model)
             return self._image_processor
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in this processor's own thread, off the event loop (and off the tokenizer's)."""
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="loom-mm")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()
 
     # ------------------------------------------------------------ one item
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.models.layers import KVCache
+from workers.models.layers import KVCache, replicated
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
 
@@ -107,6 +107,9 @@ class LlavaForConditionalGeneration(nn.Module):
                                                             text.hidden_size, bias=bias)
             self.multi_modal_projector.linear_2 = nn.Linear(text.hidden_size, text.hidden_size, bias=bias)
             self.projector_act = _ACTS[config.projector_hidden_act]
+            for module in (self.vision_tower, self.multi_modal_projector):
+                for p in module.parameters():  # replicated on every tensor-parallel rank
+                    replicated(p)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,8 +151,10 @@ class LlavaForConditionalGeneration(nn.Module):
                 text_weights.append((name[len("language_model."):], t))
             elif name.startswith(("vision_tower.", "multi_modal_projector.")):
                 if name in params:
-                    with torch.no_grad():
-                        params[name].copy_(t)
+                    try:
+                        params[name].weight_loader(params[name], t)
+                    except ValueError as e:
+                        raise ValueError(f"weight {name!r}: {e}") from None
                 elif self.vision_tower is not None and not _unused_vision_weight(name):
                     raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
         missing = [n for n in params if not n.startswith("language_model.") and n not in seen]

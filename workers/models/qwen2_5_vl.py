@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.models.layers import GatedMLP, KVCache, VocabEmbedding, load_stacked_weights
+from workers.models.layers import KVCache, VocabParallelEmbedding, load_stacked_weights, replicated
 from workers.models.llama import STACKED_PARAMS, LlamaModel
 
 
@@ -61,13 +61,27 @@ class VisionAttention(nn.Module):
         return self.proj(out.transpose(0, 1).reshape(n, -1))
 
 
+class VisionMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); plain layers: the tower is replicated on every rank. (Named
+    gate/up, not gate_proj/up_proj, so the language model's fused-weight mapping passes them by.)"""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden)
+        self.up = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate(x)) * self.up(x))
+
+
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, hidden: int):
         super().__init__()
         self.norm1 = VisionRMSNorm(dim)
         self.norm2 = VisionRMSNorm(dim)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = GatedMLP(dim, hidden, bias=True)  # gate/up fused as in the LM
+        self.mlp = VisionMLP(dim, hidden)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attn(self.norm1(x), cos, sin, mask)
@@ -178,11 +192,15 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.config = text = config.get_text_config()
         self.image_token_id = config.image_token_id
         self.model = LlamaModel(text, qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False)
-        self.visual = None if language_model_only else Qwen2_5_VisionTransformer(config.vision_config)
+        self.visual = None
+        if not language_model_only:
+            self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+            for p in self.visual.parameters():  # replicated on every tensor-parallel rank
+                replicated(p)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
         self.lm_head = self.model.embed_tokens if self.tie_word_embeddings else \
-            VocabEmbedding(text.vocab_size, text.hidden_size)
+            VocabParallelEmbedding(text.vocab_size, text.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,14 +210,15 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return self.lm_head.logits(hidden)
 
     # ------------------------------------------------------------ vision
 
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed images (pixel_values [patches, C*T*P*P], image_grid_thw [3]) -> each one's
         embeddings [placeholder tokens, hidden], in one pass of the tower."""
-        dev, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        w = self.visual.patch_embed.proj.weight
+        dev, dtype = w.device, w.dtype
         grids = [tuple(int(v) for v in np.asarray(it["image_grid_thw"]).reshape(3)) for it in items]
         pixels = torch.cat([torch.from_numpy(np.asarray(it["pixel_values"])) for it in items]).to(dev, dtype)
         out = self.visual(pixels, grids)
@@ -233,6 +252,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         def renamed():
             for name, t in weights:
                 name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                if name.startswith("visual."):
+                    name = name.replace(".mlp.gate_proj.", ".mlp.gate.").replace(".mlp.up_proj.", ".mlp.up.")
                 yield name, t
 
         def ignore(name: str) -> bool:
