@@ -147,6 +147,9 @@ class ModelRunner:
         """Run the largest step once, then give the KV cache what the memory budget leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        if self.config.mm_encoder_budget and hasattr(self.model, "dummy_image"):
+            # the encoder's peak too: the largest image the processor can make, once
+            self.model.encode_images([self.model.dummy_image(self.config.mm_max_item_tokens)])
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
@@ -503,7 +506,11 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        self._run_encoders(so)
+        if so.scheduled_encoder_inputs:
+            enc_token = self.stats.begin() if self.stats is not None else None
+            self._run_encoders(so)
+            if enc_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
+                self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
         for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
             self.encoder_cache.pop(h, None)
