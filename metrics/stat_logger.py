@@ -23,6 +23,17 @@ vllm:engine_sleep_state adds sleep_state = awake | weights_offloaded |
 discard_all (1 for the current state, 0 for the others; Loom's sleep level 0,
 which only stops scheduling, reads as awake). The engine reports a sleep change
 with stats even though it does not step while asleep.
+
+vLLM families not exported, because Loom does not do what they measure:
+vllm:spec_decode_* (no speculative decoding), vllm:lora_requests_info (no LoRA),
+vllm:external_prefix_cache_* and the external_kv_transfer source of
+vllm:prompt_tokens_by_source (no KV connector), vllm:mm_cache_* (text only),
+vllm:kv_block_* lifetimes (vLLM samples them only with --kv-cache-metrics), and the
+deprecated, hidden-by-default aliases vllm:gpu_cache_usage_perc,
+vllm:gpu_prefix_cache_* and vllm:time_per_output_token_seconds (now
+vllm:kv_cache_usage_perc, vllm:prefix_cache_* and vllm:inter_token_latency_seconds).
+vllm:num_requests_waiting_by_reason has reason="deferred" at 0: Loom never defers a
+request it has room for.
 """
 from __future__ import annotations
 

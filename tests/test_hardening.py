@@ -405,3 +405,13 @@ def test_fuzz_every_endpoint(server):
     assert seen["requests"] >= 50
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
     assert _greedy(server) == before
+
+
+def test_seeds_of_n_choices_stay_in_64_bits():
+    from frontend.processing import engine_requests
+    from ipc.validation import Limits, validate_request
+    params = SamplingParams(n=3, seed=2 ** 63 - 2)
+    seeds = [r.sampling_params.seed for r in engine_requests("r", [1, 2], params, [], 0.0)]
+    assert seeds == [2 ** 63 - 2, 2 ** 63 - 1, -2 ** 63]
+    for r in engine_requests("r", [1, 2], params, [], 0.0):
+        validate_request(r.prompt_token_ids, r.sampling_params, Limits(100, 64))
