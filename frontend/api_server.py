@@ -35,7 +35,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.control_api import ControlAPI
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
@@ -139,7 +139,7 @@ class OpenAIServer:
 
     def check_alive(self) -> None:
         if self.llm.is_dead:
-            raise APIError(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503)
+            raise APIError(engine_dead_message(self.llm.dead_reason), 503)
 
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name, getattr(self.config, "model", None))
@@ -177,7 +177,7 @@ class OpenAIServer:
                 msg = f"Method {request.method} is not allowed on {request.path}"
             return _error_response(APIError(msg, e.status), headers)
         except EngineDeadError as e:
-            return _error_response(APIError(f"The engine is dead: {e or self.llm.dead_reason}", 503))
+            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001
@@ -198,7 +198,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
-            return _json(error_body(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503), 503)
+            return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
