@@ -3,7 +3,7 @@
     input thread  -> queue -> main loop (schedule, execute, update) -> output thread
 
 The main loop blocks on the queue when there is nothing to run, so an idle
-engine uses no CPU. Sockets: the engine connects a DEALER to each client's
+engine uses no CPU but for a heartbeat to every client each HEARTBEAT_S. Sockets: the engine connects a DEALER to each client's
 input ROUTER (READY first, then it receives ADD/ABORT/UTILITY) and a PUSH to
 each client's output PULL.
 """
@@ -38,6 +38,7 @@ from ipc.validation import Limits, RequestError, validate_request
 from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0   # clients take an engine silent for several of these as stalled (docs/protocol.md)
 
 
 class EngineCore:
@@ -244,6 +245,7 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------ main loop
 
     def run_busy_loop(self) -> None:
+        self._last_beat = 0.0
         while True:
             self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
             by_client = self.step() if self.has_work() else {}
@@ -259,6 +261,7 @@ class EngineCoreProc(EngineCore):
         control = (self.control.sleep_level, self.is_paused())
         if (not by_client and step == self._published_step and control == self._published_control
                 and not self.scheduler.has_timings()):
+            self._heartbeat()
             return  # nothing new (a sleep / pause change, or an abort's timing, is reported even without a step)
         self._published_step, self._published_control = step, control
         stats = self.scheduler.make_stats()
@@ -273,10 +276,22 @@ class EngineCoreProc(EngineCore):
             self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
                 by_client.get(ci, []), self.engine_index, now,
                 stats if ci == stats_client else None, None, timings.get(ci, [])))
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """Every client hears from the loop at least every HEARTBEAT_S, busy or idle, so an API server
+        can tell an engine that stopped stepping (SIGSTOP, a hung step) from an idle one (/health)."""
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_S:
+            return
+        if not self.io.healthy():
+            raise RuntimeError("a client I/O thread of the engine core died")
+        self._last_beat = now
+        self.io.send(-1, MsgType.OUTPUTS.value, EngineCoreOutputs([], self.engine_index, time.time()))
 
     def _drain_inputs(self, block: bool) -> None:
         try:
-            item = self.inputs.get(timeout=None) if block else self.inputs.get_nowait()
+            item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -18,14 +18,14 @@ def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset(
     for f in dataclasses.fields(EngineConfig):
         if f.name in _INTERNAL or f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = (defaults or {}).get(f.name, f.default)
         help_text = f.metadata.get("help", "") + " (default: %(default)s)"
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
+            p.add_argument(*flags, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

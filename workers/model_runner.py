@@ -12,6 +12,7 @@ from ipc.config import EngineConfig
 from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
+from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
@@ -209,7 +210,7 @@ class ModelRunner:
         split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
         from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
         key_cache, value_cache = self.kv_caches[0]
-        hq = self.model.config.num_attention_heads
+        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
         q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
         seq_len = self.config.max_model_len
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
@@ -246,7 +247,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for bs in reversed(sizes):  # the largest first: the others reuse its memory
             self._capture(bs, bs)
-        self.graph_for = pick_graph_sizes({bs: self._time_graph(bs) for bs in sizes})
+        # every rank must run a batch in the same graph size (their all-reduces pair up): they
+        # pick from the slowest rank's times
+        times = all_reduce_max([self._time_graph(bs) for bs in sizes], self.device)
+        self.graph_for = pick_graph_sizes(dict(zip(sizes, times)))
         # a graph that now also runs smaller batches splits the KV as for the smallest of them
         # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
         for g in sizes:
