@@ -13,7 +13,7 @@ from collections import deque
 from ipc.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
-from ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                           PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
@@ -197,7 +197,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, RequestStatus.FINISHED_ERROR)
                 outputs.setdefault(req.client_index, []).append(
-                    EngineCoreOutput(rid, [], "error", error=f"the request failed in the worker: {failed[rid]}"))
+                    EngineCoreOutput(rid, [], "error", INTERNAL_ERROR,
+                                     error=f"the request failed in the worker: {failed[rid]}"))
                 continue
             plp = self._new_prompt_logprobs(req, prompt_logprobs.get(rid))
             if token < 0:

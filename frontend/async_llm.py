@@ -16,7 +16,7 @@ from ipc.config import EngineConfig
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
-from ipc.messages import EngineCoreOutput, EngineCoreOutputs
+from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
 
@@ -44,7 +44,7 @@ class _Collector:
         if rid not in self.unfinished:
             return False
         st = self.states[rid]
-        if out.error is not None and not st.token_ids:   # the engine refused it
+        if out.error is not None and not st.token_ids and out.stop_reason != INTERNAL_ERROR:  # the engine refused it
             self.unfinished.discard(rid)
             self.metrics[rid].finish("error", now)
             self.fail(ValueError(out.error))

@@ -57,6 +57,9 @@ class PromptLogprobs(_Msg):
     ranks: list[int]
 
 
+INTERNAL_ERROR = "internal"   # stop_reason of an error output for a failure on the server's side
+
+
 class EngineCoreOutput(_Msg):
     request_id: str
     new_token_ids: list[int]
@@ -65,7 +68,7 @@ class EngineCoreOutput(_Msg):
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
 
 
 class SchedulerStats(_Msg):
