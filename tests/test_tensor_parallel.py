@@ -38,9 +38,30 @@ def test_llama_one_kv_head_uneven_vocab_matches_hf(model_factory):
     assert llm.config.vocab_size == 337
 
 
-def test_qwen2_biases_match_hf(model_factory):
-    check_parity(model_factory("qwen2"), _prompts(300), tensor_parallel_size=2, block_size=4, max_num_seqs=2,
-                 max_model_len=128)
+def test_qwen2_biases_match_hf_and_control_reaches_every_rank(model_factory):
+    """Qwen2 (q/k/v biases) at TP=2 equals HF; collective_rpc answers per rank; after sleep
+    (level 1: each rank offloads its shard) and wake-up, and a keep-pause, output is the same."""
+    model_dir = model_factory("qwen2")
+    prompts = _prompts(300)
+    llm = LLM(model_dir, tensor_parallel_size=2, block_size=4, max_num_seqs=2, max_model_len=128,
+              enable_sleep_mode=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    try:
+        first = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert first == [hf_greedy(model_dir, p, MAX_NEW, llm.config.eos_token_ids) for p in prompts]
+        info = llm.collective_rpc("all_reduce_info")
+        assert [(i["rank"], i["size"], i["backend"]) for i in info] == [(0, 2, "gloo"), (1, 2, "gloo")]
+        assert len(set(llm.collective_rpc("get_pid"))) == 2
+        llm.sleep(1)
+        llm.wake_up()
+        llm.pause(mode="keep")
+        llm.resume()
+        again = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert again == first
+    finally:
+        llm.shutdown()
 
 
 def _workload(vocab: int) -> list[list[int]]:

@@ -71,6 +71,12 @@ class Worker:
         return self.runner.stats.summary() if self.runner.stats is not None else None
 
     @remote
+    def all_reduce_info(self) -> dict:
+        """This rank's place in the tensor-parallel group and its all-reduce paths."""
+        from workers.distributed import describe
+        return describe()
+
+    @remote
     def get_pid(self) -> int:
         return os.getpid()
 
