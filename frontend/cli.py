@@ -45,6 +45,18 @@ def _serve_parser(sub) -> None:
     p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
     p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
     p.add_argument("--engine-auth-key", default=None)
+    p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest HTTP request body accepted; a larger one gets a 413 (default: %(default)s = 8 MiB)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow requests to supply their own chat template (chat_template, or "
+                        "chat_template_kwargs.chat_template); refused with a 400 otherwise")
+    p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="how message content parts reach the chat template: joined into one string, or as "
+                        "OpenAI's list of parts; auto: detected from the template (default: %(default)s)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
     p.add_argument("--enable-mfu-metrics", action="store_true",
                    help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; metrics/mfu.py)")
     add_engine_args(p)

@@ -16,14 +16,9 @@ from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
+from workers.remote import remote
 
 logger = logging.getLogger(__name__)
-
-
-def remote(fn):
-    """Mark a Worker method as callable through collective_rpc."""
-    fn._loom_remote = True
-    return fn
 
 
 class Worker:
