@@ -18,6 +18,7 @@ import requests
 
 from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
+from ipc.sockets import free_tcp_port
 from tests.conftest import child_pids, loom_ipc_dirs
 from tests.hf_oracle import hf_greedy
 from tests.test_lifecycle import _assert_clean
@@ -185,3 +186,51 @@ def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_
         torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
         assert part.lm_head.weight.shape == (169, 64)
     assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding
+
+
+def _free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free (the rendezvous, the step broadcast, the replies)."""
+    import socket
+    for _ in range(50):
+        base = free_tcp_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def test_two_nodes_on_loopback_match_one_node(tiny_model_dir, start_server):
+    """Two `loom serve` commands as two nodes (rank 1 headless, reading the steps from node 0's
+    CURVE socket): the same greedy tokens as one node (= HF). SIGKILL of node 1's worker: node 0
+    answers 503 within a second and exits non-zero; node 1 exits non-zero too."""
+    import openai
+    port = _free_port_block(3)
+    common = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--engine-auth-key", "two-node-test-key", "--max-model-len", "128"]
+    node1 = start_server(tiny_model_dir, "--headless", "--node-rank", "1", *common, wait=False)
+    head = start_server(tiny_model_dir, *common)
+    client = openai.OpenAI(base_url=head.url + "/v1", api_key="none")
+    prompts = _prompts(300, (5, 23))
+    for p in prompts:
+        out = client.completions.create(model=tiny_model_dir, prompt=p, max_tokens=MAX_NEW, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].token_ids == hf_greedy(tiny_model_dir, p, MAX_NEW, eos=[]), p
+    workers = child_pids(node1.proc.pid)
+    assert len(workers) == 1 and len(child_pids(next(pid for pid in child_pids(head.proc.pid)
+                                                     if child_pids(pid)))) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    while requests.get(head.url + "/health", timeout=2).status_code != 503:
+        assert time.monotonic() - killed_at < 1.0, "/health still 200 a second after node 1's worker died"
+        time.sleep(0.02)
+    assert head.proc.wait(15) not in (0, None)
+    assert node1.proc.wait(15) not in (0, None)
