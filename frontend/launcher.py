@@ -18,6 +18,7 @@ from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args
 from ipc.procs import start_process, stop_processes
+from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
@@ -52,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
+    run_id()  # exported: every child names its shm segments with this run's id
     n_servers = args.api_server_count
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
