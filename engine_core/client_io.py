@@ -57,6 +57,11 @@ class ClientIO:
         if handshake_address:  # bind now, so a bad address fails start-up
             self._handshake = make_socket(self.ctx, zmq.ROUTER, handshake_address, bind=True)
 
+    @property
+    def handshake_endpoint(self) -> str | None:
+        """The handshake address as bound (a "tcp://host:*" address picks a free port)."""
+        return self._handshake.getsockopt_string(zmq.LAST_ENDPOINT) if self._handshake is not None else None
+
     def start(self) -> None:
         self._out.start()
         self._in.start()

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError
 from frontend.processing import check_prompt
 from frontend.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -83,6 +84,17 @@ import msgspec as _msgspec  # noqa: E402
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS  # noqa: E402
 
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
+DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
+
+
+def _dp_rank(request: web.Request, config) -> int | None:
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return check_rank(value, config.data_parallel_size)
+    except ValueError as e:
+        raise APIError(f"{DP_RANK_HEADER}: {e}", 400) from None
 # collective_rpc methods that are remote but would desync the engine's own state: use the endpoints
 _RPC_DENIED = {"sleep": "use POST /sleep", "wake_up": "use POST /wake_up",
                "initialize_cache": "the KV cache is the engine's", "shutdown": "use SIGTERM on `loom serve`"}
@@ -415,7 +427,9 @@ class OpenAIServer:
                 echo_texts.append(text if text is not None else await self._off_loop(self.tokenizer.decode, ids))
         rid = random_id("cmpl")
         created = now()
-        gens = [self.llm.generate(ids, params, f"{rid}-{i}") for i, (_, ids) in enumerate(encoded)]
+        rank = _dp_rank(request, self.config)
+        gens = [self.llm.generate(ids, params, f"{rid}-{i}", **({"data_parallel_rank": rank} if rank is not None else {}))
+                for i, (_, ids) in enumerate(encoded)]
         stream = _merge(gens)
         try:
             first = await self._first(stream)
@@ -507,7 +521,9 @@ class OpenAIServer:
         self._check_prompt(ids, params)
         rid = random_id("chatcmpl")
         created = now()
-        stream = _merge([self.llm.generate(ids, params, rid)])
+        rank = _dp_rank(request, self.config)
+        stream = _merge([self.llm.generate(ids, params, rid,
+                                           **({"data_parallel_rank": rank} if rank is not None else {}))])
         try:
             first = await self._first(stream)
             choices = [_Choice() for _ in range(params.n)]

@@ -45,6 +45,8 @@ class EngineConfig:
     async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
                                     "--no-async-scheduling turns it off)")
     tensor_parallel_size: int = option(1, "GPUs (worker processes) one model is split over")
+    data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
+                                     "GPUs) that share the requests; DP x TP GPUs in all")
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     disable_log_stats: bool = option(False, "no periodic stats log line")
@@ -109,6 +111,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size != 1:
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet")
 
