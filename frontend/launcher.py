@@ -60,6 +60,9 @@ def serve(args: argparse.Namespace) -> int:
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
         return 2
+    if args.max_request_body_bytes < 1:
+        print("loom serve: --max-request-body-bytes must be at least 1", file=sys.stderr)
+        return 2
     auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
     attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
     try:
@@ -104,6 +107,11 @@ def serve(args: argparse.Namespace) -> int:
                        "enable_control_endpoints": args.enable_control_endpoints,
                        "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
                        "enable_mfu_metrics": args.enable_mfu_metrics,
+                       "max_request_body_bytes": args.max_request_body_bytes,
+                       "trust_request_chat_template": args.trust_request_chat_template,
+                       "chat_template_content_format": args.chat_template_content_format,
+                       "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+                       "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
                        "dp_lookup": dp.coordinator_lookup(ipc_dir) if coordinator is not None else None}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
