@@ -9,7 +9,9 @@
 
 So a remote engine is attached exactly as `--engine-address` attaches one: the engine checks the
 API server's key, and the coordinator checks the engine's key before any API server trusts the
-address it gave. The coordinator lives in the head's `loom serve` parent, on a thread.
+address it gave. With a key, the rpc port is a CURVE socket (ipc/auth.py) whose keys derive from
+it, so a peer without the key never gets a frame to the coordinator; the HMAC proof is checked
+on top. The coordinator lives in the head's `loom serve` parent, on a thread.
 """
 from __future__ import annotations
 
@@ -23,12 +25,17 @@ import threading
 import msgspec
 import zmq
 
-from engine_core.client_io import auth_proof
+from engine_core.client import _handshake_reply
+from engine_core.client_io import HANDSHAKE_MAX_MSG_BYTES, auth_proof
+from ipc.auth import HANDSHAKE_FAILED, CurveClient, CurveServer, PeerGuard, derive_keys
 from ipc.messages import EngineRegistration, Hello, MsgType
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
+
+# Roles of the CURVE keys derived from --engine-auth-key for the rpc port.
+DP_HEAD_ROLE, DP_RANK_ROLE = "loom-dp-head", "loom-dp-rank"
 
 
 @dataclasses.dataclass
@@ -58,24 +65,28 @@ def register_with_head(head_address: str, rank: int, handshake_address: str, aut
                        timeout: float = 900.0) -> None:
     """From a remote engine core, once it is ready: tell the head where to attach."""
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, head_address, bind=False)
+    auth = None
+    if auth_key:
+        auth = CurveClient(derive_keys(auth_key, DP_RANK_ROLE), derive_keys(auth_key, DP_HEAD_ROLE).public)
+    sock = make_socket(ctx, zmq.DEALER, head_address, bind=False, auth=auth)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
     enc = Encoder()
     try:
         sock.send_multipart(enc.encode(MsgType.HELLO.value, None))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"the head's DP coordinator did not answer at {head_address}")
-        hello: Hello = Decoder(Hello).decode(sock.recv_multipart(copy=False))
+        frames = _handshake_reply(sock, monitor, timeout, f"the head's DP coordinator did not answer at {head_address}")
+        hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:
             raise PermissionError("the head requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
         proof = auth_proof(auth_key, hello.nonce) if auth_key else ""
         sock.send_multipart(enc.encode(MsgType.REGISTER.value, EngineRegistration(rank, handshake_address, proof)))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"the head's DP coordinator at {head_address} did not answer the registration")
-        frames = sock.recv_multipart(copy=False)
+        frames = _handshake_reply(sock, monitor, timeout,
+                                  f"the head's DP coordinator at {head_address} did not answer the registration")
         if bytes(frames[0].buffer) == MsgType.REFUSED.value:
             raise PermissionError(f"the head refused data-parallel rank {rank}: "
                                   f"{msgspec.msgpack.decode(frames[1].buffer)}")
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
 
@@ -84,14 +95,18 @@ class DPCoordinator:
     """The head's registry of remote engine cores: registered over TCP (with the key), read by the
     head's own API servers over a private ipc socket."""
 
-    def __init__(self, rpc_address: str, lookup_address: str, remote_ranks: range, auth_key: str | None,
-                 model: str = ""):
+    def __init__(self, rpc_address: str, lookup_address: str, remote_ranks: range, auth_key: str | None):
         self.ctx = zmq.Context()
         self.remote_ranks = remote_ranks
         self.auth_key = auth_key or None
-        self.model = model
         self.addresses: dict[int, str] = {}
-        self.rpc = make_socket(self.ctx, zmq.ROUTER, rpc_address, bind=True)   # a port in use fails here
+        self.guard, auth = None, None
+        if self.auth_key:   # only holders of the key complete the handshake
+            self.guard = PeerGuard(self.ctx, "DP coordinator", (derive_keys(self.auth_key, DP_RANK_ROLE).public,))
+            auth = CurveServer(derive_keys(self.auth_key, DP_HEAD_ROLE))
+        # a port in use fails here
+        self.rpc = make_socket(self.ctx, zmq.ROUTER, rpc_address, bind=True, auth=auth,
+                               max_msg_size=HANDSHAKE_MAX_MSG_BYTES)
         self.lookup = make_socket(self.ctx, zmq.ROUTER, lookup_address, bind=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dp-coordinator", daemon=True)
@@ -102,6 +117,8 @@ class DPCoordinator:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self.guard is not None:
+            self.guard.close()
         self.ctx.destroy(linger=0)
 
     def _loop(self) -> None:
@@ -131,7 +148,7 @@ class DPCoordinator:
                 nonces.clear()
             nonces[identity] = nonce = secrets.token_bytes(32)
             self.rpc.send_multipart([identity, *enc.encode(MsgType.HELLO.value,
-                                                           Hello(nonce, self.auth_key is not None, self.model))])
+                                                           Hello(nonce, self.auth_key is not None))])
             return
         nonce = nonces.pop(identity, None)
         try:

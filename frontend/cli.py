@@ -46,15 +46,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--headless", action="store_true",
                    help="run only the engine core(s) and workers: with --engine-address, one engine that "
                         "clients attach to; with --data-parallel-start-rank, data-parallel ranks that join a head")
-    p.add_argument("--data-parallel-size-local", type=int, default=None,
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
                    help="engine cores (data-parallel ranks) on this node (default: all of them on the head, "
                         "the rest from --data-parallel-start-rank when --headless)")
-    p.add_argument("--data-parallel-start-rank", type=int, default=0,
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
                    help="the first data-parallel rank on this node (0 on the head) (default: %(default)s)")
-    p.add_argument("--data-parallel-address", default="127.0.0.1",
+    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
                    help="the head's address: where it listens for remote ranks on --data-parallel-rpc-port, "
                         "and where --headless ranks find it (default: %(default)s)")
-    p.add_argument("--data-parallel-rpc-port", type=int, default=None,
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
                    help="the head's port where engine cores of other nodes register (needed when "
                         "--data-parallel-size-local < --data-parallel-size)")
     p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")

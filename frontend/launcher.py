@@ -88,8 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     engines, coordinator = [], None
     if dp.remote_ranks:   # the head: ranks of other nodes register on the rpc port
         try:
-            coordinator = DPCoordinator(dp.head_rpc, dp.coordinator_lookup(ipc_dir), dp.remote_ranks, auth_key,
-                                        config.model_name)
+            coordinator = DPCoordinator(dp.head_rpc, dp.coordinator_lookup(ipc_dir), dp.remote_ranks, auth_key)
         except zmq.ZMQError as e:
             print(f"loom serve: cannot listen on {dp.head_rpc}: {e}", file=sys.stderr)
             remove_ipc_dir(ipc_dir)

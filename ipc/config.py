@@ -59,7 +59,7 @@ class EngineConfig:
     master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
                               "next port); with --nnodes > 1 (one node picks a free port)")
     data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
-                                     "GPUs) that share the requests; DP x TP GPUs in all")
+                                     "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     disable_log_stats: bool = option(False, "no periodic stats log line")

@@ -201,6 +201,14 @@ def test_killing_one_engine_core_ends_serve(model_factory):
         assert len(engines) == 2
         assert os.listdir(tmp)                                 # the ipc dir is there
         os.kill(engines[1], signal.SIGKILL)
+        statuses = set()
+        while server.proc.poll() is None:   # /health says 503 while the API server lingers
+            try:
+                statuses.add(requests.get(server.url + "/health", timeout=1).status_code)
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        assert 503 in statuses, statuses
         assert server.proc.wait(30) not in (0, None)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (server.descendants() or _orphan_shm(before) or os.listdir(tmp)):
