@@ -148,6 +148,40 @@ def test_pause_through_one_server_resume_through_the_other(dp_server):
         b.close()
 
 
+def test_abort_follows_its_request(dp_server):
+    """A client that goes away mid-stream: its request is aborted in the engine it ran on."""
+    _, server = dp_server
+    scheduled = lambda: _metric(server.url, "vllm:iteration_tokens_total_sum", "1")   # engine-side count
+    before = scheduled()
+    with requests.post(server.url + "/v1/completions", headers={RANK: "1"}, stream=True, timeout=60, json={
+            "prompt": "abort me", "max_tokens": 230, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith(b"data: {")
+            if events == 3:
+                break
+    deadline = time.monotonic() + 20
+    while _metric(server.url, "vllm:num_requests_running", "1") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert _metric(server.url, "vllm:num_requests_running", "1") == 0
+    assert scheduled() - before < 100, "engine 1 ran the abandoned request on"
+
+
+def test_devices_per_rank(monkeypatch):
+    from engine_core.dp_coordinator import select_devices
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    select_devices(1, 2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    select_devices(1, 2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        select_devices(1, 2)
+
+
 def test_control_calls_reach_every_engine(dp_server):
     _, server = dp_server
     r = requests.post(server.url + "/collective_rpc", json={"method": "ping"}, timeout=30)
