@@ -101,7 +101,6 @@ class AsyncLLM:
         addresses = [engine_address] if engine_address else list(remote_engines)
         await asyncio.gather(*(self.client.attach_handshake(a, auth_key, timeout) for a in addresses))
         await self.client.wait_ready(timeout)
-        self.router = DPRouter(self.config.data_parallel_size, self.config.block_size, self.client_index)
 
     @property
     def client_index(self) -> int:
