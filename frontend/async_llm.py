@@ -17,9 +17,10 @@ from frontend.dp_router import DPRouter, check_rank, merge_results
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
-from ipc.messages import EngineCoreOutput, EngineCoreOutputs
+from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
+from multimodal.processor import make_mm_processor
 
 
 class _Collector:
@@ -46,7 +47,7 @@ class _Collector:
         if rid not in self.unfinished:
             return False
         st = self.states[rid]
-        if out.error is not None and not st.token_ids:   # the engine refused it
+        if out.error is not None and not st.token_ids and out.stop_reason != INTERNAL_ERROR:  # the engine refused it
             self.unfinished.discard(rid)
             self.metrics[rid].finish("error", now)
             self.fail(ValueError(out.error))
@@ -86,6 +87,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, client_index: int = 0):
         self.config = config
         self.tokenizer = load_tokenizer(config)
+        self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
         self.router = DPRouter(config.data_parallel_size, config.block_size, client_index)
@@ -120,6 +122,8 @@ class AsyncLLM:
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
         """Every output is detokenized and counted here, as it arrives, once per engine step."""
         now = time.monotonic()  # when these outputs reached the frontend, for latency metrics
+        if self.mm is not None:
+            self.mm.store.maybe_unlink()
         if outs.load is not None:
             self.router.on_load(outs.engine_index, outs.load)
         stopped = []
@@ -149,22 +153,31 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_items: list | None = None, data_parallel_rank: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
+        mm_items: the prompt's images, already in this server's store (one reference, taken over
+        here: every engine request holds one, given back by the engine when it ends).
         data_parallel_rank pins the request to that engine core; else the router picks one."""
         if self.is_dead:
+            if mm_items:
+                self.mm.unref(mm_items)
             raise EngineDeadError(self.dead_reason)
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
-        states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
-                                               self.tokenizer) for i, ecr in enumerate(ecrs)}
-        rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
-               for i, ecr in enumerate(ecrs)}
         if data_parallel_rank is not None:
             engine = self.router.pinned(check_rank(data_parallel_rank, self.router.n), len(ecrs))
         else:
             engine = self.router.pick(prompt_token_ids, len(ecrs))
+        if mm_items:
+            self.mm.addref(mm_items, len(ecrs) - 1)
+            for ecr in ecrs:
+                ecr.mm_items = mm_items
+        states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
+                                               self.tokenizer) for i, ecr in enumerate(ecrs)}
+        rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
+               for i, ecr in enumerate(ecrs)}
         req = _Collector(states, rms, engine)
         for rid in states:   # before any await: _on_dead must see it
             self._requests[rid] = req
@@ -204,6 +217,8 @@ class AsyncLLM:
 
     def close(self) -> None:
         self.client.close()
+        if self.mm is not None:
+            self.mm.close()
 
 
 def _merge(deltas: list) -> list:
