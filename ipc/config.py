@@ -58,6 +58,8 @@ class EngineConfig:
                               "TCP rendezvous and the step broadcast); with --nnodes > 1")
     master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
                               "next port); with --nnodes > 1 (one node picks a free port)")
+    data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
+                                     "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     disable_log_stats: bool = option(False, "no periodic stats log line")
@@ -165,6 +167,11 @@ class EngineConfig:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
             raise ConfigError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nodes > 1:
+            raise ConfigError("--data-parallel-size > 1 with --nnodes > 1 is not supported: each data-parallel "
+                              "rank runs its tensor-parallel workers on one node")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""
