@@ -29,6 +29,7 @@ from aiohttp import web
 
 from frontend.errors import EngineDeadError
 from frontend.processing import check_prompt
+from frontend.rl_api import rl_routes
 from frontend.protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, chat_choice, chat_chunk, chat_chunk_choice,
                                chat_logprobs, chat_response, check_model, completion_choice, completion_chunk,
@@ -628,6 +629,7 @@ class OpenAIServer:
                        ("POST", "/pause", self.pause), ("POST", "/resume", self.resume),
                        ("GET", "/is_paused", self.is_paused),
                        ("POST", "/collective_rpc", self.collective_rpc)]
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

@@ -49,6 +49,8 @@ class EngineConfig:
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -88,6 +90,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
         return self
 

@@ -232,14 +232,15 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------- weight loading
 def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          stacked_mapping: list[tuple[str, str, object]],
-                         ignore: callable = lambda name: False) -> set[str]:
-    """Copy checkpoint tensors into the model's parameters.
+                         ignore: callable = lambda name: False, partial: bool = False) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters, in place (param.data is
+    never replaced, so captured CUDA graphs stay valid).
 
     stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
     rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
     duplicate checkpoint name, a shape mismatch, checkpoint weights that map to
-    nothing, or parameters (or shards of fused ones) left unloaded.
-    Returns the set of checkpoint names loaded."""
+    nothing, or (unless `partial`: a weight update of some tensors) parameters
+    (or shards of fused ones) left unloaded. Returns the set of checkpoint names loaded."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     seen: set[str] = set()
@@ -272,7 +273,7 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         loaded.setdefault(name, set()).add(shard_id)
 
     missing = []
-    for name in params:
+    for name in params if not partial else ():
         module = model.get_submodule(name.rsplit(".", 1)[0])
         expected = set(module.shard_ranges) if isinstance(module, MergedLinear) else {None}
         got = loaded.get(name, set())

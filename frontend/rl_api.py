@@ -1,0 +1,198 @@
+"""HTTP control for RL trainers and operators: weight updates and the torch profiler.
+
+Weight updates use SGLang's endpoints and request fields, so trainer-side clients written for
+SGLang (TorchRL's, verl's, slime's) work unchanged; only with --enable-control-endpoints (and the
+API key when one is set):
+
+    POST /update_weights_from_disk        {model_path, load_format="auto", flush_cache=true, abort_all_requests=false}
+    POST /init_weights_update_group       {master_address, master_port, rank_offset, world_size,
+                                           group_name="weight_update_group", backend="nccl"}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache=true, abort_all_requests=false}
+    POST /destroy_weights_update_group    {group_name}
+    POST /update_weights_from_tensor      {named_tensors: [handle, ...], flush_cache=true, abort_all_requests=false}
+    GET  /get_weights_by_name?name=...&truncate_size=100   (or POST {name, truncate_size})
+
+Each answers {"success": true, "message": ...}; a failure is {"success": false, "message": ...}
+with OpenAI's "error" object beside it, status 400 for the caller's fault (a wrong name, shape
+or dtype, nothing changed; the engine not paused) and 500 otherwise. Weight updates need the
+engine paused (POST /pause?mode=keep), or abort_all_requests=true: requests in flight end with
+finish_reason "abort", as in SGLang. update_weights_from_tensor never unpickles: its handles are
+JSON (shared memory or CUDA IPC; format in ipc/tensor_handles.py), not SGLang's pickled
+`serialized_named_tensors`, which is refused.
+
+The profiler (POST /start_profile, POST /stop_profile; optional `profile_prefix` in a JSON body
+or the query) is served when --profiler-dir (or LOOM_TORCH_PROFILER_DIR) is set or the control
+endpoints are enabled.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from frontend.protocol import APIError, dumps, parse_request
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+class UpdateWeightFromDiskReqInput(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class InitWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(msgspec.Struct, kw_only=True):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True):
+    group_name: str = DEFAULT_GROUP
+
+
+class UpdateWeightsFromTensorReqInput(msgspec.Struct, kw_only=True):
+    named_tensors: list[dict[str, Any]] | None = None
+    serialized_named_tensors: Any = None   # SGLang's pickles: refused
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class GetWeightsByNameReqInput(msgspec.Struct, kw_only=True):
+    name: str
+    truncate_size: int = 100
+
+
+class ProfileReqInput(msgspec.Struct, kw_only=True):
+    profile_prefix: str | None = None
+
+
+def _result(success: bool, message: str, status: int = 200, error: APIError | None = None) -> web.Response:
+    body: dict = {"success": success, "message": message}
+    if error is not None:
+        body.update(error.body())
+    return web.Response(body=dumps(body), status=status, content_type="application/json")
+
+
+class RLControl:
+    def __init__(self, server):
+        self.server = server   # frontend.api_server.OpenAIServer: its engine client and error mapping
+
+    async def _body(self, request: web.Request, cls, optional: bool = False):
+        raw = await request.read()
+        if optional and not raw.strip():
+            return cls()
+        return parse_request(raw, cls)
+
+    async def _update(self, method: str, *args, abort_all_requests: bool = False) -> web.Response:
+        """Run a weight update; with abort_all_requests on an unpaused engine, abort everything
+        in flight, update and resume (SGLang's semantics)."""
+        control = self.server._control
+        pause = abort_all_requests and not await control("is_paused")
+        try:
+            if pause:
+                await control("pause", "abort", False)
+            n = await control(method, *args)
+        except APIError as e:
+            return _result(False, e.message, e.status, e)
+        finally:
+            if pause:
+                await control("resume")
+        return _result(True, f"Succeeded to update model weights ({n} tensors).")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req = await self._body(request, UpdateWeightFromDiskReqInput)
+        return await self._update("update_weights_from_disk", req.model_path, req.load_format or "auto",
+                                  req.flush_cache, abort_all_requests=req.abort_all_requests)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = await self._body(request, UpdateWeightsFromDistributedReqInput)
+        return await self._update("update_weights_from_distributed", req.names, req.dtypes, req.shapes,
+                                  req.group_name, req.flush_cache, abort_all_requests=req.abort_all_requests)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        req = await self._body(request, UpdateWeightsFromTensorReqInput)
+        if req.serialized_named_tensors is not None:
+            raise APIError("pickled 'serialized_named_tensors' are not accepted (unpickling runs code): send "
+                           "'named_tensors', a list of JSON tensor handles (see ipc/tensor_handles.py)",
+                           400, "serialized_named_tensors")
+        if req.named_tensors is None:
+            raise APIError("'named_tensors' is a required field", 400, "named_tensors")
+        return await self._update("update_weights_from_tensor", req.named_tensors, req.flush_cache,
+                                  abort_all_requests=req.abort_all_requests)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await self._body(request, InitWeightsUpdateGroupReqInput)
+        try:
+            await self.server._control("init_weights_update_group", req.master_address, req.master_port,
+                                       req.rank_offset, req.world_size, req.group_name, req.backend)
+        except APIError as e:
+            return _result(False, e.message, e.status, e)
+        return _result(True, f"Joined weight update group {req.group_name!r}.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await self._body(request, DestroyWeightsUpdateGroupReqInput, optional=True)
+        try:
+            await self.server._control("destroy_weights_update_group", req.group_name)
+        except APIError as e:
+            return _result(False, e.message, e.status, e)
+        return _result(True, f"Destroyed weight update group {req.group_name!r}.")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            req = await self._body(request, GetWeightsByNameReqInput)
+        else:
+            name = request.query.get("name")
+            if not name:
+                raise APIError("'name' is a required query parameter", 400, "name")
+            try:
+                truncate_size = int(request.query.get("truncate_size", 100))
+            except ValueError:
+                raise APIError("'truncate_size' must be an integer", 400, "truncate_size") from None
+            req = GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)
+        values = await self.server._control("get_weights_by_name", req.name, req.truncate_size, param="name")
+        return web.Response(body=dumps(values), content_type="application/json")
+
+    # ---- profiler
+
+    async def start_profile(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ProfileReqInput, optional=True)
+        prefix = req.profile_prefix or request.query.get("profile_prefix")
+        names = await self.server._control("start_profile", prefix, param="profile_prefix")
+        return web.Response(body=dumps({"status": "ok", "traces": names}), content_type="application/json")
+
+    async def stop_profile(self, request: web.Request) -> web.Response:
+        names = await self.server._control("stop_profile")
+        return web.Response(body=dumps({"status": "ok", "traces": names}), content_type="application/json")
+
+
+def rl_routes(server) -> list[tuple[str, str, Any]]:
+    """(method, path, handler) of the endpoints this server exposes (see the module docstring)."""
+    api = RLControl(server)
+    routes = []
+    if server.enable_control_endpoints:
+        routes += [("POST", "/update_weights_from_disk", api.update_weights_from_disk),
+                   ("POST", "/init_weights_update_group", api.init_weights_update_group),
+                   ("POST", "/update_weights_from_distributed", api.update_weights_from_distributed),
+                   ("POST", "/destroy_weights_update_group", api.destroy_weights_update_group),
+                   ("POST", "/update_weights_from_tensor", api.update_weights_from_tensor),
+                   ("GET", "/get_weights_by_name", api.get_weights_by_name),
+                   ("POST", "/get_weights_by_name", api.get_weights_by_name)]
+    if server.enable_control_endpoints or getattr(server.config, "profiler_dir", None):
+        routes += [("POST", "/start_profile", api.start_profile), ("POST", "/stop_profile", api.stop_profile)]
+    return routes

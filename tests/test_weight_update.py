@@ -1,0 +1,185 @@
+"""Weight updates (from disk, from tensors) under pause, and the torch profiler, through the
+offline LLM. The oracle for "a fresh engine on the new weights" is HF transformers.
+
+One engine serves the module; every test leaves it on checkpoint A, unpaused and awake."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from frontend import LLM, SamplingParams
+from tests.hf_oracle import hf_greedy
+
+PROMPTS = [[11, 12, 13, 14], [50, 60, 70], [101, 102, 103, 104, 105, 106]]
+LONG = 40
+GREEDY = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"   # a part of the fused qkv_proj
+
+
+@pytest.fixture(scope="module")
+def ckpt(model_factory):
+    """Two checkpoints of one architecture: A (served first) and B (another seed)."""
+    return model_factory("qwen3"), model_factory("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt, tmp_path_factory):
+    engine = LLM(ckpt[0], max_model_len=128, block_size=4, enable_sleep_mode=True,
+                 profiler_dir=str(tmp_path_factory.mktemp("traces")))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    """Greedy outputs of A and of B, per prompt (HF)."""
+    return {d: [hf_greedy(d, p, LONG) for p in PROMPTS] for d in ckpt}
+
+
+def _gen(llm) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _restore(llm, a: str) -> None:
+    llm.pause("keep")
+    llm.update_weights_from_disk(a)
+    llm.resume()
+
+
+def _pause_keep_mid_flight(llm) -> None:
+    """Enqueue the prompts and freeze them once they are decoding."""
+    llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    while llm.debug_info()["output_tokens"] < 4 * len(PROMPTS):   # a few tokens on the old weights
+        time.sleep(0.002)
+    llm.pause("keep")
+    assert llm.debug_info()["output_tokens"] < (LONG - 4) * len(PROMPTS)   # and more to come
+
+
+def test_update_from_disk_under_pause_keep(llm, ckpt, ref):
+    """Tokens after the update equal a fresh engine's on B, continuing from the tokens made before it."""
+    a, b = ckpt
+    assert _gen(llm) == ref[a]
+    _pause_keep_mid_flight(llm)
+    assert llm.update_weights_from_disk(b) > 0
+    llm.resume()
+    outs = [o.outputs[0].token_ids for o in llm.wait_for_completion()]
+    split_points = []
+    for prompt, out, old in zip(PROMPTS, outs, ref[a]):
+        assert len(out) == LONG
+        # the tokens before the pause are A's; B continues from prompt + those (some k must fit)
+        k = next((k for k in range(LONG, -1, -1) if out[:k] == old[:k]
+                  and out[k:] == hf_greedy(b, prompt + out[:k], LONG - k)), None)
+        assert k is not None, (out, old)
+        split_points.append(k)
+    assert any(0 < k < LONG for k in split_points), split_points   # it was updated mid-request
+    assert _gen(llm) == ref[b]
+    # the same checkpoint again, mid-flight: the output equals an uninterrupted run
+    _pause_keep_mid_flight(llm)
+    llm.update_weights_from_disk(b)
+    llm.resume()
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion()] == ref[b]
+    _restore(llm, a)
+    assert _gen(llm) == ref[a]
+
+
+def test_update_from_tensor(llm, ckpt, ref):
+    a, b = ckpt
+    new = load_file(os.path.join(b, "model.safetensors"))
+    llm.pause("abort")
+    assert llm.update_weights_from_tensor(new) == len(new)
+    llm.resume()
+    assert _gen(llm) == ref[b]
+    # a fused part reads back as sent; the first N rows (SGLang's truncate_size)
+    got = torch.tensor(llm.get_weights_by_name(K_PROJ, 3))
+    assert torch.equal(got, new[K_PROJ][:3])
+    # some tensors only, in bfloat16 (cast to the model's dtype), through a list of pairs
+    old = load_file(os.path.join(a, "model.safetensors"))
+    llm.pause("keep")
+    llm.update_weights_from_tensor([(K_PROJ, old[K_PROJ].bfloat16())])
+    llm.resume()
+    assert torch.equal(torch.tensor(llm.get_weights_by_name(K_PROJ, 2)), old[K_PROJ][:2].bfloat16().float())
+    _restore(llm, a)
+    assert _gen(llm) == ref[a]
+    assert not glob.glob("/dev/shm/loom-tensors-*")   # the segments are unlinked
+
+
+def test_update_while_asleep_with_weights_awake(llm, ckpt, ref):
+    a, b = ckpt
+    llm.sleep(1)
+    with pytest.raises(RuntimeError, match="weights are asleep"):
+        llm.update_weights_from_disk(b)
+    llm.wake_up(["weights"])
+    llm.update_weights_from_disk(b)
+    llm.wake_up()
+    assert _gen(llm) == ref[b]
+    llm.sleep(2)        # level 2 discards the weights: waking reloads the checkpoint last loaded (B)
+    llm.wake_up()
+    assert _gen(llm) == ref[b]
+    llm.sleep(0)        # scheduling asleep: no request steps, so updates are allowed
+    llm.update_weights_from_disk(a)
+    llm.wake_up()
+    assert _gen(llm) == ref[a]
+
+
+def test_bad_updates_change_nothing(llm, ckpt, ref, tmp_path):
+    a, b = ckpt
+    new = load_file(os.path.join(b, "model.safetensors"))
+    before = llm.get_weights_by_name(K_PROJ, 4)
+    with pytest.raises(RuntimeError, match="pause it first"):       # running, not paused
+        llm.update_weights_from_tensor(new)
+    llm.pause("keep")
+    bad_cases = [
+        ({**new, "model.layers.0.mlp.nope.weight": new[K_PROJ]}, "'model.layers.0.mlp.nope.weight' is not a weight"),
+        ({**new, K_PROJ: new[K_PROJ][:-1]}, rf"'{K_PROJ}' has shape \[31, 64\], expected \[32, 64\]"),
+        ({**new, K_PROJ: new[K_PROJ].to(torch.int32)}, f"'{K_PROJ}' has dtype torch.int32"),
+    ]
+    for tensors, msg in bad_cases:   # the good tensors come first: none of them may be copied
+        with pytest.raises(RuntimeError, match=msg):
+            llm.update_weights_from_tensor(tensors)
+    with pytest.raises(RuntimeError, match="no config.json"):
+        llm.update_weights_from_disk(str(tmp_path))
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(RuntimeError, match="LlamaForCausalLM"):
+        llm.update_weights_from_disk(str(other))
+    with pytest.raises(RuntimeError, match="shared-memory segment 'loom-missing' does not exist"):
+        llm.client.call_utility("update_weights_from_tensor", [
+            {"name": K_PROJ, "dtype": "float32", "shape": [32, 64], "shm": {"segment": "loom-missing"}}])
+    with pytest.raises(RuntimeError, match="bad shared-memory segment name"):
+        llm.client.call_utility("update_weights_from_tensor", [
+            {"name": K_PROJ, "dtype": "float32", "shape": [32, 64], "shm": {"segment": "../etc/passwd"}}])
+    with pytest.raises(RuntimeError, match="not callable on workers through collective_rpc"):
+        llm.collective_rpc("update_weights_from_disk", [b])   # only the engine may (it resets the cache)
+    llm.resume()
+    assert llm.get_weights_by_name(K_PROJ, 4) == before
+    assert _gen(llm) == ref[a]
+
+
+def test_profiler_writes_a_trace_per_rank(llm):
+    trace_dir = llm.config.profiler_dir
+    with pytest.raises(RuntimeError, match="not running"):
+        llm.stop_profile()
+    llm.start_profile("rltest")
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_profile()
+    _gen(llm)
+    llm.stop_profile()
+    llm.start_profile()   # a restart keeps the name
+    _gen(llm)
+    llm.stop_profile()
+    traces = sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json")))
+    assert len(traces) == 2, traces
+    for path in traces:
+        assert os.path.basename(path).startswith("rltest_dp0_tp0_rank0."), path
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+        assert "aten::linear" in ops or "aten::mm" in ops, sorted(ops)[:20]
