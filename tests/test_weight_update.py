@@ -65,6 +65,7 @@ def _pause_keep_mid_flight(llm) -> None:
 def test_update_from_disk_under_pause_keep(llm, ckpt, ref):
     """Tokens after the update equal a fresh engine's on B, continuing from the tokens made before it."""
     a, b = ckpt
+    assert all(x[0] != y[0] for x, y in zip(ref[a], ref[b]))   # B differs from the first token on
     assert _gen(llm) == ref[a]
     _pause_keep_mid_flight(llm)
     assert llm.update_weights_from_disk(b) > 0
