@@ -216,7 +216,8 @@ class EngineCore:
         requests recompute (so their next tokens equal a fresh engine's on the new weights)."""
         if flush_cache:
             self.scheduler.preempt_all()
-            self.scheduler.reset_prefix_cache()
+            if not self.scheduler.reset_prefix_cache():  # every block is free once nothing runs
+                raise RuntimeError("the prefix cache could not be reset after a weight update")
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
         self._check_weights_updatable()

@@ -20,6 +20,17 @@ finish_reason "abort", as in SGLang. update_weights_from_tensor never unpickles:
 JSON (shared memory or CUDA IPC; format in ipc/tensor_handles.py), not SGLang's pickled
 `serialized_named_tensors`, which is refused.
 
+SGLang's generation control, which trainer clients call around an update (TorchRL's transport
+does), maps onto Loom's pause (also control endpoints):
+
+    POST /pause_generation {mode="abort"}  abort -> pause(abort); retract -> pause(keep, clear_cache:
+                                           running requests give back their KV and recompute);
+                                           in_place -> pause(keep)
+    POST /continue_generation              resume()
+    POST /flush_cache                      reset the prefix cache
+    GET  /get_load                         [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_running_reqs",
+                                             "num_tokens" (KV-cache tokens in use: blocks x block size)}]
+
 The profiler (POST /start_profile, POST /stop_profile; optional `profile_prefix` in a JSON body
 or the query) is served when --profiler-dir (or LOOM_TORCH_PROFILER_DIR) is set or the control
 endpoints are enabled.
@@ -76,6 +87,13 @@ class UpdateWeightsFromTensorReqInput(msgspec.Struct, kw_only=True):
 class GetWeightsByNameReqInput(msgspec.Struct, kw_only=True):
     name: str
     truncate_size: int = 100
+
+
+class PauseGenerationReqInput(msgspec.Struct, kw_only=True):
+    mode: str = "abort"
+
+
+_PAUSE_MODES = {"abort": ("abort", False), "retract": ("keep", True), "in_place": ("keep", False)}
 
 
 class ProfileReqInput(msgspec.Struct, kw_only=True):
@@ -168,6 +186,34 @@ class RLControl:
         values = await self.server._control("get_weights_by_name", req.name, req.truncate_size, param="name")
         return web.Response(body=dumps(values), content_type="application/json")
 
+    # ---- SGLang's generation control
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        req = await self._body(request, PauseGenerationReqInput, optional=True)
+        if req.mode not in _PAUSE_MODES:
+            raise APIError(f"'mode' must be one of {', '.join(_PAUSE_MODES)}; got {req.mode!r}", 400, "mode")
+        await self.server._control("pause", *_PAUSE_MODES[req.mode], param="mode")
+        return web.Response(body=dumps({"status": "ok", "message": "Generation paused successfully."}),
+                            content_type="application/json")
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.server._control("resume")
+        return web.Response(body=dumps({"status": "ok", "message": "Generation continued successfully."}),
+                            content_type="application/json")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await self.server._control("reset_prefix_cache"):
+            return _result(True, "Cache flushed.")
+        msg = "The prefix cache was not flushed: requests are running (pause first)."
+        return _result(False, msg, 400, APIError(msg, 400))
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        info = await self.server._control("debug_info")
+        used = (info["num_blocks"] - info["free_blocks"]) * self.server.config.block_size
+        return web.Response(body=dumps([{
+            "dp_rank": 0, "num_reqs": info["running"] + info["waiting"], "num_waiting_reqs": info["waiting"],
+            "num_running_reqs": info["running"], "num_tokens": used}]), content_type="application/json")
+
     # ---- profiler
 
     async def start_profile(self, request: web.Request) -> web.Response:
@@ -192,7 +238,10 @@ def rl_routes(server) -> list[tuple[str, str, Any]]:
                    ("POST", "/destroy_weights_update_group", api.destroy_weights_update_group),
                    ("POST", "/update_weights_from_tensor", api.update_weights_from_tensor),
                    ("GET", "/get_weights_by_name", api.get_weights_by_name),
-                   ("POST", "/get_weights_by_name", api.get_weights_by_name)]
+                   ("POST", "/get_weights_by_name", api.get_weights_by_name),
+                   ("POST", "/pause_generation", api.pause_generation),
+                   ("POST", "/continue_generation", api.continue_generation),
+                   ("POST", "/flush_cache", api.flush_cache), ("GET", "/get_load", api.get_load)]
     if server.enable_control_endpoints or getattr(server.config, "profiler_dir", None):
         routes += [("POST", "/start_profile", api.start_profile), ("POST", "/stop_profile", api.stop_profile)]
     return routes

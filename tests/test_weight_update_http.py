@@ -30,7 +30,9 @@ N = 16
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 WEIGHT_ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/init_weights_update_group"),
                     ("POST", "/update_weights_from_distributed"), ("POST", "/destroy_weights_update_group"),
-                    ("POST", "/update_weights_from_tensor"), ("GET", "/get_weights_by_name")]
+                    ("POST", "/update_weights_from_tensor"), ("GET", "/get_weights_by_name"),
+                    ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
+                    ("GET", "/get_load")]
 PROFILER_ENDPOINTS = [("POST", "/start_profile"), ("POST", "/stop_profile")]
 
 
@@ -115,11 +117,16 @@ def test_weights_from_a_trainer_group(server, ckpt):
             "group_name": "rl_group", "backend": "gloo"})
         assert status == 400 and not body["success"] and "already exists" in body["message"], body
 
-        assert post(server, "/pause?mode=keep")[0] == 200
+        # TorchRL's sequence: SGLang's pause_generation (retract), get_load until nothing runs,
+        # the update, continue_generation
+        assert post(server, "/pause_generation", {"mode": "retract"})[0] == 200
+        load = requests.get(server.url + "/get_load", headers=AUTH, timeout=30).json()
+        assert load[0]["num_running_reqs"] == 0 and load[0]["num_reqs"] == 0, load
         status, body = broadcast(meta)
         assert status == 200 and body == {"success": True, "message": body["message"]}, body
-        assert post(server, "/resume")[0] == 200
+        assert post(server, "/continue_generation", {"torch_empty_cache": True})[0] == 200
         assert greedy_text(server) == hf_text(b)
+        assert post(server, "/flush_cache") == (200, {"success": True, "message": "Cache flushed."})
         assert torch.equal(weights_rows(server, K_PROJ, 2), new[K_PROJ][:2])
 
         # a wrong shape: 400 naming the tensor; the broadcasts are taken (the trainer does not hang),
