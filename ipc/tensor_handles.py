@@ -210,7 +210,7 @@ def _open_cuda(h: TensorHandle, dtype: torch.dtype, device: torch.device) -> tor
         raise ValueError(f"tensor {h.name!r} is a CUDA IPC handle, but the workers run on {device}")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     c = h.cuda_ipc
-    return rebuild_cuda_tensor(torch.Tensor, tuple(h.shape), tuple(c.stride), c.tensor_offset, torch.UntypedStorage,
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(h.shape), tuple(c.stride), c.tensor_offset, torch.TypedStorage,
                                dtype, c.device, bytes.fromhex(c.storage_handle), c.storage_size_bytes,
                                c.storage_offset_bytes, False, bytes.fromhex(c.ref_counter_handle),
                                c.ref_counter_offset, bytes.fromhex(c.event_handle), c.event_sync_required)
