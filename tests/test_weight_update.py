@@ -184,3 +184,36 @@ def test_profiler_writes_a_trace_per_rank(llm):
             events = json.load(f)["traceEvents"]
         ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
         assert "aten::linear" in ops or "aten::mm" in ops, sorted(ops)[:20]
+
+
+def test_a_trainers_state_dict_with_tied_embeddings(model_factory):
+    """A trainer sends model.state_dict(): with tied embeddings it names the weight twice
+    (lm_head.weight too); both are accepted. In-process, on one WeightUpdater (no engine)."""
+    from types import SimpleNamespace
+
+    from ipc.config import EngineConfig
+    from ipc.tensor_handles import SharedTensors
+    from tests.hf_oracle import hf_model
+    from workers.model_loader import load_model
+    from workers.weight_update import WeightUpdater
+    a, b = model_factory("qwen3", tie_word_embeddings=True), model_factory("qwen3", tie_word_embeddings=True, seed=1)
+    runner = SimpleNamespace(model=load_model(a, torch.float32, "cpu"), device=torch.device("cpu"), weights_dir=a,
+                             config=EngineConfig(model=a))
+    updater = WeightUpdater(runner, rank=0)
+    sd = hf_model(b).state_dict()
+    assert "lm_head.weight" in sd
+    with SharedTensors(sd.items()) as shared:
+        updater.update_from_tensors(shared.to_builtins())
+    ours = runner.model.state_dict()
+    assert torch.equal(ours["lm_head.weight"], sd["model.embed_tokens.weight"])
+    assert torch.equal(ours["model.layers.1.mlp.gate_up_proj.weight"],
+                       torch.cat([sd["model.layers.1.mlp.gate_proj.weight"], sd["model.layers.1.mlp.up_proj.weight"]]))
+    assert updater.get_weights_by_name("model.layers.1.self_attn.v_proj.weight", 2) == \
+        sd["model.layers.1.self_attn.v_proj.weight"][:2].tolist()
+
+
+def test_profiler_dir_from_the_environment(model_factory, monkeypatch):
+    from ipc.config import EngineConfig
+    monkeypatch.setenv("LOOM_TORCH_PROFILER_DIR", "/tmp/loom-env-traces")
+    assert EngineConfig(model=model_factory("qwen3")).resolve().profiler_dir == "/tmp/loom-env-traces"
+    assert EngineConfig(model=model_factory("qwen3"), profiler_dir="/x").resolve().profiler_dir == "/x"

@@ -36,17 +36,21 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
     """Checkpoint (HF) name -> full shape of every tensor a weight update may send: the
     checkpoint's own listing, or for dummy weights the model's parameters with fused ones split
     into their parts (tensor parallel size 1)."""
-    if load_format != "dummy":
-        return {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
     out = {}
-    for pname, p in model.named_parameters():
-        module = model.get_submodule(pname.rsplit(".", 1)[0])
-        if not isinstance(module, MergedLinear):
-            out[pname] = tuple(p.shape)
-            continue
-        for fused, part, sid in model.stacked_params:
-            if fused in pname and sid in module.shard_ranges:
-                out[pname.replace(fused, part)] = (module.shard_ranges[sid][1], *p.shape[1:])
+    if load_format != "dummy":
+        out = {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
+    else:
+        for pname, p in model.named_parameters():
+            module = model.get_submodule(pname.rsplit(".", 1)[0])
+            if not isinstance(module, MergedLinear):
+                out[pname] = tuple(p.shape)
+                continue
+            for fused, part, sid in model.stacked_params:
+                if fused in pname and sid in module.shard_ranges:
+                    out[pname.replace(fused, part)] = (module.shard_ranges[sid][1], *p.shape[1:])
+    embed = out.get("model.embed_tokens.weight")
+    if getattr(model, "tie_word_embeddings", False) and embed is not None:
+        out.setdefault("lm_head.weight", embed)   # a trainer's state_dict() names the tied weight twice
     return out
 
 
