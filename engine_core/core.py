@@ -207,9 +207,12 @@ class EngineCore:
         c = self.control
         if "weights" in c.asleep:
             raise ValueError("the weights are asleep: wake_up(tags=['weights']) before updating them")
-        if c.can_step and (c.admits_new or self.scheduler.running):
+        if c.can_step and c.admits_new:
             raise ValueError("the engine is running: pause it first (pause(mode='keep') or POST /pause?mode=keep), "
                              "update the weights, then resume")
+        if c.can_step and self.scheduler.running:
+            raise ValueError("requests are still running (pause(mode='wait') has not returned): wait for it, "
+                             "or pause with mode='keep'")
 
     def _weights_updated(self, flush_cache: bool) -> None:
         """After new weights, the KV of running requests and the prefix cache are stale: running

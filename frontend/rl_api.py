@@ -12,7 +12,8 @@ API key when one is set):
     POST /update_weights_from_tensor      {named_tensors: [handle, ...], flush_cache=true, abort_all_requests=false}
     GET  /get_weights_by_name?name=...&truncate_size=100   (or POST {name, truncate_size})
 
-Each answers {"success": true, "message": ...}; a failure is {"success": false, "message": ...}
+Fields SGLang has and Loom does not use (weight_version, load_format of tensors, ...) are ignored,
+so that SGLang clients' bodies pass. Each answers {"success": true, "message": ...}; a failure is {"success": false, "message": ...}
 with OpenAI's "error" object beside it, status 400 for the caller's fault (a wrong name, shape
 or dtype, nothing changed; the engine not paused) and 500 otherwise. Weight updates need the
 engine paused (POST /pause?mode=keep), or abort_all_requests=true: requests in flight end with
@@ -42,7 +43,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.protocol import APIError, dumps, parse_request
+from frontend.protocol import APIError, dumps
 
 DEFAULT_GROUP = "weight_update_group"
 
@@ -79,7 +80,6 @@ class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True):
 class UpdateWeightsFromTensorReqInput(msgspec.Struct, kw_only=True):
     named_tensors: list[dict[str, Any]] | None = None
     serialized_named_tensors: Any = None   # SGLang's pickles: refused
-    load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
 
@@ -112,10 +112,9 @@ class RLControl:
         self.server = server   # frontend.api_server.OpenAIServer: its engine client and error mapping
 
     async def _body(self, request: web.Request, cls, optional: bool = False):
-        raw = await request.read()
-        if optional and not raw.strip():
+        if optional and not (await request.read()).strip():   # read() keeps the body for a second read
             return cls()
-        return parse_request(raw, cls)
+        return await self.server._body(request, cls)
 
     async def _update(self, method: str, *args, abort_all_requests: bool = False) -> web.Response:
         """Run a weight update; with abort_all_requests on an unpaused engine, abort everything
