@@ -7,15 +7,17 @@ API key when one is set):
     POST /update_weights_from_disk        {model_path, load_format="auto", flush_cache=true, abort_all_requests=false}
     POST /init_weights_update_group       {master_address, master_port, rank_offset, world_size,
                                            group_name="weight_update_group", backend="nccl"}
-    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache=true, abort_all_requests=false}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache=true,
+                                           abort_all_requests=false}
     POST /destroy_weights_update_group    {group_name}
     POST /update_weights_from_tensor      {named_tensors: [handle, ...], flush_cache=true, abort_all_requests=false}
     GET  /get_weights_by_name?name=...&truncate_size=100   (or POST {name, truncate_size})
 
 Fields SGLang has and Loom does not use (weight_version, load_format of tensors, ...) are ignored,
-so that SGLang clients' bodies pass. Each answers {"success": true, "message": ...}; a failure is {"success": false, "message": ...}
-with OpenAI's "error" object beside it, status 400 for the caller's fault (a wrong name, shape
-or dtype, nothing changed; the engine not paused) and 500 otherwise. Weight updates need the
+so that SGLang clients' bodies pass. Each answers {"success": true, "message": ...}; a failure is
+{"success": false, "message": ...} with OpenAI's "error" object beside it, status 400 for the
+caller's fault (a wrong name, shape or dtype, nothing changed; the engine not paused) and 500
+otherwise. Weight updates need the
 engine paused (POST /pause?mode=keep), or abort_all_requests=true: requests in flight end with
 finish_reason "abort", as in SGLang. update_weights_from_tensor never unpickles: its handles are
 JSON (shared memory or CUDA IPC; format in ipc/tensor_handles.py), not SGLang's pickled

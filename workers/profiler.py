@@ -45,7 +45,7 @@ class WorkerProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         os.makedirs(self.out_dir, exist_ok=True)
         self._prof = torch.profiler.profile(
-            activities=activities, record_shapes=True,
+            activities=activities,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.out_dir, worker_name=self.trace_name))
         self._prof.start()
         logger.info("profiler started: traces go to %s/%s.*", self.out_dir, self.trace_name)
