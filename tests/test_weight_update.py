@@ -48,7 +48,7 @@ def _gen(llm) -> list[list[int]]:
 
 
 def _restore(llm, a: str) -> None:
-    llm.pause("keep")
+    llm.pause("wait")   # returns once nothing runs: updates are allowed then too
     llm.update_weights_from_disk(a)
     llm.resume()
 
