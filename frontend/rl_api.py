@@ -45,7 +45,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.protocol import APIError, dumps
+from frontend.control_api import ControlAPI
+from frontend.protocol import APIError, dumps, parse_request
 
 DEFAULT_GROUP = "weight_update_group"
 
@@ -109,19 +110,19 @@ def _result(success: bool, message: str, status: int = 200, error: APIError | No
     return web.Response(body=dumps(body), status=status, content_type="application/json")
 
 
-class RLControl:
-    def __init__(self, server):
-        self.server = server   # frontend.api_server.OpenAIServer: its engine client and error mapping
+class RLControl(ControlAPI):
+    """Handlers of the endpoints above; engine calls and their error mapping are ControlAPI's."""
 
     async def _body(self, request: web.Request, cls, optional: bool = False):
-        if optional and not (await request.read()).strip():   # read() keeps the body for a second read
+        raw = await self.server.body(request)
+        if optional and not raw.strip():
             return cls()
-        return await self.server._body(request, cls)
+        return parse_request(raw, cls)
 
     async def _update(self, method: str, *args, abort_all_requests: bool = False) -> web.Response:
         """Run a weight update; with abort_all_requests on an unpaused engine, abort everything
         in flight, update and resume (SGLang's semantics)."""
-        control = self.server._control
+        control = self._call
         pause = abort_all_requests and not await control("is_paused")
         try:
             if pause:
@@ -158,7 +159,7 @@ class RLControl:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req = await self._body(request, InitWeightsUpdateGroupReqInput)
         try:
-            await self.server._control("init_weights_update_group", req.master_address, req.master_port,
+            await self._call("init_weights_update_group", req.master_address, req.master_port,
                                        req.rank_offset, req.world_size, req.group_name, req.backend)
         except APIError as e:
             return _result(False, e.message, e.status, e)
@@ -167,7 +168,7 @@ class RLControl:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         req = await self._body(request, DestroyWeightsUpdateGroupReqInput, optional=True)
         try:
-            await self.server._control("destroy_weights_update_group", req.group_name)
+            await self._call("destroy_weights_update_group", req.group_name)
         except APIError as e:
             return _result(False, e.message, e.status, e)
         return _result(True, f"Destroyed weight update group {req.group_name!r}.")
@@ -184,7 +185,7 @@ class RLControl:
             except ValueError:
                 raise APIError("'truncate_size' must be an integer", 400, "truncate_size") from None
             req = GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)
-        values = await self.server._control("get_weights_by_name", req.name, req.truncate_size, param="name")
+        values = await self._call("get_weights_by_name", req.name, req.truncate_size, param="name")
         return web.Response(body=dumps(values), content_type="application/json")
 
     # ---- SGLang's generation control
@@ -193,23 +194,23 @@ class RLControl:
         req = await self._body(request, PauseGenerationReqInput, optional=True)
         if req.mode not in _PAUSE_MODES:
             raise APIError(f"'mode' must be one of {', '.join(_PAUSE_MODES)}; got {req.mode!r}", 400, "mode")
-        await self.server._control("pause", *_PAUSE_MODES[req.mode], param="mode")
+        await self._call("pause", *_PAUSE_MODES[req.mode], param="mode")
         return web.Response(body=dumps({"status": "ok", "message": "Generation paused successfully."}),
                             content_type="application/json")
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self.server._control("resume")
+        await self._call("resume")
         return web.Response(body=dumps({"status": "ok", "message": "Generation continued successfully."}),
                             content_type="application/json")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if await self.server._control("reset_prefix_cache"):
+        if await self._call("reset_prefix_cache"):
             return _result(True, "Cache flushed.")
         msg = "The prefix cache was not flushed: requests are running (pause first)."
         return _result(False, msg, 400, APIError(msg, 400))
 
     async def get_load(self, request: web.Request) -> web.Response:
-        info = await self.server._control("debug_info")
+        info = await self._call("debug_info")
         used = (info["num_blocks"] - info["free_blocks"]) * self.server.config.block_size
         return web.Response(body=dumps([{
             "dp_rank": 0, "num_reqs": info["running"] + info["waiting"], "num_waiting_reqs": info["waiting"],
@@ -220,11 +221,11 @@ class RLControl:
     async def start_profile(self, request: web.Request) -> web.Response:
         req = await self._body(request, ProfileReqInput, optional=True)
         prefix = req.profile_prefix or request.query.get("profile_prefix")
-        names = await self.server._control("start_profile", prefix, param="profile_prefix")
+        names = await self._call("start_profile", prefix, param="profile_prefix")
         return web.Response(body=dumps({"status": "ok", "traces": names}), content_type="application/json")
 
     async def stop_profile(self, request: web.Request) -> web.Response:
-        names = await self.server._control("stop_profile")
+        names = await self._call("stop_profile")
         return web.Response(body=dumps({"status": "ok", "traces": names}), content_type="application/json")
 
 
@@ -232,7 +233,7 @@ def rl_routes(server) -> list[tuple[str, str, Any]]:
     """(method, path, handler) of the endpoints this server exposes (see the module docstring)."""
     api = RLControl(server)
     routes = []
-    if server.enable_control_endpoints:
+    if server.options.enable_control_endpoints:
         routes += [("POST", "/update_weights_from_disk", api.update_weights_from_disk),
                    ("POST", "/init_weights_update_group", api.init_weights_update_group),
                    ("POST", "/update_weights_from_distributed", api.update_weights_from_distributed),
@@ -243,6 +244,6 @@ def rl_routes(server) -> list[tuple[str, str, Any]]:
                    ("POST", "/pause_generation", api.pause_generation),
                    ("POST", "/continue_generation", api.continue_generation),
                    ("POST", "/flush_cache", api.flush_cache), ("GET", "/get_load", api.get_load)]
-    if server.enable_control_endpoints or getattr(server.config, "profiler_dir", None):
+    if server.options.enable_control_endpoints or getattr(server.config, "profiler_dir", None):
         routes += [("POST", "/start_profile", api.start_profile), ("POST", "/stop_profile", api.stop_profile)]
     return routes

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ipc.tensor_handles import decode_handles, open_tensors, parse_dtype
 from workers.model_loader import checkpoint_metadata, safetensors_files, iterate_safetensors
-from workers.models.layers import MergedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +32,22 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[int, ...]]:
-    """Checkpoint (HF) name -> full shape of every tensor a weight update may send: the
-    checkpoint's own listing, or for dummy weights the model's parameters with fused ones split
-    into their parts (tensor parallel size 1)."""
+    """Checkpoint (HF) name -> full (unsharded) shape of every tensor a weight update may send:
+    the checkpoint's own listing, or for dummy weights the model's parameters at TP=1 with fused
+    ones split into their parts."""
     out = {}
     if load_format != "dummy":
         out = {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
     else:
         for pname, p in model.named_parameters():
-            module = model.get_submodule(pname.rsplit(".", 1)[0])
-            if not isinstance(module, MergedLinear):
-                out[pname] = tuple(p.shape)
+            full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
+            shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", {None: None})
+            if list(shards) == [None]:
+                out[pname] = full
                 continue
             for fused, part, sid in model.stacked_params:
-                if fused in pname and sid in module.shard_ranges:
-                    out[pname.replace(fused, part)] = (module.shard_ranges[sid][1], *p.shape[1:])
+                if fused in pname and sid in shards:
+                    out[pname.replace(fused, part)] = (shards[sid].full, *full[1:])
     embed = out.get("model.embed_tokens.weight")
     if getattr(model, "tie_word_embeddings", False) and embed is not None:
         out.setdefault("lm_head.weight", embed)   # a trainer's state_dict() names the tied weight twice
@@ -195,16 +195,15 @@ class WeightUpdater:
         (SGLang's semantics; with tensor parallelism, this rank's shard)."""
         if name not in self.expected:
             raise ValueError(f"{name!r} is not a weight of this model")
-        pname, view = name, None
+        pname, shard = name, None
         for fused, part, sid in getattr(self.model, "stacked_params", ()):
             if part in name:
                 pname = name.replace(part, fused)
-                module = self.model.get_submodule(pname.rsplit(".", 1)[0])
-                view = module.shard_ranges[sid]
+                shard = self.model.get_submodule(pname.rsplit(".", 1)[0]).shards[sid]
                 break
         t = self.model.get_parameter(pname).detach()
-        if view is not None:
-            t = t.narrow(0, *view)
+        if shard is not None:
+            t = t.narrow(0, shard.offset, shard.size)
         return t[:truncate_size].float().cpu().tolist()
 
 
