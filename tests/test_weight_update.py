@@ -217,3 +217,56 @@ def test_profiler_dir_from_the_environment(model_factory, monkeypatch):
     monkeypatch.setenv("LOOM_TORCH_PROFILER_DIR", "/tmp/loom-env-traces")
     assert EngineConfig(model=model_factory("qwen3")).resolve().profiler_dir == "/tmp/loom-env-traces"
     assert EngineConfig(model=model_factory("qwen3"), profiler_dir="/x").resolve().profiler_dir == "/x"
+
+
+def test_trainer_group_at_tensor_parallel_2(model_factory):
+    """Trainer (rank 0) + two tensor-parallel workers (ranks 1, 2, gloo): each rank keeps its shard
+    of every broadcast (one KV head, replicated on both ranks; a vocabulary padded to split). Then
+    tensors through shared memory at TP=2 give the same result."""
+    import json
+    import subprocess
+    import sys
+
+    from ipc.sockets import free_tcp_port
+    from tests.conftest import ROOT
+    a = model_factory("llama", num_key_value_heads=1, vocab_size=337)
+    b = model_factory("llama", num_key_value_heads=1, vocab_size=337, seed=1)
+    prompts = [[11, 12, 13, 14], [50, 60, 70, 80, 90]]
+    ref = {d: [hf_greedy(d, p, 12) for p in prompts] for d in (a, b)}
+    assert ref[a] != ref[b]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def gen(llm):
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                               use_tqdm=False)]
+    llm = LLM(a, tensor_parallel_size=2, max_model_len=64, block_size=4)
+    port = free_tcp_port()
+    trainer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_rl_trainer.py"), str(port), "3",
+                                "tp_group", b], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert gen(llm) == ref[a]
+        llm.init_weights_update_group("127.0.0.1", port, 1, 3, "tp_group", "gloo")
+        assert trainer.stdout.readline().strip() == "ready"
+        new = load_file(os.path.join(b, "model.safetensors"))
+        names = sorted(new)
+        meta = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(new[n].shape) for n in names]}
+        llm.pause("keep")
+        trainer.stdin.write(json.dumps(meta) + "\n")
+        trainer.stdin.flush()
+        assert llm.update_weights_from_distributed(names, meta["dtypes"], meta["shapes"], "tp_group") == len(names)
+        assert trainer.stdout.readline().strip() == "sent"
+        llm.resume()
+        assert gen(llm) == ref[b]
+        llm.destroy_weights_update_group("tp_group")
+        trainer.stdin.close()
+        assert trainer.wait(60) == 0
+        llm.pause("keep")
+        llm.update_weights_from_tensor(load_file(os.path.join(a, "model.safetensors")))
+        llm.resume()
+        assert gen(llm) == ref[a]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        llm.shutdown()
