@@ -208,7 +208,7 @@ def test_a_trainers_state_dict_with_tied_embeddings(model_factory):
     assert torch.equal(ours["lm_head.weight"], sd["model.embed_tokens.weight"])
     assert torch.equal(ours["model.layers.1.mlp.gate_up_proj.weight"],
                        torch.cat([sd["model.layers.1.mlp.gate_proj.weight"], sd["model.layers.1.mlp.up_proj.weight"]]))
-    assert updater.get_weights_by_name("model.layers.1.self_attn.v_proj.weight", 2) == \
+    assert updater.get_weights_by_name("model.layers.1.self_attn.v_proj.weight", 2)["values"] == \
         sd["model.layers.1.self_attn.v_proj.weight"][:2].tolist()
 
 
@@ -258,6 +258,14 @@ def test_trainer_group_at_tensor_parallel_2(model_factory):
         assert trainer.stdout.readline().strip() == "sent"
         llm.resume()
         assert gen(llm) == ref[b]
+        # read back whole weights from the ranks' shards: rows split (q, the vocabulary), columns
+        # split (o_proj, down_proj), a KV head on both ranks, replicated norms
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                     "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                     "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
+                     "model.norm.weight"):
+            for n in (3, 1000):
+                assert torch.equal(torch.tensor(llm.get_weights_by_name(name, n)), new[name][:n]), (name, n)
         llm.destroy_weights_update_group("tp_group")
         trainer.stdin.close()
         assert trainer.wait(60) == 0

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ipc.tensor_handles import decode_handles, open_tensors, parse_dtype
+from workers.distributed import tp_rank
 from workers.model_loader import checkpoint_metadata, safetensors_files, iterate_safetensors
+from workers.models.layers import RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -190,21 +192,42 @@ class WeightUpdater:
 
     # ------------------------------------------------------------ reading back
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` rows of a weight, by its checkpoint name, as float32 lists
-        (SGLang's semantics; with tensor parallelism, this rank's shard)."""
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        """This rank's part of the first `truncate_size` rows of a weight (checkpoint name), as
+        float32 lists: {"dim": the dimension it is split on (None: whole), "start": where this
+        rank's part begins on it, "values"}; `merge_weight_rows` joins the ranks' parts."""
         if name not in self.expected:
             raise ValueError(f"{name!r} is not a weight of this model")
-        pname, shard = name, None
-        for fused, part, sid in getattr(self.model, "stacked_params", ()):
+        pname, sid = name, None
+        for fused, part, shard_id in getattr(self.model, "stacked_params", ()):
             if part in name:
-                pname = name.replace(part, fused)
-                shard = self.model.get_submodule(pname.rsplit(".", 1)[0]).shards[sid]
+                pname, sid = name.replace(part, fused), shard_id
                 break
         t = self.model.get_parameter(pname).detach()
-        if shard is not None:
-            t = t.narrow(0, shard.offset, shard.size)
-        return t[:truncate_size].float().cpu().tolist()
+        module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+        dim, start = None, 0
+        if sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
+            shard = module.shards[sid]
+            t, dim, start = t.narrow(0, shard.offset, shard.size), 0, shard.start
+        elif isinstance(module, RowParallelLinear) and t.dim() == 2:
+            dim, start = 1, tp_rank() * module.in_features
+        elif isinstance(module, VocabParallelEmbedding):      # padding rows past the vocabulary dropped
+            dim, start = 0, module.vocab_start
+            t = t[:max(0, min(module.part, module.vocab_size - start))]
+        return {"dim": dim, "start": start, "values": t[:truncate_size].float().cpu().tolist()}
+
+
+def merge_weight_rows(parts: list[dict], truncate_size: int) -> list:
+    """The first rows of a whole weight from the ranks' parts (get_weights_by_name): parts split
+    along dim 0 are stacked, along dim 1 joined row by row; ranks holding the same part (a
+    replicated KV head) count once."""
+    dim = parts[0]["dim"]
+    if dim is None:
+        return parts[0]["values"]
+    pieces = [v for _, v in sorted({p["start"]: p["values"] for p in parts}.items())]
+    if dim == 0:
+        return [row for piece in pieces for row in piece][:truncate_size]
+    return [[x for piece in pieces for x in piece[i]] for i in range(len(pieces[0]))]
 
 
 def init_custom_process_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,

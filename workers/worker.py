@@ -105,7 +105,7 @@ class Worker:
         return self.weights.update_from_tensors(named_tensors)
 
     @remote
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
         return self.weights.get_weights_by_name(name, truncate_size)
 
     # ---- torch profiler (workers/profiler.py)
