@@ -168,13 +168,14 @@ def test_profiler_writes_a_trace_per_rank(llm):
     trace_dir = llm.config.profiler_dir
     with pytest.raises(RuntimeError, match="not running"):
         llm.stop_profile()
+    short = ([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=2))
     llm.start_profile("rltest")
     with pytest.raises(RuntimeError, match="already running"):
         llm.start_profile()
-    _gen(llm)
+    llm.generate(*short, use_tqdm=False)
     llm.stop_profile()
     llm.start_profile()   # a restart keeps the name
-    _gen(llm)
+    llm.generate(*short, use_tqdm=False)
     llm.stop_profile()
     traces = sorted(glob.glob(os.path.join(trace_dir, "*.pt.trace.json")))
     assert len(traces) == 2, traces

@@ -204,7 +204,7 @@ def test_bad_updates_over_http(server, ckpt, tmp_path):
 def test_profiler_over_http(server):
     status, body = post(server, "/start_profile", {"profile_prefix": "http"})
     assert status == 200 and body["traces"] == ["http_dp0_tp0_rank0"], body
-    greedy_text(server)
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
     assert post(server, "/stop_profile")[0] == 200
     status, body = post(server, "/stop_profile")
     assert status == 400 and "not running" in body["error"]["message"], body
