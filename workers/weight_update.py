@@ -203,7 +203,10 @@ class WeightUpdater:
             if part in name:
                 pname, sid = name.replace(part, fused), shard_id
                 break
-        t = self.model.get_parameter(pname).detach()
+        try:
+            t = self.model.get_parameter(pname).detach()
+        except AttributeError:   # a checkpoint name the model renames (vision-language models)
+            raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
         module = self.model.get_submodule(pname.rsplit(".", 1)[0])
         dim, start = None, 0
         if sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
