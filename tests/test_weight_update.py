@@ -290,3 +290,28 @@ def test_dummy_weights_expect_the_checkpoint_shapes(model_factory, tied):
     d = model_factory("qwen3", tie_word_embeddings=True) if tied else model_factory("qwen3")
     model = load_model(d, torch.float32, "cpu", "dummy")
     assert expected_shapes(model, d, "dummy") == expected_shapes(model, d, "auto")
+
+
+def test_vision_language_model_takes_a_checkpoints_tensors(tmp_path):
+    """Qwen2.5-VL renames checkpoint weights (model.language_model.*, model.visual.*) and fuses the
+    vision MLP: a partial update by checkpoint names lands where a fresh load puts them."""
+    from types import SimpleNamespace
+
+    from ipc.config import EngineConfig
+    from ipc.tensor_handles import SharedTensors
+    from tests.tiny_vl_models import make_tiny_qwen2_5_vl
+    from workers.model_loader import load_model
+    from workers.weight_update import WeightUpdater
+    a = make_tiny_qwen2_5_vl(str(tmp_path / "a"))
+    b = make_tiny_qwen2_5_vl(str(tmp_path / "b"), seed=1)
+    runner = SimpleNamespace(model=load_model(a, torch.float32, "cpu"), device=torch.device("cpu"), weights_dir=a,
+                             config=EngineConfig(model=a))
+    new = load_file(os.path.join(b, "model.safetensors"))
+    fresh = load_model(b, torch.float32, "cpu").state_dict()
+    before = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    assert sum(not torch.equal(before[k], fresh[k]) for k in fresh) > len(fresh) // 2
+    with SharedTensors(new.items()) as shared:
+        WeightUpdater(runner, rank=0).update_from_tensors(shared.to_builtins())
+    ours = runner.model.state_dict()
+    assert ours.keys() == fresh.keys()
+    assert all(torch.equal(ours[k], fresh[k]) for k in ours)
