@@ -208,6 +208,72 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
+    # ------------------------------------------------------------ weight updates (RL trainers)
+
+    def _check_weights_updatable(self) -> None:
+        """Weights change only while no request steps: paused (keep; or abort / wait once
+        drained) or asleep, and with the weights awake."""
+        c = self.control
+        if "weights" in c.asleep:
+            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before updating them")
+        if c.can_step and c.admits_new:
+            raise ValueError("the engine is running: pause it first (pause(mode='keep') or POST /pause?mode=keep), "
+                             "update the weights, then resume")
+        if c.can_step and self.scheduler.running:
+            raise ValueError("requests are still running (pause(mode='wait') has not returned): wait for it, "
+                             "or pause with mode='keep'")
+
+    def _weights_updated(self, flush_cache: bool) -> None:
+        """After new weights, the KV of running requests and the prefix cache are stale: running
+        requests recompute (so their next tokens equal a fresh engine's on the new weights)."""
+        if flush_cache:
+            self.scheduler.preempt_all()
+            if not self.scheduler.reset_prefix_cache():  # every block is free once nothing runs
+                raise RuntimeError("the prefix cache could not be reset after a weight update")
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_disk", [model_path, load_format])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_distributed", [names, dtypes, shapes, group_name])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def update_weights_from_tensor(self, named_tensors: list, flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_tensor", [named_tensors])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        self.executor.collective_rpc("init_weights_update_group",
+                                     [master_address, master_port, rank_offset, world_size, group_name, backend])
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.executor.collective_rpc("destroy_weights_update_group", [group_name])
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        if truncate_size < 0:
+            raise ValueError(f"truncate_size must be at least 0, got {truncate_size}")
+        from workers.weight_update import merge_weight_rows
+        parts = self.executor.collective_rpc("get_weights_by_name", [name, truncate_size])
+        return merge_weight_rows(parts, truncate_size)
+
+    # ------------------------------------------------------------ profiler
+
+    def start_profile(self, profile_prefix: str | None = None) -> list[str]:
+        """Start the torch profiler in every worker; the trace names, by rank."""
+        return self.executor.collective_rpc("start_profile", [profile_prefix])
+
+    def stop_profile(self) -> list[str]:
+        return self.executor.collective_rpc("stop_profile")
+
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
@@ -219,10 +285,15 @@ class EngineCore:
         """Counts for leak checks. No gc.collect(): a request kept alive only by a cycle must show."""
         return {"live_requests": len(Request.live), "tracked_requests": len(self.scheduler.requests),
                 "free_blocks": self.scheduler.kv.pool.num_free_blocks, "num_blocks": self.num_gpu_blocks,
-                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "output_tokens": sum(len(r.output_token_ids) for r in self.scheduler.requests.values())}
 
     UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info", "sleep",
-                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused"})
+                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused",
+                                 "update_weights_from_disk", "update_weights_from_distributed",
+                                 "update_weights_from_tensor", "init_weights_update_group",
+                                 "destroy_weights_update_group", "get_weights_by_name", "start_profile",
+                                 "stop_profile"})
 
     shutting_down = False
 

@@ -43,6 +43,7 @@ from frontend.protocol import (APIError, ChatCompletionRequest, CompletionReques
                                encode_prompts, error_body, image_urls, message_text, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, stream_usage, truncate_prompt,
                                unsupported_constraints)
+from frontend.rl_api import rl_routes
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
@@ -456,6 +457,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         if self.options.enable_control_endpoints:
             routes += ControlAPI(self).routes()
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

@@ -228,6 +228,52 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
 
+    # ------------------------------------------------------------ weight updates (SGLang's names)
+    # Allowed while paused (keep, or abort / wait once drained) or asleep with the weights awake.
+    # A bad name, shape or dtype raises and changes nothing. With flush_cache (the default), running
+    # requests recompute and the prefix cache is reset: later tokens equal a fresh engine's.
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        """Reload every weight from a checkpoint directory of the same architecture and shapes."""
+        return self.client.call_utility("update_weights_from_disk", model_path, load_format, flush_cache)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """Join a trainer's process group (its rank 0 hosts the TCP store); worker w is rank_offset + w."""
+        self.client.call_utility("init_weights_update_group", master_address, master_port, rank_offset,
+                                 world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        """Receive one broadcast per name from the trainer's rank 0, in order."""
+        return self.client.call_utility("update_weights_from_distributed", names,
+                                        [str(d).removeprefix("torch.") for d in dtypes],
+                                        [list(s) for s in shapes], group_name, flush_cache)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.client.call_utility("destroy_weights_update_group", group_name)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> int:
+        """New weights from this process's tensors (a dict or (name, tensor) pairs), handed over
+        through shared memory (CPU) or CUDA IPC handles (GPU): ipc/tensor_handles.py."""
+        from ipc.tensor_handles import SharedTensors
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        with SharedTensors(items) as shared:
+            return self.client.call_utility("update_weights_from_tensor", shared.to_builtins(), flush_cache)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first truncate_size rows of a weight (checkpoint name), as float lists."""
+        return self.client.call_utility("get_weights_by_name", name, truncate_size)
+
+    # ------------------------------------------------------------ torch profiler (--profiler-dir)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self.client.call_utility("start_profile", profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profiler; each worker writes {prefix}_dp{D}_tp{T}_rank{R}.*.pt.trace.json."""
+        self.client.call_utility("stop_profile")
+
     def debug_info(self) -> dict:
         """Engine internals for tests: live requests, free blocks."""
         return self._call("debug_info")

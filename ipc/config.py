@@ -72,6 +72,8 @@ class EngineConfig:
                                                   "file:// image URLs (default: none)")
     mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
                                           "images (GiB)")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -114,6 +116,8 @@ class EngineConfig:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self._resolve_multimodal(hf)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
         check_tensor_parallel(self, text_cfg)
         return self
