@@ -8,8 +8,9 @@ import torch
 from frontend import LLM, SamplingParams
 from ipc.sampling_params import SamplingParams as SP
 from tests.hf_oracle import hf_logprobs
-from workers.sampler import SamplingRow, _adjust_row
-import numpy as np
+from kernels.penalties import apply_penalties_ref
+from workers.input_batch import InputBatch
+from workers.sampler import Sampler, SamplingRow
 
 PROMPT = [12, 40, 7, 99, 150, 3, 77, 23]
 
@@ -66,19 +67,54 @@ def test_logit_bias_forces_and_forbids(llm):
 
 
 def test_penalties_adjust_logits_as_specified():
+    # the persistent batch's device state (prompt mask, output counts updated from the sampled
+    # tokens) and the sampler's per-row inputs give the adjustment the API documents
     torch.manual_seed(0)
-    logits = torch.randn(50)
-    prompt, output = np.array([1, 2, 3]), np.array([3, 4, 4, 5])
-    params = SP(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
-    row = logits.clone()
-    _adjust_row(row, SamplingRow(params, 0, 4, prompt, output, []))
+    logits = torch.randn(2, 50)
+    batch = InputBatch(4, 16, 4, vocab_size=50)
+    params = SP(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 2.0},
+                min_tokens=6, stop_token_ids=[9])
+    batch.add("a", [1, 2, 3], [3, 4], [0], 0, params, 0, [11])      # resumed: two outputs known
+    batch.add("b", [40], [], [1], 0, SP(logit_bias={3: -1.0}), 0, [11])
+    slots = torch.tensor([batch.requests["a"].slot, batch.requests["b"].slot])
+    batch.count_sampled(slots[:1], torch.tensor([4]))                  # a's third output, on the device
+    batch.count_sampled(slots[:1], torch.tensor([5]))
+    rows = [SamplingRow(params, 0, 4, int(slots[0]), (11,)), SamplingRow(SP(logit_bias={3: -1.0}), 0, 0,
+                                                                          int(slots[1]), (11,))]
+    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
+    out = apply_penalties_ref(logits, dev["penalty_slots"], *batch.penalty_state(), dev["repetition"],
+                              dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"], dev["ban_ids"])
     expected = logits.clone()
+    expected[0, 7] += 2.0
     for t in {1, 2, 3, 4, 5}:  # repetition: prompt and output tokens
-        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
-    counts = {3: 1, 4: 2, 5: 1}
-    for t, c in counts.items():
-        expected[t] -= 0.25 * c + 0.5
-    assert torch.allclose(row, expected)
+        expected[0, t] = expected[0, t] / 1.5 if expected[0, t] > 0 else expected[0, t] * 1.5
+    for t, c in {3: 1, 4: 2, 5: 1}.items():
+        expected[0, t] -= 0.25 * c + 0.5
+    expected[0, [9, 11]] = float("-inf")  # min_tokens: stop and eos ids banned
+    expected[1, 3] -= 1.0                 # b: logit_bias only, no penalties from a's counts
+    assert torch.allclose(out, expected)
+
+
+def test_repetition_penalty_matches_hf_in_a_batch(llm):
+    # greedy + repetition penalty, three requests in one (overlapped) batch with plain ones beside
+    # them: the device-side counts see every token, the one still in flight included
+    from tests.hf_oracle import hf_model
+    prompts = [PROMPT, [5, 9, 5, 9, 5, 9], [300, 301, 302, 7, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts],
+                        [params] * 3 + [plain] * 3, use_tqdm=False)
+    model = hf_model(llm.config.model)
+    changed = False
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                                 pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+        greedy = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        changed |= greedy != o.outputs[0].token_ids
+    assert changed  # the penalty did something
 
 
 def test_min_tokens_and_stop_token_ids(llm):

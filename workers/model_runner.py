@@ -90,7 +90,8 @@ class ModelRunner:
         self.h2d = HostToDevice(self.device)
         self.block_size = config.block_size
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req,
+                                self.model.config.vocab_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
@@ -180,8 +181,11 @@ class ModelRunner:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
             for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
-                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)):
-                rows = [SamplingRow(params, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), [])] * len(n)
+                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+                           SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
+                                          logit_bias={1: 1.0}, min_tokens=2),
+                           SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1)):
+                rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
         torch.cuda.synchronize()
@@ -370,14 +374,6 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish(self.launch(so))
 
-    def can_overlap(self, so: SchedulerOutput) -> bool:
-        """Whether `so` may be launched before the previous step's tokens reach the CPU:
-        not when a request's sampling reads its own output history (penalties, min_tokens)."""
-        params = [r.sampling_params for r in so.new_requests]
-        params += [self.batch.requests[rid].params for rid in so.cached_requests.req_ids
-                   if rid in self.batch.requests]
-        return not any(p.needs_penalties or p.min_tokens for p in params)
-
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
         """Queue one step on the device without waiting for it. Decode inputs that are
@@ -413,7 +409,8 @@ class ModelRunner:
         step = PendingStep(list(so.req_ids), states, sample_rows)
         if len(sample_rows):
             logits = self.model.compute_logits(hidden.index_select(0, dev["sample_index"]))
-            step.tokens, step.topk = self.sampler(logits, rows, dev)
+            step.tokens, step.topk = self.sampler(logits, rows, dev, self.batch.penalty_state())
+            self.batch.count_sampled(dev["slots"], step.tokens)  # on the device: no host round trip
             if self.device.type == "cuda":  # start the copy back now; finish() waits for it
                 step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
                 step.tokens_host.copy_(step.tokens, non_blocking=True)
@@ -489,9 +486,7 @@ class ModelRunner:
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
-        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens,
-                           self.batch.prompt_token_ids(st), self.batch.output_token_ids(st),
-                           st.eos_token_ids)
+        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
 
     def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
         tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)

@@ -99,8 +99,6 @@ def serve_steps(worker: Worker, ring, send) -> None:
         if bytes(frames[0]) == MsgType.WORKER_STEP.value:
             so = step_dec.decode(frames)
             try:
-                if pending is not None and not runner.can_overlap(so):
-                    finish_pending()
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
                 if pending is not None:
                     finish_pending()
