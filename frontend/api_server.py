@@ -400,7 +400,8 @@ class OpenAIServer:
         self._check_model(req.model)
         prompts = completion_prompts(req.prompt)
         params = build_sampling_params(req, chat=False, max_logprobs=self.config.max_logprobs,
-                                       vocab_size=self.config.vocab_size)
+                                       vocab_size=self.config.vocab_size,
+                                       defaults=self.config.default_sampling_params)
         if req.echo and params.logprobs is not None:
             raise APIError("echo together with logprobs is not supported", 400, "echo")
         self._check_alive()
@@ -495,7 +496,8 @@ class OpenAIServer:
         self._check_model(req.model)
         messages = normalize_messages(req.messages)
         params = build_sampling_params(req, chat=True, max_logprobs=self.config.max_logprobs,
-                                       vocab_size=self.config.vocab_size)
+                                       vocab_size=self.config.vocab_size,
+                                       defaults=self.config.default_sampling_params)
         self._check_alive()
         _, ids = await self._off_loop(
             render_chat, self.tokenizer, messages,

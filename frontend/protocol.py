@@ -228,8 +228,10 @@ def _param_of(message: str) -> str | None:
 
 
 def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int = 20,
-                          vocab_size: int = 0) -> SamplingParams:
-    """Request fields -> validated SamplingParams (APIError 400 naming the param on failure)."""
+                          vocab_size: int = 0, defaults: dict | None = None) -> SamplingParams:
+    """Request fields -> validated SamplingParams (APIError 400 naming the param on failure).
+    `defaults` (the model's generation config, EngineConfig.default_sampling_params) fill the
+    fields the client did not send."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     logprobs: int | None
@@ -279,6 +281,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
+    kw = {**(defaults or {}), **kw}
     params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
                             **kw)
     try:
