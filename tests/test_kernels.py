@@ -180,6 +180,18 @@ def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sdpa_cpu_path_matches_ref(dtype):
+    # the CPU path (torch SDPA): decodes of different lengths (NaN past each), a whole prompt,
+    # a chunk continuing a cached prefix, GQA 4:2
+    from kernels.sdpa_attention import paged_attention_sdpa
+    q, kc, vc, qsl, sl, bt = _make_batch([1, 1, 7, 5, 1], [9, 33, 7, 21, 1], 4, 2, 16, 4, dtype, seed=5)
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25).float()
+    out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, 0.25)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, **(dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+
+
 def test_attention_mixed_prefill_chunked_decode():
     # prefill (q_len == seq_len), chunked prefill / prefix hit (q_len < seq_len), decode, empty seq; GQA 2
     _check_attention([6, 1, 4, 0, 1, 3], [6, 21, 13, 9, 1, 30], hq=4, hkv=2, d=32, bs=4, splits=(1, 3))
