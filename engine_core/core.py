@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 import zmq
@@ -23,11 +24,12 @@ import zmq
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
 from engine_core.client_io import CLIENT_GONE, ClientIO
-from engine_core.executor import Executor
+from engine_core.executor import Executor, PendingOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
-                          ModelRunnerOutput, MsgType, UtilityOutput, UtilityRequest)
+                          ModelRunnerOutput, MsgType, SchedulerOutput, UtilityOutput,
+                          UtilityRequest)
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
@@ -48,8 +50,9 @@ class EngineCore:
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
         self.control = ControlState()
-        self.depth = 2 if config.async_scheduling else 1   # steps in flight at once
-        self.in_flight = 0
+        self.max_in_flight = 2 if config.async_scheduling else 1
+        # steps sent to the workers, oldest first, each with its output still to come
+        self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
@@ -89,7 +92,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether stepping could make progress now (else the loop blocks on its input queue)."""
-        return self.in_flight > 0 or self._can_schedule()
+        return bool(self.in_flight) or self._can_schedule()
 
     def _can_schedule(self) -> bool:
         if not self.control.can_step:
@@ -101,24 +104,23 @@ class EngineCore:
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         """Schedule and run one step. With async scheduling, step N+1 is sent to the
         workers before step N's output is taken, so the GPU never waits for this loop."""
-        if self.in_flight < self.depth and self._can_schedule():
+        if len(self.in_flight) < self.max_in_flight and self._can_schedule():
             so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids:
-                self.executor.submit(so)
-                self.in_flight += 1
-                if self.in_flight < self.depth and self._can_schedule():
+                self.in_flight.append((so, self.executor.submit(so)))
+                if len(self.in_flight) < self.max_in_flight and self._can_schedule():
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
-        self.in_flight -= 1
-        return self.scheduler.update_from_output(self.executor.collect())
+        _, pending = self.in_flight.popleft()
+        return self.scheduler.update_from_output(pending.result())
 
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
         """Take every step in flight (before control calls that touch the workers)."""
         outs: dict[int, list[EngineCoreOutput]] = {}
         while self.in_flight:
-            self.in_flight -= 1
-            for ci, o in self.scheduler.update_from_output(self.executor.collect()).items():
+            _, pending = self.in_flight.popleft()
+            for ci, o in self.scheduler.update_from_output(pending.result()).items():
                 outs.setdefault(ci, []).extend(o)
         return outs
 

@@ -28,6 +28,17 @@ class WorkerError(RuntimeError):
     pass
 
 
+class PendingOutput:
+    """The output of a step sent to the workers. Steps answer in the order they were sent,
+    so results must be taken in that order (the engine core's in-flight queue keeps it)."""
+
+    def __init__(self, executor: "Executor"):
+        self._executor = executor
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor.collect()
+
+
 class Executor:
     def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout: float = 900.0):
         from shm.broadcast_ring import BroadcastRing
@@ -91,9 +102,10 @@ class Executor:
             if reply.rank == rank:
                 return reply
 
-    def submit(self, so: SchedulerOutput) -> None:
-        """Send a step; its output comes from collect(), in order."""
+    def submit(self, so: SchedulerOutput) -> PendingOutput:
+        """Send a step; its output comes from the returned handle (or collect()), in order."""
         self.ring.enqueue(self.enc.encode(MsgType.WORKER_STEP.value, so))
+        return PendingOutput(self)
 
     def collect(self) -> ModelRunnerOutput:
         return self._recv_step(0).output

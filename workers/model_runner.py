@@ -51,6 +51,22 @@ class PendingStep:
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
 
 
+@dataclass
+class StepBatch:
+    """One step's inputs, as prepare() builds them for forward() and sample()."""
+    states: list[CachedRequestState]
+    n: np.ndarray                             # tokens scheduled per request
+    start: np.ndarray                         # computed tokens before the step
+    end: np.ndarray
+    sample_rows: np.ndarray                   # requests that sample a token (not mid-prompt)
+    rows: list[SamplingRow]
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
+    inputs: dict                              # input_ids, positions, attention metadata
+    graph_bs: int | None                      # the CUDA graph that runs it, if any
+    stats_token: object = None
+
+
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
     """For each batch size b (index; 0 unused) the captured graph size to run it in: the
     smallest size >= b, unless a larger one replays more than `margin` faster. (cuBLAS
@@ -376,11 +392,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
-        """Queue one step on the device without waiting for it. Decode inputs that are
-        tokens of `prev` (still in flight) are taken from prev's device tensor."""
+        """Queue one step on the device without waiting for it: prepare, forward, sample,
+        copy back (finish() waits). Decode inputs that are tokens of `prev` (still in
+        flight) are taken from prev's device tensor."""
+        batch = self.prepare(so, prev)
+        if batch is None:
+            return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
+        step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
+        hidden, logits = self.forward(batch)
+        if logits is not None:
+            step.tokens, step.topk = self.sample(logits, batch)
+            self.copy_back(step)
+        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n)
+        for st, e in zip(batch.states, batch.end):
+            st.num_computed_tokens = int(e)
+        if batch.stats_token is not None:
+            step.stats_mark = self.stats.end(batch.stats_token, "graph" if batch.graph_bs is not None else "eager",
+                                             int(batch.n.sum()))
+        return step
+
+    def prepare(self, so: SchedulerOutput, prev: "PendingStep | None") -> "StepBatch | None":
+        """Apply the step's diff and build its inputs and metadata on the host, then on the
+        device; None when nothing is scheduled."""
         self._apply_diff(so)
         if not so.req_ids:
-            return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
+            return None
         stats_token = self.stats.begin() if self.stats is not None else None
         states = [self.batch.requests[rid] for rid in so.req_ids]
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
@@ -400,30 +436,37 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        graph_bs = self._graph_size(n)
-        if graph_bs is not None:
-            hidden = self._run_graph(graph_bs, inputs)
+        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, self._graph_size(n),
+                         stats_token)
+
+    def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
+        inputs = batch.inputs
+        if batch.graph_bs is not None:
+            hidden = self._run_graph(batch.graph_bs, inputs)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+        if not len(batch.sample_rows):
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
-        step = PendingStep(list(so.req_ids), states, sample_rows)
-        if len(sample_rows):
-            logits = self.model.compute_logits(hidden.index_select(0, dev["sample_index"]))
-            step.tokens, step.topk = self.sampler(logits, rows, dev, self.batch.penalty_state())
-            self.batch.count_sampled(dev["slots"], step.tokens)  # on the device: no host round trip
-            if self.device.type == "cuda":  # start the copy back now; finish() waits for it
-                step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-                step.tokens_host.copy_(step.tokens, non_blocking=True)
-                step.event = torch.cuda.Event()
-                step.event.record()
-            else:
-                step.tokens_host = step.tokens
-        step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n)
-        for i, st in enumerate(states):
-            st.num_computed_tokens = int(end[i])
-        if stats_token is not None:
-            step.stats_mark = self.stats.end(stats_token, "graph" if graph_bs is not None else "eager", int(n.sum()))
-        return step
+    def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None]:
+        """This step's tokens (on the device) and, where asked, their top-k logprobs. The tokens
+        go into the penalty counts on the device at once: the next step's penalties see them
+        even while their values are still on the way to the host."""
+        tokens, topk = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
+        self.batch.count_sampled(batch.dev["slots"], tokens)
+        return tokens, topk
+
+    def copy_back(self, step: "PendingStep") -> None:
+        """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
+        if self.device.type == "cuda":
+            step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+            step.tokens_host.copy_(step.tokens, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        else:
+            step.tokens_host = step.tokens
 
     @staticmethod
     def is_done(step: "PendingStep") -> bool:
