@@ -46,6 +46,33 @@ def test_logprobs_match_hf(llm):
         assert plp[p][PROMPT[p]].rank == int((row > row[PROMPT[p]]).sum()) + 1
 
 
+def test_prompt_logprobs_chunked_and_batched_match_hf(model_factory):
+    # prompts split over several steps (16-token budget), three requests per step asking for
+    # different top-N (and one for none): each position's logprob and rank as HF computes them
+    model_dir = model_factory("qwen3")
+    prompts = [[(7 * i + 3) % 200 for i in range(23)], [(5 * i + 1) % 180 for i in range(30)], PROMPT]
+    ks = [2, 0, None]
+    engine = LLM(model_dir, max_model_len=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts],
+                               [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k) for k in ks],
+                               use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert outs[2].prompt_logprobs is None
+    for p, k, o in zip(prompts[:2], ks, outs):
+        ref = hf_logprobs(model_dir, p)
+        plp = o.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(p)
+        for pos in range(1, len(p)):
+            row, tok = ref[pos - 1], p[pos]
+            assert plp[pos][tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+            assert plp[pos][tok].rank == int((row > row[tok]).sum()) + 1
+            assert len(set(plp[pos]) - {tok}) <= k
+            for t in row.topk(k).indices.tolist() if k else []:
+                assert plp[pos][t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+
+
 def test_logprobs_zero_gives_sampled_token_only(llm):
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.8, seed=1, max_tokens=4,
                                                                       logprobs=0), use_tqdm=False)[0]

@@ -46,9 +46,18 @@ class PendingStep:
     tokens: torch.Tensor | None = None        # on the device
     tokens_host: torch.Tensor | None = None   # pinned copy, valid once `event` has fired
     event: object = None
-    topk: tuple | None = None
-    prompt_logprobs: dict | None = None
+    topk: tuple | None = None                 # logprob tensors; pinned host copies after copy_back()
+    prompt_logprobs: "PromptLogprobSpans | None" = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+
+
+@dataclass
+class PromptLogprobSpans:
+    """The prompt logprobs a step computes: per request (req_id, first row, rows, top-N), and
+    the tensors of all their rows (target ids, target logprob, rank, top ids, top logprobs);
+    pinned host copies after copy_back()."""
+    spans: list[tuple[str, int, int, int]]
+    tensors: tuple
 
 
 @dataclass
@@ -402,8 +411,8 @@ class ModelRunner:
         hidden, logits = self.forward(batch)
         if logits is not None:
             step.tokens, step.topk = self.sample(logits, batch)
-            self.copy_back(step)
-        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n)
+        step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        self.copy_back(step)
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
@@ -429,6 +438,12 @@ class ModelRunner:
         host = self._host_inputs(n, start, slots)
         host["sample_index"] = host["qsl"][1:][sample_rows] - 1
         host.update(self.sampler.host_params(rows))
+        spans = self._prompt_logprob_spans(states, start, n)
+        if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
+            host["plp_rows"] = np.concatenate([np.arange(host["qsl"][i], host["qsl"][i] + cnt, dtype=np.int64)
+                                               for i, _, cnt in spans])
+            host["plp_targets"] = np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
+                                                  for i, lo, cnt in spans])
         if prev is not None and prev.tokens is not None:
             host["feed_dst"], host["feed_src"] = self._feed_indices(prev, states, start, host["qsl"])
         dev = self.h2d(host)
@@ -459,14 +474,24 @@ class ModelRunner:
         return tokens, topk
 
     def copy_back(self, step: "PendingStep") -> None:
-        """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
-        if self.device.type == "cuda":
-            step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-            step.tokens_host.copy_(step.tokens, non_blocking=True)
+        """Start the device -> host copies of what finish() reads (tokens, logprobs, prompt
+        logprobs) behind the step's work; finish() waits for one event, and never syncs a tensor
+        (a .tolist() of a device tensor would also wait for the next step, queued behind this one)."""
+        if self.device.type != "cuda":
+            step.tokens_host = step.tokens
+            return
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+        if step.tokens is not None:
+            step.tokens_host = to_host(step.tokens)
+        if step.topk is not None:
+            step.topk = tuple(to_host(t) for t in step.topk)
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
+        if step.tokens is not None or step.prompt_logprobs is not None:
             step.event = torch.cuda.Event()
             step.event.record()
-        else:
-            step.tokens_host = step.tokens
 
     @staticmethod
     def is_done(step: "PendingStep") -> bool:
@@ -477,9 +502,9 @@ class ModelRunner:
         """Wait for a launched step and record its tokens."""
         sampled = [-1] * len(step.req_ids)
         logprobs = None
+        if step.event is not None:
+            step.event.synchronize()
         if step.tokens is not None:
-            if step.event is not None:
-                step.event.synchronize()
             token_list = step.tokens_host.tolist()
             for j, i in enumerate(step.sample_rows):
                 sampled[i] = token_list[j]
@@ -490,7 +515,7 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, self._pack_prompt_logprobs(step.prompt_logprobs))
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -543,25 +568,47 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n) -> dict[str, PromptLogprobs] | None:
-        out = None
+    @staticmethod
+    def _prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
+        """(request index, first position, positions) whose next prompt token's logprob this step
+        computes: position p predicts token p + 1, while that is still a prompt token."""
+        spans = []
         for i, st in enumerate(states):
-            k = st.params.prompt_logprobs
-            if k is None or start[i] >= st.num_prompt_tokens:
-                continue
-            # position p predicts token p+1; keep those that are still prompt tokens
-            lo, cnt = int(start[i]), int(min(n[i], st.num_prompt_tokens - 1 - start[i]))
-            out = out or {}
-            if cnt <= 0:
-                out[st.req_id] = PromptLogprobs([], [], [])
-                continue
-            h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
-            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-            targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
-            tlp = lp.gather(1, targets.view(-1, 1))
-            ranks = ((lp > tlp).sum(-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-            out[st.req_id] = PromptLogprobs(
-                [[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+            if st.params.prompt_logprobs is not None and start[i] < st.num_prompt_tokens:
+                spans.append((i, int(start[i]), max(int(min(n[i], st.num_prompt_tokens - 1 - start[i])), 0)))
+        return spans
+
+    def _prompt_logprobs(self, batch: "StepBatch", hidden: torch.Tensor) -> PromptLogprobSpans | None:
+        """The prompt logprobs of every request that asks, in one batch on the device (no sync)."""
+        spans = self._prompt_logprob_spans(batch.states, batch.start, batch.n)
+        if not spans:
+            return None
+        k = max(batch.states[i].params.prompt_logprobs for i, _, _ in spans)
+        out, first = [], 0
+        for i, _, cnt in spans:
+            st = batch.states[i]
+            out.append((st.req_id, first, cnt, st.params.prompt_logprobs))
+            first += cnt
+        if not first:
+            return PromptLogprobSpans(out, ())
+        lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, batch.dev["plp_rows"])).float(),
+                               dim=-1)
+        targets = batch.dev["plp_targets"]
+        tlp = lp.gather(1, targets.view(-1, 1))
+        ranks = (lp > tlp).sum(-1) + 1
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+        return PromptLogprobSpans(out, (targets, tlp.squeeze(1), ranks, top_ids, top_lp))
+
+    @staticmethod
+    def _pack_prompt_logprobs(plp: PromptLogprobSpans | None) -> dict[str, PromptLogprobs] | None:
+        if plp is None:
+            return None
+        if not plp.tensors:
+            return {rid: PromptLogprobs([], [], []) for rid, _, _, _ in plp.spans}
+        targets, tlp, ranks, top_ids, top_lp = (t.tolist() for t in plp.tensors)
+        out = {}
+        for rid, a, cnt, k in plp.spans:
+            b = a + cnt
+            out[rid] = PromptLogprobs([[t] + ids[:k] for t, ids in zip(targets[a:b], top_ids[a:b])],
+                                      [[v] + vals[:k] for v, vals in zip(tlp[a:b], top_lp[a:b])], ranks[a:b])
         return out
