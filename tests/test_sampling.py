@@ -185,6 +185,22 @@ def test_n_choices_and_seed_reproducible(llm):
     assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
 
 
+def test_n_children_share_the_prompt_blocks(llm):
+    # the n children of a request are scheduled in one step; all but the first hit the first's
+    # prompt blocks (published as it is scheduled), and sample as if they ran alone
+    prompt = [(11 * i + 5) % 250 for i in range(41)]  # 10 full blocks of 4, never seen before
+    before = (llm.stats.prefix_cache_queries, llm.stats.prefix_cache_hits)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    hits = llm.stats.prefix_cache_hits - before[1]
+    assert llm.stats.prefix_cache_queries - before[0] == 4 * 41 and hits == 3 * 40
+    llm.reset_prefix_cache()
+    alone = [llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=6,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+             for i in range(4)]
+    assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
+
+
 def test_sampling_filters_respected(llm):
     # top_k=1 is greedy whatever the temperature
     greedy = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6),
