@@ -410,15 +410,46 @@ def test_sample_noise_variant_matches_ref():
     logits = _logits(temp.shape[0], g)
     for trial in range(2):
         noise = torch.empty(temp.shape[0], V).exponential_(generator=g).to(DEVICE)
-        out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise)
         ref = smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise)
-        assert out.dtype == torch.int64
-        assert out.tolist() == ref.tolist()
+        for max_top_k in (0, 40):  # candidates for no row / rows with k <= 40
+            out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k)
+            assert out.dtype == torch.int64
+            assert out.tolist() == ref.tolist(), max_top_k
     greedy = (temp == 0).cpu()
     assert torch.equal(out.cpu()[greedy], torch.argmax(logits, -1).cpu()[greedy])
     assert out[0].item() == 17
     assert out[6].item() == torch.argmax(logits[6]).item()  # top_k = 1
     assert out[9].item() == torch.argmax(logits[9]).item()  # top_p = 0 keeps one token
+
+
+def test_sample_top_k_candidates_ties_and_extremes():
+    # rows drawing from the top-k candidates (one torch.topk) against the reference and against
+    # the full passes: logits with many ties (inside the kept set and at the k-th / last
+    # candidate, where a row falls back to the passes), k = 1, p near 0, p = 1, min_p
+    g = _gen(13)
+    b, v = 12, 700
+    logits = _randn(b, v, g=g, scale=3.0)
+    logits[:, 100:104] = logits.max(dim=1, keepdim=True).values + 1.0  # four tie for the best
+    logits[1, :60] = 20.0            # 60 tie for the best: past the candidates (falls back to the passes)
+    logits[5, 200:400] = 0.5         # a tie at the k-th / last candidate (falls back)
+    logits[5, :15] = 9.0
+    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 1.0, 0.8, 1.0, 1.0, 0.0], device=DEVICE)
+    top_k = torch.tensor([1, 50, 3, 50, 7, 20, 50, 2, 10, 49, 50, 5], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1e-6, 0.9, 1.0, 0.99, 1.0, 0.3, 0.95, 1.0, 0.5], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0], device=DEVICE)
+    seeds, positions = torch.arange(b, device=DEVICE) + 3, torch.arange(b, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        lg = logits.to(dtype)
+        noise = torch.empty(b, v).exponential_(generator=g).to(DEVICE)
+        ref = smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, noise).tolist()
+        for max_top_k in (50, 10) if dtype == torch.float32 else (50,):  # 10: rows with k > 10 use the passes
+            assert smp.sample_with_noise(lg, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k).tolist() == ref
+        if dtype == torch.float32:  # Philox: the candidates draw the noise the full passes draw
+            r = [2, 3, 8]
+            args = (lg[r], temp[r], top_k[r], top_p[r], min_p[r], seeds[r], positions[r])
+            assert smp.sample(*args, max_top_k=50).tolist() == smp.sample(*args).tolist()
+        assert lg[0, ref[0]] == lg[0].max()  # k = 1: one of the tied best
+        assert ref[11] == int(torch.argmax(lg[11].float()))  # greedy
 
 
 def test_sample_chunked_rows_match():
