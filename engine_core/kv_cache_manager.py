@@ -11,9 +11,11 @@ from engine_core.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
-    """A full block's hash chains its parent's, so equal hashes mean equal prefixes."""
-    payload = msgspec.msgpack.encode((parent or b"", token_ids, list(extra_keys)))
-    return hashlib.sha256(payload).digest()
+    """A full block's hash chains its parent's, so equal hashes mean equal prefixes. extra_keys:
+    the content hashes of the images whose placeholders the block holds (the placeholder token
+    ids are the same for every image). A block without any hashes as it always did."""
+    payload = (parent or b"", token_ids, list(extra_keys)) if extra_keys else (parent or b"", token_ids)
+    return hashlib.sha256(msgspec.msgpack.encode(payload)).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,11 +44,15 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            # images in the block are extra keys: same text, different image, different KV
+            extra = tuple(it.hash for it in req.mm_items
+                          if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
-        """The longest cached prefix, leaving at least the last token to compute."""
-        if not self.enable_caching:
+        """The longest cached prefix, leaving at least the last token to compute. None for a request
+        that wants prompt logprobs: those are computed only for the prompt tokens it runs."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

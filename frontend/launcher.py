@@ -18,6 +18,7 @@ from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args
 from ipc.procs import start_process, stop_processes
+from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
@@ -52,14 +53,32 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
+    run_id()  # exported: every child names its shm segments with this run's id
     n_servers = args.api_server_count
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
         return 2
+    if args.max_request_body_bytes < 1:
+        print("loom serve: --max-request-body-bytes must be at least 1", file=sys.stderr)
+        return 2
+    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
+    if config.nnodes > 1:
+        if auth_key:  # the workers' and the engine's sockets between nodes derive their CURVE keys from it
+            os.environ["LOOM_ENGINE_AUTH_KEY"] = auth_key
+        from engine_core.executor import check_network_security, serve_secondary_node
+        try:
+            check_network_security(config.master_addr, auth_key)
+        except ConfigError as e:
+            print(f"loom serve: {e}", file=sys.stderr)
+            return 2
+        if config.node_rank > 0:  # a secondary node: only workers (tensor parallelism over nodes)
+            if not args.headless:
+                print("loom serve: --node-rank > 0 runs only workers: add --headless", file=sys.stderr)
+                return 2
+            return serve_secondary_node(config)
     if args.headless and not args.engine_address:
         print("loom serve: --headless needs --engine-address tcp://HOST:PORT to listen on", file=sys.stderr)
         return 2
-    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
     attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
     if args.headless:
         try:
@@ -91,7 +110,12 @@ def serve(args: argparse.Namespace) -> int:
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
                        "enable_control_endpoints": args.enable_control_endpoints,
                        "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
-                       "enable_mfu_metrics": args.enable_mfu_metrics}
+                       "enable_mfu_metrics": args.enable_mfu_metrics,
+                       "max_request_body_bytes": args.max_request_body_bytes,
+                       "trust_request_chat_template": args.trust_request_chat_template,
+                       "chat_template_content_format": args.chat_template_content_format,
+                       "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+                       "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
                                  (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))

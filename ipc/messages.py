@@ -34,6 +34,17 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 # ---------------------------------------------------------------- client <-> engine
 
+class MultiModalItem(_Msg):
+    """One image of a request: where its placeholder tokens sit in the prompt, its content
+    hash, and where its processed tensors are in the shared-memory store (never the bytes)."""
+    modality: str                  # "image"
+    hash: str                      # content + processor kwargs (multimodal/hasher.py)
+    offset: int                    # first placeholder token in the prompt
+    length: int                    # placeholder tokens = encoder output rows
+    store_name: str                # shm segment (shm/object_store.py)
+    store_addr: int                # entry in that segment
+
+
 class EngineCoreRequest(_Msg):
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +52,7 @@ class EngineCoreRequest(_Msg):
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     client_index: int = 0
+    mm_items: list[MultiModalItem] = []    # sorted by offset
 
 
 class Logprobs(_Msg):
@@ -57,6 +69,9 @@ class PromptLogprobs(_Msg):
     ranks: list[int]
 
 
+INTERNAL_ERROR = "internal"   # stop_reason of an error output for a failure on the server's side
+
+
 class EngineCoreOutput(_Msg):
     request_id: str
     new_token_ids: list[int]
@@ -65,7 +80,7 @@ class EngineCoreOutput(_Msg):
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
 
 
 class SchedulerStats(_Msg):
@@ -131,7 +146,8 @@ class Hello(_Msg):
     """The engine's answer to a client knocking on the handshake socket."""
     nonce: bytes                   # sign with HMAC-SHA256(auth key, nonce) when a key is required
     auth_required: bool
-    model: str = ""
+    model: str = ""                # no longer sent (always ""): nothing is revealed before ATTACH
+    engine_public_key: bytes = b""  # z85 CURVE key the engine's sockets use towards attached clients
 
 
 class AttachRequest(_Msg):
@@ -139,6 +155,7 @@ class AttachRequest(_Msg):
     input_address: str
     output_address: str
     auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce); empty when no key is required
+    client_public_key: bytes = b""  # z85 CURVE server key of the client's tcp:// sockets (required for tcp://)
 
 
 # ---------------------------------------------------------------- engine <-> workers
@@ -152,6 +169,7 @@ class NewRequestData(_Msg):
     output_token_ids: list[int] = []   # non-empty when a preempted request resumes
     seed: int = 0                      # the request's sampling seed (always set)
     eos_token_ids: list[int] = []      # min_tokens masks these
+    mm_items: list[MultiModalItem] = []
 
 
 class CachedRequestData(_Msg):
@@ -169,6 +187,9 @@ class SchedulerOutput(_Msg):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
     step_id: int = 0
+    scheduled_encoder_inputs: dict[str, list[int]] = {}   # req id -> indices of mm items to encode now
+    free_encoder_hashes: list[str] = []   # encoder outputs no request needs any more
+    released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
 
 
 class ModelRunnerOutput(_Msg):
@@ -176,6 +197,7 @@ class ModelRunnerOutput(_Msg):
     sampled_token_ids: list[int]          # -1 where a partial prefill sampled nothing
     logprobs: dict[str, Logprobs] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
 
 
 class WorkerCall(_Msg):

@@ -219,3 +219,20 @@ def test_invalid_params_rejected(llm):
         llm.generate({"prompt_token_ids": []}, SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="context length"):
         llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(), use_tqdm=False)
+
+
+def test_sampler_fails_a_bad_row_alone():
+    """Per-request adjustments that cannot apply (ids the boundaries would refuse) fail that row
+    only; the batch's kernels ignore such ids and the other rows sample as usual."""
+    import torch
+
+    from ipc.sampling_params import SamplingParams
+    from workers.sampler import Sampler
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 100.0}), 0, 0),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={-7: 1.0}), 0, 0),
+            SamplingRow(SamplingParams(temperature=0, min_tokens=2), 0, 0, 1, (10 ** 6,))]
+    logits = torch.randn(3, 50)
+    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
+    tokens, _, failed = Sampler(use_triton=False)(logits, rows, dev)
+    assert sorted(failed) == [1, 2] and "[-7]" in failed[1]
+    assert tokens.tolist() == [3, int(logits[1].argmax()), int(logits[2].argmax())]

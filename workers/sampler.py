@@ -39,6 +39,13 @@ class SamplingRow:
             return []
         return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
 
+    def bad_ids(self, vocab: int) -> str | None:
+        """An error naming the ids outside [0, vocab) that the row's logit_bias or bans hold (the
+        boundaries refuse them; a row that still has them fails alone)."""
+        ids = [*(self.params.logit_bias or ()), *self.banned()]
+        bad = sorted({t for t in ids if not 0 <= t < vocab}) if ids else None
+        return f"IndexError: token ids {bad} outside the vocabulary [0, {vocab})" if bad else None
+
 
 def _padded(lists: list[list], dtype, fill) -> np.ndarray:
     """Rows of different lengths as one [B, max_len] array (fill past each row's end)."""
@@ -46,6 +53,9 @@ def _padded(lists: list[list], dtype, fill) -> np.ndarray:
     for i, xs in enumerate(lists):
         out[i, :len(xs)] = xs
     return out
+
+
+_INT32_MAX = 2 ** 31 - 1  # validated at the boundaries; clamped here so a bad row can never raise
 
 
 class Sampler:
@@ -82,25 +92,30 @@ class Sampler:
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=n)
         i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=n)
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=n)
-        host = {"temperature": f32(x.temperature for x in p), "top_k": i32(x.top_k for x in p),
+        host = {"temperature": f32(x.temperature for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
                 "out_positions": i64(r.output_index for r in rows), "slots": i64(r.slot for r in rows)}
         if any(r.adjusts for r in rows):
             bias = [x.logit_bias or {} for x in p]
             # only a row with penalties reads its slot's state (others read slot 0 with no effect)
-            host.update(penalty_slots=i64(r.slot if r.params.needs_penalties else 0 for r in rows),repetition=f32(x.repetition_penalty for x in p), presence=f32(x.presence_penalty for x in p),
+            host.update(penalty_slots=i64(r.slot if r.params.needs_penalties else 0 for r in rows),
+                        repetition=f32(x.repetition_penalty for x in p), presence=f32(x.presence_penalty for x in p),
                         frequency=f32(x.frequency_penalty for x in p),
-                        bias_ids=_padded([list(b) for b in bias], np.int32, -1),
+                        bias_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in b] for b in bias], np.int32, -1),
                         bias_vals=_padded([list(b.values()) for b in bias], np.float32, 0.0),
-                        ban_ids=_padded([r.banned() for r in rows], np.int32, -1))
+                        ban_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
+                                        np.int32, -1))
         return host
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
                  state: tuple[torch.Tensor, torch.Tensor] | None = None):
         """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device;
         state: the persistent batch's (output_counts, prompt_mask), [slots, V] each, needed
-        when a row has penalties (None before any request had them). Returns (token_ids int64 [B] tensor, logprobs or None).
+        when a row has penalties (None before any request had them). Returns (token_ids int64
+        [B] tensor, logprobs or None, {row: error} of rows whose parameters name token ids
+        outside the vocabulary: those requests fail alone, the batch goes on, the kernels
+        ignoring such ids).
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
         (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
@@ -108,12 +123,14 @@ class Sampler:
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_lp is not None else None
 
-        if "repetition" in dev:
+        failed = {}
+        if "repetition" in dev:  # some row adjusts its logits
+            failed = {i: why for i, r in enumerate(rows) if (why := r.bad_ids(logits.shape[-1]))}
             from kernels.penalties import apply_penalties
             counts, prompt_mask = state if state is not None else self._no_state(logits)
             logits = apply_penalties(logits, dev["penalty_slots"], counts, prompt_mask, dev["repetition"],
-                                     dev["presence"],
-                                     dev["frequency"], dev["bias_ids"], dev["bias_vals"], dev["ban_ids"])
+                                     dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"],
+                                     dev["ban_ids"])
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
@@ -123,7 +140,7 @@ class Sampler:
         if raw_logprobs is not None:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
             ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
-            k = max(max_lp, 0)
+            k = min(max(max_lp, 0), logits.shape[-1])
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
             topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
-        return tokens, topk
+        return tokens, topk, failed

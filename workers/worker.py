@@ -16,36 +16,41 @@ from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
+from workers.remote import remote
 
 logger = logging.getLogger(__name__)
 
 
-def remote(fn):
-    """Mark a Worker method as callable through collective_rpc."""
-    fn._loom_remote = True
-    return fn
-
-
-def cpu_threads() -> int:
+def cpu_threads(num_workers: int = 1) -> int:
     """Intra-op threads for a worker computing on the CPU: the cores this process may use, less
-    one for the API server and engine core, which must run between steps (OMP_NUM_THREADS, when
-    set, decides). Torch's default, one thread per core, has OpenMP threads spin-waiting on cores
-    those processes need: measured 10-14x slower serving on a 2-core box."""
+    one for the API server and engine core, which must run between steps, shared among the
+    workers (OMP_NUM_THREADS, when set, decides). Torch's default, one thread per core, has
+    OpenMP threads spin-waiting on cores those processes need: measured 10-14x slower serving
+    on a 2-core box."""
     env = os.environ.get("OMP_NUM_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // max(num_workers, 1))
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int):
-        from workers.model_runner import ModelRunner, resolve_device
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int | None = None, rendezvous=None):
+        """rank: in the tensor-parallel group; local_rank: which GPU of this node (cuda:local_rank)."""
+        from workers.model_runner import ModelRunner, resolve_device, resolve_dtype
         self.rank = rank
-        if resolve_device(config, rank).type == "cpu":
+        local_rank = rank if local_rank is None else local_rank
+        if rendezvous is not None:
+            from workers.distributed import init_distributed
+            device = resolve_device(config, local_rank)
+            if device.type == "cuda":
+                import torch
+                torch.cuda.set_device(device)
+            init_distributed(rank, rendezvous, device, resolve_dtype(config, device))
+        if resolve_device(config, local_rank).type == "cpu":
             import torch
-            torch.set_num_threads(cpu_threads())
+            torch.set_num_threads(cpu_threads(config.tensor_parallel_size // max(config.nnodes, 1)))
             logger.info("CPU worker: %d torch threads", torch.get_num_threads())
-        self.runner = ModelRunner(config, rank)
+        self.runner = ModelRunner(config, local_rank)
 
     @remote
     def ping(self) -> str:
@@ -75,6 +80,12 @@ class Worker:
     def step_stats(self) -> dict | None:
         """Host and device time per step, and Triton compiles after warm-up (LOOM_STEP_STATS=1)."""
         return self.runner.stats.summary() if self.runner.stats is not None else None
+
+    @remote
+    def all_reduce_info(self) -> dict:
+        """This rank's place in the tensor-parallel group and its all-reduce paths."""
+        from workers.distributed import describe
+        return describe()
 
     @remote
     def get_pid(self) -> int:
@@ -135,20 +146,23 @@ def serve_steps(worker: Worker, ring, send) -> None:
             send(WorkerReply(rank, error=f"{type(e).__name__}: {e}", call_id=call.call_id))
 
 
-def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, death_pipe) -> None:
+def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply_address: str, rendezvous,
+               death_pipe) -> None:
     watch_parent(death_pipe)
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    from shm.broadcast_ring import BroadcastRing
+    from shm.broadcast_ring import RemoteHandle, _curve_client, attach_reader
     ctx = zmq.Context()
-    reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000)
+    # a worker on another node replies over TCP: CURVE with the keys of the ring's auth key
+    auth = _curve_client(ring_handle.auth_key) if isinstance(ring_handle, RemoteHandle) else None
+    reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000, auth=auth)
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
     ring = None
     try:
-        ring = BroadcastRing.attach(ring_handle, rank)
-        worker = Worker(EngineConfig.from_dict(config_dict), rank)
+        ring = attach_reader(ring_handle, rank)
+        worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
         send(WorkerReply(rank, result="ready"))
         with maybe_profile(f"worker{rank}"):
             serve_steps(worker, ring, send)
