@@ -286,7 +286,8 @@ class OpenAIServer:
         prompts = completion_prompts(req.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
-        params = build_sampling_params(req, chat=False, limits=self.limits)
+        params = build_sampling_params(req, chat=False, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -321,7 +322,8 @@ class OpenAIServer:
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
-        params = build_sampling_params(req, chat=True, limits=self.limits)
+        params = build_sampling_params(req, chat=True, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         _, ids = await self.tokenizers.run(

@@ -8,7 +8,8 @@ import sys
 from ipc.config import EngineConfig
 
 # EngineConfig fields that are not command-line options
-_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget"}
+_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget",
+             "default_sampling_params"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:
