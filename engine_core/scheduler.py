@@ -14,7 +14,7 @@ from ipc.config import EngineConfig
 from engine_core.encoder_cache_manager import EncoderCacheManager
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
-from ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                           PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
@@ -155,6 +155,10 @@ class Scheduler:
                 self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
                 req.eos_token_ids, req.mm_items))
             budget -= n
+            # publish its prompt blocks now: a later request of this step with the same prefix
+            # (the n children of one request) hits them. This step's forward writes their KV
+            # (each layer's cache write runs before its attention) before anyone reads them.
+            self.kv.cache_blocks(req, num_hit + n)
 
         # 3. Advance counters now, so the next step can be scheduled before this one returns.
         req_ids = list(num_sched)
@@ -237,7 +241,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, RequestStatus.FINISHED_ERROR)
                 outputs.setdefault(req.client_index, []).append(
-                    EngineCoreOutput(rid, [], "error", error=f"the request failed in the worker: {failed[rid]}"))
+                    EngineCoreOutput(rid, [], "error", INTERNAL_ERROR,
+                                     error=f"the request failed in the worker: {failed[rid]}"))
                 continue
             plp = self._new_prompt_logprobs(req, prompt_logprobs.get(rid))
             if token < 0:

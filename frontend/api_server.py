@@ -35,13 +35,15 @@ import msgspec
 from aiohttp import web
 
 from frontend.control_api import ControlAPI
-from frontend.errors import EngineDeadError
+from frontend.dp_router import check_rank
+from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
                                encode_prompts, error_body, image_urls, message_text, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, stream_usage, truncate_prompt,
                                unsupported_constraints)
+from frontend.rl_api import rl_routes
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
@@ -54,6 +56,7 @@ logger = logging.getLogger("loom.api")
 
 SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
+DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
 _OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
@@ -141,7 +144,7 @@ class OpenAIServer:
 
     def check_alive(self) -> None:
         if self.llm.is_dead:
-            raise APIError(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503)
+            raise APIError(engine_dead_message(self.llm.dead_reason), 503)
 
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name, getattr(self.config, "model", None))
@@ -179,7 +182,7 @@ class OpenAIServer:
                 msg = f"Method {request.method} is not allowed on {request.path}"
             return _error_response(APIError(msg, e.status), headers)
         except EngineDeadError as e:
-            return _error_response(APIError(f"The engine is dead: {e or self.llm.dead_reason}", 503))
+            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001
@@ -200,7 +203,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
-            return _json(error_body(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503), 503)
+            return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -283,7 +286,8 @@ class OpenAIServer:
         prompts = completion_prompts(req.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
-        params = build_sampling_params(req, chat=False, limits=self.limits)
+        params = build_sampling_params(req, chat=False, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -318,7 +322,8 @@ class OpenAIServer:
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
-        params = build_sampling_params(req, chat=True, limits=self.limits)
+        params = build_sampling_params(req, chat=True, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         _, ids = await self.tokenizers.run(
@@ -372,8 +377,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ both
 
+    def _dp_rank(self, request: web.Request) -> dict:
+        """generate()'s data_parallel_rank from the X-data-parallel-rank header, when it has one."""
+        value = request.headers.get(DP_RANK_HEADER)
+        if value is None:
+            return {}
+        try:
+            return {"data_parallel_rank": check_rank(value, self.config.data_parallel_size)}
+        except ValueError as e:
+            raise APIError(f"{DP_RANK_HEADER}: {e}", 400) from None
+
     async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
         extra = {"mm_items": mm_items} if mm_items else {}   # a chat's images (one prompt)
+        extra.update(self._dp_rank(ctx.request))
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
@@ -443,6 +459,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         if self.options.enable_control_endpoints:
             routes += ControlAPI(self).routes()
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

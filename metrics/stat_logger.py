@@ -23,6 +23,17 @@ vllm:engine_sleep_state adds sleep_state = awake | weights_offloaded |
 discard_all (1 for the current state, 0 for the others; Loom's sleep level 0,
 which only stops scheduling, reads as awake). The engine reports a sleep change
 with stats even though it does not step while asleep.
+
+vLLM families not exported, because Loom does not do what they measure:
+vllm:spec_decode_* (no speculative decoding), vllm:lora_requests_info (no LoRA),
+vllm:external_prefix_cache_* and the external_kv_transfer source of
+vllm:prompt_tokens_by_source (no KV connector), vllm:mm_cache_* (text only),
+vllm:kv_block_* lifetimes (vLLM samples them only with --kv-cache-metrics), and the
+deprecated, hidden-by-default aliases vllm:gpu_cache_usage_perc,
+vllm:gpu_prefix_cache_* and vllm:time_per_output_token_seconds (now
+vllm:kv_cache_usage_perc, vllm:prefix_cache_* and vllm:inter_token_latency_seconds).
+vllm:num_requests_waiting_by_reason has reason="deferred" at 0: Loom never defers a
+request it has room for.
 """
 from __future__ import annotations
 
@@ -215,10 +226,9 @@ class PrometheusStatLogger:
 
     def on_outputs(self, outs) -> None:
         """An EngineCoreOutputs as it reached this API server."""
-        engine = str(outs.engine_index)
-        if engine != self.engine:
-            self.flush()
-            self.engine = engine   # per-request metrics go to the engine last heard from
+        # The records gathered since the last flush are of this engine's outputs (AsyncLLM calls
+        # this right after processing them; everything else flushes as it records).
+        engine = self.engine = str(outs.engine_index)
         e = self._bind(engine)
         s = outs.scheduler_stats
         if s is not None:
@@ -248,6 +258,13 @@ class PrometheusStatLogger:
         self.flush()   # AsyncLLM calls on_outputs after it processed the step's outputs: their tokens are in
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
+
+    def use_engine(self, engine_index: int) -> None:
+        """Records from now on are of this engine's requests (data parallelism: an abort's)."""
+        engine = str(engine_index)
+        if engine != self.engine:
+            self.flush()
+            self.engine = engine
 
     def record_prompt_tokens(self, n: int, cached: int = 0) -> None:
         self._prompt_tokens += n
