@@ -154,7 +154,8 @@ def test_a_thousand_image_requests_bounded_rss_and_store(llm):
     """1,000 requests, each with its own tiny image (the 20 MB store holds about 250 of them, so
     it evicts as it goes): the store stays within its size, and no process grows."""
     from tests.conftest import child_pids
-    procs = [os.getpid(), llm.engine_proc.pid] + child_pids(llm.engine_proc.pid)
+    engine = llm.engine_procs[0].pid
+    procs = [os.getpid(), engine] + child_pids(engine)
 
     def batch(seed: int, n: int):
         prompts = [{"prompt": chat(IMG), "multi_modal_data": {"image": random_image(seed + i, 28, 28)}}
