@@ -215,6 +215,8 @@ class ModelRunner:
                     "slot_mapping": np.full(int(n.sum()), -1, np.int64),
                     "qsl": np.concatenate([[0], np.cumsum(n)]).astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
                     "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32)}
+            if self.uses_mrope:  # the rotary kernel's 3-row variant, as image prompts use it
+                host["positions"] = np.stack([host["positions"]] * 3)
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
