@@ -104,8 +104,9 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            for *_, items in checked:
-                self.mm.unref(items)
+            if self.mm is not None:  # release the images of the prompts already checked
+                for *_, items in checked:
+                    self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
         for text, ids, params, items in checked:
