@@ -21,6 +21,7 @@ def attach_metrics(llm, enable_mfu: bool = False, log_stats: bool | None = None)
         log_stats = not config.disable_log_stats and llm.client_index == 0
     stat_logger.live = None
     if log_stats:
-        stat_logger.live = LiveStatsLogger(config.model_name, config.log_stats_interval)
+        stat_logger.live = LiveStatsLogger(config.model_name, config.log_stats_interval,
+                                            mm_stats=stat_logger.mm_stats)
         stat_logger.live.start()
     return stat_logger

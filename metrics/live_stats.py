@@ -10,7 +10,9 @@ engine step's stats reach only one of them; with data parallelism, one line per
 engine ("Engine 001: ..."): throughputs are the growth of
 vllm:prompt_tokens / vllm:generation_tokens over the interval, the hit rate
 that of the prefix-cache counters over the interval. Nothing is logged while
-the engine is idle (one last line after activity ends).
+the engine is idle (one last line after activity ends). A multimodal model's line
+ends with this API server's image processing over the interval (vLLM has no
+metric for it): "MM processing: 3 images, avg 4.1 ms".
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ def snapshot(model_name: str, registry=None) -> dict[str, dict[str, float]]:
 
 
 class LiveStatsLogger:
-    def __init__(self, model_name: str, interval: float = 10.0, registry=None):
+    def __init__(self, model_name: str, interval: float = 10.0, registry=None, mm_stats=None):
         self.model_name = model_name
+        self.mm_stats = mm_stats   # multimodal.processor.MMStats of this API server, if any
+        self._mm_last = self._mm_now()
         self.interval = max(float(interval), 0.05)
         self.registry = registry
         self._last = snapshot(model_name, registry)
@@ -70,6 +74,19 @@ class LiveStatsLogger:
             except Exception:  # noqa: BLE001  (logging must never take the server down)
                 logger.debug("stats logging failed", exc_info=True)
 
+    def _mm_now(self) -> tuple[int, float]:
+        m = self.mm_stats
+        return (m.processed_items, m.processing_secs) if m is not None else (0, 0.0)
+
+    def _mm_suffix(self) -> str:
+        """Images processed since the last line and their mean processing time."""
+        (n0, s0), (n1, s1) = self._mm_last, self._mm_now()
+        self._mm_last = (n1, s1)
+        if self.mm_stats is None:
+            return ""
+        avg = 1000.0 * (s1 - s0) / (n1 - n0) if n1 > n0 else 0.0
+        return f", MM processing: {n1 - n0} images, avg {avg:.1f} ms"
+
     def log_once(self) -> str | None:
         """Log the line for the interval since the last call, one per engine when there are several;
         returns them (None when idle)."""
@@ -81,6 +98,7 @@ class LiveStatsLogger:
                   for e, c in cur.items()}
         idle = not any(d["prompt"] or d["generation"] or cur[e]["running"] or cur[e]["waiting"]
                        for e, d in deltas.items())
+        mm = self._mm_suffix()
         if idle and self._was_idle:
             return None
         self._was_idle = idle
@@ -92,7 +110,8 @@ class LiveStatsLogger:
             lines.append(f"{prefix}Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, "
                          f"Avg generation throughput: {d['generation'] / dt:.1f} tokens/s, "
                          f"Running: {c['running']:.0f} reqs, Waiting: {c['waiting']:.0f} reqs, "
-                         f"KV cache usage: {100.0 * c['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+                         f"KV cache usage: {100.0 * c['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+                         + (mm if not lines else ""))
         for line in lines:
             logger.info("%s", line)
         return "\n".join(lines)

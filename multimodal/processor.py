@@ -33,10 +33,12 @@ class StoreBusy(RuntimeError):
 
 @dataclass
 class MMStats:
-    """Counters for metrics: processor-output cache lookups, and processing time."""
+    """Counters for metrics: processor-output cache lookups, and processing time (vLLM has no
+    metric for it: the stats log line shows it)."""
     cache_queries: int = 0
     cache_hits: int = 0
     processing_secs: float = 0.0
+    processed_items: int = 0
 
 
 class MultiModalProcessor:
@@ -99,6 +101,7 @@ class MultiModalProcessor:
         except Exception as e:
             raise MediaError(f"the image processor failed: {e}") from None
         self.stats.processing_secs += time.perf_counter() - t0
+        self.stats.processed_items += 1
         if self.model_type in QWEN_VL_TYPES:
             grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(3)
             merge = int(getattr(self.image_processor, "merge_size", 2))

@@ -121,6 +121,19 @@ def test_stat_logger_and_stats_log_line():
     assert live.log_once() is None
 
 
+def test_stats_log_line_shows_image_processing_time():
+    # vLLM has no metric for the multimodal processing time: the stats line shows this API server's
+    from multimodal.processor import MMStats
+    log, reg = _local_logger()
+    mm = MMStats(processing_secs=1.0, processed_items=2)   # before the logger: not in its first line
+    live = LiveStatsLogger("served", registry=reg, mm_stats=mm)
+    log.on_outputs(EngineCoreOutputs([], 0, time.time(), SchedulerStats(num_running=1)))
+    mm.processing_secs, mm.processed_items = 1.012, 6
+    assert live.log_once().endswith(", MM processing: 4 images, avg 3.0 ms")
+    assert live.log_once().endswith(", MM processing: 0 images, avg 0.0 ms")
+    assert "MM processing" not in LiveStatsLogger("served", registry=reg).log_once()   # a text model
+
+
 def test_observe_many_matches_observe():
     from prometheus_client import Histogram
     from metrics.stat_logger import _observe_many
