@@ -4,10 +4,11 @@ PY        := $(VENV)/bin/python
 # The CPU build of torch; override on a GPU machine (e.g. TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR  ?= .demo-model
+VISION_DIR ?= .demo-vision-model
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 
-.PHONY: install serve test demo-model clean
+.PHONY: install serve serve-vision test demo-model clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,8 +28,14 @@ demo-model: $(DEMO_DIR)/model.safetensors
 serve: $(VENV)/.installed $(DEMO_DIR)/model.safetensors
 	$(VENV)/bin/loom serve $(DEMO_DIR) --host $(HOST) --port $(PORT)
 
+$(VISION_DIR)/model.safetensors: | $(VENV)/.installed
+	$(VENV)/bin/loom demo-model --vision $(VISION_DIR)
+
+serve-vision: $(VENV)/.installed $(VISION_DIR)/model.safetensors
+	$(VENV)/bin/loom serve $(VISION_DIR) --host $(HOST) --port $(PORT)
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) *.egg-info
+	rm -rf $(VENV) $(DEMO_DIR) $(VISION_DIR) *.egg-info

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 from ipc.config import EngineConfig
@@ -110,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo = sub.add_parser("demo-model", help="build the tiny embedded demo model (Qwen3 architecture)")
-    demo.add_argument("dir")
-    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("dir", help="output checkpoint directory")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the builder's)")
+    demo.add_argument("--vision", action="store_true",
+                      help="build the vision demo instead: a tiny Qwen2.5-VL that names the colour and shape "
+                           "in a picture (a few minutes on CPU)")
     try:
         from bench.cli import add_bench_parser
         add_bench_parser(sub)
@@ -122,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         from frontend.launcher import serve
         return serve(args)
     if args.command == "demo-model":
-        from frontend.demo_model import build_demo_model
-        build_demo_model(args.dir, steps=args.steps)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        if args.vision:
+            from frontend.demo_vision_model import build_demo_vision_model
+            build_demo_vision_model(args.dir, steps=args.steps)
+        else:
+            from frontend.demo_model import build_demo_model
+            build_demo_model(args.dir, steps=args.steps)
         return 0
     if args.command == "bench":
         return args.func(args)
