@@ -324,14 +324,16 @@ def _sample_kernel(
 
     temp = tl.load(temp_ptr + row).to(tl.float32)
     k = tl.load(top_k_ptr + row).to(tl.int32)
+    tok = vocab * 0
+    ok = num_cand < 0  # False
     if (temp > 0.0) & (k > 0) & (k < num_cand):
         tok, ok = _candidate_sample(cand_val_ptr + row * num_cand, cand_idx_ptr + row * num_cand,
                                     noise_ptr + row * stride_n, num_cand, k, tl.load(top_p_ptr + row).to(tl.float32),
                                     tl.math.div_rn(1.0, temp), _min_p_key(min_p_ptr, row),
                                     _philox_key(seed_ptr, pos_ptr, row), vocab, CAND, USE_NOISE)
-        if ok:
-            tl.store(out_ptr + row, tok.to(tl.int64))
-            return
+    if ok:  # (a return at the top level only: nested returns are not supported everywhere)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+        return
 
     # pass 1: max and (first) argmax of the raw logits
     m, arg = _max_argmax(row_ptr, 0, vocab, vocab, BLOCK)
