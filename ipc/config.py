@@ -68,6 +68,8 @@ class EngineConfig:
                               "TCP rendezvous and the step broadcast); with --nnodes > 1")
     master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
                               "next port); with --nnodes > 1 (one node picks a free port)")
+    data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
+                                     "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
@@ -86,6 +88,8 @@ class EngineConfig:
                                                   "file:// image URLs (default: none)")
     mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
                                           "images (GiB)")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -130,6 +134,8 @@ class EngineConfig:
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
         check_tensor_parallel(self, text_cfg)
         return self
@@ -214,6 +220,11 @@ class EngineConfig:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
             raise ConfigError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nodes > 1:
+            raise ConfigError("--data-parallel-size > 1 with --nnodes > 1 is not supported: each data-parallel "
+                              "rank runs its tensor-parallel workers on one node")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""

@@ -109,6 +109,7 @@ class ModelRunner:
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
+        self.weights_dir = config.model   # where sleep level 2 reloads from (update_weights_from_disk moves it)
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
                                 config.language_model_only)
         if self.backend == "triton":
@@ -366,7 +367,7 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format,
+                fresh = load_model(self.weights_dir, self.dtype, self.device, self.config.load_format,
                                    self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):

@@ -248,7 +248,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
+        """`partial`: only some weights (a weight update), none required."""
         def renamed():
             for name, t in weights:
                 name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
@@ -261,4 +262,4 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                 return True
             return self.visual is None and name.startswith("visual.")
 
-        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore)
+        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore, partial)
