@@ -92,8 +92,9 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            for *_, items in checked:
-                self.mm.unref(items)
+            if self.mm is not None:  # a text-only model has no image store
+                for *_, items in checked:
+                    self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
         for text, ids, params, items in checked:
