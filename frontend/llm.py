@@ -92,7 +92,7 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            if self.mm is not None:  # a text-only model has no image store
+            if self.mm is not None:  # release the images of the prompts already checked
                 for *_, items in checked:
                     self.mm.unref(items)
             raise
