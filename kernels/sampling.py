@@ -32,9 +32,9 @@ for max/argmax, one for the exponential race, plus for top-k/top-p one counting
 pass and a few bisection passes (4 pivots each, early exit once the threshold
 is pinned down).
 
-Rows with top-k (k < max_top_k + 1 <= 1024) instead take their candidates from
-one torch.topk of the batch (max_top_k + 1 largest logits per row, a radix
-select, not a sort): the top-k threshold is the k-th candidate's key, the
+Rows with top-k (k <= max_top_k, max_top_k + 64 <= 1024) instead take their
+candidates from one torch.topk of the batch (the max_top_k + 64 largest
+logits per row, a radix select, not a sort): the top-k threshold is the k-th candidate's key, the
 top-p threshold a prefix sum over the candidates, and the race runs over the
 candidates alone, drawing each one's noise at its token index (the same
 Philox stream as the full pass). No pass over the vocabulary then. Rows with
@@ -158,6 +158,7 @@ _RAND_Q = 256  # token t draws output (t // 256) % 4 of Philox counter (t // 102
 _NPIV = 4      # pivots per bisection pass (the pass is compute-bound: cost grows with pivots)
 _MAX_CHUNKS = 64  # vocabulary chunks per row at most (a fixed tile: no recompiles as the batch changes)
 _MAX_CAND = 1024  # top-k candidates per row at most (a fixed tile; rows with a larger k use the passes)
+_CAND_SLACK = 64  # candidates beyond the batch's largest top-k
 
 
 @triton.jit
@@ -497,7 +498,9 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     if not top_k_top_p:
         return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out,
                                num_chunks)
-    num_cand = min(max_top_k + 1, _MAX_CAND, vocab) if max_top_k and max_top_k > 0 else 0
+    # _CAND_SLACK candidates past the largest k: bf16 logits tie often (8 mantissa bits), and a
+    # row whose k-th value ties with the last candidate must fall back to the passes
+    num_cand = min(max_top_k + _CAND_SLACK, _MAX_CAND, vocab) if max_top_k and max_top_k > 0 else 0
     if top_p_only:  # rows with top-p and no top-k try the largest candidate tile
         num_cand = min(_MAX_CAND, vocab)
     if num_cand:
@@ -526,7 +529,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     most SMs idle at small batches. Same tokens either way.
 
     max_top_k > 0 (the largest top_k of the batch, as the host knows it) lets rows with top-k
-    draw from the batch's top max_top_k + 1 candidates (one torch.topk) instead of passes over
+    draw from the batch's top max_top_k + 64 candidates (one torch.topk) instead of passes over
     the vocabulary. top_p_only=True (some row has top-p and no top-k) lets those rows try the
     top 1024 candidates too, after one pass for the mass they renormalise over (they fall back
     to the passes when their top-p set is larger). Same tokens either way."""

@@ -431,7 +431,7 @@ def test_sample_top_k_candidates_ties_and_extremes():
     b, v = 12, 700
     logits = _randn(b, v, g=g, scale=3.0)
     logits[:, 100:104] = logits.max(dim=1, keepdim=True).values + 1.0  # four tie for the best
-    logits[1, :60] = 20.0            # 60 tie for the best: past the candidates (falls back to the passes)
+    logits[1, :60] = 20.0            # 60 tie for the best: all kept, within the candidates' slack
     logits[5, 200:400] = 0.5         # a tie at the k-th / last candidate (falls back)
     logits[5, :15] = 9.0
     temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 1.0, 0.8, 1.0, 1.0, 0.0], device=DEVICE)
