@@ -217,3 +217,26 @@ def test_two_nodes_on_loopback_match_one_node(tiny_model_dir, start_server):
         time.sleep(0.02)
     assert head.proc.wait(15) not in (0, None)
     assert node1.proc.wait(15) not in (0, None)
+
+
+def test_serve_refuses_in_one_line_with_exit_2(tmp_path, tiny_model_dir):
+    """Impossible TP configurations stop `loom serve` before any process starts: one line, exit 2."""
+    import subprocess
+    import sys
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, "vocab_size": 100,
+                   "num_key_value_heads": 2, "intermediate_size": 64}, f)
+    cases = [([str(tmp_path), "-tp", "4", "--device", "cpu"], "does not divide the model's 6 attention heads")]
+    if not torch_cuda_count():
+        cases.append(([tiny_model_dir, "-tp", "2", "--device", "cuda"], "needs 2 GPUs"))
+    for args, message in cases:
+        r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def torch_cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
