@@ -124,6 +124,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_size * factor)
         self.rope_params = dict(rope_params)
         self.rope_type = rope_params["rope_type"]
+        # M-RoPE (Qwen2-VL family): the rot/2 frequencies split into (temporal, height, width)
+        # sections, each turned by its own row of [3, T] positions
+        section = rope_params.get("mrope_section")
+        self.mrope_section = tuple(section) if section else None
         # Built on the CPU (as HF computes inv_freq at init), then moved with the model.
         cache = build_rope_cache(self.rotary_dim, max_position, float(rope_params["rope_theta"]), rope_params)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -348,7 +352,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
-                               *norms)
+                               *norms, mrope_section=self.rotary_emb.mrope_section)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
 
@@ -379,15 +383,16 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------- weight loading
 def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
                          stacked_mapping: list[tuple[str, str, object]],
-                         ignore: callable = lambda name: False) -> set[str]:
+                         ignore: callable = lambda name: False, partial: bool = False) -> set[str]:
     """Hand each checkpoint tensor (or safetensors slice) to its parameter's weight loader,
-    which keeps this rank's shard.
+    which keeps this rank's shard, copied in place (param.data is never replaced, so captured
+    CUDA graphs stay valid).
 
     stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
     rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
     duplicate checkpoint name, a shape mismatch, checkpoint weights that map to
-    nothing, or parameters (or shards of fused ones) left unloaded.
-    Returns the set of checkpoint names loaded."""
+    nothing, or (unless `partial`: a weight update of some tensors) parameters
+    (or shards of fused ones) left unloaded. Returns the set of checkpoint names loaded."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     seen: set[str] = set()
@@ -414,7 +419,7 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]]
         loaded.setdefault(name, set()).add(shard_id)
 
     missing = []
-    for name, param in params.items():
+    for name, param in params.items() if not partial else ():
         got = loaded.get(name, set())
         missing += [name if s is None else f"{name}[{s}]" for s in param.shard_ids if s not in got]
     if unexpected or missing:
