@@ -240,3 +240,40 @@ def test_serve_refuses_in_one_line_with_exit_2(tmp_path, tiny_model_dir):
 def torch_cuda_count() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_ring_publishes_every_step_to_remote_readers_holding_the_key():
+    """The ring's TCP side, without models: a remote reader with the key gets every message, in
+    order, inline and overflow alike, as the local reader does; one with another key gets
+    nothing; closing the ring ends the remote reader."""
+    import shutil
+    import tempfile
+
+    from shm.broadcast_ring import BroadcastRing, RemoteHandle, RemoteReader, RemoteSpec, RingClosed
+    ipc_dir = tempfile.mkdtemp(prefix="tpr", dir="/tmp")
+    addr = f"tcp://127.0.0.1:{_free_port_block(1)}"
+    ring = BroadcastRing.create(1, ipc_dir, remote=RemoteSpec(addr, (1,), "the-key"))
+    readers = []
+    try:
+        local = BroadcastRing.attach(ring.handle(), 0)
+        remote = RemoteReader(RemoteHandle(addr, "the-key"), 1)
+        stranger = RemoteReader(RemoteHandle(addr, "another-key"), 1)
+        readers = [local, remote, stranger]
+        ring.wait_until_ready(timeout=10)
+        big = os.urandom(3 << 20)  # larger than a chunk: the overflow path locally
+        messages = [[b"\x01", b"step one"], [big], [b"\x02", b"", b"three"]]
+        for m in messages:
+            ring.enqueue(m)
+        for m in messages:
+            assert [bytes(f) for f in local.dequeue(5)] == m
+            assert [bytes(f) for f in remote.dequeue(5)] == m
+        with pytest.raises((TimeoutError, RingClosed)):
+            stranger.dequeue(1.0)
+        ring.close()
+        with pytest.raises(RingClosed):
+            remote.dequeue(5)
+    finally:
+        for r in readers:
+            r.close()
+        ring.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
