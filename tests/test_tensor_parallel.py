@@ -277,3 +277,38 @@ def test_ring_publishes_every_step_to_remote_readers_holding_the_key():
             r.close()
         ring.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _build_as_rank(monkeypatch, model_dir, rank, size, load_format="auto"):
+    import torch
+
+    from workers import distributed
+    from workers.model_loader import load_model
+    monkeypatch.setattr(distributed, "_state", distributed.TPState(rank=rank, size=size))
+    try:
+        return load_model(model_dir, torch.float32, "cpu", load_format)
+    finally:
+        monkeypatch.setattr(distributed, "_state", distributed.TPState())
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_format):
+    """Built as rank r of 2 (no group needed to build), from the checkpoint read as slices or
+    with dummy weights, every parameter equals the TP=1 model's parameter cut by its loader;
+    the one KV head is on both ranks, the vocabulary's padding row is zero."""
+    import torch
+    model_dir = model_factory("llama", num_key_value_heads=1, vocab_size=337)
+    full = dict(_build_as_rank(monkeypatch, model_dir, 0, 1, load_format).named_parameters())
+    for rank in range(2):
+        part = _build_as_rank(monkeypatch, model_dir, rank, 2, load_format)
+        for name, p in part.named_parameters():
+            expect = torch.empty_like(p)
+            expect.weight_loader = p.weight_loader
+            p.weight_loader(expect, full[name])
+            assert torch.equal(p, expect), (rank, name)
+        attn = part.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        k_rows = attn.qkv_proj.weight[attn.q_size:attn.q_size + attn.kv_size]
+        torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
+        assert part.lm_head.weight.shape == (169, 64)
+    assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding
