@@ -93,7 +93,8 @@ class LLM:
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
             for *_, items in checked:
-                self.mm.unref(items)
+                if items:   # a text-only model has no store (self.mm is None)
+                    self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
         for text, ids, params, items in checked:
