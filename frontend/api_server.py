@@ -51,7 +51,7 @@ from ipc.validation import Limits, RequestError, check_prompt
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
 from multimodal.media import MediaError, load_image_url
-from multimodal.processor import mm_reject
+from multimodal.processor import StoreBusy, mm_reject
 
 logger = logging.getLogger("loom.api")
 
@@ -363,6 +363,8 @@ class OpenAIServer:
             return await mm.off_loop(mm.process, ids, images, mm_kwargs)
         except MediaError as e:
             raise APIError(str(e), 400, "messages") from None
+        except StoreBusy as e:
+            raise APIError(str(e), 503) from None
 
     def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         if req.chat_template is not None and self.options.chat_template_content_format == "auto":

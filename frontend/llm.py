@@ -70,9 +70,21 @@ class LLM:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
         {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
-        placeholder once per image)."""
-        self.enqueue(prompts, sampling_params)
-        return self.wait_for_completion(use_tqdm=use_tqdm)
+        placeholder once per image). Prompts with images go to the engine in chunks, so that the
+        shared-memory store only ever holds the images of requests in flight."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
+        if not has_images or self.mm is None:
+            self.enqueue(prompts, sampling_params)
+            return self.wait_for_completion(use_tqdm=use_tqdm)
+        chunk = 4 * self.config.max_num_seqs
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+        out = []
+        for i in range(0, len(prompts), chunk):
+            self.enqueue(prompts[i:i + chunk], params[i:i + chunk] if params else sampling_params)
+            out += self.wait_for_completion(use_tqdm=use_tqdm)
+        return out
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
@@ -92,8 +104,8 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            for *_, items in checked:
-                if items:   # a text-only model has no store (self.mm is None)
+            if self.mm is not None:  # release the images of the prompts already checked
+                for *_, items in checked:
                     self.mm.unref(items)
             raise
         now, ids_out = time.time(), []

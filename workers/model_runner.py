@@ -158,6 +158,9 @@ class ModelRunner:
         """Run the largest step once, then give the KV cache what the memory budget leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        if self.config.mm_encoder_budget and hasattr(self.model, "dummy_image"):
+            # the encoder's peak too: the largest image the processor can make, once
+            self.model.encode_images([self.model.dummy_image(self.config.mm_max_item_tokens)])
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
@@ -212,6 +215,8 @@ class ModelRunner:
                     "slot_mapping": np.full(int(n.sum()), -1, np.int64),
                     "qsl": np.concatenate([[0], np.cumsum(n)]).astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
                     "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32)}
+            if self.uses_mrope:  # the rotary kernel's 3-row variant, as image prompts use it
+                host["positions"] = np.stack([host["positions"]] * 3)
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
@@ -514,7 +519,11 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        self._run_encoders(so)
+        if so.scheduled_encoder_inputs:
+            enc_token = self.stats.begin() if self.stats is not None else None
+            self._run_encoders(so)
+            if enc_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
+                self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
         for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
             self.encoder_cache.pop(h, None)

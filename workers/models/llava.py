@@ -132,6 +132,11 @@ class LlavaForConditionalGeneration(nn.Module):
         out = p.linear_2(self.projector_act(p.linear_1(torch.cat(feats, dim=-1))))
         return list(out)
 
+    def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
+        """Processed arrays of one image (memory profiling): the tower's input size is fixed."""
+        vc = self.hf_config.vision_config
+        return {"pixel_values": np.zeros((1, vc.num_channels, vc.image_size, vc.image_size), np.float32)}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
         """`partial`: only some weights (a weight update), none required."""
         def renamed():
