@@ -44,7 +44,8 @@ from frontend.protocol import (APIError, ChatCompletionRequest, CompletionReques
                                parse_request, random_id, render_chat, stream_usage, truncate_prompt,
                                unsupported_constraints)
 from frontend.rl_api import rl_routes
-from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
+from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
+                              value_error)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
 from metrics.http import HttpMetrics
@@ -58,7 +59,6 @@ SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
 DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
 _OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
-_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
 MAX_PROMPTS = 1024               # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS)
 MAX_CHOICES = 1024               # n x prompts of one request
@@ -95,16 +95,6 @@ def _json(obj: Any, status: int = 200, headers: dict | None = None) -> web.Respo
 
 def _error_response(e: APIError, headers: dict | None = None) -> web.Response:
     return _json(e.body(), e.status, headers)
-
-
-def _value_error(e: ValueError) -> APIError:
-    """A RequestError (ipc/validation.py) or the engine's refusal of a request -> 400."""
-    msg = str(e)
-    param = getattr(e, "param", None)
-    if param is None:
-        word = msg.split(" ", 1)[0]
-        param = word if word in _PARAM_NAMES else None
-    return APIError(msg, 400, param)
 
 
 class _Tokenizers:
@@ -153,7 +143,7 @@ class OpenAIServer:
         try:
             check_prompt(ids, params, self.limits)
         except RequestError as e:
-            err = _value_error(e)
+            err = value_error(e)
             if index is not None and index > 0:
                 err.message = f"prompt[{index}]: {err.message}"
                 err.args = (err.message,)
@@ -306,8 +296,10 @@ class OpenAIServer:
                           await self.tokenizers.run(len(p.token_ids), lambda tok, ids=p.token_ids: tok.decode(ids))
                           for p in encoded]
         include_usage, continuous = stream_usage(req)
-        ctx = GenerationContext(request, req, False, random_id("cmpl"), now(), self.model_name, params, encoded,
-                                include_usage, continuous, self.options.enable_prompt_tokens_details,
+        ctx = GenerationContext(request=request, req=req, chat=False, rid=random_id("cmpl"), created=now(),
+                                model=self.model_name, params=params, prompts=encoded, include_usage=include_usage,
+                                continuous_usage=continuous,
+                                prompt_tokens_details=self.options.enable_prompt_tokens_details,
                                 decode=lambda tid: self.tokenizer.decode([tid]), echo_texts=echo_texts)
         return await self._generate(ctx)
 
@@ -348,9 +340,11 @@ class OpenAIServer:
         if req.echo:
             echo_texts = [message_text(messages[-1]) if messages[-1]["role"] == role else ""]
         include_usage, continuous = stream_usage(req)
-        ctx = GenerationContext(request, req, True, random_id("chatcmpl"), now(), self.model_name, params,
-                                [Prompt(None, ids)], include_usage, continuous,
-                                self.options.enable_prompt_tokens_details, echo_texts=echo_texts, role=role)
+        ctx = GenerationContext(request=request, req=req, chat=True, rid=random_id("chatcmpl"), created=now(),
+                                model=self.model_name, params=params, prompts=[Prompt(None, ids)],
+                                include_usage=include_usage, continuous_usage=continuous,
+                                prompt_tokens_details=self.options.enable_prompt_tokens_details,
+                                echo_texts=echo_texts, role=role)
         return await self._generate(ctx, mm_items)
 
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
@@ -396,7 +390,7 @@ class OpenAIServer:
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
         try:
-            first = await first_output(stream, _value_error)
+            first = await first_output(stream)
             if not ctx.req.stream:
                 async for i, out in outputs(first, stream):
                     (ctx.chat_delta(out) if ctx.chat else ctx.completion_delta(i, out))
@@ -417,7 +411,7 @@ class OpenAIServer:
         def final() -> bytes:
             return ctx.completion_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final, _value_error, lambda: self.llm.dead_reason)
+        return await pump_sse(resp, stream, first, emit, final)
 
     async def _stream_chat(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
         async def emit(item) -> None:
@@ -427,8 +421,7 @@ class OpenAIServer:
         def final() -> bytes:
             return ctx.chat_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final, _value_error, lambda: self.llm.dead_reason,
-                              begin=ctx.chat_begin())
+        return await pump_sse(resp, stream, first, emit, final, begin=ctx.chat_begin())
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's POST /invocations: a chat request when the body has "messages", a completion

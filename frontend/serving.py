@@ -209,6 +209,19 @@ class GenerationContext:
         return b"".join(out)
 
 
+_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
+
+
+def value_error(e: ValueError) -> APIError:
+    """A RequestError (ipc/validation.py) or the engine's refusal of a request -> 400."""
+    msg = str(e)
+    param = getattr(e, "param", None)
+    if param is None:
+        word = msg.split(" ", 1)[0]
+        param = word if word in _PARAM_NAMES else None
+    return APIError(msg, 400, param)
+
+
 def check_choice(choice: Choice) -> None:
     """A choice the engine finished with an error fails the request (500)."""
     if choice.finish_reason == "error":
@@ -256,7 +269,7 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def first_output(stream: AsyncIterator, value_error):
+async def first_output(stream: AsyncIterator):
     """The first output, before any byte of the response goes out: a rejected request is still a 400."""
     try:
         return await stream.__anext__()
@@ -284,8 +297,7 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_error, dead_reason,
-                   begin: bytes = b"") -> web.StreamResponse:
+async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: bytes = b"") -> web.StreamResponse:
     """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and [DONE] with the
     end of the body in one write; an error becomes an error event instead of `final()`'s. A dead
     client (write fails) ends it: the caller's finally closes the stream, which aborts."""
@@ -299,7 +311,7 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_e
         logger.debug("client went away mid-stream")
         return resp
     except EngineDeadError as e:
-        tail = sse(error_body(engine_dead_message(e or dead_reason()), 503))
+        tail = sse(error_body(engine_dead_message(e), 503))
     except APIError as e:
         tail = sse(error_body(e.message, e.status, e.param))
     except ValueError as e:

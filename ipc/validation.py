@@ -25,6 +25,7 @@ MAX_STOP_STRINGS = 1024          # each output token is checked against every st
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024        # checked for every sampled token
 MAX_EOS_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024            # entries; applied to every step of the request in the worker
 
 
 class RequestError(ValueError):
@@ -99,6 +100,8 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
         if value is not None:
             _int_in(name, value, 0, limits.max_logprobs)
     if p.logit_bias:
+        if len(p.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(p.logit_bias)}")
         check_token_ids("logit_bias", list(p.logit_bias), limits.vocab_size)
         for tok, bias in p.logit_bias.items():
             if not -100 <= bias <= 100:

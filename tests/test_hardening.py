@@ -89,6 +89,8 @@ def _crash_bodies(vocab: int):
         ("/v1/completions", {"prompt": [2 ** 70], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": [-5, 1], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {**p, "stop": ["x"] * 2000}, "stop"),
+        ("/v1/completions", {**p, "logit_bias": {str(i % vocab): 1 for i in range(2000)}}
+         if vocab >= 2000 else {**p, "logit_bias": {str(-i): 1 for i in range(1, 2000)}}, "logit_bias"),
         ("/v1/completions", {"prompt": [[1, 2]] * 10_000, "max_tokens": 1}, "prompt"),
         ("/v1/completions", {"prompt": ["a"] * 600, "n": 2, "max_tokens": 1}, "n"),
         ("/v1/completions", {**p, "truncate_prompt_tokens": 2 ** 70}, "truncate_prompt_tokens"),
