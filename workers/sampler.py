@@ -81,7 +81,9 @@ class Sampler:
         vocab = logits.shape[-1]
         top_k_top_p = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
         max_top_k = max((r.params.top_k for r in rows if 0 < r.params.top_k < vocab), default=0)
-        return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k)
+        top_p_only = any(r.params.top_p < 1.0 and not 0 < r.params.top_k < vocab and not r.params.greedy
+                         for r in rows)
+        return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k, top_p_only=top_p_only)
 
     @staticmethod
     def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
