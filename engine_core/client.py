@@ -102,6 +102,7 @@ class _ClientBase:
             return None
 
     def _on_ready(self, frames: list) -> None:
+        self.last_heard = time.monotonic()
         self.engine_identity = bytes(frames[0].buffer)
         self.ready = self.ready_dec.decode(frames[1:])
         self.client_index = self.ready.client_index

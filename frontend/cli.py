@@ -34,19 +34,34 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API (see README.md).")
     p.add_argument("model", help="a Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
-    p.add_argument("--api-server-count", type=int, default=1)
-    p.add_argument("--enable-control-endpoints", action="store_true")
-    p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
-    p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
-    p.add_argument("--engine-auth-key", default=None)
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                        "(default: none)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes sharing the HTTP port (default: %(default)s)")
+    p.add_argument("--enable-control-endpoints", action="store_true",
+                   help="serve /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc "
+                        "(default: off)")
+    p.add_argument("--headless", action="store_true",
+                   help="run only the engine core and workers; API servers attach with --engine-address "
+                        "(default: off)")
+    p.add_argument("--engine-address", default=None,
+                   help="tcp://HOST:PORT of an engine core's handshake socket: with --headless, where it "
+                        "listens; without, the engine these API servers attach to (default: none)")
+    p.add_argument("--engine-auth-key", default=None,
+                   help="shared secret of the engine protocol over TCP (CURVE keys are derived from it; "
+                        "required off loopback; also LOOM_ENGINE_AUTH_KEY) (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds requests in flight get to finish after SIGTERM / Ctrl-C before they end "
+                        "with an error (default: %(default)s)")
     p.add_argument("--enable-mfu-metrics", action="store_true",
-                   help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; metrics/mfu.py)")
+                   help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; "
+                        "metrics/mfu.py) (default: off)")
     add_engine_args(p)
 
 

@@ -1,7 +1,13 @@
 """`loom serve`: a thin parent that starts the engine core and N API servers,
 watches them, and takes everything down together.
 
-Exit status: 0 after Ctrl-C / SIGTERM, non-zero when any child died.
+Exit status: 0 after Ctrl-C / SIGTERM, non-zero when any child died (whatever the reason,
+SIGTERM included); that is noticed within _POLL_S and everything is stopped at once.
+
+On Ctrl-C / SIGTERM the API servers drain (ipc/procs.py request_drain): new requests get 503,
+those in flight get --shutdown-timeout seconds, the rest end with an error. Then the engine stops.
+If this process is SIGKILLed, its children see their death pipe close and exit, removing the
+socket and metrics directories on the way (ipc/procs.py watch_parent).
 """
 from __future__ import annotations
 
@@ -17,12 +23,13 @@ from ipc.config import ConfigError
 from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args
-from ipc.procs import start_process, stop_processes
+from ipc.procs import request_drain, start_process, stop_processes
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
 logger = logging.getLogger("loom")
-_DEAD_ENGINE_GRACE_S = 1.5  # let API servers answer 503 / fail in-flight requests before they go
+_DEAD_ENGINE_GRACE_S = 0.5  # let API servers answer 503 / fail in-flight requests before they go
+_POLL_S = 0.1
 
 
 def _listen(host: str, port: int) -> socket.socket | None:
@@ -73,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         listen = _listen(args.host, args.port)
         if listen is None:
             return 2
-    ipc_dir = make_ipc_dir()
+    ipc_dir = None if attach else make_ipc_dir()
     if attach:
         host = local_address_towards(args.engine_address)
         clients = [(f"tcp://{host}:*", f"tcp://{host}:*")] * n_servers
@@ -91,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
                        "enable_control_endpoints": args.enable_control_endpoints,
                        "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
-                       "enable_mfu_metrics": args.enable_mfu_metrics}
+                       "enable_mfu_metrics": args.enable_mfu_metrics, "shutdown_timeout": args.shutdown_timeout}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
                                  (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
@@ -109,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stopping:
-            wait([p.sentinel for p in children], timeout=0.2)
+            wait([p.sentinel for p in children], timeout=_POLL_S)
             dead = [p for p in children if not p.is_alive()]
             if dead and not stopping:
                 for p in dead:
@@ -118,10 +125,18 @@ def serve(args: argparse.Namespace) -> int:
                 if engine is not None and engine in dead:
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
                 break
+        if code == 0:   # Ctrl-C / SIGTERM: the API servers drain, then the engine stops
+            logger.info("stopping: requests in flight get %.1fs", args.shutdown_timeout)
+            for p in servers:
+                request_drain(p)
+            wait([p.sentinel for p in servers], timeout=args.shutdown_timeout + 2)
     finally:
-        stop_processes(servers, timeout=5)
-        if engine is not None:
-            stop_processes([engine], timeout=10)
+        if code == 0:
+            stop_processes(servers, timeout=5)
+            if engine is not None:
+                stop_processes([engine], timeout=10)
+        else:   # a child died: stop the rest at once, together
+            stop_processes(servers + ([engine] if engine is not None else []), timeout=5)
         remove_ipc_dir(ipc_dir)
         remove_multiproc_dir(metrics_dir)
     logger.info("stopped (exit code %d)", code)
