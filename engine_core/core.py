@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 import zmq
@@ -23,15 +24,18 @@ import zmq
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
 from engine_core.client_io import CLIENT_GONE, ClientIO
-from engine_core.executor import Executor
+from engine_core.executor import Executor, PendingOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
-                          ModelRunnerOutput, MsgType, UtilityOutput, UtilityRequest)
+                          ModelRunnerOutput, MsgType, SchedulerOutput, UtilityOutput,
+                          UtilityRequest)
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
+from ipc.validation import Limits, RequestError, validate_request
+from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0   # clients take an engine silent for several of these as stalled (docs/protocol.md)
@@ -48,9 +52,11 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
+        self.limits = Limits.of(config)
         self.control = ControlState()
-        self.depth = 2 if config.async_scheduling else 1   # steps in flight at once
-        self.in_flight = 0
+        self.max_in_flight = 2 if config.async_scheduling else 1
+        # steps sent to the workers, oldest first, each with its output still to come
+        self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
@@ -68,20 +74,12 @@ class EngineCore:
         return None
 
     def _validate(self, ecr: EngineCoreRequest) -> str | None:
-        n = len(ecr.prompt_token_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.config.max_model_len:
-            return (f"the prompt has {n} tokens, but --max-model-len is {self.config.max_model_len} "
-                    f"(and at least one token must be generated)")
-        vocab = self.config.vocab_size
-        if vocab and any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
-            return f"prompt token ids must be in [0, {vocab})"
+        """The same checks as the API server's (ipc/validation.py): attached clients are not trusted."""
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
         try:
-            ecr.sampling_params.validate(self.config.max_logprobs)
-        except ValueError as e:
+            validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids)
+        except RequestError as e:
             return str(e)
         return None
 
@@ -90,7 +88,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether stepping could make progress now (else the loop blocks on its input queue)."""
-        return self.in_flight > 0 or self._can_schedule()
+        return bool(self.in_flight) or self._can_schedule()
 
     def _can_schedule(self) -> bool:
         if not self.control.can_step:
@@ -102,24 +100,23 @@ class EngineCore:
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         """Schedule and run one step. With async scheduling, step N+1 is sent to the
         workers before step N's output is taken, so the GPU never waits for this loop."""
-        if self.in_flight < self.depth and self._can_schedule():
+        if len(self.in_flight) < self.max_in_flight and self._can_schedule():
             so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids:
-                self.executor.submit(so)
-                self.in_flight += 1
-                if self.in_flight < self.depth and self._can_schedule():
+                self.in_flight.append((so, self.executor.submit(so)))
+                if len(self.in_flight) < self.max_in_flight and self._can_schedule():
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
-        self.in_flight -= 1
-        return self.scheduler.update_from_output(self.executor.collect())
+        _, pending = self.in_flight.popleft()
+        return self.scheduler.update_from_output(pending.result())
 
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
         """Take every step in flight (before control calls that touch the workers)."""
         outs: dict[int, list[EngineCoreOutput]] = {}
         while self.in_flight:
-            self.in_flight -= 1
-            for ci, o in self.scheduler.update_from_output(self.executor.collect()).items():
+            _, pending = self.in_flight.popleft()
+            for ci, o in self.scheduler.update_from_output(pending.result()).items():
                 outs.setdefault(ci, []).extend(o)
         return outs
 
@@ -198,14 +195,10 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
-    # Worker methods that change state the engine tracks: only the engine may call them.
-    _ENGINE_ONLY_WORKER_METHODS = frozenset({"sleep", "wake_up", "initialize_cache", "determine_num_blocks",
-                                             "shutdown"})
-
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
-        if method in self._ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
+        if method in ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
             raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 

@@ -178,6 +178,7 @@ class ModelRunnerOutput(_Msg):
     sampled_token_ids: list[int]          # -1 where a partial prefill sampled nothing
     logprobs: dict[str, Logprobs] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
 
 
 class WorkerCall(_Msg):

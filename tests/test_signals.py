@@ -146,20 +146,20 @@ def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, 
 def test_sigkill_of_loom_serve_leaves_nothing(tiny_model_dir, start_server):
     """Its children see the death pipe close: they remove the socket and metrics directories."""
     tmp_path = tempfile.mkdtemp(prefix="lt-", dir="/tmp")   # short: ipc:// paths are at most 107 bytes
-    shm_before = shm_entries()
     server = start_server(tiny_model_dir, "--max-model-len", "128", env={"TMPDIR": str(tmp_path)})
     made = sorted(os.listdir(tmp_path))
     assert any(n.startswith("loom-ipc-") for n in made) and any(n.startswith("loom-metrics-") for n in made), made
-    ours = shm_entries() - shm_before
+    pids = [str(p) for p in _procs(server).values()]
+    ours = lambda: {n for n in shm_entries() if any(p in n for p in pids)}   # segment names carry their maker's pid
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(5)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if not server.descendants() and not os.listdir(tmp_path) and not shm_entries() & ours:
+        if not server.descendants() and not os.listdir(tmp_path) and not ours():
             os.rmdir(tmp_path)
             return
         time.sleep(0.2)
     assert not server.descendants(), "processes left behind"
-    assert not shm_entries() & ours, shm_entries() & ours
+    assert not ours(), ours()
     assert not os.listdir(tmp_path), f"left behind: {os.listdir(tmp_path)}"
     os.rmdir(tmp_path)

@@ -12,6 +12,7 @@ from ipc.config import EngineConfig
 from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
+from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
@@ -49,6 +50,23 @@ class PendingStep:
     topk: tuple | None = None
     prompt_logprobs: dict | None = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    failed: dict | None = None                # req_id -> error: requests that failed alone in this step
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs, as prepare() builds them for forward() and sample()."""
+    states: list[CachedRequestState]
+    n: np.ndarray                             # tokens scheduled per request
+    start: np.ndarray                         # computed tokens before the step
+    end: np.ndarray
+    sample_rows: np.ndarray                   # requests that sample a token (not mid-prompt)
+    rows: list[SamplingRow]
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
+    inputs: dict                              # input_ids, positions, attention metadata
+    graph_bs: int | None                      # the CUDA graph that runs it, if any
+    stats_token: object = None
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -192,7 +210,7 @@ class ModelRunner:
         split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
         from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
         key_cache, value_cache = self.kv_caches[0]
-        hq = self.model.config.num_attention_heads
+        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
         q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
         seq_len = self.config.max_model_len
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
@@ -229,7 +247,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for bs in reversed(sizes):  # the largest first: the others reuse its memory
             self._capture(bs, bs)
-        self.graph_for = pick_graph_sizes({bs: self._time_graph(bs) for bs in sizes})
+        # every rank must run a batch in the same graph size (their all-reduces pair up): they
+        # pick from the slowest rank's times
+        times = all_reduce_max([self._time_graph(bs) for bs in sizes], self.device)
+        self.graph_for = pick_graph_sizes(dict(zip(sizes, times)))
         # a graph that now also runs smaller batches splits the KV as for the smallest of them
         # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
         for g in sizes:
@@ -367,9 +388,6 @@ class ModelRunner:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(so))
-
     def can_overlap(self, so: SchedulerOutput) -> bool:
         """Whether `so` may be launched before the previous step's tokens reach the CPU:
         not when a request's sampling reads its own output history (penalties, min_tokens)."""
@@ -380,11 +398,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
-        """Queue one step on the device without waiting for it. Decode inputs that are
-        tokens of `prev` (still in flight) are taken from prev's device tensor."""
+        """Queue one step on the device without waiting for it: prepare, forward, sample,
+        copy back (finish() waits). Decode inputs that are tokens of `prev` (still in
+        flight) are taken from prev's device tensor."""
+        batch = self.prepare(so, prev)
+        if batch is None:
+            return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
+        step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
+        hidden, logits = self.forward(batch)
+        if logits is not None:
+            step.tokens, step.topk, failed = self.sample(logits, batch)
+            if failed:
+                step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
+            self.copy_back(step)
+        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n,
+                                                     step)
+        for st, e in zip(batch.states, batch.end):
+            st.num_computed_tokens = int(e)
+        if batch.stats_token is not None:
+            step.stats_mark = self.stats.end(batch.stats_token, "graph" if batch.graph_bs is not None else "eager",
+                                             int(batch.n.sum()))
+        return step
+
+    def prepare(self, so: SchedulerOutput, prev: "PendingStep | None") -> "StepBatch | None":
+        """Apply the step's diff and build its inputs and metadata on the host, then on the
+        device; None when nothing is scheduled."""
         self._apply_diff(so)
         if not so.req_ids:
-            return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
+            return None
         stats_token = self.stats.begin() if self.stats is not None else None
         states = [self.batch.requests[rid] for rid in so.req_ids]
         n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
@@ -404,29 +445,34 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        graph_bs = self._graph_size(n)
-        if graph_bs is not None:
-            hidden = self._run_graph(graph_bs, inputs)
+        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, self._graph_size(n),
+                         stats_token)
+
+    def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
+        inputs = batch.inputs
+        if batch.graph_bs is not None:
+            hidden = self._run_graph(batch.graph_bs, inputs)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+        if not len(batch.sample_rows):
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
-        step = PendingStep(list(so.req_ids), states, sample_rows)
-        if len(sample_rows):
-            logits = self.model.compute_logits(hidden.index_select(0, dev["sample_index"]))
-            step.tokens, step.topk = self.sampler(logits, rows, dev)
-            if self.device.type == "cuda":  # start the copy back now; finish() waits for it
-                step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-                step.tokens_host.copy_(step.tokens, non_blocking=True)
-                step.event = torch.cuda.Event()
-                step.event.record()
-            else:
-                step.tokens_host = step.tokens
-        step.prompt_logprobs = self._prompt_logprobs(states, hidden, host["qsl"], start, n)
-        for i, st in enumerate(states):
-            st.num_computed_tokens = int(end[i])
-        if stats_token is not None:
-            step.stats_mark = self.stats.end(stats_token, "graph" if graph_bs is not None else "eager", int(n.sum()))
-        return step
+    def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None, dict]:
+        """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
+        of the rows whose per-request sampling work failed (those requests fail alone)."""
+        return self.sampler(logits, batch.rows, batch.dev)
+
+    def copy_back(self, step: "PendingStep") -> None:
+        """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
+        if self.device.type == "cuda":
+            step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+            step.tokens_host.copy_(step.tokens, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        else:
+            step.tokens_host = step.tokens
 
     @staticmethod
     def is_done(step: "PendingStep") -> bool:
@@ -450,7 +496,7 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, step.failed)
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -505,25 +551,30 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n) -> dict[str, PromptLogprobs] | None:
+    def _prompt_logprobs(self, states, hidden, qsl, start, n, step: "PendingStep") -> dict[str, PromptLogprobs] | None:
         out = None
         for i, st in enumerate(states):
             k = st.params.prompt_logprobs
             if k is None or start[i] >= st.num_prompt_tokens:
                 continue
-            # position p predicts token p+1; keep those that are still prompt tokens
-            lo, cnt = int(start[i]), int(min(n[i], st.num_prompt_tokens - 1 - start[i]))
             out = out or {}
-            if cnt <= 0:
-                out[st.req_id] = PromptLogprobs([], [], [])
-                continue
-            h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
-            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-            targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
-            tlp = lp.gather(1, targets.view(-1, 1))
-            ranks = ((lp > tlp).sum(-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-            out[st.req_id] = PromptLogprobs(
-                [[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+            try:
+                out[st.req_id] = self._prompt_logprobs_of(st, hidden, int(qsl[i]), int(start[i]), int(n[i]), k)
+            except Exception as e:  # noqa: BLE001  (fails this request alone)
+                step.failed = step.failed or {}
+                step.failed[st.req_id] = f"{type(e).__name__}: {e}"
         return out
+
+    def _prompt_logprobs_of(self, st, hidden, q0: int, lo: int, n: int, k: int) -> PromptLogprobs:
+        # position p predicts token p+1; keep those that are still prompt tokens
+        cnt = min(n, st.num_prompt_tokens - 1 - lo)
+        if cnt <= 0:
+            return PromptLogprobs([], [], [])
+        h = hidden[q0:q0 + cnt]
+        lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+        targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+        tlp = lp.gather(1, targets.view(-1, 1))
+        ranks = ((lp > tlp).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+        return PromptLogprobs([[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
+                              [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
