@@ -5,7 +5,23 @@ import argparse
 import dataclasses
 import sys
 
-from ipc.config import EngineConfig
+from ipc.config import ConfigError, EngineConfig
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every flag's help; descriptions (module docstrings) kept as written."""
+
+
+class LoomParser(argparse.ArgumentParser):
+    """Every flag's default is shown in --help; a usage mistake is one line on stderr and exit 2
+    (argparse's full usage text would bury it). Sub-commands are LoomParsers too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = _HelpFormatter
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 # EngineConfig fields that are not command-line options
 _INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}
@@ -40,22 +56,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-                        "(default: none)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the HTTP port (default: %(default)s)")
     p.add_argument("--enable-control-endpoints", action="store_true",
-                   help="serve /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc "
-                        "(default: off)")
+                   help="serve /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc")
     p.add_argument("--headless", action="store_true",
-                   help="run only the engine core and workers; API servers attach with --engine-address "
-                        "(default: off)")
+                   help="run only the engine core and workers; API servers attach with --engine-address")
     p.add_argument("--engine-address", default=None,
                    help="tcp://HOST:PORT of an engine core's handshake socket: with --headless, where it "
-                        "listens; without, the engine these API servers attach to (default: none)")
+                        "listens; without, the engine these API servers attach to")
     p.add_argument("--engine-auth-key", default=None,
                    help="shared secret of the engine protocol over TCP (CURVE keys are derived from it; "
-                        "required off loopback; also LOOM_ENGINE_AUTH_KEY) (default: none)")
+                        "required off loopback; also LOOM_ENGINE_AUTH_KEY)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight get to finish after SIGTERM / Ctrl-C before they end "
                         "with an error (default: %(default)s)")
@@ -63,42 +76,47 @@ def _serve_parser(sub) -> None:
                    help="largest HTTP request body accepted; a larger one gets a 413 (default: %(default)s = 8 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow requests to supply their own chat template (chat_template, or "
-                        "chat_template_kwargs.chat_template); refused with a 400 otherwise (default: off)")
+                        "chat_template_kwargs.chat_template); refused with a 400 otherwise")
     p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                    help="how message content parts reach the chat template: joined into one string, or as "
                         "OpenAI's list of parts; auto: detected from the template (default: %(default)s)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response (default: off)")
+                   help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included) (default: off)")
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
     p.add_argument("--enable-mfu-metrics", action="store_true",
                    help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; "
-                        "metrics/mfu.py) (default: off)")
+                        "metrics/mfu.py)")
     add_engine_args(p)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loom", description="Loom LLM inference server")
+    parser = LoomParser(prog="loom", description="Loom LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo = sub.add_parser("demo-model", help="build the tiny embedded demo model (Qwen3 architecture)")
-    demo.add_argument("dir")
-    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("dir", help="directory to write the model (config.json, safetensors, tokenizer) to")
+    demo.add_argument("--steps", type=int, default=200,
+                      help="optimizer steps on the embedded corpus (frontend/demo_model.py DEFAULT_STEPS)")
     try:
         from bench.cli import add_bench_parser
         add_bench_parser(sub)
     except ImportError:
         pass
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        from frontend.launcher import serve
-        return serve(args)
-    if args.command == "demo-model":
-        from frontend.demo_model import build_demo_model
-        build_demo_model(args.dir, steps=args.steps)
-        return 0
-    if args.command == "bench":
-        return args.func(args)
+    try:
+        if args.command == "serve":
+            from frontend.launcher import serve
+            return serve(args)
+        if args.command == "demo-model":
+            from frontend.demo_model import build_demo_model
+            build_demo_model(args.dir, steps=args.steps)
+            return 0
+        if args.command == "bench":
+            return args.func(args)
+    except ConfigError as e:   # a configuration that can never work: one line, no traceback
+        print(f"loom {args.command}: {e}", file=sys.stderr)
+        return 2
     return 2
 
 
