@@ -16,7 +16,7 @@ import argparse
 
 from bench import common
 
-HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (performance.md)
+HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (docs/performance.md)
 MATMUL_FLOPS = 790e12     # bf16 dense matmul rate measured on the H200
 
 
