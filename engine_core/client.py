@@ -272,7 +272,8 @@ class EngineCoreClient(_ClientBase):
                 if u.failure:
                     raise RuntimeError(u.failure)
                 return u.result
-            self._pending.append(outs)
+            if outs.outputs or outs.scheduler_stats or outs.finished_timings or outs.utility_output:
+                self._pending.append(outs)   # a bare heartbeat is not kept
 
     def close(self) -> None:
         self._close_sockets()

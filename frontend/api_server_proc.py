@@ -74,7 +74,11 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
         loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, 0.0, 1, "SIGTERM")))
         loop_box[:] = [loop, llm]
         try:
-            await llm.start(engine_address=engine_address, auth_key=auth_key)
+            try:
+                await llm.start(engine_address=engine_address, auth_key=auth_key)
+            except (PermissionError, TimeoutError) as e:   # a wrong key or address: one line, not a traceback
+                logger.error("cannot attach to the engine at %s: %s", engine_address, e)
+                os._exit(1)
             if engine_address:  # no parent watches a remote engine: leave when it dies
                 loop.create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import wait
 
 from ipc.config import ConfigError
@@ -134,11 +135,13 @@ def serve(args: argparse.Namespace) -> int:
                 if engine is not None and engine in dead:
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
                 break
-        if code == 0:   # Ctrl-C / SIGTERM: the API servers drain, then the engine stops
+        if code == 0 and servers:   # Ctrl-C / SIGTERM: the API servers drain, then the engine stops
             logger.info("stopping: requests in flight get %.1fs", args.shutdown_timeout)
             for p in servers:
                 request_drain(p)
-            wait([p.sentinel for p in servers], timeout=args.shutdown_timeout + 2)
+            deadline = time.monotonic() + args.shutdown_timeout + 2
+            while any(p.is_alive() for p in servers) and time.monotonic() < deadline:
+                wait([p.sentinel for p in servers if p.is_alive()], timeout=_POLL_S)
     finally:
         if code == 0:
             stop_processes(servers, timeout=5)
