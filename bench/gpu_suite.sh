@@ -14,11 +14,14 @@ run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to
 }
 for section in "$@"; do case $section in
   gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+  rl-gpu) run rl-gpu 300 python3 -m pytest -q -p no:cacheprovider tests/test_weight_update_gpu.py ;;
   kernels) run kernels 200 python3 -m bench.kernels_gpu ;;
   qwen3) run qwen3-throughput 200 $LOOM bench throughput --preset qwen3-0.6b ;;
   qwen3-stats) LOOM_STEP_STATS=1 TAIL=40 run qwen3-throughput-stats 200 $LOOM bench throughput --preset qwen3-0.6b ;;
   qwen3-latency-stats) LOOM_STEP_STATS=1 TAIL=20 run qwen3-latency-stats 200 $LOOM bench latency --preset qwen3-0.6b --iters 3 ;;
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
+  sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
+              --sampling plain topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
   qwen3-sync) run qwen3-throughput-sync 200 $LOOM bench throughput --preset qwen3-0.6b --no-async-scheduling ;;
   qwen3-latency) run qwen3-latency 200 $LOOM bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024 --iters 3 ;;
   qwen3-profile) LOOM_PROFILE_DIR=$OUT/prof run qwen3-latency-profiled 200 $LOOM bench latency --preset qwen3-0.6b --iters 2

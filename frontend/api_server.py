@@ -35,23 +35,28 @@ import msgspec
 from aiohttp import web
 
 from frontend.control_api import ControlAPI
-from frontend.errors import EngineDeadError
+from frontend.dp_router import check_rank
+from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
-                               encode_prompts, error_body, message_text, models_response, normalize_messages, now,
+                               encode_prompts, error_body, image_urls, message_text, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, stream_usage, truncate_prompt,
                                unsupported_constraints)
+from frontend.rl_api import rl_routes
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
+from multimodal.media import MediaError, load_image_url
+from multimodal.processor import mm_reject
 
 logger = logging.getLogger("loom.api")
 
 SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
+DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
 _OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
@@ -139,7 +144,7 @@ class OpenAIServer:
 
     def check_alive(self) -> None:
         if self.llm.is_dead:
-            raise APIError(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503)
+            raise APIError(engine_dead_message(self.llm.dead_reason), 503)
 
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name, getattr(self.config, "model", None))
@@ -179,7 +184,7 @@ class OpenAIServer:
                 msg = f"Method {request.method} is not allowed on {request.path}"
             return _error_response(APIError(msg, e.status), headers)
         except EngineDeadError as e:
-            return _error_response(APIError(f"The engine is dead: {e or self.llm.dead_reason}", 503))
+            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001
@@ -200,7 +205,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
-            return _json(error_body(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503), 503)
+            return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
         if getattr(self.llm, "engine_stalled", False):
             return _json(error_body("The engine has stopped stepping (no heartbeat).", 503), 503)
         return web.Response(status=200)
@@ -285,7 +290,8 @@ class OpenAIServer:
         prompts = completion_prompts(req.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
-        params = build_sampling_params(req, chat=False, limits=self.limits)
+        params = build_sampling_params(req, chat=False, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -320,7 +326,8 @@ class OpenAIServer:
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
-        params = build_sampling_params(req, chat=True, limits=self.limits)
+        params = build_sampling_params(req, chat=True, limits=self.limits,
+                                       defaults=self.config.default_sampling_params)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         _, ids = await self.tokenizers.run(
@@ -331,7 +338,13 @@ class OpenAIServer:
             chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
             add_special_tokens=bool(req.add_special_tokens))
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len)
-        self._check_prompt(ids, params)
+        ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
+        try:
+            self._check_prompt(ids, params)
+        except APIError:
+            if mm_items:
+                self.llm.mm.unref(mm_items)
+            raise
         # vLLM: the answer's role is the assistant's, or the last message's when continuing it; echo
         # prepends the last message's content when it has that role
         role = "assistant" if add_generation_prompt else messages[-1]["role"]
@@ -342,7 +355,24 @@ class OpenAIServer:
         ctx = GenerationContext(request, req, True, random_id("chatcmpl"), now(), self.model_name, params,
                                 [Prompt(None, ids)], include_usage, continuous,
                                 self.options.enable_prompt_tokens_details, echo_texts=echo_texts, role=role)
-        return await self._generate(ctx)
+        return await self._generate(ctx, mm_items)
+
+    async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
+        """Load a chat's images (http(s) fetched here; decoding and the HF processor off the
+        loop), expand their placeholders and put them in the shared-memory store."""
+        urls = image_urls(messages)
+        if not urls:
+            return ids, []
+        mm = getattr(self.llm, "mm", None)
+        try:
+            if mm is None or len(urls) > self.config.mm_limit("image"):
+                mm_reject(self.config, len(urls))
+            if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
+                raise MediaError("mm_processor_kwargs must be an object")
+            images = [await load_image_url(u, self.config.allowed_local_media_path, mm.off_loop) for u in urls]
+            return await mm.off_loop(mm.process, ids, images, mm_kwargs)
+        except MediaError as e:
+            raise APIError(str(e), 400, "messages") from None
 
     def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         if req.chat_template is not None and self.options.chat_template_content_format == "auto":
@@ -351,8 +381,20 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ both
 
-    async def _generate(self, ctx: GenerationContext) -> web.StreamResponse:
-        gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid)
+    def _dp_rank(self, request: web.Request) -> dict:
+        """generate()'s data_parallel_rank from the X-data-parallel-rank header, when it has one."""
+        value = request.headers.get(DP_RANK_HEADER)
+        if value is None:
+            return {}
+        try:
+            return {"data_parallel_rank": check_rank(value, self.config.data_parallel_size)}
+        except ValueError as e:
+            raise APIError(f"{DP_RANK_HEADER}: {e}", 400) from None
+
+    async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
+        extra = {"mm_items": mm_items} if mm_items else {}   # a chat's images (one prompt)
+        extra.update(self._dp_rank(ctx.request))
+        gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
         try:
@@ -421,6 +463,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         if self.options.enable_control_endpoints:
             routes += ControlAPI(self).routes()
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

@@ -67,6 +67,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     from frontend.async_llm import AsyncLLM
 
     engine_address, auth_key = opts.pop("engine_address", None), opts.pop("engine_auth_key", None)
+    dp_lookup = opts.pop("dp_lookup", None)
 
     async def _main():
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
@@ -74,12 +75,17 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
         loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, 0.0, 1, "SIGTERM")))
         loop_box[:] = [loop, llm]
         try:
+            remote = []
+            if dp_lookup:   # data-parallel ranks on other nodes: where the head's coordinator says they are
+                from engine_core.dp_coordinator import lookup_remote_engines
+                found = await loop.run_in_executor(None, lookup_remote_engines, dp_lookup)
+                remote = [found[r] for r in sorted(found)]
             try:
-                await llm.start(engine_address=engine_address, auth_key=auth_key)
+                await llm.start(engine_address=engine_address, auth_key=auth_key, remote_engines=remote)
             except (PermissionError, TimeoutError) as e:   # a wrong key or address: one line, not a traceback
-                logger.error("cannot attach to the engine at %s: %s", engine_address, e)
+                logger.error("cannot attach to the engine: %s", e)
                 os._exit(1)
-            if engine_address:  # no parent watches a remote engine: leave when it dies
+            if engine_address or remote:  # no parent watches a remote engine: leave when it dies
                 loop.create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics
             attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))

@@ -24,7 +24,8 @@ class LoomParser(argparse.ArgumentParser):
 
 
 # EngineConfig fields that are not command-line options
-_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}
+_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget",
+             "default_sampling_params"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:
@@ -39,9 +40,37 @@ def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset(
         help_text = f.metadata.get("help", "") + " (default: %(default)s)"
         if f.type in ("bool", bool):
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
+        elif f.type in ("dict", dict):  # vLLM's two forms: --flag '{"image": 2}' and --flag.image 2
+            p.add_argument(*flags, type=_json_object, default=f.default_factory(), help=help_text)
+            for key in _DICT_KEYS.get(f.name, ()):
+                p.add_argument(f"{flags[0]}.{key}", dest=f.name, action=_DictKey, const=key, type=int,
+                               metavar="N", help=f"same as {flags[0]} '{{\"{key}\": N}}'")
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             p.add_argument(*flags, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
+
+
+_DICT_KEYS = {"limit_mm_per_prompt": ("image", "video", "audio")}
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+class _DictKey(argparse.Action):
+    """--flag.KEY VALUE: one key of a dict-valued option."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        merged = dict(getattr(namespace, self.dest) or {})
+        merged[self.const] = value
+        setattr(namespace, self.dest, merged)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -57,12 +86,24 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
-    p.add_argument("--api-server-count", type=int, default=1,
-                   help="API server processes sharing the HTTP port (default: %(default)s)")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="API-server processes sharing the port (None: --data-parallel-size)")
     p.add_argument("--enable-control-endpoints", action="store_true",
                    help="serve /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc")
     p.add_argument("--headless", action="store_true",
-                   help="run only the engine core and workers; API servers attach with --engine-address")
+                   help="run only the engine core(s) and workers: with --engine-address, one engine that "
+                        "clients attach to; with --data-parallel-start-rank, data-parallel ranks that join a head")
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="engine cores (data-parallel ranks) on this node (None: all of them on the head, "
+                        "the rest from --data-parallel-start-rank when --headless)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="the first data-parallel rank on this node (0 on the head)")
+    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                   help="the head's address: where it listens for remote ranks on --data-parallel-rpc-port, "
+                        "and where --headless ranks find it")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                   help="the head's port where engine cores of other nodes register (needed when "
+                        "--data-parallel-size-local < --data-parallel-size)")
     p.add_argument("--engine-address", default=None,
                    help="tcp://HOST:PORT of an engine core's handshake socket: with --headless, where it "
                         "listens; without, the engine these API servers attach to")
@@ -71,7 +112,7 @@ def _serve_parser(sub) -> None:
                         "required off loopback; also LOOM_ENGINE_AUTH_KEY)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight get to finish after SIGTERM / Ctrl-C before they end "
-                        "with an error (default: %(default)s)")
+                        "with an error")
     p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest HTTP request body accepted; a larger one gets a 413 (default: %(default)s = 8 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",

@@ -4,8 +4,18 @@ limits checked) before any process starts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+
+
+logger = logging.getLogger("loom.config")
+
+# the request fields a generation_config.json (or --override-generation-config) may default, as vLLM
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# transformers' GenerationConfig defaults: a file value equal to one of these is not a
+# recommendation (vLLM reads the file through GenerationConfig.to_diff_dict())
+_HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
 class ConfigError(ValueError):
@@ -58,14 +68,35 @@ class EngineConfig:
                               "TCP rendezvous and the step broadcast); with --nnodes > 1")
     master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
                               "next port); with --nnodes > 1 (one node picks a free port)")
+    data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
+                                     "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
+                                    "vllm: none (the API's own defaults); or a directory holding a "
+                                    "generation_config.json")
+    override_generation_config: str | None = option(
+        None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
+        "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
+    limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "
+                                       "--limit-mm-per-prompt.image 2 or '{\"image\": 2}' (default: 999 each)")
+    language_model_only: bool = option(False, "serve a vision-language model as text only: every modality "
+                                       "limit 0, the vision tower not loaded")
+    allowed_local_media_path: str | None = option(None, "a directory whose files requests may name as "
+                                                  "file:// image URLs (default: none)")
+    mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
+                                          "images (GiB)")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    default_sampling_params: dict = field(default_factory=dict)  # for fields a request does not set
+    mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
+    mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
 
     @property
     def model_name(self) -> str:
@@ -101,10 +132,66 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        self.default_sampling_params = self._generation_defaults()
+        self._resolve_multimodal(hf)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
         check_device(self)
         check_tensor_parallel(self, text_cfg)
         return self
+
+    def _generation_defaults(self) -> dict:
+        """--generation-config and --override-generation-config -> the sampling defaults in use."""
+        src = {"auto": self.model, "vllm": None}.get(self.generation_config, self.generation_config)
+        defaults = {}
+        if src is not None:
+            path = os.path.join(src, "generation_config.json")
+            if self.generation_config not in ("auto", "vllm") and not os.path.isfile(path):
+                raise ConfigError(f"--generation-config {src!r} has no generation_config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    gen = json.load(f)
+                defaults = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS
+                            if k in gen and gen[k] is not None and gen[k] != _HF_GENERATION_DEFAULTS[k]}
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--override-generation-config is not valid JSON: {e}") from None
+        if override is not None and not isinstance(override, dict):
+            raise ConfigError("--override-generation-config must be a JSON object")
+        defaults.update(override or {})
+        unknown = set(defaults) - set(GENERATION_DEFAULT_FIELDS)
+        if unknown:
+            raise ConfigError(f"--override-generation-config: unsupported fields {sorted(unknown)} "
+                              f"(supported: {', '.join(GENERATION_DEFAULT_FIELDS)})")
+        if defaults:
+            logger.info("default sampling parameters (for fields a request does not set): %s%s", defaults,
+                        "; --generation-config vllm ignores the model's" if self.generation_config == "auto" else "")
+        return defaults
+
+    def _resolve_multimodal(self, hf: dict) -> None:
+        from multimodal.registry import max_item_tokens
+        if isinstance(self.limit_mm_per_prompt, str):
+            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        self.limit_mm_per_prompt = {str(k): int(v) for k, v in (self.limit_mm_per_prompt or {}).items()}
+        for k, v in self.limit_mm_per_prompt.items():
+            if v < 0 or (k != "image" and v > 0):
+                raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
+        self.mm_max_item_tokens = max_item_tokens(self.model, hf)
+        if self.language_model_only or self.mm_max_item_tokens == 0:
+            self.mm_encoder_budget = 0
+        else:
+            # never underestimated: every step can encode the largest image there is
+            self.mm_encoder_budget = max(self.mm_max_item_tokens, self.max_num_batched_tokens)
+
+    def mm_limit(self, modality: str) -> int:
+        """Items of a modality one prompt may carry (0: none, e.g. a text-only model)."""
+        if not self.mm_encoder_budget:
+            return 0
+        return self.limit_mm_per_prompt.get(modality, 999)
 
     def check(self) -> None:
         if self.max_model_len < 1:
@@ -134,6 +221,11 @@ class EngineConfig:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
             raise ConfigError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nodes > 1:
+            raise ConfigError("--data-parallel-size > 1 with --nnodes > 1 is not supported: each data-parallel "
+                              "rank runs its tensor-parallel workers on one node")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""

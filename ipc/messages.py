@@ -26,6 +26,7 @@ class MsgType(bytes, enum.Enum):
     WORKER_REPLY = b"\x09" # worker -> engine: WorkerReply
     ATTACH = b"\x0a"       # client -> engine (handshake socket): AttachRequest
     REFUSED = b"\x0b"      # engine -> client (handshake socket): a str reason
+    REGISTER = b"\x0c"     # remote engine -> head's DP coordinator: EngineRegistration
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -34,6 +35,17 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 # ---------------------------------------------------------------- client <-> engine
 
+class MultiModalItem(_Msg):
+    """One image of a request: where its placeholder tokens sit in the prompt, its content
+    hash, and where its processed tensors are in the shared-memory store (never the bytes)."""
+    modality: str                  # "image"
+    hash: str                      # content + processor kwargs (multimodal/hasher.py)
+    offset: int                    # first placeholder token in the prompt
+    length: int                    # placeholder tokens = encoder output rows
+    store_name: str                # shm segment (shm/object_store.py)
+    store_addr: int                # entry in that segment
+
+
 class EngineCoreRequest(_Msg):
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +53,7 @@ class EngineCoreRequest(_Msg):
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     client_index: int = 0
+    mm_items: list[MultiModalItem] = []    # sorted by offset
 
 
 class Logprobs(_Msg):
@@ -57,6 +70,9 @@ class PromptLogprobs(_Msg):
     ranks: list[int]
 
 
+INTERNAL_ERROR = "internal"   # stop_reason of an error output for a failure on the server's side
+
+
 class EngineCoreOutput(_Msg):
     request_id: str
     new_token_ids: list[int]
@@ -65,7 +81,7 @@ class EngineCoreOutput(_Msg):
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
 
 
 class SchedulerStats(_Msg):
@@ -102,6 +118,13 @@ class UtilityOutput(_Msg):
     failure: str | None = None
 
 
+class EngineLoad(_Msg):
+    """An engine's load as one client sees it, for data-parallel routing (every client, every step)."""
+    num_waiting: int
+    num_running: int
+    num_added: int                 # ADDs from this client the engine has taken in so far
+
+
 class EngineCoreOutputs(_Msg):
     outputs: list[EngineCoreOutput] = []
     engine_index: int = 0
@@ -109,6 +132,7 @@ class EngineCoreOutputs(_Msg):
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
     finished_timings: list[RequestTiming] = []
+    load: EngineLoad | None = None
 
 
 class UtilityRequest(_Msg):
@@ -143,6 +167,14 @@ class AttachRequest(_Msg):
     client_public_key: bytes = b""  # z85 CURVE server key of the client's tcp:// sockets (required for tcp://)
 
 
+class EngineRegistration(_Msg):
+    """A remote engine core (`loom serve --headless --data-parallel-start-rank R`) telling the head's
+    DP coordinator where its handshake socket is, after the coordinator's Hello."""
+    engine_index: int
+    handshake_address: str
+    auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce)
+
+
 # ---------------------------------------------------------------- engine <-> workers
 
 class NewRequestData(_Msg):
@@ -154,6 +186,7 @@ class NewRequestData(_Msg):
     output_token_ids: list[int] = []   # non-empty when a preempted request resumes
     seed: int = 0                      # the request's sampling seed (always set)
     eos_token_ids: list[int] = []      # min_tokens masks these
+    mm_items: list[MultiModalItem] = []
 
 
 class CachedRequestData(_Msg):
@@ -171,6 +204,9 @@ class SchedulerOutput(_Msg):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
     step_id: int = 0
+    scheduled_encoder_inputs: dict[str, list[int]] = {}   # req id -> indices of mm items to encode now
+    free_encoder_hashes: list[str] = []   # encoder outputs no request needs any more
+    released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
 
 
 class ModelRunnerOutput(_Msg):

@@ -79,7 +79,11 @@ def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: to
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     _state.rank, _state.size, _state.group = rank, rdv.world_size, dist.group.WORLD
     if device.type == "cuda":
-        _state.one_shot = OneShotAllReduce.create(_state.group, device, dtype)
+        one_shot = OneShotAllReduce.create(_state.group, device, dtype)
+        # every rank must take the same path for every all-reduce, or they would never pair up
+        agreed = torch.tensor([1 if one_shot is not None else 0], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_state.group)
+        _state.one_shot = one_shot if agreed.item() else None
     logger.info("rank %d of %d joined the %s group", rank, rdv.world_size, backend)
 
 
@@ -89,6 +93,13 @@ def destroy_distributed() -> None:
         _state.one_shot = None
         dist.destroy_process_group()
     _state = TPState()
+
+
+def describe() -> dict:
+    one_shot = _state.one_shot
+    return {"rank": _state.rank, "size": _state.size,
+            "backend": dist.get_backend(_state.group) if _state.group is not None else None,
+            "one_shot": one_shot is not None, "one_shot_max_bytes": one_shot.max_bytes if one_shot else 0}
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
 from workers.step_stats import StepStats, enabled as step_stats_enabled
+from shm.object_store import ObjectStoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,19 @@ class PendingStep:
     tokens: torch.Tensor | None = None        # on the device
     tokens_host: torch.Tensor | None = None   # pinned copy, valid once `event` has fired
     event: object = None
-    topk: tuple | None = None
-    prompt_logprobs: dict | None = None
+    topk: tuple | None = None                 # logprob tensors; pinned host copies after copy_back()
+    prompt_logprobs: "PromptLogprobSpans | None" = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
+
+
+@dataclass
+class PromptLogprobSpans:
+    """The prompt logprobs a step computes: per request (req_id, first row, rows, top-N), and
+    the tensors of all their rows (target ids, target logprob, rank, top ids, top logprobs);
+    pinned host copies after copy_back()."""
+    spans: list[tuple[str, int, int, int]]
+    tensors: tuple
 
 
 @dataclass
@@ -67,6 +77,7 @@ class StepBatch:
     inputs: dict                              # input_ids, positions, attention metadata
     graph_bs: int | None                      # the CUDA graph that runs it, if any
     stats_token: object = None
+    inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -98,7 +109,9 @@ class ModelRunner:
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.model = load_model(config.model, self.dtype, self.device, config.load_format)
+        self.weights_dir = config.model   # where sleep level 2 reloads from (update_weights_from_disk moves it)
+        self.model = load_model(config.model, self.dtype, self.device, config.load_format,
+                                config.language_model_only)
         if self.backend == "triton":
             from workers.models.layers import use_triton_kernels
             use_triton_kernels()
@@ -108,7 +121,8 @@ class ModelRunner:
         self.h2d = HostToDevice(self.device)
         self.block_size = config.block_size
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req,
+                                self.model.config.vocab_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
@@ -116,6 +130,10 @@ class ModelRunner:
         self.graph_for: list[int] = []  # batch size -> the captured graph size that runs it
         self._weights_asleep = False
         self.stats = StepStats(self.device) if step_stats_enabled() else None
+        # multimodal: M-RoPE positions, the encoder outputs the scheduler keeps here, the store
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.encoder_cache: dict[str, torch.Tensor] = {}   # item hash -> embeddings [tokens, hidden]
+        self.mm_store = ObjectStoreReader(rank)
 
     # ------------------------------------------------------------ KV cache
 
@@ -198,8 +216,11 @@ class ModelRunner:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
             for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
-                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)):
-                rows = [SamplingRow(params, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), [])] * len(n)
+                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+                           SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
+                                          logit_bias={1: 1.0}, min_tokens=2),
+                           SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1)):
+                rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
         torch.cuda.synchronize()
@@ -237,7 +258,7 @@ class ModelRunner:
         dev = self.device
         self.gbuf = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros((3, max_bs) if self.uses_mrope else max_bs, dtype=torch.long, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
@@ -272,7 +293,7 @@ class ModelRunner:
         meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
                                  b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
                                  num_decodes=bs, num_kv_splits=self._kv_splits(split_for))
-        args = (b["input_ids"][:bs], b["positions"][:bs], self.kv_caches, meta)
+        args = (b["input_ids"][:bs], b["positions"][..., :bs], self.kv_caches, meta)
         self.model(*args)  # warm-up: compiles the kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -307,7 +328,7 @@ class ModelRunner:
         b, meta = self.gbuf, inputs["meta"]
         B = meta.seq_lens.shape[0]
         b["input_ids"][:B].copy_(inputs["input_ids"], non_blocking=True)
-        b["positions"][:B].copy_(inputs["positions"], non_blocking=True)
+        b["positions"][..., :B].copy_(inputs["positions"], non_blocking=True)
         b["slot_mapping"][:B].copy_(meta.slot_mapping, non_blocking=True)
         b["slot_mapping"][B:bs].fill_(-1)
         b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
@@ -346,7 +367,8 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format)
+                fresh = load_model(self.weights_dir, self.dtype, self.device, self.config.load_format,
+                                   self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):
                     t.data = src.data
@@ -382,19 +404,57 @@ class ModelRunner:
         for r in so.new_requests:
             self.batch.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids,
                            r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids)
+            if r.mm_items:
+                self._add_mm(self.batch.requests[r.req_id], r)
+        for name, addr in so.released_mm:  # requests gone for good: their store entries may go
+            self.mm_store.release(name, addr)
         c = so.cached_requests
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             if blocks:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
 
-    def can_overlap(self, so: SchedulerOutput) -> bool:
-        """Whether `so` may be launched before the previous step's tokens reach the CPU:
-        not when a request's sampling reads its own output history (penalties, min_tokens)."""
-        params = [r.sampling_params for r in so.new_requests]
-        params += [self.batch.requests[rid].params for rid in so.cached_requests.req_ids
-                   if rid in self.batch.requests]
-        return not any(p.needs_penalties or p.min_tokens for p in params)
+    def _add_mm(self, st: CachedRequestState, r) -> None:
+        st.mm_items = list(r.mm_items)
+        if self.uses_mrope:  # once per request (again after a preemption: it comes back as new)
+            items = [(it.offset, it.length, self.mm_store.get(it.store_name, it.store_addr)) for it in st.mm_items]
+            st.mrope_positions, st.mrope_delta = self.model.mrope_positions(np.asarray(r.prompt_token_ids), items)
+
+    def _run_encoders(self, so: SchedulerOutput) -> None:
+        """Encode the items the scheduler picked for this step (all in one pass of the tower),
+        reading their tensors straight from the shared-memory store."""
+        todo = [self.batch.requests[rid].mm_items[i] for rid, idx in so.scheduled_encoder_inputs.items()
+                for i in idx]
+        todo = list({it.hash: it for it in todo}.values())
+        if not todo:
+            return
+        if getattr(self.model, "visual", None) is None and not hasattr(self.model, "vision_tower"):
+            raise RuntimeError("this model was loaded without its vision tower (--language-model-only)")
+        arrays = [self.mm_store.get(it.store_name, it.store_addr) for it in todo]
+        for it, emb in zip(todo, self.model.encode_images(arrays)):
+            if emb.shape[0] != it.length:
+                raise ValueError(f"image {it.hash[:12]}: {emb.shape[0]} embeddings for {it.length} placeholders")
+            self.encoder_cache[it.hash] = emb
+
+    def _mm_embeddings(self, states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray,
+                       input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's input embeddings with encoder outputs scattered at the placeholder tokens
+        it computes (a placeholder range may be split over steps by chunked prefill); None when
+        no placeholder is in the step."""
+        dst, src = [], []
+        for i, st in enumerate(states):
+            lo_step, hi_step = int(start[i]), int(start[i] + n[i])
+            for it in st.mm_items:
+                lo, hi = max(lo_step, it.offset), min(hi_step, it.offset + it.length)
+                if lo >= hi:
+                    continue
+                dst.append(np.arange(lo, hi) - lo_step + int(qsl[i]))
+                src.append(self.encoder_cache[it.hash][lo - it.offset:hi - it.offset])
+        if not dst:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)
+        index = torch.from_numpy(np.concatenate(dst)).to(self.device)
+        return embeds.index_copy(0, index, torch.cat(src).to(embeds.dtype))
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
@@ -410,9 +470,8 @@ class ModelRunner:
             step.tokens, step.topk, failed = self.sample(logits, batch)
             if failed:
                 step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
-            self.copy_back(step)
-        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n,
-                                                     step)
+        step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        self.copy_back(step)
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
@@ -425,6 +484,8 @@ class ModelRunner:
         device; None when nothing is scheduled."""
         self._apply_diff(so)
         if not so.req_ids:
+            for h in so.free_encoder_hashes:
+                self.encoder_cache.pop(h, None)
             return None
         stats_token = self.stats.begin() if self.stats is not None else None
         states = [self.batch.requests[rid] for rid in so.req_ids]
@@ -436,8 +497,16 @@ class ModelRunner:
         sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
         rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
         host = self._host_inputs(n, start, slots)
+        if self.uses_mrope:
+            host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         host["sample_index"] = host["qsl"][1:][sample_rows] - 1
         host.update(self.sampler.host_params(rows))
+        spans = self._prompt_logprob_spans(states, start, n)
+        if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
+            host["plp_rows"] = np.concatenate([np.arange(host["qsl"][i], host["qsl"][i] + cnt, dtype=np.int64)
+                                               for i, _, cnt in spans])
+            host["plp_targets"] = np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
+                                                  for i, lo, cnt in spans])
         if prev is not None and prev.tokens is not None:
             host["feed_dst"], host["feed_src"] = self._feed_indices(prev, states, start, host["qsl"])
         dev = self.h2d(host)
@@ -445,14 +514,21 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, self._graph_size(n),
-                         stats_token)
+        self._run_encoders(so)
+        embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
+        for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
+            self.encoder_cache.pop(h, None)
+        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs,
+                         self._graph_size(n) if embeds is None else None, stats_token, embeds)
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
         inputs = batch.inputs
         if batch.graph_bs is not None:
             hidden = self._run_graph(batch.graph_bs, inputs)
+        elif batch.inputs_embeds is not None:
+            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
+                                batch.inputs_embeds)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
         if not len(batch.sample_rows):
@@ -461,18 +537,32 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None, dict]:
         """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
-        of the rows whose per-request sampling work failed (those requests fail alone)."""
-        return self.sampler(logits, batch.rows, batch.dev)
+        of the rows whose parameters the sampler refused (those requests fail alone). The tokens
+        go into the penalty counts on the device at once: the next step's penalties see them
+        even while their values are still on the way to the host."""
+        tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
+        self.batch.count_sampled(batch.dev["slots"], tokens)
+        return tokens, topk, failed
 
     def copy_back(self, step: "PendingStep") -> None:
-        """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
-        if self.device.type == "cuda":
-            step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-            step.tokens_host.copy_(step.tokens, non_blocking=True)
+        """Start the device -> host copies of what finish() reads (tokens, logprobs, prompt
+        logprobs) behind the step's work; finish() waits for one event, and never syncs a tensor
+        (a .tolist() of a device tensor would also wait for the next step, queued behind this one)."""
+        if self.device.type != "cuda":
+            step.tokens_host = step.tokens
+            return
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+        if step.tokens is not None:
+            step.tokens_host = to_host(step.tokens)
+        if step.topk is not None:
+            step.topk = tuple(to_host(t) for t in step.topk)
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
+        if step.tokens is not None or step.prompt_logprobs is not None:
             step.event = torch.cuda.Event()
             step.event.record()
-        else:
-            step.tokens_host = step.tokens
 
     @staticmethod
     def is_done(step: "PendingStep") -> bool:
@@ -483,9 +573,9 @@ class ModelRunner:
         """Wait for a launched step and record its tokens."""
         sampled = [-1] * len(step.req_ids)
         logprobs = None
+        if step.event is not None:
+            step.event.synchronize()
         if step.tokens is not None:
-            if step.event is not None:
-                step.event.synchronize()
             token_list = step.tokens_host.tolist()
             for j, i in enumerate(step.sample_rows):
                 sampled[i] = token_list[j]
@@ -496,7 +586,8 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, step.failed)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, self._pack_prompt_logprobs(step.prompt_logprobs),
+                                 step.failed)
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -535,9 +626,7 @@ class ModelRunner:
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
-        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens,
-                           self.batch.prompt_token_ids(st), self.batch.output_token_ids(st),
-                           st.eos_token_ids)
+        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
 
     def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
         tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)
@@ -551,30 +640,47 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n, step: "PendingStep") -> dict[str, PromptLogprobs] | None:
-        out = None
+    @staticmethod
+    def _prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
+        """(request index, first position, positions) whose next prompt token's logprob this step
+        computes: position p predicts token p + 1, while that is still a prompt token."""
+        spans = []
         for i, st in enumerate(states):
-            k = st.params.prompt_logprobs
-            if k is None or start[i] >= st.num_prompt_tokens:
-                continue
-            out = out or {}
-            try:
-                out[st.req_id] = self._prompt_logprobs_of(st, hidden, int(qsl[i]), int(start[i]), int(n[i]), k)
-            except Exception as e:  # noqa: BLE001  (fails this request alone)
-                step.failed = step.failed or {}
-                step.failed[st.req_id] = f"{type(e).__name__}: {e}"
-        return out
+            if st.params.prompt_logprobs is not None and start[i] < st.num_prompt_tokens:
+                spans.append((i, int(start[i]), max(int(min(n[i], st.num_prompt_tokens - 1 - start[i])), 0)))
+        return spans
 
-    def _prompt_logprobs_of(self, st, hidden, q0: int, lo: int, n: int, k: int) -> PromptLogprobs:
-        # position p predicts token p+1; keep those that are still prompt tokens
-        cnt = min(n, st.num_prompt_tokens - 1 - lo)
-        if cnt <= 0:
-            return PromptLogprobs([], [], [])
-        h = hidden[q0:q0 + cnt]
-        lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-        targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+    def _prompt_logprobs(self, batch: "StepBatch", hidden: torch.Tensor) -> PromptLogprobSpans | None:
+        """The prompt logprobs of every request that asks, in one batch on the device (no sync)."""
+        spans = self._prompt_logprob_spans(batch.states, batch.start, batch.n)
+        if not spans:
+            return None
+        k = min(max(batch.states[i].params.prompt_logprobs for i, _, _ in spans), self.model.config.vocab_size)
+        out, first = [], 0
+        for i, _, cnt in spans:
+            st = batch.states[i]
+            out.append((st.req_id, first, cnt, st.params.prompt_logprobs))
+            first += cnt
+        if not first:
+            return PromptLogprobSpans(out, ())
+        lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, batch.dev["plp_rows"])).float(),
+                               dim=-1)
+        targets = batch.dev["plp_targets"]
         tlp = lp.gather(1, targets.view(-1, 1))
-        ranks = ((lp > tlp).sum(-1) + 1).tolist()
+        ranks = (lp > tlp).sum(-1) + 1
         top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-        return PromptLogprobs([[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                              [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+        return PromptLogprobSpans(out, (targets, tlp.squeeze(1), ranks, top_ids, top_lp))
+
+    @staticmethod
+    def _pack_prompt_logprobs(plp: PromptLogprobSpans | None) -> dict[str, PromptLogprobs] | None:
+        if plp is None:
+            return None
+        if not plp.tensors:
+            return {rid: PromptLogprobs([], [], []) for rid, _, _, _ in plp.spans}
+        targets, tlp, ranks, top_ids, top_lp = (t.tolist() for t in plp.tensors)
+        out = {}
+        for rid, a, cnt, k in plp.spans:
+            b = a + cnt
+            out[rid] = PromptLogprobs([[t] + ids[:k] for t, ids in zip(targets[a:b], top_ids[a:b])],
+                                      [[v] + vals[:k] for v, vals in zip(tlp[a:b], top_lp[a:b])], ranks[a:b])
+        return out

@@ -40,8 +40,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: [T], or [3, T] for M-RoPE; inputs_embeds (multimodal) replace the token embeddings."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -53,6 +54,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None    # None: config.attention_bias
     qk_norm: bool = False
+    stacked_params = STACKED_PARAMS  # checkpoint names of fused parameters' parts (weight updates read it)
 
     def __init__(self, config):
         super().__init__()
@@ -88,10 +90,11 @@ class LlamaForCausalLM(nn.Module):
             return True
         return self.tie_word_embeddings and name == "lm_head.weight"
 
-    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """Load HF-named tensors (or safetensors slices, of which each rank reads its shard);
-        see `layers.load_stacked_weights` for the errors raised."""
-        return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight)
+    def load_weights(self, weights: Iterable[tuple[str, object]], partial: bool = False) -> set[str]:
+        """Load HF-named tensors (or safetensors slices, of which each rank reads its shard;
+        `partial`: only some, as a weight update sends); see `layers.load_stacked_weights` for
+        the errors raised."""
+        return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight, partial)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
