@@ -27,12 +27,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput (LLM.generate) on the standard workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 256)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (None: 256)")
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="fixed output length instead of randint(100, 1024)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (also the engine's sampling seed)")
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up call")
     p.add_argument("--sampling", nargs="+", choices=SAMPLING_MODES, default=["plain"],
                    help="sampling modes to run, each on the same engine after plain temperature, with their "

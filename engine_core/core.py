@@ -448,7 +448,7 @@ def check_handshake_security(address: str, auth_key: str | None) -> None:
 def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]],
                     handshake_address: str | None, auth_key: str | None, dp: DPRank | None, death_pipe) -> None:
     """Process entry point. `dp`: this engine's data-parallel rank (None: the only engine)."""
-    watch_parent(death_pipe)
+    watch_parent(death_pipe, remove_dirs=(ipc_dir,))   # a SIGKILLed parent cannot remove it
     child_signals()
     name = "engine" if dp is None else f"engine{dp.rank}"
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
@@ -469,8 +469,9 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
             register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
-    except SystemExit:
-        pass
+    except SystemExit:   # SIGTERM: tell the clients at once, rather than when the sockets close
+        if engine is not None:
+            engine.send_dead("the engine core was stopped (SIGTERM)")
     except ConfigError as e:
         logger.error("%s", e)
         _report_startup_failure(clients, str(e))

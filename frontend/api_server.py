@@ -158,6 +158,8 @@ class OpenAIServer:
                 if not hmac.compare_digest(token.encode(), self.options.api_key.encode()):
                     raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
                                    type="AuthenticationError")
+            if getattr(self.llm, "draining", False) and request.path != "/metrics":
+                raise APIError("The server is shutting down.", 503)
             return await handler(request)
         except APIError as e:
             return _error_response(e)
@@ -194,6 +196,8 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
             return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
+        if getattr(self.llm, "engine_stalled", False):
+            return _json(error_body("The engine has stopped stepping (no heartbeat).", 503), 503)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -137,6 +137,7 @@ class EngineConfig:
         if self.profiler_dir is None:
             self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
+        check_device(self)
         check_tensor_parallel(self, text_cfg)
         return self
 
@@ -235,6 +236,22 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def check_device(config: EngineConfig) -> None:
+    """A device or dtype that can never work fails here, in the parent, with one line, rather than
+    with a traceback in every worker. torch is imported only for an explicit --device cuda."""
+    choices = {f.name: f.metadata.get("choices") for f in fields(EngineConfig)}
+    for name in ("dtype", "device"):
+        allowed = choices[name]
+        if getattr(config, name) not in allowed:
+            raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+    if config.device != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is visible here (check the driver and "
+                          "CUDA_VISIBLE_DEVICES, or use --device cpu)")
 
 
 def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:

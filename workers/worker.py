@@ -220,6 +220,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
     ring = None
+    code = 0
     try:
         ring = attach_reader(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
@@ -234,9 +235,13 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
             send(WorkerReply(rank, error=traceback.format_exc()))
         except Exception:
             pass
-        raise SystemExit(1)
+        code = 1
     finally:
         if ring is not None:
             ring.close()
         reply.close()
         ctx.term()
+        # Everything is released: skip the interpreter's teardown of torch (a second or more), so
+        # that a stopping engine, and `loom serve` with it, exits at once.
+        logging.shutdown()
+        os._exit(code)
