@@ -47,6 +47,12 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "GPUs (worker processes) one model is split over")
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
+                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
+    enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
+                                           "(needs --tool-call-parser)")
+    tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
+                                          ("hermes", "llama3_json"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     # filled in by resolve()
@@ -109,6 +115,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         if self.tensor_parallel_size != 1:
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet")
 

@@ -26,6 +26,7 @@ class MsgType(bytes, enum.Enum):
     WORKER_REPLY = b"\x09" # worker -> engine: WorkerReply
     ATTACH = b"\x0a"       # client -> engine (handshake socket): AttachRequest
     REFUSED = b"\x0b"      # engine -> client (handshake socket): a str reason
+    WORKER_SAMPLE = b"\x0c"  # engine -> workers (ring): GrammarOutput for a step whose sampling waited
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -160,6 +161,13 @@ class CachedRequestData(_Msg):
     num_computed_tokens: list[int] = []
 
 
+class GrammarOutput(_Msg):
+    """The grammar bitmask of one step's constrained rows: bit t of bitmask[j] allows token t
+    for the request at req_ids[rows[j]] (xgrammar's packed int32 layout)."""
+    rows: list[int]                       # indices into the step's req_ids
+    bitmask: Any                          # np.ndarray int32 [len(rows), ceil(vocab / 32)]
+
+
 class SchedulerOutput(_Msg):
     """One step, as a diff against what the workers already hold."""
     new_requests: list[NewRequestData]
@@ -169,6 +177,8 @@ class SchedulerOutput(_Msg):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
     step_id: int = 0
+    grammar: GrammarOutput | None = None  # this step's bitmask, when it was known at scheduling time
+    defer_sample: bool = False            # run the model now, sample on the WORKER_SAMPLE that follows
 
 
 class ModelRunnerOutput(_Msg):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ipc.config import EngineConfig
-from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.host_to_device import HostToDevice
@@ -49,6 +49,7 @@ class PendingStep:
     topk: tuple | None = None
     prompt_logprobs: dict | None = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
 
 
 @dataclass
@@ -404,8 +405,10 @@ class ModelRunner:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
         hidden, logits = self.forward(batch)
-        if logits is not None:
-            step.tokens, step.topk = self.sample(logits, batch)
+        if logits is not None and so.defer_sample:
+            step.unsampled = (batch, logits)   # sample_deferred() runs it once the bitmask comes
+        elif logits is not None:
+            step.tokens, step.topk = self.sample(logits, batch, so.grammar)
             self.copy_back(step)
         step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n)
         for st, e in zip(batch.states, batch.end):
@@ -454,9 +457,33 @@ class ModelRunner:
             return hidden, None
         return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
-    def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None]:
-        """This step's tokens (on the device) and, where asked, their top-k logprobs."""
+    def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
+               ) -> tuple[torch.Tensor, tuple | None]:
+        """This step's tokens (on the device) and, where asked, their top-k logprobs; the
+        constrained rows sample from what their grammar bitmask allows."""
+        if grammar is not None and len(grammar.rows):
+            self._apply_grammar(logits, batch.sample_rows, grammar)
         return self.sampler(logits, batch.rows, batch.dev)
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: "PendingStep", grammar: GrammarOutput | None) -> None:
+        """Sample a launched step whose bitmask needed the previous step's tokens."""
+        if step.unsampled is None:
+            return
+        (batch, logits), step.unsampled = step.unsampled, None
+        step.tokens, step.topk = self.sample(logits, batch, grammar)
+        self.copy_back(step)
+
+    def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput) -> None:
+        """One kernel masks every constrained row. grammar.rows index the step's requests;
+        those that sample nothing this step (mid-prompt) are dropped."""
+        from kernels.bitmask import apply_bitmask
+        rows = np.asarray(grammar.rows, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(sample_rows, rows), len(sample_rows) - 1)
+        keep = sample_rows[pos] == rows
+        dev = self.h2d({"bitmask": np.ascontiguousarray(grammar.bitmask[keep]),
+                        "bitmask_rows": pos[keep].astype(np.int32)})
+        apply_bitmask(logits, dev["bitmask"], dev["bitmask_rows"])
 
     def copy_back(self, step: "PendingStep") -> None:
         """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
