@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -64,7 +65,7 @@ def compile_grammar(compiler, kind: str, source: str):
         if kind == "grammar":
             return compiler.compile_grammar(source)
     except (RuntimeError, ValueError, TypeError) as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = xgrammar_reason(e)
         raise ValueError(f"structured_outputs: the {kind.removesuffix('_compact')} constraint does not "
                          f"compile: {reason}") from None
     raise ValueError(f"unknown constraint kind {kind!r}")
@@ -83,6 +84,15 @@ def json_schema_grammar(schema: str, any_whitespace: bool, strict_mode: bool = T
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode,
                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
     return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^ ]+:\d+: ")
+
+
+def xgrammar_reason(e: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[21:10:27] /project/cpp/x.cc:83: ")."""
+    lines = str(e).strip().splitlines()
+    return _LOG_PREFIX.sub("", lines[0]) if lines else type(e).__name__
 
 
 def choice_grammar(choices: list[str]) -> str:

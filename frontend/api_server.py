@@ -35,9 +35,12 @@ from frontend.protocol import (SSE_DONE, APIError, ChatCompletionRequest, Comple
                                completion_logprobs, completion_prompts, completion_response, dumps, encode_prompts,
                                error_body, merge_completion_logprobs, models_response, normalize_messages, now,
                                parse_request, random_id, render_chat, sse, stream_include_usage, usage)
-from ipc.sampling_params import SamplingParams
+from frontend.chat_output import ChatOutput, ToolUse
+from frontend.constraints import check_constraint, request_constraint, tool_use
+from frontend.reasoning import REASONING_PARSERS
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from metrics.http import HttpMetrics
-from metrics.registry import render as render_metrics
+from metrics.registry import Builder, render as render_metrics
 
 logger = logging.getLogger("loom.api")
 
@@ -162,9 +165,11 @@ async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
 
 class _Choice:
     """What one choice has produced so far."""
-    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "logprobs", "text_offset", "started")
+    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "logprobs", "text_offset", "started",
+                 "output")
 
-    def __init__(self, text_offset: int = 0):
+    def __init__(self, text_offset: int = 0, output: ChatOutput | None = None):
+        self.output = output  # chat: its reasoning / content / tool calls
         self.text: list[str] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -184,6 +189,15 @@ class OpenAIServer:
         self.enable_control_endpoints = enable_control_endpoints
         self.model_name = self.config.model_name
         self.created = now()
+        parser = getattr(self.config, "reasoning_parser", None)
+        self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
+        self.tool_parser_invocations = Builder().counter(
+            "vllm:tool_call_parser_invocations", "Total number of ToolParser invocations. Non-streaming increments "
+            "once per choice; streaming increments once per delta.", ("model_name", "mode", "outcome", "request_type"))
+        for mode in ("streaming", "non_streaming"):
+            for outcome in ("tool_call", "no_tool_call"):
+                for request_type in ("chat_completions", "responses", "other"):
+                    self.tool_parser_invocations.labels(self.model_name, mode, outcome, request_type)
         # One thread: a HF fast tokenizer is not safe to share between threads, and ordering is kept.
         self.executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="loom-tokenize")
 
@@ -399,8 +413,9 @@ class OpenAIServer:
         req: CompletionRequest = await self._body(request, CompletionRequest)
         self._check_model(req.model)
         prompts = completion_prompts(req.prompt)
+        constraint = await self._off_loop(request_constraint, req)
         params = build_sampling_params(req, chat=False, max_logprobs=self.config.max_logprobs,
-                                       vocab_size=self.config.vocab_size)
+                                       vocab_size=self.config.vocab_size, structured=constraint)
         if req.echo and params.logprobs is not None:
             raise APIError("echo together with logprobs is not supported", 400, "echo")
         self._check_alive()
@@ -494,8 +509,9 @@ class OpenAIServer:
         req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
         self._check_model(req.model)
         messages = normalize_messages(req.messages)
+        tools, constraint = await self._off_loop(self._chat_constraint, req)
         params = build_sampling_params(req, chat=True, max_logprobs=self.config.max_logprobs,
-                                       vocab_size=self.config.vocab_size)
+                                       vocab_size=self.config.vocab_size, structured=constraint)
         self._check_alive()
         _, ids = await self._off_loop(
             render_chat, self.tokenizer, messages,
@@ -510,13 +526,26 @@ class OpenAIServer:
         stream = _merge([self.llm.generate(ids, params, rid)])
         try:
             first = await self._first(stream)
-            choices = [_Choice() for _ in range(params.n)]
+            choices = [_Choice(output=ChatOutput(tools, self.reasoning_parser)) for _ in range(params.n)]
             if req.stream:
                 return await self._stream_chat(request, stream, first, rid, created, params, choices, len(ids),
                                                stream_include_usage(req))
             return await self._full_chat(stream, first, rid, created, params, choices, len(ids))
         finally:
             await stream.aclose()
+
+    def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
+        """The request's tool use, and its constraint: response_format / structured_outputs, or
+        the grammar that tool_choice required / named imposes (not both)."""
+        constraint = request_constraint(req)
+        tools, tool_constraint = tool_use(req, self.config)
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise APIError(f"tool_choice {req.tool_choice!r} constrains the output already; it cannot be "
+                               "combined with response_format or structured_outputs", 400, "tool_choice")
+            check_constraint(tool_constraint, "tools")
+            constraint = tool_constraint
+        return tools, constraint
 
     def _chat_delta(self, out, params: SamplingParams, choices: list[_Choice]):
         res = []
@@ -538,9 +567,13 @@ class OpenAIServer:
             self._chat_delta(out, params, choices)
         for c in choices:
             _check_choice(c)
-        body = [chat_choice(k, "".join(c.text), c.finish_reason, c.stop_reason,
-                            {"content": c.logprobs} if params.logprobs is not None else None)
-                for k, c in enumerate(choices)]
+        body = []
+        for k, c in enumerate(choices):
+            c.output.text = "".join(c.text)
+            message = c.output.message()
+            self._count_tool_parse(c.output, streaming=False)
+            body.append(chat_choice(k, message, _finish_reason(c), c.stop_reason,
+                                    {"content": c.logprobs} if params.logprobs is not None else None))
         return _json(chat_response(rid, created, self.model_name, body,
                                    usage(prompt_tokens, sum(c.num_tokens for c in choices))))
 
@@ -556,11 +589,16 @@ class OpenAIServer:
         async def emit(item) -> None:
             for k, text, lp, st in self._chat_delta(item[1], params, choices):
                 _check_choice(st)
-                if not text and lp is None and st.finish_reason is None:
+                delta = st.output.add(text)
+                if st.output.tools.mode == "auto":
+                    self._count_tool_parse(st.output, streaming=True)
+                if st.finish_reason is not None:
+                    for key, value in st.output.finish().items():
+                        delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
+                if not delta and lp is None and st.finish_reason is None:
                     continue
                 await resp.write(sse(chat_chunk(rid, created, model, [
-                    chat_chunk_choice(k, {"content": text} if text else {}, st.finish_reason, st.stop_reason,
-                                      lp)])))
+                    chat_chunk_choice(k, delta, _finish_reason(st), st.stop_reason, lp)])))
 
         def final() -> bytes:
             if not include_usage:
@@ -568,6 +606,15 @@ class OpenAIServer:
             return sse(chat_chunk(rid, created, model, [], usage(prompt_tokens, sum(c.num_tokens for c in choices))))
 
         return await self._pump_sse(resp, stream, first, emit, final, begin)
+
+    def _count_tool_parse(self, output: ChatOutput, streaming: bool) -> None:
+        """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
+        if output.tools.mode != "auto":
+            return
+        called = bool(output.tool_calls) or (streaming and output.tools.parser.plain_prefix(output.text, False)
+                                              != output.text)
+        self.tool_parser_invocations.labels(self.model_name, "streaming" if streaming else "non_streaming",
+                                            "tool_call" if called else "no_tool_call", "chat_completions").inc()
 
     # ------------------------------------------------------------ streaming plumbing
 
@@ -638,6 +685,13 @@ class OpenAIServer:
 
     async def _on_cleanup(self, app) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _finish_reason(choice: _Choice) -> str | None:
+    """OpenAI's "tool_calls" when a chat choice that ended normally called tools."""
+    if choice.finish_reason == "stop" and choice.output is not None and choice.output.tool_calls:
+        return "tool_calls"
+    return choice.finish_reason
 
 
 def _check_choice(choice) -> None:

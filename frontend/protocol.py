@@ -9,6 +9,7 @@ ignored, as OpenAI clients send some we do not use (user, ...).
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 
 # ------------------------------------------------------------------ errors
 
@@ -88,6 +89,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     best_of: int | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
+    guided_json: Any = None                           # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -103,7 +110,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -218,7 +224,43 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise APIError(f"messages[{i}].content must be a string or a list of text parts", 400, "messages")
         msg = dict(m)
         msg["content"] = content if content is not None else ""
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise APIError(f"messages[{i}].tool_calls: only assistant messages carry tool calls", 400, "messages")
+            msg["tool_calls"] = _template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise APIError(f"messages[{i}].tool_call_id must be a string", 400, "messages")
         out.append(msg)
+    return out
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls, checked, with arguments as objects: chat templates
+    (Qwen's, Llama's) write them out with tojson (vLLM parses them the same way)."""
+    if not isinstance(calls, list):
+        raise APIError(f"{where} must be a list of tool calls", 400, "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise APIError(f"{at} must be an object with 'id', 'type' and 'function'", 400, "messages")
+        if call.get("type", "function") != "function":
+            raise APIError(f"{at}.type must be 'function', got {call.get('type')!r}", 400, "messages")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"{at}.function must be an object with a non-empty string 'name'", 400, "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise APIError(f"{at}.function.arguments is not valid JSON: {e}", 400, "messages") from None
+        if not isinstance(args, dict):
+            raise APIError(f"{at}.function.arguments must be a JSON object", 400, "messages")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise APIError(f"{at}.id must be a string", 400, "messages")
+        out.append({"id": call.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
@@ -228,7 +270,7 @@ def _param_of(message: str) -> str | None:
 
 
 def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int = 20,
-                          vocab_size: int = 0) -> SamplingParams:
+                          vocab_size: int = 0, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields -> validated SamplingParams (APIError 400 naming the param on failure)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
@@ -239,9 +281,6 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("when using 'top_logprobs', 'logprobs' must be set to true", 400, "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise APIError(f"response_format {req.response_format.get('type')!r} is not supported", 400,
-                           "response_format")
     else:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         max_tokens_param = "max_tokens"
@@ -280,7 +319,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
     params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
-                            **kw)
+                            structured_outputs=structured, **kw)
     try:
         params.validate(max_logprobs=max_logprobs)
     except ValueError as e:
@@ -448,9 +487,12 @@ def completion_chunk(rid: str, created: int, model: str, choices: list[dict], us
     return d
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
+def chat_choice(index: int, message: str | dict, finish_reason: str | None, stop_reason=None,
                 logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+    """`message`: the assistant message (frontend/chat_output.py), or just its text."""
+    if isinstance(message, str):
+        message = {"role": "assistant", "content": message}
+    return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
