@@ -162,10 +162,12 @@ class CachedRequestData(_Msg):
 
 
 class GrammarOutput(_Msg):
-    """The grammar bitmask of one step's constrained rows: bit t of bitmask[j] allows token t
-    for the request at req_ids[rows[j]] (xgrammar's packed int32 layout)."""
+    """The grammar bitmask of one step's constrained rows: bit t of bitmask[mask_rows[j]] allows
+    token t for the request at req_ids[rows[j]] (xgrammar's packed int32 layout). Rows in the same
+    grammar state share a bitmask row: a step sends each distinct mask once."""
     rows: list[int]                       # indices into the step's req_ids
-    bitmask: Any                          # np.ndarray int32 [len(rows), ceil(vocab / 32)]
+    bitmask: Any                          # np.ndarray int32 [distinct masks, ceil(vocab / 32)]
+    mask_rows: Any = None                 # np.ndarray int32 [len(rows)]; None: row j uses bitmask[j]
 
 
 class SchedulerOutput(_Msg):

@@ -481,9 +481,10 @@ class ModelRunner:
         rows = np.asarray(grammar.rows, dtype=np.int64)
         pos = np.minimum(np.searchsorted(sample_rows, rows), len(sample_rows) - 1)
         keep = sample_rows[pos] == rows
-        dev = self.h2d({"bitmask": np.ascontiguousarray(grammar.bitmask[keep]),
-                        "bitmask_rows": pos[keep].astype(np.int32)})
-        apply_bitmask(logits, dev["bitmask"], dev["bitmask_rows"])
+        mask_rows = np.arange(len(rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+        dev = self.h2d({"bitmask": np.array(grammar.bitmask),  # a writable copy of the received frame
+                        "bitmask_rows": pos[keep].astype(np.int32), "mask_rows": mask_rows[keep].astype(np.int32)})
+        apply_bitmask(logits, dev["bitmask"], dev["bitmask_rows"], dev["mask_rows"])
 
     def copy_back(self, step: "PendingStep") -> None:
         """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
