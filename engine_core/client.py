@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -19,10 +20,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, CurveServer, HandshakeWatch,
+                      PeerGuard, derive_keys, new_keys)
 from ipc.messages import (AttachRequest, EngineCoreOutputs, EngineCoreRequest, EngineReady, Hello, MsgType,
                           UtilityRequest)
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -32,12 +37,24 @@ class EngineDeadError(RuntimeError):
 class _ClientBase:
     def __init__(self, ctx: zmq.Context, input_address: str, output_address: str, client_index: int):
         self.client_index = client_index
-        self.input = make_socket(ctx, zmq.ROUTER, input_address, bind=True)
-        self.output = make_socket(ctx, zmq.PULL, output_address, bind=True)
+        # tcp:// sockets are CURVE servers with fresh keys; only the engine's key (learned in HELLO) gets in
+        self.keys = self.guard = None
+        auth = None
+        if input_address.startswith("tcp://") or output_address.startswith("tcp://"):
+            self.keys = new_keys()
+            self.guard = PeerGuard(ctx, "engine client sockets")
+            auth = CurveServer(self.keys)
+        self.input = make_socket(ctx, zmq.ROUTER, input_address, bind=True, auth=auth)
+        self.output = make_socket(ctx, zmq.PULL, output_address, bind=True, auth=auth)
         # the addresses as bound ("tcp://host:*" picks a free port)
         self.input_address = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.monitor = self.output.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+        self.monitor = self.output.get_monitor_socket(events)
+        self.input_monitor = self.input.get_monitor_socket(HANDSHAKE_FAILED)
+        self.handshake_watch = HandshakeWatch("engine client sockets")
+        self._after_failure = False   # the next DISCONNECTED is that of a peer whose handshake failed
+        self.last_heard = time.monotonic()   # when the engine last sent anything (it beats when idle)
         self.enc = Encoder()
         self.out_dec = Decoder(EngineCoreOutputs)
         self.ready_dec = Decoder(EngineReady)
@@ -55,18 +72,34 @@ class _ClientBase:
         return [self.engine_identity, *self.enc.encode(kind.value, msg)]
 
     def _on_monitor(self, frames: list) -> None:
+        """The output socket's connection events. A peer that failed the handshake (no or a wrong
+        key) is counted and its departure ignored; the engine's own departure means it is gone."""
         event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        if self.handshake_watch.note(event):
+            self._after_failure = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
-        elif event == zmq.EVENT_DISCONNECTED and self._connected:
-            self.dead_reason = self.dead_reason or "the engine core closed its connection (it exited)"
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self._after_failure:
+                self._after_failure = False
+            elif self._connected:
+                self.dead_reason = self.dead_reason or "the engine core closed its connection (it exited)"
+
+    def _on_input_monitor(self, frames: list) -> None:
+        self.handshake_watch.note(parse_monitor_message(frames)["event"])
 
     def _on_output_frames(self, frames: list) -> EngineCoreOutputs | None:
+        self.last_heard = time.monotonic()
+        """The outputs in `frames`; None for ENGINE_DEAD (then is_dead) or a malformed message (dropped)."""
         kind = bytes(frames[0].buffer)
-        if kind == MsgType.ENGINE_DEAD.value:
-            self.dead_reason = f"engine core died: {msgspec.msgpack.decode(frames[1].buffer)}"
+        try:
+            if kind == MsgType.ENGINE_DEAD.value:
+                self.dead_reason = f"engine core died: {msgspec.msgpack.decode(frames[1].buffer)}"
+                return None
+            return self.out_dec.decode(frames)
+        except Exception as e:  # noqa: BLE001  (only the engine can send here, but never trust a frame)
+            logger.warning("dropping a malformed %r message from the engine: %s", kind[:8], e)
             return None
-        return self.out_dec.decode(frames)
 
     def _on_ready(self, frames: list) -> None:
         self.engine_identity = bytes(frames[0].buffer)
@@ -74,7 +107,9 @@ class _ClientBase:
         self.client_index = self.ready.client_index
 
     def _close_sockets(self) -> None:
-        for s in (self.monitor, self.input, self.output):
+        if self.guard is not None:
+            self.guard.close()
+        for s in (self.monitor, self.input_monitor, self.input, self.output):
             s.close(linger=0)
 
 
@@ -89,29 +124,53 @@ def local_address_towards(engine_address: str) -> str:
         return s.getsockname()[0]
 
 
-def attach_handshake(engine_address: str, input_address: str, output_address: str,
-                     auth_key: str | None = None, timeout: float = 30.0) -> None:
+def _handshake_reply(sock: zmq.Socket, monitor: zmq.Socket, timeout: float, what: str) -> list:
+    """The engine's next message; PermissionError as soon as the ZMTP handshake fails (a wrong key,
+    or a key on one side only: the engine's CURVE socket admits no one else)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(left * 1000))
+        if sock in ready:
+            return sock.recv_multipart(copy=False)
+        if monitor in ready and parse_monitor_message(monitor.recv_multipart())["event"] & HANDSHAKE_FAILED:
+            raise PermissionError("the engine refused our connection: wrong engine auth key, or a key on one "
+                                  "side only (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
+    raise TimeoutError(what)
+
+
+def attach_handshake(engine_address: str, client: "_ClientBase", auth_key: str | None = None,
+                     timeout: float = 30.0) -> None:
     """Ask the engine at its handshake address to connect to our sockets (docs/protocol.md)."""
     from engine_core.client_io import auth_proof
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, engine_address, bind=False)
+    auth = None
+    if auth_key:  # the engine's handshake socket is CURVE with keys derived from the key
+        auth = CurveClient(derive_keys(auth_key, CLIENT_ROLE), derive_keys(auth_key, ENGINE_ROLE).public)
+    sock = make_socket(ctx, zmq.DEALER, engine_address, bind=False, auth=auth)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
     try:
         enc = Encoder()
         sock.send_multipart(enc.encode(MsgType.HELLO.value, None))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"no engine answered at {engine_address}")
-        frames = sock.recv_multipart(copy=False)
+        frames = _handshake_reply(sock, monitor, timeout, f"no engine answered at {engine_address}")
         hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:
             raise PermissionError("the engine requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
+        if client.guard is not None:
+            client.guard.allow(hello.engine_public_key)   # before the engine can connect to us
         proof = auth_proof(auth_key, hello.nonce) if hello.auth_required else ""
-        sock.send_multipart(enc.encode(MsgType.ATTACH.value, AttachRequest(input_address, output_address, proof)))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"the engine at {engine_address} did not answer the attach request")
-        frames = sock.recv_multipart(copy=False)  # READY (accepted; READY also comes on our input) or REFUSED
+        sock.send_multipart(enc.encode(MsgType.ATTACH.value, AttachRequest(
+            client.input_address, client.output_address, proof, client.keys.public if client.keys else b"")))
+        frames = _handshake_reply(sock, monitor, timeout,
+                                  f"the engine at {engine_address} did not answer the attach request")
+        # READY (accepted; READY also comes on our input) or REFUSED
         if bytes(frames[0].buffer) == MsgType.REFUSED.value:
             raise PermissionError(f"the engine refused to attach: {msgspec.msgpack.decode(frames[1].buffer)}")
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
 
@@ -125,7 +184,7 @@ class EngineCoreClient(_ClientBase):
         host = local_address_towards(engine_address)
         client = cls(f"tcp://{host}:*", f"tcp://{host}:*")
         try:
-            attach_handshake(engine_address, client.input_address, client.output_address, auth_key, timeout)
+            attach_handshake(engine_address, client, auth_key, timeout)
             client.wait_ready(timeout)
         except BaseException:
             client.close()
@@ -137,7 +196,7 @@ class EngineCoreClient(_ClientBase):
         super().__init__(self.ctx, input_address, output_address, client_index)
         self.engine_proc = engine_proc
         self.poller = zmq.Poller()
-        for s in (self.output, self.monitor):
+        for s in (self.output, self.monitor, self.input_monitor):
             self.poller.register(s, zmq.POLLIN)
         self._pending: list[EngineCoreOutputs] = []
 
@@ -181,6 +240,9 @@ class EngineCoreClient(_ClientBase):
             for sock, _ in self.poller.poll(100):
                 if sock is self.monitor:
                     self._on_monitor(sock.recv_multipart())
+                    continue
+                if sock is self.input_monitor:
+                    self._on_input_monitor(sock.recv_multipart())
                     continue
                 outs = self._on_output_frames(sock.recv_multipart(copy=False))
                 if outs is not None:
@@ -229,24 +291,27 @@ class AsyncEngineCoreClient(_ClientBase):
 
     async def attach(self, engine_address: str, auth_key: str | None = None, timeout: float = 30.0) -> EngineReady:
         """Attach to an engine core at its handshake address, then wait for READY."""
-        await asyncio.get_running_loop().run_in_executor(
-            None, attach_handshake, engine_address, self.input_address, self.output_address, auth_key, timeout)
+        await asyncio.get_running_loop().run_in_executor(None, attach_handshake, engine_address, self, auth_key,
+                                                         timeout)
         return await self.wait_ready(timeout)
 
     async def wait_ready(self, timeout: float = 900.0) -> EngineReady:
         if not await self.input.poll(timeout * 1000):
             raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
         self._on_ready(await self.input.recv_multipart(copy=False))
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._monitor_loop())]
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._monitor_loop()),
+                       asyncio.create_task(self._input_monitor_loop())]
         return self.ready
 
     async def _output_loop(self) -> None:
         while not self.is_dead:
             frames = await self.output.recv_multipart(copy=False)
             outs = self._on_output_frames(frames)
-            if outs is None:
+            if self.is_dead:
                 self._declare_dead()
                 return
+            if outs is None:
+                continue
             u = outs.utility_output
             if u is not None:
                 fut = self._calls.pop(u.call_id, None)
@@ -261,6 +326,10 @@ class AsyncEngineCoreClient(_ClientBase):
         while not self.is_dead:
             self._on_monitor(await self.monitor.recv_multipart())
         self._declare_dead()
+
+    async def _input_monitor_loop(self) -> None:
+        while not self.is_dead:
+            self._on_input_monitor(await self.input_monitor.recv_multipart())
 
     def _declare_dead(self) -> None:
         for fut in self._calls.values():

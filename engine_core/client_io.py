@@ -4,10 +4,16 @@ handshake socket for clients attaching from elsewhere, and their departure.
 Clients given at start-up (the API servers of `loom serve`, the offline LLM)
 are connected at once. Others knock on the handshake ROUTER:
 
-    client -> HELLO                   engine -> HELLO(nonce, auth_required)
-    client -> ATTACH(addresses, proof) engine connects, READY on the client's input,
-                                       and READY on the handshake socket as the answer
-                                       (or REFUSED(reason) on the handshake socket)
+    client -> HELLO                   engine -> HELLO(nonce, auth_required, engine CURVE key)
+    client -> ATTACH(addresses, proof, client CURVE key)
+                                      engine connects, READY on the client's input,
+                                      and READY on the handshake socket as the answer
+                                      (or REFUSED(reason) on the handshake socket)
+
+With an auth key the handshake socket itself is CURVE (ipc/auth.py): a peer without
+the key cannot complete the ZMTP handshake, so nothing of it reaches this code. The
+engine's sockets towards an attached client's tcp:// addresses are CURVE too.
+A malformed handshake fails alone: nothing is registered until both sockets connected.
 
 The engine stamps every ADD and UTILITY with the index of the connection it
 came on, so a client can only act as itself. A client whose connection drops
@@ -15,23 +21,43 @@ is reported as ("CLIENT_GONE", index) on the input queue.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import itertools
 import logging
 import queue
+import re
 import secrets
 import threading
+import time
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, CurveServer, HandshakeWatch,
+                      PeerGuard, derive_keys, new_keys)
 from ipc.messages import AttachRequest, EngineCoreRequest, EngineReady, Hello, MsgType, UtilityRequest
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = b"client-gone"
+HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything bigger is dropped by libzmq
+MAX_PENDING_HELLOS = 1024             # nonces of HELLOs not yet followed by ATTACH: the oldest go first
+HELLO_TTL_S = 30.0                    # ... and none lives longer than this
+ATTACH_CONNECT_TIMEOUT_S = 30.0      # an attached client whose sockets the engine cannot reach is dropped
+_TCP_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
+
+
+def check_attach_address(addr: str) -> None:
+    """tcp://HOST:PORT with a numeric port, or ipc://PATH; anything else is refused before connecting."""
+    m = _TCP_ADDRESS.fullmatch(addr)
+    if m is not None and 0 < int(m.group(2)) < 65536:
+        return
+    if addr.startswith("ipc://") and 6 < len(addr) <= 4096 and "\0" not in addr:
+        return
+    raise ValueError(f"not a tcp://HOST:PORT or ipc://PATH address: {addr[:100]!r}")
 
 
 def auth_proof(key: str, nonce: bytes) -> str:
@@ -47,19 +73,34 @@ class ClientIO:
         self.static_clients = clients
         self.handshake_address = handshake_address
         self.auth_key = auth_key or None
+        self.keys = new_keys()               # this engine's CURVE keys towards attached clients
         self.outputs: queue.Queue = queue.Queue()
         self._indices = itertools.count()
         self.live: set[int] = set()          # client indices connected now
+        # identity -> (nonce, expiry) of HELLOs not yet followed by ATTACH (the input thread's)
+        self.pending_hellos: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
         self._stop = threading.Event()
         self._in = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self._out = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
-        self._handshake = None
+        self._handshake = self._handshake_monitor = self._guard = None
+        self.handshake_watch = HandshakeWatch("engine handshake socket")
         if handshake_address:  # bind now, so a bad address fails start-up
-            self._handshake = make_socket(self.ctx, zmq.ROUTER, handshake_address, bind=True)
+            auth = None
+            if self.auth_key:
+                self._guard = PeerGuard(self.ctx, "engine handshake socket",
+                                        (derive_keys(self.auth_key, CLIENT_ROLE).public,))
+                auth = CurveServer(derive_keys(self.auth_key, ENGINE_ROLE))
+            self._handshake = make_socket(self.ctx, zmq.ROUTER, handshake_address, bind=True, auth=auth,
+                                          max_msg_size=HANDSHAKE_MAX_MSG_BYTES)
+            self._handshake_monitor = self._handshake.get_monitor_socket(HANDSHAKE_FAILED)
 
     def start(self) -> None:
         self._out.start()
         self._in.start()
+
+    def healthy(self) -> bool:
+        """Both I/O threads run (the engine's heartbeat stops when one has died)."""
+        return self._in.is_alive() and self._out.is_alive()
 
     def client_indices(self) -> list[int]:
         return sorted(self.live)
@@ -78,6 +119,8 @@ class ClientIO:
         self.outputs.put(None)
         self._in.join(timeout=2)
         self._out.join(timeout=2)
+        if self._guard is not None:
+            self._guard.close()
         self.ctx.destroy(linger=0)
 
     # ------------------------------------------------------------ input thread
@@ -90,12 +133,19 @@ class ClientIO:
         poller = zmq.Poller()
         by_sock: dict[zmq.Socket, int] = {}
         monitors: dict[zmq.Socket, tuple[int, zmq.Socket, list]] = {}
-        nonces: dict[bytes, bytes] = {}
+        nonces = self.pending_hellos
 
-        def connect(input_addr: str, output_addr: str, watch: bool) -> None:
+        def connect(input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"") -> EngineReady:
+            """Connect to a client's two sockets; raises (registering nothing) if either address is bad."""
+            auth = CurveClient(self.keys, client_public) if client_public else None
+            sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth)
+            try:
+                push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, linger=2000, auth=auth)
+            except BaseException:
+                sock.close(linger=0)
+                raise
             idx = next(self._indices)
-            sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False)
-            self.outputs.put(("connect", idx, output_addr))
+            self.outputs.put(("connect", idx, push))   # from now on the output thread owns it
             ready = EngineReady(**{f: getattr(self.ready, f) for f in self.ready.__struct_fields__})
             ready.client_index = idx
             sock.send_multipart(enc.encode(MsgType.READY.value, ready))
@@ -104,37 +154,50 @@ class ClientIO:
             self.live.add(idx)
             if watch:  # attached clients may go away; local ones are watched by their parent
                 mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-                monitors[mon] = (idx, sock, [False])
+                monitors[mon] = (idx, sock, [False], time.monotonic() + ATTACH_CONNECT_TIMEOUT_S)
                 poller.register(mon, zmq.POLLIN)
             return ready
+
+        def drop(mon: zmq.Socket, why: str) -> None:
+            idx, dealer, _, _ = monitors.pop(mon)
+            logger.info("client %d %s; aborting its requests", idx, why)
+            poller.unregister(mon)
+            poller.unregister(dealer)
+            del by_sock[dealer]
+            dealer.disable_monitor()
+            mon.close(linger=0)
+            dealer.close(linger=0)
+            self.live.discard(idx)
+            self.outputs.put(("disconnect", idx, None))
+            self.inputs.put((CLIENT_GONE, idx))
 
         for input_addr, output_addr in self.static_clients:
             connect(input_addr, output_addr, watch=False)
         if self._handshake is not None:
             poller.register(self._handshake, zmq.POLLIN)
+            poller.register(self._handshake_monitor, zmq.POLLIN)
 
         while not self._stop.is_set():
+            now = time.monotonic()
+            for mon in [m for m, (_, _, connected, deadline) in monitors.items() if not connected[0] and now > deadline]:
+                drop(mon, "never connected")
             for sock, _ in poller.poll(200):
-                if sock is self._handshake:
-                    self._on_handshake(sock, enc, attach_dec, nonces, connect)
-                elif sock in monitors:
-                    idx, dealer, connected = monitors[sock]
-                    event = parse_monitor_message(sock.recv_multipart())["event"]
-                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                        connected[0] = True
-                    elif event == zmq.EVENT_DISCONNECTED and connected[0]:
-                        logger.info("client %d disconnected; aborting its requests", idx)
-                        poller.unregister(sock)
-                        poller.unregister(dealer)
-                        del monitors[sock], by_sock[dealer]
-                        dealer.disable_monitor()
-                        sock.close(linger=0)
-                        dealer.close(linger=0)
-                        self.live.discard(idx)
-                        self.outputs.put(("disconnect", idx, None))
-                        self.inputs.put((CLIENT_GONE, idx))
-                else:
-                    self._on_client_message(sock, by_sock[sock], decoders)
+                try:
+                    if sock is self._handshake:
+                        self._on_handshake(sock, enc, attach_dec, nonces, connect)
+                    elif sock is self._handshake_monitor:
+                        self.handshake_watch.note(parse_monitor_message(sock.recv_multipart())["event"])
+                    elif sock in monitors:
+                        connected = monitors[sock][2]
+                        event = parse_monitor_message(sock.recv_multipart())["event"]
+                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            connected[0] = True
+                        elif event == zmq.EVENT_DISCONNECTED and connected[0]:
+                            drop(sock, "disconnected")
+                    else:
+                        self._on_client_message(sock, by_sock[sock], decoders)
+                except Exception:  # noqa: BLE001  (one bad message or peer must not stop this thread)
+                    logger.exception("engine input: dropping a message that could not be handled")
 
     def _on_client_message(self, sock: zmq.Socket, idx: int, decoders: dict) -> None:
         frames = sock.recv_multipart(copy=False)
@@ -142,7 +205,7 @@ class ClientIO:
         try:
             msg = decoders[kind].decode(frames)
         except Exception as e:  # a malformed message fails alone
-            logger.warning("client %d: dropping a malformed %r message: %s", idx, kind, e)
+            logger.warning("client %d: dropping a malformed %r message: %s", idx, kind[:8], e)
             return
         if kind in (MsgType.ADD.value, MsgType.UTILITY.value):
             msg.client_index = idx
@@ -150,26 +213,37 @@ class ClientIO:
 
     def _on_handshake(self, sock, enc, attach_dec, nonces, connect) -> None:
         frames = sock.recv_multipart(copy=False)
-        identity, kind = bytes(frames[0].buffer), bytes(frames[1].buffer)
-        if kind == MsgType.HELLO.value:
-            nonce = secrets.token_bytes(32)
-            nonces[identity] = nonce
-            sock.send_multipart([identity, *enc.encode(MsgType.HELLO.value,
-                                                       Hello(nonce, self.auth_key is not None, self.ready.model))])
-            return
-        nonce = nonces.pop(identity, None)
+        identity = bytes(frames[0].buffer)
+        now = time.monotonic()
+        for expired in [i for i, (_, deadline) in nonces.items() if deadline < now]:
+            del nonces[expired]   # a HELLO that never came back (at most MAX_PENDING_HELLOS to look at)
         try:
+            kind = bytes(frames[1].buffer) if len(frames) > 1 else b""
+            if kind == MsgType.HELLO.value:
+                nonce = secrets.token_bytes(32)
+                nonces.pop(identity, None)
+                nonces[identity] = (nonce, now + HELLO_TTL_S)
+                while len(nonces) > MAX_PENDING_HELLOS:
+                    nonces.popitem(last=False)
+                sock.send_multipart([identity, *enc.encode(MsgType.HELLO.value, Hello(
+                    nonce, self.auth_key is not None, "", self.keys.public))])
+                return
+            nonce = nonces.pop(identity, (None, 0.0))[0]
             if kind != MsgType.ATTACH.value or nonce is None:
                 raise PermissionError("say HELLO first")
             req: AttachRequest = attach_dec.decode(frames[1:])
             if self.auth_key is not None and not hmac.compare_digest(
-                    req.auth_proof, auth_proof(self.auth_key, nonce)):
+                    req.auth_proof.encode(), auth_proof(self.auth_key, nonce).encode()):
                 raise PermissionError("wrong engine auth key")
-        except Exception as e:
+            for addr in (req.input_address, req.output_address):
+                check_attach_address(addr)
+                if addr.startswith("tcp://") and len(req.client_public_key) != 40:
+                    raise ValueError("tcp:// addresses need the client's CURVE public key (40 z85 bytes)")
+            ready = connect(req.input_address, req.output_address, True, req.client_public_key)
+        except Exception as e:  # noqa: BLE001  (a bad handshake fails alone)
             logger.warning("refused a client: %s", e)
-            sock.send_multipart([identity, *enc.encode(MsgType.REFUSED.value, str(e))])
+            sock.send_multipart([identity, *enc.encode(MsgType.REFUSED.value, str(e)[:500])])
             return
-        ready = connect(req.input_address, req.output_address, watch=True)
         sock.send_multipart([identity, *enc.encode(MsgType.READY.value, ready)])
 
     # ------------------------------------------------------------ output thread
@@ -183,7 +257,7 @@ class ClientIO:
                 break
             target, kind, msg = item
             if target == "connect":
-                socks[kind] = make_socket(self.ctx, zmq.PUSH, msg, bind=False, linger=2000)
+                socks[kind] = msg   # a PUSH socket the input thread connected
                 continue
             if target == "disconnect":
                 sock = socks.pop(kind, None)
@@ -193,6 +267,9 @@ class ClientIO:
             frames = enc.encode(kind, msg)
             for idx in (list(socks) if target < 0 else [target]):
                 if idx in socks:
-                    socks[idx].send_multipart(frames, copy=False)
+                    try:   # never blocks: the queues are unbounded, so Again means no pipe to that client
+                        socks[idx].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        logger.warning("client %d: output socket has no connection; message dropped", idx)
         for sock in socks.values():
             sock.close()

@@ -3,7 +3,7 @@
     input thread  -> queue -> main loop (schedule, execute, update) -> output thread
 
 The main loop blocks on the queue when there is nothing to run, so an idle
-engine uses no CPU. Sockets: the engine connects a DEALER to each client's
+engine uses no CPU but for a heartbeat to every client each HEARTBEAT_S. Sockets: the engine connects a DEALER to each client's
 input ROUTER (READY first, then it receives ADD/ABORT/UTILITY) and a PUSH to
 each client's output PULL.
 """
@@ -35,8 +35,11 @@ from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
+from ipc.validation import Limits, RequestError, validate_request
+from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0   # clients take an engine silent for several of these as stalled (docs/protocol.md)
 
 
 _WAKE = b"wake"   # an input that only wakes the busy loop
@@ -53,6 +56,7 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()))
+        self.limits = Limits.of(config)
         self.control = ControlState()
         self.max_in_flight = 2 if config.async_scheduling else 1
         # steps sent to the workers, oldest first, each with its output still to come
@@ -74,20 +78,12 @@ class EngineCore:
         return None
 
     def _validate(self, ecr: EngineCoreRequest) -> str | None:
-        n = len(ecr.prompt_token_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.config.max_model_len:
-            return (f"the prompt has {n} tokens, but --max-model-len is {self.config.max_model_len} "
-                    f"(and at least one token must be generated)")
-        vocab = self.config.vocab_size
-        if vocab and any(t < 0 or t >= vocab for t in ecr.prompt_token_ids):
-            return f"prompt token ids must be in [0, {vocab})"
+        """The same checks as the API server's (ipc/validation.py): attached clients are not trusted."""
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
         try:
-            ecr.sampling_params.validate(self.config.max_logprobs)
-        except ValueError as e:
+            validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids)
+        except RequestError as e:
             return str(e)
         return None
 
@@ -219,14 +215,10 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
-    # Worker methods that change state the engine tracks: only the engine may call them.
-    _ENGINE_ONLY_WORKER_METHODS = frozenset({"sleep", "wake_up", "initialize_cache", "determine_num_blocks",
-                                             "shutdown"})
-
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
-        if method in self._ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
+        if method in ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
             raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
@@ -277,6 +269,7 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------ main loop
 
     def run_busy_loop(self) -> None:
+        self._last_beat = 0.0
         while True:
             self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
             by_client = self.step() if self.has_work() else {}
@@ -292,6 +285,7 @@ class EngineCoreProc(EngineCore):
         control = (self.control.sleep_level, self.is_paused())
         if (not by_client and step == self._published_step and control == self._published_control
                 and not self.scheduler.has_timings()):
+            self._heartbeat()
             return  # nothing new (a sleep / pause change, or an abort's timing, is reported even without a step)
         self._published_step, self._published_control = step, control
         stats = self.scheduler.make_stats()
@@ -306,10 +300,22 @@ class EngineCoreProc(EngineCore):
             self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
                 by_client.get(ci, []), self.engine_index, now,
                 stats if ci == stats_client else None, None, timings.get(ci, [])))
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """Every client hears from the loop at least every HEARTBEAT_S, busy or idle, so an API server
+        can tell an engine that stopped stepping (SIGSTOP, a hung step) from an idle one (/health)."""
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_S:
+            return
+        if not self.io.healthy():
+            raise RuntimeError("a client I/O thread of the engine core died")
+        self._last_beat = now
+        self.io.send(-1, MsgType.OUTPUTS.value, EngineCoreOutputs([], self.engine_index, time.time()))
 
     def _drain_inputs(self, block: bool) -> None:
         try:
-            item = self.inputs.get(timeout=None) if block else self.inputs.get_nowait()
+            item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -49,20 +49,33 @@ class Executor:
         self.dec = Decoder(WorkerReply)
         self._call_ids = itertools.count(1)
         self.ring = BroadcastRing.create(self.world_size, ipc_dir)
+        self.rendezvous, self._store = self._serve_rendezvous(config)
         self.replies = []
         self.procs = []
         for rank in range(self.world_size):
             addr = ipc_address(ipc_dir, f"worker-reply-{rank}")
             self.replies.append(make_socket(self.ctx, zmq.PULL, addr, bind=True))
             self.procs.append(start_process(run_worker, f"loom-worker-{rank}",
-                                            (rank, config.to_dict(), self.ring.handle(), addr)))
+                                            (rank, rank, config.to_dict(), self.ring.handle(), addr,
+                                             self.rendezvous)))
         self.poller = zmq.Poller()
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
         self.ring.wait_until_ready(timeout=startup_timeout)
         deadline = time.monotonic() + startup_timeout
-        for rank in range(self.world_size):
-            self._recv_step(rank, deadline)  # "ready" once the model is loaded
+        ready: set[int] = set()
+        while len(ready) < self.world_size:  # "ready" from each rank once its model is loaded, any order
+            ready.add(self._recv_step(None, deadline).rank)
+
+    @staticmethod
+    def _serve_rendezvous(config: EngineConfig):
+        """The engine core picks where the ranks meet: a TCPStore it serves itself, on a free
+        port of 127.0.0.1 for one node (bound, so nothing can take it before the ranks come)."""
+        if config.tensor_parallel_size == 1:
+            return None, None
+        from workers.distributed import Rendezvous, serve_rendezvous
+        store = serve_rendezvous("127.0.0.1", 0)
+        return Rendezvous("127.0.0.1", store.port, config.tensor_parallel_size), store
 
     # ------------------------------------------------------------ liveness
 
@@ -91,15 +104,16 @@ class Executor:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("no reply from the workers in time")
 
-    def _recv_step(self, rank: int, deadline: float | None = None) -> WorkerReply:
-        """The next step-level reply of `rank`. A step error is fatal; stale call replies are dropped."""
+    def _recv_step(self, rank: int | None, deadline: float | None = None) -> WorkerReply:
+        """The next step-level reply of `rank` (None: of any rank). A step error of any rank is
+        fatal; stale call replies are dropped."""
         while True:
             reply = self._recv_any(deadline)
             if reply.call_id:
                 continue  # the late answer of a call that timed out
             if reply.error is not None:
                 raise WorkerError(f"worker {reply.rank}: {reply.error}")
-            if reply.rank == rank:
+            if rank is None or reply.rank == rank:
                 return reply
 
     def submit(self, so: SchedulerOutput) -> PendingOutput:

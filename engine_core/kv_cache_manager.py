@@ -10,9 +10,9 @@ from engine_core.block_pool import BlockPool, KVBlock
 from engine_core.request import Request
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
     """A full block's hash chains its parent's, so equal hashes mean equal prefixes."""
-    payload = msgspec.msgpack.encode((parent or b"", token_ids, list(extra_keys)))
+    payload = msgspec.msgpack.encode((parent or b"", token_ids))
     return hashlib.sha256(payload).digest()
 
 
@@ -45,8 +45,9 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
-        """The longest cached prefix, leaving at least the last token to compute."""
-        if not self.enable_caching:
+        """The longest cached prefix, leaving at least the last token to compute. None for a request
+        that wants prompt logprobs: those are computed only for the prompt tokens it runs."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

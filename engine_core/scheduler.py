@@ -14,8 +14,8 @@ from ipc.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.structured_output import StructuredOutputManager
-from ipc.messages import (CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
-                          NewRequestData, RequestTiming, SchedulerOutput, SchedulerStats)
+from ipc.messages import (CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput, NewRequestData,
+                          PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
 class Scheduler:
@@ -193,6 +193,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.prompt_logprobs_seen = 0      # recomputed from the start: those sent already are not sent again
         self.waiting.appendleft(req)
         self.finished_req_ids.append(req.request_id)  # workers drop its state; it comes back as new
 
@@ -217,11 +218,19 @@ class Scheduler:
         self._unfittable = []
         logprobs = out.logprobs or {}
         prompt_logprobs = out.prompt_logprobs or {}
+        failed = out.failed or {}
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            plp = prompt_logprobs.get(rid)
+            if rid in failed:  # it failed alone in the worker: end it with its error
+                req.num_output_placeholders = 0
+                self.running.remove(req)
+                self._free(req, RequestStatus.FINISHED_ERROR)
+                outputs.setdefault(req.client_index, []).append(
+                    EngineCoreOutput(rid, [], "error", error=f"the request failed in the worker: {failed[rid]}"))
+                continue
+            plp = self._new_prompt_logprobs(req, prompt_logprobs.get(rid))
             if token < 0:
                 if plp is not None:
                     outputs.setdefault(req.client_index, []).append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
@@ -244,6 +253,21 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, status)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, plp: PromptLogprobs | None) -> PromptLogprobs | None:
+        """The part of a chunk's prompt logprobs not sent before (a preempted request recomputes)."""
+        if plp is None:
+            return None
+        skip = req.prompt_logprobs_sent - req.prompt_logprobs_seen
+        req.prompt_logprobs_seen += len(plp.ranks)
+        if skip <= 0:
+            req.prompt_logprobs_sent = req.prompt_logprobs_seen
+            return plp
+        if skip >= len(plp.ranks):
+            return None
+        req.prompt_logprobs_sent = req.prompt_logprobs_seen
+        return PromptLogprobs(plp.token_ids[skip:], plp.logprobs[skip:], plp.ranks[skip:])
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         n_out = len(req.output_token_ids)

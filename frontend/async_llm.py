@@ -15,7 +15,7 @@ from engine_core.client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import check_prompt, engine_requests, load_tokenizer
+from frontend.processing import engine_requests, load_tokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
@@ -51,6 +51,7 @@ class _Collector:
             return False
         delta, abort = st.process(out)
         if delta is not None:
+            self.metrics[rid].num_cached_tokens = st.num_cached_tokens
             self.metrics[rid].on_output(now, len(delta.token_ids), delta.finish_reason)
             if delta.finish_reason is not None:
                 self.unfinished.discard(rid)
@@ -144,10 +145,11 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
+        """The caller has validated the request (ipc/validation.py; the API server does, before it
+        answers); the engine checks it again and fails a bad one alone (a ValueError here)."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         arrival = time.monotonic()
-        check_prompt(self.config, prompt_token_ids, params)
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
         states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
                                                self.tokenizer) for i, ecr in enumerate(ecrs)}
@@ -170,6 +172,9 @@ class AsyncLLM:
                 self._requests.pop(rid, None)
             for rid in req.unfinished:
                 rms[rid].finish("error" if self.is_dead else "abort")
+            if self.stat_logger is not None and any(rm.finish_reason != "error" or rm.num_generation_tokens
+                                                    for rm in rms.values()):
+                self.stat_logger.record_request_done(max(rm.num_generation_tokens for rm in rms.values()))
             if req.unfinished and not self.is_dead:
                 await self.client.abort(list(req.unfinished))
 
@@ -196,5 +201,7 @@ def _merge(deltas: list) -> list:
         m.token_ids = m.token_ids + d.token_ids
         if d.logprobs is not None:
             m.logprobs = (m.logprobs or []) + d.logprobs
+        if m.prompt_logprobs is None:
+            m.prompt_logprobs = d.prompt_logprobs
         m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
     return list(merged.values())

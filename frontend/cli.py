@@ -18,14 +18,14 @@ def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset(
     for f in dataclasses.fields(EngineConfig):
         if f.name in _INTERNAL or f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = (defaults or {}).get(f.name, f.default)
         help_text = f.metadata.get("help", "") + " (default: %(default)s)"
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
+            p.add_argument(*flags, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -45,6 +45,18 @@ def _serve_parser(sub) -> None:
     p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
     p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
     p.add_argument("--engine-auth-key", default=None)
+    p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest HTTP request body accepted; a larger one gets a 413 (default: %(default)s = 8 MiB)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow requests to supply their own chat template (chat_template, or "
+                        "chat_template_kwargs.chat_template); refused with a 400 otherwise")
+    p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="how message content parts reach the chat template: joined into one string, or as "
+                        "OpenAI's list of parts; auto: detected from the template (default: %(default)s)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
     p.add_argument("--enable-mfu-metrics", action="store_true",
                    help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; metrics/mfu.py)")
     add_engine_args(p)

@@ -56,6 +56,9 @@ def serve(args: argparse.Namespace) -> int:
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
         return 2
+    if args.max_request_body_bytes < 1:
+        print("loom serve: --max-request-body-bytes must be at least 1", file=sys.stderr)
+        return 2
     if args.headless and not args.engine_address:
         print("loom serve: --headless needs --engine-address tcp://HOST:PORT to listen on", file=sys.stderr)
         return 2
@@ -91,7 +94,12 @@ def serve(args: argparse.Namespace) -> int:
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
                        "enable_control_endpoints": args.enable_control_endpoints,
                        "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
-                       "enable_mfu_metrics": args.enable_mfu_metrics}
+                       "enable_mfu_metrics": args.enable_mfu_metrics,
+                       "max_request_body_bytes": args.max_request_body_bytes,
+                       "trust_request_chat_template": args.trust_request_chat_template,
+                       "chat_template_content_format": args.chat_template_content_format,
+                       "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+                       "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
                                  (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))

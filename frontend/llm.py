@@ -14,10 +14,11 @@ from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import check_prompt, engine_requests, load_tokenizer, new_request_id, to_token_ids
+from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
+from ipc.validation import Limits, validate_request
 
 
 class LLM:
@@ -66,7 +67,7 @@ class LLM:
         checked = []
         for prompt, params in zip(prompts, params_list):  # check all before sending any
             text, ids = to_token_ids(self.tokenizer, prompt)
-            check_prompt(self.config, ids, params)
+            validate_request(ids, params, Limits.of(self.config))
             checked.append((text, ids, params))
         now, ids_out = time.time(), []
         for text, ids, params in checked:

@@ -14,7 +14,8 @@ class RequestState:
     """One engine request (one choice of a user request)."""
 
     __slots__ = ("engine_id", "index", "params", "tokenizer", "detok", "token_ids",
-                 "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp")
+                 "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp",
+                 "_prompt_lp_sent")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer):
@@ -29,6 +30,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self._new_lp: list | None = None
+        self._prompt_lp_sent = False
 
     def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
         """Returns (delta or None, abort_in_engine). abort_in_engine: a stop string ended it here."""
@@ -38,11 +40,18 @@ class RequestState:
         new_ids = []
         lp_entries = self._convert(out.logprobs) if out.logprobs is not None else None
         new_lp = [] if self.params.logprobs is not None else None
+        # A stop token (EOS, stop_token_ids) ends the output but is not part of its text unless
+        # include_stop_str_in_output (vLLM's detokenizer does the same).
+        drop_last = (out.finish_reason == "stop" and out.error is None and bool(out.new_token_ids)
+                     and not self.params.include_stop_str_in_output)
+        last = len(out.new_token_ids) - 1
         for j, tok in enumerate(out.new_token_ids):
             self.token_ids.append(tok)
             new_ids.append(tok)
             if new_lp is not None and lp_entries:
                 new_lp.append(lp_entries[j])
+            if drop_last and j == last:
+                break
             stop = self.detok.add(tok)
             if stop is not None:
                 self.finish_reason, self.stop_reason = "stop", stop
@@ -58,7 +67,11 @@ class RequestState:
         text = self.detok.take_delta(finished)
         if not new_ids and not text and not finished:
             return None, abort
-        return CompletionOutput(self.index, text, new_ids, self.finish_reason, self.stop_reason, new_lp), abort
+        delta = CompletionOutput(self.index, text, new_ids, self.finish_reason, self.stop_reason, new_lp)
+        if self.prompt_logprobs is not None and not self._prompt_lp_sent:
+            self._prompt_lp_sent = True   # complete by now: every prompt chunk precedes the first token
+            delta.prompt_logprobs = self.prompt_logprobs
+        return delta, abort
 
     def _convert(self, lp: Logprobs | PromptLogprobs) -> list[dict[int, Logprob]]:
         decode = self.tokenizer.decode

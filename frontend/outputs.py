@@ -24,6 +24,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # the prompt's logprobs (entry 0 is None), on the first delta of a choice that asked for them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
 """Input processing shared by LLM and AsyncLLM: tokenizer loading, prompts to
-token ids, checks against the engine's limits, and fan-out of n > 1."""
+token ids, and fan-out of n > 1 (the checks are ipc/validation.py's)."""
 from __future__ import annotations
 
 import uuid
@@ -7,7 +7,7 @@ import uuid
 from transformers import AutoTokenizer
 
 from ipc.config import EngineConfig
-from frontend.errors import RequestError
+from ipc.validation import RequestError
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
@@ -27,28 +27,6 @@ def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
-
-
-def check_prompt(config: EngineConfig, token_ids: list[int], params: SamplingParams) -> None:
-    """Reject what the engine would reject, with a message a user can act on."""
-    n = len(token_ids)
-    if n == 0:
-        raise RequestError("the prompt is empty", "prompt")
-    if config.vocab_size and any(not 0 <= t < config.vocab_size for t in token_ids):
-        raise RequestError(f"prompt token ids must be in [0, {config.vocab_size})", "prompt")
-    if n >= config.max_model_len:
-        raise RequestError(f"This model's maximum context length is {config.max_model_len} tokens. "
-                           f"However, your prompt has {n} tokens (at least one more must be generated).",
-                           "prompt")
-    if params.max_tokens is not None and n + params.max_tokens > config.max_model_len:
-        raise RequestError(f"This model's maximum context length is {config.max_model_len} tokens. "
-                           f"However, you requested {n + params.max_tokens} tokens ({n} in the prompt, "
-                           f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                           "max_tokens")
-    try:
-        params.validate(config.max_logprobs)
-    except ValueError as e:
-        raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
 
 def engine_requests(request_id: str, token_ids: list[int], params: SamplingParams,

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
+from ipc.validation import Limits, RequestError, check_sampling_params
 
 # ------------------------------------------------------------------ errors
 
@@ -62,7 +63,7 @@ def model_not_found(name: str) -> APIError:
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None   # accepted, ignored
+    continuous_usage_stats: bool | None = None   # usage on every chunk (with include_usage), as vLLM
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -89,6 +90,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     best_of: int | None = None
     user: str | None = None
+    # vLLM's extras
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    echo: bool | None = None
+    # structured outputs (frontend/constraints.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
     guided_json: Any = None                           # vLLM's older names for the same
@@ -100,7 +108,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: Any = msgspec.UNSET           # str | list[int] | list[str] | list[list[int]]; checked by hand
     logprobs: int | None = None
-    echo: bool | None = None
     suffix: str | None = None
     add_special_tokens: bool | None = None
 
@@ -115,6 +122,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
 
@@ -126,6 +134,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
@@ -154,6 +163,10 @@ def parse_request(body: bytes, cls: type[msgspec.Struct]):
         raise APIError(msg, 400, param) from None
     except msgspec.DecodeError as e:
         raise APIError(f"Invalid JSON in the request body: {e}", 400) from None
+    except RecursionError:
+        raise APIError("The request body is nested too deeply.", 400) from None
+    except UnicodeDecodeError as e:
+        raise APIError(f"The request body is not valid UTF-8: {e.reason} at byte {e.start}", 400) from None
     for name in req.__struct_fields__:
         if getattr(req, name) is msgspec.UNSET:
             raise APIError(f"'{name}' is a required field", 400, name)
@@ -190,8 +203,10 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def normalize_messages(messages: Any) -> list[dict]:
-    """Chat messages with content as a string (text parts joined with newlines)."""
+def normalize_messages(messages: Any, content_format: str = "string") -> list[dict]:
+    """Chat messages as the template gets them. Text content parts are handed over as parts
+    ([{"type": "text", "text": ...}]) when the template iterates over them ("openai"), else
+    joined with newlines ("string"): vLLM's chat_template_content_format."""
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of messages", 400, "messages")
     out = []
@@ -216,7 +231,7 @@ def normalize_messages(messages: Any) -> list[dict]:
                 if not isinstance(text, str):
                     raise APIError(f"messages[{i}].content: a text part needs a string 'text'", 400, "messages")
                 texts.append(text)
-            content = "\n".join(texts)
+            content = [{"type": "text", "text": t} for t in texts] if content_format == "openai" else "\n".join(texts)
         elif content is None:
             if role != "assistant":
                 raise APIError(f"messages[{i}].content is required for role {role!r}", 400, "messages")
@@ -264,17 +279,62 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _param_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0]
-    return word if word.isidentifier() else None
+def message_text(message: dict) -> str:
+    """A normalized message's content as one string (parts joined with newlines)."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
-def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int = 20,
-                          vocab_size: int = 0, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+def detect_content_format(template: str | None) -> str:
+    """vLLM's "auto" chat_template_content_format: "openai" when the template loops over a message's
+    content (it expects a list of parts), else "string"."""
+    if not template:
+        return "string"
+    import jinja2
+    from jinja2 import nodes
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+
+    def is_content(node) -> bool:
+        return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+                or (isinstance(node, nodes.Getattr) and node.attr == "content"))
+    aliases = {t.target.name for t in ast.find_all(nodes.Assign)
+               if isinstance(t.target, nodes.Name) and is_content(t.node)}
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        if isinstance(it, nodes.Filter):   # e.g. message['content'] | selectattr(...)
+            it = it.node
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return "openai"
+    return "string"
+
+
+def check_stream_options(req: _SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
+
+
+def check_request_chat_template(req, trusted: bool) -> None:
+    """A chat template from the request runs server-side Jinja: only with --trust-request-chat-template
+    (vLLM's flag; advisory GHSA-6fvq-23cw-5628)."""
+    if trusted:
+        return
+    if req.chat_template is not None or (req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs):
+        raise APIError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.", 400, "chat_template")
+
+
+def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
+                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields -> validated SamplingParams (APIError 400 naming the param on failure)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     logprobs: int | None
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is not None and req.stream:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
     if chat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -287,6 +347,11 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
         logprobs = req.logprobs
         if req.suffix:
             raise APIError("suffix is not supported", 400, "suffix")
+        if req.echo:
+            if prompt_logprobs is None:
+                prompt_logprobs = logprobs      # the echoed prompt carries its logprobs (vLLM)
+            if max_tokens == 0:
+                max_tokens = 1                  # echo alone: score the prompt; the one token is dropped
     logit_bias = None
     if req.logit_bias:
         logit_bias = {}
@@ -295,17 +360,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
                 tok = int(k)
             except ValueError:
                 raise APIError(f"logit_bias keys must be token ids, got {k!r}", 400, "logit_bias") from None
-            if tok < 0 or (vocab_size and tok >= vocab_size):
-                raise APIError(f"logit_bias token id {tok} is out of the vocabulary [0, {vocab_size})", 400,
-                               "logit_bias")
             logit_bias[tok] = v
-    if req.stop_token_ids and vocab_size:
-        for t in req.stop_token_ids:
-            if not 0 <= t < vocab_size:
-                raise APIError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab_size})", 400,
-                               "stop_token_ids")
-    if req.top_k is not None and req.top_k < -1:
-        raise APIError(f"top_k must be -1 (disabled) or at least 1, got {req.top_k}", 400, "top_k")
     stop = req.stop
     if stop is None:
         stop = []
@@ -319,12 +374,11 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
     params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
-                            structured_outputs=structured, **kw)
+                            prompt_logprobs=prompt_logprobs, structured_outputs=structured, **kw)
     try:
-        params.validate(max_logprobs=max_logprobs)
-    except ValueError as e:
-        msg = str(e)
-        param = _param_of(msg)
+        check_sampling_params(params, limits)
+    except RequestError as e:
+        msg, param = str(e), e.param
         if param == "max_tokens":
             param = max_tokens_param
             msg = param + msg[len("max_tokens"):]
@@ -335,8 +389,26 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, max_logprobs: int
     return params
 
 
-def stream_include_usage(req: _SamplingFields) -> bool:
-    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk): vLLM's include_usage / continuous_usage_stats."""
+    opts = req.stream_options
+    include = bool(req.stream and opts is not None and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len)."""
+    n = truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n < 0:
+        raise APIError(f"truncate_prompt_tokens must be -1 or non-negative, got {n}", 400, "truncate_prompt_tokens")
+    if n > max_model_len:
+        raise APIError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+                       "Please select a smaller truncation size.", 400, "truncate_prompt_tokens")
+    return ids[len(ids) - n:] if n else []
 
 
 # ------------------------------------------------------------------ tokenizer side (run off the event loop)
@@ -355,10 +427,11 @@ def encode_prompts(tokenizer, prompts: list[str | list[int]], add_special_tokens
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
-                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False
-                ) -> tuple[str, list[int]]:
-    """Apply the chat template; returns (prompt text, token ids)."""
-    if getattr(tokenizer, "chat_template", None) is None:
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                chat_template: str | None = None) -> tuple[str, list[int]]:
+    """Apply the chat template (the model's, or `chat_template` when the server trusts the
+    request's); returns (prompt text, token ids)."""
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise APIError("This model has no chat template; use /v1/completions instead.", 400, "messages")
     if add_generation_prompt and continue_final_message:
         raise APIError("add_generation_prompt and continue_final_message cannot both be true", 400,
@@ -368,6 +441,8 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         kwargs.pop(reserved, None)
     if tools:
         kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
@@ -391,9 +466,10 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """cached_tokens: with --enable-prompt-tokens-details (None: no prompt_tokens_details)."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens:
+    if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return u
 
@@ -403,8 +479,9 @@ def _lp(x: float) -> float:
     return max(float(x), -9999.0) if x == x else -9999.0
 
 
-def _tok_str(lp, tid: int) -> str:
-    s = getattr(lp, "decoded_token", None)
+def _tok_str(lp, tid: int, as_ids: bool = False) -> str:
+    """A token as logprobs show it: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+    s = None if as_ids else getattr(lp, "decoded_token", None)
     return s if s is not None else f"token_id:{tid}"
 
 
@@ -414,15 +491,25 @@ def _ranked(entry: dict) -> list:
     return sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], num_top: int, text_offset: int = 0
-                        ) -> tuple[dict, int]:
-    """Completions logprobs for some generated tokens -> (OpenAI dict, next text offset).
+def completion_logprobs(token_ids: list[int], entries: list, num_top: int, text_offset: int = 0,
+                        as_ids: bool = False, decode=None) -> tuple[dict, int]:
+    """Completions logprobs for some tokens -> (OpenAI dict, next text offset).
 
-    top_logprobs holds the top `num_top` tokens plus the sampled one (num_top=0: the sampled one alone)."""
+    top_logprobs holds the top `num_top` tokens plus the sampled one (num_top=0: the sampled one
+    alone). An entry of None (the first prompt token when echoing) gives the token with a null
+    logprob and null top_logprobs, as in vLLM and OpenAI; `decode(id)` names its token."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            s = f"token_id:{tid}" if as_ids or decode is None else decode(tid)
+            tokens.append(s)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(text_offset)
+            text_offset += len(s)
+            continue
         sampled = entry.get(tid)
-        s = _tok_str(sampled, tid) if sampled is not None else f"token_id:{tid}"
+        s = _tok_str(sampled, tid, as_ids)
         tokens.append(s)
         token_lps.append(_lp(sampled.logprob) if sampled is not None else None)
         top: dict[str, float] = {}
@@ -431,11 +518,20 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], num_top: int,
         for other, lp in _ranked(entry):
             if other == tid or lp.rank is None or lp.rank > num_top:
                 continue
-            top.setdefault(_tok_str(lp, other), _lp(lp.logprob))
+            top.setdefault(_tok_str(lp, other, as_ids), _lp(lp.logprob))
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, text_offset
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(tid): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+            for e in entries]
 
 
 def merge_completion_logprobs(parts: list[dict]) -> dict:
@@ -450,28 +546,28 @@ def _chat_tok(s: str, lp: float) -> dict:
     return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8", errors="replace"))}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict], num_top: int) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict], num_top: int, as_ids: bool = False) -> dict:
     """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [top num_top by rank]}]}."""
     content = []
     for tid, entry in zip(token_ids, entries):
         sampled = entry.get(tid)
-        item = _chat_tok(_tok_str(sampled, tid) if sampled is not None else f"token_id:{tid}",
-                         sampled.logprob if sampled is not None else float("-inf"))
+        item = _chat_tok(_tok_str(sampled, tid, as_ids), sampled.logprob if sampled is not None else float("-inf"))
         tops = []
         if num_top:
             for other, lp in _ranked(entry):
                 if lp.rank is None or lp.rank > num_top or len(tops) >= num_top:
                     continue
-                tops.append(_chat_tok(_tok_str(lp, other), lp.logprob))
+                tops.append(_chat_tok(_tok_str(lp, other, as_ids), lp.logprob))
         item["top_logprobs"] = tops
         content.append(item)
     return {"content": content}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
-                      logprobs: dict | None = None) -> dict:
+                      logprobs: dict | None = None, **vllm_fields) -> dict:
+    """vllm_fields: vLLM's extras (prompt_logprobs, prompt_token_ids, token_ids), null when not asked for."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+            "stop_reason": stop_reason, **vllm_fields}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
@@ -488,29 +584,33 @@ def completion_chunk(rid: str, created: int, model: str, choices: list[dict], us
 
 
 def chat_choice(index: int, message: str | dict, finish_reason: str | None, stop_reason=None,
-                logprobs: dict | None = None) -> dict:
-    """`message`: the assistant message (frontend/chat_output.py), or just its text."""
+                logprobs: dict | None = None, role: str = "assistant", **vllm_fields) -> dict:
+    """`message`: the assistant message (frontend/chat_output.py), or just its text. vllm_fields:
+    token_ids (return_token_ids)."""
     if isinstance(message, str):
-        message = {"role": "assistant", "content": message}
+        message = {"role": role, "content": message}
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason, **vllm_fields}
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+def chat_response(rid: str, created: int, model: str, choices: list[dict], usage_: dict, **vllm_fields) -> dict:
+    """vllm_fields: prompt_logprobs, prompt_token_ids (response-level in vLLM's chat)."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, **vllm_fields}
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None, stop_reason=None,
-                      logprobs: dict | None = None) -> dict:
-    d = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                      logprobs: dict | None = None, **vllm_fields) -> dict:
+    d = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **vllm_fields}
     if finish_reason is not None:
         d["stop_reason"] = stop_reason
     return d
 
 
-def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
-    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None,
+               **vllm_fields) -> dict:
+    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+         **vllm_fields}
     if usage_ is not None:
         d["usage"] = usage_
     return d

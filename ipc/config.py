@@ -12,12 +12,14 @@ class ConfigError(ValueError):
     """A configuration that can never work; reported at start-up."""
 
 
-def option(default, help: str, choices: tuple | None = None):
-    """An EngineConfig field that is also a `loom serve` flag: its help (and choices) live here,
-    beside the default, so the CLI, `LLM(...)` and the bench commands describe it the same way."""
+def option(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
+    """An EngineConfig field that is also a `loom serve` flag: its help (and choices, and short
+    aliases such as -tp) live here, beside the default, so the CLI, `LLM(...)` and the bench
+    commands describe it the same way."""
+    meta = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "choices": choices})
-    return field(default=default, metadata={"help": help, "choices": choices})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -44,7 +46,18 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto: Triton on GPU, torch on CPU", ("auto", "torch", "triton"))
     async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
                                     "--no-async-scheduling turns it off)")
-    tensor_parallel_size: int = option(1, "GPUs (worker processes) one model is split over")
+    tensor_parallel_size: int = option(1, "GPUs (worker processes, one per GPU) one model is split over; "
+                                       "on CPU, processes (gloo)", aliases=("-tp",))
+    distributed_executor_backend: str = option("mp", "how the workers run: mp = one local process per "
+                                               "rank (the only backend)", ("mp",))
+    nnodes: int = option(1, "nodes the tensor-parallel ranks span (each runs tensor_parallel_size / "
+                         "nnodes workers)")
+    node_rank: int = option(0, "this node's rank: 0 runs the engine and API servers, the others run "
+                            "`loom serve MODEL --headless` with their workers")
+    master_addr: str = option("127.0.0.1", "address of node 0, where the ranks meet (torch.distributed "
+                              "TCP rendezvous and the step broadcast); with --nnodes > 1")
+    master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
+                              "next port); with --nnodes > 1 (one node picks a free port)")
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
     reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
@@ -95,6 +108,7 @@ class EngineConfig:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self.check()
+        check_tensor_parallel(self, text_cfg)
         return self
 
     def check(self) -> None:
@@ -117,8 +131,16 @@ class EngineConfig:
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size > 1 is not supported yet")
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")
+        if self.distributed_executor_backend != "mp":
+            raise ConfigError(f"--distributed-executor-backend must be mp (the only backend), "
+                              f"got {self.distributed_executor_backend!r}")
+        if nodes < 1 or tp % nodes:
+            raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
+        if not 0 <= self.node_rank < nodes:
+            raise ConfigError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""
@@ -129,6 +151,36 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
+    """The model must split over the ranks, and this node must have a GPU per local rank."""
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return
+    heads = int(hf_cfg.get("num_attention_heads") or 0)
+    kv_heads = int(hf_cfg.get("num_key_value_heads") or heads)
+    inter = int(hf_cfg.get("intermediate_size") or 0)
+    if heads % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention heads")
+    if kv_heads >= tp and kv_heads % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {kv_heads} KV heads")
+    if kv_heads < tp and tp % kv_heads:
+        raise ConfigError(f"the model's {kv_heads} KV heads cannot be replicated evenly over "
+                          f"--tensor-parallel-size {tp} ranks (it must be a multiple of {kv_heads})")
+    if inter % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's intermediate size {inter}")
+    if config.device == "cpu":
+        return
+    import torch
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = tp // config.nnodes
+    if config.device == "auto" and have == 0:
+        return  # the CPU: one gloo process per rank
+    if have < need:
+        where = "this node" if config.nnodes > 1 else "this machine"
+        raise ConfigError(f"--tensor-parallel-size {tp} needs {need} GPUs on {where}, but only {have} "
+                          f"{'is' if have == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
 
 
 def attention_window(hf_cfg: dict) -> int | None:

@@ -132,7 +132,8 @@ class Hello(_Msg):
     """The engine's answer to a client knocking on the handshake socket."""
     nonce: bytes                   # sign with HMAC-SHA256(auth key, nonce) when a key is required
     auth_required: bool
-    model: str = ""
+    model: str = ""                # no longer sent (always ""): nothing is revealed before ATTACH
+    engine_public_key: bytes = b""  # z85 CURVE key the engine's sockets use towards attached clients
 
 
 class AttachRequest(_Msg):
@@ -140,6 +141,7 @@ class AttachRequest(_Msg):
     input_address: str
     output_address: str
     auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce); empty when no key is required
+    client_public_key: bytes = b""  # z85 CURVE server key of the client's tcp:// sockets (required for tcp://)
 
 
 # ---------------------------------------------------------------- engine <-> workers
@@ -188,6 +190,7 @@ class ModelRunnerOutput(_Msg):
     sampled_token_ids: list[int]          # -1 where a partial prefill sampled nothing
     logprobs: dict[str, Logprobs] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
 
 
 class WorkerCall(_Msg):

@@ -1,7 +1,7 @@
 """SamplingParams: how one request is sampled and when it stops.
 
-A msgspec Struct, so it travels inside the ADD message as-is. `validate()`
-raises ValueError naming the offending parameter; the API turns that into 400.
+A msgspec Struct, so it travels inside the ADD message as-is. Its ranges are
+checked by ipc/validation.py, at the API server and again at the engine core.
 """
 from __future__ import annotations
 
@@ -70,43 +70,3 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    def validate(self, max_logprobs: int = 20) -> None:
-        def bad(name: str, why: str):
-            raise ValueError(f"{name} {why}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be at least 1, got {self.n}")
-        if self.n > 128:
-            bad("n", f"must be at most 128, got {self.n}")
-        if self.temperature < 0:
-            bad("temperature", f"must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= max_logprobs:
-                bad(name, f"must be in [0, {max_logprobs}], got {value}")
-        if self.logit_bias:
-            for tok, bias in self.logit_bias.items():
-                if not -100 <= bias <= 100:
-                    bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
-        if any(not s for s in self.stop):
-            bad("stop", "must not contain empty strings")
-        if self.structured_outputs is not None:
-            self.structured_outputs.kind()

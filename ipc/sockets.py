@@ -24,7 +24,10 @@ def ipc_address(ipc_dir: str, name: str) -> str:
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
-                identity: bytes | None = None, linger: int = 0) -> zmq.Socket:
+                identity: bytes | None = None, linger: int = 0, auth=None,
+                max_msg_size: int | None = None) -> zmq.Socket:
+    """`auth`: an ipc/auth.py CurveServer / CurveClient, applied before bind / connect.
+    A bad address raises zmq.ZMQError and leaves no socket behind."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger)
     # Unbounded queues: backpressure is the scheduler's job, and dropping a message is a bug.
@@ -32,10 +35,18 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
     sock.setsockopt(zmq.RCVHWM, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    if max_msg_size is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+    if auth is not None:
+        auth.apply(sock)
+    try:
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock
 
 

@@ -20,7 +20,7 @@ import time
 
 
 class RequestMetrics:
-    __slots__ = ("sink", "num_prompt_tokens", "max_tokens", "n", "is_first_choice", "arrival_time",
+    __slots__ = ("sink", "num_prompt_tokens", "num_cached_tokens", "max_tokens", "n", "is_first_choice", "arrival_time",
                  "first_token_time", "last_token_time", "num_generation_tokens", "prompt_counted",
                  "finish_reason", "finish_time")
 
@@ -28,6 +28,7 @@ class RequestMetrics:
                  is_first_choice: bool = True):
         self.sink = sink
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0           # prefix-cache hits, as the engine reports them
         self.max_tokens: int | None = getattr(params, "max_tokens", None)
         self.n: int = getattr(params, "n", 1) or 1
         self.is_first_choice = is_first_choice   # the one that reports the user request's n / max_tokens
@@ -77,7 +78,7 @@ class RequestMetrics:
         if not self.prompt_counted:
             self.prompt_counted = True
             if self.sink is not None:
-                self.sink.record_prompt_tokens(self.num_prompt_tokens)
+                self.sink.record_prompt_tokens(self.num_prompt_tokens, self.num_cached_tokens)
 
     # ------------------------------------------------------------ derived
 

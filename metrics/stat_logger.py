@@ -39,6 +39,8 @@ logger = logging.getLogger("loom.metrics")
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit")   # vLLM's external_kv_transfer: no KV connector here
+WAITING_REASONS = ("capacity", "deferred")                # Loom never defers: every waiting request waits for room
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")   # sleep level 0, 1, 2
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -103,6 +105,8 @@ class PrometheusStatLogger:
             # gauges: the engine's state at its latest step
             running=b.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", L),
             waiting=b.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", L),
+            waiting_by_reason=b.gauge("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by the "
+                                      "reason they wait.", L + ("reason",)),
             kv_usage=b.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L),
             sleep=b.gauge("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; "
                           "awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; "
@@ -115,6 +119,10 @@ class PrometheusStatLogger:
             preemptions=b.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", L),
             prompt_tokens=b.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L),
             generation_tokens=b.counter("vllm:generation_tokens", "Number of generation tokens processed.", L),
+            prompt_by_source=b.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                       L + ("source",)),
+            prompt_cached=b.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                                    L),
             success=b.counter("vllm:request_success", "Count of successfully processed requests.",
                               L + ("finished_reason",)),
             # histograms
@@ -126,6 +134,10 @@ class PrometheusStatLogger:
                                        L, tok),
             max_tokens=b.histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
                                    L, tok),
+            max_generation=b.histogram("vllm:request_max_num_generation_tokens",
+                                       "Histogram of maximum number of requested generation tokens.", L, tok),
+            kv_computed=b.histogram("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed "
+                                    "during prefill (excluding cached tokens).", L, tok),
             n=b.histogram("vllm:request_params_n", "Histogram of the n request parameter.", L, N_BUCKETS),
             ttft=b.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", L,
                              TTFT_BUCKETS),
@@ -156,6 +168,7 @@ class PrometheusStatLogger:
         self._engines: dict[str, SimpleNamespace] = {}
         # per-token records, written by flush() once per engine step
         self._prompt_tokens = 0
+        self._cached_prompt_tokens = 0
         self._generation_tokens = 0
         self._ttfts: list[float] = []
         self._itls: list[float] = []
@@ -179,10 +192,13 @@ class PrometheusStatLogger:
         if e is not None:
             return e
         d, lv = self._defs, (self.model_name, engine)
-        e = SimpleNamespace(**{k: m.labels(*lv) for k, m in vars(d).items() if k not in ("sleep", "success")})
+        labelled = ("sleep", "success", "waiting_by_reason", "prompt_by_source")
+        e = SimpleNamespace(**{k: m.labels(*lv) for k, m in vars(d).items() if k not in labelled})
         e.sleep = {s: d.sleep.labels(*lv, s) for s in SLEEP_STATES}
         e.success = {r: d.success.labels(*lv, r) for r in FINISH_REASONS}
-        for g in (e.running, e.waiting, e.kv_usage):
+        e.waiting_by_reason = {r: d.waiting_by_reason.labels(*lv, r) for r in WAITING_REASONS}
+        e.prompt_by_source = {r: d.prompt_by_source.labels(*lv, r) for r in PROMPT_SOURCES}
+        for g in (e.running, e.waiting, e.kv_usage, *e.waiting_by_reason.values()):
             _set_at(g, 0, _FIRST)
         for s, g in e.sleep.items():
             _set_at(g, s == "awake", _FIRST)
@@ -204,6 +220,7 @@ class PrometheusStatLogger:
             ts = outs.timestamp or time.time()
             _set_at(e.running, s.num_running, ts)
             _set_at(e.waiting, s.num_waiting, ts)
+            _set_at(e.waiting_by_reason["capacity"], s.num_waiting, ts)
             _set_at(e.kv_usage, s.kv_cache_usage, ts)
             level = min(max(s.sleep_level, 0), 2)
             for i, state in enumerate(SLEEP_STATES):
@@ -227,8 +244,9 @@ class PrometheusStatLogger:
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
 
-    def record_prompt_tokens(self, n: int) -> None:
+    def record_prompt_tokens(self, n: int, cached: int = 0) -> None:
         self._prompt_tokens += n
+        self._cached_prompt_tokens += min(cached, n)
 
     def record_tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
         self._generation_tokens += n
@@ -241,8 +259,13 @@ class PrometheusStatLogger:
         """Write the per-token records gathered since the last flush."""
         e = self._bind(self.engine)
         if self._prompt_tokens:
+            cached = self._cached_prompt_tokens
             e.prompt_tokens.inc(self._prompt_tokens)
-            self._prompt_tokens = 0
+            e.prompt_by_source["local_compute"].inc(self._prompt_tokens - cached)
+            if cached:
+                e.prompt_by_source["local_cache_hit"].inc(cached)
+                e.prompt_cached.inc(cached)
+            self._prompt_tokens = self._cached_prompt_tokens = 0
         if self._generation_tokens:
             e.generation_tokens.inc(self._generation_tokens)
             self._generation_tokens = 0
@@ -261,9 +284,14 @@ class PrometheusStatLogger:
         e.tpot.observe(rm.time_per_output_token)
         e.prompt_len.observe(rm.num_prompt_tokens)
         e.generation_len.observe(rm.num_generation_tokens)
+        e.kv_computed.observe(max(rm.num_prompt_tokens - rm.num_cached_tokens, 0))
         if rm.is_first_choice:
             max_tokens = rm.max_tokens
             if max_tokens is None:
                 max_tokens = max(self.max_model_len - rm.num_prompt_tokens, 0)
             e.max_tokens.observe(max_tokens)
             e.n.observe(rm.n)
+
+    def record_request_done(self, max_generation_tokens: int) -> None:
+        """A user request (all its n choices) is over: the most tokens any of its choices made."""
+        self._bind(self.engine).max_generation.observe(max_generation_tokens)

@@ -12,20 +12,25 @@ from frontend.protocol import (APIError, ChatCompletionRequest, CompletionReques
                                TokenizeRequest, build_sampling_params, chat_chunk, chat_chunk_choice,
                                chat_logprobs, check_model, completion_logprobs, completion_prompts, error_body,
                                merge_completion_logprobs, models_response, normalize_messages, parse_request,
-                               render_chat, sse, stream_include_usage, usage)
+                               render_chat, sse, stream_usage, usage)
+from ipc.validation import Limits
 
 
 def parse(cls, obj):
     return parse_request(json.dumps(obj).encode(), cls)
 
 
+def _limits(vocab_size: int = 0, max_logprobs: int = 20) -> Limits:
+    return Limits(vocab_size, 4096, max_logprobs)
+
+
 def completion_params(obj, **kw):
-    return build_sampling_params(parse(CompletionRequest, {"prompt": "x", **obj}), chat=False, **kw)
+    return build_sampling_params(parse(CompletionRequest, {"prompt": "x", **obj}), chat=False, limits=_limits(**kw))
 
 
 def chat_params(obj, **kw):
-    return build_sampling_params(parse(ChatCompletionRequest,
-                                       {"messages": [{"role": "user", "content": "x"}], **obj}), chat=True, **kw)
+    return build_sampling_params(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **obj}),
+                                 chat=True, limits=_limits(**kw))
 
 
 def bad(fn, *args, status=400, param=None, contains=None, **kw) -> APIError:
@@ -50,7 +55,7 @@ def test_parse_minimal_completion():
 def test_parse_ignores_unknown_fields_and_accepts_nulls():
     req = parse(CompletionRequest, {"prompt": "x", "user": "u", "something_new": 1, "temperature": None,
                                     "max_tokens": None, "stop": None})
-    p = build_sampling_params(req, chat=False)
+    p = build_sampling_params(req, chat=False, limits=_limits())
     assert p.temperature == 1.0 and p.max_tokens == 16 and p.stop == []
 
 
@@ -189,7 +194,6 @@ def test_chat_max_completion_tokens_and_logprobs():
     bad(chat_params, {"max_completion_tokens": 0}, param="max_completion_tokens")
 
 
-
 def test_response_format_becomes_a_constraint():
     from frontend.constraints import request_constraint
     req = lambda body: parse_request(json.dumps({"messages": [], **body}).encode(), ChatCompletionRequest)
@@ -229,12 +233,15 @@ def test_invalid_sampling_fields(fields, param):
     assert e.message.startswith(param) or param in e.message
 
 
-def test_stream_include_usage():
+def test_stream_usage():
     req = parse(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
-    assert stream_include_usage(req)
-    assert not stream_include_usage(parse(CompletionRequest, {"prompt": "x", "stream": True}))
-    assert not stream_include_usage(parse(CompletionRequest, {"prompt": "x",
-                                                              "stream_options": {"include_usage": True}}))
+    assert stream_usage(req) == (True, False)
+    assert stream_usage(parse(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})) == (True, True)
+    # continuous_usage_stats alone is nothing (vLLM: it needs include_usage)
+    assert stream_usage(parse(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {
+        "continuous_usage_stats": True}})) == (False, False)
+    assert stream_usage(parse(CompletionRequest, {"prompt": "x", "stream": True})) == (False, False)
 
 
 # ------------------------------------------------------------------ responses
@@ -293,3 +300,29 @@ def test_usage_and_models_and_sse():
     assert json.loads(raw[6:]) == chunk
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["finish_reason"] is None
     assert not math.isnan(usage(0, 0)["total_tokens"])
+
+
+def test_detect_content_format():
+    from frontend.protocol import detect_content_format
+    assert detect_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+    assert detect_content_format("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+                                 "{% endfor %}{% endfor %}") == "openai"
+    assert detect_content_format("{% for m in messages") == "string" and detect_content_format(None) == "string"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}]
+    assert normalize_messages(parts, "openai")[0]["content"] == [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]
+    assert normalize_messages(parts, "string")[0]["content"] == "a\nb"
+
+
+def test_echoed_prompt_logprobs_format():
+    from frontend.protocol import prompt_logprobs_json
+    entries = [None, {7: Logprob(-1.0, 2, "b"), 9: Logprob(-float("inf"), 1, "a")}]
+    lp, off = completion_logprobs([5, 7], entries, num_top=1, decode=lambda t: "xy")
+    assert lp["tokens"] == ["xy", "b"] and lp["token_logprobs"] == [None, -1.0]
+    assert lp["top_logprobs"] == [None, {"b": -1.0, "a": -9999.0}] and lp["text_offset"] == [0, 2] and off == 3
+    lp, _ = completion_logprobs([5, 7], entries, num_top=0, as_ids=True)
+    assert lp["tokens"] == ["token_id:5", "token_id:7"]
+    assert prompt_logprobs_json(entries) == [None, {"7": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+                                                    "9": {"logprob": -9999.0, "rank": 1, "decoded_token": "a"}}]

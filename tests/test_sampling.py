@@ -140,3 +140,22 @@ def test_invalid_params_rejected(llm):
         llm.generate({"prompt_token_ids": []}, SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="context length"):
         llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(), use_tqdm=False)
+
+
+def test_sampler_fails_a_bad_row_alone():
+    """Per-request adjustments that fail (ids the boundaries would refuse) fail that row only."""
+    import numpy as np
+    import torch
+
+    from ipc.sampling_params import SamplingParams
+    from workers.sampler import Sampler
+    empty = np.zeros(0, np.int64)
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 1.0}), 0, 0, empty, empty, []),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={-7: 1.0}), 0, 0, empty, empty, []),
+            SamplingRow(SamplingParams(temperature=0, min_tokens=2), 0, 0, empty, empty, [10 ** 6])]
+    logits = torch.randn(3, 50)
+    tokens, _, failed = Sampler(use_triton=False)(logits, rows, {})
+    assert sorted(failed) == [1, 2]
+    expected = logits[0].clone()
+    expected[3] += 1.0
+    assert int(tokens[0]) == int(expected.argmax())

@@ -135,3 +135,35 @@ def test_finished_requests_are_freed_without_cyclic_gc():
         assert s.kv.pool.num_free_blocks == 256
     finally:
         gc.enable()
+
+
+def test_request_failed_in_the_worker_ends_alone():
+    """A request whose per-request work failed in the worker (ModelRunnerOutput.failed) ends with an
+    error output; the others in the batch go on."""
+    s = Scheduler(cfg(), 64)
+    for rid in ("ok", "bad"):
+        s.add_request(req(rid, [1, 2, 3]))
+    so = s.schedule()
+    outs = s.update_from_output(ModelRunnerOutput(list(so.req_ids), [7, 8], failed={"bad": "IndexError: x"}))
+    by_id = {o.request_id: o for o in outs[0]}
+    assert by_id["bad"].finish_reason == "error" and "IndexError" in by_id["bad"].error
+    assert by_id["ok"].new_token_ids == [7] and by_id["ok"].finish_reason is None
+    assert "bad" not in s.requests and [r.request_id for r in s.running] == ["ok"]
+    _, outs = fake_step(s)
+    assert [o.request_id for o in outs[0]] == ["ok"]
+
+
+def test_prompt_logprobs_are_not_sent_twice_after_preemption():
+    from ipc.messages import PromptLogprobs
+    s = Scheduler(cfg(enable_prefix_caching=True), 64)
+    r = req("a", list(range(1, 10)), prompt_logprobs=0)
+    s.add_request(r)
+    plp = lambda n: PromptLogprobs([[i] for i in range(n)], [[-1.0]] * n, [1] * n)
+    so = s.schedule()
+    out = s.update_from_output(ModelRunnerOutput(list(so.req_ids), [-1], prompt_logprobs={"a": plp(5)}))
+    assert len(out[0][0].prompt_logprobs.ranks) == 5
+    s.preempt_all()
+    so = s.schedule()   # recomputed from the start: no prefix-cache hit for a prompt-logprobs request
+    assert so.new_requests[0].num_computed_tokens == 0
+    out = s.update_from_output(ModelRunnerOutput(list(so.req_ids), [7], prompt_logprobs={"a": plp(8)}))
+    assert out[0][0].prompt_logprobs.ranks == [1] * 3 and out[0][0].prompt_logprobs.token_ids == [[5], [6], [7]]

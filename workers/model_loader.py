@@ -12,12 +12,14 @@ import contextlib
 import glob
 import json
 import os
+import re
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads
+from workers.distributed import tp_rank, tp_size
+from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
 from workers.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -26,8 +28,10 @@ DUMMY_RANGE = 1e-3
 
 
 def model_kv_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim): what the KV cache is allocated for."""
-    return config.num_hidden_layers, get_num_kv_heads(config), get_head_dim(config)
+    """(num_layers, num_kv_heads, head_dim): what this rank's KV cache is allocated for (its
+    share of the KV heads under tensor parallelism)."""
+    _, kv_heads, _ = heads_of_rank(config.num_attention_heads, get_num_kv_heads(config), tp_rank(), tp_size())
+    return config.num_hidden_layers, kv_heads, get_head_dim(config)
 
 
 def load_config(model_dir: str):
@@ -54,19 +58,25 @@ def build_model(config, dtype: torch.dtype, device: torch.device | str) -> nn.Mo
     return model.eval().requires_grad_(False)
 
 
+def natural_key(path: str) -> list:
+    """model-2-of-10 before model-10-of-10: digits compare as numbers."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
 def safetensors_files(model_dir: str) -> list[str]:
-    """The checkpoint files, sorted: the shards in model.safetensors.index.json,
+    """The checkpoint files, natural-sorted (every rank reads them in the same order, whatever
+    the filesystem's): the shards in model.safetensors.index.json,
     else model.safetensors, else every *.safetensors (Mistral's
     consolidated*.safetensors skipped when others exist)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return sorted(os.path.join(model_dir, name) for name in set(weight_map.values()))
+        return sorted((os.path.join(model_dir, name) for name in set(weight_map.values())), key=natural_key)
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(single):
         return [single]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")), key=natural_key)
     others = [f for f in files if not os.path.basename(f).startswith("consolidated")]
     files = others or files
     if not files:
@@ -75,20 +85,24 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) of every tensor: the parameter's weight loader reads only its rank's
+    rows or columns from the memory-mapped file."""
     from safetensors import safe_open
     device = str(torch.device(device))
     for path in files:
         with safe_open(path, framework="pt", device=device) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -DUMMY_RANGE,
                        high: float = DUMMY_RANGE) -> None:
     """Deterministic random weights in place on the parameters' device:
-    uniform(low, high) everywhere, RMSNorm weights set to 1."""
+    uniform(low, high) everywhere, RMSNorm weights set to 1. Each tensor is drawn whole (its
+    TP=1 shape, in the same order) and handed to its weight loader, so a TP=N dummy model is
+    the TP=1 dummy model sharded; drawn on the device, so nothing goes through the CPU."""
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
     for _, p in model.named_parameters():
@@ -98,7 +112,12 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
         g = generators.get(p.device)
         if g is None:
             g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.uniform_(low, high, generator=g)
+        if p.full_shape == tuple(p.shape):
+            p.uniform_(low, high, generator=g)
+            continue
+        full = torch.empty(p.full_shape, dtype=p.dtype, device=p.device).uniform_(low, high, generator=g)
+        p.weight_loader(p, full)
+        del full
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,

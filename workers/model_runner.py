@@ -12,6 +12,7 @@ from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
+from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
@@ -50,6 +51,7 @@ class PendingStep:
     prompt_logprobs: dict | None = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
     unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
+    failed: dict | None = None                # req_id -> error: requests that failed alone in this step
 
 
 @dataclass
@@ -209,7 +211,7 @@ class ModelRunner:
         split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
         from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
         key_cache, value_cache = self.kv_caches[0]
-        hq = self.model.config.num_attention_heads
+        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
         q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
         seq_len = self.config.max_model_len
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
@@ -246,7 +248,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for bs in reversed(sizes):  # the largest first: the others reuse its memory
             self._capture(bs, bs)
-        self.graph_for = pick_graph_sizes({bs: self._time_graph(bs) for bs in sizes})
+        # every rank must run a batch in the same graph size (their all-reduces pair up): they
+        # pick from the slowest rank's times
+        times = all_reduce_max([self._time_graph(bs) for bs in sizes], self.device)
+        self.graph_for = pick_graph_sizes(dict(zip(sizes, times)))
         # a graph that now also runs smaller batches splits the KV as for the smallest of them
         # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
         for g in sizes:
@@ -384,9 +389,6 @@ class ModelRunner:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(so))
-
     def can_overlap(self, so: SchedulerOutput) -> bool:
         """Whether `so` may be launched before the previous step's tokens reach the CPU:
         not when a request's sampling reads its own output history (penalties, min_tokens)."""
@@ -408,9 +410,9 @@ class ModelRunner:
         if logits is not None and so.defer_sample:
             step.unsampled = (batch, logits)   # sample_deferred() runs it once the bitmask comes
         elif logits is not None:
-            step.tokens, step.topk = self.sample(logits, batch, so.grammar)
-            self.copy_back(step)
-        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n)
+            self._sample_into(step, logits, batch, so.grammar)
+        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n,
+                                                     step)
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
@@ -458,8 +460,9 @@ class ModelRunner:
         return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
     def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
-               ) -> tuple[torch.Tensor, tuple | None]:
-        """This step's tokens (on the device) and, where asked, their top-k logprobs; the
+               ) -> tuple[torch.Tensor, tuple | None, dict]:
+        """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
+        of the rows whose per-request sampling work failed (those requests fail alone). The
         constrained rows sample from what their grammar bitmask allows."""
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
@@ -471,7 +474,13 @@ class ModelRunner:
         if step.unsampled is None:
             return
         (batch, logits), step.unsampled = step.unsampled, None
-        step.tokens, step.topk = self.sample(logits, batch, grammar)
+        self._sample_into(step, logits, batch, grammar)
+
+    def _sample_into(self, step: "PendingStep", logits: torch.Tensor, batch: "StepBatch",
+                     grammar: GrammarOutput | None) -> None:
+        step.tokens, step.topk, failed = self.sample(logits, batch, grammar)
+        if failed:
+            step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
         self.copy_back(step)
 
     def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput) -> None:
@@ -518,7 +527,7 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, step.failed)
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -573,25 +582,30 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n) -> dict[str, PromptLogprobs] | None:
+    def _prompt_logprobs(self, states, hidden, qsl, start, n, step: "PendingStep") -> dict[str, PromptLogprobs] | None:
         out = None
         for i, st in enumerate(states):
             k = st.params.prompt_logprobs
             if k is None or start[i] >= st.num_prompt_tokens:
                 continue
-            # position p predicts token p+1; keep those that are still prompt tokens
-            lo, cnt = int(start[i]), int(min(n[i], st.num_prompt_tokens - 1 - start[i]))
             out = out or {}
-            if cnt <= 0:
-                out[st.req_id] = PromptLogprobs([], [], [])
-                continue
-            h = hidden[int(qsl[i]):int(qsl[i]) + cnt]
-            lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-            targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
-            tlp = lp.gather(1, targets.view(-1, 1))
-            ranks = ((lp > tlp).sum(-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-            out[st.req_id] = PromptLogprobs(
-                [[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+            try:
+                out[st.req_id] = self._prompt_logprobs_of(st, hidden, int(qsl[i]), int(start[i]), int(n[i]), k)
+            except Exception as e:  # noqa: BLE001  (fails this request alone)
+                step.failed = step.failed or {}
+                step.failed[st.req_id] = f"{type(e).__name__}: {e}"
         return out
+
+    def _prompt_logprobs_of(self, st, hidden, q0: int, lo: int, n: int, k: int) -> PromptLogprobs:
+        # position p predicts token p+1; keep those that are still prompt tokens
+        cnt = min(n, st.num_prompt_tokens - 1 - lo)
+        if cnt <= 0:
+            return PromptLogprobs([], [], [])
+        h = hidden[q0:q0 + cnt]
+        lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+        targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+        tlp = lp.gather(1, targets.view(-1, 1))
+        ranks = ((lp > tlp).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+        return PromptLogprobs([[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
+                              [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)

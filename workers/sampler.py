@@ -26,6 +26,9 @@ class SamplingRow:
     eos_token_ids: list[int]
 
 
+_INT32_MAX = 2 ** 31 - 1  # validated at the boundaries; clamped here so a bad row can never raise
+
+
 class Sampler:
     def __init__(self, use_triton: bool):
         self.use_triton = use_triton
@@ -47,13 +50,14 @@ class Sampler:
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=len(rows))
         i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=len(rows))
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=len(rows))
-        return {"temperature": f32(x.temperature for x in p), "top_k": i32(x.top_k for x in p),
+        return {"temperature": f32(x.temperature for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows), "out_positions": i64(r.output_index for r in rows)}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]):
         """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device.
-        Returns (token_ids int64 [B] tensor, logprobs or None).
+        Returns (token_ids int64 [B] tensor, logprobs or None, {row: error} of rows whose
+        per-request adjustments failed: those requests fail alone, the batch goes on).
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
         (argmax, the sampling kernel) equals reading a float32 copy; a copy is made
@@ -61,10 +65,14 @@ class Sampler:
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_lp is not None else None
 
+        failed: dict[int, str] = {}
         if any(r.params.logit_bias or r.params.min_tokens or r.params.needs_penalties for r in rows):
             logits = logits.to(torch.float32, copy=True)
             for i, r in enumerate(rows):
-                _adjust_row(logits[i], r)
+                try:
+                    _adjust_row(logits[i], r)
+                except Exception as e:  # noqa: BLE001  (one request's bad parameters fail that request)
+                    failed[i] = f"{type(e).__name__}: {e}"
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
@@ -77,7 +85,7 @@ class Sampler:
             k = max(max_lp, 0)
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
             topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
-        return tokens, topk
+        return tokens, topk, failed
 
 
 def _adjust_row(row: torch.Tensor, r: SamplingRow) -> None:

@@ -16,21 +16,25 @@ from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
+from workers.remote import remote
 
 logger = logging.getLogger(__name__)
 
 
-def remote(fn):
-    """Mark a Worker method as callable through collective_rpc."""
-    fn._loom_remote = True
-    return fn
-
-
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int):
-        from workers.model_runner import ModelRunner
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int | None = None, rendezvous=None):
+        """rank: in the tensor-parallel group; local_rank: which GPU of this node (cuda:local_rank)."""
+        from workers.model_runner import ModelRunner, resolve_device, resolve_dtype
         self.rank = rank
-        self.runner = ModelRunner(config, rank)
+        local_rank = rank if local_rank is None else local_rank
+        if rendezvous is not None:
+            from workers.distributed import init_distributed
+            device = resolve_device(config, local_rank)
+            if device.type == "cuda":
+                import torch
+                torch.cuda.set_device(device)
+            init_distributed(rank, rendezvous, device, resolve_dtype(config, device))
+        self.runner = ModelRunner(config, local_rank)
 
     @remote
     def ping(self) -> str:
@@ -133,7 +137,8 @@ def serve_steps(worker: Worker, ring, send) -> None:
             send(WorkerReply(rank, error=f"{type(e).__name__}: {e}", call_id=call.call_id))
 
 
-def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, death_pipe) -> None:
+def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply_address: str, rendezvous,
+               death_pipe) -> None:
     watch_parent(death_pipe)
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
@@ -146,7 +151,7 @@ def run_worker(rank: int, config_dict: dict, ring_handle, reply_address: str, de
     ring = None
     try:
         ring = BroadcastRing.attach(ring_handle, rank)
-        worker = Worker(EngineConfig.from_dict(config_dict), rank)
+        worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
         send(WorkerReply(rank, result="ready"))
         with maybe_profile(f"worker{rank}"):
             serve_steps(worker, ring, send)

@@ -12,7 +12,9 @@ parameter is filled by the weight loader (or with dummy values).
 """
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -25,6 +27,7 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
+from workers.distributed import all_gather, all_reduce, tp_rank, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,15 @@ def get_num_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of `rank`. Query heads split evenly; KV heads
+    split evenly when there are at least as many as ranks, else each KV head is replicated on
+    the size / num_kv_heads ranks whose query heads use it (ConfigError checks divisibility)."""
+    if num_kv_heads >= size:
+        return num_heads // size, num_kv_heads // size, rank * (num_kv_heads // size)
+    return num_heads // size, 1, rank * num_kv_heads // size
+
+
 def get_rope_params(config) -> dict:
     """The rope parameters as one flat dict with at least `rope_theta` and
     `rope_type`, from either layout:
@@ -87,7 +99,7 @@ def get_rope_params(config) -> dict:
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -118,15 +130,99 @@ class RotaryEmbedding(nn.Module):
 
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b), parameters left uninitialized."""
+# ------------------------------------------------------------ tensor-parallel layers
+# Each parameter owns its weight loader (vLLM's convention): `param.weight_loader(param, loaded,
+# shard_id=None)` copies this rank's part of a checkpoint tensor into it. `loaded` is a tensor or
+# a safetensors slice (safe_open(...).get_slice(name)), from which only this rank's rows or
+# columns are read: per-rank host and device memory stay ~1/N of the weights.
+# `param.full_shape` is the parameter's shape at TP=1 (dummy weights are drawn at that shape and
+# sharded, so a TP=N dummy model is the TP=1 dummy model split), and `param.shard_ids` the
+# checkpoint tensors a fused parameter is stacked from.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+def _shape(loaded) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def _narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
+    """loaded[start:start+size] along dim; from a safetensors slice only those bytes are read."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def _check_shape(loaded, expected: tuple[int, ...]) -> None:
+    if _shape(loaded) != tuple(expected):
+        raise ValueError(f"checkpoint shape {_shape(loaded)} != expected {tuple(expected)}")
+
+
+def _set_loader(param: nn.Parameter, loader, full_shape: tuple[int, ...], shard_ids=(None,)) -> None:
+    param.weight_loader, param.full_shape, param.shard_ids = loader, tuple(full_shape), tuple(shard_ids)
+
+
+@torch.no_grad()
+def replicated_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Every rank holds the whole tensor (norms, row-parallel biases)."""
+    _check_shape(loaded, param.shape)
+    param.data.copy_(_narrow(loaded, 0, 0, param.shape[0]))
+
+
+def replicated(param: nn.Parameter) -> nn.Parameter:
+    _set_loader(param, replicated_loader, param.shape)
+    return param
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of one checkpoint tensor of a column-parallel layer: rows
+    [start, start + size) of the tensor's `full` rows, held at `offset` of the parameter."""
+    full: int
+    start: int
+    size: int
+    offset: int
+
+
+def split_shards(full_sizes: dict, rank: int, size: int) -> dict:
+    """Each checkpoint tensor (by shard id) split evenly over the ranks, stacked in order."""
+    out, offset = {}, 0
+    for sid, full in full_sizes.items():
+        part = full // size
+        out[sid] = Shard(full, rank * part, part, offset)
+        offset += part
+    return out
+
+
+@torch.no_grad()
+def _column_loader(shards: dict, param: nn.Parameter, loaded, shard_id=None) -> None:
+    if shard_id is None and list(shards) != [None]:
+        # a fused tensor as a whole (dummy weights): split by the checkpoint tensors' sizes
+        offset = 0
+        for sid, s in shards.items():
+            _column_loader(shards, param, _narrow(loaded, 0, offset, s.full), sid)
+            offset += s.full
+        return
+    s = shards[shard_id]
+    _check_shape(loaded, (s.full,) + tuple(param.shape[1:]))
+    param.data.narrow(0, s.offset, s.size).copy_(_narrow(loaded, 0, s.start, s.size))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split over the ranks: each rank computes its slice
+    of y, no communication. A fused layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up])
+    stacks several checkpoint tensors along the output dim, each split over the ranks, so
+    every rank's slice stays one fused matmul. `shards`: shard id -> Shard (None: unfused)."""
+
+    def __init__(self, in_features: int, shards: dict, bias: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.shards = shards
+        self.in_features = in_features
+        self.out_features = sum(s.size for s in shards.values())  # this rank's
+        full_out = sum(s.full for s in shards.values())
+        loader = functools.partial(_column_loader, shards)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        _set_loader(self.weight, loader, (full_out, in_features), shards)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
+            _set_loader(self.bias, loader, (full_out,), shards)
         else:
             self.register_parameter("bias", None)
 
@@ -134,27 +230,75 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several linear layers with the same input stacked along the output dim
-    (qkv_proj = [q; k; v], gate_up_proj = [gate; up]). `shards` names each
-    slice in order; the weight loader copies checkpoint tensors into them."""
-
-    def __init__(self, in_features: int, shards: dict, bias: bool = False):
-        super().__init__(in_features, sum(shards.values()), bias)
-        self.shard_ranges: dict = {}
-        offset = 0
-        for name, size in shards.items():
-            self.shard_ranges[name] = (offset, size)
-            offset += size
+@torch.no_grad()
+def _row_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    part = param.shape[1]
+    _check_shape(loaded, (param.shape[0], part * tp_size()))
+    param.data.copy_(_narrow(loaded, 1, tp_rank() * part, part))
 
 
-class VocabEmbedding(nn.Module):
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (+ b): W's input columns split over the ranks (x is
+    already split: the heads / the intermediate features of this rank), then one all-reduce.
+    The bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp = tp_size()
+        self.in_features, self.out_features = in_features // self.tp, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
+        _set_loader(self.weight, _row_loader, (out_features, in_features))
+        if bias:
+            self.bias = replicated(nn.Parameter(torch.empty(out_features), requires_grad=False))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def _vocab_loader(vocab_size: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+    _check_shape(loaded, (vocab_size, param.shape[1]))
+    part = param.shape[0]
+    start = tp_rank() * part
+    rows = max(0, min(part, vocab_size - start))  # the last rank's padding rows stay zero
+    param.data[:rows].copy_(_narrow(loaded, 0, start, rows))
+    param.data[rows:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding (and the lm_head) with the vocabulary split over the ranks, padded so that
+    it splits: rank r holds ids [r * part, (r + 1) * part). A lookup zeroes the ids of other
+    ranks, then an all-reduce sums the ranks' rows; the lm_head's logits are gathered."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp, rank = tp_size(), tp_rank()
+        self.vocab_size = vocab_size
+        self.part = -(-vocab_size // self.tp)
+        self.vocab_start = rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, hidden_size), requires_grad=False)
+        _set_loader(self.weight, functools.partial(_vocab_loader, vocab_size), (vocab_size, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.part)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered)."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp == 1:
+            return logits
+        logits = all_gather(logits)
+        return logits[:, :self.vocab_size].contiguous() if logits.shape[1] != self.vocab_size else logits
 
 
 class GatedMLP(nn.Module):
@@ -162,8 +306,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -175,14 +320,17 @@ class SelfAttention(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = get_num_kv_heads(config)
+        total_heads, total_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
         self.head_dim = get_head_dim(config)
+        self.num_heads, self.num_kv_heads, kv_start = heads_of_rank(total_heads, total_kv_heads, tp_rank(), tp_size())
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size,
-                                     {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        d = self.head_dim
+        shards = {"q": Shard(total_heads * d, tp_rank() * self.q_size, self.q_size, 0),
+                  "k": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size),
+                  "v": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size + self.kv_size)}
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias)
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -230,10 +378,11 @@ class DecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------- weight loading
-def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
                          stacked_mapping: list[tuple[str, str, object]],
                          ignore: callable = lambda name: False) -> set[str]:
-    """Copy checkpoint tensors into the model's parameters.
+    """Hand each checkpoint tensor (or safetensors slice) to its parameter's weight loader,
+    which keeps this rank's shard.
 
     stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
     rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
@@ -259,24 +408,16 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if param is None:
             unexpected.append(ckpt_name)
             continue
-        target = param.data
-        if shard_id is not None:
-            module = model.get_submodule(name.rsplit(".", 1)[0])
-            offset, size = module.shard_ranges[shard_id]
-            target = target.narrow(0, offset, size)
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)} "
-                             f"!= expected {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor)
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"weight {ckpt_name!r}: {e}") from None
         loaded.setdefault(name, set()).add(shard_id)
 
     missing = []
-    for name in params:
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        expected = set(module.shard_ranges) if isinstance(module, MergedLinear) else {None}
+    for name, param in params.items():
         got = loaded.get(name, set())
-        missing += [name if s is None else f"{name}[{s}]" for s in expected if s not in got]
+        missing += [name if s is None else f"{name}[{s}]" for s in param.shard_ids if s not in got]
     if unexpected or missing:
         msg = []
         if unexpected:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabEmbedding,
+from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
                                    get_head_dim, get_rope_params, load_stacked_weights)
 
 # (our fused parameter, checkpoint part, shard id)
@@ -30,7 +30,7 @@ STACKED_PARAMS = [
 class LlamaModel(nn.Module):
     def __init__(self, config, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_bias: bool):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(get_head_dim(config), config.max_position_embeddings,
                                           get_rope_params(config))
         self.layers = nn.ModuleList(
@@ -69,7 +69,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # shares the weight Parameter
         else:
-            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -78,16 +78,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads
-        bf16 directly and converts to float32 only where it computes on them)."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+        bf16 directly and converts to float32 only where it computes on them). Under tensor
+        parallelism every rank gets the whole vocabulary (gathered), so every rank samples
+        the same tokens from the same seeds and keeps its batch in step."""
+        return self.lm_head.logits(hidden)
 
     def _ignore_weight(self, name: str) -> bool:
         if "rotary_emb." in name:  # HF buffers (inv_freq, cos/sin caches)
             return True
         return self.tie_word_embeddings and name == "lm_head.weight"
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; see `layers.load_stacked_weights` for the errors raised."""
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Load HF-named tensors (or safetensors slices, of which each rank reads its shard);
+        see `layers.load_stacked_weights` for the errors raised."""
         return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight)
 
 

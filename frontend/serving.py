@@ -1,0 +1,353 @@
+"""Turning engine outputs into /v1/completions and /v1/chat/completions responses (whole or
+streamed), the way vLLM's serving_completion / serving_chat do.
+
+One GenerationContext per HTTP request carries what every step needs (the parsed request, its
+sampling parameters, the tokenized prompts, what each choice has produced so far); the helpers
+take it instead of a long argument list.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from frontend.errors import EngineDeadError
+from frontend.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat_chunk_choice, chat_logprobs,
+                               chat_response, completion_choice, completion_chunk, completion_logprobs,
+                               completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
+                               sse, usage)
+from frontend.chat_output import ChatOutput, ToolUse
+from ipc.sampling_params import SamplingParams
+
+logger = logging.getLogger("loom.api")
+_END = object()
+
+
+@dataclass
+class Prompt:
+    text: str | None            # None: given as token ids (decoded only when echoed)
+    token_ids: list[int]
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    logprobs: list = field(default_factory=list)   # completions: rendered parts; chat: content items
+    prompt_logprobs: list | None = None
+    text_offset: int = 0
+    started: bool = False
+    output: ChatOutput | None = None   # chat: its reasoning_content / content / tool_calls
+
+    @property
+    def api_finish_reason(self) -> str | None:
+        """OpenAI's "tool_calls" when a chat choice that ended normally called tools."""
+        if self.finish_reason == "stop" and self.output is not None and self.output.tool_calls:
+            return "tool_calls"
+        return self.finish_reason
+
+
+@dataclass
+class GenerationContext:
+    """One completions or chat request, from its parsed body to its last byte."""
+    request: web.Request
+    req: Any                          # CompletionRequest | ChatCompletionRequest
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    params: SamplingParams
+    prompts: list[Prompt]
+    include_usage: bool = False       # stream_options.include_usage
+    continuous_usage: bool = False    # stream_options.continuous_usage_stats
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    decode: Any = None                # token id -> text (first echoed prompt token)
+    echo_texts: list[str] | None = None  # per prompt, text prepended to each of its choices
+    role: str = "assistant"           # chat: the answer's role
+    choices: list[Choice] = field(default_factory=list)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)   # per prompt
+    tools: ToolUse | None = None      # chat: how the request uses its tools
+    reasoning: Any = None             # chat: the --reasoning-parser (frontend/reasoning)
+    on_tool_parse: Any = None         # callable(ChatOutput, streaming): counts tool-parser invocations
+
+    def __post_init__(self):
+        self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
+        if self.chat:
+            for c in self.choices:
+                c.output = ChatOutput(self.tools or ToolUse(), self.reasoning)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def echo_only(self) -> bool:
+        """Completions echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM."""
+        return not self.chat and bool(self.req.echo) and self.req.max_tokens == 0
+
+    @property
+    def as_ids(self) -> bool:
+        return bool(self.req.return_tokens_as_token_ids)
+
+    @property
+    def return_token_ids(self) -> bool:
+        return bool(self.req.return_token_ids)
+
+    def usage(self, k: int | None = None) -> dict:
+        """Usage of the whole request, or (continuous_usage_stats) of choice k's prompt and tokens so far."""
+        if k is not None:
+            return usage(len(self.prompts[k // self.n].token_ids), self.choices[k].num_tokens)
+        cached = sum(self.num_cached_tokens.values()) if self.prompt_tokens_details else None
+        return usage(sum(len(p.token_ids) for p in self.prompts), sum(c.num_tokens for c in self.choices), cached)
+
+    # ------------------------------------------------------------ completions
+
+    def completion_delta(self, i: int, out) -> list[tuple[int, dict, Choice]]:
+        """Apply one RequestOutput of prompt i; returns [(choice index, choice dict for a chunk, state)]."""
+        res = []
+        prompt = self.prompts[i]
+        self.num_cached_tokens[i] = out.num_cached_tokens
+        for c in out.outputs:
+            k = i * self.n + c.index
+            st = self.choices[k]
+            text, ids, entries = c.text, list(c.token_ids), c.logprobs or []
+            prompt_token_ids = None
+            if not st.started:
+                st.started = True
+                st.prompt_logprobs = c.prompt_logprobs
+                if self.return_token_ids:
+                    prompt_token_ids = prompt.token_ids
+                if self.req.echo:
+                    echo = "" if self.return_token_ids else self.echo_texts[i]
+                    plp = c.prompt_logprobs or [None] * len(prompt.token_ids)
+                    if self.echo_only:
+                        text, ids, entries = echo, prompt.token_ids, plp
+                    else:
+                        text, ids, entries = echo + text, prompt.token_ids + ids, plp + entries
+            elif self.echo_only:
+                text, ids, entries = "", [], []
+            st.text.append(text)
+            st.token_ids.extend(c.token_ids)
+            st.num_tokens += len(c.token_ids)
+            lp = None
+            if self.params.logprobs is not None and ids:
+                lp, st.text_offset = completion_logprobs(ids, entries, self.params.logprobs, st.text_offset,
+                                                         self.as_ids, self.decode)
+                st.logprobs.append(lp)
+            if c.finish_reason is not None:
+                st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+            check_choice(st)
+            if not text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
+                continue
+            res.append((k, completion_choice(k, text, st.finish_reason, st.stop_reason, lp,
+                                             prompt_token_ids=prompt_token_ids,
+                                             token_ids=list(c.token_ids) if self.return_token_ids else None), st))
+        return res
+
+    def completion_body(self) -> dict:
+        choices = []
+        for k, c in enumerate(self.choices):
+            check_choice(c)
+            lp = merge_completion_logprobs(c.logprobs) if self.params.logprobs is not None else None
+            choices.append(completion_choice(
+                k, "".join(c.text), c.finish_reason, c.stop_reason, lp,
+                prompt_logprobs=prompt_logprobs_json(c.prompt_logprobs) if self.req.prompt_logprobs is not None
+                else None,
+                prompt_token_ids=self.prompts[k // self.n].token_ids if self.return_token_ids else None,
+                token_ids=c.token_ids if self.return_token_ids else None))
+        return completion_response(self.rid, self.created, self.model, choices, self.usage())
+
+    def completion_chunk(self, choices: list[dict], usage_: dict | None = None) -> bytes:
+        return sse(completion_chunk(self.rid, self.created, self.model, choices, usage_))
+
+    # ------------------------------------------------------------ chat
+
+    def chat_delta(self, out) -> list[tuple[int, dict, Choice]]:
+        res = []
+        self.num_cached_tokens[0] = out.num_cached_tokens
+        for c in out.outputs:
+            st = self.choices[c.index]
+            if not st.started:
+                st.started = True
+                st.prompt_logprobs = c.prompt_logprobs
+            st.text.append(c.text)
+            st.token_ids.extend(c.token_ids)
+            st.num_tokens += len(c.token_ids)
+            lp = None
+            if self.params.logprobs is not None and c.logprobs:
+                lp = chat_logprobs(c.token_ids, c.logprobs, self.params.logprobs, self.as_ids)
+                st.logprobs.extend(lp["content"])
+            if c.finish_reason is not None:
+                st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+            check_choice(st)
+            if not self.req.stream:
+                continue   # the message is made whole in chat_body
+            delta = self._chat_output_delta(st, c.text)
+            if not delta and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
+                continue
+            res.append((c.index, chat_chunk_choice(
+                c.index, delta, st.api_finish_reason, st.stop_reason, lp,
+                token_ids=list(c.token_ids) if self.return_token_ids else None), st))
+        return res
+
+    def _chat_output_delta(self, st: Choice, text: str) -> dict:
+        """The delta fields (reasoning_content, content, tool_calls) this text makes sendable."""
+        out = st.output
+        delta = out.add(text)
+        if out.tools.mode == "auto" and self.on_tool_parse is not None:
+            self.on_tool_parse(out, True)
+        if st.finish_reason is not None:
+            for key, value in out.finish().items():
+                delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
+        return delta
+
+    def chat_body(self) -> dict:
+        echo = self.echo_texts[0] if self.echo_texts else ""
+        choices = []
+        for k, c in enumerate(self.choices):
+            check_choice(c)
+            c.output.text = "".join(c.text)
+            message = c.output.message()
+            message["role"] = self.role
+            if echo and isinstance(message["content"], str):
+                message["content"] = echo + message["content"]
+            if self.on_tool_parse is not None:
+                self.on_tool_parse(c.output, False)
+            choices.append(chat_choice(k, message, c.api_finish_reason, c.stop_reason,
+                                       {"content": c.logprobs} if self.params.logprobs is not None else None,
+                                       token_ids=c.token_ids if self.return_token_ids else None))
+        first = self.choices[0] if self.choices else None
+        return chat_response(
+            self.rid, self.created, self.model, choices, self.usage(),
+            prompt_logprobs=prompt_logprobs_json(first.prompt_logprobs)
+            if first is not None and self.req.prompt_logprobs is not None else None,
+            prompt_token_ids=self.prompts[0].token_ids if self.return_token_ids else None)
+
+    def chat_chunk(self, choices: list[dict], usage_: dict | None = None, **extra) -> bytes:
+        return sse(chat_chunk(self.rid, self.created, self.model, choices, usage_, **extra))
+
+    def chat_begin(self) -> bytes:
+        """The role event of every choice (and, with echo, the echoed text), as vLLM starts a stream."""
+        extra = {"prompt_token_ids": self.prompts[0].token_ids} if self.return_token_ids else {}
+        u = self.usage(0) if self.continuous_usage else None
+        out = [self.chat_chunk([chat_chunk_choice(k, {"role": self.role, "content": ""})], u, **extra)
+               for k in range(len(self.choices))]
+        if self.echo_texts and self.echo_texts[0]:
+            out += [self.chat_chunk([chat_chunk_choice(k, {"content": self.echo_texts[0]})], u)
+                    for k in range(len(self.choices))]
+        return b"".join(out)
+
+
+def check_choice(choice: Choice) -> None:
+    """A choice the engine finished with an error fails the request (500)."""
+    if choice.finish_reason == "error":
+        raise APIError(f"The request failed in the engine: {choice.stop_reason}", 500)
+
+
+# ---------------------------------------------------------------- driving the streams
+
+async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(index of the generator, item) from several generators as items come."""
+    if len(gens) == 1:
+        gen = gens[0]
+        try:
+            async for item in gen:
+                yield 0, item
+        finally:
+            await gen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator) -> None:
+        try:
+            async for item in gen:
+                queue.put_nowait((i, item, None))
+        except Exception as e:  # noqa: BLE001  (handed to the consumer)
+            queue.put_nowait((i, None, e))
+        finally:
+            await gen.aclose()
+        queue.put_nowait((i, _END, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is _END:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_output(stream: AsyncIterator, value_error):
+    """The first output, before any byte of the response goes out: a rejected request is still a 400."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END
+    except ValueError as e:
+        raise value_error(e) from None
+
+
+async def outputs(first, stream: AsyncIterator):
+    """`first` (from first_output), then the rest of the stream."""
+    item = first
+    while item is not _END:
+        yield item
+        try:
+            item = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_error, dead_reason,
+                   begin: bytes = b"") -> web.StreamResponse:
+    """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and [DONE] with the
+    end of the body in one write; an error becomes an error event instead of `final()`'s. A dead
+    client (write fails) ends it: the caller's finally closes the stream, which aborts."""
+    try:
+        if begin:
+            await resp.write(begin)
+        async for item in outputs(first, stream):
+            await emit(item)
+        tail = final()
+    except ConnectionResetError:
+        logger.debug("client went away mid-stream")
+        return resp
+    except EngineDeadError as e:
+        tail = sse(error_body(f"The engine is dead: {e or dead_reason()}", 503))
+    except APIError as e:
+        tail = sse(error_body(e.message, e.status, e.param))
+    except ValueError as e:
+        err = value_error(e)
+        tail = sse(error_body(err.message, 400, err.param))
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception:  # noqa: BLE001
+        logger.exception("error while streaming")
+        tail = sse(error_body("Internal server error (see the server log)", 500))
+    try:
+        await resp.write_eof(tail + SSE_DONE)
+    except ConnectionResetError:
+        pass
+    return resp

@@ -1,0 +1,151 @@
+"""Request validation: the one place that decides whether a request can run.
+
+Both boundaries call it: the API server (for HTTP, before any byte of a
+response goes out) and the engine core (for every ADD, whoever sent it: an API
+server, the offline LLM, or a client attached from elsewhere). A request that
+fails gets one message, worded the same at both, naming the parameter at fault.
+
+Integers are bounded by the types they travel in: top_k is packed as int32 and
+seeds as int64 for the sampler; every token id (prompt, logit_bias,
+stop_token_ids, EOS) must index the model's vocabulary, or the worker would
+index out of bounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ipc.sampling_params import SamplingParams
+
+INT32_MAX = 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_N = 128                      # choices of one request
+MAX_STOP_STRINGS = 1024          # each output token is checked against every stop string
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024        # checked for every sampled token
+MAX_EOS_TOKEN_IDS = 1024
+
+
+class RequestError(ValueError):
+    """A bad request (400 over HTTP), naming the offending parameter when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and engine allow (from EngineConfig)."""
+    vocab_size: int                # 0: unknown (no vocabulary checks)
+    max_model_len: int
+    max_logprobs: int = 20
+
+    @classmethod
+    def of(cls, config) -> "Limits":
+        return cls(config.vocab_size, config.max_model_len, config.max_logprobs)
+
+
+def _bad(param: str, why: str) -> RequestError:
+    return RequestError(f"{param} {why}", param)
+
+
+def _int_in(param: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise _bad(param, f"must be in [{lo}, {hi}], got {value}")
+
+
+def _finite(param: str, value: float) -> None:
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise _bad(param, f"must be a finite number, got {value}")
+
+
+def check_token_ids(param: str, ids, vocab_size: int) -> None:
+    """Every id in [0, vocab_size)."""
+    if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise _bad(param, f"must be token ids in [0, {vocab_size}), got {bad}")
+
+
+def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
+    """Everything about a request that does not depend on its prompt."""
+    _int_in("n", p.n, 1, MAX_N)
+    _finite("temperature", p.temperature)
+    if p.temperature < 0:
+        raise _bad("temperature", f"must be non-negative, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise _bad("top_p", f"must be in (0, 1], got {p.top_p}")
+    if not (p.top_k in (-1, 0) or 1 <= p.top_k <= INT32_MAX):
+        raise _bad("top_k", f"must be -1 or 0 (disabled) or in [1, {INT32_MAX}], got {p.top_k}")
+    if not 0 <= p.min_p <= 1:
+        raise _bad("min_p", f"must be in [0, 1], got {p.min_p}")
+    if p.seed is not None:
+        _int_in("seed", p.seed, INT64_MIN, INT64_MAX)
+    if p.max_tokens is not None:
+        _int_in("max_tokens", p.max_tokens, 1, INT64_MAX)
+    _int_in("min_tokens", p.min_tokens, 0, limits.max_model_len)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise _bad("min_tokens", f"must not exceed max_tokens={p.max_tokens}, got {p.min_tokens}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not -2 <= value <= 2:
+            raise _bad(name, f"must be in [-2, 2], got {value}")
+    _finite("repetition_penalty", p.repetition_penalty)
+    if not p.repetition_penalty > 0:
+        raise _bad("repetition_penalty", f"must be greater than 0, got {p.repetition_penalty}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None:
+            _int_in(name, value, 0, limits.max_logprobs)
+    if p.logit_bias:
+        check_token_ids("logit_bias", list(p.logit_bias), limits.vocab_size)
+        for tok, bias in p.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise _bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}")
+    for s in p.stop:
+        if not s:
+            raise _bad("stop", "must not contain empty strings")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise _bad("stop", f"strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}")
+    check_token_ids("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+    if p.structured_outputs is not None:
+        try:
+            p.structured_outputs.kind()   # exactly one constraint; whether it compiles, the engine's grammar thread says
+        except ValueError as e:
+            raise RequestError(str(e), "structured_outputs") from None
+
+
+def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> None:
+    """A tokenized prompt against the vocabulary and the context length."""
+    n = len(token_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty", "prompt")
+    if n >= limits.max_model_len:
+        raise RequestError(f"This model's maximum context length is {limits.max_model_len} tokens. "
+                           f"However, your prompt has {n} tokens (at least one more must be generated).",
+                           "prompt")
+    check_token_ids("prompt", token_ids, limits.vocab_size)
+    if p.max_tokens is not None and n + p.max_tokens > limits.max_model_len:
+        raise RequestError(f"This model's maximum context length is {limits.max_model_len} tokens. "
+                           f"However, you requested {n + p.max_tokens} tokens ({n} in the prompt, "
+                           f"{p.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                           "max_tokens")
+
+
+def check_eos_token_ids(eos_token_ids: list[int], limits: Limits) -> None:
+    if len(eos_token_ids) > MAX_EOS_TOKEN_IDS:
+        raise _bad("eos_token_ids", f"may hold at most {MAX_EOS_TOKEN_IDS} ids, got {len(eos_token_ids)}")
+    check_token_ids("eos_token_ids", eos_token_ids, limits.vocab_size)
+
+
+def validate_request(token_ids: list[int], p: SamplingParams, limits: Limits,
+                     eos_token_ids: list[int] = ()) -> None:
+    """The whole check of one request; raises RequestError."""
+    check_sampling_params(p, limits)
+    check_prompt(token_ids, p, limits)
+    check_eos_token_ids(list(eos_token_ids), limits)

@@ -1,0 +1,297 @@
+"""vLLM's API surface that real clients use (issue 10, part 4), against ONE real `loom serve` of a
+tiny float32 model, with the official `openai` client where it can express the request:
+lm-evaluation-harness scoring (echo + logprobs, max_tokens 0 and 1) equal to HF log-softmax,
+prompt_logprobs, return_token_ids, return_tokens_as_token_ids, continuous usage stats,
+stop_token_ids text, /tokenize token_strs, /tokenizer_info, /invocations, prompt_tokens_details,
+truncate_prompt_tokens, chat echo, content parts handed to the chat template, the vllm:* metrics."""
+from __future__ import annotations
+
+import json
+import math
+
+import openai
+import pytest
+import requests
+
+from tests.conftest import Server
+from tests.hf_oracle import hf_greedy, hf_logprobs
+
+MAX_MODEL_LEN = 256
+PROMPT_IDS = [11, 12, 13, 14, 15, 16, 17, 18]
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['text'] }}]"
+                  "{% endfor %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = Server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details",
+               "--enable-tokenizer-info-endpoint", "--trust-request-chat-template")
+    try:
+        s.wait_healthy(180)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _post(server, path, body, **kw):
+    return requests.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def _sse(resp) -> list[dict]:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+# ------------------------------------------------------------------ lm-evaluation-harness scoring
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_loglikelihood_like_lm_eval(client, model, tiny_model_dir, tok, max_tokens):
+    """echo + logprobs: the prompt's logprobs equal HF log-softmax; the first prompt token's is null."""
+    text = "Beautiful is better than ugly."
+    ids = tok.encode(text)
+    ref = hf_logprobs(tiny_model_dir, ids)
+    for prompt in (text, ids):
+        r = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=max_tokens,
+                                      temperature=0)
+        lp = r.choices[0].logprobs
+        n = len(ids)
+        assert len(lp.token_logprobs) == n + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for p in range(1, n):
+            assert lp.token_logprobs[p] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4), p
+            top = lp.top_logprobs[p]
+            best = int(ref[p - 1].argmax())
+            assert max(top.values()) == pytest.approx(float(ref[p - 1, best]), abs=1e-4)
+            assert 1 <= len(top) <= 2
+        # is_greedy as lm-eval computes it: the top token is the prompt token
+        assert r.choices[0].text.startswith(text if isinstance(prompt, str) else tok.decode(ids))
+        if max_tokens == 0:
+            assert r.choices[0].text == (text if isinstance(prompt, str) else tok.decode(ids))
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert r.usage.prompt_tokens == n
+
+
+def test_max_tokens_zero_without_echo_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    assert ei.value.param == "max_tokens"
+
+
+def test_echo_logprobs_stream(server, tok):
+    r = _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "echo": True, "logprobs": 0, "max_tokens": 3,
+                                          "temperature": 0, "ignore_eos": True, "stream": True}, stream=True)
+    events = _sse(r)
+    tokens = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+    assert len(tokens) == len(PROMPT_IDS) + 3 and tokens[0] is None and all(t is not None for t in tokens[1:])
+
+
+# ------------------------------------------------------------------ prompt_logprobs
+
+def test_prompt_logprobs_completions_and_chat(server, tiny_model_dir):
+    ref = hf_logprobs(tiny_model_dir, PROMPT_IDS)
+    r = _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 2, "prompt_logprobs": 2, "n": 2,
+                                          "temperature": 0})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(PROMPT_IDS) and plp[0] is None
+        for p in range(1, len(PROMPT_IDS)):
+            entry = plp[p][str(PROMPT_IDS[p])]
+            assert entry["logprob"] == pytest.approx(float(ref[p - 1, PROMPT_IDS[p]]), abs=1e-4)
+            assert entry["rank"] >= 1 and isinstance(entry["decoded_token"], str)
+            assert 1 <= len(plp[p]) <= 3
+    assert r.json()["choices"][0]["token_ids"] is None and r.json()["choices"][0]["prompt_token_ids"] is None
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                               "prompt_logprobs": 0})
+    body = r.json()
+    assert r.status_code == 200 and body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 3
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])
+    r = _post(server, "/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    # without prompt_logprobs the key is there, null (vLLM's shape)
+    assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).json()["choices"][0][
+        "prompt_logprobs"] is None
+
+
+# ------------------------------------------------------------------ token ids
+
+def test_return_token_ids(server, client, model, tiny_model_dir):
+    expected = hf_greedy(tiny_model_dir, PROMPT_IDS, 5)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    c = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert c["prompt_token_ids"] == PROMPT_IDS and c["token_ids"] == expected
+    events = _sse(_post(server, "/v1/completions", {**body, "stream": True}, stream=True))
+    choices = [ch for e in events for ch in e["choices"]]
+    assert choices[0]["prompt_token_ids"] == PROMPT_IDS
+    assert all(ch.get("prompt_token_ids") is None for ch in choices[1:])
+    assert [t for ch in choices for t in ch["token_ids"]] == expected
+    # chat: prompt_token_ids on the response (and the first chunk), token_ids on each choice
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    r = _post(server, "/v1/chat/completions", chat).json()
+    tokenized = _post(server, "/tokenize", {"messages": chat["messages"]}).json()["tokens"]
+    assert r["prompt_token_ids"] == tokenized and len(r["choices"][0]["token_ids"]) == 4
+    events = _sse(_post(server, "/v1/chat/completions", {**chat, "stream": True}, stream=True))
+    assert events[0]["prompt_token_ids"] == tokenized
+    assert [t for e in events for ch in e["choices"] for t in ch.get("token_ids") or []] == r["choices"][0]["token_ids"]
+
+
+def test_return_tokens_as_token_ids(server):
+    r = _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 3, "logprobs": 2, "temperature": 0,
+                                          "ignore_eos": True, "return_tokens_as_token_ids": True,
+                                          "return_token_ids": True}).json()["choices"][0]
+    assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+    assert all(k.startswith("token_id:") for top in r["logprobs"]["top_logprobs"] for k in top)
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                               "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True,
+                                               "return_token_ids": True}).json()["choices"][0]
+    assert [c["token"] for c in r["logprobs"]["content"]] == [f"token_id:{t}" for t in r["token_ids"]]
+
+
+# ------------------------------------------------------------------ usage
+
+def test_continuous_usage_stats(server):
+    for path, body in [("/v1/completions", {"prompt": PROMPT_IDS}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        events = _sse(_post(server, path, {**body, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True,
+                                                              "continuous_usage_stats": True}}, stream=True))
+        with_choices = [e for e in events if e["choices"]]
+        assert with_choices and all("usage" in e for e in with_choices)
+        counts = [e["usage"]["completion_tokens"] for e in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 4
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+        assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": events[-1]["usage"][
+            "prompt_tokens_details"]["cached_tokens"]}
+        # include_usage alone: usage only at the end
+        events = _sse(_post(server, path, {**body, "max_tokens": 2, "stream": True,
+                                           "stream_options": {"include_usage": True}}, stream=True))
+        assert [("usage" in e) for e in events] == [False] * (len(events) - 1) + [True]
+
+
+def test_prompt_tokens_details_always_there(server):
+    prompt = list(range(20, 60))
+    first = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    again = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    assert "prompt_tokens_details" in first and first["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 32   # two full blocks of 16 were cached
+
+
+# ------------------------------------------------------------------ stop tokens, truncation
+
+def test_stop_token_ids_text(server, tiny_model_dir, tok):
+    out = hf_greedy(tiny_model_dir, PROMPT_IDS, 6)
+    stop = out[3]
+    if stop in out[:3]:
+        pytest.skip("the random model repeats its token")
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop],
+            "return_token_ids": True}
+    c = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert c["token_ids"] == out[:4] and c["stop_reason"] == stop and c["finish_reason"] == "stop"
+    assert c["text"] == tok.decode(out[:3])       # the stop token's text is dropped (vLLM)
+    c = _post(server, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert c["text"] == tok.decode(out[:4])
+
+
+def test_truncate_prompt_tokens(server, tiny_model_dir):
+    long = list(range(20, 120))
+    body = {"prompt": long, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 10}).json()
+    assert r["usage"]["prompt_tokens"] == 10 and r["choices"][0]["prompt_token_ids"] == long[-10:]
+    assert r["choices"][0]["token_ids"] == hf_greedy(tiny_model_dir, long[-10:], 3)
+    r = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+# ------------------------------------------------------------------ chat echo and content parts
+
+def test_chat_echo_with_continue_final_message(client, model):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Beautiful is"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0,
+                                       extra_body={"echo": True, "continue_final_message": True,
+                                                   "add_generation_prompt": False})
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content == "Beautiful is" + plain.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"echo": True, "continue_final_message": True,
+                                                        "add_generation_prompt": False})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    # with a generation prompt the last message is the user's: nothing to echo (its role is not the answer's)
+    r = client.chat.completions.create(model=model, messages=msgs[:1], max_tokens=2, extra_body={"echo": True})
+    assert not r.choices[0].message.content.startswith("hi") or r.choices[0].message.content == ""
+
+
+def test_content_parts_reach_the_template(server, tok):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    # a template that iterates over the parts gets them as parts ("openai" format, detected)
+    r = _post(server, "/tokenize", {"messages": parts, "chat_template": PARTS_TEMPLATE, "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok.encode("<user>[a][b]", add_special_tokens=False)
+    # the model's own template uses content as a string: parts are joined with a newline
+    joined = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "a\nb"}]}).json()["tokens"]
+    assert _post(server, "/tokenize", {"messages": parts}).json()["tokens"] == joined
+
+
+# ------------------------------------------------------------------ small endpoints
+
+def test_tokenize_token_strs_and_tokenizer_info(server, tok):
+    r = _post(server, "/tokenize", {"prompt": "hello"}).json()
+    assert r["token_strs"] is None and r["tokens"] == tok.encode("hello")
+    r = _post(server, "/tokenize", {"prompt": "hello", "return_token_strs": True}).json()
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    info = requests.get(server.url + "/tokenizer_info", timeout=10).json()
+    assert info["tokenizer_class"] == type(tok).__name__ and info["eos_token"] == "<|im_end|>"
+    assert "chat_template" in info
+
+
+def test_invocations(server):
+    c = _post(server, "/invocations", {"prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0}).json()
+    assert c["object"] == "text_completion"
+    direct = _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0}).json()
+    assert c["choices"][0]["text"] == direct["choices"][0]["text"]
+    c = _post(server, "/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+    assert c["object"] == "chat.completion"
+    r = _post(server, "/invocations", {"input": "hi"})
+    assert r.status_code == 400
+    assert _post(server, "/invocations", [1, 2]).status_code == 400
+
+
+def test_unknown_role_and_oov_detokenize_stay_strict(server):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server, "/detokenize", {"tokens": [10 ** 6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_vllm_request_metrics(server):
+    _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 3, "n": 2, "ignore_eos": True})
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for family in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
+                   "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens",
+                   "vllm:request_inference_time_seconds", "vllm:request_prefill_kv_computed_tokens",
+                   "vllm:num_requests_waiting_by_reason", "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached"):
+        assert f"# TYPE {family}" in text, family
+    line = next(x for x in text.splitlines() if x.startswith("vllm:request_max_num_generation_tokens_sum"))
+    assert float(line.rsplit(" ", 1)[1]) >= 3
+    assert not math.isnan(float(line.rsplit(" ", 1)[1]))

@@ -1,0 +1,318 @@
+"""Authenticated engine sockets (ipc/auth.py, docs/protocol.md "Threat model"): raw ZMQ peers
+without the key send garbage and forged messages to every TCP socket that carries engine traffic;
+nothing changes and the legitimate clients keep working. Malformed handshakes fail alone, the
+handshake socket's resources are bounded and HELLO reveals nothing.
+
+The handshake and client-socket properties are checked in process against the engine's real
+ClientIO (no model needed); one module-scoped headless engine with an attached `loom serve`
+checks the API server's sockets."""
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import requests
+import zmq
+
+from engine_core import client_io
+from engine_core.client import EngineCoreClient
+from engine_core.client_io import ClientIO
+from ipc.auth import CLIENT_ROLE, ENGINE_ROLE, CurveClient, derive_keys, new_keys
+from ipc.messages import (AttachRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
+                          Hello, MsgType)
+from ipc.sampling_params import SamplingParams
+from ipc.serial import Encoder
+from ipc.sockets import free_tcp_port, make_socket
+from tests.conftest import ROOT, Server, child_pids
+
+KEY = "test-auth-key"
+ENC = Encoder()
+MODEL_PATH = "/very/secret/model/path"
+
+
+def _frames(kind: MsgType, msg) -> list:
+    return [bytes(f) for f in ENC.encode(kind.value, msg)]
+
+
+def _forgeries() -> list[list[bytes]]:
+    """Garbage and well-formed messages of every type a peer could forge."""
+    out = EngineCoreOutputs([EngineCoreOutput("forged", [1, 2, 3], "stop")], 0, 0.0)
+    add = EngineCoreRequest("forged-add", [1, 2, 3], SamplingParams(max_tokens=2))
+    return [[b"\xff" * 64], [b"\x05", b"garbage"], _frames(MsgType.ENGINE_DEAD, "forged death"),
+            _frames(MsgType.OUTPUTS, out), _frames(MsgType.ADD, add), _frames(MsgType.ABORT, ["x"]),
+            [b""], [b"\x04"]]
+
+
+def _handshake_dealer(ctx, address: str, key: str | None) -> zmq.Socket:
+    auth = CurveClient(derive_keys(key, CLIENT_ROLE), derive_keys(key, ENGINE_ROLE).public) if key else None
+    return make_socket(ctx, zmq.DEALER, address, bind=False, auth=auth)
+
+
+def _ask(sock: zmq.Socket, frames: list, timeout: float = 3.0) -> list[bytes] | None:
+    sock.send_multipart(frames)
+    if not sock.poll(timeout * 1000):
+        return None
+    return sock.recv_multipart()
+
+
+def _hello(sock) -> Hello:
+    reply = _ask(sock, _frames(MsgType.HELLO, None))
+    assert reply is not None and reply[0] == MsgType.HELLO.value, reply
+    return msgspec.msgpack.decode(reply[1], type=Hello)
+
+
+def _attach_raw(sock, req: AttachRequest) -> tuple[bytes, object]:
+    _hello(sock)
+    reply = _ask(sock, _frames(MsgType.ATTACH, req))
+    assert reply is not None, "no answer to ATTACH"
+    return reply[0], msgspec.msgpack.decode(reply[1])
+
+
+@pytest.fixture(scope="module", params=[None, KEY], ids=["no-key", "key"])
+def engine_io(request):
+    """The engine's real client I/O (no model): what ADD / ABORT reach the engine lands in `inputs`."""
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    inputs: queue.Queue = queue.Queue()
+    io = ClientIO(EngineReady(128, 10, 16, 0, MODEL_PATH), inputs, [], address, request.param)
+    io.start()
+    ctx = zmq.Context()
+    client = EngineCoreClient.attach(address, request.param, timeout=10)
+    try:
+        yield address, io, inputs, request.param, client, ctx
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+        io.close()
+
+
+def _roundtrip(io: ClientIO, inputs: queue.Queue, client: EngineCoreClient, tag: str) -> None:
+    """The legitimate client still works both ways: its ADD reaches the engine, outputs reach it."""
+    while not inputs.empty():
+        inputs.get_nowait()
+    client.add_request(EngineCoreRequest(tag, [1, 2], SamplingParams(max_tokens=1)))
+    kind, msg = inputs.get(timeout=5)
+    assert kind == MsgType.ADD.value and msg.request_id == tag and msg.client_index == client.client_index
+    assert inputs.empty(), "something besides the client's own ADD reached the engine"
+    io.send(client.client_index, MsgType.OUTPUTS.value,
+            EngineCoreOutputs([EngineCoreOutput(tag, [7], "length")], 0, time.time()))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        outs = client.get_outputs(timeout=1)
+        if outs is not None and any(o.request_id == tag for o in outs.outputs):
+            assert not client.is_dead
+            return
+    raise AssertionError("the legitimate client got no output")
+
+
+def test_hello_reveals_nothing(engine_io):
+    address, io, _, key, _, ctx = engine_io
+    sock = _handshake_dealer(ctx, address, key)
+    try:
+        reply = _ask(sock, _frames(MsgType.HELLO, None))
+        assert reply is not None
+        assert MODEL_PATH.encode() not in b"".join(reply)
+        hello = msgspec.msgpack.decode(reply[1], type=Hello)
+        assert hello.model == "" and hello.auth_required == (key is not None)
+        assert hello.engine_public_key == io.keys.public
+    finally:
+        sock.close(linger=0)
+
+
+BAD_ATTACHES = [
+    AttachRequest("tcp://[::1", "tcp://127.0.0.1:1", "", new_keys().public),
+    AttachRequest("nonsense", "nonsense", "", new_keys().public),
+    AttachRequest("tcp://127.0.0.1:notaport", "tcp://127.0.0.1:1", "", new_keys().public),
+    AttachRequest("tcp://127.0.0.1:1", "tcp://", "", new_keys().public),
+    AttachRequest("tcp://" + "x" * 5000 + ":1", "tcp://127.0.0.1:1", "", new_keys().public),
+    AttachRequest("inproc://anything", "inproc://else", "", b""),
+    AttachRequest("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "", b""),          # tcp:// without a CURVE key
+    AttachRequest("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "", b"short key"),
+]
+
+
+def test_malformed_handshakes_fail_alone(engine_io):
+    """Each bad ATTACH gets REFUSED; the attached client keeps working and new clients can attach."""
+    address, io, inputs, key, client, ctx = engine_io
+    from engine_core.client_io import auth_proof
+    sock = _handshake_dealer(ctx, address, key)
+    try:
+        for bad in BAD_ATTACHES:
+            hello = _hello(sock)
+            bad.auth_proof = auth_proof(key, hello.nonce) if key else ""
+            reply = _ask(sock, _frames(MsgType.ATTACH, bad))
+            assert reply is not None and reply[0] == MsgType.REFUSED.value, (bad, reply)
+        for junk in ([MsgType.ATTACH.value, b"\xc1garbage"], [MsgType.ATTACH.value], [b"\x7f", b"x"], [b""]):
+            _hello(sock)
+            reply = _ask(sock, junk)
+            assert reply is not None and reply[0] == MsgType.REFUSED.value, (junk, reply)
+        # ATTACH without a HELLO first
+        reply = _ask(sock, _frames(MsgType.ATTACH, AttachRequest("ipc:///tmp/x", "ipc:///tmp/y")))
+        assert reply[0] == MsgType.REFUSED.value and b"HELLO" in reply[1]
+    finally:
+        sock.close(linger=0)
+    assert io.healthy()
+    _roundtrip(io, inputs, client, "after-bad-handshakes")
+    second = EngineCoreClient.attach(address, key, timeout=10)
+    try:
+        _roundtrip(io, inputs, second, "second-client")
+    finally:
+        second.close()
+
+
+def test_handshake_bounds(engine_io, monkeypatch):
+    """Pending nonces are capped and expire; an oversized message is dropped by libzmq."""
+    address, io, inputs, key, client, ctx = engine_io
+    socks = [_handshake_dealer(ctx, address, key) for _ in range(5)]
+    nowhere = _frames(MsgType.ATTACH, AttachRequest("ipc:///nowhere/a", "ipc:///nowhere/b"))
+    try:
+        monkeypatch.setattr(client_io, "HELLO_TTL_S", 0.3)
+        _hello(socks[0])
+        time.sleep(0.5)
+        _hello(socks[1])   # any handshake message purges what has expired
+        refused = _ask(socks[0], nowhere)
+        assert refused[0] == MsgType.REFUSED.value and b"HELLO" in refused[1]   # its nonce expired
+        monkeypatch.setattr(client_io, "HELLO_TTL_S", 30.0)
+        monkeypatch.setattr(client_io, "MAX_PENDING_HELLOS", 3)
+        for s in socks:
+            _hello(s)
+        assert len(io.pending_hellos) <= 3
+        refused = _ask(socks[0], nowhere)
+        assert refused[0] == MsgType.REFUSED.value and b"HELLO" in refused[1]   # its nonce was evicted
+        # a message beyond the handshake socket's MAXMSGSIZE: dropped with its connection, no answer
+        assert _ask(socks[3], [MsgType.HELLO.value, b"x" * (client_io.HANDSHAKE_MAX_MSG_BYTES + 1)], 1.0) is None
+        assert _hello(socks[4]).nonce
+    finally:
+        for s in socks:
+            s.close(linger=0)
+    _roundtrip(io, inputs, client, "after-bounds")
+
+
+def test_no_key_gets_nothing_from_a_keyed_engine(engine_io):
+    address, io, inputs, key, client, ctx = engine_io
+    if key is None:
+        pytest.skip("the engine has no key: any local peer may attach (docs/protocol.md)")
+    failed_before = io.handshake_watch.failed
+    refused_before = io._guard.refused
+    plain = _handshake_dealer(ctx, address, None)
+    wrong = _handshake_dealer(ctx, address, "wrong key")
+    # knows the engine's (derived) server key but not the client key: refused by the ZAP handler
+    zap = make_socket(ctx, zmq.DEALER, address, bind=False,
+                      auth=CurveClient(new_keys(), derive_keys(key, ENGINE_ROLE).public))
+    try:
+        for s in (plain, wrong, zap):
+            for frames in [_frames(MsgType.HELLO, None), *_forgeries()]:
+                s.send_multipart(frames)
+            assert not s.poll(1000), "a peer without the key got an answer"
+    finally:
+        for s in (plain, wrong, zap):
+            s.close(linger=0)
+    with pytest.raises(PermissionError):
+        EngineCoreClient.attach(address, None, timeout=5)
+    with pytest.raises(PermissionError):
+        EngineCoreClient.attach(address, "wrong key", timeout=5)
+    assert io.handshake_watch.failed > failed_before and io._guard.refused > refused_before
+    assert inputs.empty()
+    _roundtrip(io, inputs, client, "after-no-key")
+
+
+def test_forged_frames_to_an_attached_client(engine_io):
+    """The client's own tcp:// ROUTER and PULL: peers without the engine's key are dropped, counted
+    and logged; a forged ENGINE_DEAD or OUTPUTS never reaches the client."""
+    address, io, inputs, key, client, ctx = engine_io
+    peers = []
+    for target, kind in ((client.input_address, zmq.DEALER), (client.output_address, zmq.PUSH)):
+        peers.append(make_socket(ctx, kind, target, bind=False))   # no CURVE at all
+        peers.append(make_socket(ctx, kind, target, bind=False,    # knows the client's key, not the engine's
+                                 auth=CurveClient(new_keys(), client.keys.public)))
+    for p in peers:
+        for frames in _forgeries():
+            p.send_multipart(frames)
+    time.sleep(1.0)
+    for _ in range(5):
+        assert client.get_outputs(timeout=0.2) is None   # nothing forged arrives
+    assert not client.is_dead
+    for p in peers:
+        p.close(linger=0)
+    time.sleep(0.3)
+    assert client.get_outputs(timeout=0.3) is None and not client.is_dead   # their departure is not the engine's
+    assert client.guard.refused >= 2 and client.handshake_watch.failed >= 2
+    _roundtrip(io, inputs, client, "after-forgeries")
+
+
+# ------------------------------------------------------------------ a real attached API server
+
+def _listening_tcp_ports(pid: int) -> set[int]:
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if f"pid={pid}," in line}
+
+
+@pytest.fixture(scope="module")
+def attached_server(tiny_model_dir):
+    """A headless engine with a key, and a `loom serve` whose API server attaches to it."""
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
+                               "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "256"],
+                              cwd=ROOT, start_new_session=True)
+    api = Server(tiny_model_dir, "--engine-address", address, "--max-model-len", "256",
+                 env={"LOOM_ENGINE_AUTH_KEY": KEY})
+    try:
+        deadline = time.monotonic() + 120
+        while True:   # the API server retries attaching until the engine is up
+            try:
+                api.wait_healthy(timeout=5)
+                break
+            except (TimeoutError, RuntimeError):
+                if time.monotonic() > deadline or engine.poll() is not None:
+                    raise
+                if api.proc.poll() is not None:
+                    api = Server(tiny_model_dir, "--engine-address", address, "--max-model-len", "256",
+                                 env={"LOOM_ENGINE_AUTH_KEY": KEY})
+        yield address, api
+    finally:
+        api.stop()
+        engine.terminate()
+        try:
+            engine.wait(20)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+
+
+def _complete(url: str) -> str:
+    r = requests.post(url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_forged_frames_to_an_attached_api_server(attached_server):
+    address, api = attached_server
+    before = _complete(api.url)
+    (server_pid,) = child_pids(api.proc.pid)
+    ports = _listening_tcp_ports(server_pid) - {api.port}
+    assert len(ports) == 2, ports   # its input ROUTER and output PULL
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for port in ports:
+            for kind in (zmq.DEALER, zmq.PUSH):
+                peers.append(make_socket(ctx, kind, f"tcp://127.0.0.1:{port}", bind=False))
+                peers.append(make_socket(ctx, kind, f"tcp://127.0.0.1:{port}", bind=False,
+                                         auth=CurveClient(new_keys(), new_keys().public)))
+        peers.append(_handshake_dealer(ctx, address, None))   # and the engine's handshake socket
+        for p in peers:
+            for frames in _forgeries():
+                p.send_multipart(frames)
+        time.sleep(1.5)
+        for p in peers:
+            p.close(linger=0)
+        time.sleep(0.5)
+        assert requests.get(api.url + "/health", timeout=5).status_code == 200
+        assert _complete(api.url) == before
+        assert api.proc.poll() is None
+    finally:
+        ctx.destroy(linger=0)
+

@@ -1,0 +1,418 @@
+"""One bad request never takes the server down (issue 10, part 1 and 3).
+
+Every input that crashed the engine or got a 500 has a regression test here, over HTTP against
+ONE real `loom serve` and over the engine protocol through a client attached to ONE headless
+engine; afterwards both still answer, and a greedy request gives the same tokens as before.
+Also: request-supplied chat templates are refused by default, one user's huge request does not
+hold up another's small one, and work queued for a client that has gone is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from engine_core.client import EngineCoreClient
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
+from ipc.sockets import free_tcp_port
+from tests.conftest import ROOT, Server, run_fake
+
+KEY = "hardening-key"
+MAX_MODEL_LEN = 256
+BODY_LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = Server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-control-endpoints",
+               "--max-request-body-bytes", str(BODY_LIMIT))
+    try:
+        s.wait_healthy(180)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tiny_model_dir) -> int:
+    with open(f"{tiny_model_dir}/config.json") as f:
+        return json.load(f)["vocab_size"]
+
+
+def _post(server, path: str, body=None, raw: bytes | None = None, timeout: float = 60):
+    data = raw if raw is not None else json.dumps(body).encode()
+    return requests.post(server.url + path, data=data, headers={"Content-Type": "application/json"},
+                         timeout=timeout)
+
+
+def _greedy(server) -> str:
+    r = _post(server, "/v1/completions", {"prompt": [11, 12, 13, 14], "max_tokens": 8, "temperature": 0,
+                                          "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _crash_bodies(vocab: int):
+    """(path, body or raw bytes, param) that crashed the engine or got a 500 before."""
+    p = {"prompt": [11, 12, 13], "max_tokens": 2}
+    m = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return [
+        ("/v1/completions", {**p, "top_k": 2 ** 31}, "top_k"),
+        ("/v1/completions", {**p, "top_k": 2 ** 64}, "top_k"),
+        ("/v1/completions", {**p, "top_k": 2 ** 70}, "top_k"),
+        ("/v1/chat/completions", {**m, "top_k": 2 ** 31}, "top_k"),
+        ("/v1/completions", {**p, "seed": 2 ** 64}, "seed"),
+        ("/v1/completions", {**p, "seed": 2 ** 63}, "seed"),
+        ("/v1/completions", {**p, "seed": -2 ** 63 - 1}, "seed"),
+        ("/v1/completions", {**p, "seed": 2 ** 80}, "seed"),
+        ("/v1/completions", {**p, "logit_bias": {"-1": 5}}, "logit_bias"),
+        ("/v1/completions", {**p, "logit_bias": {str(vocab): 5}}, "logit_bias"),
+        ("/v1/completions", {**p, "logit_bias": {str(2 ** 70): 5}}, "logit_bias"),
+        ("/v1/completions", {**p, "stop_token_ids": [vocab], "min_tokens": 1}, "stop_token_ids"),
+        ("/v1/completions", {**p, "stop_token_ids": [-1], "min_tokens": 1}, "stop_token_ids"),
+        ("/v1/completions", {**p, "n": 2 ** 40}, "n"),
+        ("/v1/completions", {**p, "max_tokens": 2 ** 70}, "max_tokens"),
+        ("/v1/completions", {**p, "min_tokens": 2 ** 70, "max_tokens": None}, "min_tokens"),
+        ("/v1/completions", {**p, "logprobs": 2 ** 70}, "logprobs"),
+        ("/v1/completions", {"prompt": [2 ** 70], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [-5, 1], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {**p, "stop": ["x"] * 2000}, "stop"),
+        ("/v1/completions", {"prompt": [[1, 2]] * 10_000, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 600, "n": 2, "max_tokens": 1}, "n"),
+        ("/v1/completions", {**p, "truncate_prompt_tokens": 2 ** 70}, "truncate_prompt_tokens"),
+        # nested 10,000 deep: in a field we read, one we ignore, and one we pass on
+        ("/v1/completions", f'{{"prompt": {_nested(10_000)}}}'.encode(), None),
+        ("/v1/completions", f'{{"prompt": "x", "unknown": {_nested(10_000)}}}'.encode(), None),
+        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "x"}}], '
+                                 f'"chat_template_kwargs": {{"a": {_nested(10_000)}}}}}'.encode(), None),
+        ("/tokenize", f'{{"prompt": "x", "z": {_nested(10_000)}}}'.encode(), None),
+        ("/collective_rpc", f'{{"method": "ping", "args": {_nested(10_000)}}}'.encode(), None),
+        # invalid UTF-8
+        ("/v1/completions", b'{"prompt": "\xff\xfe abc", "max_tokens": 2}', None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', None),
+        ("/tokenize", b'{"prompt": "\xed\xa0\x80"}', None),
+        ("/detokenize", b'{"tokens": [1], "model": "\xff"}', None),
+        ("/invocations", b'{"prompt": "\xff"}', None),
+        ("/invocations", f'{{"prompt": {_nested(10_000)}}}'.encode(), None),
+    ]
+
+
+def test_crash_inputs_get_400_over_http(server, vocab_size):
+    before = _greedy(server)
+    for path, body, param in _crash_bodies(vocab_size):
+        t0 = time.monotonic()
+        r = _post(server, path, raw=body) if isinstance(body, bytes) else _post(server, path, body)
+        assert r.status_code == 400, (path, str(body)[:200], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == 400 and err["type"] == "BadRequestError", err
+        if param is not None:
+            assert err["param"] == param, (body if not isinstance(body, bytes) else body[:80], err)
+        assert time.monotonic() - t0 < 10, (path, "took too long")
+        assert "Traceback" not in r.text and ".py" not in r.text
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    assert _greedy(server) == before
+
+
+def test_integers_at_the_limits_still_work(server, vocab_size):
+    p = {"prompt": [11, 12, 13], "max_tokens": 2}
+    for extra in ({"top_k": 2 ** 31 - 1}, {"top_k": -1}, {"seed": 2 ** 63 - 1}, {"seed": -2 ** 63},
+                  {"logit_bias": {str(vocab_size - 1): 100, "0": -100}},
+                  {"stop_token_ids": [vocab_size - 1], "min_tokens": 1}):
+        r = _post(server, "/v1/completions", {**p, **extra})
+        assert r.status_code == 200, (extra, r.text)
+
+
+def test_body_size_limit(server):
+    r = _post(server, "/v1/completions", {"prompt": "a" * (BODY_LIMIT + 10)})
+    assert r.status_code == 413, r.text
+    assert "--max-request-body-bytes" in r.json()["error"]["message"]
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_stream_options_without_stream_and_constraints(server):
+    """Bad stream_options or constraints are 400s; good constraints run (tests/test_structured_outputs.py
+    checks what they produce)."""
+    p = {"prompt": "hi", "max_tokens": 2}
+    m = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    cases = [
+        ("/v1/completions", {**p, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {**m, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {**m, "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format"),
+        ("/v1/completions", {**p, "structured_outputs": {"choice": []}}, "structured_outputs"),
+        ("/v1/completions", {**p, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
+        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, "tool_choice"),
+        ("/v1/chat/completions", {**m, "tools": tools}, "tool_choice"),   # auto needs --enable-auto-tool-choice
+    ]
+    for path, body, param in cases:
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    ok = [
+        ("/v1/completions", {**p, "response_format": {"type": "text"}}),
+        ("/v1/completions", {**p, "response_format": {"type": "json_object"}}),
+        ("/v1/completions", {**p, "structured_outputs": {"choice": ["a", "b"]}}),
+        ("/v1/chat/completions", {**m, "guided_json": {"type": "object"}}),
+        ("/v1/completions", {**p, "guided_regex": "a+"}),
+        ("/v1/chat/completions", {**m, "guided_grammar": "root ::= \"a\""}),
+        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": "required"}),
+        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": {"type": "function", "function": {
+            "name": "f"}}}),
+    ]
+    for path, body in ok:
+        r = _post(server, path, body)
+        assert r.status_code == 200, (body, r.text)
+
+
+def test_request_chat_template_refused_by_default(server):
+    m = [{"role": "user", "content": "hi"}]
+    evil = "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% endfor %}{% endfor %}"
+    for path, body in [("/v1/chat/completions", {"messages": m, "chat_template": evil}),
+                       ("/v1/chat/completions", {"messages": m, "chat_template_kwargs": {"chat_template": evil}}),
+                       ("/tokenize", {"messages": m, "chat_template": evil}),
+                       ("/tokenize", {"messages": m, "chat_template_kwargs": {"chat_template": evil}})]:
+        t0 = time.monotonic()
+        r = _post(server, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+
+
+def test_huge_requests_do_not_delay_a_small_one(server):
+    """A 900 KB prompt (tokenized in the large lane) and the most stop strings allowed, sent
+    together: another user's small request is answered within 2 s meanwhile."""
+    big_prompt = {"prompt": "lorem ipsum dolor " * 50_000, "max_tokens": 1}
+    stops = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stop": [f"stop-{i}-" + "z" * 400
+                                                                          for i in range(1024)]}
+    results = {}
+
+    def hammer(name, body):
+        for _ in range(3):
+            results.setdefault(name, []).append(_post(server, "/v1/completions", body).status_code)
+
+    threads = [threading.Thread(target=hammer, args=("big", big_prompt)),
+               threading.Thread(target=hammer, args=("stops", stops))]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    worst = 0.0
+    for _ in range(5):
+        t0 = time.monotonic()
+        r = _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        worst = max(worst, time.monotonic() - t0)
+        assert r.status_code == 200, r.text
+    for t in threads:
+        t.join(120)
+    assert results["big"] == [400] * 3      # too long for --max-model-len, but tokenized to know it
+    assert results["stops"] == [200] * 3
+    assert worst < 2.0, f"a small request waited {worst:.2f}s behind huge ones"
+
+
+def test_tokenization_for_a_gone_client_is_skipped():
+    """Queued tokenization of clients that have gone never runs (in-process, scripted engine)."""
+    from tests.test_api_server import FakeLLM
+    llm = FakeLLM(tokenizer_delay=0.0)
+    calls = []
+    encode = llm.tokenizer.encode
+
+    def slow_encode(text, add_special_tokens=True):
+        calls.append(len(text))
+        time.sleep(1.0)
+        return encode(text[:10], add_special_tokens)
+    llm.tokenizer.encode = slow_encode
+
+    async def scenario(session, url, llm):
+        big = {"prompt": "x" * 100_000, "max_tokens": 1}   # the large lane: one at a time
+        for _ in range(4):
+            try:
+                await session.post(url + "/v1/completions", json=big, timeout=aiohttp.ClientTimeout(total=0.2))
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.sleep(2.5)
+        return list(calls)
+    calls_seen = run_fake(llm, scenario)
+    # the first started before its client left; the three queued behind it were cancelled
+    assert len(calls_seen) <= 2, calls_seen
+
+
+# ------------------------------------------------------------------ the engine protocol
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
+                             "--engine-address", address, "--engine-auth-key", KEY,
+                             "--max-model-len", str(MAX_MODEL_LEN)], cwd=ROOT, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + 180
+        while client is None:
+            try:
+                client = EngineCoreClient.attach(address, KEY, timeout=2)
+            except TimeoutError:
+                assert proc.poll() is None and time.monotonic() < deadline, "headless engine did not start"
+        yield client, proc
+    finally:
+        if client is not None:
+            client.close()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run(client: EngineCoreClient, rid: str, prompt, params: SamplingParams, eos=()):
+    client.add_request(EngineCoreRequest(rid, prompt, params, list(eos)))
+    tokens = []
+    while True:
+        outs = client.get_outputs(timeout=60)
+        assert outs is not None, "no output within 60 s"
+        for o in outs.outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                if o.finish_reason:
+                    return tokens, o
+
+
+def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
+    client, proc = engine
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    before, _ = _run(client, "before", [11, 12, 13, 14], SamplingParams(**greedy))
+    bad = [
+        ("top_k", [11, 12], SamplingParams(top_k=2 ** 31), ()),
+        ("top_k", [11, 12], SamplingParams(top_k=2 ** 63), ()),
+        ("logit_bias", [11, 12], SamplingParams(logit_bias={-3: 1.0}, temperature=0), ()),
+        ("logit_bias", [11, 12], SamplingParams(logit_bias={vocab_size: 1.0}), ()),
+        ("logit_bias", [11, 12], SamplingParams(logit_bias={1: float("nan")}), ()),
+        ("eos_token_ids", [11, 12], SamplingParams(min_tokens=3, max_tokens=4), (vocab_size + 5,)),
+        ("eos_token_ids", [11, 12], SamplingParams(min_tokens=3, max_tokens=4), (-1,)),
+        ("stop_token_ids", [11, 12], SamplingParams(min_tokens=2, stop_token_ids=[vocab_size]), ()),
+        ("seed", [11, 12], SamplingParams(seed=2 ** 64 - 1), ()),
+        ("seed", [11, 12], SamplingParams(seed=-2 ** 63), ()),   # fits: must run
+        ("prompt", [vocab_size], SamplingParams(), ()),
+        ("prompt", [-1, 3], SamplingParams(), ()),
+        ("prompt", [], SamplingParams(), ()),
+        ("prompt", [1] * MAX_MODEL_LEN, SamplingParams(), ()),
+        ("temperature", [11, 12], SamplingParams(temperature=float("nan")), ()),
+        ("temperature", [11, 12], SamplingParams(temperature=float("inf")), ()),
+        ("top_p", [11, 12], SamplingParams(top_p=float("nan")), ()),
+        ("repetition_penalty", [11, 12], SamplingParams(repetition_penalty=float("inf")), ()),
+        ("n", [11, 12], SamplingParams(n=0), ()),
+        ("max_tokens", [11, 12], SamplingParams(max_tokens=0), ()),
+        ("logprobs", [11, 12], SamplingParams(logprobs=10 ** 6), ()),
+        ("prompt_logprobs", [11, 12], SamplingParams(prompt_logprobs=-2), ()),
+    ]
+    for i, (param, prompt, params, eos) in enumerate(bad):
+        tokens, out = _run(client, f"bad-{i}", prompt, params, eos)
+        if param == "seed" and params.seed == -2 ** 63:
+            assert out.finish_reason == "length" and out.error is None, out
+            continue
+        assert out.finish_reason == "error" and out.error and param in out.error, (param, out)
+        assert tokens == []
+    assert proc.poll() is None
+    assert client.call_utility("ping") == "pong"
+    after, _ = _run(client, "after", [11, 12, 13, 14], SamplingParams(**greedy))
+    assert after == before
+    info = client.call_utility("debug_info")
+    assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
+
+
+# ------------------------------------------------------------------ fuzzing every endpoint's fields
+
+_FUZZ_BUDGET_S = 50.0
+_ENDPOINTS = {
+    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop",
+                        "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "echo", "logit_bias",
+                        "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options",
+                        "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+                        "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "best_of",
+                        "suffix", "add_special_tokens", "response_format", "model", "user", "guided_regex"],
+    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "n",
+                             "logprobs", "top_logprobs", "stop", "stream", "stream_options", "echo", "tools",
+                             "tool_choice", "add_generation_prompt", "continue_final_message", "chat_template",
+                             "chat_template_kwargs", "prompt_logprobs", "return_token_ids", "logit_bias",
+                             "min_tokens", "response_format", "model"],
+    "/tokenize": ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                  "chat_template_kwargs", "model"],
+    "/detokenize": ["tokens", "model"],
+    "/invocations": ["prompt", "messages", "max_tokens", "stream", "temperature"],
+    "/collective_rpc": ["method", "args", "kwargs", "timeout"],
+}
+
+
+def _fuzz_values():
+    from hypothesis import strategies as st
+    scalars = st.one_of(
+        st.none(), st.booleans(),
+        st.sampled_from([0, 1, 2, 3, -1, -2, 7, 255, 256, 2 ** 31 - 1, 2 ** 31, 2 ** 63, 2 ** 64, -2 ** 63 - 1,
+                         2 ** 100, 10 ** 6]),
+        st.integers(-300, 300),
+        st.floats(allow_nan=False, allow_infinity=False, width=64),
+        st.sampled_from([0.0, 0.5, 1.0, 1e308, -1e-9, 2.0, 100.0]),
+        st.text(max_size=12), st.sampled_from(["", "hi", "text", "user", "assistant", "wizard", "ping", "sleep",
+                                               "required", "auto", "none", "json_object", "\u0000", "\ud7ff"]))
+    tree = st.recursive(scalars, lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage",
+                                         "continuous_usage_stats", "1", "-1", "99999", "name", "x"]), kids,
+                        max_size=4)), max_leaves=12)
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool",
+                                                                        "bad"]),
+                                               "content": st.one_of(st.text(max_size=20), tree)}),
+                        max_size=3)
+    return tree, messages
+
+
+def test_fuzz_every_endpoint(server):
+    """Random bodies, field by field, to every POST endpoint: always 2xx or 4xx in OpenAI's error
+    shape, never a 5xx or a hang; afterwards a greedy request gives the same text as before."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    tree, messages = _fuzz_values()
+    before = _greedy(server)
+    start = time.monotonic()
+    seen = {"requests": 0}
+
+    body = st.sampled_from(sorted(_ENDPOINTS)).flatmap(lambda path: st.tuples(st.just(path), st.one_of(
+        st.fixed_dictionaries({}, optional={f: (messages if f == "messages" else tree) for f in _ENDPOINTS[path]}),
+        st.binary(max_size=40))))
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(body)
+    def one(case):
+        if time.monotonic() - start > _FUZZ_BUDGET_S:
+            return
+        path, payload = case
+        if isinstance(payload, dict) and isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 8:
+            payload["max_tokens"] = 8      # keep the CPU work of one case small; range checks are above
+        raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        r = requests.post(server.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        seen["requests"] += 1
+        body_text = r.text     # a stream is read to its end here
+        assert r.status_code < 500, (path, raw[:300], r.status_code, body_text[:300])
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["code"] == r.status_code and isinstance(err["message"], str), body_text
+        elif r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            assert body_text.rstrip().endswith("data: [DONE]"), body_text[-200:]
+            assert '"code":5' not in body_text, body_text[-300:]
+    one()
+    assert seen["requests"] >= 50
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    assert _greedy(server) == before
