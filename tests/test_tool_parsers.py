@@ -93,3 +93,73 @@ def test_required_and_named_outputs():
     assert got["content"] == "" and len({c.get("id") for c in got["tool_calls"]} - {None}) == 1
     assert "".join(c["function"]["arguments"] for c in got["tool_calls"]) == '{"a": 1, "b": true}'
     assert got["tool_calls"][0]["function"]["name"] == "add"
+
+
+# ------------------------------------------------------------------ through the API server (scripted engine)
+
+class _ScriptedLLM:
+    """Stands in for AsyncLLM: every request's output is SCRIPT, one character per token."""
+    SCRIPT = ('<think>Weather needs a tool.</think>Checking. <tool_call>{"name": "get_weather", '
+              '"arguments": {"city": "Rome"}}</tool_call>')
+
+    def __init__(self, **config):
+        from ipc.config import EngineConfig
+        from tests.test_api_server import FakeTokenizer
+        self.config = EngineConfig(model="fake", max_model_len=4096, vocab_size=1000, **config)
+        self.tokenizer = FakeTokenizer()
+        self.client_index = 0
+        self.dead_reason = None
+        self.is_dead = False
+
+    async def generate(self, prompt_token_ids, params, request_id):
+        from frontend.outputs import CompletionOutput, RequestOutput
+        for i, ch in enumerate(self.SCRIPT):
+            last = i == len(self.SCRIPT) - 1
+            yield RequestOutput(request_id, None, prompt_token_ids,
+                                [CompletionOutput(0, ch, [ord(ch) % 1000], "stop" if last else None)], finished=last)
+
+    async def abort(self, request_id):
+        pass
+
+
+def test_reasoning_and_auto_tool_calls_through_the_api_server():
+    """--reasoning-parser qwen3 with --tool-call-parser hermes: reasoning_content, content and
+    tool_calls, whole and streamed (OpenAI's deltas), and the invocation counter."""
+    from tests.conftest import run_fake
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+        deltas = []
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    deltas.append(json.loads(line[6:]))
+        async with session.get(url + "/metrics") as r:
+            metrics = await r.text()
+        return whole, deltas, metrics
+
+    whole, deltas, metrics = run_fake(_ScriptedLLM(reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                                                   tool_call_parser="hermes"), scenario)
+    [choice] = whole["choices"]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert msg["reasoning_content"] == "Weather needs a tool." and msg["content"] == "Checking. "
+    [call] = msg["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    got = {"reasoning_content": "", "content": "", "tool_calls": []}
+    finish = None
+    for d in deltas:
+        for c in d["choices"]:
+            finish = c["finish_reason"] or finish
+            for k in got:
+                v = c["delta"].get(k)
+                if v:
+                    got[k] = got[k] + v
+    assert finish == "tool_calls"
+    assert got["reasoning_content"] == msg["reasoning_content"] and got["content"] == msg["content"]
+    assert [c["function"] for c in got["tool_calls"]] == [call["function"]]
+    assert 'vllm:tool_call_parser_invocations_total{' in metrics
