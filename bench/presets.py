@@ -1,5 +1,5 @@
 """Real model shapes for benchmarks: the config.json of Qwen3-0.6B, Llama-3.2-1B,
-Llama-3.1-8B and Qwen3-8B (values as published on the Hugging Face Hub), plus
+Llama-3.1-8B, Llama-3.1-70B and Qwen3-8B (values as published on the Hugging Face Hub), plus
 a stand-in tokenizer, written into a directory that `LLM(..., load_format="dummy")`
 and `loom serve DIR --load-format dummy` can load. Speed does not depend on the
 weights' values, so no checkpoint is needed.
@@ -76,6 +76,9 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-8b": {**_LLAMA3_COMMON, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
                      "num_hidden_layers": 32, "rope_scaling": _llama3_rope(8.0), "tie_word_embeddings": False,
                      "transformers_version": "4.43.0.dev0"},
+    "llama-3.1-70b": {**_LLAMA3_COMMON, "head_dim": 128, "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_hidden_layers": 80, "num_attention_heads": 64, "rope_scaling": _llama3_rope(8.0),
+                      "tie_word_embeddings": False, "transformers_version": "4.43.0.dev0"},
 }
 
 # special tokens at their real ids; the first listed eos is the model's eos_token

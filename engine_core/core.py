@@ -70,6 +70,7 @@ class EngineCore:
         """Queue a request; a bad one fails alone with an error output."""
         error = self._validate(ecr)
         if error:
+            self.scheduler.release_mm(ecr.mm_items)  # the workers still hold a store reference each
             return EngineCoreOutput(ecr.request_id, [], "error", error=error)
         seed = ecr.sampling_params.seed
         if seed is None:
@@ -81,6 +82,16 @@ class EngineCore:
         """The same checks as the API server's (ipc/validation.py): attached clients are not trusted."""
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
+        if ecr.mm_items:
+            if not self.config.mm_encoder_budget:
+                return "this model takes no images (or was started with --language-model-only)"
+            end, n = 0, len(ecr.prompt_token_ids)
+            for it in ecr.mm_items:
+                if it.offset < end or it.length < 1 or it.offset + it.length > n:
+                    return "multimodal placeholder ranges must be sorted, disjoint and inside the prompt"
+                if it.length > self.config.mm_encoder_budget:
+                    return f"an image of {it.length} tokens exceeds the encoder budget ({self.config.mm_encoder_budget})"
+                end = it.offset + it.length
         try:
             validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids)
         except RequestError as e:
@@ -100,7 +111,8 @@ class EngineCore:
     def _can_schedule(self) -> bool:
         if not self.control.can_step:
             return False
-        return bool(self.scheduler.running) or (self.control.admits_new and self.scheduler.has_schedulable_waiting())
+        return (bool(self.scheduler.running) or (self.control.admits_new and self.scheduler.has_schedulable_waiting())
+                or self.scheduler.has_releases())
 
     # ------------------------------------------------------------ one step
 
@@ -111,7 +123,7 @@ class EngineCore:
         samples once they are in (vLLM's deferred sample_tokens)."""
         if len(self.in_flight) < self.max_in_flight and self._can_schedule():
             so = self.scheduler.schedule(allow_new=self.control.admits_new)
-            if so.req_ids or so.new_requests or so.finished_req_ids:
+            if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
                 self.in_flight.append((so, self.executor.submit(so)))
                 if so.defer_sample and len(self.in_flight) == 1:
                     self._sample_deferred(so)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
 import zmq
 from multiprocessing.connection import wait as wait_sentinels
 
-from ipc.config import EngineConfig
+from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import start_process, stop_processes
 from ipc.serial import Decoder, Encoder
@@ -48,16 +49,31 @@ class Executor:
         self.enc = Encoder()
         self.dec = Decoder(WorkerReply)
         self._call_ids = itertools.count(1)
-        self.ring = BroadcastRing.create(self.world_size, ipc_dir)
-        self.rendezvous, self._store = self._serve_rendezvous(config)
+        nodes = Nodes(config)
+        self.ring = BroadcastRing.create(nodes.local, ipc_dir, remote=nodes.remote_spec())
+        self.rendezvous, self._store = self._serve_rendezvous(config, nodes)
         self.replies = []
         self.procs = []
-        for rank in range(self.world_size):
+        self._guard = None
+        self._remote_dead: str | None = None
+        self._remote_sock = None
+        self._dead_r, self._dead_w = os.pipe()  # readable once a worker of another node is gone
+        for rank in range(nodes.local):
             addr = ipc_address(ipc_dir, f"worker-reply-{rank}")
             self.replies.append(make_socket(self.ctx, zmq.PULL, addr, bind=True))
             self.procs.append(start_process(run_worker, f"loom-worker-{rank}",
                                             (rank, rank, config.to_dict(), self.ring.handle(), addr,
                                              self.rendezvous)))
+        if nodes.count > 1:  # the replies of the other nodes' workers
+            if nodes.auth_key:
+                from ipc.auth import PeerGuard, derive_keys
+                from shm.broadcast_ring import READER_ROLE
+                self._guard = PeerGuard(self.ctx, "tensor-parallel replies",
+                                        (derive_keys(nodes.auth_key, READER_ROLE).public,))
+            remote = make_socket(self.ctx, zmq.PULL, nodes.reply_address, bind=True, auth=nodes.reply_server())
+            self.replies.append(remote)
+            self._remote_sock = remote
+            self._watch_remote(remote)
         self.poller = zmq.Poller()
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
@@ -68,18 +84,55 @@ class Executor:
             ready.add(self._recv_step(None, deadline).rank)
 
     @staticmethod
-    def _serve_rendezvous(config: EngineConfig):
+    def _serve_rendezvous(config: EngineConfig, nodes: "Nodes"):
         """The engine core picks where the ranks meet: a TCPStore it serves itself, on a free
-        port of 127.0.0.1 for one node (bound, so nothing can take it before the ranks come)."""
+        port of 127.0.0.1 for one node (bound, so nothing can take it before the ranks come),
+        on --master-addr:--master-port across nodes."""
         if config.tensor_parallel_size == 1:
             return None, None
         from workers.distributed import Rendezvous, serve_rendezvous
-        store = serve_rendezvous("127.0.0.1", 0)
-        return Rendezvous("127.0.0.1", store.port, config.tensor_parallel_size), store
+        host, port = (config.master_addr, config.master_port) if nodes.count > 1 else ("127.0.0.1", 0)
+        store = serve_rendezvous(host, port)
+        return Rendezvous(host, store.port, config.tensor_parallel_size), store
 
     # ------------------------------------------------------------ liveness
 
+    def _watch_remote(self, sock: zmq.Socket) -> None:
+        """A worker of another node holds one connection to the reply socket, open from its
+        start to its end: that connection dropping is its death (its node died or went away).
+        A disconnect that follows a failed handshake is a stranger's, not a worker's."""
+        import threading
+        from zmq.utils.monitor import recv_monitor_message
+        from ipc.auth import HANDSHAKE_FAILED
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
+                                      | zmq.EVENT_MONITOR_STOPPED)
+
+        def watch():
+            workers = strangers = 0  # connections that passed the handshake / that failed it
+            try:
+                while True:
+                    ev = recv_monitor_message(mon)["event"]
+                    if ev == zmq.EVENT_MONITOR_STOPPED:
+                        return
+                    if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        workers += 1
+                    elif ev & HANDSHAKE_FAILED:
+                        strangers += 1
+                    elif strangers:  # the disconnect that follows a failed handshake
+                        strangers -= 1
+                    elif workers:
+                        self._remote_dead = "a worker on another node disconnected (its node died or stopped)"
+                        os.write(self._dead_w, b"x")
+                        return
+            except zmq.ZMQError:  # the context is terminating
+                pass
+            finally:
+                mon.close(linger=0)
+        threading.Thread(target=watch, name="remote-worker-watch", daemon=True).start()
+
     def dead_worker(self) -> str | None:
+        if self._remote_dead:
+            return self._remote_dead
         for p in self.procs:
             if not p.is_alive():
                 return f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}"
@@ -91,7 +144,9 @@ class Executor:
             raise WorkerError(dead)
 
     def sentinels(self) -> list[int]:
-        return [p.sentinel for p in self.procs]
+        """What to wait on for a worker's death: the local processes, and a pipe that becomes
+        readable when a worker of another node goes."""
+        return [p.sentinel for p in self.procs] + [self._dead_r]
 
     # ------------------------------------------------------------ calls
 
@@ -151,6 +206,17 @@ class Executor:
             raise RuntimeError("; ".join(errors))
         return [results[r] for r in range(self.world_size)]
 
+    def close_sockets(self) -> None:
+        for sock in self.replies:
+            if sock is self._remote_sock:
+                sock.disable_monitor()  # the watch thread then closes its end, which ctx.term() waits for
+            sock.close()
+        if self._guard is not None:
+            self._guard.close()
+        self.ctx.term()
+        os.close(self._dead_r)
+        os.close(self._dead_w)
+
     def shutdown(self) -> None:
         try:
             if all(p.is_alive() for p in self.procs):
@@ -160,6 +226,95 @@ class Executor:
             pass
         stop_processes(self.procs)
         self.ring.close()
-        for sock in self.replies:
-            sock.close()
-        self.ctx.term()
+        self.close_sockets()
+
+
+class Nodes:
+    """Where the ranks live when they span nodes: node n runs ranks [n * local, (n + 1) * local).
+    Node 0's engine core publishes each step on --master-port + 1 (the ring's TCP XPUB) and
+    takes the other nodes' replies on --master-port + 2; torch.distributed meets on
+    --master-port. With an auth key both sockets are CURVE (keys derived from the key);
+    without one they must stay on loopback."""
+
+    def __init__(self, config: EngineConfig):
+        self.count = config.nnodes
+        self.local = config.tensor_parallel_size // config.nnodes
+        self.world = config.tensor_parallel_size
+        self.node_rank = config.node_rank
+        self.addr, self.port = config.master_addr, config.master_port
+        self.auth_key = os.environ.get("LOOM_ENGINE_AUTH_KEY") or None
+        if self.count > 1:
+            check_network_security(self.addr, self.auth_key)
+
+    @property
+    def ring_address(self) -> str:
+        return f"tcp://{_bracket(self.addr)}:{self.port + 1}"
+
+    @property
+    def reply_address(self) -> str:
+        return f"tcp://{_bracket(self.addr)}:{self.port + 2}"
+
+    def remote_spec(self):
+        if self.count == 1:
+            return None
+        from shm.broadcast_ring import RemoteSpec
+        return RemoteSpec(self.ring_address, tuple(range(self.local, self.world)), self.auth_key)
+
+    def remote_handle(self):
+        from shm.broadcast_ring import RemoteHandle
+        return RemoteHandle(self.ring_address, self.auth_key)
+
+    def reply_server(self):
+        from shm.broadcast_ring import _curve_server
+        return _curve_server(self.auth_key)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def check_network_security(host: str, auth_key: str | None) -> None:
+    """Workers on other nodes read every step and can send replies: off loopback, require a key."""
+    if not auth_key and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"--master-addr {host} is reachable from the network: set --engine-auth-key "
+                          f"(or LOOM_ENGINE_AUTH_KEY) on every node so that the step broadcast and the "
+                          f"workers' replies are authenticated (CURVE)")
+
+
+def serve_secondary_node(config: EngineConfig) -> int:
+    """`loom serve MODEL --headless --nnodes N --node-rank R ...`: this node's workers, ranks
+    [R * local, (R + 1) * local). They read the steps from node 0's XPUB, reply to its PULL and
+    join the group at its rendezvous. Returns when a worker exits (non-zero: the engine is gone
+    or a worker failed) or on SIGTERM / Ctrl-C (0)."""
+    import signal
+    from workers.distributed import Rendezvous
+    from workers.worker import run_worker
+    nodes = Nodes(config)
+    first = nodes.node_rank * nodes.local
+    rdv = Rendezvous(nodes.addr, nodes.port, nodes.world)
+    procs = [start_process(run_worker, f"loom-worker-{rank}",
+                           (rank, rank - first, config.to_dict(), nodes.remote_handle(), nodes.reply_address, rdv))
+             for rank in range(first, first + nodes.local)]
+    stopping = False
+
+    def _on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    logger.info("node %d: workers %d..%d started; node 0 at %s", nodes.node_rank, first,
+                first + nodes.local - 1, nodes.addr)
+    code = 0
+    try:
+        while not stopping:
+            wait_sentinels([p.sentinel for p in procs], timeout=0.2)
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                for p in dead:
+                    logger.log(logging.ERROR if p.exitcode else logging.INFO,
+                               "%s exited with code %s; stopping this node", p.name, p.exitcode)
+                code = 1 if any(p.exitcode for p in dead) else 0
+                break
+    finally:
+        stop_processes(procs)
+    return code

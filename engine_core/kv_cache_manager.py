@@ -10,10 +10,12 @@ from engine_core.block_pool import BlockPool, KVBlock
 from engine_core.request import Request
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """A full block's hash chains its parent's, so equal hashes mean equal prefixes."""
-    payload = msgspec.msgpack.encode((parent or b"", token_ids))
-    return hashlib.sha256(payload).digest()
+def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+    """A full block's hash chains its parent's, so equal hashes mean equal prefixes. extra_keys:
+    the content hashes of the images whose placeholders the block holds (the placeholder token
+    ids are the same for every image). A block without any hashes as it always did."""
+    payload = (parent or b"", token_ids, list(extra_keys)) if extra_keys else (parent or b"", token_ids)
+    return hashlib.sha256(msgspec.msgpack.encode(payload)).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,7 +44,10 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            # images in the block are extra keys: same text, different image, different KV
+            extra = tuple(it.hash for it in req.mm_items
+                          if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute. None for a request

@@ -11,11 +11,12 @@ import time
 from collections import deque
 
 from ipc.config import EngineConfig
+from engine_core.encoder_cache_manager import EncoderCacheManager
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.structured_output import StructuredOutputManager
-from ipc.messages import (CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput, NewRequestData,
-                          PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
+from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
+                          NewRequestData, PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
 class Scheduler:
@@ -31,6 +32,9 @@ class Scheduler:
         self._stats = SchedulerStats()
         self._timings: list[tuple[int, RequestTiming]] = []   # (client_index, timing)
         self._unfittable: list[Request] = []     # failed at scheduling; reported with the next outputs
+        budget = config.mm_encoder_budget
+        self.encoder = EncoderCacheManager(budget, 2 * budget)
+        self.released_mm: list[tuple[str, int]] = []   # store entries of requests gone for good
 
     # ------------------------------------------------------------ requests in and out
 
@@ -57,9 +61,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_releases(self) -> bool:
+        """Whether a step should go out even with nothing to run: freed store entries or encoder
+        outputs that the workers must drop."""
+        return bool(self.released_mm or self.encoder.to_free)
+
+    def release_mm(self, items) -> None:
+        """The workers drop their store references with the next step (whether or not the
+        request ever ran), so the API server's store can reuse the room."""
+        self.released_mm.extend((it.store_name, it.store_addr) for it in items)
+
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self.encoder.drop_request(req)
+        self.release_mm(req.mm_items)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)
         if req.first_token_time:
@@ -73,6 +89,8 @@ class Scheduler:
 
     def schedule(self, allow_new: bool = True) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        enc_budget = self.encoder.budget
+        encode: dict[str, list[int]] = {}
         num_sched: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -83,6 +101,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if n > 0 and req.mm_items:
+                n, to_encode, cost = self.encoder.fit(req, req.num_computed_tokens, n, enc_budget)
             if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
                 i += 1
                 continue
@@ -94,6 +114,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: nothing below it is left either
+            if req.mm_items:
+                enc_budget -= self._commit_encoder(req, req.num_computed_tokens, n, to_encode, cost, encode)
             num_sched[req.request_id] = n
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
@@ -116,6 +138,10 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
             n = min(req.num_tokens - num_hit, budget)
+            if req.mm_items:
+                n, to_encode, cost = self.encoder.fit(req, num_hit, n, enc_budget)
+                if n <= 0:
+                    break  # its next image cannot be encoded in this step
             new_blocks = self.kv.allocate_slots(req, n, hits)
             if new_blocks is None:
                 if not self.running:
@@ -128,6 +154,8 @@ class Scheduler:
                 self._stats.prefix_cache_queries += req.num_tokens
                 self._stats.prefix_cache_hits += num_hit
             req.num_computed_tokens = num_hit
+            if req.mm_items:
+                enc_budget -= self._commit_encoder(req, num_hit, n, to_encode, cost, encode)
             req.status = RequestStatus.RUNNING
             if not req.first_scheduled_time:
                 req.first_scheduled_time = time.monotonic()
@@ -136,7 +164,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 req.request_id, req.prompt_token_ids, req.sampling_params,
                 self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
-                req.eos_token_ids))
+                req.eos_token_ids, req.mm_items))
             budget -= n
 
         self.waiting.extendleft(reversed(compiling))
@@ -155,15 +183,19 @@ class Scheduler:
             self._stats.num_attn_query_key_pairs += n * req.num_computed_tokens - n * (n - 1) // 2
             self._stats.num_kv_tokens_read += req.num_computed_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.mm_items:
+                self.encoder.advance(req)
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 self._stats.num_prompt_tokens += n
         self._stats.num_preemptions += len(preempted)
         self._stats.num_scheduled_tokens += sum(num_sched.values())
 
         finished, self.finished_req_ids = self.finished_req_ids, []
+        released, self.released_mm = self.released_mm, []
         self.step_id += 1
         so = SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
-                             sum(num_sched.values()), finished, self.step_id, defer_sample=defer_sample)
+                             sum(num_sched.values()), finished, self.step_id, encode,
+                             self.encoder.take_free(), released, defer_sample=defer_sample)
         if not defer_sample:
             so.grammar = self.grammar_bitmask(so)
         return so
@@ -175,6 +207,13 @@ class Scheduler:
     def has_schedulable_waiting(self) -> bool:
         """Whether a waiting request could join now (not all of them wait for their grammar)."""
         return any(self.structured.ready(req) for req in self.waiting)
+
+    def _commit_encoder(self, req: Request, start: int, n: int, to_encode: list[int], cost: int,
+                        encode: dict[str, list[int]]) -> int:
+        self.encoder.commit(req, start, n, to_encode)
+        if to_encode:
+            encode[req.request_id] = to_encode
+        return cost
 
     def preempt_all(self) -> None:
         """Free every running request's KV; they resume, recomputed, in their order."""
@@ -189,6 +228,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self.encoder.drop_request(req)
         req.num_output_placeholders = 0   # a token still in flight for it is dropped; recompute makes it again
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -228,7 +268,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, RequestStatus.FINISHED_ERROR)
                 outputs.setdefault(req.client_index, []).append(
-                    EngineCoreOutput(rid, [], "error", error=f"the request failed in the worker: {failed[rid]}"))
+                    EngineCoreOutput(rid, [], "error", INTERNAL_ERROR,
+                                     error=f"the request failed in the worker: {failed[rid]}"))
                 continue
             plp = self._new_prompt_logprobs(req, prompt_logprobs.get(rid))
             if token < 0:

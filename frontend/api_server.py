@@ -35,12 +35,13 @@ import msgspec
 from aiohttp import web
 
 from frontend.control_api import ControlAPI
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
-                               encode_prompts, error_body, message_text, models_response, normalize_messages, now,
-                               parse_request, random_id, render_chat, stream_usage, truncate_prompt)
+                               encode_prompts, error_body, image_urls, message_text, models_response,
+                               normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
+                               truncate_prompt)
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
@@ -51,6 +52,8 @@ from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
+from multimodal.media import MediaError, load_image_url
+from multimodal.processor import mm_reject
 
 logger = logging.getLogger("loom.api")
 
@@ -152,7 +155,7 @@ class OpenAIServer:
 
     def check_alive(self) -> None:
         if self.llm.is_dead:
-            raise APIError(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503)
+            raise APIError(engine_dead_message(self.llm.dead_reason), 503)
 
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name, getattr(self.config, "model", None))
@@ -190,7 +193,7 @@ class OpenAIServer:
                 msg = f"Method {request.method} is not allowed on {request.path}"
             return _error_response(APIError(msg, e.status), headers)
         except EngineDeadError as e:
-            return _error_response(APIError(f"The engine is dead: {e or self.llm.dead_reason}", 503))
+            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001
@@ -211,7 +214,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
-            return _json(error_body(f"The engine is dead: {self.llm.dead_reason or 'unknown reason'}", 503), 503)
+            return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -340,7 +343,13 @@ class OpenAIServer:
             chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
             add_special_tokens=bool(req.add_special_tokens))
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len)
-        self._check_prompt(ids, params)
+        ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
+        try:
+            self._check_prompt(ids, params)
+        except APIError:
+            if mm_items:
+                self.llm.mm.unref(mm_items)
+            raise
         # vLLM: the answer's role is the assistant's, or the last message's when continuing it; echo
         # prepends the last message's content when it has that role
         role = "assistant" if add_generation_prompt else messages[-1]["role"]
@@ -352,7 +361,24 @@ class OpenAIServer:
                                 [Prompt(None, ids)], include_usage, continuous,
                                 self.options.enable_prompt_tokens_details, echo_texts=echo_texts, role=role,
                                 tools=tools, reasoning=self.reasoning_parser, on_tool_parse=self._count_tool_parse)
-        return await self._generate(ctx)
+        return await self._generate(ctx, mm_items)
+
+    async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
+        """Load a chat's images (http(s) fetched here; decoding and the HF processor off the
+        loop), expand their placeholders and put them in the shared-memory store."""
+        urls = image_urls(messages)
+        if not urls:
+            return ids, []
+        mm = getattr(self.llm, "mm", None)
+        try:
+            if mm is None or len(urls) > self.config.mm_limit("image"):
+                mm_reject(self.config, len(urls))
+            if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
+                raise MediaError("mm_processor_kwargs must be an object")
+            images = [await load_image_url(u, self.config.allowed_local_media_path, mm.off_loop) for u in urls]
+            return await mm.off_loop(mm.process, ids, images, mm_kwargs)
+        except MediaError as e:
+            raise APIError(str(e), 400, "messages") from None
 
     def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
         """The request's tool use, and its constraint: response_format / structured_outputs, or
@@ -383,8 +409,9 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ both
 
-    async def _generate(self, ctx: GenerationContext) -> web.StreamResponse:
-        gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid)
+    async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
+        extra = {"mm_items": mm_items} if mm_items else {}   # a chat's images (one prompt)
+        gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
         try:

@@ -16,9 +16,10 @@ from ipc.config import EngineConfig
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
-from ipc.messages import EngineCoreOutput, EngineCoreOutputs
+from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
+from multimodal.processor import make_mm_processor
 
 
 class _Collector:
@@ -44,7 +45,7 @@ class _Collector:
         if rid not in self.unfinished:
             return False
         st = self.states[rid]
-        if out.error is not None and not st.token_ids:   # the engine refused it
+        if out.error is not None and not st.token_ids and out.stop_reason != INTERNAL_ERROR:  # the engine refused it
             self.unfinished.discard(rid)
             self.metrics[rid].finish("error", now)
             self.fail(ValueError(out.error))
@@ -84,6 +85,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, client_index: int = 0):
         self.config = config
         self.tokenizer = load_tokenizer(config)
+        self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
@@ -117,6 +119,8 @@ class AsyncLLM:
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
         """Every output is detokenized and counted here, as it arrives, once per engine step."""
         now = time.monotonic()  # when these outputs reached the frontend, for latency metrics
+        if self.mm is not None:
+            self.mm.store.maybe_unlink()
         stopped = []
         for out in outs.outputs:
             req = self._requests.get(out.request_id)
@@ -144,13 +148,21 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, mm_items: list | None = None) -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
-        answers); the engine checks it again and fails a bad one alone (a ValueError here)."""
+        answers); the engine checks it again and fails a bad one alone (a ValueError here).
+        mm_items: the prompt's images, already in this server's store (one reference, taken over
+        here: every engine request holds one, given back by the engine when it ends)."""
         if self.is_dead:
+            if mm_items:
+                self.mm.unref(mm_items)
             raise EngineDeadError(self.dead_reason)
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
+        if mm_items:
+            self.mm.addref(mm_items, len(ecrs) - 1)
+            for ecr in ecrs:
+                ecr.mm_items = mm_items
         states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
                                                self.tokenizer) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
@@ -187,6 +199,8 @@ class AsyncLLM:
 
     def close(self) -> None:
         self.client.close()
+        if self.mm is not None:
+            self.mm.close()
 
 
 def _merge(deltas: list) -> list:

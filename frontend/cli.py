@@ -8,7 +8,7 @@ import sys
 from ipc.config import EngineConfig
 
 # EngineConfig fields that are not command-line options
-_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids"}
+_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:
@@ -23,9 +23,37 @@ def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset(
         help_text = f.metadata.get("help", "") + " (default: %(default)s)"
         if f.type in ("bool", bool):
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata.get("help"))
+        elif f.type in ("dict", dict):  # vLLM's two forms: --flag '{"image": 2}' and --flag.image 2
+            p.add_argument(*flags, type=_json_object, default=f.default_factory(), help=help_text)
+            for key in _DICT_KEYS.get(f.name, ()):
+                p.add_argument(f"{flags[0]}.{key}", dest=f.name, action=_DictKey, const=key, type=int,
+                               metavar="N", help=f"same as {flags[0]} '{{\"{key}\": N}}'")
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             p.add_argument(*flags, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)
+
+
+_DICT_KEYS = {"limit_mm_per_prompt": ("image", "video", "audio")}
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+class _DictKey(argparse.Action):
+    """--flag.KEY VALUE: one key of a dict-valued option."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        merged = dict(getattr(namespace, self.dest) or {})
+        merged[self.const] = value
+        setattr(namespace, self.dest, merged)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -18,6 +18,7 @@ from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
 from frontend.cli import engine_config_from_args
 from ipc.procs import start_process, stop_processes
+from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
@@ -52,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
+    run_id()  # exported: every child names its shm segments with this run's id
     n_servers = args.api_server_count
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
@@ -59,10 +61,24 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_request_body_bytes < 1:
         print("loom serve: --max-request-body-bytes must be at least 1", file=sys.stderr)
         return 2
+    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
+    if config.nnodes > 1:
+        if auth_key:  # the workers' and the engine's sockets between nodes derive their CURVE keys from it
+            os.environ["LOOM_ENGINE_AUTH_KEY"] = auth_key
+        from engine_core.executor import check_network_security, serve_secondary_node
+        try:
+            check_network_security(config.master_addr, auth_key)
+        except ConfigError as e:
+            print(f"loom serve: {e}", file=sys.stderr)
+            return 2
+        if config.node_rank > 0:  # a secondary node: only workers (tensor parallelism over nodes)
+            if not args.headless:
+                print("loom serve: --node-rank > 0 runs only workers: add --headless", file=sys.stderr)
+                return 2
+            return serve_secondary_node(config)
     if args.headless and not args.engine_address:
         print("loom serve: --headless needs --engine-address tcp://HOST:PORT to listen on", file=sys.stderr)
         return 2
-    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
     attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
     if args.headless:
         try:

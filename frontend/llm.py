@@ -18,6 +18,9 @@ from frontend.processing import engine_requests, load_tokenizer, new_request_id,
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
+from multimodal.chat import render_chat
+from multimodal.media import MediaError
+from multimodal.processor import make_mm_processor
 from ipc.validation import Limits, validate_request
 
 
@@ -26,6 +29,7 @@ class LLM:
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
         self.config = EngineConfig(model=model, **options).resolve()
         self.tokenizer = load_tokenizer(self.config)
+        self.mm = make_mm_processor(self.config, client_index=0)  # its store, before any child starts
         self.ipc_dir = make_ipc_dir()
         in_addr = ipc_address(self.ipc_dir, "client0-input")
         out_addr = ipc_address(self.ipc_dir, "client0-output")
@@ -33,7 +37,8 @@ class LLM:
         self.engine_proc = start_process(run_engine_core, "loom-engine-core",
                                          (self.config.to_dict(), self.ipc_dir, [(in_addr, out_addr)], None, None))
         self.client.engine_proc = self.engine_proc
-        self._finalizer = weakref.finalize(self, _shutdown, self.engine_proc, self.client, self.ipc_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine_proc, self.client, self.ipc_dir,
+                                           self.mm.store if self.mm else None)
         try:
             ready = self.client.wait_ready()
         except Exception:
@@ -50,7 +55,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
-        {"prompt_token_ids": [...]} dicts."""
+        {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
+        {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
+        placeholder once per image)."""
         self.enqueue(prompts, sampling_params)
         return self.wait_for_completion(use_tqdm=use_tqdm)
 
@@ -65,21 +72,59 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         checked = []
-        for prompt, params in zip(prompts, params_list):  # check all before sending any
-            text, ids = to_token_ids(self.tokenizer, prompt)
-            validate_request(ids, params, Limits.of(self.config))
-            checked.append((text, ids, params))
+        try:
+            for prompt, params in zip(prompts, params_list):  # check all before sending any
+                text, ids = to_token_ids(self.tokenizer, prompt)
+                ids, items = self._multimodal(prompt, ids, params.n)
+                checked.append((text, ids, params, items))
+                validate_request(ids, params, Limits.of(self.config))
+        except BaseException:
+            for *_, items in checked:
+                self.mm.unref(items)
+            raise
         now, ids_out = time.time(), []
-        for text, ids, params in checked:
+        for text, ids, params, items in checked:
             rid = new_request_id()
             result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
             self._results.append(result)
             for j, ecr in enumerate(engine_requests(rid, ids, params, self.config.eos_token_ids, now)):
+                ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
                                                                      self.tokenizer))
                 self.client.add_request(ecr)
             ids_out.append(rid)
         return ids_out
+
+    def _multimodal(self, prompt, ids: list[int], n: int) -> tuple[list[int], list]:
+        """Images of a prompt dict into the store, placeholders expanded; one store reference
+        per engine request (n choices are n requests)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return ids, []
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"unsupported modalities {sorted(unknown)} (only 'image')")
+        images = data.get("image") or []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if self.mm is None:
+            raise ValueError("this model does not take images")
+        try:
+            ids, items = self.mm.process(ids, list(images), prompt.get("mm_processor_kwargs"))
+        except MediaError as e:
+            raise ValueError(str(e)) from None
+        self.mm.addref(items, n - 1)
+        return ids, items
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}; content may be OpenAI content parts,
+        with images as image_url parts or {"type": "image_pil", "image_pil": PIL.Image})."""
+        text, images = render_chat(self.tokenizer, messages, self.config.allowed_local_media_path)
+        prompt = {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+        if images:
+            prompt.update(multi_modal_data={"image": images}, mm_processor_kwargs=mm_processor_kwargs or {})
+        return self.generate(prompt, sampling_params, use_tqdm=use_tqdm)
 
     def wait_for_completion(self, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every enqueued request to the end; their outputs, in the order enqueued."""
@@ -96,6 +141,8 @@ class LLM:
         bar = _progress(len(results), use_tqdm)
         while self._states:
             outs = self.client.get_outputs()
+            if self.mm is not None:
+                self.mm.store.maybe_unlink()
             if outs.scheduler_stats is not None:
                 self.stats.add(outs.scheduler_stats)
             for out in outs.outputs:
@@ -184,10 +231,12 @@ class EngineStatsTotals:
         self.num_preemptions += s.num_preemptions
 
 
-def _shutdown(proc, client: EngineCoreClient, ipc_dir: str) -> None:
+def _shutdown(proc, client: EngineCoreClient, ipc_dir: str, store) -> None:
     stop_processes([proc], timeout=10)
     client.close()
     remove_ipc_dir(ipc_dir)
+    if store is not None:
+        store.close()
 
 
 class _progress:

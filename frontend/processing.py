@@ -38,8 +38,8 @@ def engine_requests(request_id: str, token_ids: list[int], params: SamplingParam
     for i in range(params.n):
         p = SamplingParams(**{f: getattr(params, f) for f in params.__struct_fields__})
         p.n = 1
-        if params.seed is not None:
-            p.seed = params.seed + i
+        if params.seed is not None:  # wrapped into int64, where seeds travel (2**63 - 1 + 1 -> -2**63)
+            p.seed = (params.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
         reqs.append(EngineCoreRequest(f"{request_id}-{i}", token_ids, p, eos_token_ids, arrival_time))
     return reqs
 

@@ -125,6 +125,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None   # vLLM's: e.g. {"max_pixels": 200704}
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -218,20 +219,25 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
             raise APIError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", 400, "messages")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
+            texts, parts = [], []
             for part in content:
                 if isinstance(part, str):
-                    texts.append(part)
+                    part = {"type": "text", "text": part}
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind == "image_url":
+                    parts.append({"type": "image", "image_url": _image_url(part, i)})
                     continue
-                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind not in ("text", "input_text"):
                     raise APIError(f"messages[{i}].content: content parts of type {kind!r} are not supported "
-                                   "(only 'text')", 400, "messages")
+                                   "(only 'text' and 'image_url')", 400, "messages")
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise APIError(f"messages[{i}].content: a text part needs a string 'text'", 400, "messages")
                 texts.append(text)
-            content = [{"type": "text", "text": t} for t in texts] if content_format == "openai" else "\n".join(texts)
+                parts.append({"type": "text", "text": text})
+            # with images always the parts, in order: the model's template puts an image
+            # placeholder at each image part
+            content = parts if content_format == "openai" or len(parts) > len(texts) else "\n".join(texts)
         elif content is None:
             if role != "assistant":
                 raise APIError(f"messages[{i}].content is required for role {role!r}", 400, "messages")
@@ -280,9 +286,23 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict]:
 
 
 def message_text(message: dict) -> str:
-    """A normalized message's content as one string (parts joined with newlines)."""
+    """A normalized message's content as one string (text parts joined with newlines)."""
     content = message.get("content") or ""
-    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content if p["type"] == "text")
+
+
+def _image_url(part: dict, i: int) -> str:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise APIError(f"messages[{i}].content: an image_url part needs image_url.url (a string)", 400, "messages")
+    return url
+
+
+def image_urls(messages: list[dict]) -> list[str]:
+    """The image URLs of normalized messages, in prompt order."""
+    return [p["image_url"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image"]
 
 
 def detect_content_format(template: str | None) -> str:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from frontend.errors import EngineDeadError
+from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat_chunk_choice, chat_logprobs,
                                chat_response, completion_choice, completion_chunk, completion_logprobs,
                                completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
@@ -335,7 +335,7 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_e
         logger.debug("client went away mid-stream")
         return resp
     except EngineDeadError as e:
-        tail = sse(error_body(f"The engine is dead: {e or dead_reason()}", 503))
+        tail = sse(error_body(engine_dead_message(e or dead_reason()), 503))
     except APIError as e:
         tail = sse(error_body(e.message, e.status, e.param))
     except ValueError as e:

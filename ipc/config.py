@@ -68,10 +68,20 @@ class EngineConfig:
                                           ("hermes", "llama3_json"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
+    limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "
+                                       "--limit-mm-per-prompt.image 2 or '{\"image\": 2}' (default: 999 each)")
+    language_model_only: bool = option(False, "serve a vision-language model as text only: every modality "
+                                       "limit 0, the vision tower not loaded")
+    allowed_local_media_path: str | None = option(None, "a directory whose files requests may name as "
+                                                  "file:// image URLs (default: none)")
+    mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
+                                          "images (GiB)")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
+    mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
 
     @property
     def model_name(self) -> str:
@@ -107,9 +117,31 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        self._resolve_multimodal(hf)
         self.check()
         check_tensor_parallel(self, text_cfg)
         return self
+
+    def _resolve_multimodal(self, hf: dict) -> None:
+        from multimodal.registry import max_item_tokens
+        if isinstance(self.limit_mm_per_prompt, str):
+            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        self.limit_mm_per_prompt = {str(k): int(v) for k, v in (self.limit_mm_per_prompt or {}).items()}
+        for k, v in self.limit_mm_per_prompt.items():
+            if v < 0 or (k != "image" and v > 0):
+                raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
+        self.mm_max_item_tokens = max_item_tokens(self.model, hf)
+        if self.language_model_only or self.mm_max_item_tokens == 0:
+            self.mm_encoder_budget = 0
+        else:
+            # never underestimated: every step can encode the largest image there is
+            self.mm_encoder_budget = max(self.mm_max_item_tokens, self.max_num_batched_tokens)
+
+    def mm_limit(self, modality: str) -> int:
+        """Items of a modality one prompt may carry (0: none, e.g. a text-only model)."""
+        if not self.mm_encoder_budget:
+            return 0
+        return self.limit_mm_per_prompt.get(modality, 999)
 
     def check(self) -> None:
         if self.max_model_len < 1:

@@ -35,6 +35,17 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 # ---------------------------------------------------------------- client <-> engine
 
+class MultiModalItem(_Msg):
+    """One image of a request: where its placeholder tokens sit in the prompt, its content
+    hash, and where its processed tensors are in the shared-memory store (never the bytes)."""
+    modality: str                  # "image"
+    hash: str                      # content + processor kwargs (multimodal/hasher.py)
+    offset: int                    # first placeholder token in the prompt
+    length: int                    # placeholder tokens = encoder output rows
+    store_name: str                # shm segment (shm/object_store.py)
+    store_addr: int                # entry in that segment
+
+
 class EngineCoreRequest(_Msg):
     request_id: str
     prompt_token_ids: list[int]
@@ -42,6 +53,7 @@ class EngineCoreRequest(_Msg):
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     client_index: int = 0
+    mm_items: list[MultiModalItem] = []    # sorted by offset
 
 
 class Logprobs(_Msg):
@@ -58,6 +70,9 @@ class PromptLogprobs(_Msg):
     ranks: list[int]
 
 
+INTERNAL_ERROR = "internal"   # stop_reason of an error output for a failure on the server's side
+
+
 class EngineCoreOutput(_Msg):
     request_id: str
     new_token_ids: list[int]
@@ -66,7 +81,7 @@ class EngineCoreOutput(_Msg):
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
 
 
 class SchedulerStats(_Msg):
@@ -155,6 +170,7 @@ class NewRequestData(_Msg):
     output_token_ids: list[int] = []   # non-empty when a preempted request resumes
     seed: int = 0                      # the request's sampling seed (always set)
     eos_token_ids: list[int] = []      # min_tokens masks these
+    mm_items: list[MultiModalItem] = []
 
 
 class CachedRequestData(_Msg):
@@ -181,6 +197,9 @@ class SchedulerOutput(_Msg):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
     step_id: int = 0
+    scheduled_encoder_inputs: dict[str, list[int]] = {}   # req id -> indices of mm items to encode now
+    free_encoder_hashes: list[str] = []   # encoder outputs no request needs any more
+    released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
     grammar: GrammarOutput | None = None  # this step's bitmask, when it was known at scheduling time
     defer_sample: bool = False            # run the model now, sample on the WORKER_SAMPLE that follows
 

@@ -27,10 +27,11 @@ from kernels.rotary import rotary_embedding_ref
 def qk_norm_rope_cache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
-                           k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                           k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           mrope_section: tuple[int, ...] | None = None) -> torch.Tensor:
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache, mrope_section)
     write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping)
     return q
 
@@ -74,23 +75,32 @@ def _norm_rope_store(x_ptr, stride_xh, o_ptr, stride_oh, n_heads, w_ptr, eps, co
         tl.store(o_ptr + offs_h * stride_oh + 2 * HALF + offs_r, xr.to(dtype), mask=mask_r)
 
 
-@step_jit(pointers=("pos_ptr", "slot_ptr"))
+@step_jit(ints=("stride_pos_row",), pointers=("pos_ptr", "slot_ptr"))
 def _qk_norm_rope_cache_kernel(
-    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cs_ptr, qw_ptr, kw_ptr, eps,
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, cs_ptr, qw_ptr, kw_ptr, eps, stride_pos_row,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot,
     stride_cb, stride_cs, stride_ch, stride_cs_row,
     num_q_heads, num_kv_heads,
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
+    SEC1: tl.constexpr,
 ):
     """Program (t, 0): token t's query heads. Program (t, 1): its key and value heads
-    into the caches (nothing for a padding token)."""
+    into the caches (nothing for a padding token). MROPE: positions are [3, T] (row stride
+    stride_pos_row) and frequency j < SEC0 turns with row 0, j < SEC0 + SEC1 with row 1,
+    the rest with row 2."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_HALF)[None, :]
     c_mask = offs_c < HALF
+    if MROPE:
+        p0 = tl.load(pos_ptr + t).to(tl.int64)
+        p1 = tl.load(pos_ptr + stride_pos_row + t).to(tl.int64)
+        p2 = tl.load(pos_ptr + 2 * stride_pos_row + t).to(tl.int64)
+        pos = tl.where(offs_c < SEC0, p0, tl.where(offs_c < SEC0 + SEC1, p1, p2))
+    else:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs_row + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs_row + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     if part == 0:
@@ -113,13 +123,15 @@ def _qk_norm_rope_cache_kernel(
 def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
-                       k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                       k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       mrope_section: tuple[int, ...] | None = None) -> torch.Tensor:
     """Triton version of qk_norm_rope_cache_ref (same arguments, same results).
 
-    q_weight / k_weight: the per-head RMSNorm weights [D] (both or neither)."""
+    q_weight / k_weight: the per-head RMSNorm weights [D] (both or neither).
+    positions: [T], or [3, T] with mrope_section (M-RoPE)."""
     if not runs_triton(_qk_norm_rope_cache_kernel, q):
         return qk_norm_rope_cache_ref(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
-                                      q_weight, k_weight, eps)
+                                      q_weight, k_weight, eps, mrope_section)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
@@ -135,9 +147,17 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if has_norm:
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     half, rest = rot // 2, head_dim - rot
+    mrope = positions.dim() == 2
+    if mrope:
+        assert positions.shape[0] == 3 and mrope_section is not None and sum(mrope_section) == half
+        positions = positions if positions.stride(1) == 1 else positions.contiguous()
+    else:
+        positions = positions.contiguous()
+    sec = tuple(mrope_section) if mrope else (half, 0, 0)
     _qk_norm_rope_cache_kernel[(num_tokens, 2)](
-        positions.contiguous(), slot_mapping.contiguous(), q, k, v, q_out, key_cache, value_cache, cos_sin_cache,
+        positions, slot_mapping.contiguous(), q, k, v, q_out, key_cache, value_cache, cos_sin_cache,
         q_weight if has_norm else q_out, k_weight if has_norm else q_out, float(eps),
+        positions.stride(0) if mrope else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads,
@@ -145,6 +165,7 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         REST=rest, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
+        MROPE=mrope, SEC0=sec[0], SEC1=sec[1],
         num_warps=4,
     )
     return q_out

@@ -51,6 +51,8 @@ def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling
     rope_type = "default"
     if rope_scaling:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) or "default"
+    if rope_type == "mrope":  # old Qwen2-VL configs: default frequencies, three position rows
+        rope_type = "default"
     inv_freq = _inv_freq(head_dim, base, "cpu")  # on the CPU, as HF computes it at init
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
@@ -75,9 +77,24 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out
 
 
-def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions int64 [T], query [T, Hq, D], key [T, Hkv, D] -> new (query, key)."""
+def mrope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  mrope_section: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rot/2] per token. positions [T], or [3, T] for M-RoPE (Qwen2-VL family):
+    frequency j then turns with the position row of its section (mrope_section splits the
+    rot/2 frequencies into temporal, height, width), as HF's apply_multimodal_rotary_pos_emb."""
     cs = cos_sin_cache[positions.long()].float()
     cos, sin = cs.chunk(2, dim=-1)
+    if positions.dim() == 2:
+        sections = list(mrope_section)
+        cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(sections, dim=-1))], dim=-1)
+        sin = torch.cat([c[i % 3] for i, c in enumerate(sin.split(sections, dim=-1))], dim=-1)
+    return cos, sin
+
+
+def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, mrope_section: tuple[int, ...] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions int64 [T] (or [3, T] with mrope_section), query [T, Hq, D], key [T, Hkv, D]
+    -> new (query, key)."""
+    cos, sin = mrope_cos_sin(positions, cos_sin_cache, mrope_section)
     return _rotate_ref(query, cos, sin), _rotate_ref(key, cos, sin)

@@ -15,6 +15,8 @@ def attach_metrics(llm, enable_mfu: bool = False, log_stats: bool | None = None)
                                        getattr(ready, "num_gpu_blocks", None), enable_mfu=enable_mfu)
     llm.stat_listeners.append(stat_logger.on_outputs)
     llm.stat_logger = stat_logger
+    mm = getattr(llm, "mm", None)
+    stat_logger.mm_stats = mm.stats if mm is not None else None
     if log_stats is None:
         log_stats = not config.disable_log_stats and llm.client_index == 0
     stat_logger.live = None

@@ -23,6 +23,17 @@ vllm:engine_sleep_state adds sleep_state = awake | weights_offloaded |
 discard_all (1 for the current state, 0 for the others; Loom's sleep level 0,
 which only stops scheduling, reads as awake). The engine reports a sleep change
 with stats even though it does not step while asleep.
+
+vLLM families not exported, because Loom does not do what they measure:
+vllm:spec_decode_* (no speculative decoding), vllm:lora_requests_info (no LoRA),
+vllm:external_prefix_cache_* and the external_kv_transfer source of
+vllm:prompt_tokens_by_source (no KV connector), vllm:mm_cache_* (text only),
+vllm:kv_block_* lifetimes (vLLM samples them only with --kv-cache-metrics), and the
+deprecated, hidden-by-default aliases vllm:gpu_cache_usage_perc,
+vllm:gpu_prefix_cache_* and vllm:time_per_output_token_seconds (now
+vllm:kv_cache_usage_perc, vllm:prefix_cache_* and vllm:inter_token_latency_seconds).
+vllm:num_requests_waiting_by_reason has reason="deferred" at 0: Loom never defers a
+request it has room for.
 """
 from __future__ import annotations
 
@@ -117,6 +128,9 @@ class PrometheusStatLogger:
             prefix_hits=b.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                                   L),
             preemptions=b.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", L),
+            mm_queries=b.counter("vllm:mm_cache_queries",
+                                 "Multi-modal cache queries, in terms of number of queried items.", L),
+            mm_hits=b.counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", L),
             prompt_tokens=b.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L),
             generation_tokens=b.counter("vllm:generation_tokens", "Number of generation tokens processed.", L),
             prompt_by_source=b.counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
@@ -166,6 +180,8 @@ class PrometheusStatLogger:
             d.write_bytes = b.counter("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to "
                                       "memory per GPU (for Model FLOPs Utilization calculations).", L)
         self._engines: dict[str, SimpleNamespace] = {}
+        self.mm_stats = None        # multimodal.processor.MMStats of this API server, if any
+        self._mm_seen = (0, 0)
         # per-token records, written by flush() once per engine step
         self._prompt_tokens = 0
         self._cached_prompt_tokens = 0
@@ -258,6 +274,13 @@ class PrometheusStatLogger:
     def flush(self) -> None:
         """Write the per-token records gathered since the last flush."""
         e = self._bind(self.engine)
+        if self.mm_stats is not None:
+            q, h = self.mm_stats.cache_queries, self.mm_stats.cache_hits
+            if q > self._mm_seen[0]:
+                e.mm_queries.inc(q - self._mm_seen[0])
+            if h > self._mm_seen[1]:
+                e.mm_hits.inc(h - self._mm_seen[1])
+            self._mm_seen = (q, h)
         if self._prompt_tokens:
             cached = self._cached_prompt_tokens
             e.prompt_tokens.inc(self._prompt_tokens)

@@ -63,6 +63,17 @@ leaves nothing in /dev/shm or ``ipc_dir``.  When a reader closes or dies, its
 SUB pipe ends and the XPUB emits the unsubscription of its private topic,
 which lets a writer blocked on backpressure raise :class:`ReaderGone`.
 
+Readers on other nodes.  They cannot map the segment, so a ring created with
+``remote=RemoteSpec(...)`` also publishes every message on a TCP XPUB (vLLM's
+MessageQueue does the same: local readers use shared memory, remote ones a
+socket).  A :class:`RemoteReader` subscribes (b"" then its rank topic, as local
+readers do on the overflow socket) and :meth:`wait_until_ready` waits for the
+remote ranks' topics too.  With an auth key the XPUB is a CURVE server whose
+keys, and the one client key it admits (ZAP), derive from the key
+(ipc/auth.py), so only holders of the key can read the steps.  A remote reader
+raises RingClosed when its connection to the writer drops (ZMTP heartbeats
+catch a silent peer).
+
 Nothing is pickled.  The handle (:class:`RingHandle`) is a msgspec Struct of
 str/int fields: picklable for multiprocessing spawn args, or msgpack-encodable.
 """
@@ -83,7 +94,8 @@ import _posixshmem  # CPython's POSIX shm_open/shm_unlink (what SharedMemory use
 import msgspec
 import zmq
 
-__all__ = ["BroadcastRing", "RingHandle", "RingClosed", "ReaderGone"]
+__all__ = ["BroadcastRing", "RingHandle", "RingClosed", "ReaderGone", "RemoteSpec", "RemoteHandle",
+           "RemoteReader", "attach_reader"]
 
 Frame = Union[bytes, bytearray, memoryview]
 
@@ -132,6 +144,38 @@ class RingHandle(msgspec.Struct, frozen=True):
     notify_prefix: str  # reader r binds its datagram socket at notify_prefix + str(r)
 
 
+class RemoteSpec(msgspec.Struct, frozen=True):
+    """Writer side of the readers on other nodes: where to publish, and whose topics to wait for."""
+    address: str               # tcp://HOST:PORT to bind
+    ranks: tuple[int, ...]     # the remote readers' ranks
+    auth_key: str | None = None
+
+
+class RemoteHandle(msgspec.Struct, frozen=True):
+    """Everything a reader on another node needs: the writer's TCP XPUB (and the key)."""
+    address: str               # tcp://HOST:PORT to connect to
+    auth_key: str | None = None
+
+
+# CURVE roles of the keys derived from the auth key (ipc/auth.py derive_keys)
+RING_ROLE, READER_ROLE = "loom-tp-ring", "loom-tp-reader"
+_HEARTBEAT_MS = 1000
+
+
+def _curve_server(auth_key: str | None):
+    if not auth_key:
+        return None
+    from ipc.auth import CurveServer, derive_keys
+    return CurveServer(derive_keys(auth_key, RING_ROLE))
+
+
+def _curve_client(auth_key: str | None):
+    if not auth_key:
+        return None
+    from ipc.auth import CurveClient, derive_keys
+    return CurveClient(derive_keys(auth_key, READER_ROLE), derive_keys(auth_key, RING_ROLE).public)
+
+
 class _Layout:
     def __init__(self, n_readers: int, n_chunks: int, max_chunk_bytes: int) -> None:
         self.n_readers = n_readers
@@ -177,6 +221,9 @@ class BroadcastRing:
         self._shm_linked = False  # only the writer ever unlinks the segment
         self._ctx = None
         self._ovf = None
+        self._remote = None   # the XPUB of readers on other nodes (writer)
+        self._remote_ranks: tuple[int, ...] = ()
+        self._guard = None
         self._mm = None
         self._buf = None
         self._ipc_paths: list[str] = []  # files this side removes
@@ -186,10 +233,11 @@ class BroadcastRing:
     @classmethod
     def create(cls, n_readers: int, ipc_dir: str, max_chunk_bytes: int = 1 << 20,
                n_chunks: int = 16, spin_s: float = 0.0005,
-               linger_s: float = 2.0) -> "BroadcastRing":
+               linger_s: float = 2.0, remote: RemoteSpec | None = None) -> "BroadcastRing":
         """Writer side: create the segment and bind the overflow XPUB (socket
         files go in ``ipc_dir``, which must exist).  ``linger_s`` bounds how
-        long close() waits for unsent overflow messages."""
+        long close() waits for unsent overflow messages.  ``remote``: also
+        publish every message for readers on other nodes."""
         if n_readers < 1 or n_chunks < 1:
             raise ValueError("n_readers and n_chunks must be >= 1")
         if max_chunk_bytes < 64:
@@ -214,10 +262,29 @@ class BroadcastRing:
             self._ovf.setsockopt(zmq.SNDHWM, 0)  # never drop; bounded by n_chunks
             self._ovf.setsockopt(zmq.LINGER, int(linger_s * 1000))
             self._ovf.bind(f"ipc://{self._ovf_path}")
+            if remote is not None:
+                self._bind_remote(remote, linger_s)
         except BaseException:
             self._teardown()
             raise
         return self
+
+    def _bind_remote(self, remote: RemoteSpec, linger_s: float) -> None:
+        self._remote_ranks = tuple(remote.ranks)
+        if remote.auth_key:
+            from ipc.auth import PeerGuard, derive_keys
+            self._guard = PeerGuard(self._ctx, "tensor-parallel step broadcast",
+                                    (derive_keys(remote.auth_key, READER_ROLE).public,))
+        sock = self._remote = self._ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a step
+        sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10 * _HEARTBEAT_MS)
+        server = _curve_server(remote.auth_key)
+        if server is not None:
+            server.apply(sock)
+        sock.bind(remote.address)
 
     def _create_segment(self) -> None:
         L = self._L
@@ -331,6 +398,7 @@ class BroadcastRing:
                         break
                     if msg in want:
                         seen.add(want[msg])
+        self._wait_remote(deadline, timeout)
         # Reader r bound its notify socket before subscribing, so it exists.
         for r in range(n):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -342,6 +410,20 @@ class BroadcastRing:
         self._unlink_segment()
         for p in self._ipc_paths:
             _unlink_quiet(p)
+
+    def _wait_remote(self, deadline: float | None, timeout: float | None) -> None:
+        """Until every remote reader's rank topic has arrived (it then gets all that follows)."""
+        want = {b"\x01" + _RANK_TOPIC % r: r for r in self._remote_ranks}
+        seen = self._remote_seen = getattr(self, "_remote_seen", set())
+        while len(seen) < len(want):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                missing = sorted(set(want.values()) - seen)
+                raise TimeoutError(f"broadcast ring: remote readers {missing} did not attach within {timeout} s")
+            if self._remote.poll(-1 if left is None else max(1, int(left * 1000))):
+                msg = self._remote.recv()
+                if msg in want:
+                    seen.add(want[msg])
 
     # --------------------------------------------------------------- writer
     def enqueue(self, frames: Sequence[Frame], timeout: float | None = None) -> None:
@@ -392,6 +474,9 @@ class BroadcastRing:
             # collector thread, which can hang context teardown / exit.
             for i, m in enumerate(views):
                 sock.send(m, zmq.SNDMORE if i < nf - 1 else 0)
+        if self._remote is not None:
+            # copied, as overflow frames are; ZMQ keeps the order of the steps per reader
+            self._remote.send_multipart(views, copy=True)
         _fence()  # data before seq
         _U64.pack_into(buf, seq_off, seq)
         _fence()  # seq store before the sleep-flag loads (Dekker)
@@ -566,6 +651,12 @@ class BroadcastRing:
         if self._ovf is not None:
             self._ovf.close()
             self._ovf = None
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         if self._ctx is not None:
             self._ctx.term()  # the writer's waits for overflow messages (linger)
             self._ctx = None
@@ -615,6 +706,68 @@ class BroadcastRing:
                 self.close()
         except Exception:
             pass
+
+
+class RemoteReader:
+    """A reader on another node: the ring's messages from the writer's TCP XPUB, with the
+    reader side of BroadcastRing's interface (ready, dequeue, close)."""
+
+    def __init__(self, handle: RemoteHandle, rank: int):
+        self._rank = rank
+        self._ctx = zmq.Context(io_threads=1)
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10 * _HEARTBEAT_MS)
+        client = _curve_client(handle.auth_key)
+        if client is not None:
+            client.apply(self._sub)
+        # a dropped connection (the writer died, or stopped answering heartbeats) ends the ring
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sub.connect(handle.address)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.SUBSCRIBE, _RANK_TOPIC % rank)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def ready(self) -> bool:
+        return bool(self._sub.poll(0))
+
+    def dequeue(self, timeout: float | None = None) -> list[bytes]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(left))
+            if self._sub in events:
+                return self._sub.recv_multipart()
+            if self._monitor in events:
+                self._monitor.recv_multipart()
+                raise RingClosed("broadcast ring: the connection to the writer's node dropped")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("broadcast ring: no message within the timeout")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sub.disable_monitor()
+        self._monitor.close()
+        self._sub.close()
+        self._ctx.term()
+
+
+def attach_reader(handle: "RingHandle | RemoteHandle", rank: int):
+    """A reader of the ring: shared memory on the writer's node, the TCP XPUB elsewhere."""
+    if isinstance(handle, RemoteHandle):
+        return RemoteReader(handle, rank)
+    return BroadcastRing.attach(handle, rank)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -630,3 +630,16 @@ def test_engine_death_mid_stream(aux_server):
     assert time.monotonic() - t0 < 20
     errors = [json.loads(e[6:]) for e in events if e.startswith(b"data: {\"error\"")]
     assert errors and errors[0]["error"]["code"] in (500, 503), events[-3:]
+
+
+def test_image_sent_to_a_text_only_model_is_400(client, model_name):
+    """A text-only model takes no image_url part: OpenAI's 400, and the server keeps serving."""
+    url = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGA"
+           "hKmMIQAAAABJRU5ErkJggg==")
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "hi"}]}]
+    with pytest.raises(openai.BadRequestError, match="does not take images") as e:
+        client.chat.completions.create(model=model_name, messages=msg, max_tokens=2)
+    assert e.value.status_code == 400
+    assert client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).choices

@@ -416,3 +416,38 @@ def test_fuzz_every_endpoint(server):
     assert seen["requests"] >= 50
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
     assert _greedy(server) == before
+
+
+def test_seeds_of_n_choices_stay_in_64_bits():
+    from frontend.processing import engine_requests
+    from ipc.validation import Limits, validate_request
+    params = SamplingParams(n=3, seed=2 ** 63 - 2)
+    seeds = [r.sampling_params.seed for r in engine_requests("r", [1, 2], params, [], 0.0)]
+    assert seeds == [2 ** 63 - 2, 2 ** 63 - 1, -2 ** 63]
+    for r in engine_requests("r", [1, 2], params, [], 0.0):
+        validate_request(r.prompt_token_ids, r.sampling_params, Limits(100, 64))
+
+
+def test_error_bodies_carry_no_tracebacks():
+    """A 500 and a dead engine's 503 tell the client what happened, never code or file paths."""
+    from frontend.errors import engine_dead_message
+    from tests.test_api_server import FakeLLM
+    tb = ('engine core failed: worker 0: Traceback (most recent call last):\n  File "/srv/loom/workers/'
+          'model_runner.py", line 9, in launch\n    x = y[3]\nIndexError: index 3 is out of bounds')
+    assert engine_dead_message(tb) == "The engine is dead: IndexError: index 3 is out of bounds"
+
+    class Broken(FakeLLM):
+        async def generate(self, prompt_token_ids, params, request_id):
+            raise KeyError("/secret/path/file.py")
+            yield
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+            crash = (r.status, await r.text())
+        llm.dead_reason = tb
+        async with session.get(url + "/health") as r:
+            dead = (r.status, await r.text())
+        return crash, dead
+    (status, text), (dead_status, dead_text) = run_fake(Broken(), scenario)
+    assert status == 500 and "/secret" not in text and "KeyError" not in text, text
+    assert dead_status == 503 and "File" not in dead_text and "IndexError" in dead_text

@@ -147,6 +147,7 @@ def test_request_failed_in_the_worker_ends_alone():
     outs = s.update_from_output(ModelRunnerOutput(list(so.req_ids), [7, 8], failed={"bad": "IndexError: x"}))
     by_id = {o.request_id: o for o in outs[0]}
     assert by_id["bad"].finish_reason == "error" and "IndexError" in by_id["bad"].error
+    assert by_id["bad"].stop_reason == "internal"   # the server's failure, not the request's (a 500, not a 400)
     assert by_id["ok"].new_token_ids == [7] and by_id["ok"].finish_reason is None
     assert "bad" not in s.requests and [r.request_id for r in s.running] == ["ok"]
     _, outs = fake_step(s)

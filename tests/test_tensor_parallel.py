@@ -18,6 +18,7 @@ import requests
 
 from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
+from ipc.sockets import free_tcp_port
 from tests.conftest import child_pids, loom_ipc_dirs
 from tests.hf_oracle import hf_greedy
 from tests.test_lifecycle import _assert_clean
@@ -38,9 +39,30 @@ def test_llama_one_kv_head_uneven_vocab_matches_hf(model_factory):
     assert llm.config.vocab_size == 337
 
 
-def test_qwen2_biases_match_hf(model_factory):
-    check_parity(model_factory("qwen2"), _prompts(300), tensor_parallel_size=2, block_size=4, max_num_seqs=2,
-                 max_model_len=128)
+def test_qwen2_biases_match_hf_and_control_reaches_every_rank(model_factory):
+    """Qwen2 (q/k/v biases) at TP=2 equals HF; collective_rpc answers per rank; after sleep
+    (level 1: each rank offloads its shard) and wake-up, and a keep-pause, output is the same."""
+    model_dir = model_factory("qwen2")
+    prompts = _prompts(300)
+    llm = LLM(model_dir, tensor_parallel_size=2, block_size=4, max_num_seqs=2, max_model_len=128,
+              enable_sleep_mode=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    try:
+        first = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert first == [hf_greedy(model_dir, p, MAX_NEW, llm.config.eos_token_ids) for p in prompts]
+        info = llm.collective_rpc("all_reduce_info")
+        assert [(i["rank"], i["size"], i["backend"]) for i in info] == [(0, 2, "gloo"), (1, 2, "gloo")]
+        assert len(set(llm.collective_rpc("get_pid"))) == 2
+        llm.sleep(1)
+        llm.wake_up()
+        llm.pause(mode="keep")
+        llm.resume()
+        again = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert again == first
+    finally:
+        llm.shutdown()
 
 
 def _workload(vocab: int) -> list[list[int]]:
@@ -129,3 +151,86 @@ def test_serve_tp2_has_two_workers_and_dies_with_either(tiny_model_dir, start_se
     server.proc.wait(15)
     assert server.proc.returncode not in (0, None)
     _assert_clean(before, server)
+
+
+def _build_as_rank(monkeypatch, model_dir, rank, size, load_format="auto"):
+    import torch
+
+    from workers import distributed
+    from workers.model_loader import load_model
+    monkeypatch.setattr(distributed, "_state", distributed.TPState(rank=rank, size=size))
+    try:
+        return load_model(model_dir, torch.float32, "cpu", load_format)
+    finally:
+        monkeypatch.setattr(distributed, "_state", distributed.TPState())
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_format):
+    """Built as rank r of 2 (no group needed to build), from the checkpoint read as slices or
+    with dummy weights, every parameter equals the TP=1 model's parameter cut by its loader;
+    the one KV head is on both ranks, the vocabulary's padding row is zero."""
+    import torch
+    model_dir = model_factory("llama", num_key_value_heads=1, vocab_size=337)
+    full = dict(_build_as_rank(monkeypatch, model_dir, 0, 1, load_format).named_parameters())
+    for rank in range(2):
+        part = _build_as_rank(monkeypatch, model_dir, rank, 2, load_format)
+        for name, p in part.named_parameters():
+            expect = torch.empty_like(p)
+            expect.weight_loader = p.weight_loader
+            p.weight_loader(expect, full[name])
+            assert torch.equal(p, expect), (rank, name)
+        attn = part.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        k_rows = attn.qkv_proj.weight[attn.q_size:attn.q_size + attn.kv_size]
+        torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
+        assert part.lm_head.weight.shape == (169, 64)
+    assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding
+
+
+def _free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free (the rendezvous, the step broadcast, the replies)."""
+    import socket
+    for _ in range(50):
+        base = free_tcp_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def test_two_nodes_on_loopback_match_one_node(tiny_model_dir, start_server):
+    """Two `loom serve` commands as two nodes (rank 1 headless, reading the steps from node 0's
+    CURVE socket): the same greedy tokens as one node (= HF). SIGKILL of node 1's worker: node 0
+    answers 503 within a second and exits non-zero; node 1 exits non-zero too."""
+    import openai
+    port = _free_port_block(3)
+    common = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--engine-auth-key", "two-node-test-key", "--max-model-len", "128"]
+    node1 = start_server(tiny_model_dir, "--headless", "--node-rank", "1", *common, wait=False)
+    head = start_server(tiny_model_dir, *common)
+    client = openai.OpenAI(base_url=head.url + "/v1", api_key="none")
+    prompts = _prompts(300, (5, 23))
+    for p in prompts:
+        out = client.completions.create(model=tiny_model_dir, prompt=p, max_tokens=MAX_NEW, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].token_ids == hf_greedy(tiny_model_dir, p, MAX_NEW, eos=[]), p
+    workers = child_pids(node1.proc.pid)
+    assert len(workers) == 1 and len(child_pids(next(pid for pid in child_pids(head.proc.pid)
+                                                     if child_pids(pid)))) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    while requests.get(head.url + "/health", timeout=2).status_code != 503:
+        assert time.monotonic() - killed_at < 1.0, "/health still 200 a second after node 1's worker died"
+        time.sleep(0.02)
+    assert head.proc.wait(15) not in (0, None)
+    assert node1.proc.wait(15) not in (0, None)

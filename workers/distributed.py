@@ -91,6 +91,13 @@ def destroy_distributed() -> None:
     _state = TPState()
 
 
+def describe() -> dict:
+    one_shot = _state.one_shot
+    return {"rank": _state.rank, "size": _state.size,
+            "backend": dist.get_backend(_state.group) if _state.group is not None else None,
+            "one_shot": one_shot is not None, "one_shot_max_bytes": one_shot.max_bytes if one_shot else 0}
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks, in place (x is returned)."""
     if _state.size == 1:

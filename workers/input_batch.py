@@ -5,7 +5,7 @@ step's inputs are then built with vectorised numpy ops, never per token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,9 @@ class CachedRequestState:
     params: SamplingParams
     seed: int
     eos_token_ids: list[int]
+    mm_items: list = field(default_factory=list)   # ipc.messages.MultiModalItem, by offset
+    mrope_positions: np.ndarray | None = None      # [3, prompt] (M-RoPE models with images)
+    mrope_delta: int = 0                           # added to the index of every later token
 
 
 class InputBatch:
@@ -55,6 +58,21 @@ class InputBatch:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.free_slots.append(st.slot)
+
+    def mrope_positions(self, states: list[CachedRequestState], positions: np.ndarray,
+                        qsl: np.ndarray) -> np.ndarray:
+        """[3, T] M-RoPE positions of a step's flat tokens (index positions, qsl per request):
+        text-only requests repeat their index in all three rows; requests with images take
+        their prompt's precomputed rows, and index + delta after the prompt."""
+        out = np.broadcast_to(positions, (3, len(positions))).copy()
+        for i, st in enumerate(states):
+            if st.mrope_positions is None:
+                continue
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            p = positions[a:b]
+            n = st.num_prompt_tokens
+            out[:, a:b] = np.where(p < n, st.mrope_positions[:, np.minimum(p, n - 1)], p + st.mrope_delta)
+        return out
 
     def output_token_ids(self, st: CachedRequestState) -> np.ndarray:
         return self.token_ids[st.slot, st.num_prompt_tokens:st.num_tokens]

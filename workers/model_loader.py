@@ -30,6 +30,7 @@ DUMMY_RANGE = 1e-3
 def model_kv_shape(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim): what this rank's KV cache is allocated for (its
     share of the KV heads under tensor parallelism)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     _, kv_heads, _ = heads_of_rank(config.num_attention_heads, get_num_kv_heads(config), tp_rank(), tp_size())
     return config.num_hidden_layers, kv_heads, get_head_dim(config)
 
@@ -49,12 +50,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(config, dtype: torch.dtype, device: torch.device | str,
+                language_model_only: bool = False) -> nn.Module:
     """Our model for `config`, parameters uninitialized, on device in dtype
-    (the rotary cos/sin cache stays float32)."""
+    (the rotary cos/sin cache stays float32). language_model_only: a vision-language
+    model without its vision tower."""
     cls = get_model_class(config)
+    kwargs = {"language_model_only": True} if language_model_only and getattr(cls, "is_multimodal", False) else {}
     with torch.device(device), _default_dtype(dtype):
-        model = cls(config)
+        model = cls(config, **kwargs)
     return model.eval().requires_grad_(False)
 
 
@@ -121,7 +125,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto") -> nn.Module:
+               load_format: str = "auto", language_model_only: bool = False) -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
@@ -131,7 +135,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
-    model = build_model(config, dtype, device)
+    model = build_model(config, dtype, device, language_model_only)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

@@ -17,6 +17,7 @@ from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.sampler import Sampler, SamplingRow
 from workers.step_stats import StepStats, enabled as step_stats_enabled
+from shm.object_store import ObjectStoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class StepBatch:
     inputs: dict                              # input_ids, positions, attention metadata
     graph_bs: int | None                      # the CUDA graph that runs it, if any
     stats_token: object = None
+    inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -99,7 +101,8 @@ class ModelRunner:
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.model = load_model(config.model, self.dtype, self.device, config.load_format)
+        self.model = load_model(config.model, self.dtype, self.device, config.load_format,
+                                config.language_model_only)
         if self.backend == "triton":
             from workers.models.layers import use_triton_kernels
             use_triton_kernels()
@@ -117,6 +120,10 @@ class ModelRunner:
         self.graph_for: list[int] = []  # batch size -> the captured graph size that runs it
         self._weights_asleep = False
         self.stats = StepStats(self.device) if step_stats_enabled() else None
+        # multimodal: M-RoPE positions, the encoder outputs the scheduler keeps here, the store
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.encoder_cache: dict[str, torch.Tensor] = {}   # item hash -> embeddings [tokens, hidden]
+        self.mm_store = ObjectStoreReader(rank)
 
     # ------------------------------------------------------------ KV cache
 
@@ -238,7 +245,7 @@ class ModelRunner:
         dev = self.device
         self.gbuf = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros((3, max_bs) if self.uses_mrope else max_bs, dtype=torch.long, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
@@ -273,7 +280,7 @@ class ModelRunner:
         meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
                                  b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
                                  num_decodes=bs, num_kv_splits=self._kv_splits(split_for))
-        args = (b["input_ids"][:bs], b["positions"][:bs], self.kv_caches, meta)
+        args = (b["input_ids"][:bs], b["positions"][..., :bs], self.kv_caches, meta)
         self.model(*args)  # warm-up: compiles the kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -308,7 +315,7 @@ class ModelRunner:
         b, meta = self.gbuf, inputs["meta"]
         B = meta.seq_lens.shape[0]
         b["input_ids"][:B].copy_(inputs["input_ids"], non_blocking=True)
-        b["positions"][:B].copy_(inputs["positions"], non_blocking=True)
+        b["positions"][..., :B].copy_(inputs["positions"], non_blocking=True)
         b["slot_mapping"][:B].copy_(meta.slot_mapping, non_blocking=True)
         b["slot_mapping"][B:bs].fill_(-1)
         b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
@@ -347,7 +354,8 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format)
+                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format,
+                                   self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):
                     t.data = src.data
@@ -383,11 +391,57 @@ class ModelRunner:
         for r in so.new_requests:
             self.batch.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids,
                            r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids)
+            if r.mm_items:
+                self._add_mm(self.batch.requests[r.req_id], r)
+        for name, addr in so.released_mm:  # requests gone for good: their store entries may go
+            self.mm_store.release(name, addr)
         c = so.cached_requests
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             if blocks:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
+
+    def _add_mm(self, st: CachedRequestState, r) -> None:
+        st.mm_items = list(r.mm_items)
+        if self.uses_mrope:  # once per request (again after a preemption: it comes back as new)
+            items = [(it.offset, it.length, self.mm_store.get(it.store_name, it.store_addr)) for it in st.mm_items]
+            st.mrope_positions, st.mrope_delta = self.model.mrope_positions(np.asarray(r.prompt_token_ids), items)
+
+    def _run_encoders(self, so: SchedulerOutput) -> None:
+        """Encode the items the scheduler picked for this step (all in one pass of the tower),
+        reading their tensors straight from the shared-memory store."""
+        todo = [self.batch.requests[rid].mm_items[i] for rid, idx in so.scheduled_encoder_inputs.items()
+                for i in idx]
+        todo = list({it.hash: it for it in todo}.values())
+        if not todo:
+            return
+        if getattr(self.model, "visual", None) is None and not hasattr(self.model, "vision_tower"):
+            raise RuntimeError("this model was loaded without its vision tower (--language-model-only)")
+        arrays = [self.mm_store.get(it.store_name, it.store_addr) for it in todo]
+        for it, emb in zip(todo, self.model.encode_images(arrays)):
+            if emb.shape[0] != it.length:
+                raise ValueError(f"image {it.hash[:12]}: {emb.shape[0]} embeddings for {it.length} placeholders")
+            self.encoder_cache[it.hash] = emb
+
+    def _mm_embeddings(self, states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray,
+                       input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's input embeddings with encoder outputs scattered at the placeholder tokens
+        it computes (a placeholder range may be split over steps by chunked prefill); None when
+        no placeholder is in the step."""
+        dst, src = [], []
+        for i, st in enumerate(states):
+            lo_step, hi_step = int(start[i]), int(start[i] + n[i])
+            for it in st.mm_items:
+                lo, hi = max(lo_step, it.offset), min(hi_step, it.offset + it.length)
+                if lo >= hi:
+                    continue
+                dst.append(np.arange(lo, hi) - lo_step + int(qsl[i]))
+                src.append(self.encoder_cache[it.hash][lo - it.offset:hi - it.offset])
+        if not dst:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)
+        index = torch.from_numpy(np.concatenate(dst)).to(self.device)
+        return embeds.index_copy(0, index, torch.cat(src).to(embeds.dtype))
 
     def can_overlap(self, so: SchedulerOutput) -> bool:
         """Whether `so` may be launched before the previous step's tokens reach the CPU:
@@ -425,6 +479,8 @@ class ModelRunner:
         device; None when nothing is scheduled."""
         self._apply_diff(so)
         if not so.req_ids:
+            for h in so.free_encoder_hashes:
+                self.encoder_cache.pop(h, None)
             return None
         stats_token = self.stats.begin() if self.stats is not None else None
         states = [self.batch.requests[rid] for rid in so.req_ids]
@@ -436,6 +492,8 @@ class ModelRunner:
         sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
         rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
         host = self._host_inputs(n, start, slots)
+        if self.uses_mrope:
+            host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         host["sample_index"] = host["qsl"][1:][sample_rows] - 1
         host.update(self.sampler.host_params(rows))
         if prev is not None and prev.tokens is not None:
@@ -445,14 +503,21 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, self._graph_size(n),
-                         stats_token)
+        self._run_encoders(so)
+        embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
+        for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
+            self.encoder_cache.pop(h, None)
+        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs,
+                         self._graph_size(n) if embeds is None else None, stats_token, embeds)
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
         inputs = batch.inputs
         if batch.graph_bs is not None:
             hidden = self._run_graph(batch.graph_bs, inputs)
+        elif batch.inputs_embeds is not None:
+            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
+                                batch.inputs_embeds)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
         if not len(batch.sample_rows):

@@ -66,6 +66,12 @@ class Worker:
         return self.runner.stats.summary() if self.runner.stats is not None else None
 
     @remote
+    def all_reduce_info(self) -> dict:
+        """This rank's place in the tensor-parallel group and its all-reduce paths."""
+        from workers.distributed import describe
+        return describe()
+
+    @remote
     def get_pid(self) -> int:
         return os.getpid()
 
@@ -143,14 +149,16 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    from shm.broadcast_ring import BroadcastRing
+    from shm.broadcast_ring import RemoteHandle, _curve_client, attach_reader
     ctx = zmq.Context()
-    reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000)
+    # a worker on another node replies over TCP: CURVE with the keys of the ring's auth key
+    auth = _curve_client(ring_handle.auth_key) if isinstance(ring_handle, RemoteHandle) else None
+    reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000, auth=auth)
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
     ring = None
     try:
-        ring = BroadcastRing.attach(ring_handle, rank)
+        ring = attach_reader(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
         send(WorkerReply(rank, result="ready"))
         with maybe_profile(f"worker{rank}"):

@@ -124,6 +124,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_size * factor)
         self.rope_params = dict(rope_params)
         self.rope_type = rope_params["rope_type"]
+        # M-RoPE (Qwen2-VL family): the rot/2 frequencies split into (temporal, height, width)
+        # sections, each turned by its own row of [3, T] positions
+        section = rope_params.get("mrope_section")
+        self.mrope_section = tuple(section) if section else None
         # Built on the CPU (as HF computes inv_freq at init), then moved with the model.
         cache = build_rope_cache(self.rotary_dim, max_position, float(rope_params["rope_theta"]), rope_params)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -231,10 +235,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 @torch.no_grad()
-def _row_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+def _row_loader(rank: int, size: int, param: nn.Parameter, loaded, shard_id=None) -> None:
     part = param.shape[1]
-    _check_shape(loaded, (param.shape[0], part * tp_size()))
-    param.data.copy_(_narrow(loaded, 1, tp_rank() * part, part))
+    _check_shape(loaded, (param.shape[0], part * size))
+    param.data.copy_(_narrow(loaded, 1, rank * part, part))
 
 
 class RowParallelLinear(nn.Module):
@@ -247,7 +251,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp_size()
         self.in_features, self.out_features = in_features // self.tp, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
-        _set_loader(self.weight, _row_loader, (out_features, in_features))
+        _set_loader(self.weight, functools.partial(_row_loader, tp_rank(), self.tp), (out_features, in_features))
         if bias:
             self.bias = replicated(nn.Parameter(torch.empty(out_features), requires_grad=False))
         else:
@@ -261,10 +265,9 @@ class RowParallelLinear(nn.Module):
 
 
 @torch.no_grad()
-def _vocab_loader(vocab_size: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+def _vocab_loader(vocab_size: int, vocab_start: int, param: nn.Parameter, loaded, shard_id=None) -> None:
     _check_shape(loaded, (vocab_size, param.shape[1]))
-    part = param.shape[0]
-    start = tp_rank() * part
+    part, start = param.shape[0], vocab_start
     rows = max(0, min(part, vocab_size - start))  # the last rank's padding rows stay zero
     param.data[:rows].copy_(_narrow(loaded, 0, start, rows))
     param.data[rows:].zero_()
@@ -282,7 +285,7 @@ class VocabParallelEmbedding(nn.Module):
         self.part = -(-vocab_size // self.tp)
         self.vocab_start = rank * self.part
         self.weight = nn.Parameter(torch.empty(self.part, hidden_size), requires_grad=False)
-        _set_loader(self.weight, functools.partial(_vocab_loader, vocab_size), (vocab_size, hidden_size))
+        _set_loader(self.weight, functools.partial(_vocab_loader, vocab_size, self.vocab_start), (vocab_size, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
@@ -349,7 +352,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
-                               *norms)
+                               *norms, mrope_section=self.rotary_emb.mrope_section)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 from torch import nn
 
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+from workers.models.llava import LlavaForConditionalGeneration
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from workers.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -12,6 +14,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -1,0 +1,123 @@
+"""Loading and validating images: data: URLs, file:// under an allowed directory, http(s)
+(fetched asynchronously with a timeout and a size cap), or PIL images (offline).
+
+Every failure is a MediaError, which the API server answers with a 400."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from urllib.parse import unquote, urlparse
+
+from PIL import Image
+
+MAX_IMAGE_BYTES = 32 << 20          # encoded bytes of one image
+MAX_IMAGE_PIXELS = 64 << 20         # decoded width x height (decompression bombs, oversized inputs)
+FETCH_TIMEOUT_S = 10.0
+FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+class MediaError(ValueError):
+    """An image a request cannot use."""
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Bytes of a PNG, JPEG or WebP -> an RGB PIL image; the size is checked before decoding."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(f"the image has {len(data)} bytes; at most {MAX_IMAGE_BYTES} are accepted")
+    try:
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Exception:
+        raise MediaError("the data is not a PNG, JPEG or WebP image") from None
+    check_size(img)
+    try:
+        img.load()
+    except Exception as e:
+        raise MediaError(f"the image cannot be decoded: {e}") from None
+    return img.convert("RGB")
+
+
+def check_size(img: Image.Image) -> None:
+    w, h = img.size
+    if w < 1 or h < 1:
+        raise MediaError("the image is empty")
+    if w * h > MAX_IMAGE_PIXELS:
+        raise MediaError(f"the image is {w}x{h} pixels; at most {MAX_IMAGE_PIXELS} pixels are accepted")
+
+
+def load_data_url(url: str) -> Image.Image:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith("data:"):
+        raise MediaError("a data URL must look like data:image/png;base64,...")
+    if not head.endswith(";base64"):
+        raise MediaError("only base64 data URLs are supported")
+    mime = head[5:-7].lower()
+    if mime and not mime.startswith("image/"):
+        raise MediaError(f"a data URL of type {mime!r} is not an image")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("the data URL is not valid base64") from None
+    return decode_image(data)
+
+
+def load_file_url(url: str, allowed_dir: str | None) -> Image.Image:
+    if not allowed_dir:
+        raise MediaError("file:// URLs are not allowed (the server was started without "
+                         "--allowed-local-media-path)")
+    path = os.path.realpath(unquote(urlparse(url).path))
+    root = os.path.realpath(allowed_dir)
+    if os.path.commonpath([path, root]) != root:
+        raise MediaError("the file is outside --allowed-local-media-path")
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_IMAGE_BYTES:
+            raise MediaError(f"the image has {size} bytes; at most {MAX_IMAGE_BYTES} are accepted")
+        with open(path, "rb") as f:
+            return decode_image(f.read())
+    except OSError:
+        raise MediaError("the file cannot be read") from None
+
+
+async def fetch_http(url: str, timeout: float = FETCH_TIMEOUT_S) -> bytes:
+    """GET url with a total timeout, reading at most MAX_IMAGE_BYTES."""
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    raise MediaError(f"fetching the image failed with HTTP {resp.status}")
+                data = await resp.content.read(MAX_IMAGE_BYTES + 1)
+    except MediaError:
+        raise
+    except Exception as e:
+        raise MediaError(f"fetching the image failed: {type(e).__name__}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+    return data
+
+
+async def load_image_url(url: str, allowed_dir: str | None, off_loop) -> Image.Image:
+    """An image_url part's URL -> an RGB image. off_loop(fn, *args) runs the decoding away
+    from the event loop (http(s) is fetched asynchronously first)."""
+    if not isinstance(url, str) or not url:
+        raise MediaError("image_url.url must be a non-empty string")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return await off_loop(load_data_url, url)
+    if scheme == "file":
+        return await off_loop(load_file_url, url, allowed_dir)
+    if scheme in ("http", "https"):
+        return await off_loop(decode_image, await fetch_http(url))
+    raise MediaError(f"unsupported image URL scheme {scheme or url[:16]!r} (data:, file:, http(s): are)")
+
+
+def as_image(obj) -> Image.Image:
+    """Offline inputs: a PIL image (or bytes of one) -> RGB."""
+    if isinstance(obj, Image.Image):
+        check_size(obj)
+        return obj.convert("RGB") if obj.mode != "RGB" else obj
+    if isinstance(obj, (bytes, bytearray)):
+        return decode_image(bytes(obj))
+    raise MediaError(f"an image must be a PIL.Image or bytes, got {type(obj).__name__}")

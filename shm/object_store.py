@@ -1,0 +1,280 @@
+"""Shared-memory object store: one writer (an API server, or the offline LLM), N readers (the
+workers), for the processed multimodal tensors (pixel values, grid sizes).
+
+The writer puts each item once under its content hash; an item already stored is only
+referenced again. The request that crosses ZMQ carries (segment name, entry address); the
+workers map the segment and wrap the tensors with np.frombuffer, copying nothing.
+
+Segment layout (little endian)::
+
+    [0, 64)        header: magic u64, capacity u64, n_readers u32
+    [64, 128)      one "mapped" byte per reader (at most 64 readers)
+    [128, cap)     entries, 64-byte aligned, allocated as a ring
+    entry:         u64 size, u64 issued, u64 released[n_readers], u32 meta_len, meta (msgpack:
+                   [[key, dtype, shape, data offset], ...]), then the arrays (64-byte aligned)
+
+Reference counting across processes without locks: `issued` is written by the writer only
+(one per request that references the entry), `released[r]` by reader r only (one per request
+it is done with; the engine core tells every worker when a request is gone, whether or not
+it ever ran). An entry is free once every released[r] == issued; the writer evicts the
+oldest entries first, and only free ones, when it needs room.
+
+Lifetime: the writer creates the segment (registered with the resource tracker, which
+unlinks it if the writer is SIGKILLed) and unlinks it as soon as every reader has mapped it
+(mappings stay valid), or at close(). Names carry the run id that `loom serve` or `LLM`
+puts in the environment, which children inherit: two servers on one host never clash.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from multiprocessing import resource_tracker
+
+import _posixshmem
+import msgspec
+import numpy as np
+
+_MAGIC = 0x45524F545347_4D4D  # "MMGSTORE"-ish tag
+_HEADER = struct.Struct("<QQI")
+_MAPPED_OFF = 64
+_MAX_READERS = 64
+_DATA_START = 128
+_ALIGN = 64
+RUN_ID_ENV = "LOOM_RUN_ID"
+
+
+def run_id() -> str:
+    """This run's id: inherited from the parent's environment, or made here (and exported so
+    that the processes started from here inherit it)."""
+    rid = os.environ.get(RUN_ID_ENV)
+    if not rid:
+        rid = os.environ[RUN_ID_ENV] = f"{os.getpid()}{secrets.token_hex(4)}"
+    return rid
+
+
+def segment_name(client_index: int) -> str:
+    return f"loom_mm_{run_id()}_c{client_index}"
+
+
+def _round_up(x: int, a: int = _ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+class StoreFull(RuntimeError):
+    """No room: every entry that would have to go is still in use (or the item is larger
+    than the store)."""
+
+
+class ObjectStoreWriter:
+    def __init__(self, name: str, capacity: int, n_readers: int):
+        if not 1 <= n_readers <= _MAX_READERS:
+            raise ValueError(f"n_readers must be in [1, {_MAX_READERS}]")
+        self.name, self.capacity, self.n_readers = name, _round_up(capacity), n_readers
+        self._lock = threading.Lock()   # the API server processes in a thread pool
+        self._entries: OrderedDict[int, str] = OrderedDict()   # addr -> key, oldest first
+        self._by_key: dict[str, int] = {}
+        self._head = _DATA_START
+        self._linked = False
+        self._closed = False
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        self._linked = True
+        resource_tracker.register("/" + name, "shared_memory")  # unlinked even if we are SIGKILLed
+        try:
+            os.ftruncate(fd, self.capacity)
+            self._mm = mmap.mmap(fd, self.capacity)
+        except BaseException:
+            os.close(fd)
+            self._unlink()
+            raise
+        os.close(fd)
+        self._buf = memoryview(self._mm)
+        _HEADER.pack_into(self._buf, 0, _MAGIC, self.capacity, n_readers)
+
+    # ------------------------------------------------------------ writer API
+
+    def lookup(self, key: str) -> int | None:
+        """Reference an item already stored (counts one more request); None if absent."""
+        with self._lock:
+            addr = self._by_key.get(key)
+            if addr is not None:
+                self._issued(addr)[0] += 1
+            return addr
+
+    def put(self, key: str, arrays: dict[str, np.ndarray]) -> int:
+        """Store arrays under key (or reference the stored copy); the entry's address."""
+        metas, off = [], 0
+        for k, a in arrays.items():
+            metas.append([k, a.dtype.str, list(a.shape), off])
+            off = _round_up(off + a.nbytes)
+        with self._lock:
+            self._check_open()
+            addr = self._by_key.get(key)
+            if addr is not None:
+                self._issued(addr)[0] += 1
+                return addr
+            meta = msgspec.msgpack.encode(metas)
+            head = 24 + 8 * self.n_readers
+            data_off = _round_up(head + 4 + len(meta))
+            size = _round_up(data_off + off)
+            addr = self._alloc(size)
+            buf = self._buf
+            struct.pack_into("<QQ", buf, addr, size, 1)
+            buf[addr + 16:addr + 16 + 8 * self.n_readers] = bytes(8 * self.n_readers)
+            struct.pack_into("<I", buf, addr + head, len(meta))
+            buf[addr + head + 4:addr + head + 4 + len(meta)] = meta
+            for (k, _, _, o), a in zip(metas, arrays.values()):
+                dst = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=addr + data_off + o)
+                dst[:] = np.ascontiguousarray(a).reshape(-1)
+            self._entries[addr] = key
+            self._by_key[key] = addr
+            self.maybe_unlink()
+            return addr
+
+    def unref(self, addr: int) -> None:
+        """Take back one reference of a request that never reached the engine."""
+        with self._lock:
+            if not self._closed and addr in self._entries:
+                self._issued(addr)[0] -= 1
+
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def used_bytes(self) -> int:
+        return sum(self._size(a) for a in self._entries)
+
+    # ------------------------------------------------------------ internals
+
+    def _issued(self, addr: int) -> np.ndarray:
+        return np.frombuffer(self._buf, dtype="<i8", count=1, offset=addr + 8)
+
+    def _size(self, addr: int) -> int:
+        return struct.unpack_from("<Q", self._buf, addr)[0]
+
+    def _is_free(self, addr: int) -> bool:
+        counts = np.frombuffer(self._buf, dtype="<i8", count=1 + self.n_readers, offset=addr + 8)
+        return bool((counts[1:] >= counts[0]).all())
+
+    def _alloc(self, size: int) -> int:
+        if size > self.capacity - _DATA_START:
+            raise StoreFull(f"an item of {size} bytes does not fit the store ({self.capacity} bytes)")
+        while True:
+            if not self._entries:
+                self._head = _DATA_START
+            else:
+                oldest = next(iter(self._entries))
+                if self._head > oldest:  # live region [oldest, head): room after it, else wrap
+                    if self._head + size <= self.capacity:
+                        break
+                    if _DATA_START + size <= oldest:
+                        self._head = _DATA_START
+                        break
+                elif self._head + size <= oldest:  # wrapped: room between head and oldest
+                    break
+                if not self._is_free(oldest):
+                    raise StoreFull("the multimodal store is full of items still in use")
+                self._by_key.pop(self._entries.pop(oldest))  # oldest first
+                continue
+            break
+        addr = self._head
+        self._head += size
+        return addr
+
+    def maybe_unlink(self) -> None:
+        """Unlink the segment once every reader has mapped it (cheap: call it as outputs come)."""
+        if self._linked and not self._closed and all(self._buf[_MAPPED_OFF:_MAPPED_OFF + self.n_readers]):
+            self._unlink()  # every reader has it mapped: nothing can leak from here on
+
+    def _unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the multimodal store is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._unlink()
+        try:
+            self._buf.release()
+            self._mm.close()
+        except BufferError:  # a view is still alive; the GC unmaps it
+            pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ObjectStoreReader:
+    """A worker's side: maps segments as handles arrive, hands out zero-copy views."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._segments: dict[str, tuple[mmap.mmap, memoryview, int]] = {}   # name -> (mm, buf, n_readers)
+        self._closed = False
+
+    def _segment(self, name: str):
+        seg = self._segments.get(name)
+        if seg is None:
+            if not name.startswith("loom_mm_"):
+                raise ValueError(f"not a multimodal store segment: {name!r}")
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            buf = memoryview(mm)
+            magic, cap, n_readers = _HEADER.unpack_from(buf, 0)
+            if magic != _MAGIC or cap != size or self.rank >= n_readers:
+                buf.release()
+                mm.close()
+                raise ValueError(f"shm segment {name} is not a store for reader {self.rank}")
+            buf[_MAPPED_OFF + self.rank] = 1
+            seg = self._segments[name] = (mm, buf, n_readers)
+        return seg
+
+    def get(self, name: str, addr: int) -> dict[str, np.ndarray]:
+        """The entry's arrays, as read-only views of the shared memory."""
+        _, buf, n = self._segment(name)
+        head = 24 + 8 * n
+        (meta_len,) = struct.unpack_from("<I", buf, addr + head)
+        metas = msgspec.msgpack.decode(bytes(buf[addr + head + 4:addr + head + 4 + meta_len]))
+        data_off = _round_up(head + 4 + meta_len)
+        out = {}
+        for key, dtype, shape, off in metas:
+            count = int(np.prod(shape)) if shape else 1
+            a = np.frombuffer(buf, dtype=np.dtype(dtype), count=count, offset=addr + data_off + off)
+            out[key] = a.reshape(shape)
+        return out
+
+    def release(self, name: str, addr: int) -> None:
+        """This reader is done with one request's reference to the entry."""
+        _, buf, n = self._segment(name)
+        np.frombuffer(buf, dtype="<i8", count=1, offset=addr + 16 + 8 * self.rank)[0] += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for mm, buf, _ in self._segments.values():
+            try:
+                buf.release()
+                mm.close()
+            except BufferError:  # a view is still alive; the GC unmaps it
+                pass
+        self._segments.clear()

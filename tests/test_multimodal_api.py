@@ -1,0 +1,163 @@
+"""Images over HTTP: a real `loom serve` of a tiny Qwen2.5-VL and the official openai client.
+One server for the module; every bad input gets OpenAI's 400 and the server keeps serving."""
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import os
+import secrets
+import threading
+
+import openai
+import pytest
+import requests
+
+from tests.tiny_vl_models import hf_qwen_vl_greedy, make_tiny_qwen2_5_vl, random_image
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+RUN_ID = f"test{secrets.token_hex(4)}"
+
+
+def png_url(img, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(*urls: str, text: str = "Describe it.") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return make_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl_api")))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    random_image(30, 70, 70).save(d / "ok.png")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(vl_dir, media_dir):
+    from tests.conftest import Server
+    s = Server(vl_dir, "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt.image", "2",
+               "--allowed-local-media-path", str(media_dir / ""), "--mm-processor-cache-gb", "0.02",
+               env={"LOOM_RUN_ID": RUN_ID})
+    try:
+        yield s.wait_healthy()
+    finally:
+        s.stop()
+        assert not [n for n in os.listdir("/dev/shm") if RUN_ID in n], "segments left after SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                          temperature=0, max_tokens=8, **kw)
+
+
+def test_image_chat_matches_hf_and_streaming_equals_non_streaming(client, vl_dir):
+    img = random_image(31, 100, 90)
+    messages = image_message(png_url(img))
+    full = chat(client, messages)
+    stream = chat(client, messages, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    prompt = f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+    ids, ref = hf_qwen_vl_greedy(vl_dir, prompt, [img], 8)
+    assert full.usage.prompt_tokens == len(ids)
+    from transformers import AutoTokenizer
+    assert full.choices[0].message.content == AutoTokenizer.from_pretrained(vl_dir).decode(ref, skip_special_tokens=True)
+
+
+def test_two_images_jpeg_webp_and_local_file(client, media_dir):
+    out = chat(client, image_message(png_url(random_image(32, 60, 60), "JPEG"),
+                                     png_url(random_image(33, 80, 60), "WEBP")))
+    assert out.choices[0].finish_reason in ("stop", "length")
+    out = chat(client, image_message(f"file://{media_dir}/ok.png"))
+    assert out.usage.prompt_tokens > 10
+
+
+def test_http_image_is_fetched(client):
+    img_bytes = io.BytesIO()
+    random_image(34, 56, 56).save(img_bytes, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(img_bytes.getvalue())
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/img.png"
+        by_http = chat(client, image_message(url))
+        by_data = chat(client, image_message(png_url(random_image(34, 56, 56))))
+        assert by_http.choices[0].message.content == by_data.choices[0].message.content
+    finally:
+        httpd.shutdown()
+
+
+def test_mm_processor_kwargs_max_pixels(server):
+    img = png_url(random_image(35, 224, 224))
+    model = requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": image_message(img), "max_tokens": 2, "temperature": 0}
+    big = requests.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    small = requests.post(server.url + "/v1/chat/completions",
+                          json={**body, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 4}}, timeout=60).json()
+    assert small["usage"]["prompt_tokens"] < big["usage"]["prompt_tokens"]
+
+
+def _oversized_png() -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("1", (9000, 8000)).save(buf, format="PNG")   # 72M pixels, a few kB
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "not a PNG"),
+    ("data:image/png;base64,@@@not-base64@@@", "base64"),
+    ("ftp://example.com/cat.png", "scheme"),
+    ("file:///etc/passwd", "outside"),
+    ("oversized", "pixels"),
+])
+def test_bad_images_are_400_and_the_server_keeps_serving(client, url, needle):
+    if url == "oversized":
+        url = _oversized_png()
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, image_message(url))
+    assert e.value.status_code == 400
+    assert needle in e.value.body["message"] and e.value.body["type"] == "BadRequestError"
+    assert chat(client, image_message(png_url(random_image(36, 56, 56)))).choices
+
+
+def test_more_images_than_the_limit(client):
+    url = png_url(random_image(37, 56, 56))
+    with pytest.raises(openai.BadRequestError, match="At most 2 image"):
+        chat(client, image_message(url, url, url))
+
+
+def test_mm_cache_metrics(client, server):
+    url = png_url(random_image(38, 64, 64))
+    chat(client, image_message(url))
+    chat(client, image_message(url))
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:mm_cache_")}
+    assert values["vllm:mm_cache_queries_total"] >= 2 and values["vllm:mm_cache_hits_total"] >= 1

@@ -1,0 +1,72 @@
+"""The shared-memory object store: zero-copy reads, references, oldest-first eviction only of
+entries every reader is done with, unlink once every reader has mapped it, idempotent close."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shm.object_store import ObjectStoreReader, ObjectStoreWriter, StoreFull, segment_name
+
+
+def _name(tag: str) -> str:
+    return segment_name(0) + f"_{tag}_{os.getpid()}"
+
+
+def test_put_get_zero_copy_and_reference():
+    w = ObjectStoreWriter(_name("a"), 1 << 20, n_readers=2)
+    r0, r1 = ObjectStoreReader(0), ObjectStoreReader(1)
+    try:
+        px = np.arange(12, dtype=np.float32).reshape(3, 4)
+        addr = w.put("k", {"pixel_values": px, "grid": np.array([1, 2, 3])})
+        assert w.put("k", {"pixel_values": px}) == addr and w.lookup("k") == addr  # only referenced
+        got = r0.get(w.name, addr)
+        np.testing.assert_array_equal(got["pixel_values"], px)
+        np.testing.assert_array_equal(got["grid"], [1, 2, 3])
+        assert not got["pixel_values"].flags.owndata  # a view of the shared memory
+        assert os.path.exists(f"/dev/shm/{w.name}")
+        r1.get(w.name, addr)
+        w.maybe_unlink()
+        assert not os.path.exists(f"/dev/shm/{w.name}"), "every reader mapped it: unlinked"
+    finally:
+        for x in (r0, r1, w):
+            x.close()
+            x.close()  # idempotent
+
+
+def test_oldest_first_eviction_only_when_every_reader_is_done():
+    w = ObjectStoreWriter(_name("b"), 64 << 10, n_readers=2)
+    r0, r1 = ObjectStoreReader(0), ObjectStoreReader(1)
+    try:
+        big = np.zeros(5000, dtype=np.float32)   # 20 kB: three fit in 64 kB
+        addrs = [w.put(f"k{i}", {"x": big + i}) for i in range(3)]
+        with pytest.raises(StoreFull):
+            w.put("k3", {"x": big})              # nobody is done with anything
+        r0.release(w.name, addrs[0])
+        with pytest.raises(StoreFull):
+            w.put("k3", {"x": big})              # reader 1 still uses k0
+        r1.release(w.name, addrs[0])
+        w.put("k3", {"x": big + 3})              # k0, the oldest, goes
+        assert w.lookup("k0") is None and w.lookup("k1") == addrs[1]
+        np.testing.assert_array_equal(r0.get(w.name, addrs[1])["x"], big + 1)  # untouched
+        with pytest.raises(StoreFull, match="does not fit"):
+            w.put("huge", {"x": np.zeros(1 << 20, np.uint8)})
+    finally:
+        for x in (r0, r1, w):
+            x.close()
+
+
+def test_close_unlinks_and_bounded_size_under_many_items():
+    w = ObjectStoreWriter(_name("c"), 256 << 10, n_readers=1)
+    r = ObjectStoreReader(0)
+    try:
+        for i in range(1000):  # 1,000 requests of distinct tiny images, each released when done
+            addr = w.put(f"img{i}", {"x": np.full(1000, i, np.float32)})
+            assert r.get(w.name, addr)["x"][0] == i
+            r.release(w.name, addr)
+        assert w.used_bytes() <= 256 << 10 and w.num_entries() < 100
+    finally:
+        r.close()
+        w.close()
+    assert not os.path.exists(f"/dev/shm/{w.name}")

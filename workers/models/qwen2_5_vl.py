@@ -1,0 +1,264 @@
+"""Qwen2.5-VL: a ViT (windowed attention, 2-D rotary, patch merger) in front of the Qwen2
+language model, whose rotary takes three position rows (M-RoPE: temporal, height, width).
+
+The vision tower is self-contained plain torch (fused attention through
+F.scaled_dot_product_attention); the language model is our Llama/Qwen2 stack, fed
+`inputs_embeds` where image placeholders sit. Weight names: the Hub's (`model.layers.*`,
+`visual.*`) and transformers 5's (`model.language_model.*`, `model.visual.*`)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention import AttentionMetadata
+from workers.models.layers import KVCache, VocabParallelEmbedding, load_stacked_weights, replicated
+from workers.models.llama import STACKED_PARAMS, LlamaModel
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as HF's Qwen2_5_VLRMSNorm: variance in fp32, weight times the input dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        qf, kf = q.float(), k.float()
+        q = (qf * c + _rotate_half(qf) * s).to(x.dtype)
+        k = (kf * c + _rotate_half(kf) * s).to(x.dtype)
+        # one fused call over every window of every image: the mask keeps each token in its window
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask)
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); plain layers: the tower is replicated on every rank. (Named
+    gate/up, not gate_proj/up_proj, so the language model's fused-weight mapping passes them by.)"""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden)
+        self.up = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate(x)) * self.up(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, hidden: int):
+        super().__init__()
+        self.norm1 = VisionRMSNorm(dim)
+        self.norm2 = VisionRMSNorm(dim)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMLP(dim, hidden)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride = kernel over pre-cut patches: one matmul."""
+
+    def __init__(self, patch: int, temporal: int, in_ch: int, dim: int):
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(dim, in_ch, temporal, patch, patch), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, dim: int, merge: int):
+        super().__init__()
+        self.hidden = dim * merge * merge
+        self.ln_q = VisionRMSNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+
+    def forward(self, x):
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        self.merge = vc.spatial_merge_size
+        self.patch_size = vc.patch_size
+        self.window_size = vc.window_size
+        self.fullatt = set(vc.fullatt_block_indexes)
+        self.head_dim = vc.hidden_size // vc.num_heads
+        rope = getattr(vc, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", 10000.0))
+        half = self.head_dim // 2
+        inv = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.patch_embed = PatchEmbed(vc.patch_size, vc.temporal_patch_size, vc.in_channels, vc.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(vc.hidden_size, vc.num_heads, vc.intermediate_size)
+                                    for _ in range(vc.depth))
+        self.merger = PatchMerger(vc.out_hidden_size, vc.hidden_size, vc.spatial_merge_size)
+
+    def _positions(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """(h, w) of every patch, in the processor's order (merge-blocks first)."""
+        m, out = self.merge, []
+        for t, h, w in grids:
+            hp = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
+            wp = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
+            out.append(torch.stack([hp, wp], -1).repeat(t, 1))
+        return torch.cat(out)
+
+    def _windows(self, grids) -> tuple[torch.Tensor, list[int]]:
+        """The permutation of merged patches into windows, and each window's patch count."""
+        m, win = self.merge, self.window_size // self.merge // self.patch_size
+        index, lens, base = [], [], 0
+        for t, h, w in grids:
+            gh, gw = h // m, w // m
+            idx = torch.arange(t * gh * gw).view(t, gh, gw)
+            ph, pw = -gh % win, -gw % win
+            idx = F.pad(idx, (0, pw, 0, ph), value=-1)
+            nh, nw = (gh + ph) // win, (gw + pw) // win
+            idx = idx.view(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
+            for row in idx:
+                row = row[row >= 0]
+                if len(row):
+                    index.append(row + base)
+                    lens.append(len(row) * m * m)
+            base += t * gh * gw
+        return torch.cat(index), lens
+
+    @staticmethod
+    def _block_mask(lens: list[int], device) -> torch.Tensor:
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+        return seg[:, None] == seg[None, :]
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        dev = pixels.device
+        unit = self.merge * self.merge
+        x = self.patch_embed(pixels)
+        n = x.shape[0]
+        win_index, win_lens = self._windows(grids)
+        win_index = win_index.to(dev)
+        x = x.view(n // unit, unit, -1)[win_index].reshape(n, -1)
+        freqs = self._positions(grids).to(dev)[..., None].float() * self.inv_freq.to(dev)  # [n, 2, d/4]
+        freqs = freqs.view(n // unit, unit, -1)[win_index].reshape(n, -1)
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos(), emb.sin()
+        full_mask = self._block_mask([h * w for t, h, w in grids for _ in range(t)], dev)  # per frame
+        win_mask = self._block_mask(win_lens, dev)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, full_mask if i in self.fullatt else win_mask)
+        return self.merger(x)[torch.argsort(win_index)]
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    uses_mrope = True
+    is_multimodal = True
+
+    def __init__(self, config, language_model_only: bool = False):
+        super().__init__()
+        self.hf_config = config
+        self.config = text = config.get_text_config()
+        self.image_token_id = config.image_token_id
+        self.model = LlamaModel(text, qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False)
+        self.visual = None
+        if not language_model_only:
+            self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+            for p in self.visual.parameters():  # replicated on every tensor-parallel rank
+                replicated(p)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
+                                        or getattr(text, "tie_word_embeddings", False))
+        self.lm_head = self.model.embed_tokens if self.tie_word_embeddings else \
+            VocabParallelEmbedding(text.vocab_size, text.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    # ------------------------------------------------------------ vision
+
+    def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """Processed images (pixel_values [patches, C*T*P*P], image_grid_thw [3]) -> each one's
+        embeddings [placeholder tokens, hidden], in one pass of the tower."""
+        w = self.visual.patch_embed.proj.weight
+        dev, dtype = w.device, w.dtype
+        grids = [tuple(int(v) for v in np.asarray(it["image_grid_thw"]).reshape(3)) for it in items]
+        pixels = torch.cat([torch.from_numpy(np.asarray(it["pixel_values"])) for it in items]).to(dev, dtype)
+        out = self.visual(pixels, grids)
+        unit = self.visual.merge ** 2
+        return list(out.split([t * h * w // unit for t, h, w in grids]))
+
+    def mrope_positions(self, prompt_ids: np.ndarray, items: list[tuple[int, int, dict]]) -> tuple[np.ndarray, int]:
+        """M-RoPE positions of a prompt ([3, n]) and the delta that later tokens add to their
+        index. items: (placeholder offset, length, processed arrays) sorted by offset. Text
+        advances all three rows by one per token; an image's tokens take (t, h, w) of its merged
+        grid from where the text stopped, after which text resumes at max(h, w) further on."""
+        n = len(prompt_ids)
+        out = np.empty((3, n), dtype=np.int64)
+        cur = pos = 0
+        m = self.hf_config.vision_config.spatial_merge_size
+        for off, length, arrays in items:
+            out[:, cur:off] = np.arange(off - cur) + pos
+            pos += off - cur
+            t, h, w = (int(v) for v in np.asarray(arrays["image_grid_thw"]).reshape(3))
+            h, w = h // m, w // m
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            out[:, off:off + length] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + pos
+            pos += max(h, w)
+            cur = off + length
+        out[:, cur:] = np.arange(n - cur) + pos
+        return out, int(out.max()) + 1 - n if n else 0
+
+    # ------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def renamed():
+            for name, t in weights:
+                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                if name.startswith("visual."):
+                    name = name.replace(".mlp.gate_proj.", ".mlp.gate.").replace(".mlp.up_proj.", ".mlp.up.")
+                yield name, t
+
+        def ignore(name: str) -> bool:
+            if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                return True
+            return self.visual is None and name.startswith("visual.")
+
+        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore)
