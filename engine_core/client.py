@@ -35,20 +35,26 @@ class EngineDeadError(RuntimeError):
 
 
 class _ClientBase:
-    def __init__(self, ctx: zmq.Context, input_address: str, output_address: str, client_index: int):
+    """One input ROUTER and one output PULL for every engine core of the client: each engine
+    (a data-parallel rank) connects to both and says READY with its engine_index, which is how
+    its identity on the ROUTER is learnt; its outputs carry the same index."""
+
+    def __init__(self, ctx: zmq.Context, input_address: str, output_address: str, client_index: int,
+                 num_engines: int = 1):
+        self.ctx = ctx
         self.client_index = client_index
-        # tcp:// sockets are CURVE servers with fresh keys; only the engine's key (learned in HELLO) gets in
+        self.num_engines = num_engines
+        # tcp:// endpoints are CURVE servers with fresh keys; only the engines' keys (learned in HELLO) get in
         self.keys = self.guard = None
         auth = None
         if input_address.startswith("tcp://") or output_address.startswith("tcp://"):
-            self.keys = new_keys()
-            self.guard = PeerGuard(ctx, "engine client sockets")
-            auth = CurveServer(self.keys)
+            auth = self._curve()
         self.input = make_socket(ctx, zmq.ROUTER, input_address, bind=True, auth=auth)
         self.output = make_socket(ctx, zmq.PULL, output_address, bind=True, auth=auth)
         # the addresses as bound ("tcp://host:*" picks a free port)
         self.input_address = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self.output.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._tcp = (self.input_address, self.output_address) if auth is not None else None
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
         self.monitor = self.output.get_monitor_socket(events)
         self.input_monitor = self.input.get_monitor_socket(HANDSHAKE_FAILED)
@@ -58,8 +64,9 @@ class _ClientBase:
         self.enc = Encoder()
         self.out_dec = Decoder(EngineCoreOutputs)
         self.ready_dec = Decoder(EngineReady)
-        self.engine_identity: bytes | None = None
-        self.ready: EngineReady | None = None
+        self.engines: dict[int, bytes] = {}        # engine index -> its identity on our input ROUTER
+        self.readies: dict[int, EngineReady] = {}
+        self.ready: EngineReady | None = None      # the first engine's, once every engine is ready
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
         self._connected = False
@@ -68,8 +75,31 @@ class _ClientBase:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
-    def _frames(self, kind: MsgType, msg: Any) -> list:
-        return [self.engine_identity, *self.enc.encode(kind.value, msg)]
+    @property
+    def engine_indices(self) -> list[int]:
+        return sorted(self.engines)
+
+    def _frames(self, kind: MsgType, msg: Any, engine: int | None = None) -> list:
+        identity = self.engines[self.engine_indices[0] if engine is None else engine]
+        return [identity, *self.enc.encode(kind.value, msg)]
+
+    def _curve(self) -> CurveServer:
+        self.keys = new_keys()
+        self.guard = PeerGuard(self.ctx, "engine client sockets")
+        return CurveServer(self.keys)
+
+    def tcp_addresses(self, host: str) -> tuple[str, str]:
+        """Input and output addresses that an engine elsewhere can connect to: CURVE endpoints,
+        bound on first use beside the ipc:// ones of local engines (libzmq takes a socket's
+        security options as they are at each bind)."""
+        if self._tcp is None:
+            auth = self._curve()
+            for sock in (self.input, self.output):
+                auth.apply(sock)
+                sock.bind(f"tcp://{host}:*")
+            self._tcp = (self.input.getsockopt_string(zmq.LAST_ENDPOINT),
+                         self.output.getsockopt_string(zmq.LAST_ENDPOINT))
+        return self._tcp
 
     def _on_monitor(self, frames: list) -> None:
         """The output socket's connection events. A peer that failed the handshake (no or a wrong
@@ -83,7 +113,7 @@ class _ClientBase:
             if self._after_failure:
                 self._after_failure = False
             elif self._connected:
-                self.dead_reason = self.dead_reason or "the engine core closed its connection (it exited)"
+                self.dead_reason = self.dead_reason or "an engine core closed its connection (it exited)"
 
     def _on_input_monitor(self, frames: list) -> None:
         self.handshake_watch.note(parse_monitor_message(frames)["event"])
@@ -102,9 +132,13 @@ class _ClientBase:
             return None
 
     def _on_ready(self, frames: list) -> None:
-        self.engine_identity = bytes(frames[0].buffer)
-        self.ready = self.ready_dec.decode(frames[1:])
-        self.client_index = self.ready.client_index
+        ready = self.ready_dec.decode(frames[1:])
+        self.engines[ready.engine_index] = bytes(frames[0].buffer)
+        self.readies[ready.engine_index] = ready
+        if len(self.readies) == self.num_engines:
+            self.ready = self.readies[min(self.readies)]
+            # the index the first engine knows us by (an engine attached from elsewhere gives its own)
+            self.client_index = self.ready.client_index
 
     def _close_sockets(self) -> None:
         if self.guard is not None:
@@ -158,11 +192,11 @@ def attach_handshake(engine_address: str, client: "_ClientBase", auth_key: str |
         hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:
             raise PermissionError("the engine requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
-        if client.guard is not None:
-            client.guard.allow(hello.engine_public_key)   # before the engine can connect to us
+        input_address, output_address = client.tcp_addresses(local_address_towards(engine_address))
+        client.guard.allow(hello.engine_public_key)   # before the engine can connect to us
         proof = auth_proof(auth_key, hello.nonce) if hello.auth_required else ""
         sock.send_multipart(enc.encode(MsgType.ATTACH.value, AttachRequest(
-            client.input_address, client.output_address, proof, client.keys.public if client.keys else b"")))
+            input_address, output_address, proof, client.keys.public)))
         frames = _handshake_reply(sock, monitor, timeout,
                                   f"the engine at {engine_address} did not answer the attach request")
         # READY (accepted; READY also comes on our input) or REFUSED
@@ -191,19 +225,19 @@ class EngineCoreClient(_ClientBase):
             raise
         return client
 
-    def __init__(self, input_address: str, output_address: str, client_index: int = 0, engine_proc=None):
-        self.ctx = zmq.Context()
-        super().__init__(self.ctx, input_address, output_address, client_index)
-        self.engine_proc = engine_proc
+    def __init__(self, input_address: str, output_address: str, client_index: int = 0, engine_proc=None,
+                 num_engines: int = 1):
+        super().__init__(zmq.Context(), input_address, output_address, client_index, num_engines)
+        self.engine_procs = [engine_proc] if engine_proc is not None else []   # processes this client owns
         self.poller = zmq.Poller()
         for s in (self.output, self.monitor, self.input_monitor):
             self.poller.register(s, zmq.POLLIN)
         self._pending: list[EngineCoreOutputs] = []
 
     def _check_proc(self) -> None:
-        p = self.engine_proc
-        if p is not None and not p.is_alive() and not self.dead_reason:
-            self.dead_reason = f"engine core exited with code {p.exitcode}"
+        for p in self.engine_procs:
+            if not p.is_alive() and not self.dead_reason:
+                self.dead_reason = f"{p.name} exited with code {p.exitcode}"
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
 
@@ -219,14 +253,14 @@ class EngineCoreClient(_ClientBase):
                 raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
         return self.ready
 
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest, engine: int | None = None) -> None:
         self._check_proc()
         req.client_index = self.client_index
-        self.input.send_multipart(self._frames(MsgType.ADD, req), copy=False)
+        self.input.send_multipart(self._frames(MsgType.ADD, req, engine), copy=False)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], engine: int | None = None) -> None:
         if request_ids and not self.is_dead:
-            self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids)), copy=False)
+            self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids), engine), copy=False)
 
     def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         """The next batch of outputs; None on timeout."""
@@ -251,12 +285,23 @@ class EngineCoreClient(_ClientBase):
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
+    def call_utility(self, method: str, *args, timeout: float | None = None, engine: int | None = None) -> Any:
+        """Run an engine utility method on one engine (default: the first); its result."""
+        return self._call(method, args, timeout, [self.engine_indices[0] if engine is None else engine])[0]
+
+    def call_utility_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
+        """Run it on every engine at once; their results, by engine index."""
+        return self._call(method, args, timeout, self.engine_indices)
+
+    def _call(self, method: str, args: tuple, timeout: float | None, engines: list[int]) -> list[Any]:
         call_id = next(self._call_ids)
-        self.input.send_multipart(self._frames(
-            MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args))), copy=False)
+        for e in engines:
+            self.input.send_multipart(self._frames(
+                MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args)), e), copy=False)
+        results: dict[int, Any] = {}
+        failure = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        while len(results) < len(engines):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"utility call {method} timed out")
@@ -265,13 +310,16 @@ class EngineCoreClient(_ClientBase):
                 continue
             u = outs.utility_output
             if u is not None and u.call_id == call_id:
-                if outs.outputs or outs.scheduler_stats or outs.finished_timings:
+                if outs.outputs or outs.scheduler_stats or outs.finished_timings or outs.load:
                     outs.utility_output = None
                     self._pending.append(outs)
-                if u.failure:
-                    raise RuntimeError(u.failure)
-                return u.result
+                results[outs.engine_index] = u.result
+                failure = failure or u.failure
+                continue
             self._pending.append(outs)
+        if failure:
+            raise RuntimeError(failure)
+        return [results[e] for e in engines]
 
     def close(self) -> None:
         self._close_sockets()
@@ -279,26 +327,38 @@ class EngineCoreClient(_ClientBase):
 
 
 class AsyncEngineCoreClient(_ClientBase):
-    """asyncio client (API servers). Outputs are delivered to `on_outputs`."""
+    """asyncio client (API servers), of one engine core or of every data-parallel rank.
+    Outputs are delivered to `on_outputs`; the death of any engine is the death of all."""
 
-    def __init__(self, input_address: str, output_address: str, client_index: int, on_outputs, on_dead):
-        self.ctx = zmq.asyncio.Context()
-        super().__init__(self.ctx, input_address, output_address, client_index)
+    def __init__(self, input_address: str, output_address: str, client_index: int, on_outputs, on_dead,
+                 num_engines: int = 1):
+        super().__init__(zmq.asyncio.Context(), input_address, output_address, client_index, num_engines)
         self.on_outputs = on_outputs
         self.on_dead = on_dead
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[tuple[int, int], asyncio.Future] = {}   # (engine index, call id) -> its reply
         self._tasks: list[asyncio.Task] = []
 
     async def attach(self, engine_address: str, auth_key: str | None = None, timeout: float = 30.0) -> EngineReady:
         """Attach to an engine core at its handshake address, then wait for READY."""
-        await asyncio.get_running_loop().run_in_executor(None, attach_handshake, engine_address, self, auth_key,
-                                                         timeout)
+        await self.attach_handshake(engine_address, auth_key, timeout)
         return await self.wait_ready(timeout)
 
+    async def attach_handshake(self, engine_address: str, auth_key: str | None = None,
+                               timeout: float = 30.0) -> None:
+        """Ask the engine at engine_address to connect to us (its READY is taken by wait_ready)."""
+        self.tcp_addresses(local_address_towards(engine_address))   # bound here, in the loop's thread
+        await asyncio.get_running_loop().run_in_executor(None, attach_handshake, engine_address, self, auth_key,
+                                                         timeout)
+
     async def wait_ready(self, timeout: float = 900.0) -> EngineReady:
-        if not await self.input.poll(timeout * 1000):
-            raise TimeoutError(f"the engine core was not ready after {timeout:.0f}s")
-        self._on_ready(await self.input.recv_multipart(copy=False))
+        """Until every engine said READY."""
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.input.poll(left * 1000):
+                missing = sorted(set(range(self.num_engines)) - set(self.readies))
+                raise TimeoutError(f"engine core(s) {missing} not ready after {timeout:.0f}s")
+            self._on_ready(await self.input.recv_multipart(copy=False))
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._monitor_loop()),
                        asyncio.create_task(self._input_monitor_loop())]
         return self.ready
@@ -314,7 +374,7 @@ class AsyncEngineCoreClient(_ClientBase):
                 continue
             u = outs.utility_output
             if u is not None:
-                fut = self._calls.pop(u.call_id, None)
+                fut = self._calls.pop((outs.engine_index, u.call_id), None)
                 if fut is not None and not fut.done():
                     if u.failure:
                         fut.set_exception(RuntimeError(u.failure))
@@ -338,25 +398,45 @@ class AsyncEngineCoreClient(_ClientBase):
         self._calls.clear()
         self.on_dead(self.dead_reason)
 
-    async def add_request(self, req: EngineCoreRequest) -> None:
+    async def add_request(self, req: EngineCoreRequest, engine: int | None = None) -> None:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         req.client_index = self.client_index
-        await self.input.send_multipart(self._frames(MsgType.ADD, req), copy=False)
+        await self.input.send_multipart(self._frames(MsgType.ADD, req, engine), copy=False)
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], engine: int | None = None) -> None:
         if request_ids and not self.is_dead:
-            await self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids)), copy=False)
+            await self.input.send_multipart(self._frames(MsgType.ABORT, list(request_ids), engine), copy=False)
 
-    async def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
+    async def call_utility(self, method: str, *args, timeout: float | None = None, engine: int | None = None) -> Any:
+        """Run an engine utility method on one engine (default: the first); its result."""
+        return (await self._call(method, args, timeout, [self.engine_indices[0] if engine is None else engine]))[0]
+
+    async def call_utility_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
+        """Run it on every engine at once; their results, by engine index."""
+        return await self._call(method, args, timeout, self.engine_indices)
+
+    async def _call(self, method: str, args: tuple, timeout: float | None, engines: list[int]) -> list[Any]:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
-        await self.input.send_multipart(self._frames(
-            MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args))), copy=False)
-        return await asyncio.wait_for(fut, timeout)
+        loop = asyncio.get_running_loop()
+        futs = []
+        for e in engines:
+            fut = loop.create_future()
+            self._calls[(e, call_id)] = fut
+            futs.append(fut)
+            await self.input.send_multipart(self._frames(
+                MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args)), e), copy=False)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
+        finally:
+            for e in engines:
+                self._calls.pop((e, call_id), None)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
 
     def close(self) -> None:
         for t in self._tasks:

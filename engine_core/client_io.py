@@ -94,6 +94,11 @@ class ClientIO:
                                           max_msg_size=HANDSHAKE_MAX_MSG_BYTES)
             self._handshake_monitor = self._handshake.get_monitor_socket(HANDSHAKE_FAILED)
 
+    @property
+    def handshake_endpoint(self) -> str | None:
+        """The handshake address as bound (a "tcp://host:*" address picks a free port)."""
+        return self._handshake.getsockopt_string(zmq.LAST_ENDPOINT) if self._handshake is not None else None
+
     def start(self) -> None:
         self._out.start()
         self._in.start()

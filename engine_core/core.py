@@ -24,11 +24,12 @@ import zmq
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
 from engine_core.client_io import CLIENT_GONE, ClientIO
+from engine_core.dp_coordinator import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, PendingOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.structured_output import StructuredOutputManager
-from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady, GrammarOutput,
+from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, EngineReady, GrammarOutput,
                           ModelRunnerOutput, MsgType, SchedulerOutput, UtilityOutput,
                           UtilityRequest)
 from ipc.procs import child_signals, watch_parent
@@ -227,6 +228,72 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
+    # ------------------------------------------------------------ weight updates (RL trainers)
+
+    def _check_weights_updatable(self) -> None:
+        """Weights change only while no request steps: paused (keep; or abort / wait once
+        drained) or asleep, and with the weights awake."""
+        c = self.control
+        if "weights" in c.asleep:
+            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before updating them")
+        if c.can_step and c.admits_new:
+            raise ValueError("the engine is running: pause it first (pause(mode='keep') or POST /pause?mode=keep), "
+                             "update the weights, then resume")
+        if c.can_step and self.scheduler.running:
+            raise ValueError("requests are still running (pause(mode='wait') has not returned): wait for it, "
+                             "or pause with mode='keep'")
+
+    def _weights_updated(self, flush_cache: bool) -> None:
+        """After new weights, the KV of running requests and the prefix cache are stale: running
+        requests recompute (so their next tokens equal a fresh engine's on the new weights)."""
+        if flush_cache:
+            self.scheduler.preempt_all()
+            if not self.scheduler.reset_prefix_cache():  # every block is free once nothing runs
+                raise RuntimeError("the prefix cache could not be reset after a weight update")
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_disk", [model_path, load_format])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_distributed", [names, dtypes, shapes, group_name])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def update_weights_from_tensor(self, named_tensors: list, flush_cache: bool = True) -> int:
+        self._check_weights_updatable()
+        n = self.executor.collective_rpc("update_weights_from_tensor", [named_tensors])[0]
+        self._weights_updated(flush_cache)
+        return n
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        self.executor.collective_rpc("init_weights_update_group",
+                                     [master_address, master_port, rank_offset, world_size, group_name, backend])
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.executor.collective_rpc("destroy_weights_update_group", [group_name])
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        if truncate_size < 0:
+            raise ValueError(f"truncate_size must be at least 0, got {truncate_size}")
+        from workers.weight_update import merge_weight_rows
+        parts = self.executor.collective_rpc("get_weights_by_name", [name, truncate_size])
+        return merge_weight_rows(parts, truncate_size)
+
+    # ------------------------------------------------------------ profiler
+
+    def start_profile(self, profile_prefix: str | None = None) -> list[str]:
+        """Start the torch profiler in every worker; the trace names, by rank."""
+        return self.executor.collective_rpc("start_profile", [profile_prefix])
+
+    def stop_profile(self) -> list[str]:
+        return self.executor.collective_rpc("stop_profile")
+
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
@@ -238,10 +305,15 @@ class EngineCore:
         """Counts for leak checks. No gc.collect(): a request kept alive only by a cycle must show."""
         return {"live_requests": len(Request.live), "tracked_requests": len(self.scheduler.requests),
                 "free_blocks": self.scheduler.kv.pool.num_free_blocks, "num_blocks": self.num_gpu_blocks,
-                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "output_tokens": sum(len(r.output_token_ids) for r in self.scheduler.requests.values())}
 
     UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info", "sleep",
-                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused"})
+                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused",
+                                 "update_weights_from_disk", "update_weights_from_distributed",
+                                 "update_weights_from_tensor", "init_weights_update_group",
+                                 "destroy_weights_update_group", "get_weights_by_name", "start_profile",
+                                 "stop_profile"})
 
     shutting_down = False
 
@@ -262,7 +334,8 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index
         self.inputs: queue.Queue = queue.Queue()
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
-        self._published_step, self._published_control = 0, (0, False)
+        self._published_step, self._published_control, self._published_load = 0, (0, False), (0, 0)
+        self.num_added: dict[int, int] = {}   # ADDs taken in, by client: its requests not yet counted elsewhere
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
                             engine_index, config.model_name)
         self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
@@ -292,14 +365,16 @@ class EngineCoreProc(EngineCore):
             self._finish_deferred()  # after the outputs a deferred reply waited for have gone out
 
     def _publish(self, by_client: dict[int, list[EngineCoreOutput]]) -> None:
-        """Send outputs, finished-request timings and this step's stats (to one client)."""
+        """Send outputs, finished-request timings, this step's stats (to one client) and the load
+        (waiting, running) that data-parallel clients route by (to every client when DP > 1)."""
         step = self.scheduler.step_id
         control = (self.control.sleep_level, self.is_paused())
+        load = (len(self.scheduler.waiting), len(self.scheduler.running))
         if (not by_client and step == self._published_step and control == self._published_control
-                and not self.scheduler.has_timings()):
+                and load == self._published_load and not self.scheduler.has_timings()):
             self._heartbeat()
             return  # nothing new (a sleep / pause change, or an abort's timing, is reported even without a step)
-        self._published_step, self._published_control = step, control
+        self._published_step, self._published_control, self._published_load = step, control, load
         stats = self.scheduler.make_stats()
         stats.sleep_level, stats.is_paused = control
         timings: dict[int, list] = {}
@@ -307,11 +382,15 @@ class EngineCoreProc(EngineCore):
             timings.setdefault(ci, []).append(t)
         live = self.io.client_indices()
         stats_client = live[step % len(live)] if live else None
+        targets = set(by_client) | set(timings) | ({stats_client} if live else set())
+        if self.config.data_parallel_size > 1:
+            targets |= set(live)
         now = time.time()
-        for ci in set(by_client) | set(timings) | ({stats_client} if live else set()):
+        for ci in targets:
             self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
                 by_client.get(ci, []), self.engine_index, now,
-                stats if ci == stats_client else None, None, timings.get(ci, [])))
+                stats if ci == stats_client else None, None, timings.get(ci, []),
+                EngineLoad(*load, self.num_added.get(ci, 0))))
         self._heartbeat()
 
     def _heartbeat(self) -> None:
@@ -339,6 +418,7 @@ class EngineCoreProc(EngineCore):
 
     def _handle_input(self, kind: bytes, msg: Any) -> None:
         if kind == MsgType.ADD.value:
+            self.num_added[msg.client_index] = self.num_added.get(msg.client_index, 0) + 1
             err = self.add_request(msg)
             if err is not None:
                 self.pending_outputs.setdefault(msg.client_index, []).append(err)
@@ -347,6 +427,7 @@ class EngineCoreProc(EngineCore):
         elif kind == MsgType.UTILITY.value:
             self._run_utility(msg)
         elif kind == CLIENT_GONE:
+            self.num_added.pop(msg, None)
             self.abort_requests([r.request_id for r in list(self.scheduler.requests.values())
                                  if r.client_index == msg])
             self._deferred = [d for d in self._deferred if d[0] != msg]
@@ -389,21 +470,27 @@ def check_handshake_security(address: str, auth_key: str | None) -> None:
 
 
 def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]],
-                    handshake_address: str | None, auth_key: str | None, death_pipe) -> None:
-    """Process entry point."""
+                    handshake_address: str | None, auth_key: str | None, dp: DPRank | None, death_pipe) -> None:
+    """Process entry point. `dp`: this engine's data-parallel rank (None: the only engine)."""
     watch_parent(death_pipe)
     child_signals()
+    name = "engine" if dp is None else f"engine{dp.rank}"
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s engine %(levelname)s %(message)s")
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
     config = EngineConfig.from_dict(config_dict)
+    if dp is not None and config.device != "cpu" and config.data_parallel_size > 1:
+        select_devices(dp.local_rank, config.tensor_parallel_size)   # before any worker starts
     if os.environ.get("LOOM_DEBUG_DISABLE_GC") == "1":
         import gc
         gc.disable()  # leak tests: finished requests must be freed by reference counting alone
     engine = None
     code = 0
     try:
-        engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key)
+        engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key,
+                                engine_index=dp.rank if dp is not None else 0)
         _watch_workers(engine)
+        if dp is not None and dp.register_address:   # on another node: the head's API servers attach now
+            register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
     except SystemExit:

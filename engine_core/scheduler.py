@@ -166,6 +166,10 @@ class Scheduler:
                 self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
                 req.eos_token_ids, req.mm_items))
             budget -= n
+            # publish its prompt blocks now: a later request of this step with the same prefix
+            # (the n children of one request) hits them. This step's forward writes their KV
+            # (each layer's cache write runs before its attention) before anyone reads them.
+            self.kv.cache_blocks(req, num_hit + n)
 
         self.waiting.extendleft(reversed(compiling))
 

@@ -35,6 +35,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.control_api import ControlAPI
+from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
@@ -42,6 +43,7 @@ from frontend.protocol import (APIError, ChatCompletionRequest, CompletionReques
                                encode_prompts, error_body, image_urls, message_text, models_response,
                                normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
                                truncate_prompt)
+from frontend.rl_api import rl_routes
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
@@ -53,12 +55,13 @@ from metrics.registry import Builder
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
 from multimodal.media import MediaError, load_image_url
-from multimodal.processor import mm_reject
+from multimodal.processor import StoreBusy, mm_reject
 
 logger = logging.getLogger("loom.api")
 
 SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
+DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
 _OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
@@ -297,7 +300,8 @@ class OpenAIServer:
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
         constraint = await self.tokenizers.run(0, lambda _: request_constraint(req))   # xgrammar: off the loop
-        params = build_sampling_params(req, chat=False, limits=self.limits, structured=constraint)
+        params = build_sampling_params(req, chat=False, limits=self.limits,
+                                       defaults=self.config.default_sampling_params, structured=constraint)
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -332,7 +336,8 @@ class OpenAIServer:
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
         tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
-        params = build_sampling_params(req, chat=True, limits=self.limits, structured=constraint)
+        params = build_sampling_params(req, chat=True, limits=self.limits,
+                                       defaults=self.config.default_sampling_params, structured=constraint)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         _, ids = await self.tokenizers.run(
@@ -379,6 +384,8 @@ class OpenAIServer:
             return await mm.off_loop(mm.process, ids, images, mm_kwargs)
         except MediaError as e:
             raise APIError(str(e), 400, "messages") from None
+        except StoreBusy as e:
+            raise APIError(str(e), 503) from None
 
     def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
         """The request's tool use, and its constraint: response_format / structured_outputs, or
@@ -409,8 +416,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ both
 
+    def _dp_rank(self, request: web.Request) -> dict:
+        """generate()'s data_parallel_rank from the X-data-parallel-rank header, when it has one."""
+        value = request.headers.get(DP_RANK_HEADER)
+        if value is None:
+            return {}
+        try:
+            return {"data_parallel_rank": check_rank(value, self.config.data_parallel_size)}
+        except ValueError as e:
+            raise APIError(f"{DP_RANK_HEADER}: {e}", 400) from None
+
     async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
         extra = {"mm_items": mm_items} if mm_items else {}   # a chat's images (one prompt)
+        extra.update(self._dp_rank(ctx.request))
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
@@ -480,6 +498,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         if self.options.enable_control_endpoints:
             routes += ControlAPI(self).routes()
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

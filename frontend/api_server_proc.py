@@ -33,12 +33,18 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
 
     opts = dict(server_opts)
     engine_address, auth_key = opts.pop("engine_address", None), opts.pop("engine_auth_key", None)
+    dp_lookup = opts.pop("dp_lookup", None)
 
     async def _main():
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
         try:
-            await llm.start(engine_address=engine_address, auth_key=auth_key)
-            if engine_address:  # no parent watches a remote engine: leave when it dies
+            remote = []
+            if dp_lookup:   # data-parallel ranks on other nodes: where the head's coordinator says they are
+                from engine_core.dp_coordinator import lookup_remote_engines
+                found = await asyncio.get_running_loop().run_in_executor(None, lookup_remote_engines, dp_lookup)
+                remote = [found[r] for r in sorted(found)]
+            await llm.start(engine_address=engine_address, auth_key=auth_key, remote_engines=remote)
+            if engine_address or remote:  # no parent watches a remote engine: leave when it dies
                 asyncio.get_running_loop().create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics
             attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from engine_core.client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
+from frontend.dp_router import DPRouter, check_rank, merge_results
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
@@ -28,9 +29,10 @@ class _Collector:
     consumer is busy and are taken together, so a slow client gets fewer, larger deltas (vLLM's
     RequestOutputCollector)."""
 
-    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter")
+    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter", "engine")
 
-    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics]):
+    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics], engine: int = 0):
+        self.engine = engine   # the engine core (data-parallel rank) it runs on
         self.states = states
         self.metrics = metrics
         self.unfinished = set(states)
@@ -87,19 +89,20 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config)
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
-                                            self._on_outputs, self._on_dead)
+                                            self._on_outputs, self._on_dead, config.data_parallel_size)
+        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
 
     async def start(self, timeout: float = 900.0, engine_address: str | None = None,
-                    auth_key: str | None = None) -> None:
-        """Wait for the engine's READY; with engine_address, attach to that engine first."""
-        if engine_address:
-            await self.client.attach(engine_address, auth_key, timeout)
-        else:
-            await self.client.wait_ready(timeout)
+                    auth_key: str | None = None, remote_engines: list[str] = ()) -> None:
+        """Wait for every engine's READY; first attach to the engine at engine_address, or to the
+        data-parallel ranks on other nodes at their handshake addresses (remote_engines)."""
+        addresses = [engine_address] if engine_address else list(remote_engines)
+        await asyncio.gather(*(self.client.attach_handshake(a, auth_key, timeout) for a in addresses))
+        await self.client.wait_ready(timeout)
 
     @property
     def client_index(self) -> int:
@@ -121,6 +124,8 @@ class AsyncLLM:
         now = time.monotonic()  # when these outputs reached the frontend, for latency metrics
         if self.mm is not None:
             self.mm.store.maybe_unlink()
+        if outs.load is not None:
+            self.router.on_load(outs.engine_index, outs.load)
         stopped = []
         for out in outs.outputs:
             req = self._requests.get(out.request_id)
@@ -134,7 +139,7 @@ class AsyncLLM:
         for listener in self.stat_listeners:   # after the outputs: metrics write this step's tokens at once
             listener(outs)
         if stopped:
-            self._in_background(self.client.abort(stopped))
+            self._in_background(self.client.abort(stopped, outs.engine_index))
 
     def _on_dead(self, reason: str | None) -> None:
         for req in set(self._requests.values()):
@@ -147,18 +152,24 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, mm_items: list | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       mm_items: list | None = None, data_parallel_rank: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
         mm_items: the prompt's images, already in this server's store (one reference, taken over
-        here: every engine request holds one, given back by the engine when it ends)."""
+        here: every engine request holds one, given back by the engine when it ends).
+        data_parallel_rank pins the request to that engine core; else the router picks one."""
         if self.is_dead:
             if mm_items:
                 self.mm.unref(mm_items)
             raise EngineDeadError(self.dead_reason)
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
+        if data_parallel_rank is not None:
+            engine = self.router.pinned(check_rank(data_parallel_rank, self.router.n), len(ecrs))
+        else:
+            engine = self.router.pick(prompt_token_ids, len(ecrs))
         if mm_items:
             self.mm.addref(mm_items, len(ecrs) - 1)
             for ecr in ecrs:
@@ -167,12 +178,12 @@ class AsyncLLM:
                                                self.tokenizer) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
-        req = _Collector(states, rms)
+        req = _Collector(states, rms, engine)
         for rid in states:   # before any await: _on_dead must see it
             self._requests[rid] = req
         try:
             for ecr in ecrs:
-                await self.client.add_request(ecr)
+                await self.client.add_request(ecr, engine)
             finished = False
             while not finished:
                 deltas = await req.take()
@@ -182,20 +193,27 @@ class AsyncLLM:
         finally:
             for rid in states:
                 self._requests.pop(rid, None)
+            if self.stat_logger is not None:
+                self.stat_logger.use_engine(engine)   # what is recorded below is of the engine it ran on
             for rid in req.unfinished:
                 rms[rid].finish("error" if self.is_dead else "abort")
             if self.stat_logger is not None and any(rm.finish_reason != "error" or rm.num_generation_tokens
                                                     for rm in rms.values()):
                 self.stat_logger.record_request_done(max(rm.num_generation_tokens for rm in rms.values()))
             if req.unfinished and not self.is_dead:
-                await self.client.abort(list(req.unfinished))
+                await self.client.abort(list(req.unfinished), engine)
 
     async def abort(self, request_id: str) -> None:
-        ids = [rid for rid in self._requests if rid == request_id or rid.startswith(request_id + "-")]
-        await self.client.abort(ids)
+        by_engine: dict[int, list[str]] = {}
+        for rid, req in self._requests.items():
+            if rid == request_id or rid.startswith(request_id + "-"):
+                by_engine.setdefault(req.engine, []).append(rid)
+        for engine, ids in by_engine.items():
+            await self.client.abort(ids, engine)
 
     async def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
-        return await self.client.call_utility(method, *args, timeout=timeout)
+        """A control call on every engine core (data-parallel ranks), their answers merged as one."""
+        return merge_results(method, await self.client.call_utility_all(method, *args, timeout=timeout))
 
     def close(self) -> None:
         self.client.close()

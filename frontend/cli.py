@@ -8,7 +8,8 @@ import sys
 from ipc.config import EngineConfig
 
 # EngineConfig fields that are not command-line options
-_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget"}
+_INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget",
+             "default_sampling_params"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:
@@ -68,9 +69,23 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
-    p.add_argument("--api-server-count", type=int, default=1)
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="API-server processes sharing the port (default: --data-parallel-size)")
     p.add_argument("--enable-control-endpoints", action="store_true")
-    p.add_argument("--headless", action="store_true", help="run only the engine core and workers")
+    p.add_argument("--headless", action="store_true",
+                   help="run only the engine core(s) and workers: with --engine-address, one engine that "
+                        "clients attach to; with --data-parallel-start-rank, data-parallel ranks that join a head")
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="engine cores (data-parallel ranks) on this node (default: all of them on the head, "
+                        "the rest from --data-parallel-start-rank when --headless)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="the first data-parallel rank on this node (0 on the head) (default: %(default)s)")
+    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                   help="the head's address: where it listens for remote ranks on --data-parallel-rpc-port, "
+                        "and where --headless ranks find it (default: %(default)s)")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                   help="the head's port where engine cores of other nodes register (needed when "
+                        "--data-parallel-size-local < --data-parallel-size)")
     p.add_argument("--engine-address", default=None, help="tcp://HOST:PORT of an engine core's handshake socket")
     p.add_argument("--engine-auth-key", default=None)
     p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,

@@ -1,5 +1,5 @@
-"""`loom serve`: a thin parent that starts the engine core and N API servers,
-watches them, and takes everything down together.
+"""`loom serve`: a thin parent that starts the engine core(s) (one per local data-parallel rank)
+and N API servers, watches them, and takes everything down together.
 
 Exit status: 0 after Ctrl-C / SIGTERM, non-zero when any child died.
 """
@@ -13,10 +13,14 @@ import socket
 import sys
 from multiprocessing.connection import wait
 
+import zmq
+
 from ipc.config import ConfigError
 from engine_core.client import local_address_towards
-from engine_core.core import check_handshake_security, run_engine_core
+from engine_core.core import check_handshake_security
+from engine_core.dp_coordinator import DPCoordinator
 from frontend.cli import engine_config_from_args
+from frontend.dp_layout import DPLayout
 from ipc.procs import start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
@@ -54,7 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
     run_id()  # exported: every child names its shm segments with this run's id
-    n_servers = args.api_server_count
+    n_servers = args.api_server_count or config.data_parallel_size
     if n_servers < 1:
         print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
         return 2
@@ -76,16 +80,14 @@ def serve(args: argparse.Namespace) -> int:
                 print("loom serve: --node-rank > 0 runs only workers: add --headless", file=sys.stderr)
                 return 2
             return serve_secondary_node(config)
-    if args.headless and not args.engine_address:
-        print("loom serve: --headless needs --engine-address tcp://HOST:PORT to listen on", file=sys.stderr)
-        return 2
     attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
-    if args.headless:
-        try:
+    try:
+        dp = DPLayout.from_args(args, config, auth_key)
+        if args.headless and args.engine_address:
             check_handshake_security(args.engine_address, auth_key)
-        except ConfigError as e:
-            print(f"loom serve: {e}", file=sys.stderr)
-            return 2
+    except ConfigError as e:
+        print(f"loom serve: {e}", file=sys.stderr)
+        return 2
 
     servers, listen = [], None
     if not args.headless:
@@ -99,11 +101,20 @@ def serve(args: argparse.Namespace) -> int:
     else:
         clients = [(ipc_address(ipc_dir, f"client{i}-input"), ipc_address(ipc_dir, f"client{i}-output"))
                    for i in range(0 if args.headless else n_servers)]
-    engine = None
+    engines, coordinator = [], None
+    if dp.remote_ranks:   # the head: ranks of other nodes register on the rpc port
+        try:
+            coordinator = DPCoordinator(dp.head_rpc, dp.coordinator_lookup(ipc_dir), dp.remote_ranks, auth_key)
+        except zmq.ZMQError as e:
+            print(f"loom serve: cannot listen on {dp.head_rpc}: {e}", file=sys.stderr)
+            remove_ipc_dir(ipc_dir)
+            if listen is not None:
+                listen.close()
+            return 2
+        coordinator.start()
     if not attach:
-        engine = start_process(run_engine_core, "loom-engine-core",
-                               (config.to_dict(), ipc_dir, clients,
-                                args.engine_address if args.headless else None, auth_key))
+        engines = dp.start_engine_cores(config, ipc_dir, clients, args.engine_address if args.headless else None,
+                                        auth_key)
     metrics_dir = None
     if listen is not None:
         metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
@@ -115,13 +126,14 @@ def serve(args: argparse.Namespace) -> int:
                        "trust_request_chat_template": args.trust_request_chat_template,
                        "chat_template_content_format": args.chat_template_content_format,
                        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
-                       "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint}
+                       "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
+                       "dp_lookup": dp.coordinator_lookup(ipc_dir) if coordinator is not None else None}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
                                  (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
                    for i in range(n_servers)]
         listen.close()  # the API servers hold it now
-    children = ([engine] if engine else []) + servers
+    children = engines + servers
 
     stopping = False
 
@@ -139,13 +151,14 @@ def serve(args: argparse.Namespace) -> int:
                 for p in dead:
                     logger.error("%s exited with code %s; shutting down", p.name, p.exitcode)
                 code = 1
-                if engine is not None and engine in dead:
+                if any(p in dead for p in engines):
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
                 break
     finally:
         stop_processes(servers, timeout=5)
-        if engine is not None:
-            stop_processes([engine], timeout=10)
+        stop_processes(engines, timeout=10)
+        if coordinator is not None:
+            coordinator.close()
         remove_ipc_dir(ipc_dir)
         remove_multiproc_dir(metrics_dir)
     logger.info("stopped (exit code %d)", code)

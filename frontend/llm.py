@@ -5,6 +5,7 @@ tokenizes and detokenizes in the calling process.
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Sequence
@@ -12,6 +13,8 @@ from typing import Sequence
 from engine_core.client import EngineCoreClient
 from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
+from engine_core.dp_coordinator import DPRank
+from frontend.dp_router import DPRouter, merge_results
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
@@ -33,11 +36,14 @@ class LLM:
         self.ipc_dir = make_ipc_dir()
         in_addr = ipc_address(self.ipc_dir, "client0-input")
         out_addr = ipc_address(self.ipc_dir, "client0-output")
-        self.client = EngineCoreClient(in_addr, out_addr, client_index=0)
-        self.engine_proc = start_process(run_engine_core, "loom-engine-core",
-                                         (self.config.to_dict(), self.ipc_dir, [(in_addr, out_addr)], None, None))
-        self.client.engine_proc = self.engine_proc
-        self._finalizer = weakref.finalize(self, _shutdown, self.engine_proc, self.client, self.ipc_dir,
+        n = self.config.data_parallel_size
+        self.client = EngineCoreClient(in_addr, out_addr, client_index=0, num_engines=n)
+        self.engine_procs = [start_process(run_engine_core, f"loom-engine-core-{rank}" if n > 1 else "loom-engine-core",
+                                           (self.config.to_dict(), _engine_dir(self.ipc_dir, rank, n),
+                                            [(in_addr, out_addr)], None, None, DPRank(rank, rank) if n > 1 else None))
+                             for rank in range(n)]
+        self.client.engine_procs = self.engine_procs
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine_procs, self.client, self.ipc_dir,
                                            self.mm.store if self.mm else None)
         try:
             ready = self.client.wait_ready()
@@ -45,6 +51,8 @@ class LLM:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
+        self.router = DPRouter(n, self.config.block_size)
+        self._engine_of: dict[str, int] = {}   # engine request id -> its data-parallel rank
         self.stats = EngineStatsTotals()
         self._results: list[RequestOutput] = []                         # enqueued, in order
         self._states: dict[str, tuple[RequestOutput, RequestState]] = {}  # by engine request id
@@ -52,21 +60,38 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (--generation-config,
+        --override-generation-config); what generate() uses when given none."""
+        return SamplingParams(**self.config.default_sampling_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
         {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
-        placeholder once per image)."""
-        self.enqueue(prompts, sampling_params)
-        return self.wait_for_completion(use_tqdm=use_tqdm)
+        placeholder once per image). Prompts with images go to the engine in chunks, so that the
+        shared-memory store only ever holds the images of requests in flight."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
+        if not has_images or self.mm is None:
+            self.enqueue(prompts, sampling_params)
+            return self.wait_for_completion(use_tqdm=use_tqdm)
+        chunk = 4 * self.config.max_num_seqs
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+        out = []
+        for i in range(0, len(prompts), chunk):
+            self.enqueue(prompts[i:i + chunk], params[i:i + chunk] if params else sampling_params)
+            out += self.wait_for_completion(use_tqdm=use_tqdm)
+        return out
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
@@ -79,19 +104,23 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            for *_, items in checked:
-                self.mm.unref(items)
+            if self.mm is not None:  # release the images of the prompts already checked
+                for *_, items in checked:
+                    self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
         for text, ids, params, items in checked:
             rid = new_request_id()
             result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
             self._results.append(result)
-            for j, ecr in enumerate(engine_requests(rid, ids, params, self.config.eos_token_ids, now)):
+            ecrs = engine_requests(rid, ids, params, self.config.eos_token_ids, now)
+            engine = self.router.pick(ids, len(ecrs))
+            for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
                                                                      self.tokenizer))
-                self.client.add_request(ecr)
+                self._engine_of[ecr.request_id] = engine
+                self.client.add_request(ecr, engine)
             ids_out.append(rid)
         return ids_out
 
@@ -132,7 +161,7 @@ class LLM:
         try:
             self._run(results, use_tqdm)
         except BaseException:
-            self.client.abort(list(self._states))
+            self._abort(list(self._states))
             self._states.clear()
             raise
         return results
@@ -143,6 +172,8 @@ class LLM:
             outs = self.client.get_outputs()
             if self.mm is not None:
                 self.mm.store.maybe_unlink()
+            if outs.load is not None:
+                self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
                 self.stats.add(outs.scheduler_stats)
             for out in outs.outputs:
@@ -152,7 +183,7 @@ class LLM:
                 result, st = entry
                 delta, abort = st.process(out)
                 if abort:
-                    self.client.abort([out.request_id])
+                    self.client.abort([out.request_id], outs.engine_index)
                 if delta is None:
                     continue
                 choice = result.outputs[st.index]
@@ -168,6 +199,7 @@ class LLM:
                 result.num_cached_tokens = st.num_cached_tokens
                 result.prompt_logprobs = st.prompt_logprobs
                 del self._states[out.request_id]
+                self._engine_of.pop(out.request_id, None)
                 if all(c.finish_reason is not None for c in result.outputs):
                     result.finished = True
                     if bar is not None:
@@ -175,37 +207,94 @@ class LLM:
         if bar is not None:
             bar.close()
 
+    def _abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            by_engine.setdefault(self._engine_of.pop(rid, 0), []).append(rid)
+        for engine, ids in by_engine.items():
+            self.client.abort(ids, engine)
+
     # ------------------------------------------------------------ control
 
+    def _call(self, method: str, *args):
+        """On every engine core (data-parallel ranks), their answers merged as one."""
+        return merge_results(method, self.client.call_utility_all(method, *args))
+
     def sleep(self, level: int = 1) -> None:
-        self.client.call_utility("sleep", level)
+        self._call("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.client.call_utility("wake_up", tags)
+        self._call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return self.client.call_utility("is_sleeping")
+        return self._call("is_sleeping")
 
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
         """abort: in-flight requests end with "abort"; wait: returns once they finish; keep: freeze them."""
-        self.client.call_utility("pause", mode, clear_cache)
+        self._call("pause", mode, clear_cache)
 
     def resume(self) -> None:
-        self.client.call_utility("resume")
+        self._call("resume")
 
     def is_paused(self) -> bool:
-        return self.client.call_utility("is_paused")
+        return self._call("is_paused")
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None):
-        return self.client.call_utility("collective_rpc", method, args or [], kwargs or {}, timeout)
+        return self._call("collective_rpc", method, args or [], kwargs or {}, timeout)
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")
+        return self._call("reset_prefix_cache")
+
+    # ------------------------------------------------------------ weight updates (SGLang's names)
+    # Allowed while paused (keep, or abort / wait once drained) or asleep with the weights awake.
+    # A bad name, shape or dtype raises and changes nothing. With flush_cache (the default), running
+    # requests recompute and the prefix cache is reset: later tokens equal a fresh engine's.
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        """Reload every weight from a checkpoint directory of the same architecture and shapes."""
+        return self.client.call_utility("update_weights_from_disk", model_path, load_format, flush_cache)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """Join a trainer's process group (its rank 0 hosts the TCP store); worker w is rank_offset + w."""
+        self.client.call_utility("init_weights_update_group", master_address, master_port, rank_offset,
+                                 world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        """Receive one broadcast per name from the trainer's rank 0, in order."""
+        return self.client.call_utility("update_weights_from_distributed", names,
+                                        [str(d).removeprefix("torch.") for d in dtypes],
+                                        [list(s) for s in shapes], group_name, flush_cache)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.client.call_utility("destroy_weights_update_group", group_name)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> int:
+        """New weights from this process's tensors (a dict or (name, tensor) pairs), handed over
+        through shared memory (CPU) or CUDA IPC handles (GPU): ipc/tensor_handles.py."""
+        from ipc.tensor_handles import SharedTensors
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        with SharedTensors(items) as shared:
+            return self.client.call_utility("update_weights_from_tensor", shared.to_builtins(), flush_cache)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first truncate_size rows of a weight (checkpoint name), as float lists."""
+        return self.client.call_utility("get_weights_by_name", name, truncate_size)
+
+    # ------------------------------------------------------------ torch profiler (--profiler-dir)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self.client.call_utility("start_profile", profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profiler; each worker writes {prefix}_dp{D}_tp{T}_rank{R}.*.pt.trace.json."""
+        self.client.call_utility("stop_profile")
 
     def debug_info(self) -> dict:
         """Engine internals for tests: live requests, free blocks."""
-        return self.client.call_utility("debug_info")
+        return self._call("debug_info")
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -231,8 +320,17 @@ class EngineStatsTotals:
         self.num_preemptions += s.num_preemptions
 
 
-def _shutdown(proc, client: EngineCoreClient, ipc_dir: str, store) -> None:
-    stop_processes([proc], timeout=10)
+def _engine_dir(ipc_dir: str, rank: int, n: int) -> str:
+    """Each data-parallel rank's workers get their own socket directory."""
+    if n == 1:
+        return ipc_dir
+    path = os.path.join(ipc_dir, f"dp{rank}")
+    os.mkdir(path, 0o700)
+    return path
+
+
+def _shutdown(procs, client: EngineCoreClient, ipc_dir: str, store) -> None:
+    stop_processes(procs, timeout=10)
     client.close()
     remove_ipc_dir(ipc_dir)
     if store is not None:

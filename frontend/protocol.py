@@ -347,8 +347,11 @@ def check_request_chat_template(req, trusted: bool) -> None:
 
 
 def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
+                          defaults: dict | None = None,
                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """Request fields -> validated SamplingParams (APIError 400 naming the param on failure)."""
+    """Request fields -> validated SamplingParams (APIError 400 naming the param on failure).
+    `defaults` (the model's generation config, EngineConfig.default_sampling_params) fill the
+    fields the client did not send; `structured` is the request's constraint (frontend/constraints.py)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     logprobs: int | None
@@ -393,6 +396,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
+    kw = {**(defaults or {}), **kw}
     params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
                             prompt_logprobs=prompt_logprobs, structured_outputs=structured, **kw)
     try:

@@ -4,8 +4,18 @@ limits checked) before any process starts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+
+
+logger = logging.getLogger("loom.config")
+
+# the request fields a generation_config.json (or --override-generation-config) may default, as vLLM
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# transformers' GenerationConfig defaults: a file value equal to one of these is not a
+# recommendation (vLLM reads the file through GenerationConfig.to_diff_dict())
+_HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
 class ConfigError(ValueError):
@@ -58,8 +68,16 @@ class EngineConfig:
                               "TCP rendezvous and the step broadcast); with --nnodes > 1")
     master_port: int = option(29501, "port of the rendezvous on node 0 (the step broadcast uses the "
                               "next port); with --nnodes > 1 (one node picks a free port)")
+    data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
+                                     "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
+                                    "vllm: none (the API's own defaults); or a directory holding a "
+                                    "generation_config.json")
+    override_generation_config: str | None = option(
+        None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
+        "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
     reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
                                           "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
     enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
@@ -76,10 +94,13 @@ class EngineConfig:
                                                   "file:// image URLs (default: none)")
     mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
                                           "images (GiB)")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    default_sampling_params: dict = field(default_factory=dict)  # for fields a request does not set
     mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
 
@@ -117,10 +138,44 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
         check_tensor_parallel(self, text_cfg)
         return self
+
+    def _generation_defaults(self) -> dict:
+        """--generation-config and --override-generation-config -> the sampling defaults in use."""
+        src = {"auto": self.model, "vllm": None}.get(self.generation_config, self.generation_config)
+        defaults = {}
+        if src is not None:
+            path = os.path.join(src, "generation_config.json")
+            if self.generation_config not in ("auto", "vllm") and not os.path.isfile(path):
+                raise ConfigError(f"--generation-config {src!r} has no generation_config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    gen = json.load(f)
+                defaults = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS
+                            if k in gen and gen[k] is not None and gen[k] != _HF_GENERATION_DEFAULTS[k]}
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--override-generation-config is not valid JSON: {e}") from None
+        if override is not None and not isinstance(override, dict):
+            raise ConfigError("--override-generation-config must be a JSON object")
+        defaults.update(override or {})
+        unknown = set(defaults) - set(GENERATION_DEFAULT_FIELDS)
+        if unknown:
+            raise ConfigError(f"--override-generation-config: unsupported fields {sorted(unknown)} "
+                              f"(supported: {', '.join(GENERATION_DEFAULT_FIELDS)})")
+        if defaults:
+            logger.info("default sampling parameters (for fields a request does not set): %s%s", defaults,
+                        "; --generation-config vllm ignores the model's" if self.generation_config == "auto" else "")
+        return defaults
 
     def _resolve_multimodal(self, hf: dict) -> None:
         from multimodal.registry import max_item_tokens
@@ -173,6 +228,11 @@ class EngineConfig:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
             raise ConfigError(f"--node-rank must be in [0, {nodes}), got {self.node_rank}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nodes > 1:
+            raise ConfigError("--data-parallel-size > 1 with --nnodes > 1 is not supported: each data-parallel "
+                              "rank runs its tensor-parallel workers on one node")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""

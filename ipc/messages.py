@@ -26,7 +26,8 @@ class MsgType(bytes, enum.Enum):
     WORKER_REPLY = b"\x09" # worker -> engine: WorkerReply
     ATTACH = b"\x0a"       # client -> engine (handshake socket): AttachRequest
     REFUSED = b"\x0b"      # engine -> client (handshake socket): a str reason
-    WORKER_SAMPLE = b"\x0c"  # engine -> workers (ring): GrammarOutput for a step whose sampling waited
+    REGISTER = b"\x0c"     # remote engine -> head's DP coordinator: EngineRegistration
+    WORKER_SAMPLE = b"\x0d"  # engine -> workers (ring): GrammarOutput for a step whose sampling waited
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -118,6 +119,13 @@ class UtilityOutput(_Msg):
     failure: str | None = None
 
 
+class EngineLoad(_Msg):
+    """An engine's load as one client sees it, for data-parallel routing (every client, every step)."""
+    num_waiting: int
+    num_running: int
+    num_added: int                 # ADDs from this client the engine has taken in so far
+
+
 class EngineCoreOutputs(_Msg):
     outputs: list[EngineCoreOutput] = []
     engine_index: int = 0
@@ -125,6 +133,7 @@ class EngineCoreOutputs(_Msg):
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
     finished_timings: list[RequestTiming] = []
+    load: EngineLoad | None = None
 
 
 class UtilityRequest(_Msg):
@@ -157,6 +166,14 @@ class AttachRequest(_Msg):
     output_address: str
     auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce); empty when no key is required
     client_public_key: bytes = b""  # z85 CURVE server key of the client's tcp:// sockets (required for tcp://)
+
+
+class EngineRegistration(_Msg):
+    """A remote engine core (`loom serve --headless --data-parallel-start-rank R`) telling the head's
+    DP coordinator where its handshake socket is, after the coordinator's Hello."""
+    engine_index: int
+    handshake_address: str
+    auth_proof: str = ""           # hex HMAC-SHA256(key, Hello.nonce)
 
 
 # ---------------------------------------------------------------- engine <-> workers

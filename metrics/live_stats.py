@@ -6,7 +6,8 @@
 One API server (client index 0) logs it every `--log-stats-interval` seconds
 (off with `--disable-log-stats`). It reads the merged Prometheus values, the
 same ones /metrics shows, so the numbers cover all API servers even though each
-engine step's stats reach only one of them: throughputs are the growth of
+engine step's stats reach only one of them; with data parallelism, one line per
+engine ("Engine 001: ..."): throughputs are the growth of
 vllm:prompt_tokens / vllm:generation_tokens over the interval, the hit rate
 that of the prefix-cache counters over the interval. Nothing is logged while
 the engine is idle (one last line after activity ends).
@@ -27,19 +28,17 @@ _GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": 
            "vllm:kv_cache_usage_perc": "kv_usage"}
 
 
-def snapshot(model_name: str, registry=None) -> dict[str, float]:
-    """Totals over engines of the values the log line needs."""
-    out = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
-    engines: set[str] = set()
+def snapshot(model_name: str, registry=None) -> dict[str, dict[str, float]]:
+    """The values the log line needs, by engine (data-parallel rank)."""
+    out: dict[str, dict[str, float]] = {}
     for family in (registry or collect_registry()).collect():
         for sample in family.samples:
             key = _COUNTERS.get(sample.name) or _GAUGES.get(sample.name)
             if key is None or sample.labels.get("model_name") != model_name:
                 continue
-            out[key] += sample.value
-            if key == "kv_usage":
-                engines.add(sample.labels.get("engine", ""))
-    out["kv_usage"] /= max(len(engines), 1)   # mean over engines
+            engine = out.setdefault(sample.labels.get("engine", "0"),
+                                    dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0))
+            engine[key] += sample.value
     return out
 
 
@@ -72,19 +71,28 @@ class LiveStatsLogger:
                 logger.debug("stats logging failed", exc_info=True)
 
     def log_once(self) -> str | None:
-        """Log the line for the interval since the last call; returns it (None when idle)."""
+        """Log the line for the interval since the last call, one per engine when there are several;
+        returns them (None when idle)."""
         now, cur = time.monotonic(), snapshot(self.model_name, self.registry)
         dt = max(now - self._last_time, 1e-9)
         prev, self._last, self._last_time = self._last, cur, now
-        d = {k: cur[k] - prev[k] for k in ("prompt", "generation", "queries", "hits")}
-        idle = not (d["prompt"] or d["generation"] or cur["running"] or cur["waiting"])
+        zero = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
+        deltas = {e: {k: c[k] - prev.get(e, zero)[k] for k in ("prompt", "generation", "queries", "hits")}
+                  for e, c in cur.items()}
+        idle = not any(d["prompt"] or d["generation"] or cur[e]["running"] or cur[e]["waiting"]
+                       for e, d in deltas.items())
         if idle and self._was_idle:
             return None
         self._was_idle = idle
-        hit_rate = 100.0 * d["hits"] / d["queries"] if d["queries"] > 0 else 0.0
-        line = (f"Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, "
-                f"Avg generation throughput: {d['generation'] / dt:.1f} tokens/s, "
-                f"Running: {cur['running']:.0f} reqs, Waiting: {cur['waiting']:.0f} reqs, "
-                f"KV cache usage: {100.0 * cur['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
-        logger.info("%s", line)
-        return line
+        lines = []
+        for e in sorted(cur, key=lambda e: (len(e), e)):
+            c, d = cur[e], deltas[e]
+            hit_rate = 100.0 * d["hits"] / d["queries"] if d["queries"] > 0 else 0.0
+            prefix = f"Engine {int(e):03d}: " if len(cur) > 1 and e.isdigit() else ""
+            lines.append(f"{prefix}Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, "
+                         f"Avg generation throughput: {d['generation'] / dt:.1f} tokens/s, "
+                         f"Running: {c['running']:.0f} reqs, Waiting: {c['waiting']:.0f} reqs, "
+                         f"KV cache usage: {100.0 * c['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+        for line in lines:
+            logger.info("%s", line)
+        return "\n".join(lines)

@@ -226,10 +226,9 @@ class PrometheusStatLogger:
 
     def on_outputs(self, outs) -> None:
         """An EngineCoreOutputs as it reached this API server."""
-        engine = str(outs.engine_index)
-        if engine != self.engine:
-            self.flush()
-            self.engine = engine   # per-request metrics go to the engine last heard from
+        # The records gathered since the last flush are of this engine's outputs (AsyncLLM calls
+        # this right after processing them; everything else flushes as it records).
+        engine = self.engine = str(outs.engine_index)
         e = self._bind(engine)
         s = outs.scheduler_stats
         if s is not None:
@@ -259,6 +258,13 @@ class PrometheusStatLogger:
         self.flush()   # AsyncLLM calls on_outputs after it processed the step's outputs: their tokens are in
 
     # ------------------------------------------------------------ per-request (RequestMetrics sink)
+
+    def use_engine(self, engine_index: int) -> None:
+        """Records from now on are of this engine's requests (data parallelism: an abort's)."""
+        engine = str(engine_index)
+        if engine != self.engine:
+            self.flush()
+            self.engine = engine
 
     def record_prompt_tokens(self, n: int, cached: int = 0) -> None:
         self._prompt_tokens += n

@@ -101,7 +101,7 @@ def test_death_is_noticed(tiny_model_dir, start_server, victim):
 
 def test_llm_shutdown_and_gc_cleanup(tiny_model_dir):
     llm = LLM(tiny_model_dir, max_model_len=128)
-    proc, ipc_dir = llm.engine_proc, llm.ipc_dir
+    proc, ipc_dir = llm.engine_procs[0], llm.ipc_dir
     out = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
     del llm, out

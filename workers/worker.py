@@ -21,10 +21,23 @@ from workers.remote import remote
 logger = logging.getLogger(__name__)
 
 
+def cpu_threads(num_workers: int = 1) -> int:
+    """Intra-op threads for a worker computing on the CPU: the cores this process may use, less
+    one for the API server and engine core, which must run between steps, shared among the
+    workers (OMP_NUM_THREADS, when set, decides). Torch's default, one thread per core, has
+    OpenMP threads spin-waiting on cores those processes need: measured 10-14x slower serving
+    on a 2-core box."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // max(num_workers, 1))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, local_rank: int | None = None, rendezvous=None):
         """rank: in the tensor-parallel group; local_rank: which GPU of this node (cuda:local_rank)."""
         from workers.model_runner import ModelRunner, resolve_device, resolve_dtype
+        self.config = config
         self.rank = rank
         local_rank = rank if local_rank is None else local_rank
         if rendezvous is not None:
@@ -34,7 +47,20 @@ class Worker:
                 import torch
                 torch.cuda.set_device(device)
             init_distributed(rank, rendezvous, device, resolve_dtype(config, device))
+        if resolve_device(config, local_rank).type == "cpu":
+            import torch
+            torch.set_num_threads(cpu_threads(config.tensor_parallel_size // max(config.nnodes, 1)))
+            logger.info("CPU worker: %d torch threads", torch.get_num_threads())
         self.runner = ModelRunner(config, local_rank)
+        self._weights = None    # WeightUpdater, made on the first weight-update call
+        self._profiler = None   # WorkerProfiler, made on the first start_profile
+
+    @property
+    def weights(self):
+        if self._weights is None:
+            from workers.weight_update import WeightUpdater
+            self._weights = WeightUpdater(self.runner, self.rank)
+        return self._weights
 
     @remote
     def ping(self) -> str:
@@ -74,6 +100,56 @@ class Worker:
     @remote
     def get_pid(self) -> int:
         return os.getpid()
+
+    # ---- weight updates (engine only: the engine core checks the pause state and resets the
+    # prefix cache; workers/weight_update.py)
+
+    @remote
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> int:
+        return self.weights.update_from_disk(model_path, load_format)
+
+    @remote
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    @remote
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str) -> int:
+        return self.weights.update_from_distributed(names, dtypes, shapes, group_name)
+
+    @remote
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.weights.destroy_group(group_name)
+
+    @remote
+    def update_weights_from_tensor(self, named_tensors: list) -> int:
+        return self.weights.update_from_tensors(named_tensors)
+
+    @remote
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        return self.weights.get_weights_by_name(name, truncate_size)
+
+    # ---- torch profiler (workers/profiler.py)
+
+    @remote
+    def start_profile(self, profile_prefix: str | None = None) -> str:
+        if self._profiler is None:
+            from workers.profiler import WorkerProfiler
+            if not self.config.profiler_dir:
+                raise ValueError("no profiler directory: start the server with --profiler-dir DIR "
+                                 "(or LOOM_TORCH_PROFILER_DIR=DIR)")
+            dp_rank = getattr(self.config, "data_parallel_rank", 0)   # 0 until data parallelism lands
+            global_rank = dp_rank * self.config.tensor_parallel_size + self.rank
+            self._profiler = WorkerProfiler(self.config.profiler_dir, self.runner.device, dp_rank, self.rank,
+                                            global_rank)
+        return self._profiler.start(profile_prefix)
+
+    @remote
+    def stop_profile(self) -> str:
+        if self._profiler is None:
+            raise ValueError("the profiler is not running: start it first")
+        return self._profiler.stop()
 
     def call(self, call: WorkerCall):
         fn = getattr(self, call.method, None)
@@ -117,8 +193,6 @@ def serve_steps(worker: Worker, ring, send) -> None:
                     pending, unsampled = unsampled, None
                     continue
                 so = step_dec.decode(frames)
-                if pending is not None and not runner.can_overlap(so):
-                    finish_pending()
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
                 if pending is not None:
                     finish_pending()  # the engine needs these tokens for the next bitmask

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Data parallelism on 2 GPUs (issue 15's targets, nvidia-h200-x2), in one device call (~5 min):
+#   1. Qwen3-0.6B standard offline workload: `loom bench throughput --data-parallel-size 2` vs 1;
+#   2. `loom bench serve` at concurrency 512, 512 in / 256 out: DP=2 with 2 API servers vs DP=1.
+# Prints both ratios (targets >= 1.8x). Logs and JSON results go to $OUT (or /tmp/loom-bench-dp).
+set -u
+OUT=${OUT:-/tmp/loom-bench-dp}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LOOM_LOG_LEVEL=${LOOM_LOG_LEVEL:-WARNING}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1   # NVLink multicast stays off on the lent machines
+LOOM="python3 -m frontend.cli"
+PORT=8123
+NUM_PROMPTS=${NUM_PROMPTS:-2048}
+
+offline() {  # offline DP: tok/s of the standard workload
+  local dp=$1
+  timeout 240 $LOOM bench throughput --preset qwen3-0.6b --data-parallel-size "$dp" \
+    --output-json "$OUT/offline-dp$dp.json" > "$OUT/offline-dp$dp.log" 2>&1 || echo "(offline DP=$dp exit $?)"
+  grep -E "Throughput|Tokens:|Standard" "$OUT/offline-dp$dp.log"
+}
+
+serve() {  # serve DP API_SERVERS: bench serve at c512, 512 in / 256 out
+  local dp=$1 api=$2
+  $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port $PORT --data-parallel-size "$dp" \
+    --api-server-count "$api" --disable-log-stats > "$OUT/server-dp$dp.log" 2>&1 & local pid=$!
+  for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
+  timeout 200 $LOOM bench serve --base-url http://127.0.0.1:$PORT --random-input-len 512 --random-output-len 256 \
+    --num-prompts "$NUM_PROMPTS" --max-concurrency 512 --result-file "$OUT/serve-dp$dp.json" --disable-tqdm \
+    > "$OUT/serve-dp$dp.log" 2>&1 || echo "(bench serve DP=$dp exit $?)"
+  grep -E "throughput|Successful|Failed" "$OUT/serve-dp$dp.log"
+  curl -s localhost:$PORT/metrics | grep -E '^vllm:request_success_total\{.*finished_reason="length"' || true
+  kill -INT $pid; wait $pid
+}
+
+ratio() {  # ratio KEY A.json B.json
+  python3 -c "import json,sys; k,a,b=sys.argv[1:]; va,vb=(json.load(open(f))[k] for f in (a,b)); print(f'{vb/va:.2f}x ({va:,.0f} -> {vb:,.0f})')" "$@" \
+    2>/dev/null || echo "n/a (a run failed: see $OUT)"
+}
+
+echo "=== offline, standard workload, DP=1 then DP=2"
+offline 1
+offline 2
+$LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+echo "=== serve c512 512/256, DP=1 (1 API server) then DP=2 (2 API servers)"
+serve 1 1
+serve 2 2
+echo "offline DP=2 / DP=1 output tok/s: $(ratio output_tok_per_s "$OUT/offline-dp1.json" "$OUT/offline-dp2.json")   (target >= 1.8x)"
+echo "serve   DP=2 / DP=1 output tok/s: $(ratio output_throughput "$OUT/serve-dp1.json" "$OUT/serve-dp2.json")   (target >= 1.8x)"
