@@ -78,6 +78,12 @@ class EngineConfig:
     override_generation_config: str | None = option(
         None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
         "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
+    reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
+                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
+    enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
+                                           "(needs --tool-call-parser)")
+    tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
+                                          ("hermes", "llama3_json"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "
@@ -211,6 +217,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")

@@ -116,6 +116,11 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}")
     check_token_ids("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+    if p.structured_outputs is not None:
+        try:
+            p.structured_outputs.kind()   # exactly one constraint; whether it compiles, the engine's grammar thread says
+        except ValueError as e:
+            raise RequestError(str(e), "structured_outputs") from None
 
 
 def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> None:
