@@ -14,7 +14,7 @@ from ipc.config import EngineConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # EngineConfig fields that are not bench flags: filled by resolve(), or set by the bench itself
-_SKIP = {"model", "model_max_len", "vocab_size", "eos_token_ids", "seed"}
+_SKIP = {"model", "model_max_len", "vocab_size", "eos_token_ids", "default_sampling_params", "seed"}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -14,11 +14,14 @@ run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to
 }
 for section in "$@"; do case $section in
   gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+  rl-gpu) run rl-gpu 300 python3 -m pytest -q -p no:cacheprovider tests/test_weight_update_gpu.py ;;
   kernels) run kernels 200 python3 -m bench.kernels_gpu ;;
   qwen3) run qwen3-throughput 200 $LOOM bench throughput --preset qwen3-0.6b ;;
   qwen3-stats) LOOM_STEP_STATS=1 TAIL=40 run qwen3-throughput-stats 200 $LOOM bench throughput --preset qwen3-0.6b ;;
   qwen3-latency-stats) LOOM_STEP_STATS=1 TAIL=20 run qwen3-latency-stats 200 $LOOM bench latency --preset qwen3-0.6b --iters 3 ;;
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
+  sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
+              --sampling plain topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
   qwen3-sync) run qwen3-throughput-sync 200 $LOOM bench throughput --preset qwen3-0.6b --no-async-scheduling ;;
   qwen3-latency) run qwen3-latency 200 $LOOM bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024 --iters 3 ;;
   qwen3-profile) LOOM_PROFILE_DIR=$OUT/prof run qwen3-latency-profiled 200 $LOOM bench latency --preset qwen3-0.6b --iters 2
@@ -38,6 +41,20 @@ for section in "$@"; do case $section in
            TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
   profile-prefill) TAIL=40 run profile-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024 --top 16 ;;
+  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json ;;
+  vl) # Qwen2.5-VL: bf16/fp32 parity on a tiny model, then Qwen2.5-VL-7B shapes (random weights) under
+      # random-mm load; LOOM_STEP_STATS: the worker logs the encoder's and the eager steps' device time
+      run vl-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vl.py
+      $LOOM bench preset qwen2.5-vl-7b /tmp/qvl7b > /dev/null
+      LOOM_STEP_STATS=1 LOOM_LOG_LEVEL=INFO $LOOM serve /tmp/qvl7b --load-format dummy --max-model-len 8192 --port 8124 \
+        --limit-mm-per-prompt.image 4 > "$OUT/vl-server.log" 2>&1 & pid=$!
+      for _ in $(seq 240); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+      TAIL=30 run vl-serve 240 $LOOM bench serve --base-url http://127.0.0.1:8124 --dataset-name random-mm \
+        --random-input-len 256 --random-output-len 128 --num-prompts 200 --max-concurrency 32 \
+        --random-mm-base-items-per-request 1 --random-mm-bucket-config "{(448, 448, 1): 0.5, (720, 1280, 1): 0.5}" \
+        --result-file "$OUT/vl-serve.json" --disable-tqdm
+      kill -INT $pid; wait $pid
+      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;

@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from kernels import activation, paged_attention as pa, qk_rope_cache as qrc, rms_norm as rn, rotary, sampling
+from kernels import activation, paged_attention as pa, penalties, qk_rope_cache as qrc, rms_norm as rn, rotary, sampling
 
 PEAK_GBS = 4300.0
 BF16 = torch.bfloat16
@@ -220,6 +220,24 @@ def _sampling(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         # GB/s counts one read of the logits; the kernel makes several passes over each row
         ctx.bench("sample", f"{model} B={b} {label}",
                   lambda: sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos), logits.numel() * 4)
+        kmax = int(top_k.max())
+        p_only = bool(((top_k <= 0) & (top_p < 1)).any())
+        if kmax > 0 or p_only:  # rows with top-k (or top-p alone) draw from one torch.topk's candidates
+            # (top-p sums the mass in another order: allow a rare borderline flip, as above)
+            cand = dict(max_top_k=kmax, top_p_only=p_only)
+            for name, x, y in (("sample", sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos, **cand), s1),
+                               ("sample_with_noise", sampling.sample_with_noise(logits, temp, top_k, top_p, min_p,
+                                                                                noise, **cand), got)):
+                same = int((x == y).sum())
+                ctx.expect(f"{name} {model} {label} candidates == passes", same >= b - max(1, b // 32),
+                           f"({same}/{b} identical)")
+            for rows in ([b, 256] if ctx.timing else []):
+                lg = logits[:1].expand(rows, vocab).contiguous().to(torch.bfloat16)
+                args = tuple(x[:1].expand(rows).contiguous() for x in (temp, top_k, top_p, min_p)) + (
+                    torch.arange(rows, device=dev), torch.arange(rows, device=dev))
+                for c in ({}, cand):
+                    ctx.bench("sample" + (" candidates" if c else ""), f"{model} B={rows} bf16 {label}",
+                              lambda: sampling.sample(lg, *args, **c), lg.numel() * 2)
         if not bool(((top_k > 0) | (top_p < 1)).any()):  # rows split over vocabulary chunks
             chunked = sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos, top_k_top_p=False)
             ctx.expect(f"sample {model} {label} chunked == per row", torch.equal(chunked, s1))
@@ -233,13 +251,35 @@ def _sampling(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                               lambda: sampling.sample(lg, *args, top_k_top_p=flag), lg.numel() * 4)
 
 
+def _penalties(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
+    """Repetition + presence + frequency penalties, logit_bias and bans on every row (bf16 logits)."""
+    vocab = cfg["vocab"]
+    b = 16 if quick else 256
+    logits = (torch.randn(b, vocab, device=dev, generator=gen) * 4.0).to(torch.bfloat16)
+    counts = torch.zeros(b, vocab, dtype=torch.int32, device=dev)
+    counts.scatter_add_(1, torch.randint(0, vocab, (b, 300), device=dev, generator=gen),
+                        torch.ones(b, 300, dtype=torch.int32, device=dev))
+    mask = (torch.rand(b, vocab, device=dev, generator=gen) < 0.005).to(torch.uint8)
+    slots = torch.randperm(b, device=dev, generator=gen)
+    f = lambda x: torch.full((b,), x, device=dev)
+    bias_ids = torch.randint(0, vocab, (b, 4), dtype=torch.int32, device=dev, generator=gen)
+    args = (logits, slots, counts, mask, f(1.1), f(0.5), f(0.2), bias_ids, torch.ones(b, 4, device=dev),
+            torch.randint(0, vocab, (b, 2), dtype=torch.int32, device=dev, generator=gen))
+    out, ref = penalties.apply_penalties(*args), penalties.apply_penalties_ref(*args)
+    err = (out - ref).abs().nan_to_num(0.0).max().item()
+    ctx.expect(f"apply_penalties {model} B={b}", err < 1e-5 and torch.equal(out.isinf(), ref.isinf()),
+               f"(max err {err:.2e})")
+    ctx.bench("apply_penalties", f"{model} B={b}", lambda: penalties.apply_penalties(*args),
+              logits.numel() * (2 + 4 + 4 + 1), ref_fn=lambda: penalties.apply_penalties_ref(*args))
+
+
 def run(quick: bool, timing: bool, device: str = "cuda") -> Ctx:
     dev = torch.device(device)
     assert dev.type != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"
     ctx = Ctx(timing and dev.type == "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for model, cfg in MODELS.items():
-        for part in (_prologue, _norms, _silu, _sampling, _attention):
+        for part in (_prologue, _norms, _silu, _sampling, _penalties, _attention):
             try:
                 part(ctx, model, cfg, quick, dev, gen)
             except Exception as exc:  # keep going: report every kernel

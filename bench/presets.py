@@ -79,12 +79,48 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-70b": {**_LLAMA3_COMMON, "head_dim": 128, "hidden_size": 8192, "intermediate_size": 28672,
                       "num_hidden_layers": 80, "num_attention_heads": 64, "rope_scaling": _llama3_rope(8.0),
                       "tie_word_embeddings": False, "transformers_version": "4.43.0.dev0"},
+    # Qwen2.5-VL-7B-Instruct (the Hub's config.json layout; transformers 5 reads it into
+    # text_config / vision_config): a 32-block ViT (windowed but for 4 full-attention blocks)
+    # in front of a Qwen2-7B-shaped language model with M-RoPE.
+    "qwen2.5-vl-7b": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "max_position_embeddings": 128000, "max_window_layers": 28,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "use_sliding_window": False,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 152064, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                          "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                          "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                          "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                          "temporal_patch_size": 2},
+    },
 }
+
+# what the Qwen2-VL image processor needs (Qwen2.5-VL-7B-Instruct's preprocessor_config.json)
+_QWEN_VL_PREPROCESSOR = {
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+}
+
+_QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # special tokens at their real ids; the first listed eos is the model's eos_token
 _SPECIAL = {
     "qwen3": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"},
     "llama": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>"},
+    "qwen2_5_vl": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
+                   151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
+                   151655: "<|image_pad|>", 151656: "<|video_pad|>"},
 }
 
 
@@ -96,7 +132,12 @@ def num_params(cfg: dict) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
     if cfg["model_type"] == "qwen3":
         per_layer += 2 * d  # q_norm, k_norm
-    return n * per_layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h
+    vision = 0
+    if "vision_config" in cfg:  # ViT blocks + patch embedding + merger, roughly
+        vc = cfg["vision_config"]
+        vh, vi = vc["hidden_size"], vc["intermediate_size"]
+        vision = vc["depth"] * (4 * vh * vh + 3 * vh * vi) + 3 * 2 * 14 * 14 * vh + 4 * vh * (4 * vh + h)
+    return n * per_layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h + vision
 
 
 def write_tokenizer(out_dir: str, vocab_size: int, special: dict[int, str], eos_id: int, bos_id: int | None):
@@ -134,6 +175,11 @@ def write_preset(name: str, out_dir: str) -> str:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f, indent=2)
-    write_tokenizer(out_dir, cfg["vocab_size"], _SPECIAL[cfg["model_type"]], cfg["eos_token_id"],
-                    cfg["bos_token_id"] if cfg["model_type"] == "llama" else None)
+    tok = write_tokenizer(out_dir, cfg["vocab_size"], _SPECIAL[cfg["model_type"]], cfg["eos_token_id"],
+                          cfg["bos_token_id"] if cfg["model_type"] == "llama" else None)
+    if "vision_config" in cfg:  # the image processor and a chat template that places images
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(_QWEN_VL_PREPROCESSOR, f, indent=2)
+        tok.chat_template = _QWEN_VL_TEMPLATE
+        tok.save_pretrained(out_dir)
     return out_dir

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from bench import common
+from bench import common, random_mm
 from bench.workloads import MAX_TOKEN_ID, fixed_workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -35,25 +35,29 @@ PERCENTILES = (50, 90, 99)
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="online serving load generator (like `vllm bench serve`)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
+    p.add_argument("--endpoint", default="/v1/completions", help="the endpoint to send requests to")
+    p.add_argument("--model", default=None, help="model name to send (None: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    p.add_argument("--dataset-name", default="random", choices=["random", "random-mm"],
+                   help="random: token-id prompts to /v1/completions; random-mm: random text and images "
+                        "to /v1/chat/completions (default: %(default)s)")
+    random_mm.add_args(p)
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--random-output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt ids stay below this (default: the model's config.json if the server's model "
+                   help="prompt ids stay below this (None: the model's config.json if the server's model "
                         "root is a local directory, else probed with /detokenize)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short test request")
     p.add_argument("--result-file", default=None, help="write all metrics and per-request data as JSON")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 
@@ -81,7 +85,7 @@ def _headers(api_key: str | None) -> dict:
 
 async def send_request(session, url: str, payload: dict, headers: dict) -> RequestResult:
     """One streamed completion; timing of every chunk that carries text."""
-    res = RequestResult(prompt_len=len(payload["prompt"]))
+    res = RequestResult(prompt_len=len(payload.get("prompt", ())))   # chat: from the usage
     chunks = 0
     st = time.perf_counter()
     res.start = st
@@ -121,6 +125,7 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
                         usage = obj.get("usage")
                         if usage:
                             res.output_tokens = int(usage.get("completion_tokens") or 0)
+                            res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
             res.e2el = time.perf_counter() - st
             if not done:
                 res.error = "the stream ended without [DONE]"
@@ -254,10 +259,17 @@ async def run(args) -> dict:
         vocab = args.vocab_size or await detect_vocab(session, base, headers, root)
         wl = fixed_workload(args.num_prompts, args.random_input_len, args.random_output_len, args.seed,
                             vocab_size=vocab)
-        url = base + args.endpoint
+        mm = args.dataset_name == "random-mm"
+        endpoint = "/v1/chat/completions" if mm and args.endpoint == "/v1/completions" else args.endpoint
+        url = base + endpoint
+        if mm:  # the random token ids as text (through the server's tokenizer), plus the images
+            texts = [(await _get_json(session, base + "/detokenize", headers, {"model": model, "tokens": p}))[1]
+                     ["prompt"] for p in wl.prompts]
+            wl.prompts = random_mm.make_requests(args, texts)
 
-        def payload(prompt: list[int], max_tokens: int) -> dict:
-            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
+        def payload(prompt, max_tokens: int) -> dict:
+            body = {"messages": prompt} if mm else {"prompt": prompt}
+            return {"model": model, **body, "max_tokens": max_tokens, "temperature": args.temperature,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
         if not args.no_warmup:
@@ -303,7 +315,7 @@ async def run(args) -> dict:
     errors = [r.error for r in results if not r.success]
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "loom", "base_url": base,
-        "endpoint": args.endpoint, "model_id": model, "dataset_name": args.dataset_name,
+        "endpoint": endpoint, "model_id": model, "dataset_name": args.dataset_name,
         "num_prompts": args.num_prompts, "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",

@@ -5,6 +5,14 @@ random token-id prompts of 100-1024 tokens, max_tokens 100-1024, temperature
 0.6, ignore_eos, max_model_len 4096, one warm-up call first. Throughput is
 output tokens over the wall time of the whole generate() call (prefill
 included). --input-len/--output-len switch to fixed lengths.
+
+--sampling runs the workload once per sampling mode on one engine, plain
+temperature first, and prints each mode's throughput as a ratio to plain:
+  topp       temperature, top-p 0.9, top-k 50
+  penalties  topp + repetition penalty 1.1 + presence penalty 0.5
+  logprobs   temperature, logprobs=5 on every request
+  n4seed     a quarter of the prompts, n=4 with a seed each; its ratio is to
+             the same prompts sent as 4 separate unseeded requests (n4sep)
 """
 from __future__ import annotations
 
@@ -19,20 +27,49 @@ def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput (LLM.generate) on the standard workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 256)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (None: 256)")
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="fixed output length instead of randint(100, 1024)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (also the engine's sampling seed)")
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up call")
+    p.add_argument("--sampling", nargs="+", choices=SAMPLING_MODES, default=["plain"],
+                   help="sampling modes to run, each on the same engine after plain temperature, with their "
+                        "throughput ratios (default: plain)")
     p.add_argument("--output-json", default=None, help="write the results to this JSON file")
     p.add_argument("--compare-hf", action="store_true",
                    help="then run HF transformers generate on the same model and shape in this process "
                         "(fixed lengths; the random workload uses its mean lengths) and print the ratio")
+    p.add_argument("--structured-output", choices=["json"], default=None,
+                   help="then run the same workload under a JSON schema (same token counts) in the same engine, "
+                        "print both rates, and the step time while new schemas compile (bench/structured.py)")
     p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
     common.add_engine_args(p)
     p.set_defaults(func=main)
+
+
+SAMPLING_MODES = ("plain", "topp", "penalties", "logprobs", "n4seed")
+
+
+def sampling_runs(mode: str, wl, temperature: float) -> list[tuple[str, list, list]]:
+    """(name, prompts, SamplingParams per prompt) of the generate() calls a mode makes."""
+    from frontend import SamplingParams
+
+    def params(**kw):
+        return [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, **kw) for m in wl.max_tokens]
+    topp = dict(top_p=0.9, top_k=50)
+    if mode == "n4seed":  # n=4 seeded vs the same 4 requests sent separately
+        q = max(len(wl.prompts) // 4, 1)
+        prompts, max_tokens = wl.prompts[:q], wl.max_tokens[:q]
+        return [("n4sep", [p for p in prompts for _ in range(4)],
+                 [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m)
+                  for m in max_tokens for _ in range(4)]),
+                ("n4seed", prompts, [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, n=4,
+                                                    seed=i) for i, m in enumerate(max_tokens)])]
+    kw = {"plain": {}, "topp": topp, "penalties": dict(topp, repetition_penalty=1.1, presence_penalty=0.5),
+          "logprobs": dict(logprobs=5)}[mode]
+    return [(mode, wl.prompts, params(**kw))]
 
 
 def check_fits(workload, max_model_len: int) -> None:
@@ -40,6 +77,17 @@ def check_fits(workload, max_model_len: int) -> None:
     if longest > max_model_len:
         raise SystemExit(f"a request needs {longest} tokens but --max-model-len is {max_model_len}; "
                          f"raise --max-model-len or shorten the requests")
+
+
+def sampling_report(runs: dict) -> dict:
+    """Output tok/s of each run and its ratio to its baseline (n4seed: n4sep; others: plain)."""
+    rate = {name: sum(len(c.token_ids) for o in outs for c in o.outputs) / t for name, (t, outs) in runs.items()}
+    report = {}
+    for name, r in rate.items():
+        base = "n4sep" if name == "n4seed" else "plain"
+        report[name] = {"output_tok_per_s": r, "baseline": base, "ratio": r / rate[base]}
+        print(f"sampling {name:10s} {r:10.1f} output tok/s  {r / rate[base]:.3f}x of {base}")
+    return report
 
 
 def main(args: argparse.Namespace) -> int:
@@ -68,12 +116,21 @@ def main(args: argparse.Namespace) -> int:
                 warm = [[(7 * i + 3) % (vocab or 1000) for i in range(16)]]
                 llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True),
                              use_tqdm=False)
-            params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m)
-                      for m in wl.max_tokens]
-            t0 = time.perf_counter()
-            outs = llm.generate(wl.prompts, params, use_tqdm=args.progress)
-            elapsed = time.perf_counter() - t0
+            modes = ["plain"] + [m for m in dict.fromkeys(args.sampling) if m != "plain"]
+            runs = {}  # name -> (elapsed, outputs)
+            for mode in modes:
+                for name, prompts, params in sampling_runs(mode, wl, args.temperature):
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, params, use_tqdm=args.progress)
+                    runs[name] = (time.perf_counter() - t0, outs)
+            elapsed, outs = runs["plain"]
             preemptions = llm.stats.num_preemptions
+            structured = None
+            if args.structured_output:
+                from bench.structured import run as run_structured
+                output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
+                                                            "output_tok_per_s": output_tokens / elapsed})
         finally:
             llm.shutdown()
 
@@ -93,6 +150,7 @@ def main(args: argparse.Namespace) -> int:
             "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
             "num_preemptions": preemptions,
             "startup_s": startup,
+            "structured_output": structured,
             "engine_options": opts,
             "env": common.environment(),
         }
@@ -105,6 +163,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"Standard workload totals (142,827 prompt / 133,966 output): {'OK' if ok else 'MISMATCH'}")
         elif not ok:
             print(f"Token totals MISMATCH: expected {wl.prompt_tokens} prompt / {wl.output_tokens} output")
+        if len(runs) > 1:
+            result["sampling"] = sampling_report(runs)
 
         if args.compare_hf:
             from bench.hf import hf_generate_bench

@@ -60,21 +60,38 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (--generation-config,
+        --override-generation-config); what generate() uses when given none."""
+        return SamplingParams(**self.config.default_sampling_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
         {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
-        placeholder once per image)."""
-        self.enqueue(prompts, sampling_params)
-        return self.wait_for_completion(use_tqdm=use_tqdm)
+        placeholder once per image). Prompts with images go to the engine in chunks, so that the
+        shared-memory store only ever holds the images of requests in flight."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
+        if not has_images or self.mm is None:
+            self.enqueue(prompts, sampling_params)
+            return self.wait_for_completion(use_tqdm=use_tqdm)
+        chunk = 4 * self.config.max_num_seqs
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+        out = []
+        for i in range(0, len(prompts), chunk):
+            self.enqueue(prompts[i:i + chunk], params[i:i + chunk] if params else sampling_params)
+            out += self.wait_for_completion(use_tqdm=use_tqdm)
+        return out
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
@@ -87,8 +104,9 @@ class LLM:
                 checked.append((text, ids, params, items))
                 validate_request(ids, params, Limits.of(self.config))
         except BaseException:
-            for *_, items in checked:
-                self.mm.unref(items)
+            if self.mm is not None:  # release the images of the prompts already checked
+                for *_, items in checked:
+                    self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
         for text, ids, params, items in checked:
@@ -227,6 +245,52 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
+
+    # ------------------------------------------------------------ weight updates (SGLang's names)
+    # Allowed while paused (keep, or abort / wait once drained) or asleep with the weights awake.
+    # A bad name, shape or dtype raises and changes nothing. With flush_cache (the default), running
+    # requests recompute and the prefix cache is reset: later tokens equal a fresh engine's.
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        """Reload every weight from a checkpoint directory of the same architecture and shapes."""
+        return self.client.call_utility("update_weights_from_disk", model_path, load_format, flush_cache)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """Join a trainer's process group (its rank 0 hosts the TCP store); worker w is rank_offset + w."""
+        self.client.call_utility("init_weights_update_group", master_address, master_port, rank_offset,
+                                 world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
+        """Receive one broadcast per name from the trainer's rank 0, in order."""
+        return self.client.call_utility("update_weights_from_distributed", names,
+                                        [str(d).removeprefix("torch.") for d in dtypes],
+                                        [list(s) for s in shapes], group_name, flush_cache)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.client.call_utility("destroy_weights_update_group", group_name)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> int:
+        """New weights from this process's tensors (a dict or (name, tensor) pairs), handed over
+        through shared memory (CPU) or CUDA IPC handles (GPU): ipc/tensor_handles.py."""
+        from ipc.tensor_handles import SharedTensors
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        with SharedTensors(items) as shared:
+            return self.client.call_utility("update_weights_from_tensor", shared.to_builtins(), flush_cache)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first truncate_size rows of a weight (checkpoint name), as float lists."""
+        return self.client.call_utility("get_weights_by_name", name, truncate_size)
+
+    # ------------------------------------------------------------ torch profiler (--profiler-dir)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self.client.call_utility("start_profile", profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profiler; each worker writes {prefix}_dp{D}_tp{T}_rank{R}.*.pt.trace.json."""
+        self.client.call_utility("stop_profile")
 
     def debug_info(self) -> dict:
         """Engine internals for tests: live requests, free blocks."""

@@ -4,8 +4,18 @@ limits checked) before any process starts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+
+
+logger = logging.getLogger("loom.config")
+
+# the request fields a generation_config.json (or --override-generation-config) may default, as vLLM
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# transformers' GenerationConfig defaults: a file value equal to one of these is not a
+# recommendation (vLLM reads the file through GenerationConfig.to_diff_dict())
+_HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
 class ConfigError(ValueError):
@@ -62,6 +72,18 @@ class EngineConfig:
                                      "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
+                                    "vllm: none (the API's own defaults); or a directory holding a "
+                                    "generation_config.json")
+    override_generation_config: str | None = option(
+        None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
+        "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
+    reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
+                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
+    enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
+                                           "(needs --tool-call-parser)")
+    tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
+                                          ("hermes", "llama3_json"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "
@@ -72,10 +94,13 @@ class EngineConfig:
                                                   "file:// image URLs (default: none)")
     mm_processor_cache_gb: float = option(1.0, "size of each API server's shared-memory store of processed "
                                           "images (GiB)")
+    profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
+                                      "default: $LOOM_TORCH_PROFILER_DIR")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    default_sampling_params: dict = field(default_factory=dict)  # for fields a request does not set
     mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
 
@@ -113,10 +138,45 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)
+        if self.profiler_dir is None:
+            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
+        check_device(self)
         check_tensor_parallel(self, text_cfg)
         return self
+
+    def _generation_defaults(self) -> dict:
+        """--generation-config and --override-generation-config -> the sampling defaults in use."""
+        src = {"auto": self.model, "vllm": None}.get(self.generation_config, self.generation_config)
+        defaults = {}
+        if src is not None:
+            path = os.path.join(src, "generation_config.json")
+            if self.generation_config not in ("auto", "vllm") and not os.path.isfile(path):
+                raise ConfigError(f"--generation-config {src!r} has no generation_config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    gen = json.load(f)
+                defaults = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS
+                            if k in gen and gen[k] is not None and gen[k] != _HF_GENERATION_DEFAULTS[k]}
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--override-generation-config is not valid JSON: {e}") from None
+        if override is not None and not isinstance(override, dict):
+            raise ConfigError("--override-generation-config must be a JSON object")
+        defaults.update(override or {})
+        unknown = set(defaults) - set(GENERATION_DEFAULT_FIELDS)
+        if unknown:
+            raise ConfigError(f"--override-generation-config: unsupported fields {sorted(unknown)} "
+                              f"(supported: {', '.join(GENERATION_DEFAULT_FIELDS)})")
+        if defaults:
+            logger.info("default sampling parameters (for fields a request does not set): %s%s", defaults,
+                        "; --generation-config vllm ignores the model's" if self.generation_config == "auto" else "")
+        return defaults
 
     def _resolve_multimodal(self, hf: dict) -> None:
         from multimodal.registry import max_item_tokens
@@ -157,6 +217,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")
@@ -182,6 +244,22 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def check_device(config: EngineConfig) -> None:
+    """A device or dtype that can never work fails here, in the parent, with one line, rather than
+    with a traceback in every worker. torch is imported only for an explicit --device cuda."""
+    choices = {f.name: f.metadata.get("choices") for f in fields(EngineConfig)}
+    for name in ("dtype", "device"):
+        allowed = choices[name]
+        if getattr(config, name) not in allowed:
+            raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+    if config.device != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is visible here (check the driver and "
+                          "CUDA_VISIBLE_DEVICES, or use --device cpu)")
 
 
 def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:

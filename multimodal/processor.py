@@ -27,6 +27,10 @@ from shm.object_store import ObjectStoreWriter, StoreFull
 STORE_WAIT_S = 10.0   # a full store frees as running requests finish
 
 
+class StoreBusy(RuntimeError):
+    """The store stayed full of images of requests in flight: the server is overloaded (503)."""
+
+
 @dataclass
 class MMStats:
     """Counters for metrics: processor-output cache lookups, and processing time."""
@@ -127,8 +131,10 @@ class MultiModalProcessor:
                 addr = self.store.put(key, arrays)
                 break
             except StoreFull as e:
-                if time.monotonic() > deadline or "does not fit" in str(e):
+                if "does not fit" in str(e):
                     raise MediaError(str(e)) from None
+                if time.monotonic() > deadline:
+                    raise StoreBusy(f"{e}: try again later, or raise --mm-processor-cache-gb") from None
                 time.sleep(0.01)
         with self._lock:
             self._lengths[key] = n

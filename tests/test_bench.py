@@ -62,10 +62,14 @@ def test_preset_loads(tmp_path):
 def test_bench_throughput_tiny(model_factory, tmp_path):
     out = tmp_path / "tp.json"
     r = _loom("throughput", "--model", model_factory("qwen3"), "--num-prompts", "4", "--input-len", "8",
-              "--output-len", "8", "--output-json", str(out))
+              "--output-len", "8", "--output-json", str(out), "--sampling", "topp", "penalties", "logprobs", "n4seed")
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["num_requests"] == 4
+    modes = res["sampling"]
+    assert set(modes) == {"plain", "topp", "penalties", "logprobs", "n4sep", "n4seed"}
+    assert modes["n4seed"]["baseline"] == "n4sep" and modes["topp"]["baseline"] == "plain"
+    assert all(m["ratio"] > 0 for m in modes.values()) and "x of plain" in r.stdout
     assert res["prompt_tokens"] == 32 and res["output_tokens"] == 32
     assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
     assert "output tok/s" in r.stdout

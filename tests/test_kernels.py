@@ -36,6 +36,7 @@ _KERNELS = {
     "activation": ["_silu_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
+    "penalties": ["_penalties_kernel"],
 }
 
 
@@ -75,8 +76,8 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling",
-                                                  "qk_rope_cache"))
+pa, rn, rot, act, smp, qrc, pen = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation",
+                                                       "sampling", "qk_rope_cache", "penalties"))
 
 
 @pytest.fixture(autouse=True)
@@ -177,6 +178,18 @@ def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
     for i in (0, 1, 2, 3, 5):
         pa._sequence_ref(want, q, kc, vc, qsl, sl, bt, 0.25, i)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sdpa_cpu_path_matches_ref(dtype):
+    # the CPU path (torch SDPA): decodes of different lengths (NaN past each), a whole prompt,
+    # a chunk continuing a cached prefix, GQA 4:2
+    from kernels.sdpa_attention import paged_attention_sdpa
+    q, kc, vc, qsl, sl, bt = _make_batch([1, 1, 7, 5, 1], [9, 33, 7, 21, 1], 4, 2, 16, 4, dtype, seed=5)
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25).float()
+    out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, 0.25)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, **(dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
 
 
 def test_attention_mixed_prefill_chunked_decode():
@@ -397,15 +410,51 @@ def test_sample_noise_variant_matches_ref():
     logits = _logits(temp.shape[0], g)
     for trial in range(2):
         noise = torch.empty(temp.shape[0], V).exponential_(generator=g).to(DEVICE)
-        out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise)
         ref = smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise)
-        assert out.dtype == torch.int64
-        assert out.tolist() == ref.tolist()
+        for max_top_k, p_only in ((0, False), (40, True)):  # candidates for no row / k <= 40 and top-p-only rows
+            out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k,
+                                        top_p_only=p_only)
+            assert out.dtype == torch.int64
+            assert out.tolist() == ref.tolist(), max_top_k
     greedy = (temp == 0).cpu()
     assert torch.equal(out.cpu()[greedy], torch.argmax(logits, -1).cpu()[greedy])
     assert out[0].item() == 17
     assert out[6].item() == torch.argmax(logits[6]).item()  # top_k = 1
     assert out[9].item() == torch.argmax(logits[9]).item()  # top_p = 0 keeps one token
+
+
+def test_sample_top_k_candidates_ties_and_extremes():
+    # rows drawing from the top-k candidates (one torch.topk) against the reference and against
+    # the full passes: logits with many ties (inside the kept set and at the k-th / last
+    # candidate, where a row falls back to the passes), k = 1, p near 0, p = 1, min_p
+    g = _gen(13)
+    b, v = 12, 700
+    logits = _randn(b, v, g=g, scale=3.0)
+    logits[:, 100:104] = logits.max(dim=1, keepdim=True).values + 1.0  # four tie for the best
+    logits[1, :60] = 20.0            # 60 tie for the best: past the candidates (falls back to the passes)
+    logits[5, 200:400] = 0.5         # a tie at the k-th / last candidate (falls back)
+    logits[5, :15] = 9.0
+    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 1.0, 0.8, 1.0, 1.0, 0.0], device=DEVICE)
+    top_k = torch.tensor([1, 50, 3, 50, 7, 20, 50, 2, 10, 49, 50, 5], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1e-6, 0.9, 1.0, 0.99, 1.0, 0.3, 0.95, 1.0, 0.5], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0], device=DEVICE)
+    seeds, positions = torch.arange(b, device=DEVICE) + 3, torch.arange(b, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        lg = logits.to(dtype)
+        noise = torch.empty(b, v).exponential_(generator=g).to(DEVICE)
+        ref = smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, noise).tolist()
+        for max_top_k in (50, 10) if dtype == torch.float32 else (50,):  # 10: rows with k > 10 use the passes
+            assert smp.sample_with_noise(lg, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k).tolist() == ref
+        # rows with top-p and no top-k (1024 candidates > this vocabulary: their top-p sets fit)
+        no_k = torch.zeros_like(top_k)
+        ref_p = smp.sample_with_noise_ref(lg, temp, no_k, top_p, min_p, noise).tolist()
+        assert smp.sample_with_noise(lg, temp, no_k, top_p, min_p, noise, top_p_only=True).tolist() == ref_p
+        if dtype == torch.float32:  # Philox: the candidates draw the noise the full passes draw
+            r = [2, 3, 8]
+            args = (lg[r], temp[r], top_k[r], top_p[r], min_p[r], seeds[r], positions[r])
+            assert smp.sample(*args, max_top_k=50).tolist() == smp.sample(*args).tolist()
+        assert lg[0, ref[0]] == lg[0].max()  # k = 1: one of the tied best
+        assert ref[11] == int(torch.argmax(lg[11].float()))  # greedy
 
 
 def test_sample_chunked_rows_match():
@@ -477,6 +526,80 @@ def test_sample_distribution():
     p_top = p[top] / p[top].sum()
     freq = torch.tensor([(toks.cpu() == t).float().mean().item() for t in top.tolist()])
     assert (freq - p_top).abs().max() < 0.2, (freq, p_top)
+
+
+# --------------------------------------------------------------------------
+# penalties
+# --------------------------------------------------------------------------
+def _penalty_case(g, vocab=3000, slots=6):
+    """Rows: penalties with repeated output tokens and a long prompt; no output yet; bias +
+    bans only; nothing; all of it; repetition alone on a row whose slot is reused."""
+    counts = torch.zeros(slots, vocab, dtype=torch.int32)
+    mask = torch.zeros(slots, vocab, dtype=torch.uint8)
+    counts[0, torch.randint(0, vocab, (500,), generator=g)] += 1
+    counts[0].index_add_(0, torch.tensor([5, 5, 5, vocab - 1]), torch.ones(4, dtype=torch.int32))  # repeats, last id
+    mask[0, torch.randint(0, vocab, (2500,), generator=g)] = 1  # a prompt longer than the output
+    mask[2, :40] = 1                                             # prompt only, empty output
+    counts[4, 1000:1100] = 3
+    mask[4, 1050:1200] = 1
+    counts[5, 7] = 2
+    return counts.to(DEVICE), mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_match_ref(dtype):
+    g = _gen(11)
+    vocab = 3000
+    counts, mask = _penalty_case(g, vocab)
+    b = 6
+    logits = _randn(b, vocab, g=g, scale=3.0).to(dtype)
+    logits[:, 0] = 0.0  # l == 0 under the repetition penalty
+    slots = torch.tensor([0, 2, 1, 3, 4, 5], device=DEVICE)
+    rep = torch.tensor([1.3, 1.1, 1.0, 1.0, 0.8, 2.0], device=DEVICE)
+    pres = torch.tensor([0.5, 0.0, 0.0, 0.0, -0.7, 0.0], device=DEVICE)
+    freq = torch.tensor([0.25, 0.3, 0.0, 0.0, 1.5, 0.0], device=DEVICE)
+    bias_ids = torch.full((b, 3), -1, dtype=torch.int32)
+    bias_vals = torch.zeros(b, 3)
+    bias_ids[2] = torch.tensor([9, 2500, 5000])  # an id past the vocabulary is ignored
+    bias_vals[2] = torch.tensor([100.0, -100.0, 3.0])
+    bias_ids[4, :2] = torch.tensor([1050, 5])
+    bias_vals[4, :2] = torch.tensor([-2.5, 1.0])
+    ban_ids = torch.full((b, 2), -1, dtype=torch.int32)
+    ban_ids[2] = torch.tensor([3, 2999])
+    ban_ids[4, 0] = 1060
+    args = (logits, slots, counts, mask, rep, pres, freq, bias_ids.to(DEVICE), bias_vals.to(DEVICE), ban_ids.to(DEVICE))
+    ref = pen.apply_penalties_ref(*args)
+    for chunks in (None, 1, 3):
+        out = pen.apply_penalties(*args, num_chunks=chunks)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+    # the reference against the rules written out, one row at a time
+    lg = logits.float().cpu()
+    for i in range(b):
+        row, c, m = lg[i].clone(), counts[int(slots[i])].cpu(), mask[int(slots[i])].cpu().bool()
+        for t, v in zip(bias_ids[i].tolist(), bias_vals[i].tolist()):
+            if 0 <= t < vocab:
+                row[t] += v
+        r = float(rep[i])
+        seen = m | (c > 0)
+        row = torch.where(seen, torch.where(row > 0, row / r, row * r), row) if r != 1.0 else row
+        row = row - float(freq[i]) * c.float() - float(pres[i]) * (c > 0).float()
+        for t in ban_ids[i].tolist():
+            if 0 <= t < vocab:
+                row[t] = float("-inf")
+        torch.testing.assert_close(ref[i].cpu(), row, atol=1e-5, rtol=1e-6)
+    assert ref[2, 9] > 90 and ref[2, 2500] < -90 and ref[2, 3] == float("-inf") and ref[4, 1060] == float("-inf")
+    assert torch.equal(ref[3].cpu(), lg[3])  # nothing asked: the logits as they were
+
+
+def test_penalties_empty_sparse_inputs():
+    g = _gen(12)
+    counts, mask = _penalty_case(g)
+    logits = _randn(2, 3000, g=g)
+    none = torch.zeros(2, 0, dtype=torch.int32, device=DEVICE)
+    args = (logits, torch.tensor([1, 0], device=DEVICE), counts, mask, torch.tensor([1.2, 1.0], device=DEVICE),
+            torch.tensor([0.0, 0.4], device=DEVICE), torch.zeros(2, device=DEVICE), none, none.float(), none)
+    torch.testing.assert_close(pen.apply_penalties(*args), pen.apply_penalties_ref(*args), atol=1e-5, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------

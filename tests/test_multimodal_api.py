@@ -161,3 +161,21 @@ def test_mm_cache_metrics(client, server):
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("vllm:mm_cache_")}
     assert values["vllm:mm_cache_queries_total"] >= 2 and values["vllm:mm_cache_hits_total"] >= 1
+
+
+def test_bench_serve_random_mm(server, tmp_path):
+    """`loom bench serve --dataset-name random-mm`: chat requests with random images, all served."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "mm.json"
+    r = subprocess.run([sys.executable, "-m", "frontend.cli", "bench", "serve", "--base-url", server.url,
+                        "--dataset-name", "random-mm", "--num-prompts", "3", "--random-input-len", "16",
+                        "--random-output-len", "4", "--random-mm-base-items-per-request", "2",
+                        "--random-mm-bucket-config", "{(56, 56, 1): 0.5, (84, 112, 1): 0.5}",
+                        "--result-file", str(out), "--disable-tqdm"],
+                       cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["endpoint"] == "/v1/chat/completions"
+    assert min(result["input_lens"]) > 16   # the images' tokens count in the prompt

@@ -143,3 +143,31 @@ def test_store_segment_unlinked_once_every_worker_mapped_it(llm):
     llm.generate({"prompt": chat(IMG), "multi_modal_data": {"image": random_image(17, 56, 56)}}, greedy(1),
                  use_tqdm=False)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"loom_mm_{os.environ['LOOM_RUN_ID']}")]
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_a_thousand_image_requests_bounded_rss_and_store(llm):
+    """1,000 requests, each with its own tiny image (the 20 MB store holds about 250 of them, so
+    it evicts as it goes): the store stays within its size, and no process grows."""
+    from tests.conftest import child_pids
+    engine = llm.engine_procs[0].pid
+    procs = [os.getpid(), engine] + child_pids(engine)
+
+    def batch(seed: int, n: int):
+        prompts = [{"prompt": chat(IMG), "multi_modal_data": {"image": random_image(seed + i, 28, 28)}}
+                   for i in range(n)]
+        outs = llm.generate(prompts, greedy(1), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+
+    batch(100_000, 200)  # warm up: allocator pools, caches
+    before = [_rss_mb(p) for p in procs]
+    batch(200_000, 1000)
+    after = [_rss_mb(p) for p in procs]
+    store = llm.mm.store
+    assert store.used_bytes() <= store.capacity and store.num_entries() < 400
+    assert all(a - b < 60 for a, b in zip(after, before)), f"RSS grew: {before} -> {after} MB"
+    assert llm.debug_info()["live_requests"] == 0

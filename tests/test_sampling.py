@@ -8,8 +8,9 @@ import torch
 from frontend import LLM, SamplingParams
 from ipc.sampling_params import SamplingParams as SP
 from tests.hf_oracle import hf_logprobs
-from workers.sampler import SamplingRow, _adjust_row
-import numpy as np
+from kernels.penalties import apply_penalties_ref
+from workers.input_batch import InputBatch
+from workers.sampler import Sampler, SamplingRow
 
 PROMPT = [12, 40, 7, 99, 150, 3, 77, 23]
 
@@ -45,6 +46,33 @@ def test_logprobs_match_hf(llm):
         assert plp[p][PROMPT[p]].rank == int((row > row[PROMPT[p]]).sum()) + 1
 
 
+def test_prompt_logprobs_chunked_and_batched_match_hf(model_factory):
+    # prompts split over several steps (16-token budget), three requests per step asking for
+    # different top-N (and one for none): each position's logprob and rank as HF computes them
+    model_dir = model_factory("qwen3")
+    prompts = [[(7 * i + 3) % 200 for i in range(23)], [(5 * i + 1) % 180 for i in range(30)], PROMPT]
+    ks = [2, 0, None]
+    engine = LLM(model_dir, max_model_len=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts],
+                               [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k) for k in ks],
+                               use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert outs[2].prompt_logprobs is None
+    for p, k, o in zip(prompts[:2], ks, outs):
+        ref = hf_logprobs(model_dir, p)
+        plp = o.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(p)
+        for pos in range(1, len(p)):
+            row, tok = ref[pos - 1], p[pos]
+            assert plp[pos][tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+            assert plp[pos][tok].rank == int((row > row[tok]).sum()) + 1
+            assert len(set(plp[pos]) - {tok}) <= k
+            for t in row.topk(k).indices.tolist() if k else []:
+                assert plp[pos][t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+
+
 def test_logprobs_zero_gives_sampled_token_only(llm):
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.8, seed=1, max_tokens=4,
                                                                       logprobs=0), use_tqdm=False)[0]
@@ -66,19 +94,54 @@ def test_logit_bias_forces_and_forbids(llm):
 
 
 def test_penalties_adjust_logits_as_specified():
+    # the persistent batch's device state (prompt mask, output counts updated from the sampled
+    # tokens) and the sampler's per-row inputs give the adjustment the API documents
     torch.manual_seed(0)
-    logits = torch.randn(50)
-    prompt, output = np.array([1, 2, 3]), np.array([3, 4, 4, 5])
-    params = SP(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
-    row = logits.clone()
-    _adjust_row(row, SamplingRow(params, 0, 4, prompt, output, []))
+    logits = torch.randn(2, 50)
+    batch = InputBatch(4, 16, 4, vocab_size=50)
+    params = SP(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 2.0},
+                min_tokens=6, stop_token_ids=[9])
+    batch.add("a", [1, 2, 3], [3, 4], [0], 0, params, 0, [11])      # resumed: two outputs known
+    batch.add("b", [40], [], [1], 0, SP(logit_bias={3: -1.0}), 0, [11])
+    slots = torch.tensor([batch.requests["a"].slot, batch.requests["b"].slot])
+    batch.count_sampled(slots[:1], torch.tensor([4]))                  # a's third output, on the device
+    batch.count_sampled(slots[:1], torch.tensor([5]))
+    rows = [SamplingRow(params, 0, 4, int(slots[0]), (11,)), SamplingRow(SP(logit_bias={3: -1.0}), 0, 0,
+                                                                          int(slots[1]), (11,))]
+    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
+    out = apply_penalties_ref(logits, dev["penalty_slots"], *batch.penalty_state(), dev["repetition"],
+                              dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"], dev["ban_ids"])
     expected = logits.clone()
+    expected[0, 7] += 2.0
     for t in {1, 2, 3, 4, 5}:  # repetition: prompt and output tokens
-        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
-    counts = {3: 1, 4: 2, 5: 1}
-    for t, c in counts.items():
-        expected[t] -= 0.25 * c + 0.5
-    assert torch.allclose(row, expected)
+        expected[0, t] = expected[0, t] / 1.5 if expected[0, t] > 0 else expected[0, t] * 1.5
+    for t, c in {3: 1, 4: 2, 5: 1}.items():
+        expected[0, t] -= 0.25 * c + 0.5
+    expected[0, [9, 11]] = float("-inf")  # min_tokens: stop and eos ids banned
+    expected[1, 3] -= 1.0                 # b: logit_bias only, no penalties from a's counts
+    assert torch.allclose(out, expected)
+
+
+def test_repetition_penalty_matches_hf_in_a_batch(llm):
+    # greedy + repetition penalty, three requests in one (overlapped) batch with plain ones beside
+    # them: the device-side counts see every token, the one still in flight included
+    from tests.hf_oracle import hf_model
+    prompts = [PROMPT, [5, 9, 5, 9, 5, 9], [300, 301, 302, 7, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts],
+                        [params] * 3 + [plain] * 3, use_tqdm=False)
+    model = hf_model(llm.config.model)
+    changed = False
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                                 pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+        greedy = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        changed |= greedy != o.outputs[0].token_ids
+    assert changed  # the penalty did something
 
 
 def test_min_tokens_and_stop_token_ids(llm):
@@ -122,6 +185,36 @@ def test_n_choices_and_seed_reproducible(llm):
     assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
 
 
+def test_seeded_penalised_output_unchanged_by_batch(llm):
+    # a seeded request with penalties, bias and top-k/top-p gives the same tokens alone and in a
+    # crowded batch (other requests with their own penalties in other slots)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True,
+                            repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3,
+                            logit_bias={7: 2.0})
+    alone = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [9 + i, 4, 4, 4]} for i in range(4)]
+    crowd = llm.generate([*others, {"prompt_token_ids": PROMPT}, *others],
+                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, presence_penalty=1.0)] * 4
+                         + [params] + [SamplingParams(temperature=0.5, max_tokens=6)] * 4, use_tqdm=False)
+    assert crowd[4].outputs[0].token_ids == alone
+
+
+def test_n_children_share_the_prompt_blocks(llm):
+    # the n children of a request are scheduled in one step; all but the first hit the first's
+    # prompt blocks (published as it is scheduled), and sample as if they ran alone
+    prompt = [(11 * i + 5) % 250 for i in range(41)]  # 10 full blocks of 4, never seen before
+    before = (llm.stats.prefix_cache_queries, llm.stats.prefix_cache_hits)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    hits = llm.stats.prefix_cache_hits - before[1]
+    assert llm.stats.prefix_cache_queries - before[0] == 4 * 41 and hits == 3 * 40
+    llm.reset_prefix_cache()
+    alone = [llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=6,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+             for i in range(4)]
+    assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
+
+
 def test_sampling_filters_respected(llm):
     # top_k=1 is greedy whatever the temperature
     greedy = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6),
@@ -143,19 +236,17 @@ def test_invalid_params_rejected(llm):
 
 
 def test_sampler_fails_a_bad_row_alone():
-    """Per-request adjustments that fail (ids the boundaries would refuse) fail that row only."""
-    import numpy as np
+    """Per-request adjustments that cannot apply (ids the boundaries would refuse) fail that row
+    only; the batch's kernels ignore such ids and the other rows sample as usual."""
     import torch
 
     from ipc.sampling_params import SamplingParams
     from workers.sampler import Sampler
-    empty = np.zeros(0, np.int64)
-    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 1.0}), 0, 0, empty, empty, []),
-            SamplingRow(SamplingParams(temperature=0, logit_bias={-7: 1.0}), 0, 0, empty, empty, []),
-            SamplingRow(SamplingParams(temperature=0, min_tokens=2), 0, 0, empty, empty, [10 ** 6])]
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 100.0}), 0, 0),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={-7: 1.0}), 0, 0),
+            SamplingRow(SamplingParams(temperature=0, min_tokens=2), 0, 0, 1, (10 ** 6,))]
     logits = torch.randn(3, 50)
-    tokens, _, failed = Sampler(use_triton=False)(logits, rows, {})
-    assert sorted(failed) == [1, 2]
-    expected = logits[0].clone()
-    expected[3] += 1.0
-    assert int(tokens[0]) == int(expected.argmax())
+    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
+    tokens, _, failed = Sampler(use_triton=False)(logits, rows, dev)
+    assert sorted(failed) == [1, 2] and "[-7]" in failed[1]
+    assert tokens.tolist() == [3, int(logits[1].argmax()), int(logits[2].argmax())]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels.paged_attention import paged_attention_ref
+from kernels.sdpa_attention import paged_attention_sdpa
 
 
 @dataclass
@@ -21,7 +22,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token (-1 = padding)
     max_query_len: int             # the largest single query, not a sum
     max_seq_len: int
-    backend: str = "torch"         # "torch" (reference) or "triton"
+    backend: str = "torch"         # "torch" (SDPA on CPU, the reference elsewhere) or "triton"
     num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
     num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
 
@@ -45,6 +46,9 @@ class Attention(nn.Module):
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits)
+        elif q.device.type == "cpu":  # torch's fused CPU attention kernels
+            out = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                       meta.block_table, self.scale)
         else:
             out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale)

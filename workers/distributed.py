@@ -79,7 +79,11 @@ def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: to
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     _state.rank, _state.size, _state.group = rank, rdv.world_size, dist.group.WORLD
     if device.type == "cuda":
-        _state.one_shot = OneShotAllReduce.create(_state.group, device, dtype)
+        one_shot = OneShotAllReduce.create(_state.group, device, dtype)
+        # every rank must take the same path for every all-reduce, or they would never pair up
+        agreed = torch.tensor([1 if one_shot is not None else 0], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_state.group)
+        _state.one_shot = one_shot if agreed.item() else None
     logger.info("rank %d of %d joined the %s group", rank, rdv.world_size, backend)
 
 

@@ -100,6 +100,19 @@ def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterato
                 yield name, f.get_slice(name)
 
 
+def checkpoint_metadata(files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, safetensors dtype such as "BF16") of every tensor, from the file headers
+    alone (nothing is read into memory)."""
+    from safetensors import safe_open
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -DUMMY_RANGE,
                        high: float = DUMMY_RANGE) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ipc.config import EngineConfig
-from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max, tp_size
@@ -48,10 +48,20 @@ class PendingStep:
     tokens: torch.Tensor | None = None        # on the device
     tokens_host: torch.Tensor | None = None   # pinned copy, valid once `event` has fired
     event: object = None
-    topk: tuple | None = None
-    prompt_logprobs: dict | None = None
+    topk: tuple | None = None                 # logprob tensors; pinned host copies after copy_back()
+    prompt_logprobs: "PromptLogprobSpans | None" = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
+
+
+@dataclass
+class PromptLogprobSpans:
+    """The prompt logprobs a step computes: per request (req_id, first row, rows, top-N), and
+    the tensors of all their rows (target ids, target logprob, rank, top ids, top logprobs);
+    pinned host copies after copy_back()."""
+    spans: list[tuple[str, int, int, int]]
+    tensors: tuple
 
 
 @dataclass
@@ -100,6 +110,7 @@ class ModelRunner:
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
+        self.weights_dir = config.model   # where sleep level 2 reloads from (update_weights_from_disk moves it)
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
                                 config.language_model_only)
         if self.backend == "triton":
@@ -111,7 +122,8 @@ class ModelRunner:
         self.h2d = HostToDevice(self.device)
         self.block_size = config.block_size
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req,
+                                self.model.config.vocab_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
@@ -147,6 +159,9 @@ class ModelRunner:
         """Run the largest step once, then give the KV cache what the memory budget leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        if self.config.mm_encoder_budget and hasattr(self.model, "dummy_image"):
+            # the encoder's peak too: the largest image the processor can make, once
+            self.model.encode_images([self.model.dummy_image(self.config.mm_max_item_tokens)])
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
@@ -201,12 +216,17 @@ class ModelRunner:
                     "slot_mapping": np.full(int(n.sum()), -1, np.int64),
                     "qsl": np.concatenate([[0], np.cumsum(n)]).astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
                     "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32)}
+            if self.uses_mrope:  # the rotary kernel's 3-row variant, as image prompts use it
+                host["positions"] = np.stack([host["positions"]] * 3)
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
             for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
-                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)):
-                rows = [SamplingRow(params, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), [])] * len(n)
+                           SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+                           SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
+                                          logit_bias={1: 1.0}, min_tokens=2),
+                           SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1)):
+                rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
         torch.cuda.synchronize()
@@ -353,7 +373,7 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(self.config.model, self.dtype, self.device, self.config.load_format,
+                fresh = load_model(self.weights_dir, self.dtype, self.device, self.config.load_format,
                                    self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):
@@ -442,14 +462,6 @@ class ModelRunner:
         index = torch.from_numpy(np.concatenate(dst)).to(self.device)
         return embeds.index_copy(0, index, torch.cat(src).to(embeds.dtype))
 
-    def can_overlap(self, so: SchedulerOutput) -> bool:
-        """Whether `so` may be launched before the previous step's tokens reach the CPU:
-        not when a request's sampling reads its own output history (penalties, min_tokens)."""
-        params = [r.sampling_params for r in so.new_requests]
-        params += [self.batch.requests[rid].params for rid in so.cached_requests.req_ids
-                   if rid in self.batch.requests]
-        return not any(p.needs_penalties or p.min_tokens for p in params)
-
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
         """Queue one step on the device without waiting for it: prepare, forward, sample,
@@ -460,13 +472,13 @@ class ModelRunner:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
         hidden, logits = self.forward(batch)
-        if logits is not None:
-            step.tokens, step.topk, failed = self.sample(logits, batch)
-            if failed:
-                step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
+        if logits is not None and so.defer_sample:
+            step.unsampled = (batch, logits)   # sample_deferred() samples it once the bitmask comes
+        elif logits is not None:
+            self._sample_into(step, logits, batch, so.grammar)
+        step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if step.unsampled is None:
             self.copy_back(step)
-        step.prompt_logprobs = self._prompt_logprobs(batch.states, hidden, batch.host["qsl"], batch.start, batch.n,
-                                                     step)
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
@@ -496,6 +508,12 @@ class ModelRunner:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         host["sample_index"] = host["qsl"][1:][sample_rows] - 1
         host.update(self.sampler.host_params(rows))
+        spans = self._prompt_logprob_spans(states, start, n)
+        if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
+            host["plp_rows"] = np.concatenate([np.arange(host["qsl"][i], host["qsl"][i] + cnt, dtype=np.int64)
+                                               for i, _, cnt in spans])
+            host["plp_targets"] = np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
+                                                  for i, lo, cnt in spans])
         if prev is not None and prev.tokens is not None:
             host["feed_dst"], host["feed_src"] = self._feed_indices(prev, states, start, host["qsl"])
         dev = self.h2d(host)
@@ -503,7 +521,11 @@ class ModelRunner:
         if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
             # decode inputs that are prev's tokens come straight from the device: no round trip
             inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        self._run_encoders(so)
+        if so.scheduled_encoder_inputs:
+            enc_token = self.stats.begin() if self.stats is not None else None
+            self._run_encoders(so)
+            if enc_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
+                self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
         for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
             self.encoder_cache.pop(h, None)
@@ -524,20 +546,65 @@ class ModelRunner:
             return hidden, None
         return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
-    def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None, dict]:
+    def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
+               ) -> tuple[torch.Tensor, tuple | None, dict]:
         """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
-        of the rows whose per-request sampling work failed (those requests fail alone)."""
-        return self.sampler(logits, batch.rows, batch.dev)
+        of the rows whose parameters the sampler refused (those requests fail alone). The tokens
+        go into the penalty counts on the device at once: the next step's penalties see them
+        even while their values are still on the way to the host. The constrained rows sample
+        from what their grammar bitmask allows."""
+        if grammar is not None and len(grammar.rows):
+            self._apply_grammar(logits, batch.sample_rows, grammar)
+        tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
+        self.batch.count_sampled(batch.dev["slots"], tokens)
+        return tokens, topk, failed
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: "PendingStep", grammar: GrammarOutput | None) -> None:
+        """Sample a launched step whose bitmask needed the previous step's tokens."""
+        if step.unsampled is None:
+            return
+        (batch, logits), step.unsampled = step.unsampled, None
+        self._sample_into(step, logits, batch, grammar)
+        self.copy_back(step)
+
+    def _sample_into(self, step: "PendingStep", logits: torch.Tensor, batch: "StepBatch",
+                     grammar: GrammarOutput | None) -> None:
+        step.tokens, step.topk, failed = self.sample(logits, batch, grammar)
+        if failed:
+            step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
+
+    def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput) -> None:
+        """One kernel masks every constrained row. grammar.rows index the step's requests;
+        those that sample nothing this step (mid-prompt) are dropped."""
+        from kernels.bitmask import apply_bitmask
+        rows = np.asarray(grammar.rows, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(sample_rows, rows), len(sample_rows) - 1)
+        keep = sample_rows[pos] == rows
+        mask_rows = np.arange(len(rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+        dev = self.h2d({"bitmask": np.array(grammar.bitmask),  # a writable copy of the received frame
+                        "bitmask_rows": pos[keep].astype(np.int32), "mask_rows": mask_rows[keep].astype(np.int32)})
+        apply_bitmask(logits, dev["bitmask"], dev["bitmask_rows"], dev["mask_rows"])
 
     def copy_back(self, step: "PendingStep") -> None:
-        """Start the device -> host copy of the sampled tokens; finish() waits for its event."""
-        if self.device.type == "cuda":
-            step.tokens_host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-            step.tokens_host.copy_(step.tokens, non_blocking=True)
+        """Start the device -> host copies of what finish() reads (tokens, logprobs, prompt
+        logprobs) behind the step's work; finish() waits for one event, and never syncs a tensor
+        (a .tolist() of a device tensor would also wait for the next step, queued behind this one)."""
+        if self.device.type != "cuda":
+            step.tokens_host = step.tokens
+            return
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+        if step.tokens is not None:
+            step.tokens_host = to_host(step.tokens)
+        if step.topk is not None:
+            step.topk = tuple(to_host(t) for t in step.topk)
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
+        if step.tokens is not None or step.prompt_logprobs is not None:
             step.event = torch.cuda.Event()
             step.event.record()
-        else:
-            step.tokens_host = step.tokens
 
     @staticmethod
     def is_done(step: "PendingStep") -> bool:
@@ -548,9 +615,9 @@ class ModelRunner:
         """Wait for a launched step and record its tokens."""
         sampled = [-1] * len(step.req_ids)
         logprobs = None
+        if step.event is not None:
+            step.event.synchronize()
         if step.tokens is not None:
-            if step.event is not None:
-                step.event.synchronize()
             token_list = step.tokens_host.tolist()
             for j, i in enumerate(step.sample_rows):
                 sampled[i] = token_list[j]
@@ -561,7 +628,8 @@ class ModelRunner:
                 logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, step.failed)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, self._pack_prompt_logprobs(step.prompt_logprobs),
+                                 step.failed)
 
     @staticmethod
     def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
@@ -600,9 +668,7 @@ class ModelRunner:
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
-        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens,
-                           self.batch.prompt_token_ids(st), self.batch.output_token_ids(st),
-                           st.eos_token_ids)
+        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
 
     def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
         tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)
@@ -616,30 +682,47 @@ class ModelRunner:
                                       [ranks[j]])
         return out
 
-    def _prompt_logprobs(self, states, hidden, qsl, start, n, step: "PendingStep") -> dict[str, PromptLogprobs] | None:
-        out = None
+    @staticmethod
+    def _prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
+        """(request index, first position, positions) whose next prompt token's logprob this step
+        computes: position p predicts token p + 1, while that is still a prompt token."""
+        spans = []
         for i, st in enumerate(states):
-            k = st.params.prompt_logprobs
-            if k is None or start[i] >= st.num_prompt_tokens:
-                continue
-            out = out or {}
-            try:
-                out[st.req_id] = self._prompt_logprobs_of(st, hidden, int(qsl[i]), int(start[i]), int(n[i]), k)
-            except Exception as e:  # noqa: BLE001  (fails this request alone)
-                step.failed = step.failed or {}
-                step.failed[st.req_id] = f"{type(e).__name__}: {e}"
-        return out
+            if st.params.prompt_logprobs is not None and start[i] < st.num_prompt_tokens:
+                spans.append((i, int(start[i]), max(int(min(n[i], st.num_prompt_tokens - 1 - start[i])), 0)))
+        return spans
 
-    def _prompt_logprobs_of(self, st, hidden, q0: int, lo: int, n: int, k: int) -> PromptLogprobs:
-        # position p predicts token p+1; keep those that are still prompt tokens
-        cnt = min(n, st.num_prompt_tokens - 1 - lo)
-        if cnt <= 0:
-            return PromptLogprobs([], [], [])
-        h = hidden[q0:q0 + cnt]
-        lp = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
-        targets = torch.as_tensor(self.batch.token_ids[st.slot, lo + 1:lo + 1 + cnt], device=lp.device)
+    def _prompt_logprobs(self, batch: "StepBatch", hidden: torch.Tensor) -> PromptLogprobSpans | None:
+        """The prompt logprobs of every request that asks, in one batch on the device (no sync)."""
+        spans = self._prompt_logprob_spans(batch.states, batch.start, batch.n)
+        if not spans:
+            return None
+        k = min(max(batch.states[i].params.prompt_logprobs for i, _, _ in spans), self.model.config.vocab_size)
+        out, first = [], 0
+        for i, _, cnt in spans:
+            st = batch.states[i]
+            out.append((st.req_id, first, cnt, st.params.prompt_logprobs))
+            first += cnt
+        if not first:
+            return PromptLogprobSpans(out, ())
+        lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, batch.dev["plp_rows"])).float(),
+                               dim=-1)
+        targets = batch.dev["plp_targets"]
         tlp = lp.gather(1, targets.view(-1, 1))
-        ranks = ((lp > tlp).sum(-1) + 1).tolist()
+        ranks = (lp > tlp).sum(-1) + 1
         top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-        return PromptLogprobs([[t] + ids for t, ids in zip(targets.tolist(), top_ids.tolist())],
-                              [[v] + vals for v, vals in zip(tlp.squeeze(1).tolist(), top_lp.tolist())], ranks)
+        return PromptLogprobSpans(out, (targets, tlp.squeeze(1), ranks, top_ids, top_lp))
+
+    @staticmethod
+    def _pack_prompt_logprobs(plp: PromptLogprobSpans | None) -> dict[str, PromptLogprobs] | None:
+        if plp is None:
+            return None
+        if not plp.tensors:
+            return {rid: PromptLogprobs([], [], []) for rid, _, _, _ in plp.spans}
+        targets, tlp, ranks, top_ids, top_lp = (t.tolist() for t in plp.tensors)
+        out = {}
+        for rid, a, cnt, k in plp.spans:
+            b = a + cnt
+            out[rid] = PromptLogprobs([[t] + ids[:k] for t, ids in zip(targets[a:b], top_ids[a:b])],
+                                      [[v] + vals[:k] for v, vals in zip(tlp[a:b], top_lp[a:b])], ranks[a:b])
+        return out

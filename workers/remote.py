@@ -13,6 +13,10 @@ ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
     "initialize_cache": "the KV cache is the engine's",
     "determine_num_blocks": "the KV cache is the engine's",
     "shutdown": "use SIGTERM on `loom serve`",
+    # weights: the engine checks that nothing steps, then resets the prefix cache
+    "update_weights_from_disk": "use POST /update_weights_from_disk",
+    "update_weights_from_distributed": "use POST /update_weights_from_distributed",
+    "update_weights_from_tensor": "use POST /update_weights_from_tensor",
 }
 
 

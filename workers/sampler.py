@@ -1,8 +1,10 @@
 """Sampler: logits of the rows that finished their prompt -> next tokens (+ logprobs).
 
 Order: raw logprobs are taken first (what users compare with the model), then
-logit_bias, min_tokens, penalties, and finally temperature / top-k / top-p /
-min-p sampling. The random draw of a row is a pure function of the request's
+logit_bias, min_tokens and penalties (one launch for the whole batch:
+kernels/penalties.py, reading the per-slot output counts and prompt masks the
+persistent batch keeps on the device), and finally temperature / top-k /
+top-p / min-p sampling. The random draw of a row is a pure function of the request's
 seed and the index of the token being generated, so a seeded request gives the
 same output whatever else is in the batch and however it was scheduled.
 """
@@ -20,10 +22,37 @@ from ipc.sampling_params import SamplingParams
 class SamplingRow:
     params: SamplingParams
     seed: int
-    output_index: int                 # which output token this draw produces
-    prompt_token_ids: np.ndarray      # for the repetition penalty
-    output_token_ids: np.ndarray
-    eos_token_ids: list[int]
+    output_index: int                 # which output token this draw produces (= outputs so far)
+    slot: int = 0                     # the request's persistent-batch slot: its penalty state
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the row's logits change before sampling (penalties, logit_bias, min_tokens)."""
+        p = self.params
+        return bool(p.needs_penalties or p.logit_bias or self.banned())
+
+    def banned(self) -> list[int]:
+        """Ids the row may not draw yet: eos and stop tokens until min_tokens are out."""
+        p = self.params
+        if self.output_index >= p.min_tokens:
+            return []
+        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+
+    def bad_ids(self, vocab: int) -> str | None:
+        """An error naming the ids outside [0, vocab) that the row's logit_bias or bans hold (the
+        boundaries refuse them; a row that still has them fails alone)."""
+        ids = [*(self.params.logit_bias or ()), *self.banned()]
+        bad = sorted({t for t in ids if not 0 <= t < vocab}) if ids else None
+        return f"IndexError: token ids {bad} outside the vocabulary [0, {vocab})" if bad else None
+
+
+def _padded(lists: list[list], dtype, fill) -> np.ndarray:
+    """Rows of different lengths as one [B, max_len] array (fill past each row's end)."""
+    out = np.full((len(lists), max(map(len, lists), default=0)), fill, dtype=dtype)
+    for i, xs in enumerate(lists):
+        out[i, :len(xs)] = xs
+    return out
 
 
 _INT32_MAX = 2 ** 31 - 1  # validated at the boundaries; clamped here so a bad row can never raise
@@ -32,6 +61,16 @@ _INT32_MAX = 2 ** 31 - 1  # validated at the boundaries; clamped here so a bad r
 class Sampler:
     def __init__(self, use_triton: bool):
         self.use_triton = use_triton
+        self._empty_state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _no_state(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-slot all-zero penalty state, for steps before any request had penalties
+        (logit_bias / min_tokens rows then read slot 0 of it, to no effect)."""
+        if self._empty_state is None:
+            shape = (1, logits.shape[-1])
+            self._empty_state = (torch.zeros(shape, dtype=torch.int32, device=logits.device),
+                                 torch.zeros(shape, dtype=torch.uint8, device=logits.device))
+        return self._empty_state
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]) -> torch.Tensor:
         from kernels import sampling  # imported on first random draw: greedy-only runs never need it
@@ -41,38 +80,59 @@ class Sampler:
             return sampling.sample_ref(*args)
         vocab = logits.shape[-1]
         top_k_top_p = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
-        return sampling.sample(*args, top_k_top_p=top_k_top_p)
+        max_top_k = max((r.params.top_k for r in rows if 0 < r.params.top_k < vocab), default=0)
+        top_p_only = any(r.params.top_p < 1.0 and not 0 < r.params.top_k < vocab and not r.params.greedy
+                         for r in rows)
+        return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k, top_p_only=top_p_only)
 
     @staticmethod
     def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
-        """Per-row parameters as host arrays (they travel to the device with the step's inputs)."""
+        """Per-row parameters as host arrays (they travel to the device with the step's inputs).
+        The adjustment inputs (penalties, logit_bias, min_tokens bans) only when a row needs them."""
         p = [r.params for r in rows]
-        f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=len(rows))
-        i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=len(rows))
-        i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=len(rows))
-        return {"temperature": f32(x.temperature for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
+        n = len(rows)
+        f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=n)
+        i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=n)
+        i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=n)
+        host = {"temperature": f32(x.temperature for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
-                "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows), "out_positions": i64(r.output_index for r in rows)}
+                "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
+                "out_positions": i64(r.output_index for r in rows), "slots": i64(r.slot for r in rows)}
+        if any(r.adjusts for r in rows):
+            bias = [x.logit_bias or {} for x in p]
+            # only a row with penalties reads its slot's state (others read slot 0 with no effect)
+            host.update(penalty_slots=i64(r.slot if r.params.needs_penalties else 0 for r in rows),
+                        repetition=f32(x.repetition_penalty for x in p), presence=f32(x.presence_penalty for x in p),
+                        frequency=f32(x.frequency_penalty for x in p),
+                        bias_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in b] for b in bias], np.int32, -1),
+                        bias_vals=_padded([list(b.values()) for b in bias], np.float32, 0.0),
+                        ban_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
+                                        np.int32, -1))
+        return host
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]):
-        """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device.
-        Returns (token_ids int64 [B] tensor, logprobs or None, {row: error} of rows whose
-        per-request adjustments failed: those requests fail alone, the batch goes on).
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
+                 state: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device;
+        state: the persistent batch's (output_counts, prompt_mask), [slots, V] each, needed
+        when a row has penalties (None before any request had them). Returns (token_ids int64
+        [B] tensor, logprobs or None, {row: error} of rows whose parameters name token ids
+        outside the vocabulary: those requests fail alone, the batch goes on, the kernels
+        ignoring such ids).
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
-        (argmax, the sampling kernel) equals reading a float32 copy; a copy is made
-        only for logprobs and per-row adjustments."""
+        (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
+        made only for logprobs and adjustments (both on the device, no host sync)."""
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_lp is not None else None
 
-        failed: dict[int, str] = {}
-        if any(r.params.logit_bias or r.params.min_tokens or r.params.needs_penalties for r in rows):
-            logits = logits.to(torch.float32, copy=True)
-            for i, r in enumerate(rows):
-                try:
-                    _adjust_row(logits[i], r)
-                except Exception as e:  # noqa: BLE001  (one request's bad parameters fail that request)
-                    failed[i] = f"{type(e).__name__}: {e}"
+        failed = {}
+        if "repetition" in dev:  # some row adjusts its logits
+            failed = {i: why for i, r in enumerate(rows) if (why := r.bad_ids(logits.shape[-1]))}
+            from kernels.penalties import apply_penalties
+            counts, prompt_mask = state if state is not None else self._no_state(logits)
+            logits = apply_penalties(logits, dev["penalty_slots"], counts, prompt_mask, dev["repetition"],
+                                     dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"],
+                                     dev["ban_ids"])
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
@@ -82,35 +142,7 @@ class Sampler:
         if raw_logprobs is not None:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
             ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
-            k = max(max_lp, 0)
+            k = min(max(max_lp, 0), logits.shape[-1])
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
             topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
         return tokens, topk, failed
-
-
-def _adjust_row(row: torch.Tensor, r: SamplingRow) -> None:
-    params = r.params
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long, device=row.device)
-        vals = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
-        valid = ids < row.shape[0]
-        row.index_add_(0, ids[valid], vals[valid])
-    if params.min_tokens and len(r.output_token_ids) < params.min_tokens:
-        banned = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned.update(r.eos_token_ids)
-        if banned:
-            row[torch.tensor(sorted(banned), dtype=torch.long, device=row.device)] = float("-inf")
-    if params.needs_penalties:
-        vocab = row.shape[0]
-        out = torch.as_tensor(r.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
-        counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
-        if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            prompt = torch.as_tensor(r.prompt_token_ids, dtype=torch.long, device=row.device)
-            seen[prompt] = True
-            penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-            row.copy_(torch.where(seen, penalized, row))
-        row -= params.frequency_penalty * counts
-        row -= params.presence_penalty * (counts > 0).to(row.dtype)

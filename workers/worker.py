@@ -11,7 +11,7 @@ import traceback
 import zmq
 
 from ipc.config import EngineConfig
-from ipc.messages import MsgType, SchedulerOutput, WorkerCall, WorkerReply
+from ipc.messages import GrammarOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
@@ -21,10 +21,23 @@ from workers.remote import remote
 logger = logging.getLogger(__name__)
 
 
+def cpu_threads(num_workers: int = 1) -> int:
+    """Intra-op threads for a worker computing on the CPU: the cores this process may use, less
+    one for the API server and engine core, which must run between steps, shared among the
+    workers (OMP_NUM_THREADS, when set, decides). Torch's default, one thread per core, has
+    OpenMP threads spin-waiting on cores those processes need: measured 10-14x slower serving
+    on a 2-core box."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // max(num_workers, 1))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, local_rank: int | None = None, rendezvous=None):
         """rank: in the tensor-parallel group; local_rank: which GPU of this node (cuda:local_rank)."""
         from workers.model_runner import ModelRunner, resolve_device, resolve_dtype
+        self.config = config
         self.rank = rank
         local_rank = rank if local_rank is None else local_rank
         if rendezvous is not None:
@@ -34,7 +47,20 @@ class Worker:
                 import torch
                 torch.cuda.set_device(device)
             init_distributed(rank, rendezvous, device, resolve_dtype(config, device))
+        if resolve_device(config, local_rank).type == "cpu":
+            import torch
+            torch.set_num_threads(cpu_threads(config.tensor_parallel_size // max(config.nnodes, 1)))
+            logger.info("CPU worker: %d torch threads", torch.get_num_threads())
         self.runner = ModelRunner(config, local_rank)
+        self._weights = None    # WeightUpdater, made on the first weight-update call
+        self._profiler = None   # WorkerProfiler, made on the first start_profile
+
+    @property
+    def weights(self):
+        if self._weights is None:
+            from workers.weight_update import WeightUpdater
+            self._weights = WeightUpdater(self.runner, self.rank)
+        return self._weights
 
     @remote
     def ping(self) -> str:
@@ -75,6 +101,56 @@ class Worker:
     def get_pid(self) -> int:
         return os.getpid()
 
+    # ---- weight updates (engine only: the engine core checks the pause state and resets the
+    # prefix cache; workers/weight_update.py)
+
+    @remote
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> int:
+        return self.weights.update_from_disk(model_path, load_format)
+
+    @remote
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    @remote
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str) -> int:
+        return self.weights.update_from_distributed(names, dtypes, shapes, group_name)
+
+    @remote
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.weights.destroy_group(group_name)
+
+    @remote
+    def update_weights_from_tensor(self, named_tensors: list) -> int:
+        return self.weights.update_from_tensors(named_tensors)
+
+    @remote
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        return self.weights.get_weights_by_name(name, truncate_size)
+
+    # ---- torch profiler (workers/profiler.py)
+
+    @remote
+    def start_profile(self, profile_prefix: str | None = None) -> str:
+        if self._profiler is None:
+            from workers.profiler import WorkerProfiler
+            if not self.config.profiler_dir:
+                raise ValueError("no profiler directory: start the server with --profiler-dir DIR "
+                                 "(or LOOM_TORCH_PROFILER_DIR=DIR)")
+            dp_rank = getattr(self.config, "data_parallel_rank", 0)   # 0 until data parallelism lands
+            global_rank = dp_rank * self.config.tensor_parallel_size + self.rank
+            self._profiler = WorkerProfiler(self.config.profiler_dir, self.runner.device, dp_rank, self.rank,
+                                            global_rank)
+        return self._profiler.start(profile_prefix)
+
+    @remote
+    def stop_profile(self) -> str:
+        if self._profiler is None:
+            raise ValueError("the profiler is not running: start it first")
+        return self._profiler.stop()
+
     def call(self, call: WorkerCall):
         fn = getattr(self, call.method, None)
         if fn is None or not getattr(fn, "_loom_remote", False):
@@ -85,10 +161,13 @@ class Worker:
 def serve_steps(worker: Worker, ring, send) -> None:
     """The worker loop. A step is launched on the device as soon as it arrives, behind
     the one still running there, so the device never waits for this loop; a step's
-    tokens are sent once the device has produced them."""
+    tokens are sent once the device has produced them. A step whose sampling needs the
+    previous step's tokens (a grammar bitmask) runs its model, then samples when its
+    WORKER_SAMPLE message comes."""
     runner, rank = worker.runner, worker.rank
-    step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
+    step_dec, call_dec, sample_dec = Decoder(SchedulerOutput), Decoder(WorkerCall), Decoder(GrammarOutput)
     pending = None  # a launched step whose tokens are not yet sent
+    unsampled = None  # a launched step waiting for its WORKER_SAMPLE
 
     def finish_pending():
         nonlocal pending
@@ -106,15 +185,21 @@ def serve_steps(worker: Worker, ring, send) -> None:
                 os.sched_yield()
             continue
         frames = ring.dequeue()
-        if bytes(frames[0]) == MsgType.WORKER_STEP.value:
-            so = step_dec.decode(frames)
+        kind = bytes(frames[0])
+        if kind in (MsgType.WORKER_STEP.value, MsgType.WORKER_SAMPLE.value):
             try:
-                if pending is not None and not runner.can_overlap(so):
-                    finish_pending()
+                if kind == MsgType.WORKER_SAMPLE.value:
+                    runner.sample_deferred(unsampled, sample_dec.decode(frames))
+                    pending, unsampled = unsampled, None
+                    continue
+                so = step_dec.decode(frames)
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
                 if pending is not None:
-                    finish_pending()
-                pending = step
+                    finish_pending()  # the engine needs these tokens for the next bitmask
+                if so.defer_sample:
+                    unsampled = step
+                else:
+                    pending = step
             except Exception:
                 send(WorkerReply(rank, error=traceback.format_exc()))
                 raise
@@ -146,6 +231,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
     ring = None
+    code = 0
     try:
         ring = attach_reader(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
@@ -160,9 +246,13 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
             send(WorkerReply(rank, error=traceback.format_exc()))
         except Exception:
             pass
-        raise SystemExit(1)
+        code = 1
     finally:
         if ring is not None:
             ring.close()
         reply.close()
         ctx.term()
+        # Everything is released: skip the interpreter's teardown of torch (a second or more), so
+        # that a stopping engine, and `loom serve` with it, exits at once.
+        logging.shutdown()
+        os._exit(code)

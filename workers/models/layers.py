@@ -383,15 +383,16 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------- weight loading
 def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
                          stacked_mapping: list[tuple[str, str, object]],
-                         ignore: callable = lambda name: False) -> set[str]:
+                         ignore: callable = lambda name: False, partial: bool = False) -> set[str]:
     """Hand each checkpoint tensor (or safetensors slice) to its parameter's weight loader,
-    which keeps this rank's shard.
+    which keeps this rank's shard, copied in place (param.data is never replaced, so captured
+    CUDA graphs stay valid).
 
     stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
     rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
     duplicate checkpoint name, a shape mismatch, checkpoint weights that map to
-    nothing, or parameters (or shards of fused ones) left unloaded.
-    Returns the set of checkpoint names loaded."""
+    nothing, or (unless `partial`: a weight update of some tensors) parameters
+    (or shards of fused ones) left unloaded. Returns the set of checkpoint names loaded."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     seen: set[str] = set()
@@ -418,7 +419,7 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]]
         loaded.setdefault(name, set()).add(shard_id)
 
     missing = []
-    for name, param in params.items():
+    for name, param in params.items() if not partial else ():
         got = loaded.get(name, set())
         missing += [name if s is None else f"{name}[{s}]" for s in param.shard_ids if s not in got]
     if unexpected or missing:

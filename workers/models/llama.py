@@ -54,6 +54,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None    # None: config.attention_bias
     qk_norm: bool = False
+    stacked_params = STACKED_PARAMS  # checkpoint names of fused parameters' parts (weight updates read it)
 
     def __init__(self, config):
         super().__init__()
@@ -89,10 +90,11 @@ class LlamaForCausalLM(nn.Module):
             return True
         return self.tie_word_embeddings and name == "lm_head.weight"
 
-    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """Load HF-named tensors (or safetensors slices, of which each rank reads its shard);
-        see `layers.load_stacked_weights` for the errors raised."""
-        return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight)
+    def load_weights(self, weights: Iterable[tuple[str, object]], partial: bool = False) -> set[str]:
+        """Load HF-named tensors (or safetensors slices, of which each rank reads its shard;
+        `partial`: only some, as a weight update sends); see `layers.load_stacked_weights` for
+        the errors raised."""
+        return load_stacked_weights(self, weights, STACKED_PARAMS, self._ignore_weight, partial)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -132,7 +132,13 @@ class LlavaForConditionalGeneration(nn.Module):
         out = p.linear_2(self.projector_act(p.linear_1(torch.cat(feats, dim=-1))))
         return list(out)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
+        """Processed arrays of one image (memory profiling): the tower's input size is fixed."""
+        vc = self.hf_config.vision_config
+        return {"pixel_values": np.zeros((1, vc.num_channels, vc.image_size, vc.image_size), np.float32)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
+        """`partial`: only some weights (a weight update), none required."""
         def renamed():
             for name, t in weights:
                 for old, new in _RENAMES:
@@ -158,9 +164,9 @@ class LlavaForConditionalGeneration(nn.Module):
                 elif self.vision_tower is not None and not _unused_vision_weight(name):
                     raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
         missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing:
+        if missing and not partial:
             raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights))
+        return seen | self.language_model.load_weights(iter(text_weights), partial)
 
 
 _RENAMES = [("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),

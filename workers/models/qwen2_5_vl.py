@@ -48,17 +48,37 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         c, s = cos[:, None, :], sin[:, None, :]
         qf, kf = q.float(), k.float()
         q = (qf * c + _rotate_half(qf) * s).to(x.dtype)
         k = (kf * c + _rotate_half(kf) * s).to(x.dtype)
-        # one fused call over every window of every image: the mask keeps each token in its window
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
+
+
+def segment_groups(lens: list[int], device) -> list[tuple[torch.Tensor, int, int]]:
+    """Packed segments (windows, or whole images) grouped by length: (token index [G*L], G, L)
+    per length, so that attention runs as a few batched fused calls, with no N x N mask."""
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    groups = []
+    for length in sorted(set(lens)):
+        first = starts[np.asarray(lens) == length]
+        idx = (first[:, None] + np.arange(length)[None, :]).reshape(-1)
+        groups.append((torch.from_numpy(idx).to(device), len(first), int(length)))
+    return groups
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list) -> torch.Tensor:
+    """Bidirectional attention within each segment: q, k, v [N, H, D] -> [N, H, D]."""
+    out = torch.empty_like(q)
+    h, d = q.shape[1], q.shape[2]
+    for idx, g, length in groups:
+        qs, ks, vs = (t.index_select(0, idx).view(g, length, h, d).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)   # fused (flash / memory-efficient) on GPU
+        out.index_copy_(0, idx, o.transpose(1, 2).reshape(g * length, h, d))
+    return out
 
 
 class VisionMLP(nn.Module):
@@ -83,8 +103,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = VisionMLP(dim, hidden)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -158,11 +178,6 @@ class Qwen2_5_VisionTransformer(nn.Module):
             base += t * gh * gw
         return torch.cat(index), lens
 
-    @staticmethod
-    def _block_mask(lens: list[int], device) -> torch.Tensor:
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-        return seg[:, None] == seg[None, :]
-
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         dev = pixels.device
         unit = self.merge * self.merge
@@ -175,10 +190,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         freqs = freqs.view(n // unit, unit, -1)[win_index].reshape(n, -1)
         emb = torch.cat([freqs, freqs], -1)
         cos, sin = emb.cos(), emb.sin()
-        full_mask = self._block_mask([h * w for t, h, w in grids for _ in range(t)], dev)  # per frame
-        win_mask = self._block_mask(win_lens, dev)
+        full = segment_groups([h * w for t, h, w in grids for _ in range(t)], dev)  # per frame
+        windows = segment_groups(win_lens, dev)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full_mask if i in self.fullatt else win_mask)
+            x = blk(x, cos, sin, full if i in self.fullatt else windows)
         return self.merger(x)[torch.argsort(win_index)]
 
 
@@ -225,6 +240,15 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         unit = self.visual.merge ** 2
         return list(out.split([t * h * w // unit for t, h, w in grids]))
 
+    def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
+        """Processed arrays of an image of about num_tokens placeholders (memory profiling)."""
+        vc = self.hf_config.vision_config
+        m = vc.spatial_merge_size
+        side = max(int(num_tokens ** 0.5), 1)
+        h, w = side * m, max(num_tokens // side, 1) * m
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        return {"pixel_values": np.zeros((h * w, dim), np.float32), "image_grid_thw": np.array([1, h, w])}
+
     def mrope_positions(self, prompt_ids: np.ndarray, items: list[tuple[int, int, dict]]) -> tuple[np.ndarray, int]:
         """M-RoPE positions of a prompt ([3, n]) and the delta that later tokens add to their
         index. items: (placeholder offset, length, processed arrays) sorted by offset. Text
@@ -248,7 +272,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
+        """`partial`: only some weights (a weight update), none required."""
         def renamed():
             for name, t in weights:
                 name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
@@ -261,4 +286,4 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                 return True
             return self.visual is None and name.startswith("visual.")
 
-        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore)
+        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore, partial)

@@ -1,0 +1,261 @@
+"""Weight updates of a running worker's model (for RL trainers), under SGLang's names.
+
+Three sources: a checkpoint directory (`update_from_disk`), a trainer's own process group
+(`init_group`, then `update_from_distributed`, broadcasts from the trainer's rank 0), and
+tensors shared by a process on the same host (`update_from_tensors`, ipc/tensor_handles.py).
+
+Every tensor goes through the model's own `load_weights` (partial mode), so fused parameters
+(qkv_proj, gate_up_proj) are filled from their parts and, with tensor parallelism, each rank
+keeps only its shard. Weights are copied INTO the existing parameter storage, so captured
+CUDA graphs stay valid. Every tensor is checked (name, shape, dtype: the checkpoint's names and
+shapes, any floating dtype, cast to the model's) before any is copied: a bad update leaves
+the old weights intact.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ipc.tensor_handles import decode_handles, open_tensors, parse_dtype
+from workers.distributed import tp_rank
+from workers.model_loader import checkpoint_metadata, safetensors_files, iterate_safetensors
+from workers.models.layers import RowParallelLinear, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+
+GROUP_TIMEOUT = timedelta(minutes=10)   # a trainer that never joins or sends fails the call after this
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint (HF) name -> full (unsharded) shape of every tensor a weight update may send:
+    the checkpoint's own listing, or for dummy weights the model's parameters at TP=1 with fused
+    ones split into their parts."""
+    out = {}
+    if load_format != "dummy":
+        out = {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
+    else:
+        for pname, p in model.named_parameters():
+            full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
+            shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", {None: None})
+            if list(shards) == [None]:
+                out[pname] = full
+                continue
+            for fused, part, sid in model.stacked_params:
+                if fused in pname and sid in shards:
+                    out[pname.replace(fused, part)] = (shards[sid].full, *full[1:])
+    embed = out.get("model.embed_tokens.weight")
+    if getattr(model, "tie_word_embeddings", False) and embed is not None:
+        out.setdefault("lm_head.weight", embed)   # a trainer's state_dict() names the tied weight twice
+    return out
+
+
+class WeightUpdater:
+    """One worker's weight updates and its trainer process groups."""
+
+    def __init__(self, runner, rank: int):
+        self.runner = runner
+        self.rank = rank      # the tensor-parallel rank: rank_offset + rank in a trainer's group
+        self.expected = expected_shapes(runner.model, runner.weights_dir, runner.config.load_format)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ------------------------------------------------------------ checks
+
+    def check(self, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]]) -> None:
+        """ValueError naming every bad tensor (unknown name, wrong shape, non-float dtype)."""
+        bad, seen = [], set()
+        for name, shape, dtype in entries:
+            shape = tuple(shape)
+            want = self.expected.get(name)
+            if name in seen:
+                bad.append(f"{name!r} appears twice")
+            elif want is None:
+                bad.append(f"{name!r} is not a weight of this model")
+            elif shape != want:
+                bad.append(f"{name!r} has shape {list(shape)}, expected {list(want)}")
+            elif not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
+                bad.append(f"{name!r} has dtype {dtype}, expected a floating-point dtype")
+            seen.add(name)
+        if bad:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise ValueError(f"bad weight update, nothing was changed: {'; '.join(bad[:5])}{more}")
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        with torch.inference_mode():
+            n = len(self.model.load_weights(weights, partial=True))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return n
+
+    # ------------------------------------------------------------ from disk
+
+    def update_from_disk(self, model_path: str, load_format: str = "auto") -> int:
+        if load_format not in ("auto", "safetensors"):
+            raise ValueError(f"load_format must be 'auto' or 'safetensors' for a weight update, got {load_format!r}")
+        config_path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
+        with open(config_path) as f:
+            archs = json.load(f).get("architectures")
+        ours = getattr(self.model.config, "architectures", None)
+        if archs != ours:
+            raise ValueError(f"model_path {model_path!r} holds {archs}, but the served model is {ours}")
+        try:
+            files = safetensors_files(model_path)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        meta = checkpoint_metadata(files)
+        self.check((n, shape, _safetensors_dtype(dt)) for n, (shape, dt) in meta.items())
+        ignore = getattr(self.model, "_ignore_weight", lambda name: False)
+        missing = sorted(n for n in self.expected if n not in meta and not ignore(n))
+        if missing:
+            raise ValueError(f"the checkpoint in {model_path!r} lacks {len(missing)} weights, nothing was "
+                             f"changed: {', '.join(missing[:5])}")
+        n = self._load(iterate_safetensors(files, self.device))
+        self.runner.weights_dir = model_path   # sleep level 2 reloads these
+        return n
+
+    # ------------------------------------------------------------ from a trainer's process group
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> None:
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} already exists: destroy it first")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("backend 'nccl' needs GPU workers; these run on the CPU: use 'gloo'")
+        rank = rank_offset + self.rank
+        if not 0 < rank < world_size:
+            raise ValueError(f"rank_offset {rank_offset} gives worker {self.rank} rank {rank}, outside "
+                             f"1..{world_size - 1} of world_size {world_size} (the trainer is rank 0)")
+        self.groups[group_name] = init_custom_process_group(backend, master_address, master_port, world_size,
+                                                            rank, group_name)
+        logger.info("joined weight update group %r as rank %d of %d (%s)", group_name, rank, world_size, backend)
+
+    def destroy_group(self, group_name: str) -> None:
+        pg = self.groups.pop(group_name, None)
+        if pg is None:
+            raise ValueError(f"no weight update group {group_name!r}")
+        dist.destroy_process_group(pg)
+
+    def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str) -> int:
+        """Receive one broadcast from the trainer's rank 0 per name, in order, and load each."""
+        pg = self.groups.get(group_name)
+        if pg is None:
+            raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        # an unknown dtype or a negative size: the broadcasts cannot even be taken and dropped
+        parsed = [parse_dtype(d) for d in dtypes]
+        bad = [n for n, s in zip(names, shapes) if any(d < 0 for d in s)]
+        if bad:
+            raise ValueError(f"negative sizes in the shapes of {bad[:5]}")
+        try:
+            self.check(zip(names, shapes, parsed))
+        except ValueError:
+            for d, s in zip(parsed, shapes):   # take the broadcasts anyway: the trainer must not hang
+                self._receive(pg, d, s)
+            raise
+        return self._load((n, self._receive(pg, d, s)) for n, d, s in zip(names, parsed, shapes))
+
+    def _receive(self, pg: dist.ProcessGroup, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = GROUP_TIMEOUT
+        pg.broadcast([buf], opts).wait()
+        return buf
+
+    # ------------------------------------------------------------ from shared tensors
+
+    def update_from_tensors(self, raw_handles: list) -> int:
+        handles = decode_handles(raw_handles)
+        self.check((h.name, h.shape, _try_dtype(h.dtype)) for h in handles)
+        with open_tensors(handles, self.device) as named:
+            return self._load(named)
+
+    # ------------------------------------------------------------ reading back
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        """This rank's part of the first `truncate_size` rows of a weight (checkpoint name), as
+        float32 lists: {"dim": the dimension it is split on (None: whole), "start": where this
+        rank's part begins on it, "values"}; `merge_weight_rows` joins the ranks' parts."""
+        if name not in self.expected:
+            raise ValueError(f"{name!r} is not a weight of this model")
+        pname, sid = name, None
+        for fused, part, shard_id in getattr(self.model, "stacked_params", ()):
+            if part in name:
+                pname, sid = name.replace(part, fused), shard_id
+                break
+        try:
+            t = self.model.get_parameter(pname).detach()
+        except AttributeError:   # a checkpoint name the model renames (vision-language models)
+            raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
+        module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+        dim, start = None, 0
+        if sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
+            shard = module.shards[sid]
+            t, dim, start = t.narrow(0, shard.offset, shard.size), 0, shard.start
+        elif isinstance(module, RowParallelLinear) and t.dim() == 2:
+            dim, start = 1, tp_rank() * module.in_features
+        elif isinstance(module, VocabParallelEmbedding):      # padding rows past the vocabulary dropped
+            dim, start = 0, module.vocab_start
+            t = t[:max(0, min(module.part, module.vocab_size - start))]
+        return {"dim": dim, "start": start, "values": t[:truncate_size].float().cpu().tolist()}
+
+
+def merge_weight_rows(parts: list[dict], truncate_size: int) -> list:
+    """The first rows of a whole weight from the ranks' parts (get_weights_by_name): parts split
+    along dim 0 are stacked, along dim 1 joined row by row; ranks holding the same part (a
+    replicated KV head) count once."""
+    dim = parts[0]["dim"]
+    if dim is None:
+        return parts[0]["values"]
+    pieces = [v for _, v in sorted({p["start"]: p["values"] for p in parts}.items())]
+    if dim == 0:
+        return [row for piece in pieces for row in piece][:truncate_size]
+    return [[x for piece in pieces for x in piece[i]] for i in range(len(pieces[0]))]
+
+
+def init_custom_process_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                              group_name: str) -> dist.ProcessGroup:
+    """A process group with a trainer, apart from (and without needing) any default group: TCP
+    rendezvous at the trainer's store, keys under `group_name`. This is what SGLang's
+    init_custom_process_group and the trainer-side clients (TorchRL, OpenRLHF, slime) do, so
+    both ends build the same group."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
+                                                   timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=GROUP_TIMEOUT)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _safetensors_dtype(name: str) -> torch.dtype | str:
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(name, name)
+
+
+def _try_dtype(name: str) -> torch.dtype | str:
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        return name
