@@ -56,5 +56,6 @@ for section in "$@"; do case $section in
       kill -INT $pid; wait $pid
       grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
+  dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;
 esac; done
