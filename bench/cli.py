@@ -16,8 +16,8 @@ def add_bench_parser(sub) -> None:
     profile_step.add_parser(bsub)
     pre = bsub.add_parser("preset", help="write a preset model directory (config.json + tokenizer) "
                                          "for `loom serve DIR --load-format dummy`")
-    pre.add_argument("name", choices=sorted(_preset_names()))
-    pre.add_argument("dir")
+    pre.add_argument("name", choices=sorted(_preset_names()), help="the preset")
+    pre.add_argument("dir", help="directory to write config.json and the tokenizer to")
     pre.set_defaults(func=_write_preset)
 
 

@@ -41,6 +41,7 @@ for section in "$@"; do case $section in
            TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
   profile-prefill) TAIL=40 run profile-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024 --top 16 ;;
+  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json ;;
   vl) # Qwen2.5-VL: bf16/fp32 parity on a tiny model, then Qwen2.5-VL-7B shapes (random weights) under
       # random-mm load; LOOM_STEP_STATS: the worker logs the encoder's and the eager steps' device time
       run vl-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vl.py
@@ -55,5 +56,6 @@ for section in "$@"; do case $section in
       kill -INT $pid; wait $pid
       grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
+  dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

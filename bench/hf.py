@@ -22,17 +22,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("hf", help="baseline: HF transformers generate on the same shapes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="sequences generated together")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per sequence")
     p.add_argument("--standard", action="store_true",
                    help="run both reference shapes: 256 x 512/256 and 1 x 128/128 (ignores the three above)")
     p.add_argument("--iters", type=int, default=1, help="timed runs per shape (the median is reported)")
-    p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="auto: bfloat16 on a GPU, float32 on CPU")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    p.add_argument("--output-json", default=None, help="write the results to this JSON file")
     p.set_defaults(func=main)
 
 

@@ -221,22 +221,23 @@ def _sampling(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         ctx.bench("sample", f"{model} B={b} {label}",
                   lambda: sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos), logits.numel() * 4)
         kmax = int(top_k.max())
-        if kmax > 0:  # rows with top-k draw from one torch.topk's candidates: the same tokens
+        p_only = bool(((top_k <= 0) & (top_p < 1)).any())
+        if kmax > 0 or p_only:  # rows with top-k (or top-p alone) draw from one torch.topk's candidates
             # (top-p sums the mass in another order: allow a rare borderline flip, as above)
-            for name, x, y in (("sample", sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos,
-                                                          max_top_k=kmax), s1),
+            cand = dict(max_top_k=kmax, top_p_only=p_only)
+            for name, x, y in (("sample", sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos, **cand), s1),
                                ("sample_with_noise", sampling.sample_with_noise(logits, temp, top_k, top_p, min_p,
-                                                                                noise, max_top_k=kmax), got)):
+                                                                                noise, **cand), got)):
                 same = int((x == y).sum())
-                ctx.expect(f"{name} {model} {label} top-k candidates == passes", same >= b - max(1, b // 32),
+                ctx.expect(f"{name} {model} {label} candidates == passes", same >= b - max(1, b // 32),
                            f"({same}/{b} identical)")
             for rows in ([b, 256] if ctx.timing else []):
                 lg = logits[:1].expand(rows, vocab).contiguous().to(torch.bfloat16)
                 args = tuple(x[:1].expand(rows).contiguous() for x in (temp, top_k, top_p, min_p)) + (
                     torch.arange(rows, device=dev), torch.arange(rows, device=dev))
-                for k in (0, kmax):
-                    ctx.bench("sample" + (" top-k candidates" if k else ""), f"{model} B={rows} bf16 {label}",
-                              lambda: sampling.sample(lg, *args, max_top_k=k), lg.numel() * 2)
+                for c in ({}, cand):
+                    ctx.bench("sample" + (" candidates" if c else ""), f"{model} B={rows} bf16 {label}",
+                              lambda: sampling.sample(lg, *args, **c), lg.numel() * 2)
         if not bool(((top_k > 0) | (top_p < 1)).any()):  # rows split over vocabulary chunks
             chunked = sampling.sample(logits, temp, top_k, top_p, min_p, seeds, pos, top_k_top_p=False)
             ctx.expect(f"sample {model} {label} chunked == per row", torch.equal(chunked, s1))

@@ -25,11 +25,12 @@ def add_parser(sub) -> None:
     common.add_model_args(p)
     p.add_argument("--input-len", type=int, nargs="+", default=[128],
                    help="prompt length(s); several run one after the other, paired with --output-len")
-    p.add_argument("--output-len", type=int, nargs="+", default=[128])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-len", type=int, nargs="+", default=[128],
+                   help="output length(s), paired with --input-len")
+    p.add_argument("--iters", type=int, default=5, help="timed runs per shape (the median is reported)")
+    p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    p.add_argument("--output-json", default=None, help="write the results to this JSON file")
     common.add_engine_args(p)
     p.set_defaults(func=main)
 

@@ -16,7 +16,7 @@ import argparse
 
 from bench import common
 
-HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (performance.md)
+HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (docs/performance.md)
 MATMUL_FLOPS = 790e12     # bf16 dense matmul rate measured on the H200
 
 
@@ -24,12 +24,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("profile-step", help="per-kernel device time of one decode step",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 128])
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 128], help="decode batch size(s) to profile")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence")
     p.add_argument("--prefill", action="store_true", help="whole prompts of --context tokens, not decodes")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="profiled steps per batch size")
     p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="where the model runs: cuda, cuda:N or cpu")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also: host time to launch one step (no sync) and the N functions that take it")
     p.set_defaults(func=main)

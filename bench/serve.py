@@ -35,28 +35,29 @@ PERCENTILES = (50, 90, 99)
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="online serving load generator (like `vllm bench serve`)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
+    p.add_argument("--endpoint", default="/v1/completions", help="the endpoint to send requests to")
+    p.add_argument("--model", default=None, help="model name to send (None: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--dataset-name", default="random", choices=["random", "random-mm"],
                    help="random: token-id prompts to /v1/completions; random-mm: random text and images "
                         "to /v1/chat/completions (default: %(default)s)")
     random_mm.add_args(p)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--random-output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt ids stay below this (default: the model's config.json if the server's model "
+                   help="prompt ids stay below this (None: the model's config.json if the server's model "
                         "root is a local directory, else probed with /detokenize)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short test request")
     p.add_argument("--result-file", default=None, help="write all metrics and per-request data as JSON")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 

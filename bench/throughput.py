@@ -27,12 +27,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput (LLM.generate) on the standard workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 256)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (None: 256)")
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="fixed output length instead of randint(100, 1024)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (also the engine's sampling seed)")
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up call")
     p.add_argument("--sampling", nargs="+", choices=SAMPLING_MODES, default=["plain"],
                    help="sampling modes to run, each on the same engine after plain temperature, with their "
@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-hf", action="store_true",
                    help="then run HF transformers generate on the same model and shape in this process "
                         "(fixed lengths; the random workload uses its mean lengths) and print the ratio")
+    p.add_argument("--structured-output", choices=["json"], default=None,
+                   help="then run the same workload under a JSON schema (same token counts) in the same engine, "
+                        "print both rates, and the step time while new schemas compile (bench/structured.py)")
     p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
     common.add_engine_args(p)
     p.set_defaults(func=main)
@@ -122,6 +125,12 @@ def main(args: argparse.Namespace) -> int:
                     runs[name] = (time.perf_counter() - t0, outs)
             elapsed, outs = runs["plain"]
             preemptions = llm.stats.num_preemptions
+            structured = None
+            if args.structured_output:
+                from bench.structured import run as run_structured
+                output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
+                                                            "output_tok_per_s": output_tokens / elapsed})
         finally:
             llm.shutdown()
 
@@ -141,6 +150,7 @@ def main(args: argparse.Namespace) -> int:
             "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
             "num_preemptions": preemptions,
             "startup_s": startup,
+            "structured_output": structured,
             "engine_options": opts,
             "env": common.environment(),
         }

@@ -132,6 +132,7 @@ class _ClientBase:
             return None
 
     def _on_ready(self, frames: list) -> None:
+        self.last_heard = time.monotonic()
         ready = self.ready_dec.decode(frames[1:])
         self.engines[ready.engine_index] = bytes(frames[0].buffer)
         self.readies[ready.engine_index] = ready

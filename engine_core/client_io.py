@@ -46,6 +46,7 @@ CLIENT_GONE = b"client-gone"
 HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything bigger is dropped by libzmq
 MAX_PENDING_HELLOS = 1024             # nonces of HELLOs not yet followed by ATTACH: the oldest go first
 HELLO_TTL_S = 30.0                    # ... and none lives longer than this
+_FINAL_LINGER_MS = 200
 ATTACH_CONNECT_TIMEOUT_S = 30.0      # an attached client whose sockets the engine cannot reach is dropped
 _TCP_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
 
@@ -145,7 +146,7 @@ class ClientIO:
             auth = CurveClient(self.keys, client_public) if client_public else None
             sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth)
             try:
-                push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, linger=2000, auth=auth)
+                push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, auth=auth)
             except BaseException:
                 sock.close(linger=0)
                 raise
@@ -276,5 +277,5 @@ class ClientIO:
                         socks[idx].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         logger.warning("client %d: output socket has no connection; message dropped", idx)
-        for sock in socks.values():
-            sock.close()
+        for sock in socks.values():   # a moment to deliver ENGINE_DEAD; a client that is gone gets none
+            sock.close(linger=_FINAL_LINGER_MS)

@@ -28,7 +28,8 @@ from engine_core.dp_coordinator import DPRank, register_with_head, select_device
 from engine_core.executor import Executor, PendingOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
-from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, EngineReady,
+from engine_core.structured_output import StructuredOutputManager
+from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, EngineReady, GrammarOutput,
                           ModelRunnerOutput, MsgType, SchedulerOutput, UtilityOutput,
                           UtilityRequest)
 from ipc.procs import child_signals, watch_parent
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0   # clients take an engine silent for several of these as stalled (docs/protocol.md)
 
 
+_WAKE = b"wake"   # an input that only wakes the busy loop
+
+
 class EngineCore:
     """Scheduling and execution, with no sockets: easy to drive from tests."""
 
@@ -52,7 +56,7 @@ class EngineCore:
         config.check_num_blocks(num_blocks)
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(config, num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()))
         self.limits = Limits.of(config)
         self.control = ControlState()
         self.max_in_flight = 2 if config.async_scheduling else 1
@@ -95,6 +99,9 @@ class EngineCore:
             return str(e)
         return None
 
+    def wake(self) -> None:
+        """A grammar finished compiling (on its thread): the loop may have a request to schedule."""
+
     def abort_requests(self, req_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -105,31 +112,44 @@ class EngineCore:
     def _can_schedule(self) -> bool:
         if not self.control.can_step:
             return False
-        return (bool(self.scheduler.running) or (self.control.admits_new and bool(self.scheduler.waiting))
+        return (bool(self.scheduler.running) or (self.control.admits_new and self.scheduler.has_schedulable_waiting())
                 or self.scheduler.has_releases())
 
     # ------------------------------------------------------------ one step
 
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         """Schedule and run one step. With async scheduling, step N+1 is sent to the
-        workers before step N's output is taken, so the GPU never waits for this loop."""
+        workers before step N's output is taken, so the GPU never waits for this loop.
+        A step whose grammar bitmask needs step N's tokens runs its model at once and
+        samples once they are in (vLLM's deferred sample_tokens)."""
         if len(self.in_flight) < self.max_in_flight and self._can_schedule():
             so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
                 self.in_flight.append((so, self.executor.submit(so)))
+                if so.defer_sample and len(self.in_flight) == 1:
+                    self._sample_deferred(so)
                 if len(self.in_flight) < self.max_in_flight and self._can_schedule():
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
+        return self._take_oldest()
+
+    def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:
+        """The oldest step's output; then the next step, if it waits for a bitmask, samples."""
         _, pending = self.in_flight.popleft()
-        return self.scheduler.update_from_output(pending.result())
+        outputs = self.scheduler.update_from_output(pending.result())
+        if self.in_flight and self.in_flight[0][0].defer_sample:
+            self._sample_deferred(self.in_flight[0][0])
+        return outputs
+
+    def _sample_deferred(self, so: SchedulerOutput) -> None:
+        self.executor.sample(self.scheduler.grammar_bitmask(so) or GrammarOutput([], None))
 
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
         """Take every step in flight (before control calls that touch the workers)."""
         outs: dict[int, list[EngineCoreOutput]] = {}
         while self.in_flight:
-            _, pending = self.in_flight.popleft()
-            for ci, o in self.scheduler.update_from_output(pending.result()).items():
+            for ci, o in self._take_oldest().items():
                 outs.setdefault(ci, []).extend(o)
         return outs
 
@@ -299,6 +319,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.shutting_down = True
+        self.scheduler.structured.shutdown()
         self.executor.shutdown()
 
 
@@ -319,6 +340,9 @@ class EngineCoreProc(EngineCore):
                             engine_index, config.model_name)
         self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
         self.io.start()
+
+    def wake(self) -> None:
+        self.inputs.put((_WAKE, None))
 
     def send_dead(self, reason: str) -> None:
         self.io.send_dead(reason)
@@ -448,7 +472,7 @@ def check_handshake_security(address: str, auth_key: str | None) -> None:
 def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]],
                     handshake_address: str | None, auth_key: str | None, dp: DPRank | None, death_pipe) -> None:
     """Process entry point. `dp`: this engine's data-parallel rank (None: the only engine)."""
-    watch_parent(death_pipe)
+    watch_parent(death_pipe, remove_dirs=(ipc_dir,))   # a SIGKILLed parent cannot remove it
     child_signals()
     name = "engine" if dp is None else f"engine{dp.rank}"
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
@@ -469,8 +493,9 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
             register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
-    except SystemExit:
-        pass
+    except SystemExit:   # SIGTERM: tell the clients at once, rather than when the sockets close
+        if engine is not None:
+            engine.send_dead("the engine core was stopped (SIGTERM)")
     except ConfigError as e:
         logger.error("%s", e)
         _report_startup_failure(clients, str(e))

@@ -16,7 +16,7 @@ import zmq
 from multiprocessing.connection import wait as wait_sentinels
 
 from ipc.config import ConfigError, EngineConfig
-from ipc.messages import ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
+from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import start_process, stop_processes
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import ipc_address, make_socket
@@ -175,6 +175,10 @@ class Executor:
         """Send a step; its output comes from the returned handle (or collect()), in order."""
         self.ring.enqueue(self.enc.encode(MsgType.WORKER_STEP.value, so))
         return PendingOutput(self)
+
+    def sample(self, grammar: GrammarOutput) -> None:
+        """Let the oldest step sent with defer_sample sample, with this bitmask."""
+        self.ring.enqueue(self.enc.encode(MsgType.WORKER_SAMPLE.value, grammar))
 
     def collect(self) -> ModelRunnerOutput:
         return self._recv_step(0).output

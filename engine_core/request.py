@@ -44,7 +44,7 @@ class Request:
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions",
-                 "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "__weakref__")
+                 "grammar", "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
         self.request_id = req.request_id
@@ -70,6 +70,7 @@ class Request:
         self.mm_items = req.mm_items      # placeholder ranges, hashes, store handles (by offset)
         self.prompt_logprobs_sent = 0    # prompt positions whose logprobs went to the client
         self.prompt_logprobs_seen = 0    # ... computed since the request last (re)started
+        self.grammar = None               # engine_core/structured_output.RequestGrammar when constrained
         Request.live.add(self)
 
     @property

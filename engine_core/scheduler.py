@@ -14,13 +14,15 @@ from ipc.config import EngineConfig
 from engine_core.encoder_cache_manager import EncoderCacheManager
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
-from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                          PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
+from engine_core.structured_output import StructuredOutputManager
+from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
+                          NewRequestData, PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, structured: StructuredOutputManager | None = None):
         self.config = config
+        self.structured = structured or StructuredOutputManager(config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -38,6 +40,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self.structured.add_request(req)
         self.waiting.append(req)
 
     def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
@@ -121,9 +124,17 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, oldest (or just preempted) first. None join in a step that preempted.
+        #    One whose grammar is still compiling stays where it is; the others go past it.
+        compiling: list[Request] = []
         while (allow_new and not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if not self.structured.ready(req):
+                compiling.append(self.waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self._fail_waiting(req, req.grammar.error)
+                continue
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
             n = min(req.num_tokens - num_hit, budget)
@@ -160,8 +171,13 @@ class Scheduler:
             # (each layer's cache write runs before its attention) before anyone reads them.
             self.kv.cache_blocks(req, num_hit + n)
 
+        self.waiting.extendleft(reversed(compiling))
+
         # 3. Advance counters now, so the next step can be scheduled before this one returns.
         req_ids = list(num_sched)
+        # a constrained request with a token in flight: its bitmask needs that token first
+        defer_sample = any(self.requests[rid].grammar is not None and self.requests[rid].num_output_placeholders
+                           for rid in req_ids)
         for rid, n in num_sched.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
@@ -181,9 +197,20 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         released, self.released_mm = self.released_mm, []
         self.step_id += 1
-        return SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
-                               sum(num_sched.values()), finished, self.step_id, encode,
-                               self.encoder.take_free(), released)
+        so = SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
+                             sum(num_sched.values()), finished, self.step_id, encode,
+                             self.encoder.take_free(), released, defer_sample=defer_sample)
+        if not defer_sample:
+            so.grammar = self.grammar_bitmask(so)
+        return so
+
+    def grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """`so`'s grammar bitmask, once every token before it is accepted."""
+        return self.structured.grammar_bitmask(so, self.requests)
+
+    def has_schedulable_waiting(self) -> bool:
+        """Whether a waiting request could join now (not all of them wait for their grammar)."""
+        return any(self.structured.ready(req) for req in self.waiting)
 
     def _commit_encoder(self, req: Request, start: int, n: int, to_encode: list[int], cost: int,
                         encode: dict[str, list[int]]) -> int:
@@ -216,10 +243,14 @@ class Scheduler:
 
     def _fail_unfittable(self, req: Request) -> None:
         """Alone, and still too big for the whole cache: it can never run."""
+        self._fail_waiting(req, f"request needs {req.num_tokens} tokens of KV cache but only "
+                                f"{self.kv.num_blocks * self.config.block_size} exist")
+
+    def _fail_waiting(self, req: Request, reason: str) -> None:
+        """The head of the queue can never run: it fails alone, reported with the next outputs."""
         self.waiting.popleft()
         self._free(req, RequestStatus.FINISHED_ERROR)
-        req.stop_reason = (f"request needs {req.num_tokens} tokens of KV cache but only "
-                           f"{self.kv.num_blocks * self.config.block_size} exist")
+        req.stop_reason = reason
         self._unfittable.append(req)
 
     def update_from_output(self, out: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
@@ -256,6 +287,9 @@ class Scheduler:
                 req.first_token_time = time.monotonic()
             self.kv.update_block_hashes(req)
             status = self._check_stop(req, token)
+            if req.grammar is not None and self.structured.accept(req, token):   # the grammar has ended
+                status = RequestStatus.FINISHED_ERROR if req.grammar.error else RequestStatus.FINISHED_STOPPED
+                req.stop_reason = req.grammar.error or req.stop_reason
             outputs.setdefault(req.client_index, []).append(EngineCoreOutput(
                 rid, [token], status.finish_reason if status else None,
                 req.stop_reason, logprobs.get(rid), plp,

@@ -40,13 +40,19 @@ from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
-                               encode_prompts, error_body, image_urls, message_text, models_response, normalize_messages, now,
-                               parse_request, random_id, render_chat, stream_usage, truncate_prompt,
-                               unsupported_constraints)
+                               encode_prompts, error_body, image_urls, message_text, models_response,
+                               normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
+                               truncate_prompt)
 from frontend.rl_api import rl_routes
-from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response)
+from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
+                              value_error)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_prompt
+from frontend.chat_output import ChatOutput, ToolUse
+from frontend.constraints import check_constraint, request_constraint, tool_use
+from frontend.reasoning import REASONING_PARSERS
+from ipc.sampling_params import StructuredOutputsParams
+from metrics.registry import Builder
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
 from multimodal.media import MediaError, load_image_url
@@ -58,7 +64,6 @@ SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
 DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
 _OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
-_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
 MAX_PROMPTS = 1024               # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS)
 MAX_CHOICES = 1024               # n x prompts of one request
@@ -97,16 +102,6 @@ def _error_response(e: APIError, headers: dict | None = None) -> web.Response:
     return _json(e.body(), e.status, headers)
 
 
-def _value_error(e: ValueError) -> APIError:
-    """A RequestError (ipc/validation.py) or the engine's refusal of a request -> 400."""
-    msg = str(e)
-    param = getattr(e, "param", None)
-    if param is None:
-        word = msg.split(" ", 1)[0]
-        param = word if word in _PARAM_NAMES else None
-    return APIError(msg, 400, param)
-
-
 class _Tokenizers:
     """Two one-thread lanes, each with its own tokenizer (a HF fast tokenizer is not safe to share
     between threads): small inputs never wait behind a huge one."""
@@ -139,6 +134,15 @@ class OpenAIServer:
         fmt = self.options.chat_template_content_format
         self.content_format = (detect_content_format(getattr(self.tokenizer, "chat_template", None))
                                if fmt == "auto" else fmt)
+        parser = getattr(self.config, "reasoning_parser", None)
+        self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
+        self.tool_parser_invocations = Builder().counter(
+            "vllm:tool_call_parser_invocations", "Total number of ToolParser invocations. Non-streaming increments "
+            "once per choice; streaming increments once per delta.", ("model_name", "mode", "outcome", "request_type"))
+        for mode in ("streaming", "non_streaming"):
+            for outcome in ("tool_call", "no_tool_call"):
+                for request_type in ("chat_completions", "responses", "other"):
+                    self.tool_parser_invocations.labels(self.model_name, mode, outcome, request_type)
 
     # ------------------------------------------------------------ plumbing
 
@@ -153,7 +157,7 @@ class OpenAIServer:
         try:
             check_prompt(ids, params, self.limits)
         except RequestError as e:
-            err = _value_error(e)
+            err = value_error(e)
             if index is not None and index > 0:
                 err.message = f"prompt[{index}]: {err.message}"
                 err.args = (err.message,)
@@ -168,6 +172,8 @@ class OpenAIServer:
                 if not hmac.compare_digest(token.encode(), self.options.api_key.encode()):
                     raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
                                    type="AuthenticationError")
+            if getattr(self.llm, "draining", False) and request.path != "/metrics":
+                raise APIError("The server is shutting down.", 503)
             return await handler(request)
         except APIError as e:
             return _error_response(e)
@@ -204,6 +210,8 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.is_dead:
             return _json(error_body(engine_dead_message(self.llm.dead_reason), 503), 503)
+        if getattr(self.llm, "engine_stalled", False):
+            return _json(error_body("The engine has stopped stepping (no heartbeat).", 503), 503)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -281,13 +289,13 @@ class OpenAIServer:
 
     async def _completions(self, request: web.Request, req: CompletionRequest) -> web.StreamResponse:
         self._check_model(req.model)
-        unsupported_constraints(req)
         check_stream_options(req)
         prompts = completion_prompts(req.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
+        constraint = await self.tokenizers.run(0, lambda _: request_constraint(req))   # xgrammar: off the loop
         params = build_sampling_params(req, chat=False, limits=self.limits,
-                                       defaults=self.config.default_sampling_params)
+                                       defaults=self.config.default_sampling_params, structured=constraint)
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -306,8 +314,10 @@ class OpenAIServer:
                           await self.tokenizers.run(len(p.token_ids), lambda tok, ids=p.token_ids: tok.decode(ids))
                           for p in encoded]
         include_usage, continuous = stream_usage(req)
-        ctx = GenerationContext(request, req, False, random_id("cmpl"), now(), self.model_name, params, encoded,
-                                include_usage, continuous, self.options.enable_prompt_tokens_details,
+        ctx = GenerationContext(request=request, req=req, chat=False, rid=random_id("cmpl"), created=now(),
+                                model=self.model_name, params=params, prompts=encoded, include_usage=include_usage,
+                                continuous_usage=continuous,
+                                prompt_tokens_details=self.options.enable_prompt_tokens_details,
                                 decode=lambda tid: self.tokenizer.decode([tid]), echo_texts=echo_texts)
         return await self._generate(ctx)
 
@@ -318,12 +328,12 @@ class OpenAIServer:
 
     async def _chat_completions(self, request: web.Request, req: ChatCompletionRequest) -> web.StreamResponse:
         self._check_model(req.model)
-        unsupported_constraints(req)
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
+        tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
         params = build_sampling_params(req, chat=True, limits=self.limits,
-                                       defaults=self.config.default_sampling_params)
+                                       defaults=self.config.default_sampling_params, structured=constraint)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         _, ids = await self.tokenizers.run(
@@ -348,9 +358,12 @@ class OpenAIServer:
         if req.echo:
             echo_texts = [message_text(messages[-1]) if messages[-1]["role"] == role else ""]
         include_usage, continuous = stream_usage(req)
-        ctx = GenerationContext(request, req, True, random_id("chatcmpl"), now(), self.model_name, params,
-                                [Prompt(None, ids)], include_usage, continuous,
-                                self.options.enable_prompt_tokens_details, echo_texts=echo_texts, role=role)
+        ctx = GenerationContext(request=request, req=req, chat=True, rid=random_id("chatcmpl"), created=now(),
+                                model=self.model_name, params=params, prompts=[Prompt(None, ids)],
+                                include_usage=include_usage, continuous_usage=continuous,
+                                prompt_tokens_details=self.options.enable_prompt_tokens_details,
+                                echo_texts=echo_texts, role=role, tools=tools, reasoning=self.reasoning_parser,
+                                on_tool_parse=self._count_tool_parse)
         return await self._generate(ctx, mm_items)
 
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
@@ -371,6 +384,28 @@ class OpenAIServer:
             raise APIError(str(e), 400, "messages") from None
         except StoreBusy as e:
             raise APIError(str(e), 503) from None
+
+    def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
+        """The request's tool use, and its constraint: response_format / structured_outputs, or
+        the grammar that tool_choice required / named imposes (not both)."""
+        constraint = request_constraint(req)
+        tools, tool_constraint = tool_use(req, self.config)
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise APIError(f"tool_choice {req.tool_choice!r} constrains the output already; it cannot be "
+                               "combined with response_format or structured_outputs", 400, "tool_choice")
+            check_constraint(tool_constraint, "tools")
+            constraint = tool_constraint
+        return tools, constraint
+
+    def _count_tool_parse(self, output: ChatOutput, streaming: bool) -> None:
+        """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
+        if output.tools.mode != "auto":
+            return
+        called = bool(output.tool_calls) or (streaming and output.tools.parser.plain_prefix(output.text, False)
+                                              != output.text)
+        self.tool_parser_invocations.labels(self.model_name, "streaming" if streaming else "non_streaming",
+                                            "tool_call" if called else "no_tool_call", "chat_completions").inc()
 
     def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         if req.chat_template is not None and self.options.chat_template_content_format == "auto":
@@ -396,7 +431,7 @@ class OpenAIServer:
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
         try:
-            first = await first_output(stream, _value_error)
+            first = await first_output(stream)
             if not ctx.req.stream:
                 async for i, out in outputs(first, stream):
                     (ctx.chat_delta(out) if ctx.chat else ctx.completion_delta(i, out))
@@ -417,7 +452,7 @@ class OpenAIServer:
         def final() -> bytes:
             return ctx.completion_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final, _value_error, lambda: self.llm.dead_reason)
+        return await pump_sse(resp, stream, first, emit, final)
 
     async def _stream_chat(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
         async def emit(item) -> None:
@@ -427,8 +462,7 @@ class OpenAIServer:
         def final() -> bytes:
             return ctx.chat_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final, _value_error, lambda: self.llm.dead_reason,
-                              begin=ctx.chat_begin())
+        return await pump_sse(resp, stream, first, emit, final, begin=ctx.chat_begin())
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's POST /invocations: a chat request when the body has "messages", a completion

@@ -1,29 +1,64 @@
-"""Entry point of one API-server process (client_index i of the engine core)."""
+"""Entry point of one API-server process (client_index i of the engine core).
+
+Stopping: `loom serve` asks for a drain on the death pipe (it got SIGTERM / SIGINT): new requests
+get 503, requests in flight get `shutdown_timeout` seconds, and whatever is left ends with an
+error (an error event and [DONE] for a stream, a 503 body otherwise); then exit 0. A SIGTERM sent
+to this process itself does the same with no grace, and exits 1 so that `loom serve` stops too.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
+import time
 
 from ipc.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
+from metrics.multiproc import ENV as METRICS_DIR_ENV
 
-
+logger = logging.getLogger(__name__)
 _DEAD_ENGINE_GRACE_S = 1.5  # answer 503 for a moment, then exit non-zero
+_FLUSH_S = 0.3              # after failing what is left: time for the handlers to write their last bytes
 
 
 async def _exit_when_dead(llm) -> None:
     while not llm.is_dead:
         await asyncio.sleep(0.1)
-    logging.getLogger(__name__).error("engine is dead (%s); exiting", llm.dead_reason)
+    logger.error("engine is dead (%s); exiting", llm.dead_reason)
     await asyncio.sleep(_DEAD_ENGINE_GRACE_S)
     os._exit(1)
 
 
+async def _shut_down(llm, grace: float, code: int, why: str) -> None:
+    """Refuse new requests, give those in flight `grace` seconds, fail the rest, exit `code`."""
+    from frontend.protocol import APIError
+    llm.draining = True
+    logger.info("%s: shutting down; %d requests in flight get %.1fs", why, llm.num_in_flight, grace)
+    deadline = time.monotonic() + grace
+    while llm.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if llm.num_in_flight:
+        logger.warning("%s: failing %d requests still in flight", why, llm.num_in_flight)
+        llm.fail_all(APIError(f"The server is shutting down ({why}); the request did not finish in time.", 503))
+        await asyncio.sleep(_FLUSH_S)
+    os._exit(code)
+
+
 def run_api_server_process(config_dict: dict, server_opts: dict, client_index: int, input_address: str,
                            output_address: str, listen_sock, death_pipe) -> None:
-    watch_parent(death_pipe)
+    loop_box: list = []   # the event loop, once it runs (the parent-watch thread posts to it)
+    opts = dict(server_opts)
+    shutdown_timeout = float(opts.pop("shutdown_timeout", 5.0))
+
+    def on_drain() -> None:
+        if not loop_box:
+            os._exit(0)   # nothing was served yet
+        loop, llm = loop_box
+        loop.call_soon_threadsafe(lambda: loop.create_task(_shut_down(llm, shutdown_timeout, 0, "loom serve stopping")))
+
+    watch_parent(death_pipe, on_drain=on_drain, remove_dirs=(os.environ.get(METRICS_DIR_ENV),))
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s api{client_index} %(levelname)s %(message)s")
@@ -31,21 +66,27 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     from frontend.api_server import serve
     from frontend.async_llm import AsyncLLM
 
-    opts = dict(server_opts)
     engine_address, auth_key = opts.pop("engine_address", None), opts.pop("engine_auth_key", None)
     dp_lookup = opts.pop("dp_lookup", None)
 
     async def _main():
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, 0.0, 1, "SIGTERM")))
+        loop_box[:] = [loop, llm]
         try:
             remote = []
             if dp_lookup:   # data-parallel ranks on other nodes: where the head's coordinator says they are
                 from engine_core.dp_coordinator import lookup_remote_engines
-                found = await asyncio.get_running_loop().run_in_executor(None, lookup_remote_engines, dp_lookup)
+                found = await loop.run_in_executor(None, lookup_remote_engines, dp_lookup)
                 remote = [found[r] for r in sorted(found)]
-            await llm.start(engine_address=engine_address, auth_key=auth_key, remote_engines=remote)
+            try:
+                await llm.start(engine_address=engine_address, auth_key=auth_key, remote_engines=remote)
+            except (PermissionError, TimeoutError) as e:   # a wrong key or address: one line, not a traceback
+                logger.error("cannot attach to the engine: %s", e)
+                os._exit(1)
             if engine_address or remote:  # no parent watches a remote engine: leave when it dies
-                asyncio.get_running_loop().create_task(_exit_when_dead(llm))
+                loop.create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics
             attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))
             await serve(llm, sock=listen_sock, **opts)

@@ -22,6 +22,8 @@ from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
 from multimodal.processor import make_mm_processor
 
+ENGINE_STALL_S = 5.0   # the engine beats every second (engine_core/core.py): this much silence is a stall
+
 
 class _Collector:
     """One user request in this API server: the state and metrics of each of its choices, and
@@ -95,6 +97,7 @@ class AsyncLLM:
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
+        self.draining = False            # shutting down: new requests are refused (frontend/api_server_proc.py)
 
     async def start(self, timeout: float = 900.0, engine_address: str | None = None,
                     auth_key: str | None = None, remote_engines: list[str] = ()) -> None:
@@ -116,6 +119,21 @@ class AsyncLLM:
     @property
     def dead_reason(self) -> str | None:
         return self.client.dead_reason
+
+    @property
+    def engine_stalled(self) -> bool:
+        """The engine has sent nothing, not even its heartbeat, for ENGINE_STALL_S: it stopped stepping."""
+        return time.monotonic() - self.client.last_heard > ENGINE_STALL_S
+
+    @property
+    def num_in_flight(self) -> int:
+        """User requests this server is generating for."""
+        return len(set(self._requests.values()))
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (shutdown); each is then aborted in the engine."""
+        for req in set(self._requests.values()):
+            req.fail(error)
 
     # ------------------------------------------------------------ outputs in
 

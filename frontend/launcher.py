@@ -1,7 +1,13 @@
 """`loom serve`: a thin parent that starts the engine core(s) (one per local data-parallel rank)
 and N API servers, watches them, and takes everything down together.
 
-Exit status: 0 after Ctrl-C / SIGTERM, non-zero when any child died.
+Exit status: 0 after Ctrl-C / SIGTERM, non-zero when any child died (whatever the reason,
+SIGTERM included); that is noticed within _POLL_S and everything is stopped at once.
+
+On Ctrl-C / SIGTERM the API servers drain (ipc/procs.py request_drain): new requests get 503,
+those in flight get --shutdown-timeout seconds, the rest end with an error. Then the engine stops.
+If this process is SIGKILLed, its children see their death pipe close and exit, removing the
+socket and metrics directories on the way (ipc/procs.py watch_parent).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import wait
 
 import zmq
@@ -21,13 +28,14 @@ from engine_core.core import check_handshake_security
 from engine_core.dp_coordinator import DPCoordinator
 from frontend.cli import engine_config_from_args
 from frontend.dp_layout import DPLayout
-from ipc.procs import start_process, stop_processes
+from ipc.procs import request_drain, start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
 logger = logging.getLogger("loom")
-_DEAD_ENGINE_GRACE_S = 1.5  # let API servers answer 503 / fail in-flight requests before they go
+_DEAD_ENGINE_GRACE_S = 0.5  # let API servers answer 503 / fail in-flight requests before they go
+_POLL_S = 0.1
 
 
 def _listen(host: str, port: int) -> socket.socket | None:
@@ -94,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
         listen = _listen(args.host, args.port)
         if listen is None:
             return 2
-    ipc_dir = make_ipc_dir()
+    ipc_dir = None if attach else make_ipc_dir()
     if attach:
         host = local_address_towards(args.engine_address)
         clients = [(f"tcp://{host}:*", f"tcp://{host}:*")] * n_servers
@@ -127,7 +135,8 @@ def serve(args: argparse.Namespace) -> int:
                        "chat_template_content_format": args.chat_template_content_format,
                        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
                        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
-                       "dp_lookup": dp.coordinator_lookup(ipc_dir) if coordinator is not None else None}
+                       "dp_lookup": dp.coordinator_lookup(ipc_dir) if coordinator is not None else None,
+                       "shutdown_timeout": args.shutdown_timeout}
         from frontend.api_server_proc import run_api_server_process
         servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
                                  (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
@@ -145,7 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stopping:
-            wait([p.sentinel for p in children], timeout=0.2)
+            wait([p.sentinel for p in children], timeout=_POLL_S)
             dead = [p for p in children if not p.is_alive()]
             if dead and not stopping:
                 for p in dead:
@@ -154,9 +163,19 @@ def serve(args: argparse.Namespace) -> int:
                 if any(p in dead for p in engines):
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
                 break
+        if code == 0 and servers:   # Ctrl-C / SIGTERM: the API servers drain, then the engine stops
+            logger.info("stopping: requests in flight get %.1fs", args.shutdown_timeout)
+            for p in servers:
+                request_drain(p)
+            deadline = time.monotonic() + args.shutdown_timeout + 2
+            while any(p.is_alive() for p in servers) and time.monotonic() < deadline:
+                wait([p.sentinel for p in servers if p.is_alive()], timeout=_POLL_S)
     finally:
-        stop_processes(servers, timeout=5)
-        stop_processes(engines, timeout=10)
+        if code == 0:
+            stop_processes(servers, timeout=5)
+            stop_processes(engines, timeout=10)
+        else:   # a child died: stop the rest at once, together
+            stop_processes(servers + engines, timeout=5)
         if coordinator is not None:
             coordinator.close()
         remove_ipc_dir(ipc_dir)

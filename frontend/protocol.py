@@ -9,6 +9,7 @@ ignored, as OpenAI clients send some we do not use (user, ...).
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from ipc.validation import Limits, RequestError, check_sampling_params
 
 # ------------------------------------------------------------------ errors
@@ -95,13 +96,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     echo: bool | None = None
-    # structured outputs: refused until they are implemented (see unsupported_constraints)
+    # structured outputs (frontend/constraints.py)
     response_format: dict[str, Any] | None = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
+    guided_json: Any = None                           # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -244,7 +245,43 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
             raise APIError(f"messages[{i}].content must be a string or a list of text parts", 400, "messages")
         msg = dict(m)
         msg["content"] = content if content is not None else ""
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise APIError(f"messages[{i}].tool_calls: only assistant messages carry tool calls", 400, "messages")
+            msg["tool_calls"] = _template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise APIError(f"messages[{i}].tool_call_id must be a string", 400, "messages")
         out.append(msg)
+    return out
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls, checked, with arguments as objects: chat templates
+    (Qwen's, Llama's) write them out with tojson (vLLM parses them the same way)."""
+    if not isinstance(calls, list):
+        raise APIError(f"{where} must be a list of tool calls", 400, "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise APIError(f"{at} must be an object with 'id', 'type' and 'function'", 400, "messages")
+        if call.get("type", "function") != "function":
+            raise APIError(f"{at}.type must be 'function', got {call.get('type')!r}", 400, "messages")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"{at}.function must be an object with a non-empty string 'name'", 400, "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise APIError(f"{at}.function.arguments is not valid JSON: {e}", 400, "messages") from None
+        if not isinstance(args, dict):
+            raise APIError(f"{at}.function.arguments must be a JSON object", 400, "messages")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise APIError(f"{at}.id must be a string", 400, "messages")
+        out.append({"id": call.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
@@ -294,21 +331,6 @@ def detect_content_format(template: str | None) -> str:
     return "string"
 
 
-def unsupported_constraints(req: _SamplingFields) -> None:
-    """Constrained decoding is not implemented yet: a request that asks for it gets a 400, never an
-    unconstrained 200. (The one place to replace when structured outputs land.)"""
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            raise APIError(f"'{name}' is not supported: this server has no structured outputs yet", 400, name)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(f"response_format {req.response_format.get('type')!r} is not supported: this server has "
-                       "no structured outputs yet", 400, "response_format")
-    tool_choice = getattr(req, "tool_choice", None)
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise APIError("tool_choice 'required' or a named tool is not supported: this server has no "
-                       "structured outputs yet", 400, "tool_choice")
-
-
 def check_stream_options(req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
@@ -325,10 +347,11 @@ def check_request_chat_template(req, trusted: bool) -> None:
 
 
 def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
-                          defaults: dict | None = None) -> SamplingParams:
+                          defaults: dict | None = None,
+                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields -> validated SamplingParams (APIError 400 naming the param on failure).
     `defaults` (the model's generation config, EngineConfig.default_sampling_params) fill the
-    fields the client did not send."""
+    fields the client did not send; `structured` is the request's constraint (frontend/constraints.py)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     logprobs: int | None
@@ -375,7 +398,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
     kw = {k: v for k, v in kw.items() if v is not None}
     kw = {**(defaults or {}), **kw}
     params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
-                            prompt_logprobs=prompt_logprobs, **kw)
+                            prompt_logprobs=prompt_logprobs, structured_outputs=structured, **kw)
     try:
         check_sampling_params(params, limits)
     except RequestError as e:
@@ -584,10 +607,13 @@ def completion_chunk(rid: str, created: int, model: str, choices: list[dict], us
     return d
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
+def chat_choice(index: int, message: str | dict, finish_reason: str | None, stop_reason=None,
                 logprobs: dict | None = None, role: str = "assistant", **vllm_fields) -> dict:
-    """vllm_fields: token_ids (return_token_ids)."""
-    return {"index": index, "message": {"role": role, "content": text}, "logprobs": logprobs,
+    """`message`: the assistant message (frontend/chat_output.py), or just its text. vllm_fields:
+    token_ids (return_token_ids)."""
+    if isinstance(message, str):
+        message = {"role": role, "content": message}
+    return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": stop_reason, **vllm_fields}
 
 

@@ -19,6 +19,7 @@ from frontend.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat
                                chat_response, completion_choice, completion_chunk, completion_logprobs,
                                completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
                                sse, usage)
+from frontend.chat_output import ChatOutput, ToolUse
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger("loom.api")
@@ -43,6 +44,14 @@ class Choice:
     prompt_logprobs: list | None = None
     text_offset: int = 0
     started: bool = False
+    output: ChatOutput | None = None   # chat: its reasoning_content / content / tool_calls
+
+    @property
+    def api_finish_reason(self) -> str | None:
+        """OpenAI's "tool_calls" when a chat choice that ended normally called tools."""
+        if self.finish_reason == "stop" and self.output is not None and self.output.tool_calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 @dataclass
@@ -64,9 +73,15 @@ class GenerationContext:
     role: str = "assistant"           # chat: the answer's role
     choices: list[Choice] = field(default_factory=list)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)   # per prompt
+    tools: ToolUse | None = None      # chat: how the request uses its tools
+    reasoning: Any = None             # chat: the --reasoning-parser (frontend/reasoning)
+    on_tool_parse: Any = None         # callable(ChatOutput, streaming): counts tool-parser invocations
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
+        if self.chat:
+            for c in self.choices:
+                c.output = ChatOutput(self.tools or ToolUse(), self.reasoning)
 
     @property
     def n(self) -> int:
@@ -172,21 +187,42 @@ class GenerationContext:
             if c.finish_reason is not None:
                 st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
             check_choice(st)
-            if not c.text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
+            if not self.req.stream:
+                continue   # the message is made whole in chat_body
+            delta = self._chat_output_delta(st, c.text)
+            if not delta and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
                 continue
             res.append((c.index, chat_chunk_choice(
-                c.index, {"content": c.text} if c.text else {}, st.finish_reason, st.stop_reason, lp,
+                c.index, delta, st.api_finish_reason, st.stop_reason, lp,
                 token_ids=list(c.token_ids) if self.return_token_ids else None), st))
         return res
+
+    def _chat_output_delta(self, st: Choice, text: str) -> dict:
+        """The delta fields (reasoning_content, content, tool_calls) this text makes sendable."""
+        out = st.output
+        delta = out.add(text)
+        if out.tools.mode == "auto" and self.on_tool_parse is not None:
+            self.on_tool_parse(out, True)
+        if st.finish_reason is not None:
+            for key, value in out.finish().items():
+                delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
+        return delta
 
     def chat_body(self) -> dict:
         echo = self.echo_texts[0] if self.echo_texts else ""
         choices = []
         for k, c in enumerate(self.choices):
             check_choice(c)
-            choices.append(chat_choice(k, echo + "".join(c.text), c.finish_reason, c.stop_reason,
+            c.output.text = "".join(c.text)
+            message = c.output.message()
+            message["role"] = self.role
+            if echo and isinstance(message["content"], str):
+                message["content"] = echo + message["content"]
+            if self.on_tool_parse is not None:
+                self.on_tool_parse(c.output, False)
+            choices.append(chat_choice(k, message, c.api_finish_reason, c.stop_reason,
                                        {"content": c.logprobs} if self.params.logprobs is not None else None,
-                                       role=self.role, token_ids=c.token_ids if self.return_token_ids else None))
+                                       token_ids=c.token_ids if self.return_token_ids else None))
         first = self.choices[0] if self.choices else None
         return chat_response(
             self.rid, self.created, self.model, choices, self.usage(),
@@ -207,6 +243,19 @@ class GenerationContext:
             out += [self.chat_chunk([chat_chunk_choice(k, {"content": self.echo_texts[0]})], u)
                     for k in range(len(self.choices))]
         return b"".join(out)
+
+
+_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"prompt", "messages", "model"}
+
+
+def value_error(e: ValueError) -> APIError:
+    """A RequestError (ipc/validation.py) or the engine's refusal of a request -> 400."""
+    msg = str(e)
+    param = getattr(e, "param", None)
+    if param is None:
+        word = msg.split(" ", 1)[0]
+        param = word if word in _PARAM_NAMES else None
+    return APIError(msg, 400, param)
 
 
 def check_choice(choice: Choice) -> None:
@@ -256,7 +305,7 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def first_output(stream: AsyncIterator, value_error):
+async def first_output(stream: AsyncIterator):
     """The first output, before any byte of the response goes out: a rejected request is still a 400."""
     try:
         return await stream.__anext__()
@@ -284,8 +333,7 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_error, dead_reason,
-                   begin: bytes = b"") -> web.StreamResponse:
+async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: bytes = b"") -> web.StreamResponse:
     """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and [DONE] with the
     end of the body in one write; an error becomes an error event instead of `final()`'s. A dead
     client (write fails) ends it: the caller's finally closes the stream, which aborts."""
@@ -299,7 +347,7 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, value_e
         logger.debug("client went away mid-stream")
         return resp
     except EngineDeadError as e:
-        tail = sse(error_body(engine_dead_message(e or dead_reason()), 503))
+        tail = sse(error_body(engine_dead_message(e), 503))
     except APIError as e:
         tail = sse(error_body(e.message, e.status, e.param))
     except ValueError as e:

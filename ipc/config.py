@@ -78,6 +78,12 @@ class EngineConfig:
     override_generation_config: str | None = option(
         None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
         "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
+    reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
+                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
+    enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
+                                           "(needs --tool-call-parser)")
+    tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
+                                          ("hermes", "llama3_json"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "
@@ -137,6 +143,7 @@ class EngineConfig:
         if self.profiler_dir is None:
             self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
         self.check()
+        check_device(self)
         check_tensor_parallel(self, text_cfg)
         return self
 
@@ -210,6 +217,8 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")
@@ -235,6 +244,22 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def check_device(config: EngineConfig) -> None:
+    """A device or dtype that can never work fails here, in the parent, with one line, rather than
+    with a traceback in every worker. torch is imported only for an explicit --device cuda."""
+    choices = {f.name: f.metadata.get("choices") for f in fields(EngineConfig)}
+    for name in ("dtype", "device"):
+        allowed = choices[name]
+        if getattr(config, name) not in allowed:
+            raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(config, name)!r}")
+    if config.device != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is visible here (check the driver and "
+                          "CUDA_VISIBLE_DEVICES, or use --device cpu)")
 
 
 def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:

@@ -27,6 +27,7 @@ class MsgType(bytes, enum.Enum):
     ATTACH = b"\x0a"       # client -> engine (handshake socket): AttachRequest
     REFUSED = b"\x0b"      # engine -> client (handshake socket): a str reason
     REGISTER = b"\x0c"     # remote engine -> head's DP coordinator: EngineRegistration
+    WORKER_SAMPLE = b"\x0d"  # engine -> workers (ring): GrammarOutput for a step whose sampling waited
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -195,6 +196,15 @@ class CachedRequestData(_Msg):
     num_computed_tokens: list[int] = []
 
 
+class GrammarOutput(_Msg):
+    """The grammar bitmask of one step's constrained rows: bit t of bitmask[mask_rows[j]] allows
+    token t for the request at req_ids[rows[j]] (xgrammar's packed int32 layout). Rows in the same
+    grammar state share a bitmask row: a step sends each distinct mask once."""
+    rows: list[int]                       # indices into the step's req_ids
+    bitmask: Any                          # np.ndarray int32 [distinct masks, ceil(vocab / 32)]
+    mask_rows: Any = None                 # np.ndarray int32 [len(rows)]; None: row j uses bitmask[j]
+
+
 class SchedulerOutput(_Msg):
     """One step, as a diff against what the workers already hold."""
     new_requests: list[NewRequestData]
@@ -207,6 +217,8 @@ class SchedulerOutput(_Msg):
     scheduled_encoder_inputs: dict[str, list[int]] = {}   # req id -> indices of mm items to encode now
     free_encoder_hashes: list[str] = []   # encoder outputs no request needs any more
     released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
+    grammar: GrammarOutput | None = None  # this step's bitmask, when it was known at scheduling time
+    defer_sample: bool = False            # run the model now, sample on the WORKER_SAMPLE that follows
 
 
 class ModelRunnerOutput(_Msg):

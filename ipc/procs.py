@@ -9,6 +9,7 @@ import logging
 import multiprocessing as mp
 import contextlib
 import os
+import shutil
 import sys
 import signal
 import threading
@@ -45,13 +46,31 @@ def _main_module_hidden():
             setattr(main, k, v)
 
 
-def watch_parent(death_pipe: Connection, on_death=None) -> None:
-    """In a child: exit at once when the parent goes away."""
+DRAIN = b"drain"   # parent -> child on the death pipe: finish in-flight work, then exit
+
+
+def request_drain(proc: BaseProcess) -> None:
+    """In the parent: ask a child started by start_process to drain (see watch_parent's on_drain)."""
+    try:
+        proc._loom_death_writer.send_bytes(DRAIN)
+    except (OSError, AttributeError):
+        pass
+
+
+def watch_parent(death_pipe: Connection, on_death=None, on_drain=None, remove_dirs: tuple = ()) -> None:
+    """In a child: exit at once when the parent goes away, however it died (SIGKILL included),
+    first removing `remove_dirs` (the parent's socket / metrics directories it can no longer
+    remove itself). A DRAIN message from the parent calls `on_drain` (from this thread)."""
     def _watch():
         try:
-            death_pipe.recv()
+            while True:
+                if death_pipe.recv_bytes() == DRAIN and on_drain is not None:
+                    on_drain()
         except (EOFError, OSError):
             pass
+        for path in remove_dirs:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
         if on_death is not None:
             try:
                 on_death()
@@ -62,9 +81,14 @@ def watch_parent(death_pipe: Connection, on_death=None) -> None:
 
 
 def child_signals() -> None:
-    """Children leave Ctrl-C to the parent (it stops them in order); SIGTERM exits cleanly."""
+    """Children leave Ctrl-C to the parent (it stops them in order); SIGTERM exits at once
+    (SystemExit in the main thread: each process's entry point cleans up and tells its peers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
 
 
 def stop_processes(procs: list[BaseProcess], timeout: float = 5.0) -> None:

@@ -8,6 +8,32 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """vLLM's constraint on the output: exactly one of these is set. The engine core compiles
+    it with xgrammar; a constraint that does not compile fails the request alone."""
+    json: str | dict | None = None        # a JSON schema (as a dict or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None            # EBNF (GBNF as xgrammar reads it)
+    json_object: bool | None = None       # any JSON object
+    disable_any_whitespace: bool = False  # JSON without optional whitespace
+
+    def kind(self) -> tuple[str, object]:
+        """(kind, value) of the one constraint given; ValueError unless exactly one is."""
+        given = [(k, getattr(self, k)) for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) is not None and getattr(self, k) is not False]
+        if len(given) != 1:
+            names = ", ".join(k for k, _ in given) or "none"
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {names})")
+        kind, value = given[0]
+        if kind == "choice" and (not value or not all(isinstance(c, str) for c in value)):
+            raise ValueError("structured_outputs choice must be a non-empty list of strings")
+        if kind in ("regex", "grammar") and not value:
+            raise ValueError(f"structured_outputs {kind} must be a non-empty string")
+        return kind, value
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     n: int = 1
     temperature: float = 1.0
@@ -28,6 +54,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

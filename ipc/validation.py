@@ -25,6 +25,7 @@ MAX_STOP_STRINGS = 1024          # each output token is checked against every st
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024        # checked for every sampled token
 MAX_EOS_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024            # entries; applied to every step of the request in the worker
 
 
 class RequestError(ValueError):
@@ -99,6 +100,8 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
         if value is not None:
             _int_in(name, value, 0, limits.max_logprobs)
     if p.logit_bias:
+        if len(p.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(p.logit_bias)}")
         check_token_ids("logit_bias", list(p.logit_bias), limits.vocab_size)
         for tok, bias in p.logit_bias.items():
             if not -100 <= bias <= 100:
@@ -113,6 +116,11 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}")
     check_token_ids("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+    if p.structured_outputs is not None:
+        try:
+            p.structured_outputs.kind()   # exactly one constraint; whether it compiles, the engine's grammar thread says
+        except ValueError as e:
+            raise RequestError(str(e), "structured_outputs") from None
 
 
 def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> None:

@@ -32,12 +32,14 @@ for max/argmax, one for the exponential race, plus for top-k/top-p one counting
 pass and a few bisection passes (4 pivots each, early exit once the threshold
 is pinned down).
 
-Rows with top-k (k < max_top_k + 1 <= 1024) instead take their candidates from
-one torch.topk of the batch (max_top_k + 1 largest logits per row, a radix
-select, not a sort): the top-k threshold is the k-th candidate's key, the
+Rows with top-k (k <= max_top_k, max_top_k + 64 <= 1024) instead take their
+candidates from one torch.topk of the batch (the max_top_k + 64 largest
+logits per row, a radix select, not a sort): the top-k threshold is the k-th candidate's key, the
 top-p threshold a prefix sum over the candidates, and the race runs over the
 candidates alone, drawing each one's noise at its token index (the same
-Philox stream as the full pass). No pass over the vocabulary then. When the
+Philox stream as the full pass). No pass over the vocabulary then. Rows with
+top-p and no top-k (top_p_only) use the top 1024 candidates the same way,
+after one pass for the mass their top-p renormalises over. When the
 kept set might reach past the candidates (the threshold equals the last
 candidate's key: ties), the row falls back to the passes above. Same tokens
 either way.
@@ -156,6 +158,7 @@ _RAND_Q = 256  # token t draws output (t // 256) % 4 of Philox counter (t // 102
 _NPIV = 4      # pivots per bisection pass (the pass is compute-bound: cost grows with pivots)
 _MAX_CHUNKS = 64  # vocabulary chunks per row at most (a fixed tile: no recompiles as the batch changes)
 _MAX_CAND = 1024  # top-k candidates per row at most (a fixed tile; rows with a larger k use the passes)
+_CAND_SLACK = 64  # candidates beyond the batch's largest top-k
 
 
 @triton.jit
@@ -279,10 +282,12 @@ def _race_range(row_ptr, noise_row, lo, hi, vocab, m, inv_t, thr, key, RAND_Q: t
 
 
 @triton.jit
-def _candidate_sample(cand_val_ptr, cand_idx_ptr, noise_row_ptr, num_cand, k, p, inv_t, thr0, philox_key,
-                      vocab, CAND: tl.constexpr, USE_NOISE: tl.constexpr):
+def _candidate_sample(row_ptr, cand_val_ptr, cand_idx_ptr, noise_row_ptr, num_cand, k, p, inv_t, thr0, philox_key,
+                      vocab, CAND: tl.constexpr, USE_NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """The row's draw from its sorted top candidates: (token, ok); ok is False when the kept
-    set may hold tokens past the candidates (the caller then runs the full passes)."""
+    set may hold tokens past the candidates (the caller then runs the full passes). A row
+    without top-k (k <= 0) renormalises top-p over every token min_p keeps: that mass takes
+    one pass over the row."""
     j = tl.arange(0, CAND)
     msk = j < num_cand
     v = tl.load(cand_val_ptr + j, mask=msk, other=float("-inf")).to(tl.float32)
@@ -290,12 +295,15 @@ def _candidate_sample(cand_val_ptr, cand_idx_ptr, noise_row_ptr, num_cand, k, p,
     m = tl.max(v, 0)
     d = (m - v) * inv_t
     key = tl.where(msk, d.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7FFFFFFF)
-    thr = tl.minimum(thr0, tl.sum(tl.where(j == k - 1, key, 0), 0))        # min_p, then top-k
+    thr = tl.where(k > 0, tl.minimum(thr0, tl.sum(tl.where(j == k - 1, key, 0), 0)), thr0)  # min_p, top-k
     e = tl.where(msk & (key <= thr), tl.exp(-d), 0.0)
     cum = tl.cumsum(e, 0)                                                   # keys ascend with j
-    first = tl.min(tl.where(cum >= p * tl.sum(e, 0), j, CAND), 0)
+    total = tl.sum(e, 0)
+    if k <= 0:
+        total = _count_mass_at(row_ptr, vocab, m, inv_t, thr, BLOCK)[1]
+    first = tl.min(tl.where(cum >= p * total, j, CAND), 0)
     thr = tl.where(p < 1.0, tl.minimum(thr, tl.sum(tl.where(j == first, key, 0), 0)), thr)
-    ok = thr < tl.sum(tl.where(j == num_cand - 1, key, 0), 0)
+    ok = (thr < tl.sum(tl.where(j == num_cand - 1, key, 0), 0)) & (first < CAND)
     # the exponential race over the kept candidates, each with its token's noise
     if USE_NOISE:
         q = tl.load(noise_row_ptr + t, mask=msk, other=1.0).to(tl.float32)
@@ -310,11 +318,11 @@ def _candidate_sample(cand_val_ptr, cand_idx_ptr, noise_row_ptr, num_cand, k, p,
     return tl.min(tl.where(score == top, t, vocab), 0), ok
 
 
-@step_jit(ints=("num_cand",), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
+@step_jit(ints=("num_cand", "cand_top_p"), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
 def _sample_kernel(
     logits_ptr, stride_l, noise_ptr, stride_n,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, out_ptr,
-    cand_val_ptr, cand_idx_ptr, num_cand,
+    cand_val_ptr, cand_idx_ptr, num_cand, cand_top_p,
     vocab,
     BLOCK: tl.constexpr, RAND_Q: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
     CAND: tl.constexpr,
@@ -324,14 +332,18 @@ def _sample_kernel(
 
     temp = tl.load(temp_ptr + row).to(tl.float32)
     k = tl.load(top_k_ptr + row).to(tl.int32)
-    if (temp > 0.0) & (k > 0) & (k < num_cand):
-        tok, ok = _candidate_sample(cand_val_ptr + row * num_cand, cand_idx_ptr + row * num_cand,
-                                    noise_ptr + row * stride_n, num_cand, k, tl.load(top_p_ptr + row).to(tl.float32),
+    tok = vocab * 0
+    ok = num_cand < 0  # False
+    p_row = tl.load(top_p_ptr + row).to(tl.float32)
+    top_p_only = (cand_top_p != 0) & ((k <= 0) | (k >= vocab)) & (p_row < 1.0)
+    if (temp > 0.0) & (((k > 0) & (k < num_cand)) | top_p_only):
+        tok, ok = _candidate_sample(row_ptr, cand_val_ptr + row * num_cand, cand_idx_ptr + row * num_cand,
+                                    noise_ptr + row * stride_n, num_cand, tl.where(top_p_only, 0, k), p_row,
                                     tl.math.div_rn(1.0, temp), _min_p_key(min_p_ptr, row),
-                                    _philox_key(seed_ptr, pos_ptr, row), vocab, CAND, USE_NOISE)
-        if ok:
-            tl.store(out_ptr + row, tok.to(tl.int64))
-            return
+                                    _philox_key(seed_ptr, pos_ptr, row), vocab, CAND, USE_NOISE, BLOCK)
+    if ok:  # (a return at the top level only: nested returns are not supported everywhere)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+        return
 
     # pass 1: max and (first) argmax of the raw logits
     m, arg = _max_argmax(row_ptr, 0, vocab, vocab, BLOCK)
@@ -468,7 +480,7 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
 
 
 def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, top_k_top_p, num_chunks=None,
-            max_top_k=0):
+            max_top_k=0, top_p_only=False):
     bsz, vocab = logits.shape
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     if bsz == 0:
@@ -486,14 +498,18 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     if not top_k_top_p:
         return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out,
                                num_chunks)
-    num_cand = min(max_top_k + 1, _MAX_CAND, vocab) if max_top_k and max_top_k > 0 else 0
+    # _CAND_SLACK candidates past the largest k: bf16 logits tie often (8 mantissa bits), and a
+    # row whose k-th value ties with the last candidate must fall back to the passes
+    num_cand = min(max_top_k + _CAND_SLACK, _MAX_CAND, vocab) if max_top_k and max_top_k > 0 else 0
+    if top_p_only:  # rows with top-p and no top-k try the largest candidate tile
+        num_cand = min(_MAX_CAND, vocab)
     if num_cand:
         cand_val, cand_idx = torch.topk(logits, num_cand, dim=-1)  # sorted, largest first
     else:
         cand_val, cand_idx = logits, out  # stand-in pointers, never read
     _sample_kernel[(bsz,)](
         logits, logits.stride(0), noise, stride_n, temperature, top_k.contiguous(), top_p.contiguous(), min_p,
-        seeds, positions, out, cand_val, cand_idx, num_cand, vocab,
+        seeds, positions, out, cand_val, cand_idx, num_cand, int(top_p_only), vocab,
         BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise, CAND=_MAX_CAND, num_warps=8,
     )
     return out
@@ -501,7 +517,7 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k_top_p: bool = True,
-           num_chunks: int | None = None, max_top_k: int = 0) -> torch.Tensor:
+           num_chunks: int | None = None, max_top_k: int = 0, top_p_only: bool = False) -> torch.Tensor:
     """logits [B, V] (fp32, or bf16/fp16 read as fp32), temperature [B] fp32 (0 =
     greedy), top_k [B] int32 (<= 0 or >= V: off), top_p [B] fp32 (1.0: off),
     min_p [B] fp32 (0: off), seeds [B] int64, positions [B] int64 -> token ids
@@ -513,20 +529,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     most SMs idle at small batches. Same tokens either way.
 
     max_top_k > 0 (the largest top_k of the batch, as the host knows it) lets rows with top-k
-    draw from the batch's top max_top_k + 1 candidates (one torch.topk) instead of passes over
-    the vocabulary. Same tokens either way."""
+    draw from the batch's top max_top_k + 64 candidates (one torch.topk) instead of passes over
+    the vocabulary. top_p_only=True (some row has top-p and no top-k) lets those rows try the
+    top 1024 candidates too, after one pass for the mass they renormalise over (they fall back
+    to the passes when their top-p set is larger). Same tokens either way."""
     if not runs_triton(_sample_kernel, logits):
         return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions)
     return _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, None, top_k_top_p, num_chunks,
-                   max_top_k)
+                   max_top_k, top_p_only)
 
 
 def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, top_k_top_p: bool = True,
-                      num_chunks: int | None = None, max_top_k: int = 0) -> torch.Tensor:
+                      num_chunks: int | None = None, max_top_k: int = 0,
+                      top_p_only: bool = False) -> torch.Tensor:
     """The Triton sampler with explicit Exp(1) noise [B, V] instead of Philox."""
     if not runs_triton(_sample_kernel, logits):
         return sample_with_noise_ref(logits, temperature, top_k, top_p, min_p, noise)
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise, top_k_top_p, num_chunks,
-                   max_top_k)
+                   max_top_k, top_p_only)

@@ -89,6 +89,8 @@ def _crash_bodies(vocab: int):
         ("/v1/completions", {"prompt": [2 ** 70], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": [-5, 1], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {**p, "stop": ["x"] * 2000}, "stop"),
+        ("/v1/completions", {**p, "logit_bias": {str(i % vocab): 1 for i in range(2000)}}
+         if vocab >= 2000 else {**p, "logit_bias": {str(-i): 1 for i in range(1, 2000)}}, "logit_bias"),
         ("/v1/completions", {"prompt": [[1, 2]] * 10_000, "max_tokens": 1}, "prompt"),
         ("/v1/completions", {"prompt": ["a"] * 600, "n": 2, "max_tokens": 1}, "n"),
         ("/v1/completions", {**p, "truncate_prompt_tokens": 2 ** 70}, "truncate_prompt_tokens"),
@@ -141,29 +143,40 @@ def test_body_size_limit(server):
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
 
 
-def test_stream_options_without_stream_and_unsupported_constraints(server):
+def test_stream_options_without_stream_and_constraints(server):
+    """Bad stream_options or constraints are 400s; good constraints run (tests/test_structured_outputs.py
+    checks what they produce)."""
     p = {"prompt": "hi", "max_tokens": 2}
     m = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     cases = [
         ("/v1/completions", {**p, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {**m, "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {**p, "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {**m, "response_format": {"type": "json_schema", "json_schema": {}}},
          "response_format"),
-        ("/v1/completions", {**p, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
-        ("/v1/chat/completions", {**m, "guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/completions", {**p, "guided_regex": "a+"}, "guided_regex"),
-        ("/v1/completions", {**p, "guided_choice": ["a"]}, "guided_choice"),
-        ("/v1/chat/completions", {**m, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", {**p, "structured_outputs": {"choice": []}}, "structured_outputs"),
+        ("/v1/completions", {**p, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
         ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": {"type": "function", "function": {
-            "name": "f"}}}, "tool_choice"),
+            "name": "g"}}}, "tool_choice"),
+        ("/v1/chat/completions", {**m, "tools": tools}, "tool_choice"),   # auto needs --enable-auto-tool-choice
     ]
     for path, body, param in cases:
         r = _post(server, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    assert _post(server, "/v1/completions", {**p, "response_format": {"type": "text"}}).status_code == 200
+    ok = [
+        ("/v1/completions", {**p, "response_format": {"type": "text"}}),
+        ("/v1/completions", {**p, "response_format": {"type": "json_object"}}),
+        ("/v1/completions", {**p, "structured_outputs": {"choice": ["a", "b"]}}),
+        ("/v1/chat/completions", {**m, "guided_json": {"type": "object"}}),
+        ("/v1/completions", {**p, "guided_regex": "a+"}),
+        ("/v1/chat/completions", {**m, "guided_grammar": "root ::= \"a\""}),
+        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": "required"}),
+        ("/v1/chat/completions", {**m, "tools": tools, "tool_choice": {"type": "function", "function": {
+            "name": "f"}}}),
+    ]
+    for path, body in ok:
+        r = _post(server, path, body)
+        assert r.status_code == 200, (body, r.text)
 
 
 def test_request_chat_template_refused_by_default(server):

@@ -411,8 +411,9 @@ def test_sample_noise_variant_matches_ref():
     for trial in range(2):
         noise = torch.empty(temp.shape[0], V).exponential_(generator=g).to(DEVICE)
         ref = smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise)
-        for max_top_k in (0, 40):  # candidates for no row / rows with k <= 40
-            out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k)
+        for max_top_k, p_only in ((0, False), (40, True)):  # candidates for no row / k <= 40 and top-p-only rows
+            out = smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k,
+                                        top_p_only=p_only)
             assert out.dtype == torch.int64
             assert out.tolist() == ref.tolist(), max_top_k
     greedy = (temp == 0).cpu()
@@ -430,7 +431,7 @@ def test_sample_top_k_candidates_ties_and_extremes():
     b, v = 12, 700
     logits = _randn(b, v, g=g, scale=3.0)
     logits[:, 100:104] = logits.max(dim=1, keepdim=True).values + 1.0  # four tie for the best
-    logits[1, :60] = 20.0            # 60 tie for the best: past the candidates (falls back to the passes)
+    logits[1, :60] = 20.0            # 60 tie for the best: all kept, within the candidates' slack
     logits[5, 200:400] = 0.5         # a tie at the k-th / last candidate (falls back)
     logits[5, :15] = 9.0
     temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 1.0, 0.8, 1.0, 1.0, 0.0], device=DEVICE)
@@ -444,6 +445,10 @@ def test_sample_top_k_candidates_ties_and_extremes():
         ref = smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, noise).tolist()
         for max_top_k in (50, 10) if dtype == torch.float32 else (50,):  # 10: rows with k > 10 use the passes
             assert smp.sample_with_noise(lg, temp, top_k, top_p, min_p, noise, max_top_k=max_top_k).tolist() == ref
+        # rows with top-p and no top-k (1024 candidates > this vocabulary: their top-p sets fit)
+        no_k = torch.zeros_like(top_k)
+        ref_p = smp.sample_with_noise_ref(lg, temp, no_k, top_p, min_p, noise).tolist()
+        assert smp.sample_with_noise(lg, temp, no_k, top_p, min_p, noise, top_p_only=True).tolist() == ref_p
         if dtype == torch.float32:  # Philox: the candidates draw the noise the full passes draw
             r = [2, 3, 8]
             args = (lg[r], temp[r], top_k[r], top_p[r], min_p[r], seeds[r], positions[r])

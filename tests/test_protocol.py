@@ -194,6 +194,17 @@ def test_chat_max_completion_tokens_and_logprobs():
     bad(chat_params, {"max_completion_tokens": 0}, param="max_completion_tokens")
 
 
+def test_response_format_becomes_a_constraint():
+    from frontend.constraints import request_constraint
+    req = lambda body: parse_request(json.dumps({"messages": [], **body}).encode(), ChatCompletionRequest)
+    assert request_constraint(req({"response_format": {"type": "text"}})) is None
+    assert request_constraint(req({"response_format": {"type": "json_object"}})).json_object is True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    c = request_constraint(req({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}))
+    assert c.json == schema
+    bad(request_constraint, req({"response_format": {"type": "xml"}}), param="response_format")
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),

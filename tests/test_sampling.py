@@ -185,6 +185,20 @@ def test_n_choices_and_seed_reproducible(llm):
     assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
 
 
+def test_seeded_penalised_output_unchanged_by_batch(llm):
+    # a seeded request with penalties, bias and top-k/top-p gives the same tokens alone and in a
+    # crowded batch (other requests with their own penalties in other slots)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True,
+                            repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3,
+                            logit_bias={7: 2.0})
+    alone = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [9 + i, 4, 4, 4]} for i in range(4)]
+    crowd = llm.generate([*others, {"prompt_token_ids": PROMPT}, *others],
+                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, presence_penalty=1.0)] * 4
+                         + [params] + [SamplingParams(temperature=0.5, max_tokens=6)] * 4, use_tqdm=False)
+    assert crowd[4].outputs[0].token_ids == alone
+
+
 def test_n_children_share_the_prompt_blocks(llm):
     # the n children of a request are scheduled in one step; all but the first hit the first's
     # prompt blocks (published as it is scheduled), and sample as if they ran alone

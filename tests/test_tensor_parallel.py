@@ -19,9 +19,8 @@ import requests
 from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
 from ipc.sockets import free_tcp_port
-from tests.conftest import child_pids, loom_ipc_dirs
+from tests.conftest import child_pids
 from tests.hf_oracle import hf_greedy
-from tests.test_lifecycle import _assert_clean
 from tests.test_engine_parity import check_parity
 
 MAX_NEW = 10
@@ -124,68 +123,52 @@ def test_one_kv_head_replicates_and_tp_must_divide_over_nodes(tmp_path):
         EngineConfig(model=str(tmp_path), tensor_parallel_size=2, nnodes=3, device="cpu").resolve()
 
 
+def _assert_nothing_left(server, tmpdir: str, pids: list[int]) -> None:
+    """No process of the server's session, no ipc directory in its private TMPDIR, no /dev/shm
+    entry named after one of its processes (other servers may run on this host meanwhile)."""
+    deadline = time.monotonic() + 10
+    while True:
+        left = {"processes": server.descendants(), "ipc": os.listdir(tmpdir),
+                "shm": [n for n in os.listdir("/dev/shm") if any(f"_{pid}_" in n for pid in pids)]}
+        if not any(left.values()):
+            return
+        assert time.monotonic() < deadline, f"left behind: {left}"
+        time.sleep(0.2)
+
+
 def test_serve_tp2_has_two_workers_and_dies_with_either(tiny_model_dir, start_server):
     """`loom serve -tp 2`: one engine core with two worker processes. SIGKILL of rank 1 mid-stream:
     the stream ends with an error, /health is 503 within a second, loom serve exits non-zero,
     and no process, /dev/shm entry or ipc directory is left."""
-    before = loom_ipc_dirs()
-    server = start_server(tiny_model_dir, "-tp", "2", "--max-model-len", "512")
-    engine = next(pid for pid in child_pids(server.proc.pid) if child_pids(pid))
-    workers = child_pids(engine)
-    assert len(workers) == 2, workers
-    r = requests.post(server.url + "/v1/completions", stream=True, timeout=10,
-                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
-    events, killed_at = [], None
-    for line in r.iter_lines():
-        if not line:
-            continue
-        events.append(json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]")
-        if len(events) == 5:
-            os.kill(workers[1], signal.SIGKILL)
-            killed_at = time.monotonic()
-    assert killed_at is not None
-    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
-    while requests.get(server.url + "/health", timeout=2).status_code != 503:
-        assert time.monotonic() - killed_at < 1.0, "/health still 200 a second after a rank died"
-        time.sleep(0.02)
-    server.proc.wait(15)
-    assert server.proc.returncode not in (0, None)
-    _assert_clean(before, server)
-
-
-def _build_as_rank(monkeypatch, model_dir, rank, size, load_format="auto"):
-    import torch
-
-    from workers import distributed
-    from workers.model_loader import load_model
-    monkeypatch.setattr(distributed, "_state", distributed.TPState(rank=rank, size=size))
+    import shutil
+    import tempfile
+    tmpdir = tempfile.mkdtemp(prefix="tp", dir="/tmp")  # short: unix socket paths are limited
     try:
-        return load_model(model_dir, torch.float32, "cpu", load_format)
+        server = start_server(tiny_model_dir, "-tp", "2", "--max-model-len", "512", env={"TMPDIR": tmpdir})
+        engine = next(pid for pid in child_pids(server.proc.pid) if child_pids(pid))
+        workers = child_pids(engine)
+        assert len(workers) == 2, workers
+        pids = server.descendants()
+        r = requests.post(server.url + "/v1/completions", stream=True, timeout=10,
+                          json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
+        events, killed_at = [], None
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]")
+            if len(events) == 5:
+                os.kill(workers[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+        assert killed_at is not None
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+        while requests.get(server.url + "/health", timeout=2).status_code != 503:
+            assert time.monotonic() - killed_at < 1.0, "/health still 200 a second after a rank died"
+            time.sleep(0.02)
+        server.proc.wait(15)
+        assert server.proc.returncode not in (0, None)
+        _assert_nothing_left(server, tmpdir, pids)
     finally:
-        monkeypatch.setattr(distributed, "_state", distributed.TPState())
-
-
-@pytest.mark.parametrize("load_format", ["auto", "dummy"])
-def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_format):
-    """Built as rank r of 2 (no group needed to build), from the checkpoint read as slices or
-    with dummy weights, every parameter equals the TP=1 model's parameter cut by its loader;
-    the one KV head is on both ranks, the vocabulary's padding row is zero."""
-    import torch
-    model_dir = model_factory("llama", num_key_value_heads=1, vocab_size=337)
-    full = dict(_build_as_rank(monkeypatch, model_dir, 0, 1, load_format).named_parameters())
-    for rank in range(2):
-        part = _build_as_rank(monkeypatch, model_dir, rank, 2, load_format)
-        for name, p in part.named_parameters():
-            expect = torch.empty_like(p)
-            expect.weight_loader = p.weight_loader
-            p.weight_loader(expect, full[name])
-            assert torch.equal(p, expect), (rank, name)
-        attn = part.model.layers[0].self_attn
-        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-        k_rows = attn.qkv_proj.weight[attn.q_size:attn.q_size + attn.kv_size]
-        torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
-        assert part.lm_head.weight.shape == (169, 64)
-    assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _free_port_block(n: int) -> int:
@@ -234,3 +217,98 @@ def test_two_nodes_on_loopback_match_one_node(tiny_model_dir, start_server):
         time.sleep(0.02)
     assert head.proc.wait(15) not in (0, None)
     assert node1.proc.wait(15) not in (0, None)
+
+
+def test_serve_refuses_in_one_line_with_exit_2(tmp_path, tiny_model_dir):
+    """Impossible TP configurations stop `loom serve` before any process starts: one line, exit 2."""
+    import subprocess
+    import sys
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, "vocab_size": 100,
+                   "num_key_value_heads": 2, "intermediate_size": 64}, f)
+    cases = [([str(tmp_path), "-tp", "4", "--device", "cpu"], "does not divide the model's 6 attention heads")]
+    if not torch_cuda_count():
+        cases.append(([tiny_model_dir, "-tp", "2", "--device", "cuda"], "needs 2 GPUs"))
+    for args, message in cases:
+        r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def torch_cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_ring_publishes_every_step_to_remote_readers_holding_the_key():
+    """The ring's TCP side, without models: a remote reader with the key gets every message, in
+    order, inline and overflow alike, as the local reader does; one with another key gets
+    nothing; closing the ring ends the remote reader."""
+    import shutil
+    import tempfile
+
+    from shm.broadcast_ring import BroadcastRing, RemoteHandle, RemoteReader, RemoteSpec, RingClosed
+    ipc_dir = tempfile.mkdtemp(prefix="tpr", dir="/tmp")
+    addr = f"tcp://127.0.0.1:{_free_port_block(1)}"
+    ring = BroadcastRing.create(1, ipc_dir, remote=RemoteSpec(addr, (1,), "the-key"))
+    readers = []
+    try:
+        local = BroadcastRing.attach(ring.handle(), 0)
+        remote = RemoteReader(RemoteHandle(addr, "the-key"), 1)
+        stranger = RemoteReader(RemoteHandle(addr, "another-key"), 1)
+        readers = [local, remote, stranger]
+        ring.wait_until_ready(timeout=10)
+        big = os.urandom(3 << 20)  # larger than a chunk: the overflow path locally
+        messages = [[b"\x01", b"step one"], [big], [b"\x02", b"", b"three"]]
+        for m in messages:
+            ring.enqueue(m)
+        for m in messages:
+            assert [bytes(f) for f in local.dequeue(5)] == m
+            assert [bytes(f) for f in remote.dequeue(5)] == m
+        with pytest.raises((TimeoutError, RingClosed)):
+            stranger.dequeue(1.0)
+        ring.close()
+        with pytest.raises(RingClosed):
+            remote.dequeue(5)
+    finally:
+        for r in readers:
+            r.close()
+        ring.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _build_as_rank(monkeypatch, model_dir, rank, size, load_format="auto"):
+    import torch
+
+    from workers import distributed
+    from workers.model_loader import load_model
+    monkeypatch.setattr(distributed, "_state", distributed.TPState(rank=rank, size=size))
+    try:
+        return load_model(model_dir, torch.float32, "cpu", load_format)
+    finally:
+        monkeypatch.setattr(distributed, "_state", distributed.TPState())
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_format):
+    """Built as rank r of 2 (no group needed to build), from the checkpoint read as slices or
+    with dummy weights, every parameter equals the TP=1 model's parameter cut by its loader;
+    the one KV head is on both ranks, the vocabulary's padding row is zero."""
+    import torch
+    model_dir = model_factory("llama", num_key_value_heads=1, vocab_size=337)
+    full = dict(_build_as_rank(monkeypatch, model_dir, 0, 1, load_format).named_parameters())
+    for rank in range(2):
+        part = _build_as_rank(monkeypatch, model_dir, rank, 2, load_format)
+        for name, p in part.named_parameters():
+            expect = torch.empty_like(p)
+            expect.weight_loader = p.weight_loader
+            p.weight_loader(expect, full[name])
+            assert torch.equal(p, expect), (rank, name)
+        attn = part.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        k_rows = attn.qkv_proj.weight[attn.q_size:attn.q_size + attn.kv_size]
+        torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
+        assert part.lm_head.weight.shape == (169, 64)
+    assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ipc.config import EngineConfig
-from ipc.messages import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max, tp_size
@@ -51,6 +51,7 @@ class PendingStep:
     topk: tuple | None = None                 # logprob tensors; pinned host copies after copy_back()
     prompt_logprobs: "PromptLogprobSpans | None" = None
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
 
 
@@ -471,12 +472,13 @@ class ModelRunner:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
         hidden, logits = self.forward(batch)
-        if logits is not None:
-            step.tokens, step.topk, failed = self.sample(logits, batch)
-            if failed:
-                step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
+        if logits is not None and so.defer_sample:
+            step.unsampled = (batch, logits)   # sample_deferred() samples it once the bitmask comes
+        elif logits is not None:
+            self._sample_into(step, logits, batch, so.grammar)
         step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        self.copy_back(step)
+        if step.unsampled is None:
+            self.copy_back(step)
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
@@ -544,14 +546,45 @@ class ModelRunner:
             return hidden, None
         return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
 
-    def sample(self, logits: torch.Tensor, batch: "StepBatch") -> tuple[torch.Tensor, tuple | None, dict]:
+    def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
+               ) -> tuple[torch.Tensor, tuple | None, dict]:
         """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
         of the rows whose parameters the sampler refused (those requests fail alone). The tokens
         go into the penalty counts on the device at once: the next step's penalties see them
-        even while their values are still on the way to the host."""
+        even while their values are still on the way to the host. The constrained rows sample
+        from what their grammar bitmask allows."""
+        if grammar is not None and len(grammar.rows):
+            self._apply_grammar(logits, batch.sample_rows, grammar)
         tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
         self.batch.count_sampled(batch.dev["slots"], tokens)
         return tokens, topk, failed
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: "PendingStep", grammar: GrammarOutput | None) -> None:
+        """Sample a launched step whose bitmask needed the previous step's tokens."""
+        if step.unsampled is None:
+            return
+        (batch, logits), step.unsampled = step.unsampled, None
+        self._sample_into(step, logits, batch, grammar)
+        self.copy_back(step)
+
+    def _sample_into(self, step: "PendingStep", logits: torch.Tensor, batch: "StepBatch",
+                     grammar: GrammarOutput | None) -> None:
+        step.tokens, step.topk, failed = self.sample(logits, batch, grammar)
+        if failed:
+            step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
+
+    def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput) -> None:
+        """One kernel masks every constrained row. grammar.rows index the step's requests;
+        those that sample nothing this step (mid-prompt) are dropped."""
+        from kernels.bitmask import apply_bitmask
+        rows = np.asarray(grammar.rows, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(sample_rows, rows), len(sample_rows) - 1)
+        keep = sample_rows[pos] == rows
+        mask_rows = np.arange(len(rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+        dev = self.h2d({"bitmask": np.array(grammar.bitmask),  # a writable copy of the received frame
+                        "bitmask_rows": pos[keep].astype(np.int32), "mask_rows": mask_rows[keep].astype(np.int32)})
+        apply_bitmask(logits, dev["bitmask"], dev["bitmask_rows"], dev["mask_rows"])
 
     def copy_back(self, step: "PendingStep") -> None:
         """Start the device -> host copies of what finish() reads (tokens, logprobs, prompt

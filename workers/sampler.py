@@ -81,7 +81,9 @@ class Sampler:
         vocab = logits.shape[-1]
         top_k_top_p = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
         max_top_k = max((r.params.top_k for r in rows if 0 < r.params.top_k < vocab), default=0)
-        return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k)
+        top_p_only = any(r.params.top_p < 1.0 and not 0 < r.params.top_k < vocab and not r.params.greedy
+                         for r in rows)
+        return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k, top_p_only=top_p_only)
 
     @staticmethod
     def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
@@ -121,7 +123,9 @@ class Sampler:
         (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
         made only for logprobs and adjustments (both on the device, no host sync)."""
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_lp is not None else None
+        # (dtype=: one kernel reads the logits as they are and writes float32, no float copy first)
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if max_lp is not None else None
+        raw_logits = logits
 
         failed = {}
         if "repetition" in dev:  # some row adjusts its logits
@@ -141,6 +145,8 @@ class Sampler:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
             ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
             k = min(max(max_lp, 0), logits.shape[-1])
-            top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
+            # the top ids by logit are the top ids by logprob: select on the narrower raw logits
+            top_ids = raw_logits.topk(k, dim=-1).indices if k else tokens[:, None][:, :0]
+            top_lp = raw_logprobs.gather(1, top_ids)
             topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
         return tokens, topk, failed

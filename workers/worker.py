@@ -11,7 +11,7 @@ import traceback
 import zmq
 
 from ipc.config import EngineConfig
-from ipc.messages import MsgType, SchedulerOutput, WorkerCall, WorkerReply
+from ipc.messages import GrammarOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import child_signals, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
@@ -161,10 +161,13 @@ class Worker:
 def serve_steps(worker: Worker, ring, send) -> None:
     """The worker loop. A step is launched on the device as soon as it arrives, behind
     the one still running there, so the device never waits for this loop; a step's
-    tokens are sent once the device has produced them."""
+    tokens are sent once the device has produced them. A step whose sampling needs the
+    previous step's tokens (a grammar bitmask) runs its model, then samples when its
+    WORKER_SAMPLE message comes."""
     runner, rank = worker.runner, worker.rank
-    step_dec, call_dec = Decoder(SchedulerOutput), Decoder(WorkerCall)
+    step_dec, call_dec, sample_dec = Decoder(SchedulerOutput), Decoder(WorkerCall), Decoder(GrammarOutput)
     pending = None  # a launched step whose tokens are not yet sent
+    unsampled = None  # a launched step waiting for its WORKER_SAMPLE
 
     def finish_pending():
         nonlocal pending
@@ -182,13 +185,21 @@ def serve_steps(worker: Worker, ring, send) -> None:
                 os.sched_yield()
             continue
         frames = ring.dequeue()
-        if bytes(frames[0]) == MsgType.WORKER_STEP.value:
-            so = step_dec.decode(frames)
+        kind = bytes(frames[0])
+        if kind in (MsgType.WORKER_STEP.value, MsgType.WORKER_SAMPLE.value):
             try:
+                if kind == MsgType.WORKER_SAMPLE.value:
+                    runner.sample_deferred(unsampled, sample_dec.decode(frames))
+                    pending, unsampled = unsampled, None
+                    continue
+                so = step_dec.decode(frames)
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
                 if pending is not None:
-                    finish_pending()
-                pending = step
+                    finish_pending()  # the engine needs these tokens for the next bitmask
+                if so.defer_sample:
+                    unsampled = step
+                else:
+                    pending = step
             except Exception:
                 send(WorkerReply(rank, error=traceback.format_exc()))
                 raise
@@ -220,6 +231,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)
     ring = None
+    code = 0
     try:
         ring = attach_reader(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
@@ -234,9 +246,13 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
             send(WorkerReply(rank, error=traceback.format_exc()))
         except Exception:
             pass
-        raise SystemExit(1)
+        code = 1
     finally:
         if ring is not None:
             ring.close()
         reply.close()
         ctx.term()
+        # Everything is released: skip the interpreter's teardown of torch (a second or more), so
+        # that a stopping engine, and `loom serve` with it, exits at once.
+        logging.shutdown()
+        os._exit(code)

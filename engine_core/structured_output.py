@@ -1,0 +1,267 @@
+"""StructuredOutputManager: the grammars of constrained requests (vLLM's v1/structured_output).
+
+A constrained request's grammar is compiled with xgrammar on a thread pool, never on the
+busy loop, and cached by its source; the request waits in the scheduler until it is ready
+(or finishes with an error if it does not compile), while the others keep stepping. The
+manager keeps one GrammarMatcher per request, advances it with every accepted token, and
+packs each step's bitmask (xgrammar's int32 layout) for the constrained rows only.
+
+With a reasoning parser, a request's grammar applies only once its thinking has ended
+(the output ends with the parser's end-of-thinking tokens, e.g. `</think>`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from ipc.config import EngineConfig
+from ipc.messages import GrammarOutput, SchedulerOutput
+from ipc.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# JSON grammars allow at most this many whitespace characters in a row (between tokens of the
+# JSON structure): enough for indented output, too few for a weak model to loop on spaces.
+MAX_JSON_WHITESPACE = 4
+_CACHE_SIZE = 1024
+# the tokens that end the thinking, per --reasoning-parser
+REASONING_END = {"qwen3": "</think>", "deepseek_r1": "</think>"}
+REASONING_START = {"qwen3": "<think>", "deepseek_r1": "<think>"}
+
+
+def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, source): what a compiled grammar is cached by."""
+    kind, value = params.kind()
+    if kind == "json":
+        # not sort_keys: properties are generated in the schema's order (a pydantic model's field order)
+        value = json.dumps(json.loads(value) if isinstance(value, str) else value)
+        if params.disable_any_whitespace:
+            kind = "json_compact"
+    elif kind == "choice":
+        value = json.dumps(value)
+    elif kind == "json_object":
+        value = ""
+    return kind, value
+
+
+def compile_grammar(compiler, kind: str, source: str):
+    """One xgrammar CompiledGrammar; raises ValueError with xgrammar's reason if it cannot compile."""
+    try:
+        if kind in ("json", "json_compact"):
+            json.loads(source)
+            return compiler.compile_grammar(json_schema_grammar(source, kind == "json"))
+        if kind == "json_object":
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', True, strict_mode=False))
+        if kind == "regex":
+            return compiler.compile_regex(source)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(source)))
+        if kind == "grammar":
+            return compiler.compile_grammar(source)
+    except (RuntimeError, ValueError, TypeError) as e:
+        reason = xgrammar_reason(e)
+        raise ValueError(f"structured_outputs: the {kind.removesuffix('_compact')} constraint does not "
+                         f"compile: {reason}") from None
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+# xgrammar 0.2.8 writes a length-bounded string's characters (minLength / maxLength) as
+# [^"\\\r\n], which lets raw control characters through: invalid JSON. They get the class of
+# its unbounded strings instead.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool, strict_mode: bool = True) -> str:
+    """The EBNF of a JSON schema (whitespace bounded, see MAX_JSON_WHITESPACE)."""
+    import xgrammar as xgr
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode,
+                                           max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^ ]+:\d+: ")
+
+
+def xgrammar_reason(e: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[21:10:27] /project/cpp/x.cc:83: ")."""
+    lines = str(e).strip().splitlines()
+    return _LOG_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class RequestGrammar:
+    """One request's grammar: compiling (`future`), then its matcher."""
+    __slots__ = ("future", "matcher", "active", "error")
+
+    def __init__(self, future: Future, active: bool):
+        self.future = future
+        self.matcher = None
+        self.active = active        # False while the model is still thinking
+        self.error: str | None = None
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig, wake: Callable[[], None] | None = None):
+        self.config = config
+        self.wake = wake or (lambda: None)   # tells the busy loop that a grammar is ready
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Future | None = None
+        self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._batch = None                   # xgrammar.BatchGrammarMatcher, made with the compiler
+        self.vocab_size = 0
+        self._think_start: list[int] = []
+        self._think_end: list[int] = []
+
+    # ------------------------------------------------------------ compiling (on the pool)
+
+    def _start(self) -> None:
+        """The first constrained request loads the tokenizer and xgrammar (as vLLM does: lazily)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loom-grammar")
+            self._compiler = self._pool.submit(self._make_compiler)
+
+    def _make_compiler(self):
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        self.vocab_size = max(self.config.vocab_size or 0, len(tokenizer))   # the model's (padded) vocabulary
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        parser = self.config.reasoning_parser
+        if parser:
+            self._think_start = tokenizer.encode(REASONING_START[parser], add_special_tokens=False)
+            self._think_end = tokenizer.encode(REASONING_END[parser], add_special_tokens=False)
+        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return xgr.GrammarCompiler(info, max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+
+    def _compile(self, key: tuple[str, str]):
+        try:
+            return compile_grammar(self._compiler.result(), *key)
+        finally:
+            self.wake()
+
+    def add_request(self, req) -> None:
+        """Start compiling `req`'s grammar (or take it from the cache)."""
+        params = req.sampling_params.structured_outputs
+        if params is None:
+            return
+        self._start()
+        try:
+            key = grammar_key(params)
+        except (ValueError, TypeError) as e:
+            future: Future = Future()
+            future.set_exception(ValueError(f"structured_outputs: {e}"))
+        else:
+            future = self._grammars.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, key)
+                self._grammars[key] = future
+                if len(self._grammars) > _CACHE_SIZE:
+                    self._grammars.popitem(last=False)
+            else:
+                self._grammars.move_to_end(key)
+        req.grammar = RequestGrammar(future, active=not self.config.reasoning_parser)
+
+    def ready(self, req) -> bool:
+        """Whether `req` may be scheduled: unconstrained, or its grammar compiled (or failed:
+        then req.grammar.error says why and the scheduler fails it)."""
+        g = req.grammar
+        if g is None or g.matcher is not None or g.error is not None:
+            return True
+        if not g.future.done():
+            return False
+        try:
+            import xgrammar as xgr
+            g.matcher = xgr.GrammarMatcher(g.future.result(), override_stop_tokens=list(req.eos_token_ids) or None)
+        except Exception as e:  # noqa: BLE001  (the request fails alone)
+            g.error = str(e)
+            return True
+        if not g.active:
+            g.active = self._thinking_ended(req.prompt_token_ids, in_prompt=True)
+        for tok in req.output_token_ids:   # a preempted request that resumes
+            self.accept(req, tok)
+        return True
+
+    # ------------------------------------------------------------ per token and per step
+
+    def accept(self, req, token: int) -> bool:
+        """Advance req's matcher with an accepted token; True when its grammar has ended."""
+        g = req.grammar
+        if not g.active:
+            g.active = self._thinking_ended(req.output_token_ids, in_prompt=False)
+            return False
+        if not g.matcher.accept_token(token):
+            # only a token the bitmask allowed is ever sampled; say so loudly if not
+            logger.error("request %s: token %d rejected by its grammar", req.request_id, token)
+            g.error = f"token {token} does not match the grammar"
+            return True
+        return g.matcher.is_terminated()
+
+    def _thinking_ended(self, ids: list[int], in_prompt: bool) -> bool:
+        end, start = self._think_end, self._think_start
+        if not end:
+            return True
+        if not in_prompt:
+            return len(ids) >= len(end) and ids[-len(end):] == end
+        # in the prompt: the last <think> is closed (e.g. a template that turned thinking off)
+        last_start = _rfind(ids, start)
+        return last_start >= 0 and _rfind(ids, end) > last_start
+
+    def grammar_bitmask(self, so: SchedulerOutput, requests: dict) -> GrammarOutput | None:
+        """The bitmask of `so`'s constrained rows whose grammar applies, from their matchers' state
+        now (every earlier token accepted)."""
+        rows, matchers = [], []
+        for i, rid in enumerate(so.req_ids):
+            req = requests.get(rid)
+            g = req.grammar if req is not None else None
+            if g is not None and g.active and g.matcher is not None and not g.matcher.is_terminated():
+                rows.append(i)
+                matchers.append(g.matcher)
+        if not rows:
+            return None
+        bitmask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return GrammarOutput(rows, *_distinct_rows(bitmask))
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _distinct_rows(bitmask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(distinct rows, which of them each row is): requests in the same grammar state (inside a
+    JSON string, say) share one row, so a step of 256 such requests sends ~1 row, not 5 MB.
+    Rows are told apart by a sample of their words, then checked whole."""
+    if len(bitmask) < 8:
+        return bitmask, None
+    sample = np.ascontiguousarray(bitmask[:, ::37])
+    _, first, which = np.unique(sample.view(np.dtype((np.void, sample.shape[1] * 4))).ravel(),
+                                return_index=True, return_inverse=True)
+    if len(first) == len(bitmask):
+        return bitmask, None
+    distinct = bitmask[first]
+    if not np.array_equal(distinct[which], bitmask):   # rows that differ outside the sample
+        return bitmask, None
+    return distinct, which.astype(np.int32)
+
+
+def _rfind(ids: list[int], pattern: list[int]) -> int:
+    n = len(pattern)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i:i + n] == pattern:
+            return i
+    return -1

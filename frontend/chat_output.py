@@ -1,0 +1,124 @@
+"""One chat choice's text -> the assistant message's reasoning_content, content and tool_calls,
+whole (`message()`) or as stream deltas (`add()` per piece of text, then `finish()`).
+
+How tools are used (`ToolUse.mode`): "none" (text only), "auto" (the model's own tool-call
+syntax, read by a tool parser), "required" (the grammar made the content a JSON array of
+{"name", "parameters"}), "named" (the grammar made the content the named tool's arguments).
+With a reasoning parser, only what follows the thinking is content.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from frontend.reasoning import ReasoningParser
+from frontend.tool_parsers import ToolCall, ToolParser
+
+
+@dataclass
+class ToolUse:
+    mode: str = "none"                 # none | auto | required | named
+    name: str | None = None            # the named tool
+    parser: ToolParser | None = None   # auto
+
+
+class ChatOutput:
+    def __init__(self, tools: ToolUse, reasoning: ReasoningParser | None):
+        self.tools = tools
+        self.reasoning = reasoning
+        self.text = ""
+        self._sent_reasoning = 0
+        self._sent_content = 0
+        self._named: ToolCall | None = None    # the named call, streamed as argument deltas
+        self.tool_calls: list[ToolCall] = []
+
+    def _parts(self, final: bool) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", self.text
+        reasoning, content = self.reasoning.split(self.text, final)
+        return reasoning or "", content or ""
+
+    # ------------------------------------------------------------ whole
+
+    def message(self) -> dict:
+        reasoning, content = self._parts(final=True)
+        msg: dict = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        self.tool_calls = self._calls(content)
+        if self.tool_calls:
+            msg["content"] = self._content_outside_calls(content)
+            msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return msg
+
+    def _calls(self, content: str) -> list[ToolCall]:
+        mode = self.tools.mode
+        if mode == "auto":
+            return self.tools.parser.extract(content)[1]
+        if mode == "named":
+            return [ToolCall(self.tools.name, content.strip())] if content.strip() else []
+        if mode == "required":
+            try:
+                calls = json.loads(content)
+                return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+            except (ValueError, KeyError, TypeError):
+                return []   # cut short (max_tokens): the text stays content
+        return []
+
+    def _content_outside_calls(self, content: str) -> str | None:
+        if self.tools.mode == "auto":
+            return self.tools.parser.extract(content)[0]
+        return None
+
+    # ------------------------------------------------------------ streamed
+
+    def add(self, text: str) -> dict:
+        """The delta fields (reasoning_content, content, tool_calls) that `text` makes sendable."""
+        self.text += text
+        return self._delta(final=False)
+
+    def finish(self) -> dict:
+        """The last delta: what was held back, and the tool calls parsed from the whole output."""
+        delta = self._delta(final=True)
+        _, content = self._parts(final=True)
+        mode = self.tools.mode
+        if mode in ("auto", "required"):
+            self.tool_calls = self._calls(content)
+            if self.tool_calls:
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(self.tool_calls)]
+            elif content[self._sent_content:]:
+                delta["content"] = delta.get("content", "") + content[self._sent_content:]
+                self._sent_content = len(content)
+        return delta
+
+    def _delta(self, final: bool) -> dict:
+        reasoning, content = self._parts(final)
+        delta: dict = {}
+        if len(reasoning) > self._sent_reasoning:
+            delta["reasoning_content"] = reasoning[self._sent_reasoning:]
+            self._sent_reasoning = len(reasoning)
+        mode = self.tools.mode
+        if mode == "named":
+            self._named_delta(content, delta)
+        elif mode != "required":   # required: the calls come whole at the end
+            plain = content if mode == "none" else self.tools.parser.plain_prefix(content, final)
+            if len(plain) > self._sent_content:
+                delta["content"] = plain[self._sent_content:]
+                self._sent_content = len(plain)
+        return delta
+
+    def _named_delta(self, content: str, delta: dict) -> None:
+        """The named tool's arguments stream as they are generated (OpenAI's tool_calls deltas)."""
+        new = content[self._sent_content:]
+        if not new:
+            return
+        self._sent_content = len(content)
+        if self._named is None:
+            self._named = ToolCall(self.tools.name, "")
+            self.tool_calls = [self._named]
+            call = self._named.to_openai(0)
+            call["function"]["arguments"] = new
+            delta["tool_calls"] = [call]
+        else:
+            delta["tool_calls"] = [{"index": 0, "function": {"arguments": new}}]
+        self._named.arguments = content

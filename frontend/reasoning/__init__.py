@@ -1,0 +1,53 @@
+"""Reasoning parsers: the model's thinking (<think>...</think>) -> reasoning_content
+(`--reasoning-parser NAME`; vLLM's names)."""
+from __future__ import annotations
+
+from frontend.tool_parsers.abstract import held_prefix
+
+
+class ReasoningParser:
+    """Splits an output into (reasoning, content). `split(text, final=False)` may be called on an
+    output still growing: it holds back an end that could still become a tag."""
+    start = "<think>"
+    end = "</think>"
+    # with no </think> in a finished output: all reasoning (deepseek_r1) or all content (qwen3)
+    unclosed_is_reasoning = True
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        i = text.find(self.end)
+        if i >= 0:
+            reasoning = text[:i]
+            j = reasoning.find(self.start)
+            if j >= 0 and not reasoning[:j].strip():
+                reasoning = reasoning[j + len(self.start):]
+            return reasoning, text[i + len(self.end):]
+        if final:
+            body = text.lstrip()
+            if self.unclosed_is_reasoning:
+                return (body[len(self.start):] if body.startswith(self.start) else text), None
+            return None, text
+        return self._open(text)
+
+    def _open(self, text: str) -> tuple[str | None, str | None]:
+        body = text.lstrip()
+        if body.startswith(self.start):
+            return held_prefix(body[len(self.start):], self.end), None
+        if self.start.startswith(body):
+            return None, None          # maybe the start of <think>: wait
+        if self.unclosed_is_reasoning:
+            return held_prefix(text, self.end), None
+        return None, text
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3 opens with <think> itself when thinking (and not at all with enable_thinking=False)."""
+    unclosed_is_reasoning = False
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1's template opens <think> in the prompt: the output starts inside the thinking."""
+    unclosed_is_reasoning = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3ReasoningParser,
+                                                       "deepseek_r1": DeepSeekR1ReasoningParser}

@@ -1,0 +1,11 @@
+"""Tool parsers: the model's own tool-call syntax -> OpenAI tool calls (tool_choice "auto",
+`--enable-auto-tool-choice --tool-call-parser NAME`; vLLM's parser names)."""
+from __future__ import annotations
+
+from frontend.tool_parsers.abstract import ToolCall, ToolParser
+from frontend.tool_parsers.hermes import HermesToolParser
+from frontend.tool_parsers.llama3_json import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+__all__ = ["TOOL_PARSERS", "ToolCall", "ToolParser"]

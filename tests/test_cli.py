@@ -1,0 +1,91 @@
+"""The `loom` command line: every flag documented (help, default shown, choices where they apply);
+configuration mistakes are one line on stderr and exit status 2, with no traceback."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from frontend import cli
+from tests.conftest import ROOT
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "loom"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def _root_parser() -> argparse.ArgumentParser:
+    built = {}
+
+    class _Stop(Exception):
+        pass
+
+    def capture(self, *args, **kwargs):
+        built["parser"] = self
+        raise _Stop
+
+    orig = cli.LoomParser.parse_args
+    cli.LoomParser.parse_args = capture
+    try:
+        cli.main([])
+    except _Stop:
+        pass
+    finally:
+        cli.LoomParser.parse_args = orig
+    return built["parser"]
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    names, missing = [], []
+    for name, parser in _parsers(_root_parser()):
+        names.append(name)
+        fmt = parser._get_formatter()
+        for a in parser._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not a.help:
+                missing.append(f"{name} {a.option_strings or a.dest}: no help")
+            elif a.option_strings and "%(default)" not in fmt._get_help_string(a):
+                missing.append(f"{name} {a.option_strings}: default not shown")
+    assert {"loom serve", "loom demo-model", "loom bench throughput", "loom bench serve"} <= set(names), names
+    assert not missing, "\n".join(missing)
+    serve = dict(_parsers(_root_parser()))["loom serve"]
+    choices = {a.dest: a.choices for a in serve._actions}
+    assert set(choices["dtype"]) >= {"auto", "bfloat16", "float16", "float32"} and choices["device"]
+
+
+def _loom(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frontend.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_mistyped_dtype_is_one_line(tiny_model_dir):
+    line = _one_line(_loom("serve", tiny_model_dir, "--dtype", "bfloat61"))
+    assert "--dtype" in line and "bfloat61" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line(tiny_model_dir):
+    line = _one_line(_loom("serve", tiny_model_dir, "--device", "cuda"))
+    assert "--device cuda" in line and "GPU" in line
+    line = _one_line(_loom("bench", "latency", "--model", tiny_model_dir, "--device", "cuda"))
+    assert "--device cuda" in line
+
+
+def test_config_error_is_one_line(tiny_model_dir):
+    line = _one_line(_loom("serve", tiny_model_dir, "--max-model-len", "100000"))
+    assert "--max-model-len" in line

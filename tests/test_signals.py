@@ -1,0 +1,165 @@
+"""Signals and health of a real `loom serve`: SIGTERM to any child during 50 streams ends
+`loom serve` non-zero at once and every stream with an error event (no hangs, no truncated
+bodies); SIGTERM to `loom serve` drains (--shutdown-timeout); /health follows the engine's
+heartbeat (SIGSTOP); a SIGKILLed `loom serve` leaves nothing behind."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import tempfile
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from tests.conftest import child_pids, shm_entries
+
+STREAMS = 50
+
+
+def _procs(server) -> dict[str, int]:
+    """pids of the API server, the engine core (the child with a child) and its worker."""
+    out = {}
+    for pid in child_pids(server.proc.pid):
+        kids = child_pids(pid)
+        if kids:
+            out["engine"], out["worker"] = pid, kids[0]
+        else:
+            out["api_server"] = pid
+    return out
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Event | None,
+                  counter: list) -> str:
+    """One streaming completion: 'finished' (a finish_reason, then [DONE]), 'error' (an error event,
+    then [DONE]), 'refused' (an HTTP error), 'reset' (the connection died) or 'truncated' (the body
+    ended without [DONE])."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return "refused"
+            async for line in r.content:
+                line = line.strip()
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 1:
+                    counter[0] += 1
+                    if started is not None and counter[0] >= STREAMS:
+                        started.set()
+    except (aiohttp.ClientError, ConnectionError):
+        return "reset"
+    if not events or events[-1] != b"data: [DONE]":
+        return "truncated"
+    last = json.loads(events[-2][6:]) if len(events) > 1 else {}
+    if "error" in last:
+        return "error"
+    return "finished" if last.get("choices", [{}])[0].get("finish_reason") else "truncated"
+
+
+async def _during_streams(url: str, act, max_tokens: int = 480, extra=None, timeout: float = 30.0):
+    """Start STREAMS streams; once every one has produced output, call act(); the outcomes."""
+    started, counter = asyncio.Event(), [0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        tasks = [asyncio.create_task(_stream(session, url, max_tokens, started, counter)) for _ in range(STREAMS)]
+        if extra is not None:
+            tasks += [asyncio.create_task(c(session)) for c in extra]
+        await asyncio.wait_for(started.wait(), 60)
+        result = await act(session)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout)
+    return result, outcomes
+
+
+@pytest.mark.parametrize("victim", ["api_server", "engine", "worker"])
+def test_sigterm_to_a_child_ends_loom_serve(tiny_model_dir, start_server, victim):
+    server = start_server(tiny_model_dir, "--max-model-len", "512")
+    pid = _procs(server)[victim]
+
+    async def act(session):
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        while server.proc.poll() is None and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        return time.monotonic() - t0
+
+    took, outcomes = asyncio.run(_during_streams(server.url, act))
+    assert server.proc.returncode not in (0, None), server.proc.returncode
+    assert took < 1.5, f"loom serve took {took:.2f}s to exit after SIGTERM to the {victim}"
+    assert all(o in ("error", "finished") for o in outcomes), outcomes   # no hang, no truncated body
+    assert outcomes.count("error") > STREAMS // 2, outcomes
+
+
+def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, start_server):
+    server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "3")
+    engine = _procs(server)["engine"]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while requests.get(server.url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 with the engine stopped"
+            time.sleep(0.25)
+        assert "heartbeat" in requests.get(server.url + "/health", timeout=5).text
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while requests.get(server.url + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "/health did not come back after SIGCONT"
+        time.sleep(0.25)
+
+    # SIGTERM to loom serve: short streams finish, long ones end with an error event and [DONE],
+    # a long non-streaming request gets a 503 body, and new requests are refused.
+    async def short(session):
+        return await _stream(session, server.url, 8, None, [0])
+
+    async def long_plain(session):
+        async with session.post(server.url + "/v1/completions",
+                                json={"prompt": "Hi", "max_tokens": 480, "ignore_eos": True}) as r:
+            return r.status, await r.json()
+
+    async def act(session):
+        shorts = [asyncio.create_task(short(session)) for _ in range(5)]
+        plain = asyncio.create_task(long_plain(session))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        async with session.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as r:
+            refused = r.status
+        while server.proc.poll() is None and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.05)
+        return await asyncio.gather(*shorts), await plain, refused, time.monotonic() - t0
+
+    (shorts, plain, refused, took), outcomes = asyncio.run(_during_streams(server.url, act))
+    assert server.proc.returncode == 0
+    assert shorts == ["finished"] * 5
+    assert refused == 503
+    assert plain[0] == 503 and "shutting down" in plain[1]["error"]["message"], plain
+    assert set(outcomes) <= {"error", "finished"} and "error" in outcomes, outcomes
+    assert 3 <= took < 8, took
+
+
+def test_sigkill_of_loom_serve_leaves_nothing(tiny_model_dir, start_server):
+    """Its children see the death pipe close: they remove the socket and metrics directories."""
+    tmp_path = tempfile.mkdtemp(prefix="lt-", dir="/tmp")   # short: ipc:// paths are at most 107 bytes
+    server = start_server(tiny_model_dir, "--max-model-len", "128", env={"TMPDIR": str(tmp_path)})
+    made = sorted(os.listdir(tmp_path))
+    assert any(n.startswith("loom-ipc-") for n in made) and any(n.startswith("loom-metrics-") for n in made), made
+    pids = [str(p) for p in _procs(server).values()]
+    ours = lambda: {n for n in shm_entries() if any(p in n for p in pids)}   # segment names carry their maker's pid
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not server.descendants() and not os.listdir(tmp_path) and not ours():
+            os.rmdir(tmp_path)
+            return
+        time.sleep(0.2)
+    assert not server.descendants(), "processes left behind"
+    assert not ours(), ours()
+    assert not os.listdir(tmp_path), f"left behind: {os.listdir(tmp_path)}"
+    os.rmdir(tmp_path)

@@ -1,0 +1,122 @@
+"""Structured outputs in the engine: offline SamplingParams(structured_outputs=...), identical
+output with async scheduling on and off (the deferred sampling of a step whose bitmask needs
+the previous step's tokens), free requests untouched in a mixed batch, a constraint that does
+not compile failing alone in the engine, and the grammar starting after the thinking."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}}, "required": ["word", "n", "ok"]}
+REGEX = r"\d{2}-[xyz]{1,3}"
+FREE = ["Beautiful is better than", "The quick brown fox", "Hello world! How"]
+
+
+def _requests():
+    prompts, params = [], []
+    for seed in range(3):
+        prompts.append("Tell me a story")
+        params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                                     structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    prompts.append("Count")
+    params.append(SamplingParams(temperature=0.8, seed=5, max_tokens=20,
+                                 structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    for p in FREE:
+        prompts.append(p)
+        params.append(SamplingParams(temperature=0, max_tokens=24))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir):
+    """(outputs with async scheduling, outputs without, solo greedy outputs of FREE)."""
+    from frontend.llm import LLM
+    prompts, params = _requests()
+    out = {}
+    for async_scheduling in (True, False):
+        with LLM(tiny_model_dir, async_scheduling=async_scheduling, max_model_len=256) as llm:
+            out[async_scheduling] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if async_scheduling:
+                out["solo"] = [llm.generate([p], SamplingParams(temperature=0, max_tokens=24),
+                                            use_tqdm=False)[0].outputs[0].text for p in FREE]
+                bad = llm.generate(["x", "y"], [SamplingParams(max_tokens=4, structured_outputs=
+                                                               StructuredOutputsParams(regex="[0-9")),
+                                                SamplingParams(max_tokens=4, temperature=0)], use_tqdm=False)
+                out["bad"] = [o.outputs[0] for o in bad]
+    return out
+
+
+def test_constrained_outputs_are_valid(results):
+    outs = results[True]
+    for o in outs[:3]:
+        assert o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert re.fullmatch(REGEX, outs[3].text) and outs[3].finish_reason == "stop"
+
+
+def test_async_scheduling_on_and_off_identical(results):
+    on, off = results[True], results[False]
+    assert [(o.token_ids, o.finish_reason) for o in on] == [(o.token_ids, o.finish_reason) for o in off]
+
+
+def test_free_requests_in_mixed_batch_equal_solo(results):
+    assert [o.text for o in results[True][4:]] == results["solo"]
+    assert [o.text for o in results[False][4:]] == results["solo"]
+
+
+def test_constraint_that_does_not_compile_fails_alone_in_the_engine(results):
+    bad, good = results["bad"]
+    assert bad.finish_reason == "error" and "does not compile" in str(bad.stop_reason)
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
+
+
+def test_grammar_applies_after_thinking(tiny_model_dir):
+    """With --reasoning-parser, a request's matcher starts once </think> has been generated
+    (or when the prompt already closed the thinking)."""
+    from engine_core.request import Request
+    from engine_core.structured_output import StructuredOutputManager
+    from ipc.config import EngineConfig
+    from ipc.messages import EngineCoreRequest, SchedulerOutput, CachedRequestData
+    from transformers import AutoTokenizer
+    config = EngineConfig(model=tiny_model_dir, reasoning_parser="qwen3").resolve()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    manager = StructuredOutputManager(config)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+
+    def new(rid, prompt):
+        req = Request(EngineCoreRequest(rid, tok.encode(prompt), params, config.eos_token_ids), 256, 0)
+        manager.add_request(req)
+        deadline = time.monotonic() + 60
+        while not manager.ready(req):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return req
+
+    def rows(*reqs):
+        so = SchedulerOutput([], CachedRequestData(), [r.request_id for r in reqs], [1] * len(reqs), len(reqs))
+        g = manager.grammar_bitmask(so, {r.request_id: r for r in reqs})
+        return [] if g is None else g.rows
+
+    thinking = new("a", "Question?")
+    closed = new("b", "Question? <think>no</think>")
+    assert not thinking.grammar.active and closed.grammar.active
+    assert rows(thinking, closed) == [1]
+    for t in tok.encode("<think>let me see"):
+        thinking.output_token_ids.append(t)
+        assert not manager.accept(thinking, t)
+    assert rows(thinking) == []
+    for t in tok.encode("</think>"):
+        thinking.output_token_ids.append(t)
+        manager.accept(thinking, t)
+    assert thinking.grammar.active and rows(thinking) == [0]
+    ended = [manager.accept(thinking, t) for t in tok.encode("yes") + config.eos_token_ids]
+    assert ended[-1] and not any(ended[:-1])
+    manager.shutdown()

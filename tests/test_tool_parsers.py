@@ -1,0 +1,165 @@
+"""Tool parsers, reasoning parsers and the chat output assembly, on text (no server)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend.chat_output import ChatOutput, ToolUse
+from frontend.reasoning import REASONING_PARSERS
+from frontend.tool_parsers import TOOL_PARSERS
+
+
+def test_hermes_extracts_calls_and_content():
+    p = TOOL_PARSERS["hermes"]()
+    text = ('I will look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    content, calls = p.extract(text)
+    assert content == "I will look. "
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"}), ("add", {"a": 1})]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
+    assert p.extract("no calls here") == ("no calls here", [])
+    assert p.extract("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
+    # an unclosed block at the end (max_tokens after the JSON) still parses, as in vLLM
+    assert p.extract('<tool_call>{"name": "f", "arguments": {}}')[1][0].name == "f"
+
+
+def test_hermes_streaming_holds_back_the_marker():
+    p = TOOL_PARSERS["hermes"]()
+    assert p.plain_prefix("Hello <tool", final=False) == "Hello "
+    assert p.plain_prefix("Hello <tool_call>{", final=False) == "Hello "
+    assert p.plain_prefix("Hello <b>", final=False) == "Hello <b>"
+    assert p.plain_prefix("Hello <tool", final=True) == "Hello <tool"
+
+
+def test_llama3_json():
+    p = TOOL_PARSERS["llama3_json"]()
+    content, calls = p.extract('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {}}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
+    assert p.extract("Just text.") == ("Just text.", [])
+    assert p.extract('{"not a call": 1}') == ('{"not a call": 1}', [])
+    assert p.plain_prefix('{"name"', final=False) == "" and p.plain_prefix("Hi", final=False) == "Hi"
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("qwen3", "<think>\nhmm\n</think>\n\nAnswer", ("\nhmm\n", "\n\nAnswer")),
+    ("qwen3", "Answer only", (None, "Answer only")),
+    ("deepseek_r1", "hmm</think>Answer", ("hmm", "Answer")),
+    ("deepseek_r1", "still thinking", ("still thinking", None)),
+])
+def test_reasoning_split(name, text, expected):
+    assert REASONING_PARSERS[name]().split(text, final=True) == expected
+
+
+def _stream(out: ChatOutput, text: str, step: int = 3) -> dict:
+    """Feed text in pieces; the deltas joined per field."""
+    got: dict = {"reasoning_content": "", "content": "", "tool_calls": []}
+
+    def take(delta):
+        for k, v in delta.items():
+            if k == "tool_calls":
+                got[k].extend(v)
+            else:
+                got[k] += v
+    for i in range(0, len(text), step):
+        take(out.add(text[i:i + step]))
+    take(out.finish())
+    return got
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 100])
+def test_streamed_reasoning_and_tool_calls_equal_the_whole_message(step):
+    text = ('<think>Should I call? Yes.</think>Calling now. <tool_call>{"name": "add", "arguments": {"a": 1, '
+            '"b": true}}</tool_call>')
+    whole = ChatOutput(ToolUse("auto", parser=TOOL_PARSERS["hermes"]()), REASONING_PARSERS["qwen3"]())
+    whole.text = text
+    msg = whole.message()
+    got = _stream(ChatOutput(ToolUse("auto", parser=TOOL_PARSERS["hermes"]()), REASONING_PARSERS["qwen3"]()), text,
+                  step)
+    assert msg["reasoning_content"] == got["reasoning_content"] == "Should I call? Yes."
+    assert msg["content"] == got["content"] == "Calling now. "
+    assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in got["tool_calls"]]
+    assert got["tool_calls"][0]["index"] == 0 and got["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_required_and_named_outputs():
+    out = ChatOutput(ToolUse("required"), None)
+    out.text = '[{"name": "add", "parameters": {"a": 1, "b": false}}, {"name": "f", "parameters": {}}]'
+    msg = out.message()
+    assert msg["content"] is None and [c["function"]["name"] for c in msg["tool_calls"]] == ["add", "f"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": False}
+    named = ChatOutput(ToolUse("named", name="add"), None)
+    got = _stream(named, '{"a": 1, "b": true}', 4)
+    assert got["content"] == "" and len({c.get("id") for c in got["tool_calls"]} - {None}) == 1
+    assert "".join(c["function"]["arguments"] for c in got["tool_calls"]) == '{"a": 1, "b": true}'
+    assert got["tool_calls"][0]["function"]["name"] == "add"
+
+
+# ------------------------------------------------------------------ through the API server (scripted engine)
+
+class _ScriptedLLM:
+    """Stands in for AsyncLLM: every request's output is SCRIPT, one character per token."""
+    SCRIPT = ('<think>Weather needs a tool.</think>Checking. <tool_call>{"name": "get_weather", '
+              '"arguments": {"city": "Rome"}}</tool_call>')
+
+    def __init__(self, **config):
+        from ipc.config import EngineConfig
+        from tests.test_api_server import FakeTokenizer
+        self.config = EngineConfig(model="fake", max_model_len=4096, vocab_size=1000, **config)
+        self.tokenizer = FakeTokenizer()
+        self.client_index = 0
+        self.dead_reason = None
+        self.is_dead = False
+
+    async def generate(self, prompt_token_ids, params, request_id):
+        from frontend.outputs import CompletionOutput, RequestOutput
+        for i, ch in enumerate(self.SCRIPT):
+            last = i == len(self.SCRIPT) - 1
+            yield RequestOutput(request_id, None, prompt_token_ids,
+                                [CompletionOutput(0, ch, [ord(ch) % 1000], "stop" if last else None)], finished=last)
+
+    async def abort(self, request_id):
+        pass
+
+
+def test_reasoning_and_auto_tool_calls_through_the_api_server():
+    """--reasoning-parser qwen3 with --tool-call-parser hermes: reasoning_content, content and
+    tool_calls, whole and streamed (OpenAI's deltas), and the invocation counter."""
+    from tests.conftest import run_fake
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+        deltas = []
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    deltas.append(json.loads(line[6:]))
+        async with session.get(url + "/metrics") as r:
+            metrics = await r.text()
+        return whole, deltas, metrics
+
+    whole, deltas, metrics = run_fake(_ScriptedLLM(reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                                                   tool_call_parser="hermes"), scenario)
+    [choice] = whole["choices"]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert msg["reasoning_content"] == "Weather needs a tool." and msg["content"] == "Checking. "
+    [call] = msg["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    got = {"reasoning_content": "", "content": "", "tool_calls": []}
+    finish = None
+    for d in deltas:
+        for c in d["choices"]:
+            finish = c["finish_reason"] or finish
+            for k in got:
+                v = c["delta"].get(k)
+                if v:
+                    got[k] = got[k] + v
+    assert finish == "tool_calls"
+    assert got["reasoning_content"] == msg["reasoning_content"] and got["content"] == msg["content"]
+    assert [c["function"] for c in got["tool_calls"]] == [call["function"]]
+    assert 'vllm:tool_call_parser_invocations_total{' in metrics
