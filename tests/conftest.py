@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models, real `loom serve` processes on free ports, cleanup checks."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -154,6 +155,23 @@ class Server:
             pass
         self.proc.wait(5)
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str, *args: str, timeout: float = 180.0):
+    """A healthy `loom serve` for a module-scoped fixture (`with running_server(...) as s: yield s`),
+    stopped at the end whatever happens."""
+    s = Server(model_dir, *args)
+    try:
+        s.wait_healthy(timeout)
+        yield s
+    finally:
+        s.stop()
+
+
+def openai_client(server: "Server", timeout: float = 60):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from ipc.config import EngineConfig
 from frontend.api_server import serve
 from frontend.errors import EngineDeadError
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from tests.conftest import run_fake
+from tests.conftest import openai_client, run_fake, running_server
 
 # ======================================================================= part 1: fake engine
 
@@ -253,17 +253,13 @@ def model_dir(model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--max-model-len", "128")
-    try:
-        s.wait_healthy(180)
+    with running_server(model_dir, "--max-model-len", "128") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -531,12 +527,8 @@ def test_bad_request_error_types(server, client, model_name):
 @pytest.fixture(scope="module")
 def aux_server(model_dir):
     """One request at a time: an un-aborted request would hold up the next one."""
-    s = Server(model_dir, "--api-key", "sekrit", "--max-num-seqs", "1", "--max-model-len", "512")
-    try:
-        s.wait_healthy(180)
+    with running_server(model_dir, "--api-key", "sekrit", "--max-num-seqs", "1", "--max-model-len", "512") as s:
         yield s
-    finally:
-        s.stop()
 
 
 AUTH = {"Authorization": "Bearer sekrit"}

@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import Server
+from tests.conftest import openai_client, running_server
 from tests.hf_oracle import hf_greedy, hf_logprobs
 
 MAX_MODEL_LEN = 256
@@ -24,18 +24,14 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['conten
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = Server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details",
-               "--enable-tokenizer-info-endpoint", "--trust-request-chat-template")
-    try:
-        s.wait_healthy(180)
+    with running_server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details",
+               "--enable-tokenizer-info-endpoint", "--trust-request-chat-template") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from engine_core.client import EngineCoreClient
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, run_fake
+from tests.conftest import ROOT, run_fake, running_server
 
 KEY = "hardening-key"
 MAX_MODEL_LEN = 256
@@ -32,13 +32,9 @@ BODY_LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = Server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-control-endpoints",
-               "--max-request-body-bytes", str(BODY_LIMIT))
-    try:
-        s.wait_healthy(180)
+    with running_server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--enable-control-endpoints",
+                        "--max-request-body-bytes", str(BODY_LIMIT)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

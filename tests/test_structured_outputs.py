@@ -16,7 +16,7 @@ import pydantic
 import pytest
 import requests
 
-from tests.conftest import Server
+from tests.conftest import openai_client, running_server
 
 # Qwen-like: tools in a system block, assistant tool calls as <tool_call> blocks, tool results
 TOOL_TEMPLATE = (
@@ -72,17 +72,13 @@ def model_dir(model_factory, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    try:
-        s.wait_healthy(180)
+    with running_server(model_dir, "--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, 120)
 
 
 @pytest.fixture(scope="module")
