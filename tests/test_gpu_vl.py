@@ -1,6 +1,7 @@
 """GPU: Qwen2.5-VL through the whole engine on CUDA (Triton kernels with 3-row M-RoPE
-positions, CUDA graphs for the decodes) against HF on the same device. fp32: token-exact;
-bf16: the same first tokens (rounding differs between any two bf16 implementations)."""
+positions, CUDA graphs for the decodes) against HF on the same device. fp32 on a random tiny
+model: token-exact. bf16: on the trained vision demo model, every answer token equal to HF's
+bf16 (a random model's near-ties flip under any two bf16 roundings, as for the text models)."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def _hf_on_gpu(model_dir, prompt, images, max_new, dtype):
         del _HF[model_dir]
 
 
-@pytest.mark.parametrize("dtype,exact", [("float32", 12), ("bfloat16", 4)])
+@pytest.mark.parametrize("dtype,exact", [("float32", 12)])
 def test_qwen2_5_vl_on_gpu_matches_hf(tmp_path, dtype, exact):
     d = make_tiny_qwen2_5_vl(str(tmp_path))
     cases = [(f"<|im_start|>user\n{IMG}Describe it.<|im_end|>\n<|im_start|>assistant\n", [random_image(60, 120, 90)]),
@@ -41,3 +42,20 @@ def test_qwen2_5_vl_on_gpu_matches_hf(tmp_path, dtype, exact):
         ids, ref = _hf_on_gpu(d, p, imgs, 12, getattr(torch, dtype))
         assert o.prompt_token_ids == ids
         assert o.outputs[0].token_ids[:exact] == ref[:exact]
+
+
+def test_vision_demo_bf16_on_gpu_matches_hf(tmp_path):
+    from frontend.demo_vision_model import _chat, build_demo_vision_model, draw_shape
+    d = str(tmp_path / "demo-vision")
+    build_demo_vision_model(d, steps=150)
+    cases = [(_chat(q)[0], [draw_shape(shape, colour, rng=__import__("random").Random(i))])
+             for i, (shape, colour) in enumerate([("circle", "red"), ("square", "blue"), ("triangle", "green"),
+                                                  ("circle", "yellow")])
+             for q in (f"What colour is the {shape}?", "What is this?")]
+    with LLM(d, max_model_len=256, max_num_seqs=8, dtype="bfloat16") as llm:
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": i}} for p, i in cases],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for (p, imgs), o in zip(cases, outs):
+        ids, ref = _hf_on_gpu(d, p, imgs, 6, torch.bfloat16)  # HF stops at <|im_end|>, inclusive
+        assert o.prompt_token_ids == ids
+        assert o.outputs[0].token_ids[:len(ref)] == ref, (p, o.outputs[0].token_ids, ref)
