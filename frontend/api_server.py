@@ -136,13 +136,18 @@ class OpenAIServer:
                                if fmt == "auto" else fmt)
         parser = getattr(self.config, "reasoning_parser", None)
         self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
+        # Counted in the API server, which does not track the engine a request ran on: with one
+        # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
+        self.tool_parser_engine = "0" if getattr(self.config, "data_parallel_size", 1) == 1 else "all"
         self.tool_parser_invocations = Builder().counter(
             "vllm:tool_call_parser_invocations", "Total number of ToolParser invocations. Non-streaming increments "
-            "once per choice; streaming increments once per delta.", ("model_name", "mode", "outcome", "request_type"))
+            "once per choice; streaming increments once per delta.",
+            ("model_name", "engine", "mode", "outcome", "request_type"))
         for mode in ("streaming", "non_streaming"):
             for outcome in ("tool_call", "no_tool_call"):
                 for request_type in ("chat_completions", "responses", "other"):
-                    self.tool_parser_invocations.labels(self.model_name, mode, outcome, request_type)
+                    self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine, mode, outcome,
+                                                        request_type)
 
     # ------------------------------------------------------------ plumbing
 
@@ -404,7 +409,8 @@ class OpenAIServer:
             return
         called = bool(output.tool_calls) or (streaming and output.tools.parser.plain_prefix(output.text, False)
                                               != output.text)
-        self.tool_parser_invocations.labels(self.model_name, "streaming" if streaming else "non_streaming",
+        self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
+                                            "streaming" if streaming else "non_streaming",
                                             "tool_call" if called else "no_tool_call", "chat_completions").inc()
 
     def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:

@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 
 import zmq
 
@@ -15,8 +16,15 @@ def make_ipc_dir() -> str:
 
 
 def remove_ipc_dir(path: str | None) -> None:
-    if path:
+    """Remove the directory; retried for up to a second, because a child still exiting can add a
+    socket file while rmtree walks it (rmdir then fails with ENOTEMPTY)."""
+    if not path:
+        return
+    for _ in range(50):
         shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.02)
 
 
 def ipc_address(ipc_dir: str, name: str) -> str:

@@ -228,7 +228,8 @@ def test_serve_refuses_in_one_line_with_exit_2(tmp_path, tiny_model_dir):
                    "num_key_value_heads": 2, "intermediate_size": 64}, f)
     cases = [([str(tmp_path), "-tp", "4", "--device", "cpu"], "does not divide the model's 6 attention heads")]
     if not torch_cuda_count():
-        cases.append(([tiny_model_dir, "-tp", "2", "--device", "cuda"], "needs 2 GPUs"))
+        # no GPU at all: the device check speaks first (ipc/config.py check_device)
+        cases.append(([tiny_model_dir, "-tp", "2", "--device", "cuda"], "no CUDA GPU is visible"))
     for args, message in cases:
         r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120)
