@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -221,7 +223,6 @@ def _orphan_shm(before: set[str]) -> set[str]:
 
 
 def test_killing_one_engine_core_ends_serve(model_factory):
-    import shutil
     import tempfile
     model = model_factory("qwen3")
     tmp = tempfile.mkdtemp(prefix="dp")   # the run's ipc and metrics directories land here, apart from others'
@@ -255,8 +256,10 @@ def test_killing_one_engine_core_ends_serve(model_factory):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _headless_rank(model: str, rpc_port: int, key: str | None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str) -> subprocess.Popen:
+    """A headless rank 1 in its own TMPDIR: the test SIGKILLs its whole process group at once (a lost
+    node), so nothing of it is left to remove its socket directory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmpdir}
     env.pop("LOOM_ENGINE_AUTH_KEY", None)
     return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", model, "--headless",
                              "--data-parallel-size", "2", "--data-parallel-start-rank", "1",
@@ -281,7 +284,8 @@ def test_two_nodes_on_loopback(model_factory):
     head = Server(model, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
                   "--data-parallel-rpc-port", str(rpc_port), "--api-server-count", "1", "--max-model-len", "256",
                   env={"OMP_NUM_THREADS": "1", "LOOM_ENGINE_AUTH_KEY": KEY})
-    remote = _headless_rank(model, rpc_port, KEY)
+    remote_tmp = tempfile.mkdtemp(prefix="dp-remote-")
+    remote = _headless_rank(model, rpc_port, KEY, remote_tmp)
     try:
         head.wait_healthy()
         prompts = _prompts(2)
@@ -300,6 +304,7 @@ def test_two_nodes_on_loopback(model_factory):
     finally:
         _kill_group(remote)
         head.stop()
+        shutil.rmtree(remote_tmp, ignore_errors=True)
 
 
 def test_offline_llm_splits_requests(model_factory):
