@@ -17,7 +17,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
-from ipc.procs import start_process, stop_processes
+from ipc.procs import catch_stop_signals, start_process, stop_processes
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import ipc_address, make_socket
 
@@ -286,7 +286,6 @@ def serve_secondary_node(config: EngineConfig) -> int:
     [R * local, (R + 1) * local). They read the steps from node 0's XPUB, reply to its PULL and
     join the group at its rendezvous. Returns when a worker exits (non-zero: the engine is gone
     or a worker failed) or on SIGTERM / Ctrl-C (0)."""
-    import signal
     from workers.distributed import Rendezvous
     from workers.worker import run_worker
     nodes = Nodes(config)
@@ -295,18 +294,12 @@ def serve_secondary_node(config: EngineConfig) -> int:
     procs = [start_process(run_worker, f"loom-worker-{rank}",
                            (rank, rank - first, config.to_dict(), nodes.remote_handle(), nodes.reply_address, rdv))
              for rank in range(first, first + nodes.local)]
-    stopping = False
-
-    def _on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop = catch_stop_signals()
     logger.info("node %d: workers %d..%d started; node 0 at %s", nodes.node_rank, first,
                 first + nodes.local - 1, nodes.addr)
     code = 0
     try:
-        while not stopping:
+        while not stop.is_set():
             wait_sentinels([p.sentinel for p in procs], timeout=0.2)
             dead = [p for p in procs if not p.is_alive()]
             if dead:

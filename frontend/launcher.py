@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -28,7 +27,7 @@ from engine_core.core import check_handshake_security
 from engine_core.dp_coordinator import DPCoordinator
 from frontend.cli import engine_config_from_args
 from frontend.dp_layout import DPLayout
-from ipc.procs import request_drain, start_process, stop_processes
+from ipc.procs import catch_stop_signals, request_drain, start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
@@ -144,19 +143,13 @@ def serve(args: argparse.Namespace) -> int:
         listen.close()  # the API servers hold it now
     children = engines + servers
 
-    stopping = False
-
-    def _on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop = catch_stop_signals()
     code = 0
     try:
-        while not stopping:
+        while not stop.is_set():
             wait([p.sentinel for p in children], timeout=_POLL_S)
             dead = [p for p in children if not p.is_alive()]
-            if dead and not stopping:
+            if dead and not stop.is_set():
                 for p in dead:
                     logger.error("%s exited with code %s; shutting down", p.name, p.exitcode)
                 code = 1

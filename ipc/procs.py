@@ -102,3 +102,12 @@ def stop_processes(procs: list[BaseProcess], timeout: float = 5.0) -> None:
             logger.warning("%s did not stop in %.0fs; killing it", p.name, timeout)
             p.kill()
             p.join(2)
+
+
+def catch_stop_signals() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event: a parent's watch loop then stops its children
+    in order, instead of dying in the middle of it."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    return stop

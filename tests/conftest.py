@@ -74,6 +74,18 @@ def child_pids(pid: int, trackers: bool = False) -> list[int]:
     return kids if trackers else [k for k in kids if not _is_resource_tracker(k)]
 
 
+def serve_processes(server) -> dict[str, int]:
+    """pids of a `loom serve`'s API server, engine core (the child with a child) and its worker."""
+    out = {}
+    for pid in child_pids(server.proc.pid):
+        kids = child_pids(pid)
+        if kids:
+            out["engine"], out["worker"] = pid, kids[0]
+        else:
+            out["api_server"] = pid
+    return out
+
+
 def _is_resource_tracker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from tests.conftest import Server, child_pids
+from tests.conftest import Server, serve_processes
 from tests.test_multimodal_api import image_message, png_url
 from tests.tiny_vl_models import make_tiny_qwen2_5_vl, random_image
 
@@ -23,14 +23,7 @@ def vl_dir(tmp_path_factory):
 
 
 def _procs(server) -> dict[str, int]:
-    out = {"parent": server.proc.pid}
-    for pid in child_pids(server.proc.pid):
-        kids = child_pids(pid)
-        if kids:
-            out["engine"], out["worker"] = pid, kids[0]
-        else:
-            out["api_server"] = pid
-    return out
+    return {"parent": server.proc.pid, **serve_processes(server)}
 
 
 def _segments(run_id: str) -> list[str]:

@@ -15,21 +15,13 @@ import aiohttp
 import pytest
 import requests
 
-from tests.conftest import child_pids, shm_entries
+from tests.conftest import serve_processes, shm_entries
 
 STREAMS = 50
 
 
 def _procs(server) -> dict[str, int]:
-    """pids of the API server, the engine core (the child with a child) and its worker."""
-    out = {}
-    for pid in child_pids(server.proc.pid):
-        kids = child_pids(pid)
-        if kids:
-            out["engine"], out["worker"] = pid, kids[0]
-        else:
-            out["api_server"] = pid
-    return out
+    return serve_processes(server)
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Event | None,
