@@ -74,6 +74,22 @@ def child_pids(pid: int, trackers: bool = False) -> list[int]:
     return kids if trackers else [k for k in kids if not _is_resource_tracker(k)]
 
 
+def run_to_end(client, rid: str, prompt: list[int], params, eos=()):
+    """Send one request through an EngineCoreClient and read its outputs until it finishes:
+    (its tokens, its last EngineCoreOutput)."""
+    from ipc.messages import EngineCoreRequest
+    client.add_request(EngineCoreRequest(rid, prompt, params, list(eos)))
+    tokens = []
+    while True:
+        outs = client.get_outputs(timeout=60)
+        assert outs is not None, "no output within 60 s"
+        for o in outs.outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                if o.finish_reason:
+                    return tokens, o
+
+
 def serve_processes(server) -> dict[str, int]:
     """pids of a `loom serve`'s API server, engine core (the child with a child) and its worker."""
     out = {}

@@ -13,10 +13,9 @@ import pytest
 import requests
 
 from engine_core.client import EngineCoreClient, EngineDeadError
-from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, shm_entries
+from tests.conftest import ROOT, Server, run_to_end, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "s3cret-key"
@@ -24,17 +23,7 @@ PROMPTS = [[11, 12, 13, 14], [50, 60, 70], [101, 102, 103, 104, 105, 106]]
 
 
 def _generate(client: EngineCoreClient, rid: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
-    client.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                     ignore_eos=True)))
-    tokens: list[int] = []
-    while True:
-        outs = client.get_outputs(timeout=60)
-        assert outs is not None, "no output within 60 s"
-        for o in outs.outputs:
-            if o.request_id == rid:
-                tokens += o.new_token_ids
-                if o.finish_reason:
-                    return tokens
+    return run_to_end(client, rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
 
 
 def _attach(address: str, key: str | None = KEY, timeout: float = 120) -> EngineCoreClient:

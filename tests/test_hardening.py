@@ -20,10 +20,9 @@ import pytest
 import requests
 
 from engine_core.client import EngineCoreClient
-from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, run_fake, running_server
+from tests.conftest import ROOT, run_fake, run_to_end, running_server
 
 KEY = "hardening-key"
 MAX_MODEL_LEN = 256
@@ -274,23 +273,10 @@ def engine(tiny_model_dir):
             proc.kill()
 
 
-def _run(client: EngineCoreClient, rid: str, prompt, params: SamplingParams, eos=()):
-    client.add_request(EngineCoreRequest(rid, prompt, params, list(eos)))
-    tokens = []
-    while True:
-        outs = client.get_outputs(timeout=60)
-        assert outs is not None, "no output within 60 s"
-        for o in outs.outputs:
-            if o.request_id == rid:
-                tokens += o.new_token_ids
-                if o.finish_reason:
-                    return tokens, o
-
-
 def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     client, proc = engine
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
-    before, _ = _run(client, "before", [11, 12, 13, 14], SamplingParams(**greedy))
+    before, _ = run_to_end(client, "before", [11, 12, 13, 14], SamplingParams(**greedy))
     bad = [
         ("top_k", [11, 12], SamplingParams(top_k=2 ** 31), ()),
         ("top_k", [11, 12], SamplingParams(top_k=2 ** 63), ()),
@@ -316,7 +302,7 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
         ("prompt_logprobs", [11, 12], SamplingParams(prompt_logprobs=-2), ()),
     ]
     for i, (param, prompt, params, eos) in enumerate(bad):
-        tokens, out = _run(client, f"bad-{i}", prompt, params, eos)
+        tokens, out = run_to_end(client, f"bad-{i}", prompt, params, eos)
         if param == "seed" and params.seed == -2 ** 63:
             assert out.finish_reason == "length" and out.error is None, out
             continue
@@ -324,7 +310,7 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
         assert tokens == []
     assert proc.poll() is None
     assert client.call_utility("ping") == "pong"
-    after, _ = _run(client, "after", [11, 12, 13, 14], SamplingParams(**greedy))
+    after, _ = run_to_end(client, "after", [11, 12, 13, 14], SamplingParams(**greedy))
     assert after == before
     info = client.call_utility("debug_info")
     assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
