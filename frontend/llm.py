@@ -118,7 +118,7 @@ class LLM:
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
-                                                                     self.tokenizer))
+                                                                     self.tokenizer, final_only=True))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
             ids_out.append(rid)
@@ -175,13 +175,16 @@ class LLM:
             if outs.load is not None:
                 self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
-                self.stats.add(outs.scheduler_stats)
+                self.stats.add(outs.scheduler_stats, outs.engine_index)
+            states = self._states
             for out in outs.outputs:
-                entry = self._states.get(out.request_id)
+                entry = states.get(out.request_id)
                 if entry is None:
                     continue
                 result, st = entry
-                delta, abort = st.process(out)
+                delta, abort = st.process(out)   # None until the end for most (RequestState final_only)
+                if bar is not None:
+                    bar.add_tokens(len(out.new_token_ids))
                 if abort:
                     self.client.abort([out.request_id], outs.engine_index)
                 if delta is None:
@@ -191,8 +194,6 @@ class LLM:
                 choice.token_ids.extend(delta.token_ids)
                 if delta.logprobs is not None:
                     choice.logprobs = (choice.logprobs or []) + delta.logprobs
-                if bar is not None:
-                    bar.add_tokens(len(delta.token_ids))
                 if delta.finish_reason is None:
                     continue
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -307,17 +308,26 @@ class LLM:
 
 
 class EngineStatsTotals:
-    """Running totals of the per-step stats the engine sends."""
+    """Running totals of the per-step stats the engines send; per data-parallel engine, its steps,
+    output tokens and when its last step with output tokens arrived (perf_counter), which tell a
+    benchmark whether the engines or this process set the pace."""
 
     def __init__(self):
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
         self.steps = 0
+        self.engine_steps: dict[int, int] = {}
+        self.engine_tokens: dict[int, int] = {}
+        self.engine_last_output_at: dict[int, float] = {}
 
-    def add(self, s) -> None:
+    def add(self, s, engine: int = 0) -> None:
         self.steps += 1
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
+        self.engine_steps[engine] = self.engine_steps.get(engine, 0) + 1
+        if s.num_generation_tokens:
+            self.engine_tokens[engine] = self.engine_tokens.get(engine, 0) + s.num_generation_tokens
+            self.engine_last_output_at[engine] = time.perf_counter()
 
 
 def _engine_dir(ipc_dir: str, rank: int, n: int) -> str:
