@@ -122,8 +122,9 @@ class AsyncLLM:
 
     @property
     def engine_stalled(self) -> bool:
-        """The engine has sent nothing, not even its heartbeat, for ENGINE_STALL_S: it stopped stepping."""
-        return time.monotonic() - self.client.last_heard > ENGINE_STALL_S
+        """An engine (any data-parallel rank) has sent nothing, not even its heartbeat, for ENGINE_STALL_S:
+        it stopped stepping."""
+        return self.client.silent_for() > ENGINE_STALL_S
 
     @property
     def num_in_flight(self) -> int:

@@ -193,6 +193,35 @@ def test_control_calls_reach_every_engine(dp_server):
     assert requests.post(server.url + "/reset_prefix_cache", timeout=10).status_code == 200
 
 
+def _wait_health(sessions, url: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [s.get(url + "/health", timeout=5).status_code for s in sessions]
+        if got == [status] * len(sessions):
+            return
+        assert time.monotonic() < deadline, f"/health of the two API servers: {got}, expected {status}"
+        time.sleep(0.25)
+
+
+def test_health_follows_each_engines_heartbeat(dp_server):
+    """One engine core that stops stepping (SIGSTOP) while the other beats: /health is 503 on every
+    API server within the stall time (async_llm.ENGINE_STALL_S), and 200 again once it steps."""
+    from frontend.async_llm import ENGINE_STALL_S
+    _, server = dp_server
+    engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
+    assert len(engines) == 2
+    sessions = _sessions_on_two_servers(server.url)
+    _wait_health(sessions, server.url, 200, 10)
+    os.kill(engines[1], signal.SIGSTOP)
+    try:
+        _wait_health(sessions, server.url, 503, ENGINE_STALL_S + 10)
+        assert "stopped stepping" in sessions[0].get(server.url + "/health", timeout=5).text
+    finally:
+        os.kill(engines[1], signal.SIGCONT)
+    _wait_health(sessions, server.url, 200, 10)
+    assert _text(_complete(sessions[1], server.url, "hello", 1)) is not None
+
+
 def test_live_stats_line_per_engine():
     from prometheus_client import CollectorRegistry, Gauge
     from metrics.live_stats import LiveStatsLogger
