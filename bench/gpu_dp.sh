@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data parallelism on 2 GPUs (issue 15's targets, nvidia-h200-x2), in one device call (~5 min):
+# Data parallelism on 2 GPUs (issue 15's targets, nvidia-h200-x2), in one device call (~6 min):
 #   1. Qwen3-0.6B standard offline workload: `loom bench throughput --data-parallel-size 2` vs 1;
 #   2. `loom bench serve` at concurrency 512, 512 in / 256 out: DP=2 with 2 API servers vs DP=1.
 # Prints both ratios (targets >= 1.8x), and where the time went: for offline, the client process's
@@ -34,16 +34,16 @@ api_pids() {  # the API servers: children of loom serve without children (engine
 serve() {  # serve DP API_SERVERS: bench serve at c512, 512 in / 256 out
   local dp=$1 api=$2
   $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port $PORT --data-parallel-size "$dp" \
-    --api-server-count "$api" --disable-log-stats > "$OUT/server-dp$dp.log" 2>&1 & local pid=$!
+    --api-server-count "$api" --disable-log-stats > "$OUT/server-dp$dp-api$api.log" 2>&1 & local pid=$!
   for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
   local apis; apis=$(api_pids $pid); local t0=0 t1=0 p
   for p in $apis; do t0=$((t0 + $(ticks "$p"))); done
   local TIMEFORMAT="load generator ($LOADGEN_PROCS processes) CPU: %U s user + %S s sys in %R s"
   time (timeout 200 $LOOM bench serve --base-url http://127.0.0.1:$PORT --random-input-len 512 --random-output-len 256 \
-    --num-prompts "$NUM_PROMPTS" --max-concurrency 512 --result-file "$OUT/serve-dp$dp.json" --disable-tqdm \
-    --num-processes "$LOADGEN_PROCS" > "$OUT/serve-dp$dp.log" 2>&1 || echo "(bench serve DP=$dp exit $?)")
+    --num-prompts "$NUM_PROMPTS" --max-concurrency 512 --result-file "$OUT/serve-dp$dp-api$api.json" --disable-tqdm \
+    --num-processes "$LOADGEN_PROCS" > "$OUT/serve-dp$dp-api$api.log" 2>&1 || echo "(bench serve DP=$dp exit $?)")
   for p in $apis; do t1=$((t1 + $(ticks "$p"))); done
-  grep -E "throughput|Successful|Failed|Benchmark duration" "$OUT/serve-dp$dp.log"
+  grep -E "throughput|Successful|Failed|Benchmark duration" "$OUT/serve-dp$dp-api$api.log"
   echo "API servers ($(echo $apis | wc -w) processes) CPU: $(awk -v t=$((t1 - t0)) -v hz="$HZ" 'BEGIN{printf "%.1f", t / hz}') s"
   curl -s localhost:$PORT/metrics | grep -E '^vllm:request_success_total\{.*finished_reason="length"' || true
   kill -INT $pid; wait $pid
@@ -58,8 +58,10 @@ echo "=== offline, standard workload, DP=1 then DP=2"
 offline 1
 offline 2
 $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
-echo "=== serve c512 512/256, DP=1 (1 API server) then DP=2 (2 API servers)"
+echo "=== serve c512 512/256, DP=1 (1 API server) then DP=2 (2 API servers), then DP=2 with 4 (are 2 the limit?)"
 serve 1 1
 serve 2 2
+serve 2 4
 echo "offline DP=2 / DP=1 output tok/s: $(ratio output_tok_per_s "$OUT/offline-dp1.json" "$OUT/offline-dp2.json")   (target >= 1.8x)"
-echo "serve   DP=2 / DP=1 output tok/s: $(ratio output_throughput "$OUT/serve-dp1.json" "$OUT/serve-dp2.json")   (target >= 1.8x)"
+echo "serve   DP=2 / DP=1 output tok/s: $(ratio output_throughput "$OUT/serve-dp1-api1.json" "$OUT/serve-dp2-api2.json")   (target >= 1.8x)"
+echo "serve   DP=2 4 API servers / 2:   $(ratio output_throughput "$OUT/serve-dp2-api2.json" "$OUT/serve-dp2-api4.json")   (diagnostic: > 1.05x means 2 API servers are the limit)"
