@@ -18,6 +18,7 @@ HZ=$(getconf CLK_TCK)
 
 offline() {  # offline DP: tok/s of the standard workload
   local dp=$1
+  echo "--- offline DP=$dp"
   timeout 240 $LOOM bench throughput --preset qwen3-0.6b --data-parallel-size "$dp" \
     --output-json "$OUT/offline-dp$dp.json" > "$OUT/offline-dp$dp.log" 2>&1 || echo "(offline DP=$dp exit $?)"
   grep -E "Throughput|Tokens:|Standard|Client process CPU|^Engine [0-9]" "$OUT/offline-dp$dp.log"
@@ -33,6 +34,7 @@ api_pids() {  # the API servers: children of loom serve without children (engine
 
 serve() {  # serve DP API_SERVERS: bench serve at c512, 512 in / 256 out
   local dp=$1 api=$2
+  echo "--- serve DP=$dp, $api API server(s)"
   $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port $PORT --data-parallel-size "$dp" \
     --api-server-count "$api" --disable-log-stats > "$OUT/server-dp$dp-api$api.log" 2>&1 & local pid=$!
   for _ in $(seq 180); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
