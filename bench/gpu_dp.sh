@@ -47,8 +47,28 @@ serve() {  # serve DP API_SERVERS: bench serve at c512, 512 in / 256 out
   for p in $apis; do t1=$((t1 + $(ticks "$p"))); done
   grep -E "throughput|Successful|Failed|Benchmark duration" "$OUT/serve-dp$dp-api$api.log"
   echo "API servers ($(echo $apis | wc -w) processes) CPU: $(awk -v t=$((t1 - t0)) -v hz="$HZ" 'BEGIN{printf "%.1f", t / hz}') s"
-  curl -s localhost:$PORT/metrics | grep -E '^vllm:request_success_total\{.*finished_reason="length"' || true
+  curl -s localhost:$PORT/metrics | per_engine
   kill -INT $pid; wait $pid
+}
+
+per_engine() {  # from /metrics: per engine, requests done, mean queue time and mean time per output token
+  python3 -c '
+import re, sys
+v = {}
+for line in sys.stdin:
+    m = re.match(r"(vllm:\w+)\{(.*)\} (\S+)$", line.strip())
+    e = m and re.search(r"engine=.(\d+).", m.group(2))
+    if e:
+        key = (m.group(1), e.group(1))
+        v[key] = v.get(key, 0.0) + float(m.group(3))
+def mean(name, e):
+    n = v.get((name + "_count", e), 0.0)
+    return 1e3 * v.get((name + "_sum", e), 0.0) / n if n else float("nan")
+for e in sorted({e for _, e in v}):
+    done = v.get(("vllm:request_success_total", e), 0.0)
+    queue, tpot = mean("vllm:request_queue_time_seconds", e), mean("vllm:request_time_per_output_token_seconds", e)
+    print("engine %s: %.0f requests, mean queue %.1f ms, mean TPOT %.2f ms" % (e, done, queue, tpot))
+'
 }
 
 ratio() {  # ratio KEY A.json B.json
