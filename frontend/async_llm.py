@@ -92,7 +92,7 @@ class AsyncLLM:
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
-        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index)
+        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index, config.max_num_seqs)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics

@@ -51,7 +51,7 @@ class LLM:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
-        self.router = DPRouter(n, self.config.block_size)
+        self.router = DPRouter(n, self.config.block_size, max_num_seqs=self.config.max_num_seqs)
         self._engine_of: dict[str, int] = {}   # engine request id -> its data-parallel rank
         self.stats = EngineStatsTotals()
         self._results: list[RequestOutput] = []                         # enqueued, in order

@@ -368,6 +368,27 @@ def test_router_least_loaded_with_unseen_requests():
     assert r2.score(1) == 4 and r2.score(0) == 30
 
 
+def test_router_fills_free_slots_first():
+    """A burst of requests between two load reports: with the engines' max_num_seqs known, the
+    engine with free slots takes them until both are full (counting each as waiting would split
+    the burst and queue requests on one engine while the other runs short of a full batch)."""
+    r = DPRouter(2, block_size=4, max_num_seqs=256)
+    r.on_load(0, EngineLoad(0, 156, 0))
+    r.on_load(1, EngineLoad(0, 236, 0))
+    picks = [r.pick([i]) for i in range(120)]
+    assert picks.count(0) == 100 and picks.count(1) == 20          # 256 and 256: none waits
+    assert [r.pick([i]) for i in range(4)].count(0) == 2         # both full: unseen ones wait, alternate
+    assert r.score(0) == r.score(1) == 4 * 2 + 256
+    old = DPRouter(2, block_size=4)                              # max_num_seqs unknown: vLLM's score
+    old.on_load(0, EngineLoad(0, 156, 0))
+    old.on_load(1, EngineLoad(0, 236, 0))
+    assert [old.pick([i]) for i in range(120)].count(0) == 70    # 226 running on one, 286 on the other
+    waiting = DPRouter(2, block_size=4, max_num_seqs=256)
+    waiting.on_load(0, EngineLoad(10, 200, 0))                   # waiting though not full (KV cache): they count
+    waiting.on_load(1, EngineLoad(0, 240, 0))
+    assert waiting.score(0) == 4 * 10 + 200 and waiting.score(1) == 240
+
+
 def test_router_prefix_affinity_and_pinning():
     r = DPRouter(2, block_size=4)
     shared = [9, 9, 9, 9]
