@@ -175,7 +175,7 @@ class LLM:
             if outs.load is not None:
                 self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
-                self.stats.add(outs.scheduler_stats)
+                self.stats.add(outs.scheduler_stats, outs.timestamp)
             for out in outs.outputs:
                 entry = self._states.get(out.request_id)
                 if entry is None:
@@ -307,14 +307,18 @@ class LLM:
 
 
 class EngineStatsTotals:
-    """Running totals of the per-step stats the engine sends."""
+    """Running totals of the per-step stats the engine sends; with step_log set to a list, also
+    each step's (engine timestamp, SchedulerStats), for benchmarks that time steps."""
 
     def __init__(self):
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
         self.steps = 0
+        self.step_log: list | None = None
 
-    def add(self, s) -> None:
+    def add(self, s, timestamp: float = 0.0) -> None:
         self.steps += 1
+        if self.step_log is not None:
+            self.step_log.append((timestamp, s))
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
