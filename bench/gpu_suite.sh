@@ -41,7 +41,8 @@ for section in "$@"; do case $section in
            TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
   profile-prefill) TAIL=40 run profile-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024 --top 16 ;;
-  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json ;;
+  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json
+              TAIL=7 run grammar-stall-cpu 240 python3 -m bench.grammar_stall ;;  # the same question on this host's CPUs
   vl) # Qwen2.5-VL: bf16/fp32 parity on a tiny model, then Qwen2.5-VL-7B shapes (random weights) under
       # random-mm load; LOOM_STEP_STATS: the worker logs the encoder's and the eager steps' device time
       run vl-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vl.py
