@@ -103,7 +103,8 @@ class Loop:
         self.args, self.mgr, self.units = args, mgr, units
 
     def run(self, requests: list, child=None, n_child: int = 0, window: bool = False) -> dict:
-        """Step --steps times; requests join as their grammars get ready (ready() every step).
+        """Step --steps times, and on until every grammar is in; requests join as their grammars
+        get ready (ready() every step, as the scheduler does).
         Returns the per-step times of steps that made no matcher (with `window`: only those
         while something was compiling)."""
         result = {}
@@ -152,12 +153,17 @@ def main(argv=None) -> dict:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     from bench.presets import write_preset
-    from bench.structured import big_schema
-    from engine_core.structured_output import StructuredOutputManager
     from ipc.config import EngineConfig
 
-    model_dir = write_preset(args.preset, tempfile.mkdtemp(prefix="loom-grammar-stall-"))
-    config = EngineConfig(model=model_dir, load_format="dummy").resolve()
+    with tempfile.TemporaryDirectory(prefix="loom-grammar-stall-") as model_dir:
+        config = EngineConfig(model=write_preset(args.preset, model_dir), load_format="dummy").resolve()
+        return measure(args, config)
+
+
+def measure(args, config) -> dict:
+    from bench.structured import big_schema
+    from engine_core.structured_output import StructuredOutputManager
+
     mgr = StructuredOutputManager(config)
     units = calibrate(args.work_us)
     loop = Loop(args, mgr, units)
@@ -183,8 +189,7 @@ def main(argv=None) -> dict:
                 out = loop.run([_request(i, big_schema(serial * 1000 + i)) for i in range(args.schemas)], window=True)
             else:
                 serial += 1
-                child_reqs = [_request(i, big_schema(serial * 1000 + i)) for i in range(args.schemas)]
-                parent.send([r.sampling_params.structured_outputs.json for r in child_reqs])
+                parent.send([big_schema(serial * 1000 + i) for i in range(args.schemas)])
                 out = loop.run([], child=parent, n_child=args.schemas, window=True)
             times[mode] += out["plain"]
             joins[mode] += out["joins"]
