@@ -77,13 +77,19 @@ def compile_stall(llm, wl, args, batch: int = 64, steps: int = 384, schemas: int
     batch = len(prompts)
     free = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=steps)
 
-    def timed(extra: list) -> tuple[float, list]:
+    join_steps = {"cached": 0, "compiling": 0}
+
+    def timed(extra: list, mode: str | None = None) -> tuple[float, dict]:
         llm.stats.step_log = log = []
         t0 = time.perf_counter()
         try:
             llm.generate(prompts + [wl.prompts[0][:8]] * len(extra), [free] * len(prompts) + extra, use_tqdm=False)
         finally:
             llm.stats.step_log = None
+        if mode is not None:   # steps with a prefill once the free batch decodes: the constrained requests joining
+            first = next((i for i, (_, s) in enumerate(log) if s.num_scheduled_tokens == batch
+                          and s.num_prompt_tokens == 0), len(log))
+            join_steps[mode] += sum(s.num_prompt_tokens > 0 for _, s in log[first:])
         return (time.perf_counter() - t0) / steps, decode_steps(log, batch)
 
     def constrained(base: int) -> list:
@@ -96,7 +102,7 @@ def compile_stall(llm, wl, args, batch: int = 64, steps: int = 384, schemas: int
     per_step = {"cached": {}, "compiling": {}}
     for r in range(rounds):   # alternate, so that a drift biases neither
         for mode, base in (("cached", 1000), ("compiling", 100 * r)):
-            w, ds = timed(constrained(base))
+            w, ds = timed(constrained(base), mode)
             whole[mode].append(w)
             for pos, (dt, compiling) in ds.items():
                 if mode == "cached" or compiling:
@@ -119,9 +125,12 @@ def compile_stall(llm, wl, args, batch: int = 64, steps: int = 384, schemas: int
           f"constrained requests whose grammars are cached, {k:.3f} ms while their new schemas compile: "
           f"{100 * (k / c - 1):+.1f}% from compiling (target: unchanged). Whole run incl. the constrained requests' "
           f"own join steps: {1e3 * alone_s:.2f} ms/step alone, {w_c:.2f} cached, {w_k:.2f} compiling "
-          f"({100 * (w_k / w_c - 1):+.1f}%); one such schema compiles in ~{compile_s:.2f} s (in this process)")
+          f"({100 * (w_k / w_c - 1):+.1f}%; they joined in {join_steps['cached'] / rounds:.1f} steps of their own "
+          f"cached, {join_steps['compiling'] / rounds:.1f} compiling); one such schema compiles in ~{compile_s:.2f} s "
+          f"(in this process)")
     return {"ms_per_step_alone": a, "ms_per_step_cached": c, "ms_per_step_compiling": k, "positions": len(positions),
             "whole_run_ms_per_step": {"alone": 1e3 * alone_s, "cached": w_c, "compiling": w_k},
+            "join_steps_per_run": {m: n / rounds for m, n in join_steps.items()},
             "schemas": schemas, "compile_s_each": compile_s}
 
 
