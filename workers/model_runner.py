@@ -670,16 +670,22 @@ class ModelRunner:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
         return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
 
-    def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
-        tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)
+    @staticmethod
+    def _pack_logprobs(states, sample_rows, topk) -> dict[str, Logprobs]:
+        """Each asking row's sampled token and its top-k: rows of the sampler's [B, 1 + N]
+        arrays, cut to 1 + k where the row asks for fewer than the most any row asks."""
+        ids, lps, ranks = (t.tolist() for t in topk)
+        width = len(ids[0]) if ids else 0
         out = {}
-        for j, i in enumerate(sample_rows):
+        for j, i in enumerate(sample_rows.tolist()):
             st = states[i]
             k = st.params.logprobs
             if k is None:
                 continue
-            out[st.req_id] = Logprobs([[tokens[j]] + top_ids[j][:k]], [[sampled_lp[j]] + top_lp[j][:k]],
-                                      [ranks[j]])
+            if k + 1 >= width:
+                out[st.req_id] = Logprobs([ids[j]], [lps[j]], [ranks[j]])
+            else:
+                out[st.req_id] = Logprobs([ids[j][:k + 1]], [lps[j][:k + 1]], [ranks[j]])
         return out
 
     @staticmethod
