@@ -27,6 +27,7 @@ from frontend.llm import LLM, EngineStatsTotals
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, MsgType, WorkerReply
+from ipc.procs import freeze_startup_heap
 from ipc.sampling_params import SamplingParams
 from ipc.serial import Decoder, Encoder
 from workers.model_runner import ModelRunner
@@ -99,6 +100,7 @@ def run(rows: int, steps: int, n: int, model_dir: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = len(tokenizer)
     req_ids = [f"{i:032x}" for i in range(rows)]
+    freeze_startup_heap()   # as the engine core and the worker do once they are up
     report = {}
     for mode in ("plain", "logprobs"):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps,
