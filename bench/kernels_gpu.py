@@ -299,13 +299,17 @@ def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                       lambda: sampler(logits, rows, d), logits.numel() * 2)
 
 
-def run(quick: bool, timing: bool, device: str = "cuda") -> Ctx:
+PARTS = {"prologue": _prologue, "norms": _norms, "silu": _silu, "sampling": _sampling, "logprobs": _logprobs,
+         "penalties": _penalties, "attention": _attention}
+
+
+def run(quick: bool, timing: bool, device: str = "cuda", parts: list[str] | None = None) -> Ctx:
     dev = torch.device(device)
     assert dev.type != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"
     ctx = Ctx(timing and dev.type == "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for model, cfg in MODELS.items():
-        for part in (_prologue, _norms, _silu, _sampling, _logprobs, _penalties, _attention):
+        for part in (PARTS[p] for p in parts or PARTS):
             try:
                 part(ctx, model, cfg, quick, dev, gen)
             except Exception as exc:  # keep going: report every kernel
@@ -326,9 +330,10 @@ def check_all(quick: bool = True) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes, correctness only")
+    ap.add_argument("--parts", nargs="+", choices=list(PARTS), default=None, help="only these kernels (default: all)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    ctx = run(quick=args.quick, timing=not args.quick)
+    ctx = run(quick=args.quick, timing=not args.quick, parts=args.parts)
     ctx.table()
     if ctx.failures:
         print(f"\n{len(ctx.failures)} FAILED:\n  " + "\n  ".join(ctx.failures))
