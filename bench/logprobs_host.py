@@ -100,7 +100,6 @@ def run(rows: int, steps: int, n: int, model_dir: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = len(tokenizer)
     req_ids = [f"{i:032x}" for i in range(rows)]
-    freeze_startup_heap()   # as the engine core and the worker do once they are up
     report = {}
     for mode in ("plain", "logprobs"):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps,
@@ -129,7 +128,9 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-0.6b", help="the preset whose tokenizer is used (default: qwen3-0.6b)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        run(args.rows, args.steps, args.logprobs, write_preset(args.preset, d))
+        model_dir = write_preset(args.preset, d)
+        freeze_startup_heap()   # as the engine core and the worker do once they are up
+        run(args.rows, args.steps, args.logprobs, model_dir)
 
 
 if __name__ == "__main__":

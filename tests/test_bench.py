@@ -105,3 +105,11 @@ def test_bench_serve_tiny(model_factory, start_server, tmp_path):
             assert res[f"mean_{metric}_ms"] > 0, metric
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert "Serving Benchmark Result" in r.stdout
+
+
+def test_logprobs_host_bench_tiny(model_factory):
+    """bench/logprobs_host.py drives the worker's, the engine's and the client's own code."""
+    from bench.logprobs_host import run
+    report = run(rows=8, steps=6, n=3, model_dir=model_factory("qwen3"))
+    assert set(report) == {"plain", "logprobs"}
+    assert all(v >= 0 for stages in report.values() for v in stages.values())
