@@ -124,3 +124,11 @@ def test_decode_steps_time_only_the_free_batch():
     assert sorted(steps) == [2, 3, 9, 10, 11, 12, 13, 14, 15]
     assert all(abs(dt - 0.01) < 1e-9 for dt, _ in steps.values())
     assert [steps[p][1] for p in sorted(steps)] == [True] * 6 + [False] * 3
+
+
+def test_logprobs_host_bench_tiny(model_factory):
+    """bench/logprobs_host.py drives the worker's, the engine's and the client's own code."""
+    from bench.logprobs_host import run
+    report = run(rows=8, steps=6, n=3, model_dir=model_factory("qwen3"))
+    assert set(report) == {"plain", "logprobs"}
+    assert all(v >= 0 for stages in report.values() for v in stages.values())
