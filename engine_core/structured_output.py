@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -129,7 +130,7 @@ class StructuredOutputManager:
     def _start(self) -> None:
         """The first constrained request loads the tokenizer and xgrammar (as vLLM does: lazily)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loom-grammar")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loom-grammar", initializer=_yield_cpu)
             self._compiler = self._pool.submit(self._make_compiler)
 
     def _make_compiler(self):
@@ -240,6 +241,18 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _yield_cpu() -> None:
+    """Run this thread (the grammar pool's: it makes the compiler) only on CPU the rest of the
+    engine core leaves idle. xgrammar releases the GIL while it compiles, so the busy loop never
+    waits for the GIL; but its threads (started from this one, so they inherit the policy)
+    compete with the loop for cores, and a core-starved loop steps slower while a schema
+    compiles. SCHED_IDLE lets the loop preempt them at once when it wakes."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):   # not Linux
+        pass
 
 
 def _distinct_rows(bitmask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

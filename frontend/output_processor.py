@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ipc.messages import EngineCoreOutput, Logprobs, PromptLogprobs
 from ipc.sampling_params import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer, decodes_once
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
 from frontend.outputs import CompletionOutput, Logprob
 
 
@@ -19,16 +19,17 @@ class RequestState:
     returns None until then. This cuts the offline client's CPU per token about 6x (the
     detokenizer's step was most of it), which matters when data-parallel engines feed one client."""
 
-    __slots__ = ("engine_id", "index", "params", "tokenizer", "detok", "token_ids",
+    __slots__ = ("engine_id", "index", "params", "tokenizer", "texts", "detok", "token_ids",
                  "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp",
                  "_prompt_lp_sent", "_prompt_ids")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, final_only: bool = False):
+                 tokenizer, texts: TokenTexts, final_only: bool = False):
         self.engine_id = engine_id
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
+        self.texts = texts   # the owner's (LLM, AsyncLLM) cache of token texts, for logprobs
         self._prompt_ids = prompt_token_ids   # to replay the stream after an error (final_only)
         if (final_only and not params.stop and params.logprobs is None and params.prompt_logprobs is None
                 and decodes_once(tokenizer, prompt_token_ids, params.skip_special_tokens)):
@@ -108,11 +109,16 @@ class RequestState:
         return CompletionOutput(self.index, text, self.token_ids, self.finish_reason, self.stop_reason, None)
 
     def _convert(self, lp: Logprobs | PromptLogprobs) -> list[dict[int, Logprob]]:
-        decode = self.tokenizer.decode
+        """Per token {id: Logprob}: the sampled (or prompt) token with its rank first, then the
+        top-N with ranks 1..N (the sampled one, when among them, keeps its entry)."""
+        texts = self.texts
         entries = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
-            d = {ids[0]: Logprob(vals[0], rank, decode([ids[0]]))}
-            for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
-                d.setdefault(tid, Logprob(v, r, decode([tid])))
+            tid = ids[0]
+            d = {tid: Logprob(vals[0], rank, texts[tid])}
+            for r in range(1, len(ids)):
+                tid = ids[r]
+                if tid not in d:
+                    d[tid] = Logprob(vals[r], r, texts[tid])
             entries.append(d)
         return entries

@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer, decodes_once
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
 from frontend.output_processor import RequestState
 from ipc.sampling_params import SamplingParams
 from tests.conftest import ROOT
@@ -58,7 +58,7 @@ def test_decode_stream_takes_prefill_ids(tokenizer):
 
 def _run_state(tokenizer, prompt: list[int], outputs: list, params: SamplingParams, final_only: bool):
     """(text, token ids, finish reason, stop reason, decoded once?) of a choice through RequestState."""
-    st = RequestState("r", 0, prompt, params, tokenizer, final_only=final_only)
+    st = RequestState("r", 0, prompt, params, tokenizer, TokenTexts(tokenizer), final_only=final_only)
     text, ids, last = "", [], None
     for out in outputs:
         delta, _ = st.process(out)
@@ -110,11 +110,29 @@ def test_decode_once_equals_the_stream(tokenizer):
 
 def test_final_only_streams_what_needs_it(tokenizer):
     """Stop strings, logprobs and a prompt that ends inside a character keep the token-by-token path."""
+    def state(prompt, params, final_only=True):
+        return RequestState("r", 0, prompt, params, tokenizer, TokenTexts(tokenizer), final_only=final_only)
     prompt = tokenizer.encode("Hello world", add_special_tokens=False)
-    assert RequestState("r", 0, prompt, SamplingParams(), tokenizer, final_only=True).detok is None
-    assert RequestState("r", 0, prompt, SamplingParams(), tokenizer).detok is not None
+    assert state(prompt, SamplingParams()).detok is None
+    assert state(prompt, SamplingParams(), final_only=False).detok is not None
     for params in (SamplingParams(stop=["x"]), SamplingParams(logprobs=1), SamplingParams(prompt_logprobs=0)):
-        assert RequestState("r", 0, prompt, params, tokenizer, final_only=True).detok is not None
+        assert state(prompt, params).detok is not None
     partial = [i for i in _token_ids(tokenizer) if tokenizer.decode([i]).endswith("\ufffd")]
     assert partial, "the tokenizer has byte pieces of multi-byte characters"
-    assert RequestState("r", 0, prompt + partial[:1], SamplingParams(), tokenizer, final_only=True).detok is not None
+    assert state(prompt + partial[:1], SamplingParams()).detok is not None
+
+
+def test_token_texts_equal_the_tokenizers_decode_of_each_id(tokenizer):
+    """Logprobs name their tokens through TokenTexts (the Rust decode where it is the same):
+    every id, special tokens included, as tokenizer.decode([id]) names it; and where HF would
+    clean up spaces, HF's decode itself."""
+    texts = TokenTexts(tokenizer)
+    assert [texts[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    assert texts._decode.__qualname__.startswith("_rust_decode")
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        cleaned = TokenTexts(tokenizer)
+        assert not cleaned._decode.__qualname__.startswith("_rust_decode")
+        assert [cleaned[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

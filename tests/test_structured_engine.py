@@ -5,8 +5,11 @@ not compile failing alone in the engine, and the grammar starting after the thin
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -120,3 +123,42 @@ def test_grammar_applies_after_thinking(tiny_model_dir):
     ended = [manager.accept(thinking, t) for t in tok.encode("yes") + config.eos_token_ids]
     assert ended[-1] and not any(ended[:-1])
     manager.shutdown()
+
+
+def _sched_idle_allowed() -> bool:
+    """Whether this machine lets a thread take SCHED_IDLE (Linux does, unless a sandbox forbids it)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            pass
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return bool(ok)
+
+
+@pytest.mark.skipif(not _sched_idle_allowed(), reason="SCHED_IDLE: a Linux scheduling policy, not allowed here")
+def test_grammar_threads_leave_the_cpu_to_the_loop(tiny_model_dir):
+    """xgrammar releases the GIL while it compiles, so a compile shares only the CPU with the busy
+    loop: the grammar pool's thread (and xgrammar's threads, started from it) run SCHED_IDLE, so
+    the loop preempts them at once. bench/grammar_stall.py measures the effect."""
+    from engine_core.structured_output import StructuredOutputManager
+    from ipc.config import EngineConfig
+    mgr = StructuredOutputManager(EngineConfig(model=tiny_model_dir).resolve())
+    req = SimpleNamespace(request_id="r", prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0], grammar=None,
+                          sampling_params=SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    try:
+        mgr.add_request(req)
+        req.grammar.future.result(timeout=120)
+        assert mgr.ready(req) and req.grammar.matcher is not None and req.grammar.error is None
+        pool_policy = mgr._pool.submit(lambda: os.sched_getscheduler(threading.get_native_id())).result()
+        assert pool_policy == os.SCHED_IDLE
+        assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE   # the caller's thread is not
+    finally:
+        mgr.shutdown()
