@@ -68,7 +68,8 @@ echo "logs: $LOGS; port $PORT; model $MODEL as '$NAME', --max-model-len $MAXLEN,
 for p in $(seq "$PAIRS"); do
     if [ $((p % 2)) -eq 1 ]; then run loom "$p"; run vllm "$p"; else run vllm "$p"; run loom "$p"; fi
 done
-echo "threads:"; grep -h -m2 -E "torch threads|OMP threads|omp_threads|thread" "$LOGS"/loom-1.log "$LOGS"/vllm-1.log | cut -c1-200 || true
+echo "threads (pair 1's logs):"
+grep -h -E "torch threads|Torch threads|core ids=|reserved_cpus=" "$LOGS"/loom-1.log "$LOGS"/vllm-1.log | cut -c1-160 || true
 $PY - "$ROWS" "$HZ" <<'EOF'
 import json, sys
 rows, hz = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])], int(sys.argv[2])
