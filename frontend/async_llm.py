@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from engine_core.client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
 from frontend.dp_router import DPRouter, check_rank, merge_results
+from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
@@ -89,6 +90,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, client_index: int = 0):
         self.config = config
         self.tokenizer = load_tokenizer(config)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
@@ -193,7 +195,7 @@ class AsyncLLM:
             for ecr in ecrs:
                 ecr.mm_items = mm_items
         states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
-                                               self.tokenizer) for i, ecr in enumerate(ecrs)}
+                                               self.tokenizer, self.token_texts) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
         req = _Collector(states, rms, engine)

@@ -62,3 +62,29 @@ class IncrementalDetokenizer:
         delta = self.text[self._sent:end]
         self._sent = end
         return delta
+
+
+class TokenTexts(dict):
+    """token id -> tokenizer.decode([id]), the text logprobs show for a token (as vLLM), decoded
+    once per id: logprobs=N names 1 + N tokens per output token. One per tokenizer (LLM, AsyncLLM).
+    Where that decode is the Rust tokenizer's alone (a fast tokenizer that overrides neither
+    decode nor _decode and cleans up no spaces) the Rust one is called, ~5x cheaper."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self._decode = _rust_decode(tokenizer) or (lambda token_id: tokenizer.decode([token_id]))
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self._decode(token_id)
+        return text
+
+
+def _rust_decode(tokenizer):
+    """decode(id) through the Rust tokenizer, or None where tokenizer.decode([id]) may differ."""
+    from transformers import PreTrainedTokenizerFast
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or cls.decode is not PreTrainedTokenizerFast.decode or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    rust = tokenizer._tokenizer
+    return lambda token_id: rust.decode([token_id], skip_special_tokens=False)

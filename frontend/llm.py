@@ -15,6 +15,7 @@ from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from engine_core.dp_coordinator import DPRank
 from frontend.dp_router import DPRouter, merge_results
+from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
@@ -32,6 +33,7 @@ class LLM:
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
         self.config = EngineConfig(model=model, **options).resolve()
         self.tokenizer = load_tokenizer(self.config)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(self.config, client_index=0)  # its store, before any child starts
         self.ipc_dir = make_ipc_dir()
         in_addr = ipc_address(self.ipc_dir, "client0-input")
@@ -118,7 +120,7 @@ class LLM:
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
-                                                                     self.tokenizer))
+                                                                     self.tokenizer, self.token_texts))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
             ids_out.append(rid)
@@ -175,7 +177,7 @@ class LLM:
             if outs.load is not None:
                 self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
-                self.stats.add(outs.scheduler_stats)
+                self.stats.add(outs.scheduler_stats, outs.timestamp)
             for out in outs.outputs:
                 entry = self._states.get(out.request_id)
                 if entry is None:
@@ -189,8 +191,10 @@ class LLM:
                 choice = result.outputs[st.index]
                 choice.text += delta.text
                 choice.token_ids.extend(delta.token_ids)
-                if delta.logprobs is not None:
-                    choice.logprobs = (choice.logprobs or []) + delta.logprobs
+                if delta.logprobs is not None:  # extended in place: a copy per delta is quadratic
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(delta.logprobs)
                 if bar is not None:
                     bar.add_tokens(len(delta.token_ids))
                 if delta.finish_reason is None:
@@ -307,14 +311,18 @@ class LLM:
 
 
 class EngineStatsTotals:
-    """Running totals of the per-step stats the engine sends."""
+    """Running totals of the per-step stats the engine sends; with step_log set to a list, also
+    each step's (engine timestamp, SchedulerStats), for benchmarks that time steps."""
 
     def __init__(self):
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
         self.steps = 0
+        self.step_log: list | None = None
 
-    def add(self, s) -> None:
+    def add(self, s, timestamp: float = 0.0) -> None:
         self.steps += 1
+        if self.step_log is not None:
+            self.step_log.append((timestamp, s))
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions

@@ -6,23 +6,23 @@ from __future__ import annotations
 
 from ipc.messages import EngineCoreOutput, Logprobs, PromptLogprobs
 from ipc.sampling_params import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts
 from frontend.outputs import CompletionOutput, Logprob
 
 
 class RequestState:
     """One engine request (one choice of a user request)."""
 
-    __slots__ = ("engine_id", "index", "params", "tokenizer", "detok", "token_ids",
+    __slots__ = ("engine_id", "index", "params", "texts", "detok", "token_ids",
                  "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp",
                  "_prompt_lp_sent")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer):
+                 tokenizer, texts: TokenTexts):
         self.engine_id = engine_id
         self.index = index
         self.params = params
-        self.tokenizer = tokenizer
+        self.texts = texts   # the owner's (LLM, AsyncLLM) cache of token texts, for logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -74,11 +74,16 @@ class RequestState:
         return delta, abort
 
     def _convert(self, lp: Logprobs | PromptLogprobs) -> list[dict[int, Logprob]]:
-        decode = self.tokenizer.decode
+        """Per token {id: Logprob}: the sampled (or prompt) token with its rank first, then the
+        top-N with ranks 1..N (the sampled one, when among them, keeps its entry)."""
+        texts = self.texts
         entries = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
-            d = {ids[0]: Logprob(vals[0], rank, decode([ids[0]]))}
-            for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
-                d.setdefault(tid, Logprob(v, r, decode([tid])))
+            tid = ids[0]
+            d = {tid: Logprob(vals[0], rank, texts[tid])}
+            for r in range(1, len(ids)):
+                tid = ids[r]
+                if tid not in d:
+                    d[tid] = Logprob(vals[r], r, texts[tid])
             entries.append(d)
         return entries

@@ -105,3 +105,30 @@ def test_bench_serve_tiny(model_factory, start_server, tmp_path):
             assert res[f"mean_{metric}_ms"] > 0, metric
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert "Serving Benchmark Result" in r.stdout
+
+
+def test_decode_steps_time_only_the_free_batch():
+    """bench/structured.py's compile stall: a step counts only if it and two neighbours on each side
+    ran exactly the free batch (a joining request's prefill step is its own cost), and it is marked
+    as compiling while a request waits for its grammar."""
+    from types import SimpleNamespace as S
+
+    from bench.structured import decode_steps
+    # (scheduled tokens, prompt tokens, waiting) per step; step 0 is the batch's prefill
+    shape = [(4 * 64, 256, 2)] + [(4, 0, 2)] * 6 + [(4 + 8, 8, 1)] + [(4, 0, 1)] * 6 + [(4, 0, 0)] * 5
+    log = [(0.01 * i + (0.5 if i > 7 else 0), S(num_scheduled_tokens=n, num_prompt_tokens=p, num_waiting=w))
+           for i, (n, p, w) in enumerate(shape)]
+    steps = decode_steps(log, batch=4)
+    # by position from the first decode step (log index 1): the steps within 2 of the prefill
+    # (index 0), of the join (index 7, whose slow step is the gap at index 8) and of the end are out
+    assert sorted(steps) == [2, 3, 9, 10, 11, 12, 13, 14, 15]
+    assert all(abs(dt - 0.01) < 1e-9 for dt, _ in steps.values())
+    assert [steps[p][1] for p in sorted(steps)] == [True] * 6 + [False] * 3
+
+
+def test_logprobs_host_bench_tiny(model_factory):
+    """bench/logprobs_host.py drives the worker's, the engine's and the client's own code."""
+    from bench.logprobs_host import run
+    report = run(rows=8, steps=6, n=3, model_dir=model_factory("qwen3"))
+    assert set(report) == {"plain", "logprobs"}
+    assert all(v >= 0 for stages in report.values() for v in stages.values())

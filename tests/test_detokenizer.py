@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts
 from ipc.sampling_params import SamplingParams
 from tests.conftest import ROOT
 
@@ -51,3 +51,19 @@ def test_decode_stream_takes_prefill_ids(tokenizer):
     stream = DecodeStream(ids=ids[:3], skip_special_tokens=True)
     pieces = [stream.step(tokenizer._tokenizer, t) for t in ids[3:]]
     assert tokenizer.decode(ids[:3]) + "".join(p for p in pieces if p) == tokenizer.decode(ids)
+
+
+def test_token_texts_equal_the_tokenizers_decode_of_each_id(tokenizer):
+    """Logprobs name their tokens through TokenTexts (the Rust decode where it is the same):
+    every id, special tokens included, as tokenizer.decode([id]) names it; and where HF would
+    clean up spaces, HF's decode itself."""
+    texts = TokenTexts(tokenizer)
+    assert [texts[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    assert texts._decode.__qualname__.startswith("_rust_decode")
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        cleaned = TokenTexts(tokenizer)
+        assert not cleaned._decode.__qualname__.startswith("_rust_decode")
+        assert [cleaned[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
