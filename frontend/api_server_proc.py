@@ -15,6 +15,7 @@ import time
 
 from ipc.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
+from ipc import profiling
 from ipc.profiling import maybe_profile
 from metrics.multiproc import ENV as METRICS_DIR_ENV
 
@@ -43,6 +44,7 @@ async def _shut_down(llm, grace: float, code: int, why: str) -> None:
         logger.warning("%s: failing %d requests still in flight", why, llm.num_in_flight)
         llm.fail_all(APIError(f"The server is shutting down ({why}); the request did not finish in time.", 503))
         await asyncio.sleep(_FLUSH_S)
+    profiling.dump()   # LOOM_PROFILE_DIR: os._exit skips the profile's own exit
     os._exit(code)
 
 

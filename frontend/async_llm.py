@@ -94,7 +94,7 @@ class AsyncLLM:
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
-        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index)
+        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index, config.max_num_seqs)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
@@ -124,8 +124,9 @@ class AsyncLLM:
 
     @property
     def engine_stalled(self) -> bool:
-        """The engine has sent nothing, not even its heartbeat, for ENGINE_STALL_S: it stopped stepping."""
-        return time.monotonic() - self.client.last_heard > ENGINE_STALL_S
+        """An engine (any data-parallel rank) has sent nothing, not even its heartbeat, for ENGINE_STALL_S:
+        it stopped stepping."""
+        return self.client.silent_for() > ENGINE_STALL_S
 
     @property
     def num_in_flight(self) -> int:

@@ -7,11 +7,24 @@ become a stop string is held back from streaming.
 """
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from ipc.sampling_params import SamplingParams
 
 _PREFIX_IDS = 6  # prompt ids fed first, so the first output token gets its spacing right
+
+
+def decodes_once(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> bool:
+    """Whether one decode of the whole output gives the text the stream would have given.
+    A byte-level decoder's text is the UTF-8 of the tokens' bytes, so the stream's pieces
+    concatenate to the whole output's decode, as long as the prompt ids that prime the stream
+    end on a whole character (else the stream's first piece differs). Other decoders (e.g.
+    SentencePiece's, which drops the leading space of a text's first token) stream."""
+    tok = tokenizer._tokenizer
+    if not isinstance(tok.decoder, ByteLevel):
+        return False
+    tail = tok.decode(list(prompt_token_ids[-_PREFIX_IDS:]), skip_special_tokens=skip_special_tokens)
+    return not tail.endswith("\ufffd")
 
 
 class IncrementalDetokenizer:

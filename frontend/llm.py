@@ -53,7 +53,7 @@ class LLM:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
-        self.router = DPRouter(n, self.config.block_size)
+        self.router = DPRouter(n, self.config.block_size, max_num_seqs=self.config.max_num_seqs)
         self._engine_of: dict[str, int] = {}   # engine request id -> its data-parallel rank
         self.stats = EngineStatsTotals()
         self._results: list[RequestOutput] = []                         # enqueued, in order
@@ -120,7 +120,8 @@ class LLM:
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
-                                                                     self.tokenizer, self.token_texts))
+                                                                     self.tokenizer, self.token_texts,
+                                                                     final_only=True))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
             ids_out.append(rid)
@@ -177,13 +178,16 @@ class LLM:
             if outs.load is not None:
                 self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
-                self.stats.add(outs.scheduler_stats, outs.timestamp)
+                self.stats.add(outs.scheduler_stats, outs.timestamp, outs.engine_index)
+            states = self._states
             for out in outs.outputs:
-                entry = self._states.get(out.request_id)
+                entry = states.get(out.request_id)
                 if entry is None:
                     continue
                 result, st = entry
-                delta, abort = st.process(out)
+                delta, abort = st.process(out)   # None until the end for most (RequestState final_only)
+                if bar is not None:
+                    bar.add_tokens(len(out.new_token_ids))
                 if abort:
                     self.client.abort([out.request_id], outs.engine_index)
                 if delta is None:
@@ -195,8 +199,6 @@ class LLM:
                     if choice.logprobs is None:
                         choice.logprobs = []
                     choice.logprobs.extend(delta.logprobs)
-                if bar is not None:
-                    bar.add_tokens(len(delta.token_ids))
                 if delta.finish_reason is None:
                     continue
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -311,21 +313,30 @@ class LLM:
 
 
 class EngineStatsTotals:
-    """Running totals of the per-step stats the engine sends; with step_log set to a list, also
-    each step's (engine timestamp, SchedulerStats), for benchmarks that time steps."""
+    """Running totals of the per-step stats the engines send; with step_log set to a list, also
+    each step's (engine timestamp, SchedulerStats), for benchmarks that time steps. Per
+    data-parallel engine: its steps, output tokens and when its last step with output tokens
+    arrived (perf_counter), which tell a benchmark whether the engines or this process set the pace."""
 
     def __init__(self):
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
         self.steps = 0
         self.step_log: list | None = None
+        self.engine_steps: dict[int, int] = {}
+        self.engine_tokens: dict[int, int] = {}
+        self.engine_last_output_at: dict[int, float] = {}
 
-    def add(self, s, timestamp: float = 0.0) -> None:
+    def add(self, s, timestamp: float = 0.0, engine: int = 0) -> None:
         self.steps += 1
         if self.step_log is not None:
             self.step_log.append((timestamp, s))
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
+        self.engine_steps[engine] = self.engine_steps.get(engine, 0) + 1
+        if s.num_generation_tokens:
+            self.engine_tokens[engine] = self.engine_tokens.get(engine, 0) + s.num_generation_tokens
+            self.engine_last_output_at[engine] = time.perf_counter()
 
 
 def _engine_dir(ipc_dir: str, rank: int, n: int) -> str:

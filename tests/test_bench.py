@@ -106,6 +106,35 @@ def test_bench_serve_tiny(model_factory, start_server, tmp_path):
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert "Serving Benchmark Result" in r.stdout
 
+    # the same load from 2 processes (3 + 3 requests, concurrency 2 + 1): every request's result,
+    # in the load's order, and the metrics over all of them together
+    out2 = tmp_path / "serve2.json"
+    r = _loom("serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "10",
+              "--random-output-len", "5", "--request-rate", "50", "--max-concurrency", "3", "--seed", "1",
+              "--disable-tqdm", "--result-file", str(out2), "--num-processes", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    two = json.loads(out2.read_text())
+    assert two["completed"] == 6 and two["failed"] == 0 and two["peak_concurrency"] <= 3
+    assert two["total_output_tokens"] == 30 and two["output_lens"] == [5] * 6
+    e2els = [1000 * x for x in two["e2els"]]
+    assert two["mean_e2el_ms"] == pytest.approx(sum(e2els) / 6)
+    assert two["output_throughput"] == pytest.approx(30 / two["duration"])
+    assert two["duration"] >= max(e2els) / 1000
+    assert "Serving Benchmark Result" in r.stdout
+
+
+def test_bench_serve_load_split_and_merged_in_order():
+    from bench.serve import Load, arrival_offsets, interleave
+    offsets = arrival_offsets(10, 5.0, seed=3)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] > 0
+    assert arrival_offsets(4, float("inf"), 0) == [0.0] * 4
+    load = Load("u", {}, [{"i": i} for i in range(10)], offsets, 5)
+    shares = [load.share(k, 3) for k in range(3)]
+    assert [s.concurrency for s in shares] == [2, 2, 1]
+    assert interleave([s.payloads for s in shares]) == load.payloads
+    assert interleave([s.offsets for s in shares]) == offsets
+    assert load.share(0, 2).concurrency == 3 and Load("u", {}, [], [], None).share(1, 2).concurrency is None
+
 
 def test_decode_steps_time_only_the_free_batch():
     """bench/structured.py's compile stall: a step counts only if it and two neighbours on each side
