@@ -57,7 +57,8 @@ run() {  # SERVER_KIND PAIR
     local l0 t0 t1 l1
     l0=$(load1); t0=$(server_ticks)
     $PY -m frontend.cli bench serve --base-url "http://127.0.0.1:$PORT" --model "$NAME" --disable-tqdm \
-        --temperature 0 --result-file "$res" "${ARGS[@]}" > "$log.bench" 2>&1 || { cat "$log.bench"; exit 1; }
+        --temperature 0 --result-file "$res" "${ARGS[@]}" > "$log.bench" 2>&1 \
+        || [ -s "$res" ] || { cat "$log.bench"; exit 1; }   # failed requests: kept, and marked in the table
     t1=$(server_ticks); l1=$(load1)
     stop
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$2" "$1" "$res" "$(( t1 - t0 ))" "$l0" "$l1" >> "$ROWS"
