@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 LOOM_LOG_LEVEL=${LOOM_LOG_LEVEL:-WARNING}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1   # NVLink multicast stays off on the lent machines
 LOOM="python3 -m frontend.cli"
 PORT=8123
-NUM_PROMPTS=${NUM_PROMPTS:-2048}
+NUM_PROMPTS=${NUM_PROMPTS:-4096}   # ~15-30 s per run: the ramp-up and the tail stay a small part
 LOADGEN_PROCS=${LOADGEN_PROCS:-4}
 HZ=$(getconf CLK_TCK)
 
@@ -76,14 +76,22 @@ ratio() {  # ratio KEY A.json B.json
     2>/dev/null || echo "n/a (a run failed: see $OUT)"
 }
 
-echo "=== offline, standard workload, DP=1 then DP=2"
-offline 1
-offline 2
+PARTS=${PARTS:-offline serve serve4}   # a subset reruns one part
+if [[ " $PARTS " == *" offline "* ]]; then
+  echo "=== offline, standard workload, DP=1 then DP=2"
+  offline 1
+  offline 2
+fi
 $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
-echo "=== serve c512 512/256, DP=1 (1 API server) then DP=2 (2 API servers), then DP=2 with 4 (are 2 the limit?)"
-serve 1 1
-serve 2 2
-serve 2 4
+if [[ " $PARTS " == *" serve "* ]]; then
+  echo "=== serve c512 512/256 ($NUM_PROMPTS prompts), DP=1 (1 API server) then DP=2 (2 API servers)"
+  serve 1 1
+  serve 2 2
+fi
+if [[ " $PARTS " == *" serve4 "* ]]; then
+  echo "=== serve DP=2 with 4 API servers (are 2 the limit?)"
+  serve 2 4
+fi
 echo "offline DP=2 / DP=1 output tok/s: $(ratio output_tok_per_s "$OUT/offline-dp1.json" "$OUT/offline-dp2.json")   (target >= 1.8x)"
 echo "serve   DP=2 / DP=1 output tok/s: $(ratio output_throughput "$OUT/serve-dp1-api1.json" "$OUT/serve-dp2-api2.json")   (target >= 1.8x)"
 echo "serve   DP=2 4 API servers / 2:   $(ratio output_throughput "$OUT/serve-dp2-api2.json" "$OUT/serve-dp2-api4.json")   (diagnostic: > 1.05x means 2 API servers are the limit)"
