@@ -184,12 +184,21 @@ def test_attention_ref_batched_decode_matches_one_sequence_at_a_time():
 def test_attention_sdpa_cpu_path_matches_ref(dtype):
     # the CPU path (torch SDPA): decodes of different lengths (NaN past each), a whole prompt,
     # a chunk continuing a cached prefix, GQA 4:2
-    from kernels.sdpa_attention import paged_attention_sdpa
+    # (a decode after the prefills too); then one SdpaPlan shared by two layers' caches, as a step does
+    from kernels.sdpa_attention import SdpaPlan, paged_attention_sdpa
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     q, kc, vc, qsl, sl, bt = _make_batch([1, 1, 7, 5, 1], [9, 33, 7, 21, 1], 4, 2, 16, 4, dtype, seed=5)
     ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25).float()
     out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, 0.25)
     assert out.dtype == dtype and not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref, **(dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+    torch.testing.assert_close(out.float(), ref, **tol)
+    plan = SdpaPlan.build(qsl, sl, bt, kc.shape[1], kc.shape[2], dtype)
+    kc2, vc2 = vc * 0.5 + 1, kc - 1  # another layer's values (NaN in the same unwritten slots)
+    for k_cache, v_cache in ((kc, vc), (kc2, vc2)):
+        out = paged_attention_sdpa(q, k_cache, v_cache, qsl, sl, bt, 0.25, plan)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), pa.paged_attention_ref(q, k_cache, v_cache, qsl, sl, bt, 0.25).float(),
+                                   **tol)
 
 
 def test_attention_mixed_prefill_chunked_decode():

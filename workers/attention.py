@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels.paged_attention import paged_attention_ref
-from kernels.sdpa_attention import paged_attention_sdpa
+from kernels.sdpa_attention import SdpaPlan, paged_attention_sdpa
 
 
 @dataclass
@@ -25,6 +25,7 @@ class AttentionMetadata:
     backend: str = "torch"         # "torch" (SDPA on CPU, the reference elsewhere) or "triton"
     num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
     num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
+    sdpa_plan: SdpaPlan | None = None  # the CPU path's layout of the step, built by its first layer
 
 
 class Attention(nn.Module):
@@ -47,8 +48,11 @@ class Attention(nn.Module):
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
+            if meta.sdpa_plan is None:  # once per step: every layer shares it
+                meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                                key_cache.shape[1], key_cache.shape[2], q.dtype)
             out = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                       meta.block_table, self.scale)
+                                       meta.block_table, self.scale, meta.sdpa_plan)
         else:
             out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale)
