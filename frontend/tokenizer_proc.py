@@ -30,6 +30,8 @@ import time
 
 import msgspec
 
+from frontend.protocol import APIError, render_chat
+
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 _RETRY_S = 30.0            # a tokenizer process that failed to start is not tried again for this long
@@ -125,7 +127,6 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _run(tokenizer, job: EncodeJob | ChatJob) -> Ids | Failed:
-    from frontend.protocol import APIError, render_chat
     try:
         if isinstance(job, EncodeJob):
             return Ids([_int32(tokenizer.encode(t, add_special_tokens=job.add_special_tokens)) for t in job.texts])
@@ -221,13 +222,14 @@ class TokenizerProcess:
             reply = await asyncio.shield(exchange)
         except asyncio.CancelledError:
             if not exchange.done() and proc.returncode is None:
-                proc.stdin.write(_frame(Cancel()))
+                try:
+                    proc.stdin.write(_frame(Cancel()))
+                except (ConnectionError, RuntimeError):
+                    pass   # the process is gone: _exchange sees it
             raise
         if reply is None:   # the process died under the job
-            from frontend.protocol import APIError
             raise APIError("The tokenizer process died; please retry.", 503)
         if isinstance(reply, Failed):
-            from frontend.protocol import APIError
             if reply.status >= 500:
                 logger.error("tokenizer process: %s", reply.message)
                 raise APIError("Internal server error (see the server log)", 500)
