@@ -7,6 +7,10 @@ run fits one device call: batch-1 time per output token (as `loom bench latency`
 (E2E - TTFT) / (output_len - 1), medians, 128 in / 128 out) and offline output tok/s on the
 standard workload (as `loom bench throughput`: 256 requests, one warm-up call first).
 A table of measured values against the targets is printed last.
+
+--profile-dir DIR also traces 32 batch-1 decode tokens of each TPOT row with the torch profiler
+and prints rank 0's GPU time per token by kernel (CUDA-graph replays included), so the gap to
+the weights floor can be read off by kernel: GEMMs, all-reduces, attention, norms.
 """
 from __future__ import annotations
 
@@ -57,7 +61,34 @@ def _throughput(llm, vocab: int) -> tuple[float, int]:
     return tokens / elapsed, tokens
 
 
-def measure(name: str) -> dict:
+def _profile_decode(llm, vocab: int, profile_dir: str, name: str, n_out: int = 32) -> None:
+    """Trace n_out batch-1 tokens (after a 128-token prompt) and print GPU time per token by kernel."""
+    import glob
+    import os
+    from frontend import SamplingParams
+    prompt = fixed_workload(1, 128, 1, seed=2000, vocab_size=vocab).prompts[0]
+    params = SamplingParams(temperature=0.6, max_tokens=n_out, ignore_eos=True)
+    llm.start_profile(name)
+    llm.generate([prompt], params, use_tqdm=False)
+    llm.stop_profile()
+    traces = sorted(glob.glob(os.path.join(profile_dir, f"{name}_*rank0*.json")), key=os.path.getmtime)
+    if not traces:
+        print(f"{name}: no trace in {profile_dir}")
+        return
+    with open(traces[-1]) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") == "kernel"]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e["name"][:90]] = by_name.get(e["name"][:90], 0.0) + e.get("dur", 0.0)
+    total = sum(by_name.values())
+    span = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) if events else 0
+    print(f"--- {name}: rank 0, {len(events)} kernels, {total / n_out / 1000:.3f} ms of kernels per token "
+          f"(prefill included), GPU span {span / n_out / 1000:.3f} ms per token")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"{v / n_out:9.1f} us/token  {k}")
+
+
+def measure(name: str, profile_dir: str | None = None) -> dict:
     import tempfile
     from frontend import LLM
     preset, tp, want_tpot, want_tput = RUNS[name]
@@ -66,13 +97,16 @@ def measure(name: str) -> dict:
         with open(f"{mdir}/config.json") as f:
             vocab = json.load(f)["vocab_size"]
         t0 = time.perf_counter()
-        llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0)
+        extra = {"profiler_dir": profile_dir} if profile_dir and want_tpot else {}
+        llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0, **extra)
         res = {"name": name, "preset": preset, "tp": tp, "startup_s": time.perf_counter() - t0,
                "kv_blocks": llm.num_gpu_blocks}
         try:
             res["all_reduce"] = llm.collective_rpc("all_reduce_info")[0]
             if want_tpot:
                 res["tpot_ms"] = _tpot(llm, vocab)
+                if extra:
+                    _profile_decode(llm, vocab, profile_dir, name)
             if want_tput:
                 res["output_tok_per_s"], res["output_tokens"] = _throughput(llm, vocab)
         finally:
@@ -85,11 +119,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     p.add_argument("--output-json", default=None)
+    p.add_argument("--profile-dir", default=None, help="trace batch-1 decode of the TPOT rows here")
     args = p.parse_args()
     results = {}
     for name in args.only:
         try:
-            results[name] = measure(name)
+            results[name] = measure(name, args.profile_dir)
         except Exception as e:  # one failed configuration must not hide the others' numbers
             print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
             results[name] = {"name": name, "error": str(e)}

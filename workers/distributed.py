@@ -8,11 +8,14 @@ nodes) and every rank connects to it.
 The layers ask `tp_rank()` / `tp_size()` when they are built (1 and 0 when the process is not
 a rank of a group, e.g. a model built by a test), and call `all_reduce` / `all_gather`.
 
-All-reduce on CUDA: below `ONE_SHOT_MAX_BYTES` a one-shot all-reduce over peer-to-peer
-memory (torch symmetric memory: each rank reads every peer's buffer over NVLink and sums,
-one kernel, no ring) which beats NCCL for decode-sized tensors (8.4 us vs ~25 us eager at
-64 KB on 2xH200); NCCL above it and wherever symmetric memory is unavailable. Both are
-capturable in CUDA graphs. NVLink multicast is never used (no multimem ops).
+All-reduce on CUDA, by size (bf16, 2xH200, CUDA-graph replays: `python -m bench.allreduce_tp`):
+- up to ONE_SHOT_MAX_BYTES (1 MiB) a one-shot all-reduce over peer-to-peer memory (torch
+  symmetric memory: each rank reads every peer's buffer over NVLink and sums, one kernel):
+  9.2 us at 8 KiB (NCCL 9.3), 16.4 us at 1 MiB (NCCL 17.0); eager it beats NCCL's ~36 us launch;
+- up to TWO_SHOT_MAX_BYTES (16 MiB) the two-shot kernel: 20.5 us at 2 MiB (NCCL 29.6), 29.2 at
+  4 MiB (34.9), the all-reduces of large decode batches;
+- NCCL above, and wherever symmetric memory is unavailable.
+All are capturable in CUDA graphs. NVLink multicast is never used (no multimem ops).
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 512 << 10))
+ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 1 << 20))
+TWO_SHOT_MAX_BYTES = int(os.environ.get("LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES", 16 << 20))
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -43,7 +48,7 @@ class TPState:
     rank: int = 0
     size: int = 1
     group: object = None
-    one_shot: "OneShotAllReduce | None" = None
+    symm: "SymmMemAllReduce | None" = None
 
 
 _state = TPState()
@@ -79,37 +84,56 @@ def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: to
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     _state.rank, _state.size, _state.group = rank, rdv.world_size, dist.group.WORLD
     if device.type == "cuda":
-        one_shot = OneShotAllReduce.create(_state.group, device, dtype)
+        symm = SymmMemAllReduce.create(_state.group, device, dtype)
         # every rank must take the same path for every all-reduce, or they would never pair up
-        agreed = torch.tensor([1 if one_shot is not None else 0], device=device)
+        agreed = torch.tensor([1 if symm is not None else 0], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_state.group)
-        _state.one_shot = one_shot if agreed.item() else None
+        _state.symm = symm if agreed.item() else None
     logger.info("rank %d of %d joined the %s group", rank, rdv.world_size, backend)
 
 
 def destroy_distributed() -> None:
     global _state
     if _state.size > 1 and dist.is_initialized():
-        _state.one_shot = None
+        _state.symm = None
         dist.destroy_process_group()
     _state = TPState()
 
 
 def describe() -> dict:
-    one_shot = _state.one_shot
+    symm = _state.symm
     return {"rank": _state.rank, "size": _state.size,
             "backend": dist.get_backend(_state.group) if _state.group is not None else None,
-            "one_shot": one_shot is not None, "one_shot_max_bytes": one_shot.max_bytes if one_shot else 0}
+            "one_shot": symm is not None, "one_shot_max_bytes": symm.one_shot_max if symm else 0,
+            "two_shot_max_bytes": symm.two_shot_max if symm else 0}
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks, in place (x is returned)."""
     if _state.size == 1:
         return x
-    if _state.one_shot is not None and _state.one_shot.fits(x):
-        return _state.one_shot(x)
+    method = _state.symm.method(x.numel(), x.dtype) if _state.symm is not None and x.is_contiguous() else None
+    if method is not None:
+        return _state.symm(x, method)
     dist.all_reduce(x, group=_state.group)
     return x
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T summed over the ranks (a row-parallel linear's product). Through symmetric
+    memory the matmul writes straight into the shared buffer, so no copy precedes the sum."""
+    if _state.size == 1:
+        return F.linear(x, weight)
+    symm = _state.symm
+    shape = x.shape[:-1] + (weight.shape[0],)
+    numel = x.numel() // x.shape[-1] * weight.shape[0]
+    method = symm.method(numel, x.dtype) if symm is not None and x.dtype == weight.dtype else None
+    if method is None:
+        return all_reduce(F.linear(x, weight))
+    torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=symm.buffer_for(numel).view(-1, weight.shape[0]))
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    symm.reduce_buffer(numel, method, out.view(-1))
+    return out
 
 
 def all_gather(x: torch.Tensor) -> torch.Tensor:
@@ -137,52 +161,88 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-class OneShotAllReduce:
-    """Sum over the ranks through torch symmetric memory: x is copied into this rank's
-    symmetric buffer (of the model's dtype), then one kernel reads every peer's buffer over NVLink and writes the
-    sum back into x. One buffer serves every call (the op's barriers order reuse)."""
+class SymmMemAllReduce:
+    """Sums over the ranks through torch symmetric memory (peer-to-peer reads and writes over
+    NVLink, no NCCL ring) for the sizes where that beats NCCL:
+    - one-shot up to `one_shot_max` bytes: every rank reads every peer's buffer and sums
+      (one kernel; latency-bound decode sizes);
+    - two-shot up to `two_shot_max`: each rank sums its 1/W slice from all peers and writes it
+      back to them (a reduce-scatter and an all-gather in one kernel; it moves 2/W of the data
+      per rank instead of (W-1)/W x W, for the batch-sized all-reduces of large decode steps).
+    One symmetric buffer serves every call: the ops' barriers order its reuse. A row-parallel
+    matmul can write its product straight into it (`buffer_for`), which saves the copy."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str):
+    def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int):
         self.buffer, self.group_name = buffer, group_name
-        self.max_bytes = buffer.numel() * buffer.element_size()
+        self.one_shot_max, self.two_shot_max = one_shot_max, two_shot_max
+        self.world_size = dist.get_world_size()
 
     @classmethod
-    def create(cls, group, device: torch.device, dtype: torch.dtype) -> "OneShotAllReduce | None":
-        if ONE_SHOT_MAX_BYTES <= 0 or os.environ.get("LOOM_DISABLE_ONE_SHOT_ALLREDUCE") == "1":
+    def create(cls, group, device: torch.device, dtype: torch.dtype) -> "SymmMemAllReduce | None":
+        if max(ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES) <= 0 or \
+                os.environ.get("LOOM_DISABLE_ONE_SHOT_ALLREDUCE") == "1":
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
             if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
                 return None
+            two_shot_max = TWO_SHOT_MAX_BYTES if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out") else 0
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8, a no-op after
                 symm_mem.enable_symm_mem_for_group(group.group_name)
-            numel = ONE_SHOT_MAX_BYTES // torch.empty(0, dtype=dtype).element_size()
+            numel = max(ONE_SHOT_MAX_BYTES, two_shot_max) // torch.empty(0, dtype=dtype).element_size()
             buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-            handle = symm_mem.rendezvous(buffer, group.group_name)
-            if handle is None:
+            if symm_mem.rendezvous(buffer, group.group_name) is None:
                 return None
-            op = cls(buffer, group.group_name)
-            # a real call now, so that a platform that cannot run it fails here, not mid-serving
-            probe = torch.full((256,), float(dist.get_rank(group) + 1), dtype=dtype, device=device)
-            op(probe)
-            torch.cuda.synchronize(device)
-            expect = dist.get_world_size(group) * (dist.get_world_size(group) + 1) / 2
-            if not bool((probe == expect).all()):
-                raise RuntimeError(f"one-shot all-reduce gave {probe[0].item()}, expected {expect}")
+            op = cls(buffer, group.group_name, ONE_SHOT_MAX_BYTES, two_shot_max)
+            op._probe(device, dtype)
             return op
         except Exception as e:  # no P2P, no NVLink, an old torch: NCCL does everything
-            logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every all-reduce",
+            logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL for every all-reduce",
                            type(e).__name__, e)
             return None
 
-    def fits(self, x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return x.dtype == self.buffer.dtype and x.is_contiguous() and nbytes <= self.max_bytes \
-            and nbytes % 16 == 0
+    def _probe(self, device: torch.device, dtype: torch.dtype) -> None:
+        """A real call of each kernel now, so that a platform that cannot run one fails here,
+        not mid-serving."""
+        w = self.world_size
+        expect = w * (w + 1) / 2
+        calls = [(256, "one_shot")]
+        if self.two_shot_max > self.one_shot_max:
+            calls.append((self.two_shot_max // self.buffer.element_size(), "two_shot"))
+        for numel, method in calls:
+            probe = torch.full((numel,), float(dist.get_rank() + 1), dtype=dtype, device=device)
+            self(probe, method)
+            torch.cuda.synchronize(device)
+            if not bool((probe == expect).all()):
+                raise RuntimeError(f"symmetric-memory all-reduce of {numel} gave {probe[0].item()}, "
+                                   f"expected {expect}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def method(self, numel: int, dtype: torch.dtype) -> str | None:
+        """"one_shot", "two_shot", or None when a contiguous tensor of this size goes to NCCL."""
+        nbytes = numel * self.buffer.element_size()
+        if dtype != self.buffer.dtype or nbytes % 16:
+            return None
+        if nbytes <= self.one_shot_max:
+            return "one_shot"
+        if nbytes <= self.two_shot_max and nbytes % (16 * self.world_size) == 0:
+            return "two_shot"
+        return None
+
+    def buffer_for(self, numel: int) -> torch.Tensor:
+        return self.buffer[:numel]  # offset 0 of the symmetric allocation
+
+    def reduce_buffer(self, numel: int, method: str, out: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's buffer_for(numel) into out (flat, numel elements)."""
+        slot = self.buffer_for(numel)
+        if method == "one_shot":
+            torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group_name, out)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_out(slot, "sum", self.group_name, out)
+        return out
+
+    def __call__(self, x: torch.Tensor, method: str) -> torch.Tensor:
+        """In place: x (contiguous) becomes the sum over the ranks."""
         flat = x.view(-1)
-        slot = self.buffer[:flat.numel()]  # offset 0 of the symmetric allocation
-        slot.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group_name, flat)
+        self.buffer_for(flat.numel()).copy_(flat)
+        self.reduce_buffer(flat.numel(), method, flat)
         return x

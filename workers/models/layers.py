@@ -27,7 +27,7 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import all_gather, all_reduce, tp_rank, tp_size
+from workers.distributed import all_gather, all_reduce, linear_all_reduce, tp_rank, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+        y = linear_all_reduce(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
