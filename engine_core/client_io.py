@@ -16,8 +16,9 @@ engine's sockets towards an attached client's tcp:// addresses are CURVE too.
 A malformed handshake fails alone: nothing is registered until both sockets connected.
 
 The engine stamps every ADD, ABORT and UTILITY with the index of the connection
-it came on, so a client can only act as itself (and abort only its own requests). A client whose connection drops
-is reported as ("CLIENT_GONE", index) on the input queue.
+it came on, so a client can only act as itself (and abort only its own requests).
+A client whose connection drops is reported as ("CLIENT_GONE", index) on the
+input queue.
 """
 from __future__ import annotations
 

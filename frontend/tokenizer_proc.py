@@ -145,11 +145,12 @@ def _run_forked(tokenizer, job: EncodeJob | ChatJob, inp: int) -> bytes | None:
     me = os.getpid()
     pid = os.fork()
     if pid == 0:
-        os.close(r)
-        _die_with_parent(me)
-        reply = _frame(_run(tokenizer, job))
-        _write_all(w, reply)
-        os._exit(0)
+        try:   # a job that fails (MemoryError, ...) writes nothing: the process answers Failed
+            os.close(r)
+            _die_with_parent(me)
+            _write_all(w, _frame(_run(tokenizer, job)))
+        finally:
+            os._exit(0)
     os.close(w)
     out = bytearray()
     try:
@@ -173,6 +174,7 @@ def _run_forked(tokenizer, job: EncodeJob | ChatJob, inp: int) -> bytes | None:
 
 def main(path: str, parent: int) -> None:
     _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is `loom serve`'s to handle; we die with our parent
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     inp, out = sys.stdin.fileno(), sys.stdout.fileno()
