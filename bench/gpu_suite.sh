@@ -22,6 +22,12 @@ for section in "$@"; do case $section in
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
   sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
               --sampling plain topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
+  logprobs) # issue 14's logprobs=5 target alone: host CPU per token of each stage, the sampler's device
+            # time with and without logprobs (kernels), then the offline ratio to plain in one engine
+            TAIL=4 run logprobs-host 300 python3 -m bench.logprobs_host --steps 500
+            TAIL=8 run logprobs-sampler 200 python3 -m bench.kernels_gpu --parts logprobs
+            LOOM_STEP_STATS=1 TAIL=12 run qwen3-logprobs 300 $LOOM bench throughput --preset qwen3-0.6b \
+              --sampling plain logprobs --output-json "$OUT/logprobs.json" ;;
   qwen3-sync) run qwen3-throughput-sync 200 $LOOM bench throughput --preset qwen3-0.6b --no-async-scheduling ;;
   qwen3-latency) run qwen3-latency 200 $LOOM bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024 --iters 3 ;;
   qwen3-profile) LOOM_PROFILE_DIR=$OUT/prof run qwen3-latency-profiled 200 $LOOM bench latency --preset qwen3-0.6b --iters 2
@@ -41,7 +47,8 @@ for section in "$@"; do case $section in
            TAIL=40 run profile-llama8b 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 128 --context 1024 --top 12 ;;
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
   profile-prefill) TAIL=40 run profile-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024 --top 16 ;;
-  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json ;;
+  structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json
+              TAIL=7 run grammar-stall-cpu 240 python3 -m bench.grammar_stall ;;  # the same question on this host's CPUs
   vl) # Qwen2.5-VL: bf16/fp32 parity on a tiny model, then Qwen2.5-VL-7B shapes (random weights) under
       # random-mm load; LOOM_STEP_STATS: the worker logs the encoder's and the eager steps' device time
       run vl-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vl.py

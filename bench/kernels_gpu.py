@@ -273,13 +273,43 @@ def _penalties(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
               logits.numel() * (2 + 4 + 4 + 1), ref_fn=lambda: penalties.apply_penalties_ref(*args))
 
 
-def run(quick: bool, timing: bool, device: str = "cuda") -> Ctx:
+def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
+    """The sampler's logprobs=5 tail (log-softmax, the sampled token's logprob and rank, top-5) on
+    bf16 logits: checked against torch on the same logits, and the whole Sampler call timed with
+    and without it (the difference is what logprobs cost the device per step)."""
+    from ipc.sampling_params import SamplingParams
+    from workers.sampler import Sampler, SamplingRow
+    vocab = cfg["vocab"]
+    for b in ((16,) if quick else (256, 128)):
+        logits = (torch.randn(b, vocab, device=dev, generator=gen) * 4.0).to(BF16)
+        sampler = Sampler(use_triton=dev.type == "cuda")
+        for n in (None, 5):
+            rows = [SamplingRow(SamplingParams(temperature=0.6, logprobs=n), seed=i, output_index=7, slot=i)
+                    for i in range(b)]
+            d = {k: torch.from_numpy(v).to(dev) for k, v in Sampler.host_params(rows).items()}
+            tokens, topk, _ = sampler(logits, rows, d)
+            if n is not None:
+                ids, lps, ranks = topk
+                ref = torch.log_softmax(logits.float(), dim=-1)
+                ok = (torch.equal(ids[:, 0], tokens) and torch.equal(lps, ref.gather(1, ids))
+                      and torch.equal(ranks, (ref > ref.gather(1, tokens[:, None])).sum(-1) + 1)
+                      and torch.equal(ref.gather(1, ids[:, 1:]), ref.topk(n, dim=-1).values))
+                ctx.expect(f"sampler logprobs=5 {model} B={b}", ok)
+            ctx.bench("sampler" + (" logprobs=5" if n else ""), f"{model} B={b} bf16 t=0.6",
+                      lambda: sampler(logits, rows, d), logits.numel() * 2)
+
+
+PARTS = {"prologue": _prologue, "norms": _norms, "silu": _silu, "sampling": _sampling, "logprobs": _logprobs,
+         "penalties": _penalties, "attention": _attention}
+
+
+def run(quick: bool, timing: bool, device: str = "cuda", parts: list[str] | None = None) -> Ctx:
     dev = torch.device(device)
     assert dev.type != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"
     ctx = Ctx(timing and dev.type == "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for model, cfg in MODELS.items():
-        for part in (_prologue, _norms, _silu, _sampling, _penalties, _attention):
+        for part in (PARTS[p] for p in parts or PARTS):
             try:
                 part(ctx, model, cfg, quick, dev, gen)
             except Exception as exc:  # keep going: report every kernel
@@ -300,9 +330,10 @@ def check_all(quick: bool = True) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes, correctness only")
+    ap.add_argument("--parts", nargs="+", choices=list(PARTS), default=None, help="only these kernels (default: all)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    ctx = run(quick=args.quick, timing=not args.quick)
+    ctx = run(quick=args.quick, timing=not args.quick, parts=args.parts)
     ctx.table()
     if ctx.failures:
         print(f"\n{len(ctx.failures)} FAILED:\n  " + "\n  ".join(ctx.failures))

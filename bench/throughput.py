@@ -90,6 +90,19 @@ def sampling_report(runs: dict) -> dict:
     return report
 
 
+def engine_snapshot(stats) -> tuple[dict, dict, dict]:
+    return dict(stats.engine_steps), dict(stats.engine_tokens), dict(stats.engine_last_output_at)
+
+
+def engine_report(before: tuple, after: tuple, t0: float) -> list[dict]:
+    """Per engine, over one generate() call that started at t0 (perf_counter): steps, output tokens,
+    and when its last output arrived. Equal steps and end times with DP=2 at well over half of
+    DP=1's time per step mean the engines set the pace, not this process."""
+    (steps0, tokens0, _), (steps1, tokens1, last1) = before, after
+    return [{"engine": e, "steps": steps1[e] - steps0.get(e, 0), "output_tokens": tokens1.get(e, 0) - tokens0.get(e, 0),
+             "last_output_s": max(last1.get(e, t0) - t0, 0.0)} for e in sorted(steps1)]
+
+
 def main(args: argparse.Namespace) -> int:
     from frontend import LLM, SamplingParams
 
@@ -120,9 +133,13 @@ def main(args: argparse.Namespace) -> int:
             runs = {}  # name -> (elapsed, outputs)
             for mode in modes:
                 for name, prompts, params in sampling_runs(mode, wl, args.temperature):
-                    t0 = time.perf_counter()
+                    before = engine_snapshot(llm.stats)
+                    t0, cpu0 = time.perf_counter(), time.process_time()
                     outs = llm.generate(prompts, params, use_tqdm=args.progress)
                     runs[name] = (time.perf_counter() - t0, outs)
+                    if name == "plain":
+                        client_cpu = time.process_time() - cpu0
+                        engines = engine_report(before, engine_snapshot(llm.stats), t0)
             elapsed, outs = runs["plain"]
             preemptions = llm.stats.num_preemptions
             structured = None
@@ -149,6 +166,8 @@ def main(args: argparse.Namespace) -> int:
             "output_tok_per_s": output_tokens / elapsed,
             "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
             "num_preemptions": preemptions,
+            "client_cpu_s": client_cpu,
+            "engines": engines,
             "startup_s": startup,
             "structured_output": structured,
             "engine_options": opts,
@@ -158,6 +177,11 @@ def main(args: argparse.Namespace) -> int:
               f"{result['output_tok_per_s']:.2f} output tok/s, {result['total_tok_per_s']:.2f} total tok/s")
         print(f"Tokens: {prompt_tokens} prompt + {output_tokens} output in {elapsed:.2f} s "
               f"({preemptions} preemptions)")
+        print(f"Client process CPU: {client_cpu:.2f} s in {elapsed:.2f} s "
+              f"({1e6 * client_cpu / max(output_tokens, 1):.1f} us per output token)")
+        for e in engines:
+            print(f"Engine {e['engine']}: {e['steps']} steps, {e['output_tokens']} output tokens, last output at "
+                  f"{e['last_output_s']:.2f} s ({1e3 * e['last_output_s'] / max(e['steps'], 1):.2f} ms per step)")
         ok = (prompt_tokens, output_tokens) == (wl.prompt_tokens, wl.output_tokens)
         if wl.is_default:
             print(f"Standard workload totals (142,827 prompt / 133,966 output): {'OK' if ok else 'MISMATCH'}")

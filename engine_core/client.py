@@ -60,7 +60,8 @@ class _ClientBase:
         self.input_monitor = self.input.get_monitor_socket(HANDSHAKE_FAILED)
         self.handshake_watch = HandshakeWatch("engine client sockets")
         self._after_failure = False   # the next DISCONNECTED is that of a peer whose handshake failed
-        self.last_heard = time.monotonic()   # when the engine last sent anything (it beats when idle)
+        # engine index -> when that engine last sent anything (each beats when idle), from its READY on
+        self.last_heard: dict[int, float] = {}
         self.enc = Encoder()
         self.out_dec = Decoder(EngineCoreOutputs)
         self.ready_dec = Decoder(EngineReady)
@@ -119,22 +120,30 @@ class _ClientBase:
         self.handshake_watch.note(parse_monitor_message(frames)["event"])
 
     def _on_output_frames(self, frames: list) -> EngineCoreOutputs | None:
-        self.last_heard = time.monotonic()
         """The outputs in `frames`; None for ENGINE_DEAD (then is_dead) or a malformed message (dropped)."""
         kind = bytes(frames[0].buffer)
         try:
             if kind == MsgType.ENGINE_DEAD.value:
                 self.dead_reason = f"engine core died: {msgspec.msgpack.decode(frames[1].buffer)}"
                 return None
-            return self.out_dec.decode(frames)
+            outs = self.out_dec.decode(frames)
         except Exception as e:  # noqa: BLE001  (only the engine can send here, but never trust a frame)
             logger.warning("dropping a malformed %r message from the engine: %s", kind[:8], e)
             return None
+        if outs.engine_index in self.last_heard:
+            self.last_heard[outs.engine_index] = time.monotonic()
+        return outs
+
+    def silent_for(self) -> float:
+        """Seconds since the quietest engine last sent anything (0 before every engine is ready)."""
+        if self.ready is None:
+            return 0.0
+        return time.monotonic() - min(self.last_heard.values())
 
     def _on_ready(self, frames: list) -> None:
-        self.last_heard = time.monotonic()
         ready = self.ready_dec.decode(frames[1:])
         self.engines[ready.engine_index] = bytes(frames[0].buffer)
+        self.last_heard[ready.engine_index] = time.monotonic()
         self.readies[ready.engine_index] = ready
         if len(self.readies) == self.num_engines:
             self.ready = self.readies[min(self.readies)]

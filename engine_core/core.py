@@ -32,7 +32,7 @@ from engine_core.structured_output import StructuredOutputManager
 from ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, EngineReady, GrammarOutput,
                           ModelRunnerOutput, MsgType, SchedulerOutput, UtilityOutput,
                           UtilityRequest)
-from ipc.procs import child_signals, watch_parent
+from ipc.procs import child_signals, freeze_startup_heap, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
@@ -496,6 +496,7 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
         engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key,
                                 engine_index=dp.rank if dp is not None else 0)
         _watch_workers(engine)
+        freeze_startup_heap()
         if dp is not None and dp.register_address:   # on another node: the head's API servers attach now
             register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
         with maybe_profile("engine_core"):

@@ -15,6 +15,7 @@ import time
 
 from ipc.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
+from ipc import profiling
 from ipc.profiling import maybe_profile
 from metrics.multiproc import ENV as METRICS_DIR_ENV
 
@@ -45,6 +46,7 @@ async def _shut_down(llm, server, grace: float, code: int, why: str) -> None:
         llm.fail_all(APIError(f"The server is shutting down ({why}); the request did not finish in time.", 503))
     if server is not None:
         await server.handlers_done(_FLUSH_S)
+    profiling.dump()   # LOOM_PROFILE_DIR: os._exit skips the profile's own exit
     os._exit(code)
 
 

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from engine_core.client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
 from frontend.dp_router import DPRouter, check_rank, merge_results
+from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer, tokenizer_source
@@ -90,10 +91,11 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.tokenizer_source = tokenizer_source(config)   # for the API server's tokenizer process
+        self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
-        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index)
+        self.router = DPRouter(config.data_parallel_size, config.block_size, client_index, config.max_num_seqs)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
@@ -123,8 +125,9 @@ class AsyncLLM:
 
     @property
     def engine_stalled(self) -> bool:
-        """The engine has sent nothing, not even its heartbeat, for ENGINE_STALL_S: it stopped stepping."""
-        return time.monotonic() - self.client.last_heard > ENGINE_STALL_S
+        """An engine (any data-parallel rank) has sent nothing, not even its heartbeat, for ENGINE_STALL_S:
+        it stopped stepping."""
+        return self.client.silent_for() > ENGINE_STALL_S
 
     @property
     def num_in_flight(self) -> int:
@@ -194,7 +197,7 @@ class AsyncLLM:
             for ecr in ecrs:
                 ecr.mm_items = mm_items
         states = {ecr.request_id: RequestState(ecr.request_id, i, prompt_token_ids, ecr.sampling_params,
-                                               self.tokenizer) for i, ecr in enumerate(ecrs)}
+                                               self.tokenizer, self.token_texts) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
         req = _Collector(states, rms, engine)

@@ -3,8 +3,12 @@ engine become one answer. Used by the API servers (AsyncLLM) and the offline LLM
 
 Load: every engine sends each of its clients its waiting and running counts once per step
 (EngineLoad), with the number of this client's ADDs it had taken in by then; what this client
-sent since is not in those counts yet, so it is added as waiting. The score is vLLM's,
-4 * waiting + running: a queued request delays every later one, a running one only shares a step.
+sent since is not in those counts yet. The score is vLLM's, 4 * waiting + running: a queued
+request delays every later one, a running one only shares a step. A request sent since the last
+report counts as running while the engine has a free slot for it (fewer than max_num_seqs
+running or waiting), else as waiting: so a burst of new requests (a wave of requests finishing
+at once) fills the engine with free slots first instead of queueing on both, which would leave
+one engine short of a full batch until its own requests finish.
 
 Prefix affinity: a prompt whose first KV block was last sent to engine E goes to E again while
 E's score is close to the lowest (within AFFINITY_SLACK + an eighth), where its prefix is
@@ -23,8 +27,9 @@ AFFINITY_ENTRIES = 1 << 16    # prefixes remembered, least recently used first o
 
 
 class DPRouter:
-    def __init__(self, num_engines: int, block_size: int, client_index: int = 0):
+    def __init__(self, num_engines: int, block_size: int, client_index: int = 0, max_num_seqs: int | None = None):
         self.n = num_engines
+        self.max_num_seqs = max_num_seqs     # requests an engine runs at once (None: count every unseen as waiting)
         self.block_size = block_size
         self.waiting = [0] * num_engines
         self.running = [0] * num_engines
@@ -40,7 +45,11 @@ class DPRouter:
 
     def score(self, engine: int) -> int:
         unseen = max(self.sent[engine] - self.acked[engine], 0)
-        return 4 * (self.waiting[engine] + unseen) + self.running[engine]
+        waiting, running = self.waiting[engine], self.running[engine]
+        starts = 0   # unseen requests that find a free slot
+        if self.max_num_seqs is not None:
+            starts = min(unseen, max(self.max_num_seqs - running - waiting, 0))
+        return 4 * (waiting + unseen - starts) + running + starts
 
     def pick(self, prompt_token_ids: list[int], num_requests: int = 1) -> int:
         """The engine for a request of num_requests engine requests (its choices), counted as sent."""

@@ -15,6 +15,7 @@ from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from engine_core.dp_coordinator import DPRank
 from frontend.dp_router import DPRouter, merge_results
+from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
@@ -32,6 +33,7 @@ class LLM:
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
         self.config = EngineConfig(model=model, **options).resolve()
         self.tokenizer = load_tokenizer(self.config)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(self.config, client_index=0)  # its store, before any child starts
         self.ipc_dir = make_ipc_dir()
         in_addr = ipc_address(self.ipc_dir, "client0-input")
@@ -51,7 +53,7 @@ class LLM:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
-        self.router = DPRouter(n, self.config.block_size)
+        self.router = DPRouter(n, self.config.block_size, max_num_seqs=self.config.max_num_seqs)
         self._engine_of: dict[str, int] = {}   # engine request id -> its data-parallel rank
         self.stats = EngineStatsTotals()
         self._results: list[RequestOutput] = []                         # enqueued, in order
@@ -118,7 +120,8 @@ class LLM:
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
                 self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, ecr.sampling_params,
-                                                                     self.tokenizer))
+                                                                     self.tokenizer, self.token_texts,
+                                                                     final_only=True))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
             ids_out.append(rid)
@@ -175,13 +178,16 @@ class LLM:
             if outs.load is not None:
                 self.router.on_load(outs.engine_index, outs.load)
             if outs.scheduler_stats is not None:
-                self.stats.add(outs.scheduler_stats)
+                self.stats.add(outs.scheduler_stats, outs.timestamp, outs.engine_index)
+            states = self._states
             for out in outs.outputs:
-                entry = self._states.get(out.request_id)
+                entry = states.get(out.request_id)
                 if entry is None:
                     continue
                 result, st = entry
-                delta, abort = st.process(out)
+                delta, abort = st.process(out)   # None until the end for most (RequestState final_only)
+                if bar is not None:
+                    bar.add_tokens(len(out.new_token_ids))
                 if abort:
                     self.client.abort([out.request_id], outs.engine_index)
                 if delta is None:
@@ -189,10 +195,10 @@ class LLM:
                 choice = result.outputs[st.index]
                 choice.text += delta.text
                 choice.token_ids.extend(delta.token_ids)
-                if delta.logprobs is not None:
-                    choice.logprobs = (choice.logprobs or []) + delta.logprobs
-                if bar is not None:
-                    bar.add_tokens(len(delta.token_ids))
+                if delta.logprobs is not None:  # extended in place: a copy per delta is quadratic
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is None:
                     continue
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -307,17 +313,30 @@ class LLM:
 
 
 class EngineStatsTotals:
-    """Running totals of the per-step stats the engine sends."""
+    """Running totals of the per-step stats the engines send; with step_log set to a list, also
+    each step's (engine timestamp, SchedulerStats), for benchmarks that time steps. Per
+    data-parallel engine: its steps, output tokens and when its last step with output tokens
+    arrived (perf_counter), which tell a benchmark whether the engines or this process set the pace."""
 
     def __init__(self):
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
         self.steps = 0
+        self.step_log: list | None = None
+        self.engine_steps: dict[int, int] = {}
+        self.engine_tokens: dict[int, int] = {}
+        self.engine_last_output_at: dict[int, float] = {}
 
-    def add(self, s) -> None:
+    def add(self, s, timestamp: float = 0.0, engine: int = 0) -> None:
         self.steps += 1
+        if self.step_log is not None:
+            self.step_log.append((timestamp, s))
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
+        self.engine_steps[engine] = self.engine_steps.get(engine, 0) + 1
+        if s.num_generation_tokens:
+            self.engine_tokens[engine] = self.engine_tokens.get(engine, 0) + s.num_generation_tokens
+            self.engine_last_output_at[engine] = time.perf_counter()
 
 
 def _engine_dir(ipc_dir: str, rank: int, n: int) -> str:

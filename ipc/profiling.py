@@ -12,6 +12,9 @@ import pstats
 import sys
 
 
+_active: list = []   # (profile, path) of this process's profile while it runs
+
+
 @contextlib.contextmanager
 def maybe_profile(name: str):
     out_dir = os.environ.get("LOOM_PROFILE_DIR")
@@ -19,13 +22,22 @@ def maybe_profile(name: str):
         yield
         return
     prof = cProfile.Profile()
+    _active[:] = [(prof, os.path.join(out_dir, f"{name}.prof"))]
     prof.enable()
     try:
         yield
     finally:
-        prof.disable()
-        os.makedirs(out_dir, exist_ok=True)
-        prof.dump_stats(os.path.join(out_dir, f"{name}.prof"))
+        dump()
+
+
+def dump() -> None:
+    """Write the running profile now: for a process about to leave by os._exit (the API servers)."""
+    if not _active:
+        return
+    prof, path = _active.pop()
+    prof.disable()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof.dump_stats(path)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,59 @@ def test_bench_serve_tiny(model_factory, start_server, tmp_path):
             assert res[f"mean_{metric}_ms"] > 0, metric
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert "Serving Benchmark Result" in r.stdout
+
+    # the same load from 2 processes (3 + 3 requests, concurrency 2 + 1): every request's result,
+    # in the load's order, and the metrics over all of them together
+    out2 = tmp_path / "serve2.json"
+    r = _loom("serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "10",
+              "--random-output-len", "5", "--request-rate", "50", "--max-concurrency", "3", "--seed", "1",
+              "--disable-tqdm", "--result-file", str(out2), "--num-processes", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    two = json.loads(out2.read_text())
+    assert two["completed"] == 6 and two["failed"] == 0 and two["peak_concurrency"] <= 3
+    assert two["total_output_tokens"] == 30 and two["output_lens"] == [5] * 6
+    e2els = [1000 * x for x in two["e2els"]]
+    assert two["mean_e2el_ms"] == pytest.approx(sum(e2els) / 6)
+    assert two["output_throughput"] == pytest.approx(30 / two["duration"])
+    assert two["duration"] >= max(e2els) / 1000
+    assert "Serving Benchmark Result" in r.stdout
+
+
+def test_bench_serve_load_split_and_merged_in_order():
+    from bench.serve import Load, arrival_offsets, interleave
+    offsets = arrival_offsets(10, 5.0, seed=3)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] > 0
+    assert arrival_offsets(4, float("inf"), 0) == [0.0] * 4
+    load = Load("u", {}, [{"i": i} for i in range(10)], offsets, 5)
+    shares = [load.share(k, 3) for k in range(3)]
+    assert [s.concurrency for s in shares] == [2, 2, 1]
+    assert interleave([s.payloads for s in shares]) == load.payloads
+    assert interleave([s.offsets for s in shares]) == offsets
+    assert load.share(0, 2).concurrency == 3 and Load("u", {}, [], [], None).share(1, 2).concurrency is None
+
+
+def test_decode_steps_time_only_the_free_batch():
+    """bench/structured.py's compile stall: a step counts only if it and two neighbours on each side
+    ran exactly the free batch (a joining request's prefill step is its own cost), and it is marked
+    as compiling while a request waits for its grammar."""
+    from types import SimpleNamespace as S
+
+    from bench.structured import decode_steps
+    # (scheduled tokens, prompt tokens, waiting) per step; step 0 is the batch's prefill
+    shape = [(4 * 64, 256, 2)] + [(4, 0, 2)] * 6 + [(4 + 8, 8, 1)] + [(4, 0, 1)] * 6 + [(4, 0, 0)] * 5
+    log = [(0.01 * i + (0.5 if i > 7 else 0), S(num_scheduled_tokens=n, num_prompt_tokens=p, num_waiting=w))
+           for i, (n, p, w) in enumerate(shape)]
+    steps = decode_steps(log, batch=4)
+    # by position from the first decode step (log index 1): the steps within 2 of the prefill
+    # (index 0), of the join (index 7, whose slow step is the gap at index 8) and of the end are out
+    assert sorted(steps) == [2, 3, 9, 10, 11, 12, 13, 14, 15]
+    assert all(abs(dt - 0.01) < 1e-9 for dt, _ in steps.values())
+    assert [steps[p][1] for p in sorted(steps)] == [True] * 6 + [False] * 3
+
+
+def test_logprobs_host_bench_tiny(model_factory):
+    """bench/logprobs_host.py drives the worker's, the engine's and the client's own code."""
+    from bench.logprobs_host import run
+    report = run(rows=8, steps=6, n=3, model_dir=model_factory("qwen3"))
+    assert set(report) == {"plain", "logprobs"}
+    assert all(v >= 0 for stages in report.values() for v in stages.values())

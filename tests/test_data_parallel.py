@@ -193,6 +193,35 @@ def test_control_calls_reach_every_engine(dp_server):
     assert requests.post(server.url + "/reset_prefix_cache", timeout=10).status_code == 200
 
 
+def _wait_health(sessions, url: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [s.get(url + "/health", timeout=5).status_code for s in sessions]
+        if got == [status] * len(sessions):
+            return
+        assert time.monotonic() < deadline, f"/health of the two API servers: {got}, expected {status}"
+        time.sleep(0.25)
+
+
+def test_health_follows_each_engines_heartbeat(dp_server):
+    """One engine core that stops stepping (SIGSTOP) while the other beats: /health is 503 on every
+    API server within the stall time (async_llm.ENGINE_STALL_S), and 200 again once it steps."""
+    from frontend.async_llm import ENGINE_STALL_S
+    _, server = dp_server
+    engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
+    assert len(engines) == 2
+    sessions = _sessions_on_two_servers(server.url)
+    _wait_health(sessions, server.url, 200, 10)
+    os.kill(engines[1], signal.SIGSTOP)
+    try:
+        _wait_health(sessions, server.url, 503, ENGINE_STALL_S + 10)
+        assert "stopped stepping" in sessions[0].get(server.url + "/health", timeout=5).text
+    finally:
+        os.kill(engines[1], signal.SIGCONT)
+    _wait_health(sessions, server.url, 200, 10)
+    assert _text(_complete(sessions[1], server.url, "hello", 1)) is not None
+
+
 def test_live_stats_line_per_engine():
     from prometheus_client import CollectorRegistry, Gauge
     from metrics.live_stats import LiveStatsLogger
@@ -337,6 +366,27 @@ def test_router_least_loaded_with_unseen_requests():
     assert [r2.pick([i]) for i in range(4)] == [1, 1, 1, 1]   # engine 0 has a queue
     r2.on_load(1, EngineLoad(0, 4, 4))                # the engine took them in: no longer unseen
     assert r2.score(1) == 4 and r2.score(0) == 30
+
+
+def test_router_fills_free_slots_first():
+    """A burst of requests between two load reports: with the engines' max_num_seqs known, the
+    engine with free slots takes them until both are full (counting each as waiting would split
+    the burst and queue requests on one engine while the other runs short of a full batch)."""
+    r = DPRouter(2, block_size=4, max_num_seqs=256)
+    r.on_load(0, EngineLoad(0, 156, 0))
+    r.on_load(1, EngineLoad(0, 236, 0))
+    picks = [r.pick([i]) for i in range(120)]
+    assert picks.count(0) == 100 and picks.count(1) == 20          # 256 and 256: none waits
+    assert [r.pick([i]) for i in range(4)].count(0) == 2         # both full: unseen ones wait, alternate
+    assert r.score(0) == r.score(1) == 4 * 2 + 256
+    old = DPRouter(2, block_size=4)                              # max_num_seqs unknown: vLLM's score
+    old.on_load(0, EngineLoad(0, 156, 0))
+    old.on_load(1, EngineLoad(0, 236, 0))
+    assert [old.pick([i]) for i in range(120)].count(0) == 70    # 226 running on one, 286 on the other
+    waiting = DPRouter(2, block_size=4, max_num_seqs=256)
+    waiting.on_load(0, EngineLoad(10, 200, 0))                   # waiting though not full (KV cache): they count
+    waiting.on_load(1, EngineLoad(0, 240, 0))
+    assert waiting.score(0) == 4 * 10 + 200 and waiting.score(1) == 240
 
 
 def test_router_prefix_affinity_and_pinning():

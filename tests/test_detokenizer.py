@@ -8,7 +8,8 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
+from frontend.output_processor import RequestState
 from ipc.sampling_params import SamplingParams
 from tests.conftest import ROOT
 
@@ -51,3 +52,87 @@ def test_decode_stream_takes_prefill_ids(tokenizer):
     stream = DecodeStream(ids=ids[:3], skip_special_tokens=True)
     pieces = [stream.step(tokenizer._tokenizer, t) for t in ids[3:]]
     assert tokenizer.decode(ids[:3]) + "".join(p for p in pieces if p) == tokenizer.decode(ids)
+
+
+# ---------------------------------------------------------------- decode once (the offline LLM)
+
+def _run_state(tokenizer, prompt: list[int], outputs: list, params: SamplingParams, final_only: bool):
+    """(text, token ids, finish reason, stop reason, decoded once?) of a choice through RequestState."""
+    st = RequestState("r", 0, prompt, params, tokenizer, TokenTexts(tokenizer), final_only=final_only)
+    text, ids, last = "", [], None
+    for out in outputs:
+        delta, _ = st.process(out)
+        if delta is not None:
+            text += delta.text
+            ids += delta.token_ids
+            last = delta
+        if st.finish_reason is not None:
+            break
+    return text, ids, last.finish_reason, last.stop_reason, st.detok is None
+
+
+def _token_ids(tokenizer):
+    """Ids that stress a decode: byte-level pieces of multi-byte characters, special tokens, words."""
+    vocab = tokenizer.get_vocab()
+    return sorted(set(vocab.values()))
+
+
+def test_decode_once_equals_the_stream(tokenizer):
+    """A finished output decoded once (RequestState final_only) has the stream's text, ids and
+    reasons: random ids (partial UTF-8 bytes, special tokens), every way an output ends."""
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+    from ipc.messages import EngineCoreOutput
+
+    ids = st.sampled_from(_token_ids(tokenizer))
+    finishes = st.sampled_from([("length", None, None), ("stop", None, None), ("stop", 5, None),
+                                ("abort", None, None), ("error", "internal", "boom")])
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None, phases=[Phase.generate])
+    @given(prompt=st.lists(ids, min_size=1, max_size=10), steps=st.lists(st.lists(ids, min_size=1, max_size=3),
+                                                                         min_size=1, max_size=8),
+           finish=finishes, skip=st.booleans(), include_stop=st.booleans())
+    def check(prompt, steps, finish, skip, include_stop):
+        reason, stop_reason, error = finish
+        outputs = [EngineCoreOutput("r", s) for s in steps]
+        outputs[-1] = EngineCoreOutput("r", steps[-1], reason, stop_reason, error=error)
+        params = SamplingParams(max_tokens=64, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
+        *streamed, _ = _run_state(tokenizer, prompt, outputs, params, final_only=False)
+        *once, deferred = _run_state(tokenizer, prompt, outputs, params, final_only=True)
+        assert once == streamed
+        decoded_once.append(deferred)
+
+    decoded_once: list[bool] = []
+    check()
+    # most cases took the decode-once path (the others stream): the property was tested, not skipped
+    assert sum(decoded_once) > len(decoded_once) // 2, (sum(decoded_once), len(decoded_once))
+
+
+def test_final_only_streams_what_needs_it(tokenizer):
+    """Stop strings, logprobs and a prompt that ends inside a character keep the token-by-token path."""
+    def state(prompt, params, final_only=True):
+        return RequestState("r", 0, prompt, params, tokenizer, TokenTexts(tokenizer), final_only=final_only)
+    prompt = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert state(prompt, SamplingParams()).detok is None
+    assert state(prompt, SamplingParams(), final_only=False).detok is not None
+    for params in (SamplingParams(stop=["x"]), SamplingParams(logprobs=1), SamplingParams(prompt_logprobs=0)):
+        assert state(prompt, params).detok is not None
+    partial = [i for i in _token_ids(tokenizer) if tokenizer.decode([i]).endswith("\ufffd")]
+    assert partial, "the tokenizer has byte pieces of multi-byte characters"
+    assert state(prompt + partial[:1], SamplingParams()).detok is not None
+
+
+def test_token_texts_equal_the_tokenizers_decode_of_each_id(tokenizer):
+    """Logprobs name their tokens through TokenTexts (the Rust decode where it is the same):
+    every id, special tokens included, as tokenizer.decode([id]) names it; and where HF would
+    clean up spaces, HF's decode itself."""
+    texts = TokenTexts(tokenizer)
+    assert [texts[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    assert texts._decode.__qualname__.startswith("_rust_decode")
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        cleaned = TokenTexts(tokenizer)
+        assert not cleaned._decode.__qualname__.startswith("_rust_decode")
+        assert [cleaned[i] for i in range(len(tokenizer))] == [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

@@ -47,14 +47,24 @@ def test_tp2_bf16_parity_with_hf_on_demo_model(demo_model_dir):
 
 
 def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
-    tp1 = _greedy(small_model)
+    """bf16 on random weights: TP=2 sums its partial products in another order than TP=1, so
+    greedy output may part where TP=1's top two logits nearly tie, and only there."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    llm = LLM(small_model, max_model_len=256)
+    try:
+        tp1 = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                  use_tqdm=False)]
+    finally:
+        llm.shutdown()
     graphs = _greedy(small_model, tensor_parallel_size=2)
     eager = _greedy(small_model, tensor_parallel_size=2, enforce_eager=True)
     for a, b, c in zip(tp1, graphs, eager):
-        print(f"TP=2 graphs vs eager: first divergence {_first_divergence(b, c)}; "
-              f"TP=2 vs TP=1: {_first_divergence(a, b)} of 48")
+        d = _first_divergence(a.token_ids, b)
+        top2 = sorted((lp.logprob for lp in a.logprobs[d].values()), reverse=True)[:2] if d < len(b) else None
+        print(f"TP=2 graphs vs eager: first divergence {_first_divergence(b, c)}; TP=2 vs TP=1: {d} of 48"
+              + (f" (TP=1's top two there: {top2})" if top2 else ""))
         assert _first_divergence(b, c) >= 24
-        assert _first_divergence(a, b) >= 16
+        assert top2 is None or top2[0] - top2[1] < 0.1, f"TP=2 left TP=1 at token {d}, not at a near-tie: {top2}"
 
 
 def test_one_shot_all_reduce_is_used_and_exact(small_model):

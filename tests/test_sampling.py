@@ -73,6 +73,28 @@ def test_prompt_logprobs_chunked_and_batched_match_hf(model_factory):
                 assert plp[pos][t].logprob == pytest.approx(row[t].item(), abs=1e-4)
 
 
+def test_logprobs_of_a_batch_asking_different_n_match_hf(llm):
+    """One step with rows asking logprobs None, 0, 2 and 5 (the worker cuts each row of the
+    sampler's [B, 1 + 5] arrays to its own 1 + N): each gets its token and its own top N, as HF."""
+    prompts = [PROMPT, PROMPT[::-1], [5, 6, 7, 8, 9, 10], [200, 100, 50, 25]]
+    ks = [None, 0, 2, 5]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=4, logprobs=k) for k in ks], use_tqdm=False)
+    assert outs[0].outputs[0].logprobs is None
+    for p, k, o in zip(prompts[1:], ks[1:], outs[1:]):
+        gen = o.outputs[0].token_ids
+        ref = hf_logprobs(llm.config.model, p + gen)
+        assert len(o.outputs[0].logprobs) == len(gen)
+        for i, (tok, entry) in enumerate(zip(gen, o.outputs[0].logprobs)):
+            row = ref[len(p) - 1 + i]
+            top_v, top_i = row.topk(k) if k else (row[:0], row[:0].long())
+            assert set(entry) == {tok, *top_i.tolist()}
+            assert next(iter(entry)) == tok and entry[tok].rank == 1  # greedy; the sampled token first
+            for v, t in zip([row[tok].item(), *top_v.tolist()], [tok, *top_i.tolist()]):
+                assert entry[t].logprob == pytest.approx(v, abs=1e-4)
+                assert entry[t].decoded_token == llm.tokenizer.decode([t])
+
+
 def test_logprobs_zero_gives_sampled_token_only(llm):
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.8, seed=1, max_tokens=4,
                                                                       logprobs=0), use_tqdm=False)[0]

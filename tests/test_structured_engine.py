@@ -5,8 +5,12 @@ not compile failing alone in the engine, and the grammar starting after the thin
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -120,3 +124,25 @@ def test_grammar_applies_after_thinking(tiny_model_dir):
     ended = [manager.accept(thinking, t) for t in tok.encode("yes") + config.eos_token_ids]
     assert ended[-1] and not any(ended[:-1])
     manager.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_grammar_threads_leave_the_cpu_to_the_loop(tiny_model_dir):
+    """xgrammar releases the GIL while it compiles, so a compile shares only the CPU with the busy
+    loop: the grammar pool's thread (and xgrammar's threads, started from it) run at nice +10, so
+    the loop gets most of a contended core. bench/grammar_stall.py measures the effect."""
+    from engine_core.structured_output import StructuredOutputManager
+    from ipc.config import EngineConfig
+    mgr = StructuredOutputManager(EngineConfig(model=tiny_model_dir).resolve())
+    req = SimpleNamespace(request_id="r", prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0], grammar=None,
+                          sampling_params=SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    try:
+        mgr.add_request(req)
+        req.grammar.future.result(timeout=120)
+        assert mgr.ready(req) and req.grammar.matcher is not None and req.grammar.error is None
+        caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        pool = mgr._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        assert pool == min(19, caller + 10)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller   # the caller's thread is not
+    finally:
+        mgr.shutdown()

@@ -93,9 +93,9 @@ def _post(server, path: str, body: dict) -> requests.Response:
 # ------------------------------------------------------------------ constraints
 
 def test_parse_with_pydantic_model(client, model):
-    for seed in SEEDS:
-        r = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Person,
-                                          temperature=1.0, seed=seed, max_tokens=300)
+    # the client.beta.chat.completions.parse, and its current name client.chat.completions.parse
+    for seed, parse in zip(SEEDS, (client.beta.chat.completions.parse, client.chat.completions.parse)):
+        r = parse(model=model, messages=MESSAGES, response_format=Person, temperature=1.0, seed=seed, max_tokens=300)
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice
         assert isinstance(choice.message.parsed, Person)

@@ -619,7 +619,7 @@ class ModelRunner:
             step.event.synchronize()
         if step.tokens is not None:
             token_list = step.tokens_host.tolist()
-            for j, i in enumerate(step.sample_rows):
+            for j, i in enumerate(step.sample_rows.tolist()):
                 sampled[i] = token_list[j]
                 st = step.states[i]
                 if self.batch.requests.get(st.req_id) is st:  # not dropped by a later step's diff
@@ -670,16 +670,23 @@ class ModelRunner:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
         return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
 
-    def _pack_logprobs(self, states, sample_rows, topk) -> dict[str, Logprobs]:
-        tokens, sampled_lp, ranks, top_ids, top_lp = (t.tolist() for t in topk)
+    @staticmethod
+    def _pack_logprobs(states, sample_rows: np.ndarray, topk) -> dict[str, Logprobs]:
+        """Each asking row's sampled token and its top-k: a row of the sampler's [B, 1 + N]
+        arrays, cut to 1 + k where the row asks for fewer than the most any row asks. Where every
+        row asks for the most (one logprobs value in the whole batch, the usual case) the Logprobs
+        are built by C loops alone (zip's 1-tuples encode as the lists they stand for)."""
+        ids, lps, ranks = (t.tolist() for t in topk)
+        width = len(ids[0]) if ids else 0
+        rows = [states[i] for i in sample_rows.tolist()]
+        if all(st.params.logprobs is not None and st.params.logprobs + 1 >= width for st in rows):
+            return dict(zip([st.req_id for st in rows], map(Logprobs, zip(ids), zip(lps), zip(ranks))))
         out = {}
-        for j, i in enumerate(sample_rows):
-            st = states[i]
+        for j, st in enumerate(rows):
             k = st.params.logprobs
-            if k is None:
-                continue
-            out[st.req_id] = Logprobs([[tokens[j]] + top_ids[j][:k]], [[sampled_lp[j]] + top_lp[j][:k]],
-                                      [ranks[j]])
+            if k is not None:
+                n = k + 1
+                out[st.req_id] = Logprobs([ids[j][:n]], [lps[j][:n]], [ranks[j]])
         return out
 
     @staticmethod

@@ -117,7 +117,8 @@ class Sampler:
         when a row has penalties (None before any request had them). Returns (token_ids int64
         [B] tensor, logprobs or None, {row: error} of rows whose parameters name token ids
         outside the vocabulary: those requests fail alone, the batch goes on, the kernels
-        ignoring such ids).
+        ignoring such ids). logprobs: (ids [B, 1 + N], the sampled token then the top N by
+        logit; their logprobs [B, 1 + N]; the sampled token's rank [B]), N the most any row asks.
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
         (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
@@ -145,8 +146,10 @@ class Sampler:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
             ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
             k = min(max(max_lp, 0), logits.shape[-1])
-            # the top ids by logit are the top ids by logprob: select on the narrower raw logits
-            top_ids = raw_logits.topk(k, dim=-1).indices if k else tokens[:, None][:, :0]
-            top_lp = raw_logprobs.gather(1, top_ids)
-            topk = (tokens, sampled_lp.squeeze(1), ranks, top_ids, top_lp)
+            # the top ids by logit are the top ids by logprob: select on the narrower raw logits;
+            # the sampled token goes first in each row: two tensors to copy back, one list per row
+            ids = tokens.view(-1, 1)
+            if k:
+                ids = torch.cat((ids, raw_logits.topk(k, dim=-1).indices), dim=1)
+            topk = (ids, raw_logprobs.gather(1, ids), ranks)
         return tokens, topk, failed

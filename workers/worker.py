@@ -12,7 +12,7 @@ import zmq
 
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
-from ipc.procs import child_signals, watch_parent
+from ipc.procs import child_signals, freeze_startup_heap, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
@@ -235,6 +235,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     try:
         ring = attach_reader(ring_handle, rank)
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
+        freeze_startup_heap()
         send(WorkerReply(rank, result="ready"))
         with maybe_profile(f"worker{rank}"):
             serve_steps(worker, ring, send)
