@@ -4,7 +4,10 @@ Every input that crashed the engine or got a 500 has a regression test here, ove
 ONE real `loom serve` and over the engine protocol through a client attached to ONE headless
 engine; afterwards both still answer, and a greedy request gives the same tokens as before.
 Also: request-supplied chat templates are refused by default, one user's huge request does not
-hold up another's small one, and work queued for a client that has gone is skipped.
+hold up another's small one, work queued for a client that has gone is skipped, and a large
+input's tokenization (in the tokenizer process, frontend/tokenizer_proc.py) is killed when its
+client goes, with the same ids as in-process tokenization. An attached client's ABORT ends only
+its own requests.
 """
 from __future__ import annotations
 
@@ -195,7 +198,7 @@ def test_request_chat_template_refused_by_default(server):
 
 
 def test_huge_requests_do_not_delay_a_small_one(server):
-    """A 900 KB prompt (tokenized in the large lane) and the most stop strings allowed, sent
+    """A 900 KB prompt (tokenized in the tokenizer process) and the most stop strings allowed, sent
     together: another user's small request is answered within 2 s meanwhile."""
     big_prompt = {"prompt": "lorem ipsum dolor " * 50_000, "max_tokens": 1}
     stops = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stop": [f"stop-{i}-" + "z" * 400
