@@ -5,7 +5,10 @@ The API server starts the process (`python -m frontend.tokenizer_proc PATH PAREN
 time an input above the small lane's size arrives, and keeps it: it loads the tokenizer once
 (AutoTokenizer.from_pretrained(PATH), as the API server does) and never tokenizes itself. Each
 job runs in a child it forks (copy-on-write: the loaded tokenizer comes for free, in ~10 ms), so
-cancelling a job is SIGKILL of that child and the next job starts at once, with no reload.
+cancelling a job is SIGKILL of that child and the next job starts at once, with no reload
+(killing and restarting the whole process would cost an import of transformers, 4-12 s of a
+2-core box, during which large inputs would wait). It starts at the first large input, not with
+the API server, for the same cost: that first input waits for it (a few seconds, once).
 
 Pipes, no pickle: each frame is a 4-byte little-endian length and a msgpack message (msgspec).
 API server -> process: EncodeJob | ChatJob, then possibly Cancel while it runs.
