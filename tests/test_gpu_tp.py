@@ -48,7 +48,9 @@ def test_tp2_bf16_parity_with_hf_on_demo_model(demo_model_dir):
 
 def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
     """bf16 on random weights: TP=2 sums its partial products in another order than TP=1, so
-    greedy output may part where TP=1's top two logits nearly tie, and only there."""
+    greedy output may part where TP=1's top two logits nearly tie, and only there. Logits reach the
+    sampler in bf16, whose step at |logit| in [16, 32) is 0.125: two steps is a near-tie (measured:
+    parted at token 10 of 48 on a gap of 0.125)."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     llm = LLM(small_model, max_model_len=256)
     try:
@@ -64,7 +66,7 @@ def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
         print(f"TP=2 graphs vs eager: first divergence {_first_divergence(b, c)}; TP=2 vs TP=1: {d} of 48"
               + (f" (TP=1's top two there: {top2})" if top2 else ""))
         assert _first_divergence(b, c) >= 24
-        assert top2 is None or top2[0] - top2[1] < 0.1, f"TP=2 left TP=1 at token {d}, not at a near-tie: {top2}"
+        assert top2 is None or top2[0] - top2[1] <= 0.25, f"TP=2 left TP=1 at token {d}, not at a near-tie: {top2}"
 
 
 def test_one_shot_all_reduce_is_used_and_exact(small_model):
