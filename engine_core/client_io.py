@@ -15,9 +15,10 @@ the key cannot complete the ZMTP handshake, so nothing of it reaches this code. 
 engine's sockets towards an attached client's tcp:// addresses are CURVE too.
 A malformed handshake fails alone: nothing is registered until both sockets connected.
 
-The engine stamps every ADD and UTILITY with the index of the connection it
-came on, so a client can only act as itself. A client whose connection drops
-is reported as ("CLIENT_GONE", index) on the input queue.
+The engine stamps every ADD, ABORT and UTILITY with the index of the connection
+it came on, so a client can only act as itself (and abort only its own requests).
+A client whose connection drops is reported as ("CLIENT_GONE", index) on the
+input queue.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything big
 MAX_PENDING_HELLOS = 1024             # nonces of HELLOs not yet followed by ATTACH: the oldest go first
 HELLO_TTL_S = 30.0                    # ... and none lives longer than this
 _FINAL_LINGER_MS = 200
+_POLL_MS = 200                        # the input thread looks at attach deadlines this often
 ATTACH_CONNECT_TIMEOUT_S = 30.0      # an attached client whose sockets the engine cannot reach is dropped
 _TCP_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
 
@@ -84,6 +86,11 @@ class ClientIO:
         self._in = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self._out = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
         self._handshake = self._handshake_monitor = self._guard = None
+        # close() wakes the input thread at once (its poll would otherwise take up to _POLL_MS)
+        self._wake_in = self.ctx.socket(zmq.PAIR)
+        self._wake_in.bind(f"inproc://engine-input-wake-{id(self)}")
+        self._wake = self.ctx.socket(zmq.PAIR)
+        self._wake.connect(f"inproc://engine-input-wake-{id(self)}")
         self.handshake_watch = HandshakeWatch("engine handshake socket")
         if handshake_address:  # bind now, so a bad address fails start-up
             auth = None
@@ -122,6 +129,7 @@ class ClientIO:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.send(b"")
         self.outputs.put(None)
         self._in.join(timeout=2)
         self._out.join(timeout=2)
@@ -182,13 +190,16 @@ class ClientIO:
         if self._handshake is not None:
             poller.register(self._handshake, zmq.POLLIN)
             poller.register(self._handshake_monitor, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
 
         while not self._stop.is_set():
             now = time.monotonic()
             for mon in [m for m, (_, _, connected, deadline) in monitors.items() if not connected[0] and now > deadline]:
                 drop(mon, "never connected")
-            for sock, _ in poller.poll(200):
+            for sock, _ in poller.poll(_POLL_MS):
                 try:
+                    if sock is self._wake_in:
+                        break   # close(): _stop is set
                     if sock is self._handshake:
                         self._on_handshake(sock, enc, attach_dec, nonces, connect)
                     elif sock is self._handshake_monitor:
@@ -215,6 +226,8 @@ class ClientIO:
             return
         if kind in (MsgType.ADD.value, MsgType.UTILITY.value):
             msg.client_index = idx
+        elif kind == MsgType.ABORT.value:
+            msg = (idx, msg)   # a client aborts only its own requests (engine_core/core.py)
         self.inputs.put((kind, msg))
 
     def _on_handshake(self, sock, enc, attach_dec, nonces, connect) -> None:

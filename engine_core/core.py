@@ -423,7 +423,8 @@ class EngineCoreProc(EngineCore):
             if err is not None:
                 self.pending_outputs.setdefault(msg.client_index, []).append(err)
         elif kind == MsgType.ABORT.value:
-            self.abort_requests(msg)
+            client_index, req_ids = msg
+            self.abort_requests(self._own_requests(client_index, req_ids))
         elif kind == MsgType.UTILITY.value:
             self._run_utility(msg)
         elif kind == CLIENT_GONE:
@@ -431,6 +432,12 @@ class EngineCoreProc(EngineCore):
             self.abort_requests([r.request_id for r in list(self.scheduler.requests.values())
                                  if r.client_index == msg])
             self._deferred = [d for d in self._deferred if d[0] != msg]
+
+    def _own_requests(self, client_index: int, req_ids: list[str]) -> list[str]:
+        """Those of `req_ids` that client_index added: request ids are the clients' own, so one
+        attached client cannot end another's request by naming its id."""
+        reqs = self.scheduler.requests
+        return [rid for rid in req_ids if rid in reqs and reqs[rid].client_index == client_index]
 
     def _run_utility(self, req: UtilityRequest) -> None:
         out = UtilityOutput(req.call_id)

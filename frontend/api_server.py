@@ -10,10 +10,11 @@ answered).
 Bodies are bounded (--max-request-body-bytes), parsed with msgspec (nesting too deep or invalid
 UTF-8 is a 400), and validated by ipc/validation.py before anything reaches the engine.
 
-Tokenization and chat templating run off the event loop, in two one-thread lanes with a
-tokenizer each: inputs under _SMALL_INPUT_CHARS never queue behind a huge one, so one user's
-20 MB prompt cannot delay another's small request. Work not yet started for a client that has
-gone is skipped (cancelling the handler cancels its queued job).
+Tokenization and chat templating run off the event loop, in two lanes: inputs under
+_SMALL_INPUT_CHARS in a thread of their own, so one user's 20 MB prompt cannot delay another's
+small request; larger ones in a tokenizer process (frontend/tokenizer_proc.py). Work for a client
+that has gone is cancelled: a queued job is skipped, a running one in the tokenizer process is
+killed (cancelling the handler does both).
 
 Client disconnects: the server runs with aiohttp's handler_cancellation, so a dropped connection
 cancels the handler; the cancellation reaches the AsyncLLM.generate() iterator, which aborts the
@@ -44,6 +45,7 @@ from frontend.protocol import (APIError, ChatCompletionRequest, CompletionReques
                                normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
                                truncate_prompt)
 from frontend.rl_api import rl_routes
+from frontend.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
 from ipc.sampling_params import SamplingParams
@@ -103,22 +105,46 @@ def _error_response(e: APIError, headers: dict | None = None) -> web.Response:
 
 
 class _Tokenizers:
-    """Two one-thread lanes, each with its own tokenizer (a HF fast tokenizer is not safe to share
-    between threads): small inputs never wait behind a huge one."""
+    """Two lanes: small inputs in a thread of their own, so they never wait behind a huge one;
+    large ones (encoding and chat templates) in the tokenizer process (frontend/tokenizer_proc.py),
+    where the work of a client that has gone is killed, not finished. Other large work (decode,
+    token strings), and large inputs while no tokenizer process can be had, run in a second
+    thread. Each thread has its own tokenizer (a HF fast tokenizer is not safe to share)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, source: str | None):
         self.small = (ThreadPoolExecutor(1, thread_name_prefix="loom-tokenize"), tokenizer)
         self.large = (ThreadPoolExecutor(1, thread_name_prefix="loom-tokenize-large"), copy.deepcopy(tokenizer))
+        self.process = TokenizerProcess(source) if source else None
 
     async def run(self, size: int, fn, *args, **kwargs):
-        """fn(tokenizer, *args, **kwargs) in the lane for an input of `size` characters (or bytes)."""
+        """fn(tokenizer, *args, **kwargs) in the thread for an input of `size` characters (or bytes)."""
         executor, tokenizer = self.small if size <= _SMALL_INPUT_CHARS else self.large
         return await asyncio.get_running_loop().run_in_executor(
             executor, functools.partial(fn, tokenizer, *args, **kwargs))
 
+    async def encode(self, size: int, prompts: list, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+        """encode_prompts() of a request body of `size` bytes."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if size > _SMALL_INPUT_CHARS and texts and self.process is not None:
+            ids = await self.process.run(EncodeJob(texts, add_special_tokens))
+            if ids is not None:
+                it = iter(ids)
+                return [(p, next(it)) if isinstance(p, str) else (None, p) for p in prompts]
+        return await self.run(size, encode_prompts, prompts, add_special_tokens)
+
+    async def chat(self, size: int, messages: list[dict], **kwargs) -> list[int]:
+        """render_chat()'s token ids, for a request body of `size` bytes."""
+        if size > _SMALL_INPUT_CHARS and self.process is not None:
+            ids = await self.process.run(ChatJob(messages, **kwargs))
+            if ids is not None:
+                return ids[0]
+        return (await self.run(size, render_chat, messages, **kwargs))[1]
+
     def shutdown(self) -> None:
         for executor, _ in (self.small, self.large):
             executor.shutdown(wait=False, cancel_futures=True)
+        if self.process is not None:
+            self.process.close()
 
 
 class OpenAIServer:
@@ -130,7 +156,8 @@ class OpenAIServer:
         self.limits = Limits.of(self.config)
         self.model_name = self.config.model_name
         self.created = now()
-        self.tokenizers = _Tokenizers(self.tokenizer)
+        self.tokenizers = _Tokenizers(self.tokenizer, getattr(llm, "tokenizer_source", None))
+        self.handling = 0      # requests whose handler runs (shutdown waits for their last bytes)
         fmt = self.options.chat_template_content_format
         self.content_format = (detect_content_format(getattr(self.tokenizer, "chat_template", None))
                                if fmt == "auto" else fmt)
@@ -168,8 +195,23 @@ class OpenAIServer:
                 err.args = (err.message,)
             raise err from None
 
+    async def handlers_done(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until no handler runs, then a moment for aiohttp to write
+        the responses they returned."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.handling and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        self.handling += 1
+        try:
+            return await self._handle(request, handler)
+        finally:
+            self.handling -= 1
+
+    async def _handle(self, request: web.Request, handler):
         try:
             if self.options.api_key is not None and request.path not in _OPEN_PATHS:
                 auth = request.headers.get("Authorization", "")
@@ -245,12 +287,12 @@ class OpenAIServer:
         size = request.content_length or 0
         if req.prompt is not None:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            [(_, ids)] = await self.tokenizers.run(size, encode_prompts, [req.prompt], add_special)
+            [(_, ids)] = await self.tokenizers.encode(size, [req.prompt], add_special)
         else:
             check_request_chat_template(req, self.options.trust_request_chat_template)
             messages = normalize_messages(req.messages, self._content_format(req))
-            _, ids = await self.tokenizers.run(
-                size, render_chat, messages,
+            ids = await self.tokenizers.chat(
+                size, messages,
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
                 continue_final_message=bool(req.continue_final_message),
                 chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
@@ -306,7 +348,7 @@ class OpenAIServer:
                            "choices per request", 400, "n")
         self.check_alive()
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        encoded = await self.tokenizers.run(request.content_length or 0, encode_prompts, prompts, add_special)
+        encoded = await self.tokenizers.encode(request.content_length or 0, prompts, add_special)
         encoded = [Prompt(text, truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len))
                    for text, ids in encoded]
         for i, p in enumerate(encoded):
@@ -341,8 +383,8 @@ class OpenAIServer:
                                        defaults=self.config.default_sampling_params, structured=constraint)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-        _, ids = await self.tokenizers.run(
-            request.content_length or 0, render_chat, messages,
+        ids = await self.tokenizers.chat(
+            request.content_length or 0, messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=bool(req.continue_final_message),
             tools=req.tools if req.tool_choice != "none" else None,
@@ -520,12 +562,14 @@ def build_app(llm, **options) -> web.Application:
 
 async def serve(llm, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
                 access_log: bool = False, ready: asyncio.Event | None = None, shutdown_timeout: float = 3.0,
-                **options) -> None:
+                on_built=None, **options) -> None:
     """Serve until cancelled. `sock`: an already-bound listening socket (shared by several API
-    server processes), else bind host:port. `ready` is set once listening. On shutdown, requests
-    in flight get `shutdown_timeout` seconds to finish. `options`: ServerOptions fields (others
-    are ignored)."""
+    server processes), else bind host:port. `ready` is set once listening; `on_built(server)` is
+    called with the OpenAIServer first. On shutdown, requests in flight get `shutdown_timeout`
+    seconds to finish. `options`: ServerOptions fields (others are ignored)."""
     app = build_app(llm, **options)
+    if on_built is not None:
+        on_built(app[SERVER_KEY])
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
                            access_log=logger if access_log else None)
     await runner.setup()

@@ -21,7 +21,7 @@ from metrics.multiproc import ENV as METRICS_DIR_ENV
 
 logger = logging.getLogger(__name__)
 _DEAD_ENGINE_GRACE_S = 1.5  # answer 503 for a moment, then exit non-zero
-_FLUSH_S = 0.3              # after failing what is left: time for the handlers to write their last bytes
+_FLUSH_S = 0.3              # after failing what is left: at most this for the handlers to write their last bytes
 
 
 async def _exit_when_dead(llm) -> None:
@@ -32,8 +32,9 @@ async def _exit_when_dead(llm) -> None:
     os._exit(1)
 
 
-async def _shut_down(llm, grace: float, code: int, why: str) -> None:
-    """Refuse new requests, give those in flight `grace` seconds, fail the rest, exit `code`."""
+async def _shut_down(llm, server, grace: float, code: int, why: str) -> None:
+    """Refuse new requests, give those in flight `grace` seconds, fail the rest, exit `code`
+    once their handlers wrote the errors (`server`: the OpenAIServer, None before it is built)."""
     from frontend.protocol import APIError
     llm.draining = True
     logger.info("%s: shutting down; %d requests in flight get %.1fs", why, llm.num_in_flight, grace)
@@ -43,7 +44,8 @@ async def _shut_down(llm, grace: float, code: int, why: str) -> None:
     if llm.num_in_flight:
         logger.warning("%s: failing %d requests still in flight", why, llm.num_in_flight)
         llm.fail_all(APIError(f"The server is shutting down ({why}); the request did not finish in time.", 503))
-        await asyncio.sleep(_FLUSH_S)
+    if server is not None:
+        await server.handlers_done(_FLUSH_S)
     profiling.dump()   # LOOM_PROFILE_DIR: os._exit skips the profile's own exit
     os._exit(code)
 
@@ -57,8 +59,9 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     def on_drain() -> None:
         if not loop_box:
             os._exit(0)   # nothing was served yet
-        loop, llm = loop_box
-        loop.call_soon_threadsafe(lambda: loop.create_task(_shut_down(llm, shutdown_timeout, 0, "loom serve stopping")))
+        loop, llm, server = loop_box
+        loop.call_soon_threadsafe(lambda: loop.create_task(
+            _shut_down(llm, server[0], shutdown_timeout, 0, "loom serve stopping")))
 
     watch_parent(death_pipe, on_drain=on_drain, remove_dirs=(os.environ.get(METRICS_DIR_ENV),))
     child_signals()
@@ -74,8 +77,9 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     async def _main():
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, 0.0, 1, "SIGTERM")))
-        loop_box[:] = [loop, llm]
+        server: list = [None]   # the OpenAIServer, once serve() built it
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, server[0], 0.0, 1, "SIGTERM")))
+        loop_box[:] = [loop, llm, server]
         try:
             remote = []
             if dp_lookup:   # data-parallel ranks on other nodes: where the head's coordinator says they are
@@ -91,7 +95,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
                 loop.create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics
             attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))
-            await serve(llm, sock=listen_sock, **opts)
+            await serve(llm, sock=listen_sock, on_built=lambda s: server.__setitem__(0, s), **opts)
         finally:
             llm.close()
 

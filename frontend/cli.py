@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from ipc.config import ConfigError, EngineConfig
@@ -132,6 +133,15 @@ def _serve_parser(sub) -> None:
     add_engine_args(p)
 
 
+def _exit_now(code: int) -> None:
+    """`loom serve` has stopped its children and removed its directories: skip the interpreter's
+    teardown (0.2-0.3 s on 2 cores), so that a dying child ends `loom serve` within a second."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = LoomParser(prog="loom", description="Loom LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from frontend.launcher import serve
-            return serve(args)
+            _exit_now(serve(args))
         if args.command == "demo-model":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
             if args.vision:

@@ -33,8 +33,10 @@ from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
 
 logger = logging.getLogger("loom")
-_DEAD_ENGINE_GRACE_S = 0.5  # let API servers answer 503 / fail in-flight requests before they go
 _POLL_S = 0.1
+# An engine died: its API servers answer 503 (/health included) for this long before they are
+# stopped; short, as any child's death must end `loom serve` well within a second.
+_DEAD_ENGINE_GRACE_S = 0.2
 
 
 def _listen(host: str, port: int) -> socket.socket | None:

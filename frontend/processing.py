@@ -12,8 +12,13 @@ from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
 
+def tokenizer_source(config: EngineConfig) -> str:
+    """What the tokenizer is loaded from (the tokenizer process of frontend/tokenizer_proc.py loads the same)."""
+    return config.tokenizer or config.model
+
+
 def load_tokenizer(config: EngineConfig):
-    return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    return AutoTokenizer.from_pretrained(tokenizer_source(config))
 
 
 def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:

@@ -90,11 +90,30 @@ def run_to_end(client, rid: str, prompt: list[int], params, eos=()):
                     return tokens, o
 
 
+def is_tokenizer_process(pid: int) -> bool:
+    """An API server's tokenizer process (frontend/tokenizer_proc.py), or one of its jobs."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"frontend.tokenizer_proc" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _is_exiting(pid: int) -> bool:
+    """Killed and not yet reaped (its command line is gone first)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return not f.read()
+    except FileNotFoundError:
+        return True
+
+
 def serve_processes(server) -> dict[str, int]:
-    """pids of a `loom serve`'s API server, engine core (the child with a child) and its worker."""
+    """pids of a `loom serve`'s API server, engine core (the child with a child, its tokenizer
+    process aside) and its worker."""
     out = {}
     for pid in child_pids(server.proc.pid):
-        kids = child_pids(pid)
+        kids = [k for k in child_pids(pid) if not is_tokenizer_process(k) and not _is_exiting(k)]
         if kids:
             out["engine"], out["worker"] = pid, kids[0]
         else:

@@ -4,12 +4,18 @@ Every input that crashed the engine or got a 500 has a regression test here, ove
 ONE real `loom serve` and over the engine protocol through a client attached to ONE headless
 engine; afterwards both still answer, and a greedy request gives the same tokens as before.
 Also: request-supplied chat templates are refused by default, one user's huge request does not
-hold up another's small one, and work queued for a client that has gone is skipped.
+hold up another's small one, work queued for a client that has gone is skipped, and a large
+input's tokenization (in the tokenizer process, frontend/tokenizer_proc.py) is killed when its
+client goes, with the same ids as in-process tokenization. An attached client's ABORT ends only
+its own requests.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +26,11 @@ import pytest
 import requests
 
 from engine_core.client import EngineCoreClient
+from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, run_fake, run_to_end, running_server
+from tests.conftest import (ROOT, child_pids, is_tokenizer_process, run_fake, run_to_end, running_server,
+                            serve_processes)
 
 KEY = "hardening-key"
 MAX_MODEL_LEN = 256
@@ -190,7 +198,7 @@ def test_request_chat_template_refused_by_default(server):
 
 
 def test_huge_requests_do_not_delay_a_small_one(server):
-    """A 900 KB prompt (tokenized in the large lane) and the most stop strings allowed, sent
+    """A 900 KB prompt (tokenized in the tokenizer process) and the most stop strings allowed, sent
     together: another user's small request is answered within 2 s meanwhile."""
     big_prompt = {"prompt": "lorem ipsum dolor " * 50_000, "max_tokens": 1}
     stops = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stop": [f"stop-{i}-" + "z" * 400
@@ -246,6 +254,104 @@ def test_tokenization_for_a_gone_client_is_skipped():
     assert len(calls_seen) <= 2, calls_seen
 
 
+def _tokenizer_process(server) -> int | None:
+    """The API server's tokenizer process (frontend/tokenizer_proc.py), once a large input started it."""
+    api = serve_processes(server)["api_server"]
+    return next((k for k in child_pids(api) if is_tokenizer_process(k)), None)
+
+
+def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
+    """Inputs above the small lane's 64 KiB go through the tokenizer process: the same ids as the
+    in-process tokenizer, for a prompt, a chat (its template included) and a list of prompts."""
+    from transformers import AutoTokenizer
+    from frontend.protocol import render_chat
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Zen of Python: é 😀 \u00e9 1234 " * 4000 + "the end"       # ~150 KB, not ASCII only
+    r = _post(server, "/tokenize", {"prompt": text}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok.encode(text)
+    assert _tokenizer_process(server) is not None
+    r = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+    r = _post(server, "/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == render_chat(tok, messages)[1]
+    # a template error from the tokenizer process is the same 400
+    r = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": True,
+                                    "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    # a list of prompts, text and ids mixed: each is checked against --max-model-len with its own count
+    r = _post(server, "/v1/completions", {"prompt": ["hi", text, [11, 12]], "max_tokens": 1})
+    assert r.status_code == 400 and "prompt[1]" in r.json()["error"]["message"], r.text
+    assert str(len(tok.encode(text))) in r.json()["error"]["message"], r.text
+
+
+def test_a_gone_clients_tokenization_is_killed(server):
+    """A huge prompt's tokenization is killed when its client disconnects: the job stops at once,
+    and the next huge request starts tokenizing at once instead of waiting for it to finish."""
+    big = {"prompt": "lorem ipsum dolor " * 55_000, "max_tokens": 1}    # ~1 MB: seconds of tokenizing
+    assert _post(server, "/v1/completions", big, timeout=120).status_code == 400   # too long; starts the process
+    zygote = _tokenizer_process(server)
+    t0 = time.monotonic()
+    assert _post(server, "/v1/completions", big, timeout=120).status_code == 400
+    whole = time.monotonic() - t0          # one huge tokenization, start to end
+
+    def job_running(timeout: float) -> float | None:
+        """Seconds until the tokenizer process runs a job (a forked child), or None."""
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            if child_pids(zygote):
+                return time.monotonic() - t
+            time.sleep(0.005)
+        return None
+
+    def job_gone(timeout: float) -> float | None:
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            if not child_pids(zygote):
+                return time.monotonic() - t
+            time.sleep(0.005)
+        return None
+
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps(big).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert job_running(30) is not None, "the huge prompt never reached the tokenizer process"
+    sock.close()                           # the client goes away mid-tokenization
+    killed = job_gone(whole)
+    assert killed is not None and killed < min(0.5, whole / 3), (killed, whole)
+    # the lane is free: a small request, and another huge one that starts tokenizing at once
+    t0 = time.monotonic()
+    assert _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 2}).status_code == 200
+    small = time.monotonic() - t0
+    second = {}
+    thread = threading.Thread(target=lambda: second.update(r=_post(server, "/v1/completions", big, timeout=120)))
+    thread.start()
+    started = job_running(whole)
+    thread.join(120)
+    assert second["r"].status_code == 400 and "maximum context length" in second["r"].text, second["r"].text
+    assert small < 1.0, small
+    assert started is not None and started < min(0.5, whole / 3), (started, whole)
+    assert _tokenizer_process(server) == zygote   # killing a job does not restart the process
+
+
+def test_a_dead_tokenizer_process_is_replaced(server):
+    zygote = _tokenizer_process(server)
+    if zygote is None:   # run alone: a large input starts it
+        _post(server, "/tokenize", {"prompt": "x " * 40_000}, timeout=120)
+        zygote = _tokenizer_process(server)
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _tokenizer_process(server) in (None, zygote):
+        assert time.monotonic() < deadline, "no new tokenizer process"
+        time.sleep(0.1)
+    r = _post(server, "/tokenize", {"prompt": "y " * 40_000}, timeout=120)
+    assert r.status_code == 200 and r.json()["count"] >= 40_000, r.text
+    assert _greedy(server)
+
+
 # ------------------------------------------------------------------ the engine protocol
 
 @pytest.fixture(scope="module")
@@ -262,7 +368,7 @@ def engine(tiny_model_dir):
                 client = EngineCoreClient.attach(address, KEY, timeout=2)
             except TimeoutError:
                 assert proc.poll() is None and time.monotonic() < deadline, "headless engine did not start"
-        yield client, proc
+        yield client, proc, address
     finally:
         if client is not None:
             client.close()
@@ -274,7 +380,7 @@ def engine(tiny_model_dir):
 
 
 def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
-    client, proc = engine
+    client, proc, _ = engine
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
     before, _ = run_to_end(client, "before", [11, 12, 13, 14], SamplingParams(**greedy))
     bad = [
@@ -314,6 +420,44 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     assert after == before
     info = client.call_utility("debug_info")
     assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
+
+
+def test_a_client_aborts_only_its_own_requests(engine):
+    """ABORT is scoped at the engine core to the client that added the request: a second attached
+    client that names the first one's request id ends nothing, while its own abort works."""
+    a, proc, address = engine
+    b = EngineCoreClient.attach(address, KEY, timeout=10)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        a.add_request(EngineCoreRequest("shared-id", [11, 12, 13], long, []))
+        b.add_request(EngineCoreRequest("b-own", [11, 12], long, []))
+        tokens = []
+        while not tokens:   # A's request is running
+            outs = a.get_outputs(timeout=60)
+            assert outs is not None, "no output within 60 s"
+            tokens += [t for o in outs.outputs if o.request_id == "shared-id" for t in o.new_token_ids]
+        b.abort(["shared-id", "b-own"])
+        b.add_request(EngineCoreRequest("shared-id", [11, 12], SamplingParams(max_tokens=2), []))  # A's id: refused
+        # in order after B's messages: B's own request is gone, A's still runs
+        assert b.call_utility("debug_info", timeout=30)["tracked_requests"] == 1
+        refused = None
+        while refused is None:
+            outs = b.get_outputs(timeout=30)
+            assert outs is not None, "no answer to B's ADD"
+            refused = next((o for o in outs.outputs if o.request_id == "shared-id"), None)
+        assert refused.finish_reason == "error" and "already in use" in refused.error, refused
+        finish = None
+        while finish is None:
+            outs = a.get_outputs(timeout=60)
+            assert outs is not None, "A's request stopped producing output"
+            for o in outs.outputs:
+                if o.request_id == "shared-id":
+                    tokens += o.new_token_ids
+                    finish = o.finish_reason
+        assert finish == "length" and len(tokens) == 200, (finish, len(tokens))
+    finally:
+        b.close()
+    assert proc.poll() is None
 
 
 # ------------------------------------------------------------------ fuzzing every endpoint's fields
