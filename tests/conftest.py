@@ -158,6 +158,19 @@ def loom_ipc_dirs() -> set[str]:
     return {n for n in os.listdir(tmp) if n.startswith("loom-ipc-")}
 
 
+def assert_clean(before_ipc: set[str], server=None) -> None:
+    """Within 10 s: no process of the server left, nothing of Loom in /dev/shm, no new ipc dir."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = server.descendants() if server else []
+        if not left and not shm_entries() and loom_ipc_dirs() <= before_ipc:
+            return
+        time.sleep(0.2)
+    assert not (server.descendants() if server else []), "processes left behind"
+    assert not shm_entries(), f"/dev/shm entries left: {shm_entries()}"
+    assert loom_ipc_dirs() <= before_ipc, "ipc socket directory left behind"
+
+
 class Server:
     """A real `loom serve` child process on a free port."""
 

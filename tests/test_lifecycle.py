@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from frontend import LLM, SamplingParams
-from tests.conftest import child_pids, loom_ipc_dirs, shm_entries
+from tests.conftest import assert_clean, child_pids, loom_ipc_dirs, shm_entries
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -29,43 +29,21 @@ def _engine_and_worker(server) -> tuple[int, int]:
     raise AssertionError("engine core process not found")
 
 
-def _assert_clean(before_ipc: set[str], server=None) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        left = server.descendants() if server else []
-        if not left and not shm_entries() and loom_ipc_dirs() <= before_ipc:
-            return
-        time.sleep(0.2)
-    assert not (server.descendants() if server else []), "processes left behind"
-    assert not shm_entries(), f"/dev/shm entries left: {shm_entries()}"
-    assert loom_ipc_dirs() <= before_ipc, "ipc socket directory left behind"
-
-
-def test_sigterm_stops_everything(tiny_model_dir, start_server):
+def test_idle_engine_does_not_spin_and_sigint_stops_everything(tiny_model_dir, start_server):
+    """(SIGTERM of loom serve, with its drain and the same cleanup checks, is in test_signals.py.)"""
     before = loom_ipc_dirs()
     server = start_server(tiny_model_dir, "--max-model-len", "128")
     r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 200
     assert len(server.descendants()) >= 4  # launcher, engine, worker, API server
-    assert server.stop(signal.SIGTERM) == 0
-    _assert_clean(before, server)
-
-
-def test_sigint_stops_everything(tiny_model_dir, start_server):
-    before = loom_ipc_dirs()
-    server = start_server(tiny_model_dir, "--max-model-len", "128")
-    assert server.stop(signal.SIGINT) == 0
-    _assert_clean(before, server)
-
-
-def test_idle_engine_does_not_spin(tiny_model_dir, start_server):
-    server = start_server(tiny_model_dir, "--max-model-len", "128")
     engine, worker = _engine_and_worker(server)
     time.sleep(1.0)
     c0 = _cpu_seconds(engine) + _cpu_seconds(worker)
     time.sleep(2.0)
     used = _cpu_seconds(engine) + _cpu_seconds(worker) - c0
     assert used < 0.4, f"idle engine + worker used {used:.2f} CPU-seconds in 2 s"
+    assert server.stop(signal.SIGINT) == 0
+    assert_clean(before, server)
 
 
 @pytest.mark.parametrize("victim", ["engine", "worker"])
@@ -96,7 +74,7 @@ def test_death_is_noticed(tiny_model_dir, start_server, victim):
     assert r.status_code == 503 and "error" in r.json()
     server.proc.wait(15)
     assert server.proc.returncode not in (0, None)
-    _assert_clean(before, server)
+    assert_clean(before, server)
 
 
 def test_llm_shutdown_and_gc_cleanup(tiny_model_dir):

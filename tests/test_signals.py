@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import requests
 
-from tests.conftest import child_pids, is_tokenizer_process, serve_processes, shm_entries
+from tests.conftest import assert_clean, child_pids, is_tokenizer_process, loom_ipc_dirs, serve_processes, shm_entries
 
 STREAMS = 50
 
@@ -89,6 +89,7 @@ def test_sigterm_to_a_child_ends_loom_serve(tiny_model_dir, start_server, victim
 
 
 def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, start_server):
+    before = loom_ipc_dirs()
     server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "3")
     engine = _procs(server)["engine"]
     os.kill(engine, signal.SIGSTOP)
@@ -135,6 +136,7 @@ def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, 
     assert plain[0] == 503 and "shutting down" in plain[1]["error"]["message"], plain
     assert set(outcomes) <= {"error", "finished"} and "error" in outcomes, outcomes
     assert 3 <= took < 8, took
+    assert_clean(before, server)
 
 
 def test_sigkill_of_loom_serve_leaves_nothing(tiny_model_dir, start_server):
