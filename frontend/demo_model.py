@@ -260,6 +260,29 @@ def _micro_batches(samples: list[list[int]]) -> list[list[list[int]]]:
     return groups[::-1]
 
 
+@contextlib.contextmanager
+def reproducible_training(seed: int):
+    """Train reproducibly, then put the process back as it was: one intra-op thread (a fixed
+    float reduction order), deterministic algorithms, torch's and Python's global RNGs seeded
+    (and restored afterwards). Shared by the text and the vision demo builds."""
+    import torch
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    py_state = random.getstate()
+    try:
+        torch.set_num_threads(NUM_THREADS)
+        torch.use_deterministic_algorithms(True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            yield
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_det_warn)
+        random.setstate(py_state)
+
+
 def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> None:
     """Train the demo tokenizer + model and write a HF checkpoint into ``out_dir``."""
     import torch
@@ -302,66 +325,52 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
     )
     config.architectures = ["Qwen3ForCausalLM"]
 
-    prev_threads = torch.get_num_threads()
-    prev_det = torch.are_deterministic_algorithms_enabled()
-    prev_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    py_state = random.getstate()
-    try:
-        torch.set_num_threads(NUM_THREADS)
-        torch.use_deterministic_algorithms(True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            rng = random.Random(seed)
-            random.seed(seed)
+    with reproducible_training(seed):
+        rng = random.Random(seed)
+        model = Qwen3ForCausalLM(config)
+        model.train()
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0
+        )
 
-            model = Qwen3ForCausalLM(config)
-            model.train()
-            opt = torch.optim.AdamW(
-                model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0
-            )
-
-            for step in range(steps):
-                # Every batch holds the whole Zen from "Beautiful" on (the
-                # must-have completion); the rest is a mix of completions from
-                # every line start, full chat recitations and short chats.
-                samples = [comp_ids[beautiful]]
-                for _ in range(BATCH_SIZE - 1):
-                    r = rng.random()
-                    if r < 0.5:
-                        samples.append(rng.choice(comp_ids))
-                    elif r < 0.65:
-                        samples.append(rng.choice(long_chat_ids))
-                    else:
-                        samples.append(rng.choice(short_chat_ids))
-                n_targets = sum(len(s) - 1 for s in samples)
-                lr = _lr_at(step, steps)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                opt.zero_grad(set_to_none=True)
-                total = 0.0
-                for group in _micro_batches(samples):
-                    ids, labels = _pad(group, eot_id)
-                    logits = model(input_ids=ids).logits
-                    loss = torch.nn.functional.cross_entropy(
-                        logits[:, :-1].reshape(-1, logits.shape[-1]),
-                        labels[:, 1:].reshape(-1),
-                        ignore_index=-100,
-                        reduction="sum",
-                    ) / n_targets
-                    loss.backward()
-                    total += loss.item()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                if step % 25 == 0 or step == steps - 1:
-                    logger.info(
-                        "demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
-                        step + 1, steps, total, lr, time.monotonic() - t0,
-                    )
-            model.eval()
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det, warn_only=prev_det_warn)
-        random.setstate(py_state)
+        for step in range(steps):
+            # Every batch holds the whole Zen from "Beautiful" on (the
+            # must-have completion); the rest is a mix of completions from
+            # every line start, full chat recitations and short chats.
+            samples = [comp_ids[beautiful]]
+            for _ in range(BATCH_SIZE - 1):
+                r = rng.random()
+                if r < 0.5:
+                    samples.append(rng.choice(comp_ids))
+                elif r < 0.65:
+                    samples.append(rng.choice(long_chat_ids))
+                else:
+                    samples.append(rng.choice(short_chat_ids))
+            n_targets = sum(len(s) - 1 for s in samples)
+            lr = _lr_at(step, steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for group in _micro_batches(samples):
+                ids, labels = _pad(group, eot_id)
+                logits = model(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                ) / n_targets
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 25 == 0 or step == steps - 1:
+                logger.info(
+                    "demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
+                    step + 1, steps, total, lr, time.monotonic() - t0,
+                )
+        model.eval()
 
     # --- save ------------------------------------------------------------
     model.save_pretrained(out_dir, safe_serialization=True)

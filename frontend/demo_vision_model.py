@@ -24,6 +24,8 @@ import os
 import random
 import time
 
+from frontend.demo_model import reproducible_training
+
 logger = logging.getLogger(__name__)
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220), "yellow": (235, 200, 20)}
@@ -35,7 +37,6 @@ DEFAULT_STEPS = 700
 BATCH_SIZE = 16
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
-NUM_THREADS = 1  # reproducible float reduction order (see frontend/demo_model.py)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -168,34 +169,26 @@ def build_demo_vision_model(out_dir: str, steps: int | None = None, seed: int = 
     t0 = time.monotonic()
     tok, ip = _tokenizer(), _image_processor()
     config = _config(tok)
-    prev_threads, prev_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.set_num_threads(NUM_THREADS)
-        torch.use_deterministic_algorithms(True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            rng = random.Random(seed)
-            data = _Samples(tok, ip, seed)
-            model = Qwen2_5_VLForConditionalGeneration(config)
-            model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0)
-            for step in range(steps):
-                warm = (step + 1) / WARMUP_STEPS
-                cos = 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))
-                for g in opt.param_groups:
-                    g["lr"] = LEARNING_RATE * min(warm, cos)
-                opt.zero_grad(set_to_none=True)
-                loss = model(**data.batch(rng, BATCH_SIZE)).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                if step % 25 == 0 or step == steps - 1:
-                    logger.info("vision demo step %d/%d loss %.4f (%.1fs)", step + 1, steps, loss.item(),
-                                time.monotonic() - t0)
-            model.eval()
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det)
+    with reproducible_training(seed):
+        rng = random.Random(seed)
+        data = _Samples(tok, ip, seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0)
+        for step in range(steps):
+            warm = (step + 1) / WARMUP_STEPS
+            cos = 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))
+            for g in opt.param_groups:
+                g["lr"] = LEARNING_RATE * min(warm, cos)
+            opt.zero_grad(set_to_none=True)
+            loss = model(**data.batch(rng, BATCH_SIZE)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 25 == 0 or step == steps - 1:
+                logger.info("vision demo step %d/%d loss %.4f (%.1fs)", step + 1, steps, loss.item(),
+                            time.monotonic() - t0)
+        model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     eos, pad = config.text_config.eos_token_id, config.text_config.pad_token_id
     GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=False).save_pretrained(out_dir)
