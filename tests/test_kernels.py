@@ -37,6 +37,7 @@ _KERNELS = {
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
+    "gemv": ["_gemv_kernel"],
 }
 
 
@@ -76,8 +77,8 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, pen = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation",
-                                                       "sampling", "qk_rope_cache", "penalties"))
+pa, rn, rot, act, smp, qrc, pen, gv = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation",
+                                                           "sampling", "qk_rope_cache", "penalties", "gemv"))
 
 
 @pytest.fixture(autouse=True)
@@ -361,6 +362,44 @@ def test_silu_and_mul(dtype):
     out = act.silu_and_mul(x)
     assert out.shape == (5, 80) and out.dtype == dtype
     torch.testing.assert_close(out, act.silu_and_mul_ref(x), **tol)
+
+
+# --------------------------------------------------------------------------
+# decode GEMV with its fused prologues
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "add_rms_norm", "silu_mul"])
+def test_gemv(prologue, dtype):
+    g = _gen(11)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL
+    n, k = 44, 200  # neither a multiple of the tiles below
+    w = _randn(n, k, dtype=dtype, g=g, scale=0.1)
+    bias = _randn(n, dtype=dtype, g=g)
+    nw = _randn(k, dtype=dtype, g=g)
+    tiles = dict(block_n=8, block_k=64, num_warps=4, num_stages=1)
+
+    def close(y, y_ref):  # bf16: a sum of k products cancels, so allow ulps of the largest output
+        scale = (4e-2 if INTERPRET else 1e-2) * y_ref.abs().max().item()
+        torch.testing.assert_close(y, y_ref, **(dict(atol=scale, rtol=0) if dtype == torch.bfloat16 else tol))
+
+    for m in (1, 3, 8):
+        x = _randn(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, g=g, scale=2.0)
+        r = _randn(m, k, dtype=dtype, g=g)
+        kw = dict(prologue=prologue, residual=r if prologue == "add_rms_norm" else None, norm_weight=nw, eps=1e-6)
+        for b in (None, bias):
+            y, new_r = gv.gemv(x, w, b, tiles=tiles, **kw)
+            y_ref, new_r_ref = gv.gemv_ref(x, w, b, **kw)
+            assert y.shape == (m, n) and y.dtype == dtype
+            close(y, y_ref)
+            if prologue == "add_rms_norm":
+                torch.testing.assert_close(new_r, new_r_ref, **tol)
+            else:
+                assert new_r is None
+        # into a given buffer (the all-reduce's symmetric buffer), with the default tiles
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+        y, _ = gv.gemv(x, w, out=out, **kw)
+        assert y.data_ptr() == out.data_ptr()
+        close(out, gv.gemv_ref(x, w, **kw)[0])
 
 
 # --------------------------------------------------------------------------

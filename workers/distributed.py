@@ -119,18 +119,26 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T summed over the ranks (a row-parallel linear's product). Through symmetric
-    memory the matmul writes straight into the shared buffer, so no copy precedes the sum."""
-    if _state.size == 1:
+def _mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is None:
         return F.linear(x, weight)
+    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out)
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm) -> torch.Tensor:
+    """x @ weight.T summed over the ranks (a row-parallel linear's product). Through symmetric
+    memory the matmul writes straight into the shared buffer, so no copy precedes the sum.
+    matmul(x, weight, out=None): the product (into `out` [rows, N] when given); the decode
+    GEMV passes itself, with its fused prologue."""
+    if _state.size == 1:
+        return matmul(x, weight)
     symm = _state.symm
     shape = x.shape[:-1] + (weight.shape[0],)
     numel = x.numel() // x.shape[-1] * weight.shape[0]
     method = symm.method(numel, x.dtype) if symm is not None and x.dtype == weight.dtype else None
     if method is None:
-        return all_reduce(F.linear(x, weight))
-    torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=symm.buffer_for(numel).view(-1, weight.shape[0]))
+        return all_reduce(matmul(x, weight))
+    matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.buffer_for(numel).view(-1, weight.shape[0]))
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     symm.reduce_buffer(numel, method, out.view(-1))
     return out

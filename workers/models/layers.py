@@ -4,7 +4,10 @@ Every hot op goes through one module-level name (`rms_norm`,
 `fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`): the plain-torch
 reference from kernels/ by default, rebound to the Triton kernel by
 use_triton_kernels(). The layers look the name up at run time, so nothing else
-changes.
+changes. On the Triton path, linears of decode-sized batches (up to
+kernels.gemv.MAX_ROWS rows) run kernels/gemv.py, which also takes over the
+norm before the qkv and gate/up projections and the SiLU before the down
+projection (LOOM_GEMV=0 turns it off, for A/B runs).
 
 Parameters are created with `torch.empty` (no init): the model is built under
 `torch.device(...)` and a default dtype by `workers.model_loader`, and then every
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -40,6 +44,8 @@ rms_norm = rms_norm_ref
 fused_add_rms_norm = fused_add_rms_norm_ref
 qk_norm_rope_cache = qk_norm_rope_cache_ref  # per-head q/k norm, rotary, then the KV-cache write
 silu_and_mul = silu_and_mul_ref
+gemv = None           # kernels.gemv.gemv on the Triton path (use_triton_kernels)
+gemv_max_rows = 0
 
 
 # ------------------------------------------------------------------ config helpers
@@ -50,6 +56,14 @@ def use_triton_kernels() -> None:
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
                      silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
+    if os.environ.get("LOOM_GEMV", "1") != "0":
+        from kernels import gemv as gemv_kernel
+        globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_ROWS)
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether a linear of x [T, K] runs the decode GEMV (with its fused prologue)."""
+    return gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows
 
 
 def get_head_dim(config) -> int:
@@ -231,7 +245,24 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x):
+            return gemv(x, self.weight, self.bias)[0]
         return F.linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and the new residual x + residual (residual None: the first
+        layer, where x itself is the residual). At decode sizes the norm is fused into the GEMV."""
+        if use_gemv(x):
+            if residual is None:
+                return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
+                            eps=norm.eps)[0], x
+            return gemv(x, self.weight, self.bias, prologue="add_rms_norm", residual=residual,
+                        norm_weight=norm.weight, eps=norm.eps)
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
 
 @torch.no_grad()
@@ -257,7 +288,18 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
+        (fused into the GEMV at decode sizes)."""
+        if use_gemv(x):
+            prologue = "silu_mul" if silu_mul else "none"
+            if self.tp == 1:
+                return gemv(x, self.weight, self.bias, prologue=prologue)[0]
+            y = linear_all_reduce(x, self.weight,
+                                  lambda x, w, out=None: gemv(x, w, prologue=prologue, out=out)[0])
+            return y if self.bias is None else y + self.bias
+        if silu_mul:
+            x = silu_and_mul(x)
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
         y = linear_all_reduce(x, self.weight)
@@ -305,7 +347,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused. DecoderLayer calls the two
+    projections itself (the norm before gate_up fuses into it); forward is the whole MLP."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
@@ -314,7 +357,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
 
 class SelfAttention(nn.Module):
@@ -344,7 +387,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), kv_cache, meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the qkv projection (DecoderLayer fuses its norm into that)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -370,14 +417,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = attn.attend(positions, qkv, kv_cache, meta)
+        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, residual, self.post_attention_layernorm)
+        return mlp.down_proj(gate_up, silu_mul=True), residual
 
 
 # ---------------------------------------------------------------- weight loading

@@ -1,0 +1,197 @@
+"""y = act(x) W^T (+ b) for decode-sized batches (1 to MAX_ROWS rows), with the op
+that produces the matmul's input fused into its load of x.
+
+At batch 1 a decode step is a chain of small kernels: a Qwen3-0.6B layer is 2 norms,
+4 GEMMs, the attention prologue, attention and SiLU, and each costs 3-12 us in a CUDA
+graph while moving 1-3 us of bytes (bench/RESULTS.md). Here one program owns
+BLOCK_N output columns for all rows and streams its [BLOCK_N, K] slice of W once, so
+the weight is read once with no reduction pass, and the input is built on the fly:
+
+    prologue "none"          x
+    prologue "rms_norm"      rms_norm(x) * norm_weight                (the first layer)
+    prologue "add_rms_norm"  rms_norm(x + residual) * norm_weight;    program 0 also
+                             writes x + residual, the next residual
+    prologue "silu_mul"      silu(x[:, :K]) * x[:, K:]                (the down projection)
+
+so the separate norm and SiLU kernels of a decode layer disappear. Every program
+computes the rows' RMS itself (a first pass over x: K elements per row, from L2).
+Roundings are those of the unfused ops (kernels/rms_norm.py, kernels/activation.py):
+the fused input is bit-identical to theirs, and the dot product differs from cuBLAS
+only in summation order.
+
+Tiles per weight shape: `tile_config`, from `python -m bench.tune_gemv` on an H200
+(weights rotated through more than L2 holds, CUDA-graph replays); where cuBLAS after
+the separate kernel measured faster, `gemv` runs those instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.activation import silu_and_mul_ref
+from kernels.jit import runs_triton
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+
+MAX_ROWS = 8
+PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_mul")
+_NONE, _NORM, _ADD_NORM, _SILU = range(4)
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             prologue: str = "none", residual: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+    """The unfused ops: (y, new residual or None)."""
+    new_residual = None
+    if prologue == "rms_norm":
+        x = rms_norm_ref(x, norm_weight, eps)
+    elif prologue == "add_rms_norm":
+        x, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    elif prologue == "silu_mul":
+        x = silu_and_mul_ref(x)
+    return F.linear(x, weight, bias), new_residual
+
+
+@triton.jit
+def _input_tile(x_rows, r_rows, nw_ptr, kk, mk, rstd, K, PROLOGUE: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of the matmul's input at columns kk, in fp32, rounded as the unfused op."""
+    dt = x_rows.dtype.element_ty
+    if PROLOGUE == 3:  # silu(gate) * up
+        g = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        return (silu * u).to(dt).to(tl.float32)
+    a = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+    if PROLOGUE == 2:
+        a = (a + tl.load(r_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        a = (a * rstd[:, None]).to(dt).to(tl.float32)
+        a = (a * nw[None, :]).to(dt).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr,
+    M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    r_rows = r_ptr + offs_m[:, None] * stride_r
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        write_ok = offs_m < tl.where(pid == 0, M, 0)  # the residual's rows, in program 0 only
+        # the rows' RMS, over the whole (added) rows; program 0 writes the new residual
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            mk = m_ok[:, None] & (kk < K)[None, :]
+            a = tl.load(x_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:
+                a = (a + tl.load(r_rows + kk[None, :], mask=mk, other=0.0).to(tl.float32)).to(
+                    r_out_ptr.dtype.element_ty)
+                tl.store(r_out_ptr + offs_m[:, None] * K + kk[None, :], a, mask=write_ok[:, None] & (kk < K)[None, :])
+                a = a.to(tl.float32)
+            sq += tl.sum(a * a, 1)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & k_ok[None, :], rstd, K, PROLOGUE)
+        acc += tl.sum(a[:, None, :] * w[None, :, :], 2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Tiles per weight shape and batch rows, measured by `python -m bench.tune_gemv --write` on an
+# H200: {"ROWS:NxK": tiles, or null where cuBLAS after the separate kernel was faster}, ROWS the
+# row bucket (1, or MAX_ROWS for 2..MAX_ROWS: more rows need smaller tiles for the registers).
+TILES_FILE = Path(__file__).with_name("gemv_tiles.json")
+_TUNED: dict[str, dict | None] = json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
+
+
+def tile_config(n: int, k: int, m: int = 1) -> dict | None:
+    """The tiles for a [n, k] weight at m rows; None: the unfused ops are faster there."""
+    key = f"{1 if m == 1 else MAX_ROWS}:{n}x{k}"
+    if key in _TUNED:
+        return _TUNED[key]
+    # an untuned shape: the GEMV at one row for weights up to 16 MiB, where cuBLAS's launch-bound
+    # kernels lose (Qwen3-0.6B's, all of them); cuBLAS above, and for several rows
+    if m == 1 and n * k <= 8 << 20:
+        return dict(block_n=4 if n <= 2048 else 8, block_k=1024, num_warps=4, num_stages=3)
+    return None
+
+
+def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
+    """The separate kernels the GEMV replaces (for shapes where they are faster)."""
+    from kernels import activation, rms_norm
+    new_residual = None
+    if prologue == "rms_norm":
+        x = rms_norm.rms_norm(x, norm_weight, eps)
+    elif prologue == "add_rms_norm":
+        x, new_residual = rms_norm.fused_add_rms_norm(x, residual, norm_weight, eps)
+    elif prologue == "silu_mul":
+        x = activation.silu_and_mul(x)
+    if out is None:
+        return F.linear(x, weight, bias), new_residual
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out), new_residual
+    return torch.addmm(bias, x, weight.t(), out=out), new_residual
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         prologue: str = "none", residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         out: torch.Tensor | None = None, tiles: dict | None = None):
+    """x [M <= MAX_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
+    contiguous -> (y [M, N] in x.dtype, written into `out` when given; the new residual
+    for add_rms_norm, else None). `tiles` overrides tile_config (tuning)."""
+    if not runs_triton(_gemv_kernel, x):
+        y, new_residual = gemv_ref(x, weight, bias, prologue=prologue, residual=residual,
+                                   norm_weight=norm_weight, eps=eps)
+        if out is not None:
+            out.copy_(y)
+            y = out
+        return y, new_residual
+    code = PROLOGUES.index(prologue)
+    m = x.shape[0]
+    n, k = weight.shape
+    assert m <= MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1
+    assert x.shape[1] == (2 * k if code == _SILU else k)
+    t = tiles or tile_config(n, k, m)
+    if t is None:
+        return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if code == _ADD_NORM else None
+    if code == _ADD_NORM:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+    if m == 0:
+        return y, new_residual
+    _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
+        weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
+        float(eps), PROLOGUE=code, HAS_BIAS=bias is not None,
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+        num_warps=t["num_warps"], num_stages=t["num_stages"],
+    )
+    return y, new_residual
