@@ -88,10 +88,11 @@ def _profile_decode(llm, vocab: int, profile_dir: str, name: str, n_out: int = 3
         print(f"{v / n_out:9.1f} us/token  {k}")
 
 
-def measure(name: str, profile_dir: str | None = None) -> dict:
+def measure(name: str, profile_dir: str | None = None, offline: bool = True) -> dict:
     import tempfile
     from frontend import LLM
     preset, tp, want_tpot, want_tput = RUNS[name]
+    want_tput = want_tput and offline
     with tempfile.TemporaryDirectory(prefix=f"loom-tp-{preset}-") as mdir:
         write_preset(preset, mdir)
         with open(f"{mdir}/config.json") as f:
@@ -120,11 +121,12 @@ def main() -> int:
     p.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile-dir", default=None, help="trace batch-1 decode of the TPOT rows here")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline-throughput rows (TPOT only)")
     args = p.parse_args()
     results = {}
     for name in args.only:
         try:
-            results[name] = measure(name, args.profile_dir)
+            results[name] = measure(name, args.profile_dir, offline=not args.no_offline)
         except Exception as e:  # one failed configuration must not hide the others' numbers
             print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
             results[name] = {"name": name, "error": str(e)}
