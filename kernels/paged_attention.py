@@ -103,7 +103,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
           pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, count_ptr,
+    part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
     qk_scale, num_seqs, num_q_heads, part_tok_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -114,12 +114,10 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
-    (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split. COMBINE (split
-    decode): the split that finishes last for its (sequence, KV head) merges the
-    splits' partial results, so no reduce kernel follows."""
+    (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -226,42 +224,6 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
-        if COMBINE:
-            # the threadfence-reduction pattern: every thread's partials are stored before the
-            # counter's release; the program that takes the count to NUM_SPLITS reads them all
-            tl.debug_barrier()
-            count = count_ptr + seq.to(tl.int64) * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.atomic_xchg(count, 0)  # ready for the next launch (and graph replay)
-                _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, row - split, row_ok, tok, head,
-                                stride_ot, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
-
-
-@triton.jit
-def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, row0, row_ok, tok, head, stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """out[rows] = the splits' partials merged (as _split_kv_reduce_kernel), read past L1 (.cg):
-    other SMs wrote them during this launch."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    ml = part_ml_ptr + (row0[:, None] + offs_s[None, :]) * 2
-    ok = row_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
-    m = tl.load(ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_ = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.where(row_ok, tl.max(m, 1), 0.0)
-    total = tl.sum(tl.exp2(m - m_max[:, None]) * l_, 1)  # empty splits carry m = -1e30 -> weight 0
-    o = tl.zeros([row0.shape[0], BLOCK_D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_ml_ptr + (row0 + s) * 2, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - m_max)
-        acc = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        o += acc * w[:, None]
-    o = o / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @step_jit(ints=("tok_base",))
@@ -290,18 +252,6 @@ def _split_kv_reduce_kernel(
 
 
 MIN_SPLIT_TOKENS = 32  # the least KV per split worth a program of its own
-COUNTERS = 8192  # (sequence, KV head) arrival counters per device for the in-kernel split combine
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """Zeroed int32 counters, allocated once per device (each combine leaves them zero, so CUDA
-    graphs capture their address); None where a launch needs more (the reduce kernel then)."""
-    if needed > COUNTERS:
-        return None
-    if device not in _counters:
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 MAX_KV_SPLITS = 32
 
 
@@ -414,17 +364,14 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     num_tokens = tok_hi - tok_lo
     if num_tokens <= 0 or num_seqs == 0:
         return
-    counters = None
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-        if one_tile:  # a decode batch: one program per (sequence, KV head, split)
-            counters = _split_counters(query.device, num_seqs * num_kv_heads)
     else:
         part_acc = part_ml = out  # unused
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_acc, part_ml, counters if counters is not None else seq_lens,
+        query, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
         float(scale) * 1.4426950408889634, num_seqs, num_q_heads, tok_lo,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -434,10 +381,9 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        COMBINE=counters is not None, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, tok_lo,
