@@ -21,7 +21,10 @@ only in summation order.
 
 Tiles per weight shape: `tile_config`, from `python -m bench.tune_gemv` on an H200
 (weights rotated through more than L2 holds, CUDA-graph replays); where cuBLAS after
-the separate kernel measured faster, `gemv` runs those instead.
+the separate kernel measured faster, `gemv` runs those instead. On the H200 it wins at
+one row on weights up to ~25 MB (a Qwen3-0.6B layer's linears: 36.2 -> 21.9 us);
+larger weights, where every program's own pass over x costs more than the norm
+kernel it replaces, and 2-8 rows keep cuBLAS.
 """
 from __future__ import annotations
 
