@@ -94,8 +94,10 @@ class Case:
         return lambda i: gv.gemv(self.x, self.w[i], tiles=tiles, **self.kw)
 
     def error(self, tiles) -> float:
-        want, _ = gv.gemv_ref(self.x.float(), self.w[0].float(), **{**self.kw, "residual": None if self.kw[
-            "residual"] is None else self.r.float(), "norm_weight": self.nw.float()})
+        """Largest error against the fp32 reference, relative to the largest output."""
+        residual = self.r.float() if self.kw["residual"] is not None else None
+        want, _ = gv.gemv_ref(self.x.float(), self.w[0].float(), prologue=self.prologue, residual=residual,
+                              norm_weight=self.nw.float(), eps=1e-6)
         got, _ = gv.gemv(self.x, self.w[0], tiles=tiles, **self.kw)
         return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
@@ -128,8 +130,9 @@ def main() -> int:
                 del base
                 case = Case(n, k, prologue, rows, gen)
                 unfused = per_call_us(case.unfused, case.copies)
-                us, best = min((per_call_us(case.fused(t), case.copies), i, t)
-                               for i, (_, t) in enumerate(swept[:args.top]))[0::2]
+                timed = [(per_call_us(case.fused(t), case.copies), i) for i, (_, t) in enumerate(swept[:args.top])]
+                us, i = min(timed)
+                best = swept[i][1]
                 wins = us < unfused * (1 - args.margin)
                 chosen[f"{rows}:{n}x{k}"] = best if wins else None
                 tot = totals.setdefault(f"{model} rows={rows}", [0.0, 0.0])

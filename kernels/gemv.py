@@ -36,26 +36,34 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.jit import runs_triton
-from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 MAX_ROWS = 8
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_mul")
-_NONE, _NORM, _ADD_NORM, _SILU = range(4)
+_ADD_NORM, _SILU = PROLOGUES.index("add_rms_norm"), PROLOGUES.index("silu_mul")  # the kernel's PROLOGUE codes
+
+
+_REF_OPS = (rms_norm_ref, fused_add_rms_norm_ref, silu_and_mul_ref)
+_OPS = (rms_norm, fused_add_rms_norm, silu_and_mul)  # Triton where it runs, else the references
+
+
+def _prologue(x, prologue, residual, norm_weight, eps, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The matmul's input, and the new residual (add_rms_norm) or None, through `ops`."""
+    norm, add_norm, silu_mul = ops
+    if prologue == "rms_norm":
+        return norm(x, norm_weight, eps), None
+    if prologue == "add_rms_norm":
+        return add_norm(x, residual, norm_weight, eps)
+    return (silu_mul(x) if prologue == "silu_mul" else x), None
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              prologue: str = "none", residual: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0):
-    """The unfused ops: (y, new residual or None)."""
-    new_residual = None
-    if prologue == "rms_norm":
-        x = rms_norm_ref(x, norm_weight, eps)
-    elif prologue == "add_rms_norm":
-        x, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    elif prologue == "silu_mul":
-        x = silu_and_mul_ref(x)
+    """The unfused ops in plain torch: (y, new residual or None)."""
+    x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _REF_OPS)
     return F.linear(x, weight, bias), new_residual
 
 
@@ -145,15 +153,9 @@ def tile_config(n: int, k: int, m: int = 1) -> dict | None:
 
 
 def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
-    """The separate kernels the GEMV replaces (for shapes where they are faster)."""
-    from kernels import activation, rms_norm
-    new_residual = None
-    if prologue == "rms_norm":
-        x = rms_norm.rms_norm(x, norm_weight, eps)
-    elif prologue == "add_rms_norm":
-        x, new_residual = rms_norm.fused_add_rms_norm(x, residual, norm_weight, eps)
-    elif prologue == "silu_mul":
-        x = activation.silu_and_mul(x)
+    """The separate ops the GEMV replaces: for shapes where they are faster, and where Triton
+    does not run (each op falls back to its torch reference there)."""
+    x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
     if out is None:
         return F.linear(x, weight, bias), new_residual
     if bias is None:
@@ -168,19 +170,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x [M <= MAX_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
     contiguous -> (y [M, N] in x.dtype, written into `out` when given; the new residual
     for add_rms_norm, else None). `tiles` overrides tile_config (tuning)."""
-    if not runs_triton(_gemv_kernel, x):
-        y, new_residual = gemv_ref(x, weight, bias, prologue=prologue, residual=residual,
-                                   norm_weight=norm_weight, eps=eps)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y, new_residual
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape
     assert m <= MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
-    t = tiles or tile_config(n, k, m)
+    t = (tiles or tile_config(n, k, m)) if runs_triton(_gemv_kernel, x) else None
     if t is None:
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -250,7 +250,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the new residual x + residual (residual None: the first
         layer, where x itself is the residual). At decode sizes the norm is fused into the GEMV."""
         if use_gemv(x):
@@ -347,8 +347,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused. DecoderLayer calls the two
-    projections itself (the norm before gate_up fuses into it); forward is the whole MLP."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused, after the layer's norm (fused into
+    gate_up at decode sizes, as the SiLU is into down)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
@@ -356,8 +356,10 @@ class GatedMLP(nn.Module):
             hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), the new residual)."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up, silu_mul=True), residual
 
 
 class SelfAttention(nn.Module):
@@ -385,13 +387,11 @@ class SelfAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared instance
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), kv_cache, meta)
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Everything after the qkv projection (DecoderLayer fuses its norm into that)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention(norm(hidden + residual)), the new residual); the norm is fused into the qkv
+        projection at decode sizes (residual None: the first layer)."""
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -400,7 +400,7 @@ class SelfAttention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
                                *norms, mrope_section=self.rotary_emb.mrope_section)
-        return self.o_proj(self.attn(q, kv_cache, meta))
+        return self.o_proj(self.attn(q, kv_cache, meta)), residual
 
 
 class DecoderLayer(nn.Module):
@@ -417,11 +417,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = attn.attend(positions, qkv, kv_cache, meta)
-        gate_up, residual = mlp.gate_up_proj.forward_normed(hidden, residual, self.post_attention_layernorm)
-        return mlp.down_proj(gate_up, silu_mul=True), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, kv_cache, meta)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 # ---------------------------------------------------------------- weight loading
