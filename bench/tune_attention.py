@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import time
 
 import torch
@@ -33,6 +34,7 @@ def _time(fn) -> float:
 def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, gen) -> None:
     hq, hkv, d = SHAPES[model]
     q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, seq_lens, hq, hkv, d, 16, torch.bfloat16, "cuda", gen)
+    order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
     args = (q, kc, vc, qsl, sl, bt, d ** -0.5, max(q_lens), max(seq_lens))
     ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, d ** -0.5).float()
     kv_bytes = sum(seq_lens) * hkv * d * 2 * 2
@@ -43,16 +45,17 @@ def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, 
     try:
         for cfg in grid:
             splits = cfg.get("splits", default_splits)
-            tiles = {k: v for k, v in cfg.items() if k != "splits"}
+            tiles = {k: v for k, v in cfg.items() if k not in ("splits", "ordered")}
             pa.tile_config = lambda *a, _t=tiles: {**original(*a), **_t}
-            fn = lambda: pa.paged_attention(*args, num_kv_splits=splits)  # noqa: E731
+            so = order if cfg.get("ordered") else None
+            fn = lambda: pa.paged_attention(*args, num_kv_splits=splits, seq_order=so)  # noqa: E731
             try:
                 err = (fn().float() - ref).abs().max().item()
                 ms = _time(fn)
             except Exception as exc:  # e.g. out of shared memory
                 print(f"  {label} {cfg}: {type(exc).__name__}", flush=True)
                 continue
-            rows.append((ms, splits, tiles, err))
+            rows.append((ms, splits, {**tiles, **({"ordered": True} if so is not None else {})}, err))
     finally:
         pa.tile_config = original
     default = _time(lambda: pa.paged_attention(*args))
@@ -75,9 +78,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--mixed", action="store_true",
+                    help="only decode batches with the offline workload's mixed context lengths")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
+    if args.mixed:
+        return mixed(args.top, gen)
     decode = _grid(splits=[1, 4, 8, 16, 32], block_n=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 3])
     if args.quick:
         decode = decode[::7]
@@ -91,6 +98,19 @@ def main() -> int:
     prefill = _grid(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
     for model in ("qwen3", "llama8b"):
         sweep("prefill 8x1024", model, [1024] * 8, [1024] * 8, prefill, args.top, gen)
+    return 0
+
+
+def mixed(top: int, gen) -> int:
+    """Decode batches whose contexts spread as the offline workload's do (prompt
+    100-1024 tokens plus up to 1024 generated): random order against longest first."""
+    rng = random.Random(0)
+    grid = (_grid(ordered=[False, True], splits=[1], block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3])
+            + _grid(ordered=[False, True], splits=[2, 4], block_n=[64], num_warps=[4], num_stages=[1, 2]))
+    for model in ("qwen3", "llama8b"):
+        for bs in (64, 128, 256):
+            lens = [rng.randint(101, 2048) for _ in range(bs)]
+            sweep(f"decode {bs}@mixed (mean {sum(lens) // bs})", model, [1] * bs, lens, grid, top, gen)
     return 0
 
 

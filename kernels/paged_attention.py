@@ -100,11 +100,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @step_jit(ints=("num_seqs", "part_tok_base", "stride_bt"),
-          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr"))
+          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr,
     qk_scale, num_seqs, num_q_heads, part_tok_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -113,8 +113,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
+    IEEE: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
@@ -122,7 +122,14 @@ def _paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    if ONE_TILE_PER_SEQ:
+    if ORDERED:
+        # decode, longest sequence first: program pid is KV head pid % H of the
+        # (pid // H)-th longest sequence, so the GPU starts the longest work first
+        num_kv_heads = num_q_heads // GROUP
+        seq = tl.load(order_ptr + pid // num_kv_heads)
+        kvh = pid % num_kv_heads
+        tile = pid * 0
+    elif ONE_TILE_PER_SEQ:
         seq = pid
         tile = pid * 0
     else:
@@ -280,7 +287,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, num_kv_splits: int | None = None,
-                    num_decodes: int = 0) -> torch.Tensor:
+                    num_decodes: int = 0, seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref.
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
@@ -297,7 +304,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     run as two launches, the decodes with decode tiling (and split-KV when
     worth it) and the rest with prefill tiling; otherwise a mixed batch runs in
     one launch with prefill-sized tiles, which wastes tensor-core work on the
-    decode rows. The result is the same either way."""
+    decode rows. The result is the same either way.
+
+    seq_order (optional, int32 [B], pure decode batches): a permutation of the
+    sequences, longest first. Programs then start in that order with a
+    sequence's KV heads side by side, so the longest work is not left for the
+    tail of the launch when context lengths differ."""
     if not runs_triton(_paged_attention_kernel, query):
         return paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -325,7 +337,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                           block_table[nd:], scale, max_query_len, max_seq_len, num_kv_splits, nd, num_tokens)
     else:
         _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens)
+                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens,
+                          seq_order if max_query_len == 1 else None)
     return out
 
 
@@ -341,7 +354,7 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
 
 
 def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      max_query_len, max_seq_len, num_kv_splits, tok_lo, tok_hi):
+                      max_query_len, max_seq_len, num_kv_splits, tok_lo, tok_hi, seq_order=None):
     """One launch over the sequences given (query_start_loc holds absolute token
     indices; every token they own is in [tok_lo, tok_hi))."""
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -361,6 +374,8 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     one_tile = max_query_len <= block_q
 
     num_tiles = num_seqs if one_tile else tok_hi // block_q + num_seqs
+    ordered = seq_order is not None and one_tile
+    grid = (num_seqs * num_kv_heads, 1, num_splits) if ordered else (num_tiles, num_kv_heads, num_splits)
     num_tokens = tok_hi - tok_lo
     if num_tokens <= 0 or num_seqs == 0:
         return
@@ -370,9 +385,9 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
-        query_start_loc, seq_lens, block_table,
+        query_start_loc, seq_lens, block_table, seq_order if ordered else seq_lens,
         float(scale) * 1.4426950408889634, num_seqs, num_q_heads, tok_lo,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -380,7 +395,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         block_table.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
-        IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
+        ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     if num_splits > 1:

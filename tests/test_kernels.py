@@ -157,14 +157,16 @@ def _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q=False):
 
 
 def _check_attention(q_lens, seq_lens, hq, hkv, d, bs, dtype=torch.float32, splits=(1,), seed=0, strided_q=False,
-                     num_decodes=0):
+                     num_decodes=0, seq_order=None):
     q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, dtype, seed, strided_q)
     scale = d ** -0.5
     ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale).float()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for ns in splits:
         out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns,
-                                 num_decodes=num_decodes)
+                                 num_decodes=num_decodes,
+                                 seq_order=None if seq_order is None else torch.tensor(seq_order, dtype=torch.int32,
+                                                                                       device=DEVICE))
         assert out.shape == q.shape and out.dtype == q.dtype
         err = (out.float() - ref).abs().max().item()
         assert err < tol, f"splits={ns}: max err {err}"
@@ -225,6 +227,14 @@ def test_attention_decode_split_kv():
     assert pa.choose_num_kv_splits(1, 1, 7, 4096, torch.device("cpu")) == 1
     assert pa.choose_num_kv_splits(1, 1, 1, 50, torch.device("cpu")) == 1
     _check_attention([1], [600], hq=2, hkv=1, d=16, bs=16, splits=(None,), seed=3)
+
+
+def test_attention_decode_longest_first():
+    # seq_order: programs take the sequences in the given order (a permutation), KV heads side by
+    # side; every sequence still gets its own output, with and without splits
+    seq_lens = [70, 5, 130, 1, 33]
+    order = sorted(range(5), key=lambda i: -seq_lens[i])
+    _check_attention([1] * 5, seq_lens, hq=6, hkv=3, d=16, bs=8, splits=(1, 2), seq_order=order)
 
 
 def test_attention_bf16():
