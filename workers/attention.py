@@ -26,6 +26,7 @@ class AttentionMetadata:
     num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
     num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
     sdpa_plan: SdpaPlan | None = None  # the CPU path's layout of the step, built by its first layer
+    seq_order: torch.Tensor | None = None  # int32 [B]: a decode batch's sequences, longest first
 
 
 class Attention(nn.Module):
@@ -46,7 +47,8 @@ class Attention(nn.Module):
             from kernels.paged_attention import paged_attention
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
-                                  num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits)
+                                  num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits,
+                                  seq_order=meta.seq_order)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
             if meta.sdpa_plan is None:  # once per step: every layer shares it
                 meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,

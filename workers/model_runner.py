@@ -215,7 +215,8 @@ class ModelRunner:
                     "positions": np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]),
                     "slot_mapping": np.full(int(n.sum()), -1, np.int64),
                     "qsl": np.concatenate([[0], np.cumsum(n)]).astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
-                    "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32)}
+                    "block_table": np.zeros((len(n), -(-int(seq_lens.max()) // self.block_size)), np.int32),
+                    **self._decode_order(n, seq_lens)}
             if self.uses_mrope:  # the rotary kernel's 3-row variant, as image prompts use it
                 host["positions"] = np.stack([host["positions"]] * 3)
             inputs = self._device_inputs(host, self.h2d(host), n)
@@ -269,7 +270,9 @@ class ModelRunner:
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "block_table": torch.zeros((max_bs, self.max_blocks_per_req), dtype=torch.int32, device=dev),
+            "seq_order": torch.arange(max_bs, dtype=torch.int32, device=dev),
         }
+        self._iota = torch.arange(max_bs, dtype=torch.int32, device=dev)  # the padding rows' order
         self._graph_pool = None
         t0 = time.perf_counter()
         for bs in reversed(sizes):  # the largest first: the others reuse its memory
@@ -298,7 +301,8 @@ class ModelRunner:
         b = self.gbuf
         meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
                                  b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
-                                 num_decodes=bs, num_kv_splits=self._kv_splits(split_for))
+                                 num_decodes=bs, num_kv_splits=self._kv_splits(split_for),
+                                 seq_order=b["seq_order"][:bs])
         args = (b["input_ids"][:bs], b["positions"][..., :bs], self.kv_caches, meta)
         self.model(*args)  # warm-up: compiles the kernels outside the capture
         torch.cuda.synchronize()
@@ -340,6 +344,8 @@ class ModelRunner:
         b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
         b["seq_lens"][B:bs].fill_(1)
         b["block_table"][:B, :meta.block_table.shape[1]].copy_(meta.block_table, non_blocking=True)
+        b["seq_order"][:B].copy_(meta.seq_order if meta.seq_order is not None else self._iota[:B], non_blocking=True)
+        b["seq_order"][B:bs].copy_(self._iota[B:bs], non_blocking=True)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:B]
@@ -656,14 +662,24 @@ class ModelRunner:
         max_blocks = int(-(-seq_lens.max() // bs))
         return {"input_ids": self.batch.token_ids[tok_slot, positions], "positions": positions,
                 "slot_mapping": blocks.astype(np.int64) * bs + positions % bs, "qsl": qsl,
-                "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks]}
+                "seq_lens": seq_lens, "block_table": self.batch.block_table[slots, :max_blocks],
+                **self._decode_order(n, seq_lens)}
+
+    @staticmethod
+    def _decode_order(n: np.ndarray, seq_lens: np.ndarray) -> dict[str, np.ndarray]:
+        """A pure decode batch's attention launch order, longest context first: with
+        contexts of 100 to 2,000 tokens it takes a batch-128 decode's attention from
+        182 to 147 us (Qwen3-0.6B; bench.tune_attention --mixed)."""
+        if not (n == 1).all():
+            return {}
+        return {"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32)}
 
     def _device_inputs(self, host: dict, dev: dict, n: np.ndarray) -> dict:
         meta = AttentionMetadata(  # the host built qsl, seq_lens and block_table as int32
             query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"],
             block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
             max_query_len=int(n.max()), max_seq_len=int(host["seq_lens"].max()), backend=self.backend,
-            num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n))
+            num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n), seq_order=dev.get("seq_order"))
         return {"input_ids": dev["input_ids"], "positions": dev["positions"], "meta": meta}
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
