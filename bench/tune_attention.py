@@ -78,13 +78,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--top", type=int, default=6)
-    ap.add_argument("--mixed", action="store_true",
-                    help="only decode batches with the offline workload's mixed context lengths")
+    ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
+                    help="only decode batches of these sizes (default 64 128 256) with the offline "
+                         "workload's mixed context lengths")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    if args.mixed:
-        return mixed(args.top, gen)
+    if args.mixed is not None:
+        return mixed(args.top, gen, args.mixed or (64, 128, 256))
     decode = _grid(splits=[1, 4, 8, 16, 32], block_n=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 3])
     if args.quick:
         decode = decode[::7]
@@ -101,14 +102,14 @@ def main() -> int:
     return 0
 
 
-def mixed(top: int, gen) -> int:
+def mixed(top: int, gen, sizes=(64, 128, 256)) -> int:
     """Decode batches whose contexts spread as the offline workload's do (prompt
     100-1024 tokens plus up to 1024 generated): random order against longest first."""
     rng = random.Random(0)
     grid = (_grid(ordered=[False, True], splits=[1], block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3])
-            + _grid(ordered=[False, True], splits=[2, 4], block_n=[64], num_warps=[4], num_stages=[1, 2]))
+            + _grid(ordered=[False, True], splits=[2, 4, 8, 16], block_n=[64], num_warps=[4], num_stages=[1]))
     for model in ("qwen3", "llama8b"):
-        for bs in (64, 128, 256):
+        for bs in sizes:
             lens = [rng.randint(101, 2048) for _ in range(bs)]
             sweep(f"decode {bs}@mixed (mean {sum(lens) // bs})", model, [1] * bs, lens, grid, top, gen)
     return 0
