@@ -20,6 +20,7 @@ import triton
 
 from bench.kernels_gpu import _paged_batch
 from kernels import paged_attention as pa
+from kernels.jit import sm_count
 
 SHAPES = {"qwen3": (16, 8, 128), "llama8b": (32, 8, 128)}  # (q heads, kv heads, head dim)
 
@@ -61,7 +62,7 @@ def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, 
     default = _time(lambda: pa.paged_attention(*args))
     rows.sort(key=lambda r: r[0])
     print(f"\n== {model} {label}: default {default * 1e3:.1f} us "
-          f"(splits {default_splits}, {original(hq // hkv, d, max(q_lens), False, default_splits)}), "
+          f"(splits {default_splits}, {original(hq // hkv, d, max(q_lens), False, default_splits, len(seq_lens) * hkv / sm_count(q.device))}), "
           f"KV floor {kv_bytes / 4.3e12 * 1e6:.1f} us; {len(grid)} variants in {time.perf_counter() - t0:.0f} s",
           flush=True)
     for ms, splits, tiles, err in rows[:top]:

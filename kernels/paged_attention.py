@@ -260,15 +260,18 @@ def _split_kv_reduce_kernel(
 
 MIN_SPLIT_TOKENS = 32  # the least KV per split worth a program of its own
 MAX_KV_SPLITS = 32
+SPLIT_PROGRAMS_PER_SM = 16  # what a split decode aims for
+LONG_TILE_PROGRAMS_PER_SM = 6  # below this many unsplit decode programs per SM, 128-key tiles
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                          device: torch.device) -> int:
     """Split-KV (flash-decoding) heuristic, for pure decode batches whose
     (sequence, kv head) programs are fewer than two per SM: split each
-    sequence's KV until there are about four programs per SM, with at least
-    MIN_SPLIT_TOKENS keys per split. On an H200 this takes one Qwen3-0.6B decode
-    at 1024 tokens from 10.0 to 6.7 us and 16 of them from 28.9 to 24.0 us
+    sequence's KV until there are about SPLIT_PROGRAMS_PER_SM programs per SM,
+    with at least MIN_SPLIT_TOKENS keys per split (at most MAX_KV_SPLITS). On
+    an H200, 16 decodes of 100-2,000 keys take 33 us in 16 splits, 35 in 8 and
+    39 in 4; one decode at 1,024 keys 6.7 us in 32 splits against 10.0 in 4
     (bench/tune_attention.py). Returns a power of two (1 = no split) so few
     kernel variants get compiled."""
     if max_query_len != 1 or max_seq_len < 2 * MIN_SPLIT_TOKENS:
@@ -277,7 +280,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     sms = sm_count(device)
     if programs >= 2 * sms:
         return 1
-    want = min(triton.cdiv(4 * sms, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
+    want = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
     if want < 2:
         return 1
     return 1 << (want.bit_length() - 1)
@@ -342,15 +345,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num_splits: int) -> dict:
+def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num_splits: int,
+                programs_per_sm: float = 0.0) -> dict:
     """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
     KV head), BLOCK_N keys per iteration, warps and pipeline stages. From
     bench/tune_attention.py on an H200: 64x32 tiles beat 128x64 by 13-17% on
-    prefill; decode keeps 64 keys per step, and a split (a few tiles per program)
-    gains nothing from software pipelining."""
-    block_n = 64 if max_query_len == 1 and not is_fp32 and block_d <= 128 else 32
+    prefill; a split decode (a few tiles per program) gains nothing from software
+    pipelining; an unsplit decode with few programs per SM (programs_per_sm:
+    sequences x KV heads over SMs) streams 128 keys per step, 3 stages deep:
+    48 decodes of 100-2,000 keys take 63 us that way against 78-91 us with 64."""
+    decode_bf16 = max_query_len == 1 and not is_fp32 and block_d <= 128
+    block_n = 64 if decode_bf16 else 32
+    stages = 1 if num_splits > 1 else 2
+    if decode_bf16 and num_splits == 1 and 0 < programs_per_sm < LONG_TILE_PROGRAMS_PER_SM:
+        block_n, stages = 128, 3
     block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
-    return dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1 if num_splits > 1 else 2)
+    return dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
 
 
 def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale,
@@ -368,7 +378,8 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         num_splits = max(1, int(num_kv_splits))
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_fp32 = query.dtype == torch.float32
-    tiles = tile_config(group, block_d, max_query_len, is_fp32, num_splits)
+    tiles = tile_config(group, block_d, max_query_len, is_fp32, num_splits,
+                        num_seqs * num_kv_heads / sm_count(query.device))
     block_m = tiles["block_m"]
     block_q = block_m // group
     one_tile = max_query_len <= block_q
