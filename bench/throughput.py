@@ -13,6 +13,10 @@ temperature first, and prints each mode's throughput as a ratio to plain:
   logprobs   temperature, logprobs=5 on every request
   n4seed     a quarter of the prompts, n=4 with a seed each; its ratio is to
              the same prompts sent as 4 separate unseeded requests (n4sep)
+
+--profiler-dir DIR traces the plain run with the torch profiler and prints the
+GPU time per engine step by kernel, CUDA-graph replays included (the traced
+run is slower than an untraced one).
 """
 from __future__ import annotations
 
@@ -103,6 +107,15 @@ def engine_report(before: tuple, after: tuple, t0: float) -> list[dict]:
              "last_output_s": max(last1.get(e, t0) - t0, 0.0)} for e in sorted(steps1)]
 
 
+def print_kernel_time(profile_dir: str, steps: int) -> None:
+    """--profiler-dir: the traced run's GPU time by kernel, per engine step (rank 0 of engine 0;
+    the profiler slows the run, so its tok/s is not the untraced one's)."""
+    from bench.kernel_trace import kernel_table, newest_trace
+    trace = newest_trace(profile_dir, "throughput")
+    print("\n".join(kernel_table(trace, per=max(steps, 1), unit="step") if trace else
+                    [f"no trace in {profile_dir}"]))
+
+
 def main(args: argparse.Namespace) -> int:
     from frontend import LLM, SamplingParams
 
@@ -134,9 +147,14 @@ def main(args: argparse.Namespace) -> int:
             for mode in modes:
                 for name, prompts, params in sampling_runs(mode, wl, args.temperature):
                     before = engine_snapshot(llm.stats)
+                    traced = name == "plain" and opts.get("profiler_dir")
+                    if traced:
+                        llm.start_profile("throughput")
                     t0, cpu0 = time.perf_counter(), time.process_time()
                     outs = llm.generate(prompts, params, use_tqdm=args.progress)
                     runs[name] = (time.perf_counter() - t0, outs)
+                    if traced:
+                        llm.stop_profile()
                     if name == "plain":
                         client_cpu = time.process_time() - cpu0
                         engines = engine_report(before, engine_snapshot(llm.stats), t0)
@@ -189,6 +207,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"Token totals MISMATCH: expected {wl.prompt_tokens} prompt / {wl.output_tokens} output")
         if len(runs) > 1:
             result["sampling"] = sampling_report(runs)
+        if opts.get("profiler_dir"):
+            print_kernel_time(opts["profiler_dir"], sum(e["steps"] for e in engines[:1]))
 
         if args.compare_hf:
             from bench.hf import hf_generate_bench

@@ -63,29 +63,19 @@ def _throughput(llm, vocab: int) -> tuple[float, int]:
 
 def _profile_decode(llm, vocab: int, profile_dir: str, name: str, n_out: int = 32) -> None:
     """Trace n_out batch-1 tokens (after a 128-token prompt) and print GPU time per token by kernel."""
-    import glob
-    import os
+    from bench.kernel_trace import kernel_table, newest_trace
     from frontend import SamplingParams
     prompt = fixed_workload(1, 128, 1, seed=2000, vocab_size=vocab).prompts[0]
     params = SamplingParams(temperature=0.6, max_tokens=n_out, ignore_eos=True)
     llm.start_profile(name)
     llm.generate([prompt], params, use_tqdm=False)
     llm.stop_profile()
-    traces = sorted(glob.glob(os.path.join(profile_dir, f"{name}_*rank0*.json")), key=os.path.getmtime)
-    if not traces:
+    trace = newest_trace(profile_dir, name)
+    if trace is None:
         print(f"{name}: no trace in {profile_dir}")
         return
-    with open(traces[-1]) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") == "kernel"]
-    by_name: dict[str, float] = {}
-    for e in events:
-        by_name[e["name"][:90]] = by_name.get(e["name"][:90], 0.0) + e.get("dur", 0.0)
-    total = sum(by_name.values())
-    span = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) if events else 0
-    print(f"--- {name}: rank 0, {len(events)} kernels, {total / n_out / 1000:.3f} ms of kernels per token "
-          f"(prefill included), GPU span {span / n_out / 1000:.3f} ms per token")
-    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
-        print(f"{v / n_out:9.1f} us/token  {k}")
+    print(f"--- {name} (prefill included):")
+    print("\n".join(kernel_table(trace, per=n_out, unit="token")))
 
 
 def measure(name: str, profile_dir: str | None = None, offline: bool = True) -> dict:

@@ -61,9 +61,13 @@ def test_preset_loads(tmp_path):
 
 def test_bench_throughput_tiny(model_factory, tmp_path):
     out = tmp_path / "tp.json"
+    prof = tmp_path / "prof"
     r = _loom("throughput", "--model", model_factory("qwen3"), "--num-prompts", "4", "--input-len", "8",
-              "--output-len", "8", "--output-json", str(out), "--sampling", "topp", "penalties", "logprobs", "n4seed")
+              "--output-len", "8", "--output-json", str(out), "--sampling", "topp", "penalties", "logprobs", "n4seed",
+              "--profiler-dir", str(prof))
     assert r.returncode == 0, r.stdout + r.stderr
+    # the plain run was traced (a CPU trace: no GPU kernels to sum)
+    assert list(prof.glob("throughput_*rank0*.json")) and "no kernels in" in r.stdout
     res = json.loads(out.read_text())
     assert res["num_requests"] == 4
     modes = res["sampling"]
@@ -73,6 +77,21 @@ def test_bench_throughput_tiny(model_factory, tmp_path):
     assert res["prompt_tokens"] == 32 and res["output_tokens"] == 32
     assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
     assert "output tok/s" in r.stdout
+
+
+def test_kernel_table_sums_device_time_and_gaps(tmp_path):
+    from bench.kernel_trace import kernel_table, newest_trace
+    events = [{"cat": "kernel", "name": "attn", "ts": 0, "dur": 30},
+              {"cat": "kernel", "name": "gemm", "ts": 40, "dur": 20},   # 10 us idle before it
+              {"cat": "kernel", "name": "attn", "ts": 50, "dur": 30},   # overlaps: no idle
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    path = tmp_path / "throughput_dp0_tp0_rank0.1.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert newest_trace(str(tmp_path), "throughput") == str(path)
+    lines = kernel_table(str(path), per=2, unit="step")
+    assert lines[0].startswith("3 kernels: 0.040 ms of kernels per step, GPU span 0.040 ms, idle between "
+                               "kernels 0.005 ms")
+    assert lines[1].split() == ["0.030", "ms", "attn"] and lines[2].split() == ["0.010", "ms", "gemm"]
 
 
 @pytest.mark.parametrize("mode", [[], ["--prefill"]])
