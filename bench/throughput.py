@@ -208,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
         if len(runs) > 1:
             result["sampling"] = sampling_report(runs)
         if opts.get("profiler_dir"):
-            print_kernel_time(opts["profiler_dir"], sum(e["steps"] for e in engines[:1]))
+            print_kernel_time(opts["profiler_dir"], engines[0]["steps"] if engines else 1)
 
         if args.compare_hf:
             from bench.hf import hf_generate_bench

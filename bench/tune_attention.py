@@ -61,8 +61,8 @@ def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, 
         pa.tile_config = original
     default = _time(lambda: pa.paged_attention(*args))
     rows.sort(key=lambda r: r[0])
-    print(f"\n== {model} {label}: default {default * 1e3:.1f} us "
-          f"(splits {default_splits}, {original(hq // hkv, d, max(q_lens), False, default_splits, len(seq_lens) * hkv / sm_count(q.device))}), "
+    default_tiles = original(hq // hkv, d, max(q_lens), False, default_splits, len(seq_lens) * hkv / sm_count(q.device))
+    print(f"\n== {model} {label}: default {default * 1e3:.1f} us (splits {default_splits}, {default_tiles}), "
           f"KV floor {kv_bytes / 4.3e12 * 1e6:.1f} us; {len(grid)} variants in {time.perf_counter() - t0:.0f} s",
           flush=True)
     for ms, splits, tiles, err in rows[:top]:

@@ -340,8 +340,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                           block_table[nd:], scale, max_query_len, max_seq_len, num_kv_splits, nd, num_tokens)
     else:
         _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens,
-                          seq_order if max_query_len == 1 else None)
+                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens, seq_order)
     return out
 
 
@@ -385,7 +384,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     one_tile = max_query_len <= block_q
 
     num_tiles = num_seqs if one_tile else tok_hi // block_q + num_seqs
-    ordered = seq_order is not None and one_tile
+    ordered = seq_order is not None and one_tile  # (the order maps whole sequences to programs)
     grid = (num_seqs * num_kv_heads, 1, num_splits) if ordered else (num_tiles, num_kv_heads, num_splits)
     num_tokens = tok_hi - tok_lo
     if num_tokens <= 0 or num_seqs == 0:

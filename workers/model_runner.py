@@ -344,7 +344,7 @@ class ModelRunner:
         b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
         b["seq_lens"][B:bs].fill_(1)
         b["block_table"][:B, :meta.block_table.shape[1]].copy_(meta.block_table, non_blocking=True)
-        b["seq_order"][:B].copy_(meta.seq_order if meta.seq_order is not None else self._iota[:B], non_blocking=True)
+        b["seq_order"][:B].copy_(meta.seq_order, non_blocking=True)  # a decode step always has one
         b["seq_order"][B:bs].copy_(self._iota[B:bs], non_blocking=True)
         graph, out = self.graphs[bs]
         graph.replay()
