@@ -290,7 +290,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, num_kv_splits: int | None = None,
-                    num_decodes: int = 0, seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                    num_decodes: int = 0, seq_order: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref.
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
@@ -312,9 +313,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     seq_order (optional, int32 [B], pure decode batches): a permutation of the
     sequences, longest first. Programs then start in that order with a
     sequence's KV heads side by side, so the longest work is not left for the
-    tail of the launch when context lengths differ."""
+    tail of the launch when context lengths differ.
+
+    out (optional, [T, Hq, D], last dim contiguous): written in place and returned, as a piecewise
+    CUDA graph needs attention's output at a fixed address."""
     if not runs_triton(_paged_attention_kernel, query):
-        return paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
+        ref = paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
+        return ref if out is None else out.copy_(ref)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kd = key_cache.shape
     assert kd == head_dim and value_cache.shape == key_cache.shape
@@ -322,7 +327,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert key_cache.dtype == value_cache.dtype == query.dtype, "query and caches must share a dtype"
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
     num_seqs = seq_lens.shape[0]
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
     query = _last_dim_contiguous(query)

@@ -213,6 +213,17 @@ def test_attention_mixed_prefill_chunked_decode():
                      splits=(None, 2), num_decodes=9, seed=5)
 
 
+def test_attention_writes_into_out():
+    # out=: the first T rows of a larger buffer, as piecewise CUDA graphs pass it (a fixed
+    # address); rows past T stay as they were. Mixed decodes and prompts, two launches.
+    q, kc, vc, qsl, sl, bt = _make_batch([1, 1, 6, 3], [9, 30, 6, 12], 4, 2, 16, 4, torch.float32, seed=2)
+    buf = torch.full((q.shape[0] + 5, *q.shape[1:]), 7.0, device=DEVICE)
+    got = pa.paged_attention(q, kc, vc, qsl, sl, bt, 0.25, 6, 30, num_decodes=2, out=buf[:q.shape[0]])
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.25), atol=2e-5, rtol=1e-5)
+    assert (buf[q.shape[0]:] == 7.0).all()
+
+
 def test_attention_multi_tile_gqa3_strided_query():
     # q_len * group > BLOCK_M: several query tiles per sequence (binary-search path); group 3 (not a power of 2)
     _check_attention([27, 1, 9], [40, 17, 9], hq=6, hkv=2, d=16, bs=8, splits=(1, 2), strided_q=True)

@@ -6,6 +6,7 @@ chunked prefill, prefix-cache hits and decode in the same batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ class AttentionMetadata:
     num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
     sdpa_plan: SdpaPlan | None = None  # the CPU path's layout of the step, built by its first layer
     seq_order: torch.Tensor | None = None  # int32 [B]: a decode batch's sequences, longest first
+    # while a piecewise CUDA graph is captured: called in attention's place, it ends the graph's
+    # current piece and returns the buffer attention will write at replay (workers/piecewise_graphs.py)
+    graph_split: Callable | None = None
 
 
 class Attention(nn.Module):
@@ -39,8 +43,10 @@ class Attention(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq * D]."""
+                meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq * D] (written into `out` [T, Hq, D] when given)."""
+        if meta.graph_split is not None:
+            return meta.graph_split(self, q, kv_cache)
         t = q.shape[0]
         key_cache, value_cache = kv_cache
         if meta.backend == "triton":
@@ -48,14 +54,16 @@ class Attention(nn.Module):
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits,
-                                  seq_order=meta.seq_order)
+                                  seq_order=meta.seq_order, out=out)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
             if meta.sdpa_plan is None:  # once per step: every layer shares it
                 meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,
                                                 key_cache.shape[1], key_cache.shape[2], q.dtype)
-            out = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+            res = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, self.scale, meta.sdpa_plan)
+            out = res if out is None else out.copy_(res.view_as(out))
         else:
-            out = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+            res = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale)
+            out = res if out is None else out.copy_(res)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -15,6 +15,7 @@ from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
+from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
 from workers.sampler import Sampler, SamplingRow
 from workers.step_stats import StepStats, enabled as step_stats_enabled
 from shm.object_store import ObjectStoreReader
@@ -76,9 +77,15 @@ class StepBatch:
     host: dict[str, np.ndarray]
     dev: dict[str, torch.Tensor]
     inputs: dict                              # input_ids, positions, attention metadata
-    graph_bs: int | None                      # the CUDA graph that runs it, if any
+    graph_bs: int | None                      # the decode CUDA graph that runs it, if any
     stats_token: object = None
     inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
+    piecewise_size: int | None = None          # else the piecewise graphs' size that runs it, if any
+
+    @property
+    def kind(self) -> str:
+        """How it runs, as the step stats count it."""
+        return "graph" if self.graph_bs is not None else "piecewise" if self.piecewise_size else "eager"
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -129,6 +136,7 @@ class ModelRunner:
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
         self.graphs: dict[int, tuple] = {}
         self.graph_for: list[int] = []  # batch size -> the captured graph size that runs it
+        self.piecewise: PiecewiseGraphs | None = None  # the other steps' graphs
         self._weights_asleep = False
         self.stats = StepStats(self.device) if step_stats_enabled() else None
         # multimodal: M-RoPE positions, the encoder outputs the scheduler keeps here, the store
@@ -290,6 +298,21 @@ class ModelRunner:
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in sizes if s >= b)}
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs; run in a larger graph because it is "
                     "faster: %s", len(sizes), max_bs, time.perf_counter() - t0, padded or "none")
+        self._capture_piecewise()
+
+    def _capture_piecewise(self) -> None:
+        """The graphs of every other step (prefill, mixed), in pieces around attention."""
+        self.piecewise = None
+        if not piecewise_enabled():
+            return
+        t0 = time.perf_counter()
+        pw = PiecewiseGraphs(self.model, self.kv_caches, self.config.max_num_batched_tokens,
+                             self.model.config.num_attention_heads // tp_size(), self.device,
+                             self.uses_mrope, self.backend)
+        pw.capture()
+        self.piecewise = pw
+        logger.info("captured piecewise CUDA graphs of %d to %d tokens (%d sizes) in %.1fs",
+                    pw.sizes[0], pw.sizes[-1], len(pw.sizes), time.perf_counter() - t0)
 
     def _kv_splits(self, num_seqs: int) -> int:
         from kernels.paged_attention import choose_num_kv_splits
@@ -367,7 +390,7 @@ class ModelRunner:
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
         self._weights_asleep = True
         self.kv_caches = []
-        self.graphs = {}  # they point at the freed memory; recaptured on wake-up
+        self.graphs, self.piecewise = {}, None  # they point at the freed memory; recaptured on wake-up
         self._release_memory()
 
     def wake_up(self, tags: list[str]) -> None:
@@ -477,7 +500,11 @@ class ModelRunner:
         if batch is None:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64))
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows)
+        if batch.stats_token is not None:
+            self.stats.lap(batch.stats_token, "prepare")
         hidden, logits = self.forward(batch)
+        if batch.stats_token is not None:
+            self.stats.lap(batch.stats_token, "forward")
         if logits is not None and so.defer_sample:
             step.unsampled = (batch, logits)   # sample_deferred() samples it once the bitmask comes
         elif logits is not None:
@@ -488,8 +515,7 @@ class ModelRunner:
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
-            step.stats_mark = self.stats.end(batch.stats_token, "graph" if batch.graph_bs is not None else "eager",
-                                             int(batch.n.sum()))
+            step.stats_mark = self.stats.end(batch.stats_token, batch.kind, int(batch.n.sum()))
         return step
 
     def prepare(self, so: SchedulerOutput, prev: "PendingStep | None") -> "StepBatch | None":
@@ -535,14 +561,20 @@ class ModelRunner:
         embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
         for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
             self.encoder_cache.pop(h, None)
-        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs,
-                         self._graph_size(n) if embeds is None else None, stats_token, embeds)
+        graph_bs = self._graph_size(n) if embeds is None else None
+        piecewise_size = None
+        if graph_bs is None and embeds is None and self.piecewise is not None:
+            piecewise_size = self.piecewise.size_for(int(n.sum()))
+        return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
+                         piecewise_size)
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
         inputs = batch.inputs
         if batch.graph_bs is not None:
             hidden = self._run_graph(batch.graph_bs, inputs)
+        elif batch.piecewise_size is not None:
+            hidden = self.piecewise.run(batch.piecewise_size, inputs["input_ids"], inputs["positions"], inputs["meta"])
         elif batch.inputs_embeds is not None:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
                                 batch.inputs_embeds)

@@ -1,6 +1,6 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
-Per kind of step (CUDA graph or eager), it sums the host time spent launching
+Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums the host time spent launching
 a step and the device time between two events around it, and it counts the
 Triton kernels compiled after warm-up (a compile mid-run costs 0.1-1 s).
 The summary is logged when the worker exits and returned by the `step_stats`
@@ -26,6 +26,7 @@ class StepStats:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.host_s: dict[str, float] = defaultdict(float)
+        self.phase_s: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # kind -> phase -> s
         self.device_s: dict[str, float] = defaultdict(float)
         self.steps: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
@@ -34,8 +35,12 @@ class StepStats:
         self._unread: list = []  # marks whose events may not have fired yet
 
     def start_serving(self) -> None:
-        """From now on a Triton compile is a warm-up miss: count and name it."""
+        """From now on a Triton compile is a warm-up miss: count and name it. With
+        LOOM_STEP_STATS=sync, every call that makes the host wait for the device warns
+        (torch.cuda.set_sync_debug_mode), naming its line."""
         self.serving = True
+        if self.cuda and os.environ.get("LOOM_STEP_STATS") == "sync":
+            torch.cuda.set_sync_debug_mode("warn")
         try:
             from triton import knobs
         except ImportError:
@@ -53,12 +58,21 @@ class StepStats:
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record()
-        return time.perf_counter(), start
+        return [time.perf_counter(), start, []]
+
+    @staticmethod
+    def lap(token, phase: str) -> None:
+        """The host time since begin() or the last lap is `phase`'s (end() adds the rest as "sample")."""
+        token[2].append((phase, time.perf_counter()))
 
     def end(self, token, kind: str, num_tokens: int):
         """Call after the step's last kernel is queued; returns what finished() takes."""
-        t0, start = token
-        self.host_s[kind] += time.perf_counter() - t0
+        t0, start, laps = token
+        now = time.perf_counter()
+        self.host_s[kind] += now - t0
+        for phase, t in laps + [("sample", now)]:
+            self.phase_s[kind][phase] += t - t0
+            t0 = t
         self.steps[kind] += 1
         self.tokens[kind] += num_tokens
         stop = None
@@ -83,7 +97,8 @@ class StepStats:
         self.finished(None, wait=True)
         return {kind: {"steps": n, "tokens": self.tokens[kind],
                        "host_ms_per_step": 1e3 * self.host_s[kind] / n,
-                       "device_ms_per_step": 1e3 * self.device_s[kind] / n}
+                       "device_ms_per_step": 1e3 * self.device_s[kind] / n,
+                       **{f"host_ms_{p}": 1e3 * t / n for p, t in self.phase_s[kind].items()}}
                 for kind, n in self.steps.items()} | {"triton_compiles_while_serving": len(self.compiles)}
 
     def log(self) -> None:
