@@ -79,6 +79,8 @@ ratio() {  # ratio KEY A.json B.json
 PARTS=${PARTS:-offline serve serve4}   # a subset reruns one part
 if [[ " $PARTS " == *" offline "* ]]; then
   echo "=== offline, standard workload, DP=1 then DP=2"
+  # a machine's first run has prefill steps twice as slow (bench/RESULTS.md, session 4): not DP=1's
+  timeout 120 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 64 > "$OUT/warmup.log" 2>&1
   offline 1
   offline 2
 fi

@@ -15,3 +15,15 @@ def test_a_faster_larger_graph_wins_beyond_the_margin():
     assert pick[1:5] == [8, 8, 8, 8]   # 1.33 beats 1.5 / 1.45 by more than 5%; 16 beats 8 by less
     assert pick[5:9] == [8] * 4 and pick[9:17] == [16] * 8 and pick[17:] == [32] * 16
     assert pick_graph_sizes(times, margin=0.0)[1] == 16
+
+
+def test_piecewise_sizes_pad_little_and_are_multiples_of_16():
+    """The token counts of the piecewise graphs: up to the step budget (rounded up to 16), every
+    one a multiple of 16 (no Triton variant per size), at most an eighth of padding above 512."""
+    from workers.piecewise_graphs import capture_sizes
+    for budget in (200, 2048, 8192, 10000):
+        sizes = capture_sizes(budget)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 16 and all(s % 16 == 0 for s in sizes)
+        assert sizes[-1] == -(-budget // 16) * 16
+        for small, large in zip(sizes, sizes[1:]):
+            assert large <= 512 or large - small <= small / 8

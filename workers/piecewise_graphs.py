@@ -4,10 +4,10 @@ pieces between its attention layers, and runs attention itself between the piece
 (attention's launch depends on the batch's layout; everything else depends only on
 the token count).
 
-Why: launched op by op, a Qwen3-0.6B forward costs the host ~16 ms (~400 launches of
-15-50 us each, bench/RESULTS.md), as long as the GPU takes for 8,192 of its tokens,
-so prefill steps ran at the host's pace. Replayed in pieces, the host launches one
-graph per layer and the attention kernels.
+Why: launched op by op, a forward costs the host 16-20 ms on Qwen3-0.6B (~400
+launches of 15-50 us each), whatever its token count. In serving, a step in which one
+prompt joins 31 decodes took 21 ms that way, and takes 8-9 ms replayed (bench/RESULTS.md,
+2026-11-23 session 4). Replayed, the host launches one graph per layer and attention.
 
 The token count is padded up to a captured size (at most an eighth more above 512
 tokens). Padding tokens write no KV (slot -1) and their rows are dropped; attention
