@@ -17,7 +17,7 @@ from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
 from workers.sampler import Sampler, SamplingRow
-from workers.step_stats import StepStats, enabled as step_stats_enabled
+from workers.step_stats import StepStats, StepToken, enabled as step_stats_enabled
 from shm.object_store import ObjectStoreReader
 
 logger = logging.getLogger(__name__)
@@ -78,14 +78,14 @@ class StepBatch:
     dev: dict[str, torch.Tensor]
     inputs: dict                              # input_ids, positions, attention metadata
     graph_bs: int | None                      # the decode CUDA graph that runs it, if any
-    stats_token: object = None
+    stats_token: StepToken | None = None
     inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
     piecewise_size: int | None = None          # else the piecewise graphs' size that runs it, if any
 
     @property
     def kind(self) -> str:
         """How it runs, as the step stats count it."""
-        return "graph" if self.graph_bs is not None else "piecewise" if self.piecewise_size else "eager"
+        return "graph" if self.graph_bs is not None else "piecewise" if self.piecewise_size is not None else "eager"
 
 
 def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
@@ -515,6 +515,7 @@ class ModelRunner:
         for st, e in zip(batch.states, batch.end):
             st.num_computed_tokens = int(e)
         if batch.stats_token is not None:
+            self.stats.lap(batch.stats_token, "sample")  # with prompt logprobs and the copy back
             step.stats_mark = self.stats.end(batch.stats_token, batch.kind, int(batch.n.sum()))
         return step
 

@@ -73,7 +73,7 @@ class PiecewiseGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)
         self._pieces: list[torch.cuda.CUDAGraph] = []
-        self._holes: list = []
+        self._holes: list[tuple[Attention, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def size_for(self, num_tokens: int) -> int | None:
         """The captured size a step of num_tokens runs in; None: too large, run it eagerly."""

@@ -1,8 +1,9 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
-Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums the host time spent launching
-a step and the device time between two events around it, and it counts the
-Triton kernels compiled after warm-up (a compile mid-run costs 0.1-1 s).
+Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums
+the host time spent launching a step (split into the phases the caller marks)
+and the device time between two events around it, and it counts the Triton
+kernels compiled after warm-up (a compile mid-run costs 0.1-1 s).
 The summary is logged when the worker exits and returned by the `step_stats`
 worker method (collective_rpc).
 """
@@ -12,10 +13,19 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepToken:
+    """One step being launched: when it began, its start event, and the phases marked so far."""
+    t0: float
+    start: object
+    laps: list[tuple[str, float]] = field(default_factory=list)
 
 
 def enabled() -> bool:
@@ -58,19 +68,18 @@ class StepStats:
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record()
-        return [time.perf_counter(), start, []]
+        return StepToken(time.perf_counter(), start)
 
     @staticmethod
-    def lap(token, phase: str) -> None:
-        """The host time since begin() or the last lap is `phase`'s (end() adds the rest as "sample")."""
-        token[2].append((phase, time.perf_counter()))
+    def lap(token: StepToken, phase: str) -> None:
+        """The host time since begin() or the previous lap was `phase`'s."""
+        token.laps.append((phase, time.perf_counter()))
 
-    def end(self, token, kind: str, num_tokens: int):
+    def end(self, token: StepToken, kind: str, num_tokens: int):
         """Call after the step's last kernel is queued; returns what finished() takes."""
-        t0, start, laps = token
-        now = time.perf_counter()
-        self.host_s[kind] += now - t0
-        for phase, t in laps + [("sample", now)]:
+        start, t0 = token.start, token.t0
+        self.host_s[kind] += time.perf_counter() - t0
+        for phase, t in token.laps:
             self.phase_s[kind][phase] += t - t0
             t0 = t
         self.steps[kind] += 1
