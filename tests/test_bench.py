@@ -180,3 +180,26 @@ def test_logprobs_host_bench_tiny(model_factory):
     report = run(rows=8, steps=6, n=3, model_dir=model_factory("qwen3"))
     assert set(report) == {"plain", "logprobs"}
     assert all(v >= 0 for stages in report.values() for v in stages.values())
+
+
+def test_step_stats_splits_host_time_by_phase():
+    """LOOM_STEP_STATS: a step's host time is split into the phases its caller marks; a step
+    with no marks (the encoder's) has only its total."""
+    import time
+
+    import torch
+
+    from workers.step_stats import StepStats
+    stats = StepStats(torch.device("cpu"))
+    token = stats.begin()
+    for phase in ("prepare", "forward", "sample"):
+        time.sleep(0.002)
+        stats.lap(token, phase)
+    stats.finished(stats.end(token, "piecewise", 40))
+    stats.finished(stats.end(stats.begin(), "encoder", 3))
+    s = stats.summary()
+    step = s["piecewise"]
+    assert step["steps"] == 1 and step["tokens"] == 40
+    assert all(step[f"host_ms_{p}"] >= 2.0 for p in ("prepare", "forward", "sample"))
+    assert sum(step[f"host_ms_{p}"] for p in ("prepare", "forward", "sample")) <= step["host_ms_per_step"]
+    assert not any(k.startswith("host_ms_") and k != "host_ms_per_step" for k in s["encoder"])
