@@ -7,6 +7,10 @@ and two-shot all-reduces (SymmMemAllReduce) graphed, in us per call (median of 5
 and whether each symmetric-memory sum is exact. Serving uses one-shot up to
 LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES and two-shot up to LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES, NCCL above;
 this table says where each stops winning.
+
+--norm-hidden H ... also times the all-reduce + residual add + RMSNorm of decode-sized rows:
+the one-shot sum then the add-norm kernel, against the fused kernel (kernels/allreduce_norm.py),
+graphed, and checks that both give the same bits.
 """
 from __future__ import annotations
 
@@ -38,7 +42,46 @@ def _time(fn, graphed: bool) -> float:
     return statistics.median(rounds)
 
 
-def _rank(rank: int, port: int, sizes_kb: list[int], out) -> None:
+def _norm_rows(symm, rank: int, device, hiddens: list[int]) -> list[dict]:
+    """us per all-reduce + add + RMSNorm, unfused and fused, at 1, 8 and 64 rows."""
+    import torch
+    from kernels.rms_norm import fused_add_rms_norm
+    from workers.distributed import PendingSum
+    rows_out = []
+    for h in hiddens:
+        for rows in (1, 8, 64):
+            numel = rows * h
+            gen = torch.Generator(device=device).manual_seed(rank)
+            part = torch.randn(numel, generator=gen, device=device).to(torch.bfloat16)
+            res = torch.randn(rows, h, device=device, generator=torch.Generator(device=device).manual_seed(9),
+                              dtype=torch.float32).to(torch.bfloat16)
+            w = torch.rand(h, device=device, generator=torch.Generator(device=device).manual_seed(7)).to(torch.bfloat16)
+            summed = torch.empty(rows, h, dtype=torch.bfloat16, device=device)
+
+            def unfused():
+                for _ in range(2):
+                    symm.reduce_buffer(numel, "one_shot", summed.view(-1))
+                    fused_add_rms_norm(summed, res, w, 1e-5)
+
+            def fused():
+                for slot in (0, 1):
+                    symm.reduce_add_rms_norm(PendingSum(rows, h, slot), res, w, 1e-5)
+
+            symm.buffer_for(numel).copy_(part)
+            for slot in (0, 1):
+                symm.fused_buffer(slot, numel).copy_(part)
+            symm.reduce_buffer(numel, "one_shot", summed.view(-1))
+            want = fused_add_rms_norm(summed, res, w, 1e-5)
+            got = symm.reduce_add_rms_norm(PendingSum(rows, h, 0), res, w, 1e-5)
+            got1 = symm.reduce_add_rms_norm(PendingSum(rows, h, 1), res, w, 1e-5)
+            torch.cuda.synchronize()
+            exact = all(torch.equal(a, b) for a, b in zip(want + want, got + got1))
+            rows_out.append({"hidden": h, "rows": rows, "unfused": _time(unfused, True) / 2,
+                             "fused": _time(fused, True) / 2, "exact": exact})
+    return rows_out
+
+
+def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int]) -> None:
     # a buffer for the largest size, so both symmetric-memory paths are timed at every size
     os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
     os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
@@ -65,8 +108,9 @@ def _rank(rank: int, port: int, sizes_kb: list[int], out) -> None:
             torch.cuda.synchronize()
             row["exact"] = row.get("exact", True) and bool((y == 3).all())
         rows.append(row)
+    norm_rows = _norm_rows(symm, rank, device, norm_hidden) if symm is not None and symm.fused else []
     if rank == 0:
-        out.put(rows)
+        out.put((rows, norm_rows, distributed.describe()))
     dist.barrier()
     distributed.destroy_distributed()
 
@@ -77,14 +121,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-kb", type=int, nargs="+",
                    default=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--norm-hidden", type=int, nargs="*", default=[],
+                   help="also time all-reduce + add + RMSNorm, unfused vs fused, at these hidden sizes")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_kb, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_kb, out, args.norm_hidden)) for r in range(2)]
     for proc in procs:
         proc.start()
-    rows = out.get(timeout=300)
+    rows, norm_rows, info = out.get(timeout=300)
     for proc in procs:
         proc.join(60)
     print("us per all-reduce of bf16 on 2 GPUs (graph: replays of a captured CUDA graph)")
@@ -93,6 +139,11 @@ def main() -> int:
         f = lambda k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
         print(f"{r['kb']:>6} {f('nccl_eager'):>11} {f('nccl_graph'):>11} {f('one_shot'):>12} "
               f"{f('two_shot'):>12} {r.get('exact', '-')}")
+    if args.norm_hidden:
+        print(f"\nall-reduce + add + RMSNorm, us per call (graphed); rank 0: {info}")
+        print(f"{'hidden':>7} {'rows':>5} {'one-shot + add-norm':>20} {'fused':>7} same bits")
+        for r in norm_rows:
+            print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>20.1f} {r['fused']:>7.1f} {r['exact']}")
     return 0
 
 

@@ -32,6 +32,10 @@ SHAPES = {
                     ("gate_up", 14336, 4096, "add_rms_norm"), ("down", 4096, 7168, "silu_mul")],
     "llama70b-tp2": [("qkv", 5120, 8192, "add_rms_norm"), ("o", 8192, 4096, "none"),
                      ("gate_up", 28672, 8192, "add_rms_norm"), ("down", 8192, 14336, "silu_mul")],
+    # with the fused all-reduce + RMSNorm (workers/distributed.py), qkv and gate_up read normed input
+    "llama8b-tp2-fused": [("qkv", 3072, 4096, "none"), ("gate_up", 14336, 4096, "none")],
+    "llama70b-tp2-fused": [("qkv", 5120, 8192, "none"), ("gate_up", 28672, 8192, "none")],
+    "qwen3-8b-tp2-fused": [("qkv", 3072, 4096, "none"), ("gate_up", 12288, 4096, "none")],
 }
 # swept at 1 and MAX_ROWS rows; tiles whose [rows, BLOCK_N, BLOCK_K] product needs more than
 # 128 fp32 registers per thread are skipped (they spill)
@@ -106,6 +110,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="models to sweep")
     ap.add_argument("--top", type=int, default=3, help="tiles per shape (of the plain sweep) to time with the prologue")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, gv.MAX_ROWS], choices=[1, gv.MAX_ROWS],
+                    help="row buckets to sweep")
     ap.add_argument("--margin", type=float, default=0.03, help="the GEMV must beat the unfused ops by this much")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
@@ -117,7 +123,7 @@ def main() -> int:
         for name, n, k, prologue in SHAPES[model]:
             floor = n * k * 2 / HBM_BYTES_PER_S * 1e6
             print(f"\n== {model} {name} [{n}x{k}] {prologue}: floor {floor:.1f} us", flush=True)
-            for rows in (1, gv.MAX_ROWS):
+            for rows in args.rows:
                 # the tiles swept without a prologue, then the best few with it, against the unfused ops
                 base = Case(n, k, "none", rows, gen)
                 swept = []
@@ -134,7 +140,7 @@ def main() -> int:
                 us, i = min(timed)
                 best = swept[i][1]
                 wins = us < unfused * (1 - args.margin)
-                chosen[f"{rows}:{n}x{k}"] = best if wins else None
+                chosen[f"{rows}:{n}x{k}:{prologue}"] = best if wins else None
                 tot = totals.setdefault(f"{model} rows={rows}", [0.0, 0.0])
                 tot[0] += unfused
                 tot[1] += min(us, unfused) if wins else unfused
@@ -146,7 +152,12 @@ def main() -> int:
                 torch.cuda.empty_cache()
     print("\nper layer (us), unfused -> chosen: " + "; ".join(
         f"{m} {a:.1f} -> {b:.1f}" for m, (a, b) in totals.items()))
-    if args.write:
+    if args.write:  # merged into what the file holds: a sweep of some shapes keeps the others'
+        try:
+            with open(args.write) as f:
+                chosen = {**json.load(f), **chosen}
+        except FileNotFoundError:
+            pass
         with open(args.write, "w") as f:
             json.dump(chosen, f, indent=1, sort_keys=True)
             f.write("\n")

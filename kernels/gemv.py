@@ -134,17 +134,20 @@ def _gemv_kernel(
 
 
 # Tiles per weight shape and batch rows, measured by `python -m bench.tune_gemv --write` on an
-# H200: {"ROWS:NxK": tiles, or null where cuBLAS after the separate kernel was faster}, ROWS the
-# row bucket (1, or MAX_ROWS for 2..MAX_ROWS: more rows need smaller tiles for the registers).
+# H200: {"ROWS:NxK:PROLOGUE" (or "ROWS:NxK", any prologue): tiles, or null where cuBLAS after
+# the separate kernel was faster}, ROWS the row bucket (1, or MAX_ROWS for 2..MAX_ROWS: more
+# rows need smaller tiles for the registers). Under tensor parallelism with the fused
+# all-reduce + RMSNorm, qkv and gate_up take normed input (prologue "none").
 TILES_FILE = Path(__file__).with_name("gemv_tiles.json")
 _TUNED: dict[str, dict | None] = json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
 
 
-def tile_config(n: int, k: int, m: int = 1) -> dict | None:
+def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | None:
     """The tiles for a [n, k] weight at m rows; None: the unfused ops are faster there."""
     key = f"{1 if m == 1 else MAX_ROWS}:{n}x{k}"
-    if key in _TUNED:
-        return _TUNED[key]
+    for k_ in (f"{key}:{prologue}", key):
+        if k_ in _TUNED:
+            return _TUNED[k_]
     # an untuned shape: the GEMV at one row for weights up to 16 MiB, where cuBLAS's launch-bound
     # kernels lose (Qwen3-0.6B's, all of them); cuBLAS above, and for several rows
     if m == 1 and n * k <= 8 << 20:
@@ -175,7 +178,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     assert m <= MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
-    t = (tiles or tile_config(n, k, m)) if runs_triton(_gemv_kernel, x) else None
+    t = (tiles or tile_config(n, k, m, prologue)) if runs_triton(_gemv_kernel, x) else None
     if t is None:
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)

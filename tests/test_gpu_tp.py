@@ -69,12 +69,21 @@ def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
         assert top2 is None or top2[0] - top2[1] <= 0.25, f"TP=2 left TP=1 at token {d}, not at a near-tie: {top2}"
 
 
-def test_one_shot_all_reduce_is_used_and_exact(small_model):
-    """The symmetric-memory one-shot path is live on this box (P2P, no multicast) and sums right."""
+def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
+    """The symmetric-memory one-shot path and the fused all-reduce + RMSNorm are live on this
+    box (P2P, no multicast; each checked against its reference at start-up), and the fused
+    kernel gives the tokens of the unfused pair (one-shot sum, then the add-norm)."""
     llm = LLM(small_model, max_model_len=256, tensor_parallel_size=2)
     try:
         info = llm.collective_rpc("all_reduce_info")
+        fused = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
     finally:
         llm.shutdown()
     print(f"all-reduce: {info}")
-    assert all(i["one_shot"] for i in info), info
+    assert all(i["one_shot"] and i["fused_allreduce_norm"] for i in info), info
+    monkeypatch.setenv("LOOM_FUSED_ALLREDUCE_NORM", "0")
+    unfused = _greedy(small_model, tensor_parallel_size=2)
+    for a, b in zip(fused, unfused):
+        print(f"fused vs unfused all-reduce + norm: first divergence {_first_divergence(a, b)} of {len(b)}")
+        assert _first_divergence(a, b) >= 24

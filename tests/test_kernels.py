@@ -38,6 +38,7 @@ _KERNELS = {
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
     "gemv": ["_gemv_kernel"],
+    "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
 }
 
 
@@ -77,8 +78,9 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, pen, gv = (_mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation",
-                                                           "sampling", "qk_rope_cache", "penalties", "gemv"))
+pa, rn, rot, act, smp, qrc, pen, gv, arn = (
+    _mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling", "qk_rope_cache",
+                       "penalties", "gemv", "allreduce_norm"))
 
 
 @pytest.fixture(autouse=True)
@@ -284,6 +286,32 @@ def test_rms_norm(dtype):
     torch.testing.assert_close(o3, o3_ref, **tol)
     torch.testing.assert_close(new_r, new_r_ref, **(dict(atol=0, rtol=0) if exact else tol))
     torch.testing.assert_close(out, out_ref, **tol)
+
+
+@pytest.mark.parametrize("dtype,world,rank", [(torch.float32, 2, 0), (torch.bfloat16, 2, 1), (torch.float32, 4, 2)])
+def test_allreduce_add_rms_norm(dtype, world, rank):
+    """One rank's call with every peer's signal already raised (the peers' buffers are
+    ordinary tensors here): the rank-order sum, residual add and norm equal the reference;
+    the rank consumes its own flags and raises its flag in every peer's, one per row."""
+    g = _gen(5)
+    rows, h, eps = 3, 96, 1e-6
+    parts = [_randn(rows, h, dtype=dtype, g=g) for _ in range(world)]
+    residual = _randn(rows, 2 * h, dtype=dtype, g=g)[:, :h]  # a strided residual
+    w = _randn(h, dtype=dtype, g=g)
+    flags = [torch.zeros(rows, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    flags[rank][:, [p for p in range(world) if p != rank]] = 1
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    out, new_r = arn.allreduce_add_rms_norm(ptrs(parts), ptrs(flags), rank, rows, residual, w, eps)
+    out_ref, new_r_ref = arn.allreduce_add_rms_norm_ref(parts, residual, w, eps)
+    exact = dtype == torch.float32 or not INTERPRET  # (the interpreter's bf16 rounding is approximate)
+    tol = dict(atol=0, rtol=0) if exact else BF16_TOL
+    torch.testing.assert_close(new_r, new_r_ref, **tol)
+    torch.testing.assert_close(out, out_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+    for p in range(world):
+        want = torch.zeros(rows, world, dtype=torch.int32)
+        if p != rank:
+            want[:, rank] = 1
+        assert torch.equal(flags[p].cpu(), want), (p, flags[p])
 
 
 # --------------------------------------------------------------------------

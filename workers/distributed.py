@@ -16,6 +16,11 @@ All-reduce on CUDA, by size (bf16, 2xH200, CUDA-graph replays: `python -m bench.
   4 MiB (34.9), the all-reduces of large decode batches;
 - NCCL above, and wherever symmetric memory is unavailable.
 All are capturable in CUDA graphs. NVLink multicast is never used (no multimem ops).
+
+A row-parallel linear whose sum goes straight into an RMSNorm (o_proj and down_proj, then
+the next norm) can defer its sum (`linear_all_reduce(..., norm_slot=)` returns a
+`PendingSum`): the norm then sums over the ranks, adds the residual and normalises in one
+kernel (kernels/allreduce_norm.py), at the sizes of the one-shot path.
 """
 from __future__ import annotations
 
@@ -86,9 +91,12 @@ def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: to
     if device.type == "cuda":
         symm = SymmMemAllReduce.create(_state.group, device, dtype)
         # every rank must take the same path for every all-reduce, or they would never pair up
-        agreed = torch.tensor([1 if symm is not None else 0], device=device)
+        agreed = torch.tensor([int(symm is not None), int(symm is not None and symm.fused is not None)],
+                              device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_state.group)
-        _state.symm = symm if agreed.item() else None
+        _state.symm = symm if agreed[0].item() else None
+        if _state.symm is not None and not agreed[1].item():
+            _state.symm.fused = None
     logger.info("rank %d of %d joined the %s group", rank, rdv.world_size, backend)
 
 
@@ -105,7 +113,8 @@ def describe() -> dict:
     return {"rank": _state.rank, "size": _state.size,
             "backend": dist.get_backend(_state.group) if _state.group is not None else None,
             "one_shot": symm is not None, "one_shot_max_bytes": symm.one_shot_max if symm else 0,
-            "two_shot_max_bytes": symm.two_shot_max if symm else 0}
+            "two_shot_max_bytes": symm.two_shot_max if symm else 0,
+            "fused_allreduce_norm": symm is not None and symm.fused is not None}
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -125,22 +134,49 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) 
     return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out)
 
 
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm) -> torch.Tensor:
+@dataclass
+class PendingSum:
+    """A row-parallel product not yet summed over the ranks: every rank's [rows, cols] part
+    sits in its symmetric buffer `slot`. The RMSNorm that consumes it (`add_rms_norm`) sums,
+    adds the residual and normalises in one kernel."""
+    rows: int
+    cols: int
+    slot: int
+
+    def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum + residual) * weight, sum + residual), as fused_add_rms_norm."""
+        normed, new_residual = _state.symm.reduce_add_rms_norm(self, residual.reshape(self.rows, self.cols),
+                                                               weight, eps)
+        return normed.view(residual.shape), new_residual.view(residual.shape)
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm,
+                      norm_slot: int | None = None) -> torch.Tensor | PendingSum:
     """x @ weight.T summed over the ranks (a row-parallel linear's product). Through symmetric
     memory the matmul writes straight into the shared buffer, so no copy precedes the sum.
     matmul(x, weight, out=None): the product (into `out` [rows, N] when given); the decode
-    GEMV passes itself, with its fused prologue."""
+    GEMV passes itself, with its fused prologue.
+
+    norm_slot (0 or 1): an RMSNorm consumes the sum, so it may come back as a PendingSum for
+    the norm to finish (kernels/allreduce_norm.py). Consecutive deferred sums must alternate
+    slots (a decoder layer: o_proj 0, down_proj 1), which is what lets the fused kernel skip
+    a closing barrier."""
     if _state.size == 1:
         return matmul(x, weight)
     symm = _state.symm
     shape = x.shape[:-1] + (weight.shape[0],)
-    numel = x.numel() // x.shape[-1] * weight.shape[0]
-    method = symm.method(numel, x.dtype) if symm is not None and x.dtype == weight.dtype else None
+    rows, cols = x.numel() // x.shape[-1], weight.shape[0]
+    if norm_slot is not None and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype) \
+            and x.dtype == weight.dtype:
+        matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
+        return PendingSum(rows, cols, norm_slot)
+    method = symm.method(rows * cols, x.dtype) if symm is not None and x.dtype == weight.dtype else None
     if method is None:
         return all_reduce(matmul(x, weight))
-    matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.buffer_for(numel).view(-1, weight.shape[0]))
+    matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.buffer_for(rows * cols).view(rows, cols))
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    symm.reduce_buffer(numel, method, out.view(-1))
+    symm.reduce_buffer(rows * cols, method, out.view(-1))
     return out
 
 
@@ -178,12 +214,16 @@ class SymmMemAllReduce:
       back to them (a reduce-scatter and an all-gather in one kernel; it moves 2/W of the data
       per rank instead of (W-1)/W x W, for the batch-sized all-reduces of large decode steps).
     One symmetric buffer serves every call: the ops' barriers order its reuse. A row-parallel
-    matmul can write its product straight into it (`buffer_for`), which saves the copy."""
+    matmul can write its product straight into it (`buffer_for`), which saves the copy.
+
+    With `fused`, two more one-shot-sized buffers (the slots of deferred sums) and a flag per
+    (row, rank) serve the fused all-reduce + add + RMSNorm (kernels/allreduce_norm.py)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int):
         self.buffer, self.group_name = buffer, group_name
         self.one_shot_max, self.two_shot_max = one_shot_max, two_shot_max
         self.world_size = dist.get_world_size()
+        self.fused: _FusedNormBuffers | None = None
 
     @classmethod
     def create(cls, group, device: torch.device, dtype: torch.dtype) -> "SymmMemAllReduce | None":
@@ -203,11 +243,18 @@ class SymmMemAllReduce:
                 return None
             op = cls(buffer, group.group_name, ONE_SHOT_MAX_BYTES, two_shot_max)
             op._probe(device, dtype)
-            return op
         except Exception as e:  # no P2P, no NVLink, an old torch: NCCL does everything
             logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL for every all-reduce",
                            type(e).__name__, e)
             return None
+        if os.environ.get("LOOM_FUSED_ALLREDUCE_NORM", "1") != "0" and ONE_SHOT_MAX_BYTES > 0:  # 0: A/B runs
+            try:
+                op.fused = _FusedNormBuffers.create(group.group_name, device, dtype, ONE_SHOT_MAX_BYTES)
+                op._probe_fused(device, dtype)
+            except Exception as e:  # e.g. a Triton without system-scope atomics: the unfused pair
+                logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
+                op.fused = None
+        return op
 
     def _probe(self, device: torch.device, dtype: torch.dtype) -> None:
         """A real call of each kernel now, so that a platform that cannot run one fails here,
@@ -224,6 +271,35 @@ class SymmMemAllReduce:
             if not bool((probe == expect).all()):
                 raise RuntimeError(f"symmetric-memory all-reduce of {numel} gave {probe[0].item()}, "
                                    f"expected {expect}")
+
+    def _probe_fused(self, device: torch.device, dtype: torch.dtype) -> None:
+        """One fused call per slot against the reference, on data every rank can rebuild."""
+        from kernels.allreduce_norm import allreduce_add_rms_norm_ref
+        rows, cols = 2, 256
+        parts = [((torch.arange(rows * cols, device=device) % 7 - 3) * (r + 1) / 4).to(dtype).view(rows, cols)
+                 for r in range(self.world_size)]
+        residual = torch.ones(rows, cols, dtype=dtype, device=device)
+        weight = torch.full((cols,), 0.5, dtype=dtype, device=device)
+        want = allreduce_add_rms_norm_ref(parts, residual, weight, 1e-6)
+        for slot in (0, 1):
+            self.fused_buffer(slot, rows * cols).copy_(parts[dist.get_rank()].view(-1))
+            got = self.reduce_add_rms_norm(PendingSum(rows, cols, slot), residual, weight, 1e-6)
+            torch.cuda.synchronize(device)
+            if not (torch.equal(got[1], want[1]) and torch.allclose(got[0].float(), want[0].float(), 1e-2, 1e-2)):
+                raise RuntimeError(f"fused all-reduce + RMSNorm differs from its reference (slot {slot})")
+
+    def can_fuse_norm(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
+        return (self.fused is not None and dtype == self.buffer.dtype and 0 < rows <= self.fused.max_rows
+                and cols <= self.fused.max_cols and rows * cols * self.buffer.element_size() <= self.one_shot_max)
+
+    def fused_buffer(self, slot: int, numel: int) -> torch.Tensor:
+        return self.fused.local[slot][:numel]
+
+    def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from kernels.allreduce_norm import allreduce_add_rms_norm
+        return allreduce_add_rms_norm(self.fused.buf_ptrs[pending.slot], self.fused.flag_ptrs, dist.get_rank(),
+                                      pending.rows, residual, weight, eps)
 
     def method(self, numel: int, dtype: torch.dtype) -> str | None:
         """"one_shot", "two_shot", or None when a contiguous tensor of this size goes to NCCL."""
@@ -254,3 +330,44 @@ class SymmMemAllReduce:
         self.buffer_for(flat.numel()).copy_(flat)
         self.reduce_buffer(flat.numel(), method, flat)
         return x
+
+
+@dataclass
+class _FusedNormBuffers:
+    """The symmetric memory of the fused all-reduce + RMSNorm: two product buffers (slots),
+    every rank's addresses of them as device tables, and the flags (int32 [max_rows, W] per
+    rank, zero between calls)."""
+    local: tuple[torch.Tensor, torch.Tensor]  # this rank's slots (flat)
+    buf_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's slot address
+    flag_ptrs: torch.Tensor  # int64 [W]: every rank's flags
+    keep: tuple  # the symmetric allocations the tables point into
+    max_rows: int
+    max_cols: int
+
+    @classmethod
+    def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int) -> "_FusedNormBuffers":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from kernels.allreduce_norm import MAX_COLS
+        numel = nbytes // torch.empty(0, dtype=dtype).element_size()
+        max_rows = max(1, nbytes // 256)  # rows of at least 128 elements
+        world = dist.get_world_size()
+        bufs = symm_mem.empty(2 * numel, dtype=dtype, device=device)
+        flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
+        flags.zero_()
+        buf_handle = symm_mem.rendezvous(bufs, group_name)
+        flag_handle = symm_mem.rendezvous(flags, group_name)
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank's flags are zero before any rank signals
+
+        def table(handle, n: int, dt: torch.dtype, offset: int) -> torch.Tensor:
+            ptrs = [handle.get_buffer(r, (n,), dt, offset).data_ptr() for r in range(world)]
+            local = bufs if dt == dtype else flags
+            if ptrs[dist.get_rank()] != local.data_ptr() + offset * local.element_size():
+                raise RuntimeError("symmetric buffer addresses do not match this rank's tensor")
+            return torch.tensor(ptrs, dtype=torch.int64, device=device)
+
+        return cls(local=(bufs[:numel], bufs[numel:]),
+                   buf_ptrs=(table(buf_handle, numel, dtype, 0), table(buf_handle, numel, dtype, numel)),
+                   flag_ptrs=table(flag_handle, max_rows * world, torch.int32, 0),
+                   keep=(bufs, flags, buf_handle, flag_handle), max_rows=max_rows, max_cols=MAX_COLS)

@@ -31,7 +31,7 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import all_gather, all_reduce, linear_all_reduce, tp_rank, tp_size
+from workers.distributed import PendingSum, all_gather, all_reduce, linear_all_reduce, tp_rank, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,12 @@ class RMSNorm(nn.Module):
         self.weight = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None):
         """Without residual: the normalized x. With residual: x + residual is
-        normalized and (out, new_residual) returned."""
+        normalized and (out, new_residual) returned. x may be a row-parallel linear's
+        PendingSum: the sum over the ranks is then fused in."""
+        if isinstance(x, PendingSum):
+            return x.add_rms_norm(residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -252,7 +255,11 @@ class ColumnParallelLinear(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the new residual x + residual (residual None: the first
-        layer, where x itself is the residual). At decode sizes the norm is fused into the GEMV."""
+        layer, where x itself is the residual). At decode sizes the norm is fused into the GEMV;
+        after a row-parallel linear's PendingSum, into the all-reduce."""
+        if isinstance(x, PendingSum):
+            normed, residual = norm(x, residual)
+            return self(normed), residual
         if use_gemv(x):
             if residual is None:
                 return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
@@ -275,11 +282,16 @@ def _row_loader(rank: int, size: int, param: nn.Parameter, loaded, shard_id=None
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (+ b): W's input columns split over the ranks (x is
     already split: the heads / the intermediate features of this rank), then one all-reduce.
-    The bias is added once, after the sum."""
+    The bias is added once, after the sum.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    norm_slot (0 or 1): an RMSNorm consumes this linear's output, so without a bias the sum
+    may be deferred to it (a PendingSum, see workers/distributed.py). Deferred sums must
+    alternate slots: o_proj takes 0 and down_proj 1."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, norm_slot: int | None = None):
         super().__init__()
         self.tp = tp_size()
+        self.norm_slot = norm_slot if not bias else None
         self.in_features, self.out_features = in_features // self.tp, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
         _set_loader(self.weight, functools.partial(_row_loader, tp_rank(), self.tp), (out_features, in_features))
@@ -288,21 +300,21 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
         (fused into the GEMV at decode sizes)."""
         if use_gemv(x):
             prologue = "silu_mul" if silu_mul else "none"
             if self.tp == 1:
                 return gemv(x, self.weight, self.bias, prologue=prologue)[0]
-            y = linear_all_reduce(x, self.weight,
-                                  lambda x, w, out=None: gemv(x, w, prologue=prologue, out=out)[0])
+            y = linear_all_reduce(x, self.weight, lambda x, w, out=None: gemv(x, w, prologue=prologue, out=out)[0],
+                                  norm_slot=self.norm_slot)
             return y if self.bias is None else y + self.bias
         if silu_mul:
             x = silu_and_mul(x)
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
-        y = linear_all_reduce(x, self.weight)
+        y = linear_all_reduce(x, self.weight, norm_slot=self.norm_slot)
         return y if self.bias is None else y + self.bias
 
 
@@ -354,7 +366,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, norm_slot=1)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), the new residual)."""
@@ -378,7 +390,7 @@ class SelfAttention(nn.Module):
                   "k": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size),
                   "v": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size + self.kv_size)}
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias)
-        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, o_bias, norm_slot=0)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -1,0 +1,101 @@
+"""One-shot all-reduce fused with the residual add and RMSNorm that follow it.
+
+Under tensor parallelism every layer ends twice in a row-parallel linear (o_proj,
+down_proj) whose partial products are summed over the ranks, and the sum goes straight
+into the next RMSNorm together with the residual. Unfused that is two kernels per
+all-reduce: the sum (torch's one-shot kernel over symmetric memory) and the add-norm,
+which reads the sum again. Here one program per row:
+
+1. tells every peer that this rank's products are ready, and waits for theirs (a flag
+   per (row, rank) in symmetric memory: put = CAS 0 -> 1 on the peer's flag, wait =
+   CAS 1 -> 0 on one's own, so the flags reset themselves, also inside CUDA graphs);
+2. reads the row from every rank's buffer over NVLink and sums in rank order (every
+   rank gets the same bits), rounded to the activations' dtype as the unfused sum is;
+3. adds the residual and normalises with kernels/rms_norm.py's roundings.
+
+There is no closing barrier: the caller alternates between two buffers (`slot`), and
+a peer writes a buffer again only two fused calls later, after the barrier of the call
+in between, which this rank enters only once it has finished reading.
+
+`allreduce_add_rms_norm_ref` is the torch reference: the sum of the parts, then
+fused_add_rms_norm_ref.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.rms_norm import fused_add_rms_norm_ref
+
+
+def allreduce_add_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts: every rank's [M, H] product, in rank order -> (rms_norm(sum + residual) * weight,
+    sum + residual), the sum rounded to the parts' dtype first."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return fused_add_rms_norm_ref(total.to(parts[0].dtype), residual, weight, eps)
+
+
+@triton.jit
+def _allreduce_add_rms_norm_kernel(
+    buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    n_cols, stride_r, rank, eps,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """buf_ptrs / flag_ptrs: int64 [WORLD], the address of every rank's product buffer
+    ([M, n_cols], contiguous) and of its flags (int32 [programs, WORLD])."""
+    row = tl.program_id(0)
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(peer_flags + row * WORLD + rank, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            while tl.atomic_cas(own_flags + row * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    at = row.to(tl.int64) * n_cols + offs
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        part = tl.load(buf_ptrs + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        total += tl.load(part + at, mask=mask, other=0.0).to(tl.float32)
+    summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+    res = tl.load(res_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    x = (summed + res).to(res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + at, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_COLS = 16384  # one row per program, held in registers
+
+
+def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int, rows: int,
+                           residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum every rank's [rows, H] buffer (buf_ptrs: their addresses, int64 [W] on the device),
+    add residual [rows, H] and normalise by weight [H]: (normed, new residual), both new
+    [rows, H] tensors. flag_ptrs: every rank's int32 flags, at least rows x W, zero between
+    calls. Every rank of the group must make the same call."""
+    world = buf_ptrs.numel()
+    h = weight.numel()
+    assert h <= MAX_COLS and residual.shape == (rows, h) and residual.stride(-1) == 1
+    out = torch.empty((rows, h), dtype=residual.dtype, device=residual.device)
+    res_out = torch.empty_like(out)
+    if rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(h)
+    _allreduce_add_rms_norm_kernel[(rows,)](
+        buf_ptrs, flag_ptrs, residual, weight, out, res_out, h, residual.stride(0), rank, float(eps),
+        WORLD=world, BLOCK=block, num_warps=max(4, min(16, block // 512)))
+    return out, res_out
