@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 (tensor parallelism) on nvidia-h200-x2, in ONE device call of < 9 minutes:
+# Issue 12 (tensor parallelism) on nvidia-h200-x2 (a section per device call: all three exceed 10 minutes):
 #   bench/gpu_tp.sh            (logs in $OUT or /tmp/loom-bench; the targets table is printed last)
 # 1. correctness: tests/test_gpu_tp.py (TP=2 fp32 == HF, TP=2 bf16 vs HF on the demo model and
 #    vs TP=1, CUDA graphs == eager at TP=2, the one-shot all-reduce live and exact);
@@ -17,9 +17,11 @@ for section in ${SECTIONS:-allreduce tests targets}; do case $section in
   allreduce) echo "=== python -m bench.allreduce_tp"
              timeout 45 python3 -m bench.allreduce_tp > "$OUT/allreduce.log" 2>&1; echo "(exit $?)"
              grep -v -P "^\s*$" "$OUT/allreduce.log" | tail -n 12 ;;
-  tests) echo "=== tests/test_gpu_tp.py"
-         timeout 150 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu_tp.py > "$OUT/gpu-tp-tests.log" 2>&1
-         echo "(exit $?)"; grep -E "divergence|all-reduce:|passed|failed|Error|assert" "$OUT/gpu-tp-tests.log" | tail -20 ;;
+  tests) echo "=== tests/test_gpu_tp.py (two runs: the four tests take ~4 minutes)"
+         for k in "fp32 or one_shot" "demo_model or graphs_match_eager"; do
+           timeout 250 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu_tp.py -k "$k" >> "$OUT/gpu-tp-tests.log" 2>&1
+           echo "(exit $?)"; done
+         grep -E "divergence|all-reduce:|passed|failed|Error|assert" "$OUT/gpu-tp-tests.log" | tail -20 ;;
   targets) echo "=== python -m bench.tp_targets ${TARGETS:-}"
            timeout 330 python3 -m bench.tp_targets ${TARGETS:+--only $TARGETS} --output-json "$OUT/tp-targets.json" \
              > "$OUT/tp-targets.log" 2>&1
