@@ -30,6 +30,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -300,9 +301,8 @@ class SymmMemAllReduce:
 
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.allreduce_norm import allreduce_add_rms_norm
-        return allreduce_add_rms_norm(self.fused.buf_ptrs[pending.slot], self.fused.flag_ptrs, dist.get_rank(),
-                                      pending.rows, residual, weight, eps)
+        f = self.fused
+        return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps)
 
     def method(self, numel: int, dtype: torch.dtype) -> str | None:
         """"one_shot", "two_shot", or None when a contiguous tensor of this size goes to NCCL."""
@@ -344,18 +344,20 @@ class _FusedNormBuffers:
     buf_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's slot address
     flag_ptrs: torch.Tensor  # int64 [W]: every rank's flags
     keep: tuple  # the symmetric allocations the tables point into
+    rank: int
     max_rows: int
     max_cols: int
     max_bytes: int
+    kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm (imported here: the engine core needs no Triton)
 
     @classmethod
     def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int) -> "_FusedNormBuffers":
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels.allreduce_norm import MAX_COLS
+        from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm
         numel = nbytes // torch.empty(0, dtype=dtype).element_size()
         max_rows = max(1, nbytes // 256)  # rows of at least 128 elements
-        world = dist.get_world_size()
+        world, rank = dist.get_world_size(), dist.get_rank()
         bufs = symm_mem.empty(2 * numel, dtype=dtype, device=device)
         flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
         flags.zero_()
@@ -364,15 +366,15 @@ class _FusedNormBuffers:
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are zero before any rank signals
 
-        def table(handle, n: int, dt: torch.dtype, offset: int) -> torch.Tensor:
-            ptrs = [handle.get_buffer(r, (n,), dt, offset).data_ptr() for r in range(world)]
-            local = bufs if dt == dtype else flags
-            if ptrs[dist.get_rank()] != local.data_ptr() + offset * local.element_size():
+        def table(handle, local: torch.Tensor, offset: int = 0) -> torch.Tensor:
+            """Every rank's address of `local`, which starts `offset` elements into this rank's
+            symmetric allocation."""
+            ptrs = [handle.get_buffer(r, (local.numel(),), local.dtype, offset).data_ptr() for r in range(world)]
+            if ptrs[rank] != local.data_ptr():
                 raise RuntimeError("symmetric buffer addresses do not match this rank's tensor")
             return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
-        return cls(local=(bufs[:numel], bufs[numel:]),
-                   buf_ptrs=(table(buf_handle, numel, dtype, 0), table(buf_handle, numel, dtype, numel)),
-                   flag_ptrs=table(flag_handle, max_rows * world, torch.int32, 0),
-                   keep=(bufs, flags, buf_handle, flag_handle), max_rows=max_rows, max_cols=MAX_COLS,
-                   max_bytes=nbytes)
+        slots = (bufs[:numel], bufs[numel:])
+        return cls(local=slots, buf_ptrs=(table(buf_handle, slots[0]), table(buf_handle, slots[1], numel)),
+                   flag_ptrs=table(flag_handle, flags), keep=(bufs, flags, buf_handle, flag_handle), rank=rank,
+                   max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm)
