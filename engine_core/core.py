@@ -26,6 +26,7 @@ from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred,
 from engine_core.client_io import CLIENT_GONE, ClientIO
 from engine_core.dp_coordinator import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, PendingOutput
+from engine_core.loop_stats import LoopStats
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from engine_core.structured_output import StructuredOutputManager
@@ -63,6 +64,7 @@ class EngineCore:
         # steps sent to the workers, oldest first, each with its output still to come
         self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
+        self.loop_stats = LoopStats()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ------------------------------------------------------------ requests
@@ -123,9 +125,11 @@ class EngineCore:
         A step whose grammar bitmask needs step N's tokens runs its model at once and
         samples once they are in (vLLM's deferred sample_tokens)."""
         if len(self.in_flight) < self.max_in_flight and self._can_schedule():
-            so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            with self.loop_stats.phase("schedule"):
+                so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
-                self.in_flight.append((so, self.executor.submit(so)))
+                with self.loop_stats.phase("submit"):
+                    self.in_flight.append((so, self.executor.submit(so)))
                 if so.defer_sample and len(self.in_flight) == 1:
                     self._sample_deferred(so)
                 if len(self.in_flight) < self.max_in_flight and self._can_schedule():
@@ -137,7 +141,10 @@ class EngineCore:
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:
         """The oldest step's output; then the next step, if it waits for a bitmask, samples."""
         _, pending = self.in_flight.popleft()
-        outputs = self.scheduler.update_from_output(pending.result())
+        with self.loop_stats.phase("wait"):
+            result = pending.result()
+        with self.loop_stats.phase("update"):
+            outputs = self.scheduler.update_from_output(result)
         if self.in_flight and self.in_flight[0][0].defer_sample:
             self._sample_deferred(self.in_flight[0][0])
         return outputs
@@ -319,6 +326,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.shutting_down = True
+        self.loop_stats.log()
         self.scheduler.structured.shutdown()
         self.executor.shutdown()
 
@@ -361,7 +369,8 @@ class EngineCoreProc(EngineCore):
             for ci, outs in self.pending_outputs.items():
                 by_client.setdefault(ci, [])[:0] = outs
             self.pending_outputs = {}
-            self._publish(by_client)
+            with self.loop_stats.phase("publish"):
+                self._publish(by_client)
             self._finish_deferred()  # after the outputs a deferred reply waited for have gone out
 
     def _publish(self, by_client: dict[int, list[EngineCoreOutput]]) -> None:

@@ -1,9 +1,12 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
 Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums
-the host time spent launching a step (split into the phases the caller marks)
-and the device time between two events around it, and it counts the Triton
-kernels compiled after warm-up (a compile mid-run costs 0.1-1 s).
+the host time spent launching a step (split into the phases the caller marks),
+the device time between two events around it, and the device's idle time
+before it (from the previous step's end: the step was launched too late), and
+it counts the Triton kernels compiled after warm-up (a compile mid-run costs
+0.1-1 s). Idle time is also summed by the step's token count (powers of two),
+since a small batch's step can be shorter than the host's work between steps.
 The summary is logged when the worker exits and returned by the `step_stats`
 worker method (collective_rpc).
 """
@@ -40,6 +43,9 @@ class StepStats:
         self.device_s: dict[str, float] = defaultdict(float)
         self.steps: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
+        self.idle_s: dict[str, float] = defaultdict(float)
+        self.idle_by_tokens: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])  # bucket -> [steps, s]
+        self._last_stop = None  # the end event of the newest step read
         self.compiles: list[str] = []
         self.serving = False
         self._unread: list = []  # marks whose events may not have fired yet
@@ -57,9 +63,12 @@ class StepStats:
             return
 
         def hook(*args, **kwargs):
-            what = str(kwargs.get("repr", getattr(kwargs.get("fn"), "name", "?")))
+            # the kernel's name and what picked this variant: its constexprs and the arguments'
+            # specializations (alignment, divisibility), which the warm-up must cover
+            what = str(kwargs.get("repr", getattr(kwargs.get("fn"), "name", "?"))).split("(")[0]
+            detail = kwargs.get("compile") or kwargs.get("key")
             self.compiles.append(what)
-            logger.warning("Triton compiled during serving: %s", what[:400])
+            logger.warning("Triton compiled during serving: %s %s", what, str(detail)[:4000])
             return False
         knobs.runtime.jit_post_compile_hook = hook
 
@@ -88,27 +97,34 @@ class StepStats:
         if start is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
-        return kind, start, stop
+        return kind, start, stop, num_tokens
 
     def finished(self, mark, wait: bool = False) -> None:
-        """Call when the step is delivered; device times are read once their events fire."""
+        """Call when the step is delivered; device times are read, in launch order, once their
+        events fire."""
         if mark is not None and mark[1] is not None:
             self._unread.append(mark)
-        still = []
-        for kind, start, stop in self._unread:
-            if wait or stop.query():
-                self.device_s[kind] += start.elapsed_time(stop) / 1e3
-            else:
-                still.append((kind, start, stop))
-        self._unread = still
+        while self._unread and (wait or self._unread[0][2].query()):
+            kind, start, stop, num_tokens = self._unread.pop(0)
+            self.device_s[kind] += start.elapsed_time(stop) / 1e3
+            if self._last_stop is not None:
+                idle = max(self._last_stop.elapsed_time(start), 0.0) / 1e3
+                self.idle_s[kind] += idle
+                bucket = self.idle_by_tokens[1 << max(num_tokens - 1, 0).bit_length()]
+                bucket[0] += 1
+                bucket[1] += idle
+            self._last_stop = stop
 
     def summary(self) -> dict:
         self.finished(None, wait=True)
         return {kind: {"steps": n, "tokens": self.tokens[kind],
                        "host_ms_per_step": 1e3 * self.host_s[kind] / n,
                        "device_ms_per_step": 1e3 * self.device_s[kind] / n,
+                       "idle_ms_before": 1e3 * self.idle_s[kind] / n,
                        **{f"host_ms_{p}": 1e3 * t / n for p, t in self.phase_s[kind].items()}}
-                for kind, n in self.steps.items()} | {"triton_compiles_while_serving": len(self.compiles)}
+                for kind, n in self.steps.items()} | {
+            "idle_ms_by_tokens": {b: (n, round(1e3 * t, 1)) for b, (n, t) in sorted(self.idle_by_tokens.items())},
+            "triton_compiles_while_serving": len(self.compiles)}
 
     def log(self) -> None:
         for kind, s in self.summary().items():
