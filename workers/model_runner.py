@@ -208,6 +208,18 @@ class ModelRunner:
     _WARMUP_BATCHES = ([1], [1] * 5, [1] * 17, [2], [3], [5], [8], [12], [16], [24], [32], [48], [64], [100],
                        [512], [1] * 3 + [37], [1] * 16 + [64])
 
+    def _warmup_batches(self) -> list[list[int]]:
+        """_WARMUP_BATCHES, and a prompt joining as many decodes as take attention's shorter
+        decode tiles (kernels/paged_attention.py: enough programs per SM). Without it, the first
+        such mixed step of a run compiled that variant: 0.4 s, about 7% of the offline workload."""
+        from kernels.jit import sm_count
+        from kernels.paged_attention import LONG_TILE_PROGRAMS_PER_SM
+        many = -(-LONG_TILE_PROGRAMS_PER_SM * sm_count(self.device) // self.num_kv_heads) + 1
+        batches = [list(q) for q in self._WARMUP_BATCHES]
+        if many < self.config.max_num_seqs:
+            batches.append([1] * many + [64])
+        return batches
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run the kernels once per kind of batch (with no cache writes) before serving."""
@@ -215,7 +227,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         limit = min(self.config.max_num_batched_tokens, self.config.max_model_len - 8)
-        for q_lens in self._WARMUP_BATCHES:
+        for q_lens in self._warmup_batches():
             q_lens = [min(q, limit) for q in q_lens[:self.config.max_num_seqs]]
             seq_lens = np.asarray(q_lens, dtype=np.int64) + 4  # a little context before each query
             n = np.asarray(q_lens, dtype=np.int64)
@@ -238,6 +250,9 @@ class ModelRunner:
                 rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
+        for rows in self._logit_row_counts():  # the lm_head's shapes (_padded_rows)
+            self.model.compute_logits(torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype,
+                                                  device=self.device))
         torch.cuda.synchronize()
         logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
@@ -422,13 +437,17 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def memory_info(self) -> dict:
-        """Bytes held by model weights and KV cache; on CUDA also the device's view."""
+        """Bytes held by model weights and KV cache; on CUDA also the device's view, and the
+        caching allocator's cudaMalloc / cudaFree counts (a retry frees cached blocks, which
+        waits for the device: steps then stop overlapping)."""
         info = {"weights": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 "kv_cache": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info()
+            stats = torch.cuda.memory_stats()
             info.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved(),
-                        device_used=total - free)
+                        device_used=total - free,
+                        **{k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
         return info
 
     # ------------------------------------------------------------ one step
@@ -539,7 +558,7 @@ class ModelRunner:
         host = self._host_inputs(n, start, slots)
         if self.uses_mrope:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
-        host["sample_index"] = host["qsl"][1:][sample_rows] - 1
+        host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
         host.update(self.sampler.host_params(rows))
         spans = self._prompt_logprob_spans(states, start, n)
         if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
@@ -569,6 +588,21 @@ class ModelRunner:
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
                          piecewise_size)
 
+    def _logit_row_counts(self) -> list[int]:
+        """The row counts the lm_head runs at on CUDA: the decode graphs' batch sizes."""
+        m = self.config.max_num_seqs
+        return sorted({b for b in [1, 2, 4, 8, *range(16, m + 1, 16), m] if b <= m})
+
+    def _padded_rows(self, index: np.ndarray) -> np.ndarray:
+        """The sampled rows' hidden-state index, padded (with row 0) to one of
+        _logit_row_counts. cuBLAS's first call at a new shape costs 2-3 ms of host time, and up
+        to 1.5 s where it loads a new kernel family (bench/RESULTS.md): a shrinking offline batch
+        met ~200 new shapes mid-run. The warm-up runs the lm_head at every padded count."""
+        if self.device.type != "cuda" or not len(index):
+            return index
+        rows = next((r for r in self._logit_row_counts() if r >= len(index)), len(index))
+        return np.pad(index, (0, rows - len(index)))
+
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
         inputs = batch.inputs
@@ -583,7 +617,8 @@ class ModelRunner:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
         if not len(batch.sample_rows):
             return hidden, None
-        return hidden, self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
+        logits = self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
+        return hidden, logits[:len(batch.sample_rows)]
 
     def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
                ) -> tuple[torch.Tensor, tuple | None, dict]:
