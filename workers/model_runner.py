@@ -1,6 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the persistent batch, and runs one step."""
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 from dataclasses import dataclass
@@ -103,6 +105,11 @@ def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]
                 best = s
         out.append(best)
     return out
+
+
+def decode_batch_sizes(limit: int) -> list[int]:
+    """The batch sizes of the decode CUDA graphs, up to `limit`: 1, 2, 4, 8, then every 16."""
+    return sorted({b for b in [1, 2, 4, 8, *range(16, limit + 1, 16), limit] if b <= limit})
 
 
 class ModelRunner:
@@ -250,7 +257,7 @@ class ModelRunner:
                 rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
                 self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
-        for rows in self._logit_row_counts():  # the lm_head's shapes (_padded_rows)
+        for rows in self._logit_row_counts:  # the lm_head's shapes (_padded_rows)
             self.model.compute_logits(torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype,
                                                   device=self.device))
         torch.cuda.synchronize()
@@ -284,7 +291,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend != "triton":
             return
         max_bs = min(self.config.max_num_seqs, 512)
-        sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
+        sizes = decode_batch_sizes(max_bs)
         dev = self.device
         self.gbuf = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
@@ -588,10 +595,10 @@ class ModelRunner:
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
                          piecewise_size)
 
+    @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
         """The row counts the lm_head runs at on CUDA: the decode graphs' batch sizes."""
-        m = self.config.max_num_seqs
-        return sorted({b for b in [1, 2, 4, 8, *range(16, m + 1, 16), m] if b <= m})
+        return decode_batch_sizes(self.config.max_num_seqs)
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
@@ -600,7 +607,7 @@ class ModelRunner:
         met ~200 new shapes mid-run. The warm-up runs the lm_head at every padded count."""
         if self.device.type != "cuda" or not len(index):
             return index
-        rows = next((r for r in self._logit_row_counts() if r >= len(index)), len(index))
+        rows = next((r for r in self._logit_row_counts if r >= len(index)), len(index))
         return np.pad(index, (0, rows - len(index)))
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
