@@ -10,24 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import defaultdict
+
+from ipc.profiling import step_stats_enabled
 
 logger = logging.getLogger(__name__)
 
 
+_OFF = contextlib.nullcontext()
+
+
 class LoopStats:
     def __init__(self):
-        self.on = os.environ.get("LOOM_STEP_STATS", "") not in ("", "0")  # as workers/step_stats.py
+        self.on = step_stats_enabled()
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    @contextlib.contextmanager
     def phase(self, name: str):
-        if not self.on:
-            yield
-            return
+        """A context that times `name` (several per step: off, it is a shared no-op)."""
+        return self._timed(name) if self.on else _OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
         t0 = time.perf_counter()
         try:
             yield

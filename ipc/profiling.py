@@ -40,6 +40,12 @@ def dump() -> None:
     prof.dump_stats(path)
 
 
+def step_stats_enabled() -> bool:
+    """LOOM_STEP_STATS=1 (or =sync): the workers' per-step stats (workers/step_stats.py) and the
+    engine loop's (engine_core/loop_stats.py)."""
+    return os.environ.get("LOOM_STEP_STATS", "") not in ("", "0")
+
+
 if __name__ == "__main__":
     for fn in sorted(os.listdir(sys.argv[1])):
         if fn.endswith(".prof"):

@@ -12,6 +12,7 @@ import torch
 
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.profiling import step_stats_enabled
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max, tp_size
@@ -19,7 +20,7 @@ from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
 from workers.sampler import Sampler, SamplingRow
-from workers.step_stats import StepStats, StepToken, enabled as step_stats_enabled
+from workers.step_stats import StepStats, StepToken
 from shm.object_store import ObjectStoreReader
 
 logger = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class ModelRunner:
         from kernels.jit import sm_count
         from kernels.paged_attention import LONG_TILE_PROGRAMS_PER_SM
         many = -(-LONG_TILE_PROGRAMS_PER_SM * sm_count(self.device) // self.num_kv_heads) + 1
-        batches = [list(q) for q in self._WARMUP_BATCHES]
+        batches = list(self._WARMUP_BATCHES)
         if many < self.config.max_num_seqs:
             batches.append([1] * many + [64])
         return batches

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +31,6 @@ class StepToken:
     laps: list[tuple[str, float]] = field(default_factory=list)
 
 
-def enabled() -> bool:
-    return os.environ.get("LOOM_STEP_STATS", "") not in ("", "0")
-
-
 class StepStats:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -48,7 +44,7 @@ class StepStats:
         self._last_stop = None  # the end event of the newest step read
         self.compiles: list[str] = []
         self.serving = False
-        self._unread: list = []  # marks whose events may not have fired yet
+        self._unread: deque = deque()  # marks whose events may not have fired yet, in launch order
 
     def start_serving(self) -> None:
         """From now on a Triton compile is a warm-up miss: count and name it. With
@@ -105,7 +101,7 @@ class StepStats:
         if mark is not None and mark[1] is not None:
             self._unread.append(mark)
         while self._unread and (wait or self._unread[0][2].query()):
-            kind, start, stop, num_tokens = self._unread.pop(0)
+            kind, start, stop, num_tokens = self._unread.popleft()
             self.device_s[kind] += start.elapsed_time(stop) / 1e3
             if self._last_stop is not None:
                 idle = max(self._last_stop.elapsed_time(start), 0.0) / 1e3
