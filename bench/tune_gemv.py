@@ -113,8 +113,12 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, gv.MAX_ROWS], choices=[1, gv.MAX_ROWS],
                     help="row buckets to sweep")
     ap.add_argument("--margin", type=float, default=0.03, help="the GEMV must beat the unfused ops by this much")
+    ap.add_argument("--block-n", nargs="+", type=int, help="sweep only these BLOCK_N (default: all)")
+    ap.add_argument("--block-k", nargs="+", type=int, help="sweep only these BLOCK_K (default: all)")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
+    grid = [t for t in GRID if (not args.block_n or t["block_n"] in args.block_n)
+            and (not args.block_k or t["block_k"] in args.block_k)]
     print(torch.cuda.get_device_name(), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen: dict[str, dict | None] = {}
@@ -127,7 +131,7 @@ def main() -> int:
                 # the tiles swept without a prologue, then the best few with it, against the unfused ops
                 base = Case(n, k, "none", rows, gen)
                 swept = []
-                for t in (t for t in GRID if fits(t, rows)):
+                for t in (t for t in grid if fits(t, rows)):
                     try:
                         swept.append((per_call_us(base.fused(t), base.copies), t))
                     except Exception as exc:  # out of resources for this tile
