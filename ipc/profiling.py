@@ -40,10 +40,16 @@ def dump() -> None:
     prof.dump_stats(path)
 
 
+def step_stats_mode() -> str:
+    """LOOM_STEP_STATS, the one place it is read: "" (off), "sync" (on, and every host wait on
+    the device warns) or "on". It switches the workers' per-step stats (workers/step_stats.py)
+    and the engine loop's (engine_core/loop_stats.py)."""
+    value = os.environ.get("LOOM_STEP_STATS", "")
+    return "" if value in ("", "0") else "sync" if value == "sync" else "on"
+
+
 def step_stats_enabled() -> bool:
-    """LOOM_STEP_STATS=1 (or =sync): the workers' per-step stats (workers/step_stats.py) and the
-    engine loop's (engine_core/loop_stats.py)."""
-    return os.environ.get("LOOM_STEP_STATS", "") not in ("", "0")
+    return step_stats_mode() != ""
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the persistent batch, and runs one step."""
 from __future__ import annotations
 
+import bisect
 import functools
-
 import logging
 import time
 from dataclasses import dataclass
@@ -608,8 +608,9 @@ class ModelRunner:
         met ~200 new shapes mid-run. The warm-up runs the lm_head at every padded count."""
         if self.device.type != "cuda" or not len(index):
             return index
-        rows = next((r for r in self._logit_row_counts if r >= len(index)), len(index))
-        return np.pad(index, (0, rows - len(index)))
+        sizes = self._logit_row_counts
+        i = bisect.bisect_left(sizes, len(index))
+        return np.pad(index, (0, sizes[i] - len(index))) if i < len(sizes) else index
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""

@@ -13,12 +13,13 @@ worker method (collective_rpc).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
+
+from ipc.profiling import step_stats_mode
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class StepStats:
         LOOM_STEP_STATS=sync, every call that makes the host wait for the device warns
         (torch.cuda.set_sync_debug_mode), naming its line."""
         self.serving = True
-        if self.cuda and os.environ.get("LOOM_STEP_STATS") == "sync":
+        if self.cuda and step_stats_mode() == "sync":
             torch.cuda.set_sync_debug_mode("warn")
         try:
             from triton import knobs
