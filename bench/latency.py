@@ -5,7 +5,8 @@ max_tokens=1 (prefill plus the first token, through LLM.generate), E2E that of
 a request with max_tokens=output_len, and time per output token
 TPOT = (E2E - TTFT) / (output_len - 1). Every request has a fresh random
 prompt, so the prefix cache never helps. Medians over --iters after one
-warm-up per pair.
+warm-up per pair. With --profiler-dir, one more request per pair runs under the
+workers' torch profiler (read the trace with `python -m bench.trace_steps`).
 
     loom bench latency --preset qwen3-0.6b --input-len 128 1024 --output-len 128 1024
 """
@@ -77,6 +78,10 @@ def main(args: argparse.Namespace) -> int:
                 for it in range(args.iters):
                     ttfts.append(timed(prompts[2 * it], 1))
                     e2es.append(timed(prompts[2 * it + 1], n_out))
+                if args.profiler_dir:  # one more request, traced (python -m bench.trace_steps reads it)
+                    llm.start_profile(f"latency_{n_in}_{n_out}")
+                    timed(prompts[-1], n_out)
+                    llm.stop_profile()
                 tpots = [(e - t) / (n_out - 1) for e, t in zip(e2es, ttfts)]
                 ttft, e2e = statistics.median(ttfts), statistics.median(e2es)
                 tpot = (e2e - ttft) / (n_out - 1)

@@ -9,6 +9,12 @@ matmul FLOPs at 790 TFLOP/s.
 
     loom bench profile-step --preset qwen3-0.6b --batch 1 128 --context 1024
     loom bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024
+
+--graph instead times CUDA-graph replays of the step (the gaps between kernels
+included, as a served decode step runs), once per --pdl setting, alternating,
+and checks that the settings give the same logits:
+
+    loom bench profile-step --preset qwen3-0.6b --batch 1 --context 256 --graph --pdl off on
 """
 from __future__ import annotations
 
@@ -32,6 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cuda", help="where the model runs: cuda, cuda:N or cpu")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also: host time to launch one step (no sync) and the N functions that take it")
+    p.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays of the step instead of profiling its kernels")
+    p.add_argument("--pdl", nargs="+", choices=("on", "off"), default=["on"],
+                   help="with --graph: programmatic dependent launch settings to capture and compare")
+    p.add_argument("--rounds", type=int, default=10, help="with --graph: alternating rounds of --iters replays")
     p.set_defaults(func=main)
 
 
@@ -79,8 +90,12 @@ def main(args: argparse.Namespace) -> int:
         def step():
             with torch.inference_mode():
                 hidden = model(ids, pos, caches, meta)
-                return model.compute_logits(hidden[last]).argmax(-1)
+                return model.compute_logits(hidden[last])
 
+        if args.graph:
+            _time_graphs(step, args, f"decode batch {bs}, context {args.context}")
+            caches = None
+            continue
         for _ in range(3):  # compiles and warms up outside the profile
             step()
         sync()
@@ -103,6 +118,43 @@ def main(args: argparse.Namespace) -> int:
             _report_host(step, sync, args)
         caches = None  # free this batch size's KV before the next one
     return 0
+
+
+def _time_graphs(step, args, title: str) -> None:
+    """Capture the step once per --pdl setting; replay the graphs in alternating rounds of
+    --iters; print each one's median and best ms per step, and whether the logits agree."""
+    import statistics
+
+    import torch
+
+    from kernels import jit
+    graphs, logits = {}, {}
+    for mode in args.pdl:
+        jit.set_pdl(mode == "on")
+        for _ in range(3):  # compiles this setting's kernel variants outside the capture
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits[mode] = step()
+        graphs[mode] = graph
+    jit.set_pdl(True)
+    times = {mode: [] for mode in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(args.rounds):
+        for mode, graph in graphs.items():
+            start.record()
+            for _ in range(args.iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[mode].append(start.elapsed_time(end) / args.iters)
+    print(f"\n{title}: CUDA graph, ms per step over {args.rounds} rounds of {args.iters} replays")
+    for mode, t in times.items():
+        print(f"  pdl {mode:3s}: median {statistics.median(t):.4f}  best {min(t):.4f}")
+    first = next(iter(logits.values()))
+    for mode, out in logits.items():
+        print(f"  pdl {mode:3s}: logits equal to pdl {args.pdl[0]}'s: {torch.equal(out, first)}")
 
 
 def _report_host(step, sync, args) -> None:

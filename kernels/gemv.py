@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.jit import runs_triton
+from kernels.jit import is_interpreted, runs_triton, use_pdl
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 MAX_ROWS = 8
@@ -91,7 +91,7 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -101,6 +101,13 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None] * stride_x
     r_rows = r_ptr + offs_m[:, None] * stride_r
+
+    # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    w_first = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -120,8 +127,9 @@ def _gemv_kernel(
         rstd = 1.0 / tl.sqrt(sq / K + eps)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BLOCK_K):
+    a = _input_tile(x_rows, r_rows, nw_ptr, offs_k, m_ok[:, None] & (offs_k < K)[None, :], rstd, K, PROLOGUE)
+    acc += tl.sum(a[:, None, :] * w_first.to(tl.float32)[None, :, :], 2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -155,6 +163,13 @@ def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | No
     return None
 
 
+def _interpreter_tiles(n: int, k: int) -> dict:
+    """On CPU the interpreter runs each program in Python, so the fewer the better: wide tiles
+    (the GPU's narrow ones made a tiny model's decode step 4x slower there)."""
+    return dict(block_n=min(512, triton.next_power_of_2(n)), block_k=min(256, triton.next_power_of_2(k)),
+                num_warps=4, num_stages=1)
+
+
 def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
     """The separate ops the GEMV replaces: for shapes where they are faster, and where Triton
     does not run (each op falls back to its torch reference there)."""
@@ -179,6 +194,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert m <= MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
     t = (tiles or tile_config(n, k, m, prologue)) if runs_triton(_gemv_kernel, x) else None
+    if t is not None and tiles is None and is_interpreted(_gemv_kernel):
+        t = _interpreter_tiles(n, k)
     if t is None:
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -193,6 +210,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
         float(eps), PROLOGUE=code, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-        num_warps=t["num_warps"], num_stages=t["num_stages"],
+        PDL=use_pdl(x), num_warps=t["num_warps"], num_stages=t["num_stages"], launch_pdl=use_pdl(x),
     )
     return y, new_residual

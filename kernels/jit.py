@@ -1,5 +1,6 @@
 """`triton.jit` for kernels called with per-step values, whether a kernel runs
-(CUDA, or the CPU interpreter), and the SM count launch grids are sized by.
+(CUDA, or the CPU interpreter), the SM count launch grids are sized by, and
+whether a decode kernel launches with programmatic dependent launch.
 
 Triton compiles a variant of a kernel per "specialization": whether each int
 argument is 1 or a multiple of 16, and whether each pointer is 16-byte
@@ -11,6 +12,7 @@ all scalars or pointers read a few elements at a time, so nothing is lost.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import triton
@@ -50,3 +52,30 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while
+# the kernel before it still runs. Each of ours reads only constant data (weights) before
+# gdc_wait, which returns once its predecessor has completed and its writes are visible; then it
+# lets its own successor launch (gdc_launch_dependents). So every memory effect keeps the
+# stream's order, while a decode-sized kernel's launch and first weight loads overlap the kernel
+# before it: a Qwen3-0.6B batch-1 decode graph 0.869 -> 0.812 ms (bench/RESULTS.md).
+# LOOM_PDL=0 turns it off (A/B runs).
+_PDL: dict[int, bool] = {}
+_pdl_enabled = os.environ.get("LOOM_PDL", "1") != "0"
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turn programmatic dependent launch on or off for later launches (and graph captures)."""
+    global _pdl_enabled
+    _pdl_enabled = enabled
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether a kernel on t's device launches with programmatic dependent launch."""
+    if not (_pdl_enabled and t.is_cuda):
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]

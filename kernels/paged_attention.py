@@ -92,7 +92,7 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit  # noqa: E402
+from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit, use_pdl  # noqa: E402
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -114,10 +114,13 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
-    IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
+    if PDL:  # (kernels/jit.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -237,8 +240,11 @@ def _paged_attention_kernel(
 def _split_kv_reduce_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, tok_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # (kernels/jit.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)  # token - tok_base
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -402,6 +408,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
+    pdl = use_pdl(query)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table, seq_order if ordered else seq_lens,
@@ -413,12 +420,12 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        PDL=pdl, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], launch_pdl=pdl,
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, tok_lo,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4, launch_pdl=pdl,
         )

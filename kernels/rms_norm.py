@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, step_jit
+from kernels.jit import runs_triton, step_jit, use_pdl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,13 +35,17 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, n_inner, stride_x0, stride_x1, stride_r0, stride_r1, n_cols, eps,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROWS rows per program; row r of the input is at (r // n_inner) * stride0
     + (r % n_inner) * stride1 ([T, H, D] views need no copy). Outputs are
     contiguous."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)  # constant: before the wait
+    if PDL:  # (kernels/jit.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     mask = (rows < n_rows)[:, None] & (offs < n_cols)[None, :]
     outer = rows // n_inner
     inner = rows % n_inner
@@ -57,7 +61,6 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, 1) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_off, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -93,7 +96,8 @@ def _launch(x, residual, weight, eps):
     num_warps = 2 if tile <= 512 else 4 if tile <= 4096 else 8 if tile <= 8192 else 16
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, r2, weight, out, res_out, n_rows, n_inner, sx0, sx1, sr0, sr1, h, float(eps),
-        BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, PDL=use_pdl(x), num_warps=num_warps,
+        launch_pdl=use_pdl(x),
     )
     return out, res_out
 

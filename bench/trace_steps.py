@@ -1,0 +1,92 @@
+"""`python -m bench.trace_steps TRACE.json`: where a served decode step's device time goes.
+
+Reads a worker's torch-profiler trace (`loom bench latency --profiler-dir DIR`, or
+/start_profile and /stop_profile on a server) and splits each decode step, from the
+first kernel of one decode CUDA graph to the first kernel of the next, into: the graph's
+kernels, every other device operation by name (copies, the lm_head, sampling), and the
+time the device sat idle in between. Averages the middle steps (the first and last
+--skip steps of the trace are left out) and lists the operations of one typical step
+in order, with the idle gap before each.
+
+    python -m bench.trace_steps /tmp/prof/loom_dp0_tp0_rank0.*.pt.trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def load(path: str) -> tuple[list[dict], set[int]]:
+    """(the device operations sorted by start, the correlation ids of CUDA graph launches)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ops = sorted((e for e in events if e.get("cat") in DEVICE_CATS and "dur" in e), key=lambda e: e["ts"])
+    graph_launches = {e["args"]["correlation"] for e in events
+                      if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith("cudaGraphLaunch")}
+    return ops, graph_launches
+
+
+def split_steps(ops: list[dict], graph_launches: set[int]) -> list[list[dict]]:
+    """The operations from each graph launch's first kernel to the next one's."""
+    steps, seen = [], set()
+    for op in ops:
+        c = op.get("args", {}).get("correlation")
+        if c in graph_launches and c not in seen:
+            seen.add(c)
+            steps.append([])
+        if steps:
+            steps[-1].append(op)
+    return steps[:-1]  # the last one has no end
+
+
+def summarize(step: list[dict], graph_launches: set[int], nxt: float) -> dict[str, float]:
+    """us per category of one step: 'graph', each other operation's name, 'idle'."""
+    out: dict[str, float] = defaultdict(float)
+    busy_until = step[0]["ts"]
+    for op in step:
+        c = op.get("args", {}).get("correlation")
+        name = "graph" if c in graph_launches else op["name"][:80]
+        out[name] += op["dur"]
+        out["idle"] += max(0.0, op["ts"] - busy_until)
+        busy_until = max(busy_until, op["ts"] + op["dur"])
+    out["idle"] += max(0.0, nxt - busy_until)
+    out["step"] = nxt - step[0]["ts"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="a worker's .pt.trace.json")
+    p.add_argument("--skip", type=int, default=5, help="steps left out at each end")
+    args = p.parse_args()
+    ops, graph_launches = load(args.trace)
+    steps = split_steps(ops, graph_launches)
+    if len(steps) <= 2 * args.skip:
+        raise SystemExit(f"{len(steps)} decode graph steps in the trace: too few")
+    middle = range(args.skip, len(steps) - args.skip)
+    per = [summarize(steps[i], graph_launches, steps[i + 1][0]["ts"]) for i in middle]
+    names = sorted({k for s in per for k in s}, key=lambda k: -statistics.mean(s.get(k, 0.0) for s in per))
+    print(f"{len(per)} decode steps (of {len(steps)}), us per step (mean; median step "
+          f"{statistics.median(s['step'] for s in per):.1f} us):")
+    for k in names:
+        vals = [s.get(k, 0.0) for s in per]
+        print(f"  {statistics.mean(vals):9.1f}  {k}")
+    typical = steps[middle[len(middle) // 2]]
+    graph_end = max(op["ts"] + op["dur"] for op in typical
+                    if op.get("args", {}).get("correlation") in graph_launches)
+    print("\none step after its graph (us: idle gap before, duration, name):")
+    t = graph_end
+    for op in typical:
+        if op.get("args", {}).get("correlation") in graph_launches:
+            continue
+        print(f"  {op['ts'] - t:8.1f} {op['dur']:8.1f}  {op['name'][:90]}")
+        t = max(t, op["ts"] + op["dur"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
