@@ -198,6 +198,7 @@ class Server:
         raise TimeoutError("loom serve did not become healthy")
 
     def descendants(self) -> list[int]:
+        self.proc.poll()  # reap `loom serve` once it has exited: a zombie still counts for pgrep
         out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
