@@ -60,7 +60,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()))
         self.limits = Limits.of(config)
         self.control = ControlState()
-        self.max_in_flight = 2 if config.async_scheduling else 1
+        # Steps sent ahead: with async scheduling up to three, so that this loop's round trip
+        # (the output of step N in, step N+3 out) overlaps the worker's launch of step N+2 and the
+        # device's run of step N+1. With two, a batch-1 step costs the round trip plus the
+        # worker's launch in series (bench/RESULTS.md, session 8).
+        self.max_in_flight = 3 if config.async_scheduling else 1
         # steps sent to the workers, oldest first, each with its output still to come
         self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
@@ -120,11 +124,11 @@ class EngineCore:
     # ------------------------------------------------------------ one step
 
     def step(self) -> dict[int, list[EngineCoreOutput]]:
-        """Schedule and run one step. With async scheduling, step N+1 is sent to the
-        workers before step N's output is taken, so the GPU never waits for this loop.
+        """Schedule and run one step. With async scheduling, steps N+1 and N+2 are sent to
+        the workers before step N's output is taken, so the GPU never waits for this loop.
         A step whose grammar bitmask needs step N's tokens runs its model at once and
         samples once they are in (vLLM's deferred sample_tokens)."""
-        if len(self.in_flight) < self.max_in_flight and self._can_schedule():
+        if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
             with self.loop_stats.phase("schedule"):
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
@@ -132,19 +136,26 @@ class EngineCore:
                     self.in_flight.append((so, self.executor.submit(so)))
                 if so.defer_sample and len(self.in_flight) == 1:
                     self._sample_deferred(so)
-                if len(self.in_flight) < self.max_in_flight and self._can_schedule():
+                if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
         return self._take_oldest()
 
+    def _in_flight_limit(self) -> int:
+        """max_in_flight, or two while a step waits for its grammar bitmask: a worker holds one
+        unsampled step at a time, and each bitmask needs every token before it."""
+        if self.max_in_flight > 2 and any(so.defer_sample for so, _ in self.in_flight):
+            return 2
+        return self.max_in_flight
+
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:
         """The oldest step's output; then the next step, if it waits for a bitmask, samples."""
-        _, pending = self.in_flight.popleft()
+        so, pending = self.in_flight.popleft()
         with self.loop_stats.phase("wait"):
             result = pending.result()
         with self.loop_stats.phase("update"):
-            outputs = self.scheduler.update_from_output(result)
+            outputs = self.scheduler.update_from_output(result, so.step_id)
         if self.in_flight and self.in_flight[0][0].defer_sample:
             self._sample_deferred(self.in_flight[0][0])
         return outputs

@@ -43,7 +43,7 @@ class Request:
     __slots__ = ("request_id", "client_index", "prompt_token_ids", "output_token_ids",
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
-                 "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions",
+                 "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
                  "grammar", "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
@@ -67,6 +67,7 @@ class Request:
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self.num_preemptions = 0
+        self.admitted_step = 0            # the step that last took it from the waiting queue
         self.mm_items = req.mm_items      # placeholder ranges, hashes, store handles (by offset)
         self.prompt_logprobs_sent = 0    # prompt positions whose logprobs went to the client
         self.prompt_logprobs_seen = 0    # ... computed since the request last (re)started

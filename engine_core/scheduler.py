@@ -157,6 +157,7 @@ class Scheduler:
             if req.mm_items:
                 enc_budget -= self._commit_encoder(req, num_hit, n, to_encode, cost, encode)
             req.status = RequestStatus.RUNNING
+            req.admitted_step = self.step_id + 1  # this step's id
             if not req.first_scheduled_time:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
@@ -253,8 +254,11 @@ class Scheduler:
         req.stop_reason = reason
         self._unfittable.append(req)
 
-    def update_from_output(self, out: ModelRunnerOutput) -> dict[int, list[EngineCoreOutput]]:
-        """Append sampled tokens, finish what stopped; outputs grouped by client_index."""
+    def update_from_output(self, out: ModelRunnerOutput, step_id: int | None = None
+                           ) -> dict[int, list[EngineCoreOutput]]:
+        """Append sampled tokens, finish what stopped; outputs grouped by client_index.
+        step_id: the step `out` comes from. A request preempted while it ran and taken back
+        in a later step (the core keeps up to three steps in flight) ignores its rows."""
         outputs: dict[int, list[EngineCoreOutput]] = {}
         for req in self._unfittable:
             outputs.setdefault(req.client_index, []).append(
@@ -265,8 +269,9 @@ class Scheduler:
         failed = out.failed or {}
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if (req is None or req.status != RequestStatus.RUNNING
+                    or (step_id is not None and step_id < req.admitted_step)):
+                continue  # aborted or preempted while the step ran (and maybe running again since)
             if rid in failed:  # it failed alone in the worker: end it with its error
                 req.num_output_placeholders = 0
                 self.running.remove(req)

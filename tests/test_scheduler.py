@@ -168,3 +168,20 @@ def test_prompt_logprobs_are_not_sent_twice_after_preemption():
     assert so.new_requests[0].num_computed_tokens == 0
     out = s.update_from_output(ModelRunnerOutput(list(so.req_ids), [7], prompt_logprobs={"a": plp(8)}))
     assert out[0][0].prompt_logprobs.ranks == [1] * 3 and out[0][0].prompt_logprobs.token_ids == [[5], [6], [7]]
+
+
+def test_rows_of_steps_before_a_preemption_are_ignored_after_readmission():
+    """With three steps in flight, a request preempted by step 2 is taken back by step 3 while
+    steps 1 and 2 are still out: their rows for it are stale and must not become its tokens."""
+    s = Scheduler(cfg(), 64)
+    a = req("a", [1, 2, 3], max_tokens=8)
+    s.add_request(a)
+    so1, so2 = s.schedule(), s.schedule()   # the prompt, then a decode of its placeholder
+    s.preempt_all()
+    so3 = s.schedule()                      # a again, from the start
+    assert so3.new_requests and so3.new_requests[0].req_id == "a"
+    for so, token in ((so1, 7), (so2, 8)):
+        assert s.update_from_output(ModelRunnerOutput(["a"], [token]), so.step_id) == {}
+    assert a.output_token_ids == []
+    s.update_from_output(ModelRunnerOutput(["a"], [9]), so3.step_id)
+    assert a.output_token_ids == [9]
