@@ -60,16 +60,25 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()))
         self.limits = Limits.of(config)
         self.control = ControlState()
-        # Steps sent ahead: with async scheduling up to three, so that this loop's round trip
-        # (the output of step N in, step N+3 out) overlaps the worker's launch of step N+2 and the
-        # device's run of step N+1. With two, a batch-1 step costs the round trip plus the
-        # worker's launch in series (bench/RESULTS.md, session 8).
-        self.max_in_flight = 3 if config.async_scheduling else 1
+        self.max_in_flight = self._steps_ahead(config)
         # steps sent to the workers, oldest first, each with its output still to come
         self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
         self.loop_stats = LoopStats()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    def _steps_ahead(self, config: EngineConfig) -> int:
+        """Steps kept in flight. On a GPU with async scheduling three, so that this loop's round
+        trip (step N's output in, step N+3 out) overlaps the worker's launch of step N+2 and the
+        device's run of step N+1: with two, a batch-1 step cost the round trip plus the worker's
+        launch in series (bench/RESULTS.md, session 8). On the CPU the worker computes a step as it
+        launches it, and a third step would only compute tokens past a request's end: two.
+        LOOM_STEPS_IN_FLIGHT=N sets it (A/B runs; the CPU tests of the GPU's three)."""
+        if not config.async_scheduling:
+            return 1
+        if os.environ.get("LOOM_STEPS_IN_FLIGHT"):
+            return max(1, int(os.environ["LOOM_STEPS_IN_FLIGHT"]))
+        return 3 if self.executor.collective_rpc("device_type")[0] == "cuda" else 2
 
     # ------------------------------------------------------------ requests
 

@@ -49,9 +49,14 @@ def setup(model_factory):
     ("async", dict(async_scheduling=True)),
     ("sync_chunked_preempted", dict(async_scheduling=False, num_gpu_blocks_override=20,
                                     max_num_batched_tokens=8, max_num_seqs=4)),
+    # three steps in flight, as on a GPU: a request preempted with two steps out comes back
+    ("three_in_flight_chunked_preempted", dict(num_gpu_blocks_override=20, max_num_batched_tokens=8,
+                                               max_num_seqs=4)),
 ])
-def test_same_output_under_schedule(setup, name, options):
+def test_same_output_under_schedule(setup, name, options, monkeypatch):
     model_dir, prompts, params, ample = setup
+    if name.startswith("three_in_flight"):
+        monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
     got, stats = _run(model_dir, prompts, params, **options)
     assert got == ample
     if name == "prefix_caching":

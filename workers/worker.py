@@ -67,6 +67,10 @@ class Worker:
         return "pong"
 
     @remote
+    def device_type(self) -> str:
+        return self.runner.device.type
+
+    @remote
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
