@@ -55,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
     from workers.models.layers import use_triton_kernels
 
     device = torch.device(args.device)
+    if args.graph and device.type != "cuda":
+        raise SystemExit("--graph replays CUDA graphs: it needs --device cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = "triton" if device.type == "cuda" else "torch"
     with common.model_dir(args) as mdir:
@@ -129,6 +131,7 @@ def _time_graphs(step, args, title: str) -> None:
 
     from kernels import jit
     graphs, logits = {}, {}
+    setting = jit.set_pdl(True)
     for mode in args.pdl:
         jit.set_pdl(mode == "on")
         for _ in range(3):  # compiles this setting's kernel variants outside the capture
@@ -138,7 +141,7 @@ def _time_graphs(step, args, title: str) -> None:
         with torch.cuda.graph(graph):
             logits[mode] = step()
         graphs[mode] = graph
-    jit.set_pdl(True)
+    jit.set_pdl(setting)
     times = {mode: [] for mode in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(args.rounds):

@@ -65,10 +65,12 @@ _PDL: dict[int, bool] = {}
 _pdl_enabled = os.environ.get("LOOM_PDL", "1") != "0"
 
 
-def set_pdl(enabled: bool) -> None:
-    """Turn programmatic dependent launch on or off for later launches (and graph captures)."""
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches (and graph captures);
+    returns the setting it replaces."""
     global _pdl_enabled
-    _pdl_enabled = enabled
+    before, _pdl_enabled = _pdl_enabled, enabled
+    return before
 
 
 def use_pdl(t: torch.Tensor) -> bool:
