@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, use_pdl
+from kernels.jit import pdl_args, pdl_wait, runs_triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -20,9 +20,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # (kernels/jit.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -48,7 +46,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(2048, triton.next_power_of_2(i))
     _silu_and_mul_kernel[(n_rows, triton.cdiv(i, block))](
-        x2, out, x2.stride(0), i, BLOCK=block, PDL=use_pdl(x), num_warps=4 if block >= 1024 else 2,
-        launch_pdl=use_pdl(x),
+        x2, out, x2.stride(0), i, BLOCK=block, num_warps=4 if block >= 1024 else 2, **pdl_args(x),
     )
     return out

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.jit import is_interpreted, runs_triton, use_pdl
+from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 MAX_ROWS = 8
@@ -105,9 +105,7 @@ def _gemv_kernel(
     # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     w_first = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -210,6 +208,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
         float(eps), PROLOGUE=code, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-        PDL=use_pdl(x), num_warps=t["num_warps"], num_stages=t["num_stages"], launch_pdl=use_pdl(x),
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x),
     )
     return y, new_residual

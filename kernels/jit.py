@@ -16,6 +16,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 _HAS_ALIGNMENT_FLAG = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
 
@@ -81,3 +82,18 @@ def use_pdl(t: torch.Tensor) -> bool:
     if idx not in _PDL:
         _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return _PDL[idx]
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """A PDL kernel's launch arguments: its PDL constexpr and Triton's launch_pdl, always equal."""
+    pdl = use_pdl(t)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """In a kernel launched with pdl_args, after its loads of constant data: wait for the kernel
+    before to complete, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

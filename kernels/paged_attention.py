@@ -92,7 +92,7 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit, use_pdl  # noqa: E402
+from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton, sm_count, step_jit  # noqa: E402
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +118,7 @@ def _paged_attention_kernel(
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
-    if PDL:  # (kernels/jit.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,9 +240,7 @@ def _split_kv_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # (kernels/jit.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)  # token - tok_base
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -408,7 +404,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    pdl = use_pdl(query)
+    pdl = pdl_args(query)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table, seq_order if ordered else seq_lens,
@@ -420,12 +416,12 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        PDL=pdl, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], launch_pdl=pdl,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl,
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, tok_lo,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4, launch_pdl=pdl,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
         )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, step_jit, use_pdl
+from kernels.jit import pdl_args, pdl_wait, runs_triton, step_jit
 from kernels.paged_attention import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
@@ -90,9 +90,7 @@ def _qk_norm_rope_cache_kernel(
     into the caches (nothing for a padding token). MROPE: positions are [3, T] (row stride
     stride_pos_row) and frequency j < SEC0 turns with row 0, j < SEC0 + SEC1 with row 1,
     the rest with row 2."""
-    if PDL:  # (kernels/jit.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_HALF)[None, :]
@@ -168,7 +166,6 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         REST=rest, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
-        MROPE=mrope, SEC0=sec[0], SEC1=sec[1], PDL=use_pdl(q),
-        num_warps=4, launch_pdl=use_pdl(q),
+        MROPE=mrope, SEC0=sec[0], SEC1=sec[1], num_warps=4, **pdl_args(q),
     )
     return q_out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, step_jit, use_pdl
+from kernels.jit import pdl_args, pdl_wait, runs_triton, step_jit
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,9 +43,7 @@ def _rms_norm_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
     w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)  # constant: before the wait
-    if PDL:  # (kernels/jit.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     mask = (rows < n_rows)[:, None] & (offs < n_cols)[None, :]
     outer = rows // n_inner
     inner = rows % n_inner
@@ -96,8 +94,7 @@ def _launch(x, residual, weight, eps):
     num_warps = 2 if tile <= 512 else 4 if tile <= 4096 else 8 if tile <= 8192 else 16
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, r2, weight, out, res_out, n_rows, n_inner, sx0, sx1, sr0, sr1, h, float(eps),
-        BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, PDL=use_pdl(x), num_warps=num_warps,
-        launch_pdl=use_pdl(x),
+        BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **pdl_args(x),
     )
     return out, res_out
 
