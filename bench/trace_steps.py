@@ -30,12 +30,18 @@ def load(path: str) -> tuple[list[dict], set[int]]:
     return ops, graph_launches
 
 
+def _graph_launch(op: dict, graph_launches: set[int]) -> int | None:
+    """The correlation id of the graph launch that ran op, or None (an op launched on its own)."""
+    c = op.get("args", {}).get("correlation")
+    return c if c in graph_launches else None
+
+
 def split_steps(ops: list[dict], graph_launches: set[int]) -> list[list[dict]]:
     """The operations from each graph launch's first kernel to the next one's."""
     steps, seen = [], set()
     for op in ops:
-        c = op.get("args", {}).get("correlation")
-        if c in graph_launches and c not in seen:
+        c = _graph_launch(op, graph_launches)
+        if c is not None and c not in seen:
             seen.add(c)
             steps.append([])
         if steps:
@@ -48,8 +54,7 @@ def summarize(step: list[dict], graph_launches: set[int], nxt: float) -> dict[st
     out: dict[str, float] = defaultdict(float)
     busy_until = step[0]["ts"]
     for op in step:
-        c = op.get("args", {}).get("correlation")
-        name = "graph" if c in graph_launches else op["name"][:80]
+        name = "graph" if _graph_launch(op, graph_launches) is not None else op["name"][:80]
         out[name] += op["dur"]
         out["idle"] += max(0.0, op["ts"] - busy_until)
         busy_until = max(busy_until, op["ts"] + op["dur"])
@@ -76,12 +81,11 @@ def main() -> int:
         vals = [s.get(k, 0.0) for s in per]
         print(f"  {statistics.mean(vals):9.1f}  {k}")
     typical = steps[middle[len(middle) // 2]]
-    graph_end = max(op["ts"] + op["dur"] for op in typical
-                    if op.get("args", {}).get("correlation") in graph_launches)
+    graph_end = max(op["ts"] + op["dur"] for op in typical if _graph_launch(op, graph_launches) is not None)
     print("\none step after its graph (us: idle gap before, duration, name):")
     t = graph_end
     for op in typical:
-        if op.get("args", {}).get("correlation") in graph_launches:
+        if _graph_launch(op, graph_launches) is not None:
             continue
         print(f"  {op['ts'] - t:8.1f} {op['dur']:8.1f}  {op['name'][:90]}")
         t = max(t, op["ts"] + op["dur"])
