@@ -1,12 +1,12 @@
-"""`loom bench throughput|latency|serve|hf|profile-step|preset`: see docs/performance.md for the workloads."""
+"""`loom bench throughput|latency|serve|hf|profile-step|step-host|preset`: see docs/performance.md for the workloads."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub) -> None:
-    from bench import hf, latency, profile_step, serve, throughput
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, hf (baseline), profile-step, preset",
+    from bench import hf, latency, profile_step, serve, step_host, throughput
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, hf (baseline), profile-step, step-host, preset",
                        description=__doc__)
     bsub = p.add_subparsers(dest="bench_command", required=True)
     throughput.add_parser(bsub)
@@ -14,6 +14,7 @@ def add_bench_parser(sub) -> None:
     serve.add_parser(bsub)
     hf.add_parser(bsub)
     profile_step.add_parser(bsub)
+    step_host.add_parser(bsub)
     pre = bsub.add_parser("preset", help="write a preset model directory (config.json + tokenizer) "
                                          "for `loom serve DIR --load-format dummy`")
     pre.add_argument("name", choices=sorted(_preset_names()), help="the preset")
