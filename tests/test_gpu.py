@@ -80,6 +80,26 @@ def test_cuda_graphs_match_eager(bf16_model):
         assert _first_divergence(a, b) >= 24
 
 
+def test_cuda_graph_sampling_matches_eager(bf16_model):
+    """Seeded sampling in fp32: the decode graphs' head (temperature, min-p), and the eager
+    sampler after a graph (a batch with top-k / top-p rows), draw what eager steps draw."""
+    plain = [SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True),
+             SamplingParams(temperature=1.0, min_p=0.05, seed=8, max_tokens=32, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
+    mixed = plain[:2] + [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=9, max_tokens=32,
+                                        ignore_eos=True)]
+    res = {}
+    for eager in (True, False):
+        llm = LLM(bf16_model, max_model_len=256, dtype="float32", enforce_eager=eager)
+        try:
+            res[eager] = [o.outputs[0].token_ids for params in (plain, mixed) for o in
+                          llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    for a, b in zip(res[True], res[False]):
+        assert _first_divergence(a, b) >= 24, (a, b)
+
+
 def test_piecewise_graphs_match_eager(bf16_model, monkeypatch):
     """Prefills, prompt chunks and decodes mixed with them run as piecewise CUDA graphs (the
     token count padded to a captured size, attention between the pieces): in fp32 the same

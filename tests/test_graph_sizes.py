@@ -1,6 +1,6 @@
 """Which captured CUDA graph runs a decode batch: the smallest that fits, unless a larger
 one replays faster (measured at capture; here given)."""
-from workers.model_runner import pick_graph_sizes
+from workers.decode_graphs import pick_graph_sizes
 
 
 def test_smallest_fitting_graph_by_default():

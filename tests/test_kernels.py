@@ -39,6 +39,7 @@ _KERNELS = {
     "penalties": ["_penalties_kernel"],
     "gemv": ["_gemv_kernel"],
     "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
+    "decode_inputs": ["_decode_inputs_kernel"],
 }
 
 
@@ -78,9 +79,9 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, pen, gv, arn = (
+pa, rn, rot, act, smp, qrc, pen, gv, arn, dec = (
     _mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling", "qk_rope_cache",
-                       "penalties", "gemv", "allreduce_norm"))
+                       "penalties", "gemv", "allreduce_norm", "decode_inputs"))
 
 
 @pytest.fixture(autouse=True)
@@ -411,6 +412,26 @@ def test_silu_and_mul(dtype):
     out = act.silu_and_mul(x)
     assert out.shape == (5, 80) and out.dtype == dtype
     torch.testing.assert_close(out, act.silu_and_mul_ref(x), **tol)
+
+
+# --------------------------------------------------------------------------
+# a decode graph's input kernel
+# --------------------------------------------------------------------------
+def test_decode_inputs():
+    """Fed rows take the previous step's token, the others the staged one; each row's packed
+    table columns land at the row's start in the wide table, the columns past them untouched."""
+    staged = torch.tensor([5, 6, 7, 8], device=DEVICE)
+    feed = torch.tensor([-1, 2, -1, 0], device=DEVICE)
+    prev = torch.tensor([50, 51, 52], device=DEVICE)
+    width = 300  # more than one BLOCK of columns
+    packed = torch.arange(4 * width, dtype=torch.int32, device=DEVICE)
+    for fn in (dec.decode_inputs, dec.decode_inputs_ref):
+        ids = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        table = torch.full((4, 512), -7, dtype=torch.int32, device=DEVICE)
+        fn(staged, feed, prev, packed, torch.tensor([width], dtype=torch.int32, device=DEVICE), ids, table)
+        assert ids.tolist() == [5, 52, 7, 50]
+        assert torch.equal(table[:, :width], packed.view(4, width))
+        assert (table[:, width:] == -7).all()
 
 
 # --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogpr
 from ipc.profiling import step_stats_enabled
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
+from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
@@ -57,6 +58,7 @@ class PendingStep:
     stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
     unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
+    graph_sampled: bool = False               # tokens is the decode graphs' `tokens` (the next step's graph reads it)
 
 
 @dataclass
@@ -79,38 +81,17 @@ class StepBatch:
     rows: list[SamplingRow]
     host: dict[str, np.ndarray]
     dev: dict[str, torch.Tensor]
-    inputs: dict                              # input_ids, positions, attention metadata
+    inputs: dict | None                       # input_ids, positions, attention metadata (None: a decode graph's)
     graph_bs: int | None                      # the decode CUDA graph that runs it, if any
     stats_token: StepToken | None = None
     inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
     piecewise_size: int | None = None          # else the piecewise graphs' size that runs it, if any
+    graph_samples: bool = False                # the decode graph's head samples it
 
     @property
     def kind(self) -> str:
         """How it runs, as the step stats count it."""
         return "graph" if self.graph_bs is not None else "piecewise" if self.piecewise_size is not None else "eager"
-
-
-def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
-    """For each batch size b (index; 0 unused) the captured graph size to run it in: the
-    smallest size >= b, unless a larger one replays more than `margin` faster. (cuBLAS
-    picks its kernels by shape: on an H200 some projections run slower at 1 row than at
-    16, e.g. Qwen3-0.6B's o_proj 12.3 vs 5.2 us.)"""
-    sizes = sorted(times)
-    out = [sizes[0]]
-    for b in range(1, sizes[-1] + 1):
-        fits = [s for s in sizes if s >= b]
-        best = fits[0]
-        for s in fits[1:]:
-            if times[s] < times[best] * (1 - margin):
-                best = s
-        out.append(best)
-    return out
-
-
-def decode_batch_sizes(limit: int) -> list[int]:
-    """The batch sizes of the decode CUDA graphs, up to `limit`: 1, 2, 4, 8, then every 16."""
-    return sorted({b for b in [1, 2, 4, 8, *range(16, limit + 1, 16), limit] if b <= limit})
 
 
 class ModelRunner:
@@ -142,8 +123,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._weights_backup: dict[str, torch.Tensor] | None = None  # level-1 sleep
-        self.graphs: dict[int, tuple] = {}
-        self.graph_for: list[int] = []  # batch size -> the captured graph size that runs it
+        self.graphs: DecodeGraphs | None = None  # pure-decode steps' graphs
         self.piecewise: PiecewiseGraphs | None = None  # the other steps' graphs
         self._weights_asleep = False
         self.stats = StepStats(self.device) if step_stats_enabled() else None
@@ -284,43 +264,14 @@ class ModelRunner:
     # ------------------------------------------------------------ CUDA graphs (decode)
 
     def capture_cudagraphs(self) -> None:
-        """Capture the model's forward for pure-decode batches at padded sizes.
-
-        Inputs live in persistent buffers that each replay reads; padding rows
-        write nowhere (slot -1) and are dropped."""
-        self.graphs = {}
+        """Capture the decode graphs (workers/decode_graphs.py) and the piecewise graphs."""
+        self.graphs = None
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend != "triton":
             return
-        max_bs = min(self.config.max_num_seqs, 512)
-        sizes = decode_batch_sizes(max_bs)
-        dev = self.device
-        self.gbuf = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros((3, max_bs) if self.uses_mrope else max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "block_table": torch.zeros((max_bs, self.max_blocks_per_req), dtype=torch.int32, device=dev),
-            "seq_order": torch.arange(max_bs, dtype=torch.int32, device=dev),
-        }
-        self._iota = torch.arange(max_bs, dtype=torch.int32, device=dev)  # the padding rows' order
-        self._graph_pool = None
-        t0 = time.perf_counter()
-        for bs in reversed(sizes):  # the largest first: the others reuse its memory
-            self._capture(bs, bs)
-        # every rank must run a batch in the same graph size (their all-reduces pair up): they
-        # pick from the slowest rank's times
-        times = all_reduce_max([self._time_graph(bs) for bs in sizes], self.device)
-        self.graph_for = pick_graph_sizes(dict(zip(sizes, times)))
-        # a graph that now also runs smaller batches splits the KV as for the smallest of them
-        # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
-        for g in sizes:
-            smallest = next((b for b in range(1, len(self.graph_for)) if self.graph_for[b] == g), g)
-            if self._kv_splits(smallest) != self._kv_splits(g):
-                self._capture(g, smallest)
-        padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in sizes if s >= b)}
-        logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs; run in a larger graph because it is "
-                    "faster: %s", len(sizes), max_bs, time.perf_counter() - t0, padded or "none")
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, min(self.config.max_num_seqs, 512),
+                                   self.max_blocks_per_req, self.config.max_model_len, self.device, self.uses_mrope,
+                                   self.backend, self._kv_splits)
+        self.graphs.capture()
         self._capture_piecewise()
 
     def _capture_piecewise(self) -> None:
@@ -341,61 +292,6 @@ class ModelRunner:
         from kernels.paged_attention import choose_num_kv_splits
         return choose_num_kv_splits(num_seqs, self.num_kv_heads, 1, self.config.max_model_len, self.device)
 
-    @torch.inference_mode()
-    def _capture(self, bs: int, split_for: int) -> None:
-        """Capture the batch-bs decode graph, its KV split as for a batch of split_for."""
-        b = self.gbuf
-        meta = AttentionMetadata(b["query_start_loc"][:bs + 1], b["seq_lens"][:bs], b["block_table"][:bs],
-                                 b["slot_mapping"][:bs], 1, self.config.max_model_len, self.backend,
-                                 num_decodes=bs, num_kv_splits=self._kv_splits(split_for),
-                                 seq_order=b["seq_order"][:bs])
-        args = (b["input_ids"][:bs], b["positions"][..., :bs], self.kv_caches, meta)
-        self.model(*args)  # warm-up: compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self.model(*args)
-        self._graph_pool = graph.pool()
-        self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize()
-
-    def _time_graph(self, bs: int) -> float:
-        """Seconds per replay of the batch-bs graph, on its idle inputs (padding rows: no
-        cache writes, one key of context each), so the time is that of its matmul shapes."""
-        graph = self.graphs[bs][0]
-        graph.replay()
-        rounds = []
-        for _ in range(3):  # the median of three rounds: one slow round does not decide
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                graph.replay()
-            stop.record()
-            stop.synchronize()
-            rounds.append(start.elapsed_time(stop) / 5e3)
-        return sorted(rounds)[1]
-
-    def _graph_size(self, n: np.ndarray) -> int | None:
-        if not self.graphs or len(n) >= len(self.graph_for) or not (n == 1).all():
-            return None
-        return self.graph_for[len(n)]
-
-    def _run_graph(self, bs: int, inputs: dict) -> torch.Tensor:
-        b, meta = self.gbuf, inputs["meta"]
-        B = meta.seq_lens.shape[0]
-        b["input_ids"][:B].copy_(inputs["input_ids"], non_blocking=True)
-        b["positions"][..., :B].copy_(inputs["positions"], non_blocking=True)
-        b["slot_mapping"][:B].copy_(meta.slot_mapping, non_blocking=True)
-        b["slot_mapping"][B:bs].fill_(-1)
-        b["seq_lens"][:B].copy_(meta.seq_lens, non_blocking=True)
-        b["seq_lens"][B:bs].fill_(1)
-        b["block_table"][:B, :meta.block_table.shape[1]].copy_(meta.block_table, non_blocking=True)
-        b["seq_order"][:B].copy_(meta.seq_order, non_blocking=True)  # a decode step always has one
-        b["seq_order"][B:bs].copy_(self._iota[B:bs], non_blocking=True)
-        graph, out = self.graphs[bs]
-        graph.replay()
-        return out[:B]
-
     # ------------------------------------------------------------ sleep / wake
 
     def sleep(self, level: int) -> None:
@@ -413,7 +309,7 @@ class ModelRunner:
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
         self._weights_asleep = True
         self.kv_caches = []
-        self.graphs, self.piecewise = {}, None  # they point at the freed memory; recaptured on wake-up
+        self.graphs, self.piecewise = None, None  # they point at the freed memory; recaptured on wake-up
         self._release_memory()
 
     def wake_up(self, tags: list[str]) -> None:
@@ -498,25 +394,25 @@ class ModelRunner:
                 raise ValueError(f"image {it.hash[:12]}: {emb.shape[0]} embeddings for {it.length} placeholders")
             self.encoder_cache[it.hash] = emb
 
-    def _mm_embeddings(self, states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray,
-                       input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The step's input embeddings with encoder outputs scattered at the placeholder tokens
-        it computes (a placeholder range may be split over steps by chunked prefill); None when
-        no placeholder is in the step."""
-        dst, src = [], []
+    @staticmethod
+    def _mm_spans(states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray) -> list[tuple[np.ndarray, tuple]]:
+        """(rows of the step's tokens, (item hash, first, last embedding)) of every placeholder
+        range the step computes (chunked prefill may split one over steps)."""
+        spans = []
         for i, st in enumerate(states):
             lo_step, hi_step = int(start[i]), int(start[i] + n[i])
             for it in st.mm_items:
                 lo, hi = max(lo_step, it.offset), min(hi_step, it.offset + it.length)
-                if lo >= hi:
-                    continue
-                dst.append(np.arange(lo, hi) - lo_step + int(qsl[i]))
-                src.append(self.encoder_cache[it.hash][lo - it.offset:hi - it.offset])
-        if not dst:
-            return None
+                if lo < hi:
+                    spans.append((np.arange(lo, hi) - lo_step + int(qsl[i]), (it.hash, lo - it.offset, hi - it.offset)))
+        return spans
+
+    def _mm_embeddings(self, spans, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings with encoder outputs scattered at the placeholder tokens."""
         embeds = self.model.embed_input_ids(input_ids)
-        index = torch.from_numpy(np.concatenate(dst)).to(self.device)
-        return embeds.index_copy(0, index, torch.cat(src).to(embeds.dtype))
+        index = torch.from_numpy(np.concatenate([dst for dst, _ in spans])).to(self.device)
+        src = torch.cat([self.encoder_cache[h][a:b] for _, (h, a, b) in spans])
+        return embeds.index_copy(0, index, src.to(embeds.dtype))
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: "PendingStep | None" = None) -> "PendingStep":
@@ -532,9 +428,11 @@ class ModelRunner:
         hidden, logits = self.forward(batch)
         if batch.stats_token is not None:
             self.stats.lap(batch.stats_token, "forward")
-        if logits is not None and so.defer_sample:
+        if len(batch.sample_rows) and so.defer_sample:
+            if batch.graph_bs is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
+                batch.dev = {k: v.clone() for k, v in batch.dev.items()}
             step.unsampled = (batch, logits)   # sample_deferred() samples it once the bitmask comes
-        elif logits is not None:
+        elif len(batch.sample_rows):
             self._sample_into(step, logits, batch, so.grammar)
         step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if step.unsampled is None:
@@ -548,7 +446,8 @@ class ModelRunner:
 
     def prepare(self, so: SchedulerOutput, prev: "PendingStep | None") -> "StepBatch | None":
         """Apply the step's diff and build its inputs and metadata on the host, then on the
-        device; None when nothing is scheduled."""
+        device (a decode graph's staging, else one copy per dtype); None when nothing is
+        scheduled."""
         self._apply_diff(so)
         if not so.req_ids:
             for h in so.free_encoder_hashes:
@@ -563,10 +462,23 @@ class ModelRunner:
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
         sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
         rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        if so.scheduled_encoder_inputs:
+            enc_token = self.stats.begin() if self.stats is not None else None
+            self._run_encoders(so)
+            if enc_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
+                self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         host = self._host_inputs(n, start, slots)
+        mm = self._mm_spans(states, start, n, host["qsl"]) if self.encoder_cache else []
+        graph_bs = self.graphs.size_for(len(n)) if self.graphs is not None and not mm and (n == 1).all() else None
+        # the decode graph's head samples when every row samples plainly (no top-k/top-p,
+        # penalties, logprobs or grammar): no eager lm_head or sampler at all
+        graph_samples = (graph_bs is not None and len(sample_rows) == len(n) and not so.defer_sample
+                         and not (so.grammar is not None and len(so.grammar.rows))
+                         and self.sampler.plain(rows, self.model.config.vocab_size))
         if self.uses_mrope:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
-        host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
+        if not graph_samples:
+            host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
         host.update(self.sampler.host_params(rows))
         spans = self._prompt_logprob_spans(states, start, n)
         if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
@@ -575,26 +487,30 @@ class ModelRunner:
             host["plp_targets"] = np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
                                                   for i, lo, cnt in spans])
         if prev is not None and prev.tokens is not None:
-            host["feed_dst"], host["feed_src"] = self._feed_indices(prev, states, start, host["qsl"])
-        dev = self.h2d(host)
-        inputs = self._device_inputs(host, dev, n)
-        if prev is not None and "feed_dst" in dev and len(host["feed_dst"]):
-            # decode inputs that are prev's tokens come straight from the device: no round trip
-            inputs["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_src"]))
-        if so.scheduled_encoder_inputs:
-            enc_token = self.stats.begin() if self.stats is not None else None
-            self._run_encoders(so)
-            if enc_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
-                self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
-        embeds = self._mm_embeddings(states, start, n, host["qsl"], inputs["input_ids"]) if self.encoder_cache else None
+            dst, src = self._feed_indices(prev, states, start, host["qsl"])
+            if graph_bs is not None and prev.graph_sampled:  # the graph reads them from its `tokens`
+                host["feed_src"] = np.full(len(n), -1, np.int64)
+                host["feed_src"][dst] = src
+            elif len(dst):
+                host["feed_dst"], host["feed_rows"] = dst, src
+        if graph_bs is not None:
+            dev = self.graphs.stage(graph_bs, {k: v for k, v in host.items() if k in STAGED})
+            extra = {k: v for k, v in host.items() if k not in STAGED and k != "qsl"}
+            dev.update(self.h2d(extra) if extra else {})
+            inputs = None
+        else:
+            dev = self.h2d(host)
+            inputs = self._device_inputs(host, dev, n)
+        if "feed_dst" in dev:  # decode inputs that are prev's tokens come straight from the device
+            dev["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_rows"]))
+        embeds = self._mm_embeddings(mm, inputs["input_ids"]) if mm else None
         for h in so.free_encoder_hashes:  # after this step's use: the scheduler frees as it advances
             self.encoder_cache.pop(h, None)
-        graph_bs = self._graph_size(n) if embeds is None else None
         piecewise_size = None
         if graph_bs is None and embeds is None and self.piecewise is not None:
             piecewise_size = self.piecewise.size_for(int(n.sum()))
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
-                         piecewise_size)
+                         piecewise_size, graph_samples)
 
     @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
@@ -613,10 +529,11 @@ class ModelRunner:
         return np.pad(index, (0, sizes[i] - len(index))) if i < len(sizes) else index
 
     def forward(self, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model (or its CUDA graph): hidden states, and the logits of the sampled rows."""
+        """The model (or its CUDA graph): hidden states, and the logits of the sampled rows
+        (None when none samples, or when the decode graph's head samples them)."""
         inputs = batch.inputs
         if batch.graph_bs is not None:
-            hidden = self._run_graph(batch.graph_bs, inputs)
+            hidden = self.graphs.run_model(batch.graph_bs, len(batch.n))
         elif batch.piecewise_size is not None:
             hidden = self.piecewise.run(batch.piecewise_size, inputs["input_ids"], inputs["positions"], inputs["meta"])
         elif batch.inputs_embeds is not None:
@@ -624,18 +541,21 @@ class ModelRunner:
                                 batch.inputs_embeds)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
-        if not len(batch.sample_rows):
+        if not len(batch.sample_rows) or batch.graph_samples:
             return hidden, None
         logits = self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
         return hidden, logits[:len(batch.sample_rows)]
 
-    def sample(self, logits: torch.Tensor, batch: "StepBatch", grammar: GrammarOutput | None
+    def sample(self, logits: torch.Tensor | None, batch: "StepBatch", grammar: GrammarOutput | None
                ) -> tuple[torch.Tensor, tuple | None, dict]:
         """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
         of the rows whose parameters the sampler refused (those requests fail alone). The tokens
         go into the penalty counts on the device at once: the next step's penalties see them
         even while their values are still on the way to the host. The constrained rows sample
-        from what their grammar bitmask allows."""
+        from what their grammar bitmask allows. A step the decode graph's head samples has no
+        row with penalties, so its tokens need not be counted."""
+        if batch.graph_samples:
+            return self.graphs.run_head(batch.graph_bs, len(batch.n)), None, {}
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
         tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
@@ -651,9 +571,10 @@ class ModelRunner:
         self._sample_into(step, logits, batch, grammar)
         self.copy_back(step)
 
-    def _sample_into(self, step: "PendingStep", logits: torch.Tensor, batch: "StepBatch",
+    def _sample_into(self, step: "PendingStep", logits: torch.Tensor | None, batch: "StepBatch",
                      grammar: GrammarOutput | None) -> None:
         step.tokens, step.topk, failed = self.sample(logits, batch, grammar)
+        step.graph_sampled = batch.graph_samples
         if failed:
             step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
 

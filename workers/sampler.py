@@ -86,6 +86,13 @@ class Sampler:
         return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k, top_p_only=top_p_only)
 
     @staticmethod
+    def plain(rows: list[SamplingRow], vocab: int) -> bool:
+        """Whether every row samples by greedy, temperature or min-p alone (no top-k or top-p,
+        logprobs or adjustments): what the decode graphs' head samples (workers/decode_graphs.py)."""
+        return all(not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.logprobs is None
+                   and not r.adjusts for r in rows)
+
+    @staticmethod
     def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
         """Per-row parameters as host arrays (they travel to the device with the step's inputs).
         The adjustment inputs (penalties, logit_bias, min_tokens bans) only when a row needs them."""

@@ -1,0 +1,255 @@
+"""Decode CUDA graphs: a pure-decode step (one token per request) replayed whole.
+
+A batch of B decodes runs in the graph of the smallest captured size >= B, or of a
+larger one that replays faster (pick_graph_sizes); its padding rows write no KV
+(slot -1) and are dropped.
+
+Each size has two graphs:
+- the model: the step's inputs -> hidden states. Its first kernel
+  (kernels/decode_inputs.py) takes each row's input token from the previous step's
+  sampled tokens where the host does not know it yet, and spreads the packed block
+  table over the full-width table that attention reads.
+- the head: lm_head and the plain sampler (greedy, temperature, min-p) -> `tokens`.
+  A step whose rows all sample plainly replays both graphs. Any other step (top-k,
+  top-p, penalties, logprobs, a grammar) replays the model and samples eagerly.
+
+Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
+step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
+session 9). Here a step's inputs reach the device in one copy from a pinned buffer laid
+out for the graph's size (StagingLayout), and the host launches two graphs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.attention import AttentionMetadata
+from workers.distributed import all_reduce_max
+
+logger = logging.getLogger(__name__)
+
+# The staged fields (name, dtype, value in padding rows: None = the row's index), [rows]
+# each; positions are [3, rows] for M-RoPE. The block table follows them, packed
+# [B, table_width]. The sampler's per-row parameters travel here too.
+_FIELDS = (
+    ("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
+    ("feed_src", np.int64, -1), ("seeds", np.int64, 0), ("out_positions", np.int64, 0), ("slots", np.int64, 0),
+    ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
+    ("seq_lens", np.int32, 1), ("seq_order", np.int32, None), ("top_k", np.int32, 0),
+)
+STAGED = frozenset(name for name, _, _ in _FIELDS) | {"block_table"}
+_TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
+
+
+def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]:
+    """For each batch size b (index; 0 unused) the captured graph size to run it in: the
+    smallest size >= b, unless a larger one replays more than `margin` faster. (cuBLAS
+    picks its kernels by shape: on an H200 some projections run slower at 1 row than at
+    16, e.g. Qwen3-0.6B's o_proj 12.3 vs 5.2 us.)"""
+    sizes = sorted(times)
+    out = [sizes[0]]
+    for b in range(1, sizes[-1] + 1):
+        fits = [s for s in sizes if s >= b]
+        best = fits[0]
+        for s in fits[1:]:
+            if times[s] < times[best] * (1 - margin):
+                best = s
+        out.append(best)
+    return out
+
+
+def decode_batch_sizes(limit: int) -> list[int]:
+    """The batch sizes of the decode CUDA graphs, up to `limit`: 1, 2, 4, 8, then every 16."""
+    return sorted({b for b in [1, 2, 4, 8, *range(16, limit + 1, 16), limit] if b <= limit})
+
+
+@dataclass
+class StagingLayout:
+    """Where each field of a size-`rows` step lies in the staging buffer (bytes, 16-aligned:
+    a kernel sees the same pointer alignment every step)."""
+    rows: int
+    offsets: dict[str, tuple[int, np.dtype, tuple[int, ...]]]
+    table_offset: int                      # the packed block table, int32, to the buffer's end
+
+    @classmethod
+    def build(cls, rows: int, mrope: bool) -> "StagingLayout":
+        offsets, at = {}, 0
+        for name, dtype, _ in _FIELDS:
+            shape = (3, rows) if name == "positions" and mrope else (rows,)
+            offsets[name] = (at, np.dtype(dtype), shape)
+            at += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 16) * 16
+        offsets["table_width"] = (at, np.dtype(np.int32), (1,))
+        return cls(rows, offsets, at + 16)
+
+    def views(self, flat):
+        """Views of a flat uint8 buffer (numpy or torch) as the fields; the packed table as
+        flat int32 up to the buffer's end."""
+        out = {}
+        for name, (at, dtype, shape) in self.offsets.items():
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            chunk = flat[at:at + nbytes]
+            out[name] = chunk.view(dtype).reshape(shape) if isinstance(flat, np.ndarray) else \
+                chunk.view(_TORCH[dtype.type]).view(shape)
+        table = flat[self.table_offset:]
+        out["block_table"] = table.view(np.int32) if isinstance(flat, np.ndarray) else table.view(torch.int32)
+        return out
+
+
+class DecodeGraphs:
+    """The captured sizes of one model, their staging and static buffers, and the replays."""
+
+    def __init__(self, model, kv_caches, max_bs: int, max_blocks: int, max_model_len: int,
+                 device: torch.device, uses_mrope: bool, backend: str, kv_splits):
+        """kv_splits(num_seqs) -> the split-KV count of a decode batch of that many sequences."""
+        self.model, self.kv_caches, self.device, self.backend = model, kv_caches, device, backend
+        self.max_model_len, self.kv_splits, self.mrope = max_model_len, kv_splits, uses_mrope
+        self.sizes = decode_batch_sizes(max_bs)
+        self.graph_for: list[int] = []   # batch size -> the captured size that runs it
+        self.layouts = {bs: StagingLayout.build(bs, uses_mrope) for bs in self.sizes}
+        capacity = self.layouts[max_bs].table_offset + 4 * max_bs * max_blocks
+        self._dev = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._copied: list = [None, None]  # per staging buffer: event after its last copy
+        self._parity = 0
+        self._dev_views = {bs: lay.views(self._dev) for bs, lay in self.layouts.items()}
+        self._host_views = [{bs: lay.views(h.numpy()) for bs, lay in self.layouts.items()}
+                            for h in self._host]
+        self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)          # the model's input tokens
+        self.table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)       # the head graphs' samples
+        self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.model_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------ per step
+
+    def size_for(self, num_reqs: int) -> int | None:
+        return self.graph_for[num_reqs] if 0 < num_reqs < len(self.graph_for) else None
+
+    def stage(self, bs: int, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Write a step's staged fields (host arrays of B rows; the block table [B, width]) for
+        the size-bs graph, padding rows past B, and copy them to the device in one transfer.
+        Returns the device views of the row fields (not the table), cut to B rows."""
+        self._parity ^= 1
+        if self._copied[self._parity] is not None:
+            self._copied[self._parity].synchronize()  # long done: it was two steps ago
+        views = self._host_views[self._parity][bs]
+        table = host.get("block_table", np.zeros((0, 1), np.int32))
+        rows, width = table.shape
+        for name, _, pad in _FIELDS:
+            v = views[name]
+            if name in host:
+                v[..., :rows] = host[name]
+            else:
+                v[..., :rows] = -1 if name == "feed_src" else 0
+            v[..., rows:] = np.arange(rows, bs) if pad is None else pad
+        views["table_width"][0] = width
+        packed = views["block_table"][:bs * width].reshape(bs, width)
+        packed[:rows] = table
+        packed[rows:] = 0
+        nbytes = self.layouts[bs].table_offset + 4 * bs * width
+        self._dev[:nbytes].copy_(self._host[self._parity][:nbytes], non_blocking=True)
+        self._copied[self._parity] = torch.cuda.Event()
+        self._copied[self._parity].record()
+        dev = self._dev_views[bs]
+        return {name: dev[name][..., :rows] for name, _, _ in _FIELDS}
+
+    def run_model(self, bs: int, rows: int) -> torch.Tensor:
+        graph, hidden = self.model_graphs[bs]
+        graph.replay()
+        return hidden[:rows]
+
+    def run_head(self, bs: int, rows: int) -> torch.Tensor:
+        """Sample the model graph's hidden states just replayed: the tokens, on the device."""
+        self.head_graphs[bs].replay()
+        return self.tokens[:rows]
+
+    # ------------------------------------------------------------ capture
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for bs in reversed(self.sizes):  # the largest first: the others reuse its memory
+            self._capture_model(bs, bs)
+        # every rank must run a batch in the same graph size (their all-reduces pair up): they
+        # pick from the slowest rank's times
+        times = all_reduce_max([self._time(bs) for bs in self.sizes], self.device)
+        self.graph_for = pick_graph_sizes(dict(zip(self.sizes, times)))
+        # a graph that now also runs smaller batches splits the KV as for the smallest of them
+        # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
+        for g in self.sizes:
+            smallest = next((b for b in range(1, len(self.graph_for)) if self.graph_for[b] == g), g)
+            if self.kv_splits(smallest) != self.kv_splits(g):
+                self._capture_model(g, smallest)
+        for bs in reversed(self.sizes):
+            self._capture_head(bs)
+        padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs; run in a larger graph because it "
+                    "is faster: %s", len(self.sizes), self.sizes[-1], time.perf_counter() - t0, padded or "none")
+
+    def _model_step(self, bs: int, split_for: int):
+        """The model graph's work: the input kernel, then the forward on the static buffers."""
+        from kernels.decode_inputs import decode_inputs
+        v = self._dev_views[bs]
+        meta = AttentionMetadata(self._qsl[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"], 1,
+                                 self.max_model_len, self.backend, num_decodes=bs,
+                                 num_kv_splits=self.kv_splits(split_for), seq_order=v["seq_order"])
+
+        def step():
+            decode_inputs(v["input_ids"], v["feed_src"], self.tokens, v["block_table"], v["table_width"],
+                          self.ids[:bs], self.table[:bs])
+            return self.model(self.ids[:bs], v["positions"], self.kv_caches, meta)
+        return step
+
+    def _capture_model(self, bs: int, split_for: int) -> None:
+        """Capture the batch-bs model graph, its KV split as for a batch of split_for."""
+        self.stage(bs, {})  # idle inputs: all padding rows
+        step = self._model_step(bs, split_for)
+        step()  # warm-up: compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = step()
+        self._pool = graph.pool()
+        self.model_graphs[bs] = (graph, hidden)
+        torch.cuda.synchronize()
+
+    def _capture_head(self, bs: int) -> None:
+        from kernels import sampling
+        v, hidden = self._dev_views[bs], self.model_graphs[bs][1]
+
+        def head():
+            logits = self.model.compute_logits(hidden)
+            out = sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["seeds"],
+                                  v["out_positions"], top_k_top_p=False)
+            self.tokens[:bs].copy_(out)
+        self.stage(bs, {})
+        head()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            head()
+        self.head_graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _time(self, bs: int) -> float:
+        """Seconds per replay of the batch-bs model graph, on idle inputs (padding rows: no
+        cache writes, one key of context each), so the time is that of its matmul shapes."""
+        graph = self.model_graphs[bs][0]
+        self.stage(bs, {})
+        graph.replay()
+        rounds = []
+        for _ in range(3):  # the median of three rounds: one slow round does not decide
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            stop.record()
+            stop.synchronize()
+            rounds.append(start.elapsed_time(stop) / 5e3)
+        return sorted(rounds)[1]
