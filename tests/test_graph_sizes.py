@@ -1,5 +1,6 @@
-"""Which captured CUDA graph runs a decode batch: the smallest that fits, unless a larger
-one replays faster (measured at capture; here given)."""
+"""Decode CUDA graphs on the host side: which captured graph runs a decode batch (the smallest
+that fits, unless a larger one replays faster: measured at capture, here given), and the
+staging buffer a step's inputs reach the graph through."""
 from workers.decode_graphs import pick_graph_sizes
 
 
@@ -27,3 +28,30 @@ def test_piecewise_sizes_pad_little_and_are_multiples_of_16():
         assert sizes[-1] == -(-budget // 16) * 16
         for small, large in zip(sizes, sizes[1:]):
             assert large <= 512 or large - small <= small / 8
+
+
+def test_staged_fields_read_back_through_the_graphs_device_views():
+    """What the host writes into a decode graph's staging buffer (numpy views) is what the
+    graph reads (torch views of the same bytes): B rows, padding rows past them (no KV write,
+    one key of context, their own launch order, greedy), the block table packed at its width."""
+    import numpy as np
+    import torch
+    from workers.decode_graphs import StagingLayout, write_staged
+    for mrope in (False, True):
+        layout = StagingLayout.build(4, mrope)
+        buf = np.full(layout.table_offset + 4 * 4 * 16, 0x55, np.uint8)
+        positions = np.array([[7, 9]] * 3) if mrope else np.array([7, 9])
+        host = {"input_ids": np.array([3, 4]), "positions": positions, "slot_mapping": np.array([70, 91]),
+                "seq_lens": np.array([8, 10], np.int32), "seq_order": np.array([1, 0], np.int32),
+                "temperature": np.array([0.5, 0.0], np.float32), "seeds": np.array([11, 12]),
+                "block_table": np.array([[5, 6, 0], [1, 2, 3]], np.int32)}
+        rows, nbytes = write_staged(layout.views(buf), layout, host)
+        dev = layout.views(torch.from_numpy(buf))
+        assert rows == 2 and nbytes == layout.table_offset + 4 * 4 * 3
+        assert dev["input_ids"].tolist() == [3, 4, 0, 0] and dev["slot_mapping"].tolist() == [70, 91, -1, -1]
+        assert dev["positions"].tolist() == ([[7, 9, 0, 0]] * 3 if mrope else [7, 9, 0, 0])
+        assert dev["seq_lens"].tolist() == [8, 10, 1, 1] and dev["seq_order"].tolist() == [1, 0, 2, 3]
+        assert dev["temperature"].tolist() == [0.5, 0.0, 0.0, 0.0] and dev["top_p"].tolist() == [1.0] * 4
+        assert dev["feed_src"].tolist() == [-1] * 4 and dev["seeds"].tolist() == [11, 12, 0, 0]
+        assert dev["table_width"].tolist() == [3]
+        assert dev["block_table"][:12].view(4, 3).tolist() == [[5, 6, 0], [1, 2, 3], [0, 0, 0], [0, 0, 0]]

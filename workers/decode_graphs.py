@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ipc.config import EngineConfig
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max
 
@@ -99,14 +100,38 @@ class StagingLayout:
         return out
 
 
+def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: dict[str, np.ndarray]
+                 ) -> tuple[int, int]:
+    """Write a step's fields into a staging buffer's views (layout.views of it): B rows from
+    `host` (a field it lacks takes its padding value), padding rows past B, the block table
+    [B, width] packed. Returns (B, the bytes to copy)."""
+    bs = layout.rows
+    table = host.get("block_table", np.zeros((0, 1), np.int32))
+    rows, width = table.shape
+    for name, _, pad in _FIELDS:
+        v = views[name]
+        real = rows if name in host else 0  # a field the host lacks: padding values in every row
+        if real:
+            v[..., :real] = host[name]
+        v[..., real:] = np.arange(real, bs) if pad is None else pad
+    views["table_width"][0] = width
+    packed = views["block_table"][:bs * width].reshape(bs, width)
+    packed[:rows] = table
+    packed[rows:] = 0
+    return rows, layout.table_offset + 4 * bs * width
+
+
 class DecodeGraphs:
     """The captured sizes of one model, their staging and static buffers, and the replays."""
 
-    def __init__(self, model, kv_caches, max_bs: int, max_blocks: int, max_model_len: int,
-                 device: torch.device, uses_mrope: bool, backend: str, kv_splits):
-        """kv_splits(num_seqs) -> the split-KV count of a decode batch of that many sequences."""
-        self.model, self.kv_caches, self.device, self.backend = model, kv_caches, device, backend
-        self.max_model_len, self.kv_splits, self.mrope = max_model_len, kv_splits, uses_mrope
+    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, kv_splits):
+        """kv_splits(num_seqs) -> the split-KV count of a decode batch of that many sequences.
+        The graphs run the Triton kernels (the only backend they are captured for)."""
+        self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
+        self.max_model_len = config.max_model_len
+        uses_mrope = bool(getattr(model, "uses_mrope", False))
+        max_bs = min(config.max_num_seqs, 512)
+        max_blocks = -(-config.max_model_len // config.block_size)
         self.sizes = decode_batch_sizes(max_bs)
         self.graph_for: list[int] = []   # batch size -> the captured size that runs it
         self.layouts = {bs: StagingLayout.build(bs, uses_mrope) for bs in self.sizes}
@@ -138,21 +163,7 @@ class DecodeGraphs:
         self._parity ^= 1
         if self._copied[self._parity] is not None:
             self._copied[self._parity].synchronize()  # long done: it was two steps ago
-        views = self._host_views[self._parity][bs]
-        table = host.get("block_table", np.zeros((0, 1), np.int32))
-        rows, width = table.shape
-        for name, _, pad in _FIELDS:
-            v = views[name]
-            if name in host:
-                v[..., :rows] = host[name]
-            else:
-                v[..., :rows] = -1 if name == "feed_src" else 0
-            v[..., rows:] = np.arange(rows, bs) if pad is None else pad
-        views["table_width"][0] = width
-        packed = views["block_table"][:bs * width].reshape(bs, width)
-        packed[:rows] = table
-        packed[rows:] = 0
-        nbytes = self.layouts[bs].table_offset + 4 * bs * width
+        rows, nbytes = write_staged(self._host_views[self._parity][bs], self.layouts[bs], host)
         self._dev[:nbytes].copy_(self._host[self._parity][:nbytes], non_blocking=True)
         self._copied[self._parity] = torch.cuda.Event()
         self._copied[self._parity].record()
@@ -197,7 +208,7 @@ class DecodeGraphs:
         from kernels.decode_inputs import decode_inputs
         v = self._dev_views[bs]
         meta = AttentionMetadata(self._qsl[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"], 1,
-                                 self.max_model_len, self.backend, num_decodes=bs,
+                                 self.max_model_len, "triton", num_decodes=bs,
                                  num_kv_splits=self.kv_splits(split_for), seq_order=v["seq_order"])
 
         def step():

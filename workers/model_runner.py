@@ -16,7 +16,7 @@ from ipc.profiling import step_stats_enabled
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
-from workers.distributed import all_reduce_max, tp_size
+from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
@@ -268,9 +268,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend != "triton":
             return
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, min(self.config.max_num_seqs, 512),
-                                   self.max_blocks_per_req, self.config.max_model_len, self.device, self.uses_mrope,
-                                   self.backend, self._kv_splits)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config, self.device, self._kv_splits)
         self.graphs.capture()
         self._capture_piecewise()
 
