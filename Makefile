@@ -34,8 +34,12 @@ $(VISION_DIR)/model.safetensors: | $(VENV)/.installed
 serve-vision: $(VENV)/.installed $(VISION_DIR)/model.safetensors
 	$(VENV)/bin/loom serve $(VISION_DIR) --host $(HOST) --port $(PORT)
 
+# Two pytest-xdist workers (a file's tests stay on one worker, with its module's servers): the
+# suite keeps one core busy on its own, and CI has two.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) $(VISION_DIR) *.egg-info

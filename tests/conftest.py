@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,16 @@ import time
 
 # Several processes share CI's 2 cores: OpenMP worker threads spinning on each other cost 10x.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# `make test` runs two pytest-xdist workers side by side. Each gets its own TMPDIR (inherited by
+# every process its tests start), so that the checks for a left-behind ipc socket directory see
+# only this worker's; /dev/shm is shared, and shm_entries() leaves out the other worker's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+    _tmp = os.path.join(tempfile.gettempdir(), f"loom-tests-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}")
+    os.makedirs(_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = _tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 import torch
 
@@ -54,14 +65,45 @@ def tiny_model_dir(model_factory) -> str:
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> str:
+    """The demo model, trained once per run: pytest-xdist workers share one build (~30 s)."""
+    from filelock import FileLock
+
     from frontend.demo_model import build_demo_model
-    out = str(tmp_path_factory.mktemp("demo"))
-    build_demo_model(out)
-    return out
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-model"
+    with FileLock(f"{out}.lock"):
+        if not (out / ".built").exists():
+            build_demo_model(str(out))
+            (out / ".built").touch()
+    return str(out)
+
+
+def _maker_pid(name: str) -> int | None:
+    """The pid in a Loom segment's name: the ring's and the weight tensors' maker, or the
+    process that made the multimodal store's run id (its pid, then 8 hex digits)."""
+    m = re.match(r"loom_ring_(\d+)_|loom-tensors-(\d+)-|loom_mm_(\d+)[0-9a-f]{8}_c\d+$", name)
+    return int(next(g for g in m.groups() if g)) if m else None
+
+
+def _descends_from_us(pid: int) -> bool:
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    return False
 
 
 def shm_entries() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if "loom" in n.lower()}
+    """Loom's segments in /dev/shm, less those a live process that this test process did not
+    start made (another pytest-xdist worker's, a developer's own `loom serve`)."""
+    def foreign(name: str) -> bool:
+        pid = _maker_pid(name)
+        return pid is not None and os.path.exists(f"/proc/{pid}") and not _descends_from_us(pid)
+    return {n for n in os.listdir("/dev/shm") if "loom" in n.lower() and not foreign(n)}
 
 
 def child_pids(pid: int, trackers: bool = False) -> list[int]:

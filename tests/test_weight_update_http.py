@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ipc.sockets import free_tcp_port
 from ipc.tensor_handles import SharedTensors
-from tests.conftest import ROOT, Server, run_fake
+from tests.conftest import ROOT, Server, run_fake, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "rl-key"
@@ -170,7 +170,7 @@ def test_weights_from_tensor_handles(server, ckpt):
     status, body = post(server, "/update_weights_from_disk", {"model_path": a, "abort_all_requests": True})
     assert status == 200 and body["success"], body
     assert greedy_text(server) == hf_text(a)
-    assert not glob.glob("/dev/shm/loom-tensors-*")
+    assert not [n for n in shm_entries() if n.startswith("loom-tensors-")]
 
 
 def test_bad_updates_over_http(server, ckpt, tmp_path):
