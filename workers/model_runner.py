@@ -467,38 +467,16 @@ class ModelRunner:
                 self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         host = self._host_inputs(n, start, slots)
         mm = self._mm_spans(states, start, n, host["qsl"]) if self.encoder_cache else []
-        graph_bs = self.graphs.size_for(len(n)) if self.graphs is not None and not mm and (n == 1).all() else None
-        # the decode graph's head samples when every row samples plainly (no top-k/top-p,
-        # penalties, logprobs or grammar): no eager lm_head or sampler at all
-        graph_samples = (graph_bs is not None and len(sample_rows) == len(n) and not so.defer_sample
-                         and not (so.grammar is not None and len(so.grammar.rows))
-                         and self.sampler.plain(rows, self.model.config.vocab_size))
+        graph_bs, graph_samples = self._decode_graph(so, n, rows, len(sample_rows), bool(mm))
         if self.uses_mrope:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         if not graph_samples:
             host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
         host.update(self.sampler.host_params(rows))
-        spans = self._prompt_logprob_spans(states, start, n)
-        if spans:  # the rows and prompt tokens whose logprobs are asked travel with the inputs
-            host["plp_rows"] = np.concatenate([np.arange(host["qsl"][i], host["qsl"][i] + cnt, dtype=np.int64)
-                                               for i, _, cnt in spans])
-            host["plp_targets"] = np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
-                                                  for i, lo, cnt in spans])
+        host.update(self._prompt_logprob_rows(states, start, n, host["qsl"]))
         if prev is not None and prev.tokens is not None:
-            dst, src = self._feed_indices(prev, states, start, host["qsl"])
-            if graph_bs is not None and prev.graph_sampled:  # the graph reads them from its `tokens`
-                host["feed_src"] = np.full(len(n), -1, np.int64)
-                host["feed_src"][dst] = src
-            elif len(dst):
-                host["feed_dst"], host["feed_rows"] = dst, src
-        if graph_bs is not None:
-            dev = self.graphs.stage(graph_bs, {k: v for k, v in host.items() if k in STAGED})
-            extra = {k: v for k, v in host.items() if k not in STAGED and k != "qsl"}
-            dev.update(self.h2d(extra) if extra else {})
-            inputs = None
-        else:
-            dev = self.h2d(host)
-            inputs = self._device_inputs(host, dev, n)
+            host.update(self._feed_indices(prev, states, start, host["qsl"], graph_bs is not None))
+        dev, inputs = self._upload(host, graph_bs, n)
         if "feed_dst" in dev:  # decode inputs that are prev's tokens come straight from the device
             dev["input_ids"].index_copy_(0, dev["feed_dst"], prev.tokens.index_select(0, dev["feed_rows"]))
         embeds = self._mm_embeddings(mm, inputs["input_ids"]) if mm else None
@@ -509,6 +487,28 @@ class ModelRunner:
             piecewise_size = self.piecewise.size_for(int(n.sum()))
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
                          piecewise_size, graph_samples)
+
+    def _decode_graph(self, so: SchedulerOutput, n: np.ndarray, rows: list[SamplingRow], num_sampled: int,
+                      has_mm: bool) -> tuple[int | None, bool]:
+        """The decode graph size that runs the step (pure decodes, no image placeholder), and
+        whether its head samples it: when every row samples, plainly (no top-k / top-p,
+        penalties, logprobs or grammar), there is no eager lm_head or sampler at all."""
+        if self.graphs is None or has_mm or not (n == 1).all():
+            return None, False
+        graph_bs = self.graphs.size_for(len(n))
+        samples = (graph_bs is not None and num_sampled == len(n) and not so.defer_sample
+                   and not (so.grammar is not None and len(so.grammar.rows))
+                   and self.sampler.plain(rows, self.model.config.vocab_size))
+        return graph_bs, samples
+
+    def _prompt_logprob_rows(self, states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows and the prompt tokens whose logprobs the step computes (they travel with its inputs)."""
+        spans = self._prompt_logprob_spans(states, start, n)
+        if not spans:
+            return {}
+        return {"plp_rows": np.concatenate([np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64) for i, _, cnt in spans]),
+                "plp_targets": np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
+                                               for i, lo, cnt in spans])}
 
     @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
@@ -634,8 +634,11 @@ class ModelRunner:
                                  step.failed)
 
     @staticmethod
-    def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray):
-        """(token index in this step, row in prev's tokens) for inputs that are prev's tokens."""
+    def _feed_indices(prev: "PendingStep", states, start: np.ndarray, qsl: np.ndarray,
+                      decode_graph: bool) -> dict[str, np.ndarray]:
+        """Where this step's inputs are prev's sampled tokens (still on the device): for a decode
+        graph after a step its head sampled, each row's row in prev's tokens (feed_src, -1: none;
+        the graph reads them itself); else the token indices and prev's rows (feed_dst, feed_rows)."""
         src_row = {id(prev.states[i]): j for j, i in enumerate(prev.sample_rows)}
         dst, src = [], []
         for i, st in enumerate(states):
@@ -643,7 +646,23 @@ class ModelRunner:
             if j is not None and start[i] == st.num_tokens:  # its first input is the token prev samples
                 dst.append(int(qsl[i]))
                 src.append(j)
-        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+        if decode_graph and prev.graph_sampled:
+            feed = np.full(len(states), -1, np.int64)
+            feed[dst] = src  # one token per row: the token index is the row
+            return {"feed_src": feed}
+        return {"feed_dst": np.asarray(dst, np.int64), "feed_rows": np.asarray(src, np.int64)} if dst else {}
+
+    def _upload(self, host: dict[str, np.ndarray], graph_bs: int | None, n: np.ndarray) -> tuple[dict, dict | None]:
+        """The step's host arrays on the device, and the eager forward's inputs (None for a
+        decode graph, which reads its staging: the rest, if any, goes in one copy per dtype)."""
+        if graph_bs is None:
+            dev = self.h2d(host)
+            return dev, self._device_inputs(host, dev, n)
+        dev = self.graphs.stage(graph_bs, {k: v for k, v in host.items() if k in STAGED})
+        extra = {k: v for k, v in host.items() if k not in STAGED and k != "qsl"}
+        if extra:
+            dev.update(self.h2d(extra))
+        return dev, None
 
     def _host_inputs(self, n: np.ndarray, start: np.ndarray, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The step's inputs and attention metadata as host arrays, built without per-token loops."""
