@@ -16,11 +16,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # every process its tests start), so that the checks for a left-behind ipc socket directory see
 # only this worker's; /dev/shm is shared, and shm_entries() leaves out the other worker's.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import shutil
     import tempfile
     _tmp = os.path.join(tempfile.gettempdir(), f"loom-tests-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}")
     os.makedirs(_tmp, exist_ok=True)
     os.environ["TMPDIR"] = _tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    atexit.register(shutil.rmtree, _tmp, ignore_errors=True)
 
 import torch
 
