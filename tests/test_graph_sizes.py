@@ -55,3 +55,24 @@ def test_staged_fields_read_back_through_the_graphs_device_views():
         assert dev["feed_src"].tolist() == [-1] * 4 and dev["seeds"].tolist() == [11, 12, 0, 0]
         assert dev["table_width"].tolist() == [3]
         assert dev["block_table"][:12].view(4, 3).tolist() == [[5, 6, 0], [1, 2, 3], [0, 0, 0], [0, 0, 0]]
+
+
+def test_feed_indices_for_a_decode_graph_and_for_eager_steps():
+    """Rows whose input is the token the previous step samples (still on the device): a decode
+    graph after a step its head sampled reads them itself (feed_src: the row in that step's
+    tokens, -1 for none); any other step copies them (token index, row in the previous tokens)."""
+    import numpy as np
+    from workers.input_batch import CachedRequestState
+    from workers.model_runner import ModelRunner, PendingStep
+    st = [CachedRequestState(f"r{i}", i, 4, 6, 5, 1, None, 0, []) for i in range(3)]
+    # prev sampled r2 then r0 (rows 0, 1 of its tokens); r1 is mid-prompt there, not sampled
+    prev = PendingStep(["r2", "r1", "r0"], [st[2], st[1], st[0]], np.array([0, 2]))
+    start = np.array([6, 5, 6])  # r0 and r2 are at their last known token + 1: prev's token is their input
+    qsl = np.array([0, 1, 2, 3])
+    eager = ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=False)
+    assert eager["feed_dst"].tolist() == [0, 2] and eager["feed_rows"].tolist() == [1, 0]
+    prev.graph_sampled = True
+    assert ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=True)["feed_src"].tolist() == [1, -1, 0]
+    prev.graph_sampled = False  # a decode graph after an eagerly sampled step copies, as eager steps do
+    assert ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=True).keys() == {"feed_dst", "feed_rows"}
+    assert ModelRunner._feed_indices(prev, st, np.array([5, 5, 5]), qsl, decode_graph=False) == {}
