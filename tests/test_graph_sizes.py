@@ -76,3 +76,17 @@ def test_feed_indices_for_a_decode_graph_and_for_eager_steps():
     prev.graph_sampled = False  # a decode graph after an eagerly sampled step copies, as eager steps do
     assert ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=True).keys() == {"feed_dst", "feed_rows"}
     assert ModelRunner._feed_indices(prev, st, np.array([5, 5, 5]), qsl, decode_graph=False) == {}
+
+
+def test_which_rows_the_graph_head_samples():
+    """The head samples greedy, temperature and min-p rows (top-k off: 0, -1 or >= the
+    vocabulary); top-k, top-p, logprobs, penalties, logit_bias and min_tokens rows sample eagerly."""
+    from ipc.sampling_params import SamplingParams
+    from workers.sampler import Sampler, SamplingRow
+    def plain(**kw):
+        return Sampler.plain([SamplingRow(SamplingParams(**kw), 0, 0, 0, (2,))], vocab=100)
+    assert plain(temperature=0) and plain(temperature=0.7, min_p=0.1)
+    assert plain(temperature=0.7, top_k=-1) and plain(temperature=0.7, top_k=100)
+    for kw in ({"top_k": 20}, {"top_p": 0.9}, {"logprobs": 0}, {"presence_penalty": 0.5},
+               {"repetition_penalty": 1.1}, {"logit_bias": {3: 1.0}}, {"min_tokens": 2}):
+        assert not plain(temperature=0.7, **kw), kw
