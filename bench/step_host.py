@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
     host = sum(phases.values())
     print(f"{common.model_label(args)}, batch {args.batch}, context {args.context}, "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, {runner.device}, "
-          f"{'CUDA graphs' if runner.graphs else 'eager'}: {args.steps} decode steps")
+          f"{'decode graphs' if runner.graphs else 'eager'}: {args.steps} decode steps")
     print(f"  wall {ms(wall):.3f} ms per step; host {ms(host):.3f} ms ("
           + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.items()) + ")")
     if args.profile:

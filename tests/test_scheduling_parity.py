@@ -52,11 +52,17 @@ def setup(model_factory):
     # three steps in flight, as on a GPU: a request preempted with two steps out comes back
     ("three_in_flight_chunked_preempted", dict(num_gpu_blocks_override=20, max_num_batched_tokens=8,
                                                max_num_seqs=4)),
+    # the decode graphs' staging, input kernel and head, run uncaptured (the GPU's path): batches of
+    # 3 run padded in the size-4 graph; greedy-only steps sample in the head, the others after it
+    ("decode_graphs_three_in_flight_preempted", dict(num_gpu_blocks_override=20, max_num_batched_tokens=8,
+                                                     max_num_seqs=3)),
 ])
 def test_same_output_under_schedule(setup, name, options, monkeypatch):
     model_dir, prompts, params, ample = setup
-    if name.startswith("three_in_flight"):
+    if "three_in_flight" in name:
         monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
+    if name.startswith("decode_graphs"):
+        monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     got, stats = _run(model_dir, prompts, params, **options)
     assert got == ample
     if name == "prefix_caching":
@@ -87,3 +93,17 @@ def test_prefix_hits_counted_exactly(model_factory):
         assert again.num_cached_tokens == 0
     finally:
         llm.shutdown()
+
+
+def test_decode_graph_head_samples_as_eager_steps(model_factory, monkeypatch):
+    """Seeded temperature and min-p rows sampled by the decode graphs' head (uncaptured on the
+    CPU) draw what eager steps draw, with the previous step's tokens fed on the device."""
+    model_dir = model_factory("qwen3")
+    prompts = _workload(300)[:5]
+    params = [SamplingParams(temperature=0.8, seed=7 + i, min_p=0.05 * (i % 2), max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
+    graphs, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    assert graphs == eager

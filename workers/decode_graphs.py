@@ -121,13 +121,34 @@ def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: dict
     return rows, layout.table_offset + 4 * bs * width
 
 
+class _Replay:
+    """A captured CUDA graph and the static output its replays rewrite. Uncaptured (the CPU,
+    LOOM_DECODE_GRAPHS_ON_CPU=1) the same work runs as it is at each replay, so that the CPU
+    suite checks the decode graphs' staging, input kernel and head against the eager steps."""
+
+    def __init__(self, fn, capture: bool, pool=None):
+        self.fn, self.graph, self.output = fn, None, None
+        if capture:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.output = fn()
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.output = self.fn()
+
+
 class DecodeGraphs:
     """The captured sizes of one model, their staging and static buffers, and the replays."""
 
-    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, kv_splits):
-        """kv_splits(num_seqs) -> the split-KV count of a decode batch of that many sequences.
-        The graphs run the Triton kernels (the only backend they are captured for)."""
+    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits):
+        """backend: the attention backend (CUDA graphs are captured for "triton" only; the CPU
+        runs the graphs' work uncaptured). kv_splits(num_seqs) -> the split-KV count of a decode
+        batch of that many sequences."""
         self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
+        self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
         max_bs = min(config.max_num_seqs, 512)
@@ -137,7 +158,7 @@ class DecodeGraphs:
         self.layouts = {bs: StagingLayout.build(bs, uses_mrope) for bs in self.sizes}
         capacity = self.layouts[max_bs].table_offset + 4 * max_bs * max_blocks
         self._dev = torch.zeros(capacity, dtype=torch.uint8, device=device)
-        self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self.capturing) for _ in range(2)]
         self._copied: list = [None, None]  # per staging buffer: event after its last copy
         self._parity = 0
         self._dev_views = {bs: lay.views(self._dev) for bs, lay in self.layouts.items()}
@@ -147,8 +168,8 @@ class DecodeGraphs:
         self.table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)       # the head graphs' samples
         self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.model_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
+        self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
         self._pool = None
 
     # ------------------------------------------------------------ per step
@@ -165,15 +186,16 @@ class DecodeGraphs:
             self._copied[self._parity].synchronize()  # long done: it was two steps ago
         rows, nbytes = write_staged(self._host_views[self._parity][bs], self.layouts[bs], host)
         self._dev[:nbytes].copy_(self._host[self._parity][:nbytes], non_blocking=True)
-        self._copied[self._parity] = torch.cuda.Event()
-        self._copied[self._parity].record()
+        if self.capturing:
+            self._copied[self._parity] = torch.cuda.Event()
+            self._copied[self._parity].record()
         dev = self._dev_views[bs]
         return {name: dev[name][..., :rows] for name, _, _ in _FIELDS}
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
-        graph, hidden = self.model_graphs[bs]
+        graph = self.model_graphs[bs]
         graph.replay()
-        return hidden[:rows]
+        return graph.output[:rows]
 
     def run_head(self, bs: int, rows: int) -> torch.Tensor:
         """Sample the model graph's hidden states just replayed: the tokens, on the device."""
@@ -189,7 +211,7 @@ class DecodeGraphs:
             self._capture_model(bs, bs)
         # every rank must run a batch in the same graph size (their all-reduces pair up): they
         # pick from the slowest rank's times
-        times = all_reduce_max([self._time(bs) for bs in self.sizes], self.device)
+        times = all_reduce_max([self._time(bs) if self.capturing else 1.0 for bs in self.sizes], self.device)
         self.graph_for = pick_graph_sizes(dict(zip(self.sizes, times)))
         # a graph that now also runs smaller batches splits the KV as for the smallest of them
         # (split-KV is chosen per graph: a padded batch-1 step keeps its long-context speed)
@@ -200,18 +222,20 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):
             self._capture_head(bs)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs; run in a larger graph because it "
-                    "is faster: %s", len(self.sizes), self.sizes[-1], time.perf_counter() - t0, padded or "none")
+        logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
+                    "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
+                    self.sizes[-1], time.perf_counter() - t0, padded or "none")
 
     def _model_step(self, bs: int, split_for: int):
         """The model graph's work: the input kernel, then the forward on the static buffers."""
         from kernels.decode_inputs import decode_inputs
         v = self._dev_views[bs]
         meta = AttentionMetadata(self._qsl[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"], 1,
-                                 self.max_model_len, "triton", num_decodes=bs,
+                                 self.max_model_len, self.backend, num_decodes=bs,
                                  num_kv_splits=self.kv_splits(split_for), seq_order=v["seq_order"])
 
         def step():
+            meta.sdpa_plan = None  # the CPU attention's per-step layout (never set under a capture)
             decode_inputs(v["input_ids"], v["feed_src"], self.tokens, v["block_table"], v["table_width"],
                           self.ids[:bs], self.table[:bs])
             return self.model(self.ids[:bs], v["positions"], self.kv_caches, meta)
@@ -220,38 +244,38 @@ class DecodeGraphs:
     def _capture_model(self, bs: int, split_for: int) -> None:
         """Capture the batch-bs model graph, its KV split as for a batch of split_for."""
         self.stage(bs, {})  # idle inputs: all padding rows
-        step = self._model_step(bs, split_for)
-        step()  # warm-up: compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            hidden = step()
-        self._pool = graph.pool()
-        self.model_graphs[bs] = (graph, hidden)
-        torch.cuda.synchronize()
+        self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
 
     def _capture_head(self, bs: int) -> None:
         from kernels import sampling
-        v, hidden = self._dev_views[bs], self.model_graphs[bs][1]
+        v = self._dev_views[bs]
 
         def head():
-            logits = self.model.compute_logits(hidden)
-            out = sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["seeds"],
-                                  v["out_positions"], top_k_top_p=False)
+            logits = self.model.compute_logits(self.model_graphs[bs].output)
+            args = (logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["seeds"], v["out_positions"])
+            # as the eager sampler draws (workers/sampler.py): the Triton kernels with the Triton backend
+            out = sampling.sample(*args, top_k_top_p=False) if self.backend == "triton" else sampling.sample_ref(*args)
             self.tokens[:bs].copy_(out)
         self.stage(bs, {})
-        head()
+        self.head_graphs[bs] = self._capture(head)
+
+    def _capture(self, fn) -> _Replay:
+        """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""
+        out = fn()
+        if not self.capturing:
+            replay = _Replay(fn, False)
+            replay.output = out
+            return replay
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            head()
-        self.head_graphs[bs] = graph
+        replay = _Replay(fn, True, self._pool)
+        self._pool = replay.graph.pool()
         torch.cuda.synchronize()
+        return replay
 
     def _time(self, bs: int) -> float:
         """Seconds per replay of the batch-bs model graph, on idle inputs (padding rows: no
         cache writes, one key of context each), so the time is that of its matmul shapes."""
-        graph = self.model_graphs[bs][0]
+        graph = self.model_graphs[bs]
         self.stage(bs, {})
         graph.replay()
         rounds = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -264,13 +265,17 @@ class ModelRunner:
     # ------------------------------------------------------------ CUDA graphs (decode)
 
     def capture_cudagraphs(self) -> None:
-        """Capture the decode graphs (workers/decode_graphs.py) and the piecewise graphs."""
+        """Capture the decode graphs (workers/decode_graphs.py) and the piecewise graphs. On the
+        CPU, LOOM_DECODE_GRAPHS_ON_CPU=1 runs the decode graphs' work uncaptured (tests)."""
         self.graphs = None
-        if self.device.type != "cuda" or self.config.enforce_eager or self.backend != "triton":
+        on_cpu = self.device.type == "cpu" and os.environ.get("LOOM_DECODE_GRAPHS_ON_CPU") == "1"
+        if self.config.enforce_eager or not (on_cpu or self.device.type == "cuda" and self.backend == "triton"):
             return
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config, self.device, self._kv_splits)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config, self.device, self.backend,
+                                   self._kv_splits)
         self.graphs.capture()
-        self._capture_piecewise()
+        if not on_cpu:
+            self._capture_piecewise()
 
     def _capture_piecewise(self) -> None:
         """The graphs of every other step (prefill, mixed), in pieces around attention."""
@@ -592,8 +597,8 @@ class ModelRunner:
         """Start the device -> host copies of what finish() reads (tokens, logprobs, prompt
         logprobs) behind the step's work; finish() waits for one event, and never syncs a tensor
         (a .tolist() of a device tensor would also wait for the next step, queued behind this one)."""
-        if self.device.type != "cuda":
-            step.tokens_host = step.tokens
+        if self.device.type != "cuda":  # already computed; the decode graphs' `tokens` is rewritten by the next step
+            step.tokens_host = step.tokens.clone() if step.graph_sampled else step.tokens
             return
         def to_host(t: torch.Tensor) -> torch.Tensor:
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
