@@ -117,10 +117,13 @@ def test_too_many_images_and_no_placeholder_fail(llm):
     assert llm.generate(chat("hi"), greedy(2), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_chunked_prefill_and_preemption(qwen_vl_dir):
+def test_chunked_prefill_and_preemption(qwen_vl_dir, monkeypatch):
     """A token budget of 16 splits every image's placeholder range over several steps (the
     encoder output stays cached in between); a KV cache of 24 blocks of 8 cannot hold the
-    three requests at once, so some are preempted and recomputed (the encoder runs again)."""
+    three requests at once, so some are preempted and recomputed (the encoder runs again).
+    Decodes run the decode graphs' path uncaptured (as on a GPU: M-RoPE positions staged
+    [3, B], padded batches)."""
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     cases = [(chat(IMG + "one"), [random_image(12, 224, 224)]),
              (chat(IMG + "two" + IMG), [random_image(13, 84, 84), random_image(14, 168, 168)]),
              (chat(IMG + "three"), [random_image(15, 200, 220)])]
