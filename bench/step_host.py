@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=300, help="timed decode steps (after 50 untimed ones)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of every request (0: off; with top-k or top-p "
+                                                        "the step samples eagerly after the decode graph)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (1: off)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -53,10 +56,11 @@ class _Requests:
         self.next_block += len(out)
         return out
 
-    def prefill(self, temperature: float):
+    def prefill(self, args):
         from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
         from ipc.sampling_params import SamplingParams
-        params = SamplingParams(temperature=temperature, max_tokens=1 << 20, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=1 << 20, ignore_eos=True)
         new = [NewRequestData(rid, [(7 * i + j) % self.vocab for j in range(self.prompt)], params,
                               self._blocks(self.prompt + 1, 0), 0, seed=i)
                for i, rid in enumerate(self.ids)]
@@ -108,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
                 phases[k] += dt
         return launched
 
-    pending = runner.launch(reqs.prefill(args.temperature))
+    pending = runner.launch(reqs.prefill(args))
     for _ in range(50):
         pending = step(pending, False)
     sync()
@@ -120,7 +124,9 @@ def main(args: argparse.Namespace) -> int:
     ms = lambda s: 1e3 * s / args.steps
     host = sum(phases.values())
     print(f"{common.model_label(args)}, batch {args.batch}, context {args.context}, "
-          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, {runner.device}, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
+          f"{f', top-k {args.top_k}' if args.top_k else ''}{f', top-p {args.top_p}' if args.top_p < 1 else ''}, "
+          f"{runner.device}, "
           f"{'decode graphs' if runner.graphs else 'eager'}: {args.steps} decode steps")
     print(f"  wall {ms(wall):.3f} ms per step; host {ms(host):.3f} ms ("
           + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.items()) + ")")
