@@ -2,8 +2,8 @@
 
 Reads a worker's torch-profiler trace (`loom bench latency --profiler-dir DIR`, or
 /start_profile and /stop_profile on a server) and splits each decode step, from the
-first kernel of one decode CUDA graph to the first kernel of the next, into: the graph's
-kernels, every other device operation by name (copies, the lm_head, sampling), and the
+first kernel of one step's decode CUDA graphs to the first kernel of the next step's, into: the
+graphs' kernels, every other device operation by name (copies, the lm_head, sampling), and the
 time the device sat idle in between. Averages the middle steps (the first and last
 --skip steps of the trace are left out) and lists the operations of one typical step
 in order, with the idle gap before each.
@@ -37,13 +37,15 @@ def _graph_launch(op: dict, graph_launches: set[int]) -> int | None:
 
 
 def split_steps(ops: list[dict], graph_launches: set[int]) -> list[list[dict]]:
-    """The operations from each graph launch's first kernel to the next one's."""
-    steps, seen = [], set()
+    """The operations from each step's first graph kernel to the next step's. A step replays the
+    model graph and, when it samples there, the head graph right after it (workers/decode_graphs.py):
+    a graph launch begins a new step only after an operation outside the graphs (the inputs' copy)."""
+    steps, after_graph = [], False
     for op in ops:
-        c = _graph_launch(op, graph_launches)
-        if c is not None and c not in seen:
-            seen.add(c)
+        in_graph = _graph_launch(op, graph_launches) is not None
+        if in_graph and not after_graph:
             steps.append([])
+        after_graph = in_graph
         if steps:
             steps[-1].append(op)
     return steps[:-1]  # the last one has no end

@@ -211,3 +211,14 @@ def test_step_stats_splits_host_time_by_phase():
     assert all(step[f"host_ms_{p}"] >= 2.0 for p in ("prepare", "forward", "sample"))
     assert sum(step[f"host_ms_{p}"] for p in ("prepare", "forward", "sample")) <= step["host_ms_per_step"]
     assert not any(k.startswith("host_ms_") and k != "host_ms_per_step" for k in s["encoder"])
+
+
+def test_trace_steps_counts_a_step_with_its_head_graph_as_one():
+    """A decode step replays the model graph, then the head graph (two launches, no op between):
+    one step, from its first graph kernel to the next step's."""
+    from bench.trace_steps import split_steps
+    op = lambda name, corr: {"name": name, "args": {"correlation": corr}}
+    ops = [op("h2d", 90), op("model", 1), op("model", 1), op("head", 2), op("d2h", 91),
+           op("h2d", 92), op("model", 3), op("d2h", 93), op("h2d", 94), op("model", 5)]
+    steps = split_steps(ops, graph_launches={1, 2, 3, 5})
+    assert [[o["name"] for o in s] for s in steps] == [["model", "model", "head", "d2h", "h2d"], ["model", "d2h", "h2d"]]
