@@ -2,9 +2,10 @@
 
 A copy from pageable memory makes the host wait for the device's queue to
 drain, which would undo the overlap of step N+1's preparation with step N.
-Two pinned buffers alternate; before one is rewritten, the event recorded
-after its last copy is awaited (normally long done), so a copy still queued
-on the device never reads data of a later step.
+Two pinned buffers alternate (Alternating, also the decode graphs' staging);
+before one is rewritten, the event recorded after its last copy is awaited
+(normally long done), so a copy still queued on the device never reads data of
+a later step.
 """
 from __future__ import annotations
 
@@ -12,20 +13,38 @@ import numpy as np
 import torch
 
 
+class Alternating:
+    """Which of two pinned buffers a step writes: turn() picks the other one, once the copy
+    queued from it last is done; copied() marks the end of this step's copies from it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.parity = 0
+        self._copied: list = [None, None]  # per buffer: event after its last copy
+
+    def turn(self) -> int:
+        self.parity ^= 1
+        if self._copied[self.parity] is not None:
+            self._copied[self.parity].synchronize()  # long done: it was two steps ago
+        return self.parity
+
+    def copied(self) -> None:
+        if self.cuda:
+            self._copied[self.parity] = torch.cuda.Event()
+            self._copied[self.parity].record()
+
+
 class HostToDevice:
     def __init__(self, device: torch.device):
         self.device = device
         self.pinned = device.type == "cuda"
         self._buffers: dict[tuple[np.dtype, int], torch.Tensor] = {}
-        self._parity = 0
-        self._copied: list = [None, None]  # per parity: event after its last copy
+        self._turns = Alternating(device)
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         if not self.pinned:
             return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-        self._parity ^= 1
-        if self._copied[self._parity] is not None:
-            self._copied[self._parity].synchronize()
+        parity = self._turns.turn()
         out: dict[str, torch.Tensor] = {}
         for dtype in {a.dtype for a in arrays.values()}:
             group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
@@ -34,19 +53,18 @@ class HostToDevice:
             align = max(1, 16 // dtype.itemsize)
             starts = np.cumsum([0] + [-(-a.size // align) * align for _, a in group])
             total = int(starts[-1])
-            host = self._buffer(dtype, total)
+            host = self._buffer(dtype, total, parity)
             flat = host.numpy()
             for (_, a), start in zip(group, starts):
                 flat[start:start + a.size] = a.reshape(-1)
             dev = host[:total].to(self.device, non_blocking=True)
             for (k, a), start in zip(group, starts):
                 out[k] = dev[start:start + a.size].view(a.shape)
-        self._copied[self._parity] = torch.cuda.Event()
-        self._copied[self._parity].record()
+        self._turns.copied()
         return out
 
-    def _buffer(self, dtype: np.dtype, size: int) -> torch.Tensor:
-        key = (dtype, self._parity)
+    def _buffer(self, dtype: np.dtype, size: int, parity: int) -> torch.Tensor:
+        key = (dtype, parity)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < size:
             torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
