@@ -40,7 +40,7 @@ SHAPES = {
 # swept at 1 and MAX_ROWS rows; tiles whose [rows, BLOCK_N, BLOCK_K] product needs more than
 # 128 fp32 registers per thread are skipped (they spill)
 GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-        for bn, bk, w, s in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [4, 8], [1, 3])]
+        for bn, bk, w, s in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [4, 8], [1, 3, 5])]
 
 
 def fits(tiles: dict, rows: int) -> bool:
@@ -97,6 +97,10 @@ class Case:
     def fused(self, tiles):
         return lambda i: gv.gemv(self.x, self.w[i], tiles=tiles, **self.kw)
 
+    def split(self, tiles):
+        """The prologue's own kernel, then the GEMV without it."""
+        return self.fused(dict(tiles, fuse=False))
+
     def error(self, tiles) -> float:
         """Largest error against the fp32 reference, relative to the largest output."""
         residual = self.r.float() if self.kw["residual"] is not None else None
@@ -115,10 +119,12 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.03, help="the GEMV must beat the unfused ops by this much")
     ap.add_argument("--block-n", nargs="+", type=int, help="sweep only these BLOCK_N (default: all)")
     ap.add_argument("--block-k", nargs="+", type=int, help="sweep only these BLOCK_K (default: all)")
+    ap.add_argument("--num-stages", nargs="+", type=int, help="sweep only these num_stages (default: all)")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
     grid = [t for t in GRID if (not args.block_n or t["block_n"] in args.block_n)
-            and (not args.block_k or t["block_k"] in args.block_k)]
+            and (not args.block_k or t["block_k"] in args.block_k)
+            and (not args.num_stages or t["num_stages"] in args.num_stages)]
     print(torch.cuda.get_device_name(), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen: dict[str, dict | None] = {}
@@ -143,6 +149,11 @@ def main() -> int:
                 timed = [(per_call_us(case.fused(t), case.copies), i) for i, (_, t) in enumerate(swept[:args.top])]
                 us, i = min(timed)
                 best = swept[i][1]
+                if prologue != "none":  # or the separate prologue kernel, then the best plain tiles
+                    split_us = per_call_us(case.split(swept[0][1]), case.copies)
+                    print(f"  rows={rows}: prologue kernel + plain gemv {split_us:6.1f} us", flush=True)
+                    if split_us < us:
+                        us, best = split_us, dict(swept[0][1], fuse=False)
                 wins = us < unfused * (1 - args.margin)
                 chosen[f"{rows}:{n}x{k}:{prologue}"] = best if wins else None
                 tot = totals.setdefault(f"{model} rows={rows}", [0.0, 0.0])
