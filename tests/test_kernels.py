@@ -448,7 +448,7 @@ def test_gemv(prologue, dtype):
     nw = _randn(k, dtype=dtype, g=g)
     tiles = dict(block_n=8, block_k=64, num_warps=4, num_stages=1)
     even = dict(block_n=4, block_k=8, num_warps=4, num_stages=1)  # divide [44, 200]: no masks
-    unfused = dict(tiles, fuse=False)  # the prologue's own kernel, then the plain GEMV
+    split = dict(tiles, fuse=False)  # the prologue's own kernel, then the plain GEMV
 
     def close(y, y_ref):  # bf16: a sum of k products cancels, so allow ulps of the largest output
         scale = (4e-2 if INTERPRET else 1e-2) * y_ref.abs().max().item()
@@ -458,7 +458,7 @@ def test_gemv(prologue, dtype):
         x = _randn(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, g=g, scale=2.0)
         r = _randn(m, k, dtype=dtype, g=g)
         kw = dict(prologue=prologue, residual=r if prologue == "add_rms_norm" else None, norm_weight=nw, eps=1e-6)
-        cases = ((None, tiles), (bias, tiles), (None, unfused)) + (((bias, even),) if m == 1 else ())
+        cases = ((None, tiles), (bias, tiles), (None, split)) + (((bias, even),) if m == 1 else ())
         for b, t in cases:
             y, new_r = gv.gemv(x, w, b, tiles=t, **kw)
             y_ref, new_r_ref = gv.gemv_ref(x, w, b, **kw)
