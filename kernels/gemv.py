@@ -13,7 +13,8 @@ the weight is read once with no reduction pass, and the input is built on the fl
                              writes x + residual, the next residual
     prologue "silu_mul"      silu(x[:, :K]) * x[:, K:]                (the down projection)
 
-so the separate norm and SiLU kernels of a decode layer disappear. Every program
+so the separate norm and SiLU kernels of a decode layer disappear (on small weights;
+see "fuse" below for large ones). Every program
 computes the rows' RMS itself (a first pass over x: K elements per row, from L2).
 Roundings are those of the unfused ops (kernels/rms_norm.py, kernels/activation.py):
 the fused input is bit-identical to theirs, and the dot product differs from cuBLAS
