@@ -14,6 +14,10 @@ temperature first, and prints each mode's throughput as a ratio to plain:
   n4seed     a quarter of the prompts, n=4 with a seed each; its ratio is to
              the same prompts sent as 4 separate unseeded requests (n4sep)
 
+--shard R/N runs only requests R, R+N, R+2N, ...: about what engine R of a DP=N
+run gets, so one GPU times one engine's share (DP=N's time is about the slowest
+shard's, the engines being independent).
+
 --profiler-dir DIR traces the plain run with the torch profiler and prints the
 GPU time per engine step by kernel, CUDA-graph replays included (the traced
 run is slower than an untraced one).
@@ -35,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="fixed output length instead of randint(100, 1024)")
+    p.add_argument("--shard", type=shard_arg, default=None, metavar="R/N",
+                   help="run only requests R, R+N, ...: engine R's share of a DP=N run, on one engine")
     p.add_argument("--seed", type=int, default=0, help="workload seed (also the engine's sampling seed)")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up call")
@@ -51,6 +57,16 @@ def add_parser(sub) -> None:
     p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
     common.add_engine_args(p)
     p.set_defaults(func=main)
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    try:
+        rank, size = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected R/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= rank < size:
+        raise argparse.ArgumentTypeError(f"R must be in [0, N), got {text!r}")
+    return rank, size
 
 
 SAMPLING_MODES = ("plain", "topp", "penalties", "logprobs", "n4seed")
@@ -126,10 +142,14 @@ def main(args: argparse.Namespace) -> int:
         if wl.is_default:
             assert (wl.prompt_tokens, wl.output_tokens) == (OFFLINE_PROMPT_TOKENS, OFFLINE_OUTPUT_TOKENS), \
                 (wl.prompt_tokens, wl.output_tokens)
+        if args.shard:
+            wl = wl.shard(*args.shard)
         check_fits(wl, opts["max_model_len"])
         shape = ("standard offline workload (random lengths)" if wl.is_default else
                  "random lengths" if args.input_len is None and args.output_len is None else
                  f"fixed lengths {len(wl.prompts[0])} in / {wl.max_tokens[0]} out")
+        if args.shard:
+            shape += ", shard {}/{} of it".format(*args.shard)
         print(f"model {common.model_label(args)}: {len(wl)} requests, {shape}, "
               f"{wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens", flush=True)
 
@@ -175,6 +195,7 @@ def main(args: argparse.Namespace) -> int:
             "model": common.model_label(args),
             "workload": "offline-default" if wl.is_default else "custom",
             "num_requests": len(outs),
+            "shard": args.shard,
             "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
             "temperature": args.temperature,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,

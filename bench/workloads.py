@@ -37,6 +37,12 @@ class Workload:
     def is_default(self) -> bool:
         return False
 
+    def shard(self, rank: int, size: int) -> "Workload":
+        """Requests rank, rank + size, ...: about what engine `rank` of DP=size gets from the
+        router (each request goes to the less loaded engine, so they alternate), for timing one
+        engine's share on one GPU."""
+        return Workload(self.prompts[rank::size], self.max_tokens[rank::size])
+
     def __len__(self) -> int:
         return len(self.prompts)
 

@@ -33,6 +33,12 @@ def test_default_offline_workload_totals():
     small = offline_workload(vocab_size=300)
     assert [len(p) for p in small.prompts] == [len(p) for p in prompts] and small.max_tokens == max_tokens
     assert max(max(p) for p in small.prompts) < 300
+    # DP=2's shards split it between them: every request once, the totals kept
+    shards = [wl.shard(r, 2) for r in range(2)]
+    assert not shards[0].is_default and [len(s) for s in shards] == [128, 128]
+    assert shards[1].prompts[0] == wl.prompts[1] and shards[1].max_tokens[-1] == wl.max_tokens[-1]
+    assert sum(s.prompt_tokens for s in shards) == OFFLINE_PROMPT_TOKENS
+    assert sum(s.output_tokens for s in shards) == OFFLINE_OUTPUT_TOKENS
 
 
 def test_fixed_workload():
@@ -64,17 +70,17 @@ def test_bench_throughput_tiny(model_factory, tmp_path):
     prof = tmp_path / "prof"
     r = _loom("throughput", "--model", model_factory("qwen3"), "--num-prompts", "4", "--input-len", "8",
               "--output-len", "8", "--output-json", str(out), "--sampling", "topp", "penalties", "logprobs", "n4seed",
-              "--profiler-dir", str(prof))
+              "--profiler-dir", str(prof), "--shard", "1/2")
     assert r.returncode == 0, r.stdout + r.stderr
     # the plain run was traced (a CPU trace: no GPU kernels to sum)
     assert list(prof.glob("throughput_*rank0*.json")) and "no kernels in" in r.stdout
     res = json.loads(out.read_text())
-    assert res["num_requests"] == 4
+    assert res["num_requests"] == 2 and res["shard"] == [1, 2]   # requests 1 and 3 of 4
     modes = res["sampling"]
     assert set(modes) == {"plain", "topp", "penalties", "logprobs", "n4sep", "n4seed"}
     assert modes["n4seed"]["baseline"] == "n4sep" and modes["topp"]["baseline"] == "plain"
     assert all(m["ratio"] > 0 for m in modes.values()) and "x of plain" in r.stdout
-    assert res["prompt_tokens"] == 32 and res["output_tokens"] == 32
+    assert res["prompt_tokens"] == 16 and res["output_tokens"] == 16
     assert res["output_tok_per_s"] > 0 and res["total_tok_per_s"] > res["output_tok_per_s"]
     assert "output tok/s" in r.stdout
 
