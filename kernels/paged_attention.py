@@ -262,25 +262,29 @@ def _split_kv_reduce_kernel(
 
 MIN_SPLIT_TOKENS = 32  # the least KV per split worth a program of its own
 MAX_KV_SPLITS = 32
-SPLIT_PROGRAMS_PER_SM = 16  # what a split decode aims for
+SPLIT_BELOW_PROGRAMS_PER_SM = 3  # a decode batch with fewer (sequence, KV head) programs per SM splits
+SPLIT_PROGRAMS_PER_SM = 4  # what a split decode aims for
 LONG_TILE_PROGRAMS_PER_SM = 6  # below this many unsplit decode programs per SM, 128-key tiles
+LONG_TILE_MAX_SPLITS = 4  # a decode split at most this many ways streams 128 keys per step, 2 deep
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                          device: torch.device) -> int:
     """Split-KV (flash-decoding) heuristic, for pure decode batches whose
-    (sequence, kv head) programs are fewer than two per SM: split each
-    sequence's KV until there are about SPLIT_PROGRAMS_PER_SM programs per SM,
-    with at least MIN_SPLIT_TOKENS keys per split (at most MAX_KV_SPLITS). On
-    an H200, 16 decodes of 100-2,000 keys take 33 us in 16 splits, 35 in 8 and
-    39 in 4; one decode at 1,024 keys 6.7 us in 32 splits against 10.0 in 4
-    (bench/tune_attention.py). Returns a power of two (1 = no split) so few
+    (sequence, kv head) programs are fewer than SPLIT_BELOW_PROGRAMS_PER_SM per
+    SM: split each sequence's KV until there are about SPLIT_PROGRAMS_PER_SM
+    programs per SM, with at least MIN_SPLIT_TOKENS keys per split (at most
+    MAX_KV_SPLITS). On an H200 (Qwen3-0.6B's heads, the offline workload's
+    contexts of 1,000-2,000 keys; bench/RESULTS.md, session 12): 28 decodes take
+    50 us in 2 splits against 69 in 8, 42 decodes 59 us in 2 against 65 unsplit,
+    13 decodes 32 us in 4 against 40 in 16; one decode at 1,024 keys 6.7 us in
+    32 splits against 10.0 in 4. Returns a power of two (1 = no split) so few
     kernel variants get compiled."""
     if max_query_len != 1 or max_seq_len < 2 * MIN_SPLIT_TOKENS:
         return 1
     programs = max(1, num_seqs * num_kv_heads)
     sms = sm_count(device)
-    if programs >= 2 * sms:
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * sms:
         return 1
     want = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_KV_SPLITS)
     if want < 2:
@@ -358,15 +362,21 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
     KV head), BLOCK_N keys per iteration, warps and pipeline stages. From
     bench/tune_attention.py on an H200: 64x32 tiles beat 128x64 by 13-17% on
-    prefill; a split decode (a few tiles per program) gains nothing from software
-    pipelining; an unsplit decode with few programs per SM (programs_per_sm:
+    prefill; an unsplit decode with few programs per SM (programs_per_sm:
     sequences x KV heads over SMs) streams 128 keys per step, 3 stages deep:
-    48 decodes of 100-2,000 keys take 63 us that way against 78-91 us with 64."""
+    48 decodes of 100-2,000 keys take 63 us that way against 78-91 us with 64.
+    A decode split a few ways has long splits, so it streams 128 keys 2 deep (28
+    decodes of 1,000-2,000 keys in 2 splits: 50 us, against 52-54 with 64 keys);
+    one split many ways has a few tiles per split, which gain nothing from
+    software pipelining (batch 1 at 256-2,000 keys, 32 splits: 6.5-7.5 us
+    unpipelined against 6.8-7.8 two stages deep)."""
     decode_bf16 = max_query_len == 1 and not is_fp32 and block_d <= 128
     block_n = 64 if decode_bf16 else 32
-    stages = 1 if num_splits > 1 else 2
+    stages = 1 if num_splits > LONG_TILE_MAX_SPLITS else 2
     if decode_bf16 and num_splits == 1 and 0 < programs_per_sm < LONG_TILE_PROGRAMS_PER_SM:
         block_n, stages = 128, 3
+    elif decode_bf16 and 1 < num_splits <= LONG_TILE_MAX_SPLITS:
+        block_n = 128
     block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
     return dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
 

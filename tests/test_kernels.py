@@ -240,6 +240,12 @@ def test_attention_decode_split_kv():
     assert pa.choose_num_kv_splits(1, 1, 1, 4096, torch.device("cpu")) > 1
     assert pa.choose_num_kv_splits(1, 1, 7, 4096, torch.device("cpu")) == 1
     assert pa.choose_num_kv_splits(1, 1, 1, 50, torch.device("cpu")) == 1
+    # (the CPU counts as 4 SMs) 2.5 programs per SM split two ways, 3 do not; a split a few ways
+    # streams 128-key tiles two stages deep, one split many ways is not pipelined
+    assert pa.choose_num_kv_splits(5, 2, 1, 4096, torch.device("cpu")) == 2
+    assert pa.choose_num_kv_splits(6, 2, 1, 4096, torch.device("cpu")) == 1
+    assert pa.tile_config(2, 128, 1, False, 2)["block_n"] == 128
+    assert pa.tile_config(2, 128, 1, False, 32)["num_stages"] == 1
     _check_attention([1], [600], hq=2, hkv=1, d=16, bs=16, splits=(None,), seed=3)
 
 
