@@ -3,7 +3,7 @@ KV splits) over decode and prefill shapes; print each shape's fastest configs
 beside today's default. The numbers behind kernels/paged_attention.py's
 tile_config and choose_num_kv_splits.
 
-    export PYTHONPATH=$PWD; python3 -m bench.tune_attention [--quick]
+    export PYTHONPATH=$PWD; python3 -m bench.tune_attention [--quick | --trajectory | --trajectory-sweep]
 
 Each variant is timed as a CUDA-graph replay (do_bench_cudagraph), as decode
 runs in the engine, and checked against the torch reference once.
@@ -19,6 +19,7 @@ import torch
 import triton
 
 from bench.kernels_gpu import _paged_batch
+from bench.workloads import Workload, offline_workload
 from kernels import paged_attention as pa
 from kernels.jit import sm_count
 
@@ -82,11 +83,28 @@ def main() -> int:
     ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
                     help="only decode batches of these sizes (default 64 128 256) with the offline "
                          "workload's mixed context lengths")
+    ap.add_argument("--trajectory", type=int, nargs="?", const=32, metavar="EVERY",
+                    help="today's defaults at every EVERY-th decode step (default 32) of the offline workload "
+                         "and of each DP=2 engine's half (bench throughput --shard 0/2, 1/2): attention time "
+                         "per layer over the run")
+    ap.add_argument("--trajectory-sweep", action="store_true",
+                    help="sweep split counts and tiles at the late, small decode batches of the offline "
+                         "workload and its halves, where split-KV decides")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     if args.mixed is not None:
         return mixed(args.top, gen, args.mixed or (64, 128, 256))
+    if args.trajectory is not None:
+        return trajectory(gen, args.trajectory)
+    if args.trajectory_sweep:
+        grid = _grid(splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
+        halves = {"whole": offline_workload(), "shard 0/2": offline_workload().shard(0, 2)}
+        for name, step in [("shard 0/2", t) for t in (384, 512, 640, 704, 768, 832, 896, 960, 1000)] + \
+                          [("whole", t) for t in (768, 832, 896, 960, 1000)]:
+            lens = decode_batch(halves[name], step)
+            sweep(f"{name} step {step}: decode {len(lens)}", "qwen3", [1] * len(lens), lens, grid, args.top, gen)
+        return 0
     decode = _grid(splits=[1, 4, 8, 16, 32], block_n=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 3])
     if args.quick:
         decode = decode[::7]
@@ -100,6 +118,34 @@ def main() -> int:
     prefill = _grid(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
     for model in ("qwen3", "llama8b"):
         sweep("prefill 8x1024", model, [1024] * 8, [1024] * 8, prefill, args.top, gen)
+    return 0
+
+
+def decode_batch(workload: Workload, step: int) -> list[int]:
+    """The context lengths of the decode batch at decode step `step` of a workload run alone
+    (every request admitted at once, as the offline workload's 256 are)."""
+    return [len(p) + step + 1 for p, m in zip(workload.prompts, workload.max_tokens) if m > step]
+
+
+def trajectory(gen, every: int) -> int:
+    """Attention with today's defaults over a run's decode steps, per layer (Qwen3-0.6B's heads):
+    the whole offline workload, then each half that an engine of DP=2 gets."""
+    hq, hkv, d = SHAPES["qwen3"]
+    whole = offline_workload()
+    for name, workload in (("whole", whole), ("shard 0/2", whole.shard(0, 2)), ("shard 1/2", whole.shard(1, 2))):
+        total_ms = total_bytes = 0.0
+        steps = max(workload.max_tokens)
+        for step in range(0, steps, every):
+            lens = decode_batch(workload, step)
+            q, kc, vc, qsl, sl, bt = _paged_batch([1] * len(lens), lens, hq, hkv, d, 16, torch.bfloat16, "cuda", gen)
+            order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+            weight = min(every, steps - step)
+            total_ms += weight * _time(lambda: pa.paged_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, 1, max(lens),
+                                                                  seq_order=order))
+            total_bytes += weight * sum(lens) * hkv * d * 2 * 2
+            del q, kc, vc
+        print(f"{name}: {total_ms:.1f} ms per layer over {steps} decode steps "
+              f"({total_bytes / total_ms / 1e9:.2f} TB/s)", flush=True)
     return 0
 
 
