@@ -60,7 +60,9 @@ def sweep(label: str, model: str, q_lens, seq_lens, grid: list[dict], top: int, 
             rows.append((ms, splits, {**tiles, **({"ordered": True} if so is not None else {})}, err))
     finally:
         pa.tile_config = original
-    default = _time(lambda: pa.paged_attention(*args))
+    # a pure decode step runs longest first in the engine (seq_order), so its default does too
+    default_order = order if max(q_lens) == 1 else None
+    default = _time(lambda: pa.paged_attention(*args, seq_order=default_order))
     rows.sort(key=lambda r: r[0])
     default_tiles = original(hq // hkv, d, max(q_lens), False, default_splits, len(seq_lens) * hkv / sm_count(q.device))
     print(f"\n== {model} {label}: default {default * 1e3:.1f} us (splits {default_splits}, {default_tiles}), "
@@ -98,7 +100,7 @@ def main() -> int:
     if args.trajectory is not None:
         return trajectory(gen, args.trajectory)
     if args.trajectory_sweep:
-        grid = _grid(splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
+        grid = _grid(ordered=[True], splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
         halves = {"whole": offline_workload(), "shard 0/2": offline_workload().shard(0, 2)}
         for name, step in [("shard 0/2", t) for t in (384, 512, 640, 704, 768, 832, 896, 960, 1000)] + \
                           [("whole", t) for t in (768, 832, 896, 960, 1000)]:
