@@ -13,6 +13,8 @@ sequence i has queries q[query_start_loc[i]:query_start_loc[i+1]], which are the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -346,15 +348,29 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_table = block_table.contiguous()
     max_query_len = max(1, int(max_query_len))
     nd = int(num_decodes)
+    kv = (key_cache, value_cache)
     if 0 < nd < num_seqs and max_query_len > 1:
-        _attention_launch(query, key_cache, value_cache, out, query_start_loc[:nd + 1], seq_lens[:nd],
-                          block_table[:nd], scale, 1, max_seq_len, num_kv_splits, 0, nd)
-        _attention_launch(query, key_cache, value_cache, out, query_start_loc[nd:], seq_lens[nd:],
-                          block_table[nd:], scale, max_query_len, max_seq_len, num_kv_splits, nd, num_tokens)
+        decodes = _Launch(query_start_loc[:nd + 1], seq_lens[:nd], block_table[:nd], 1, 0, nd)
+        prefills = _Launch(query_start_loc[nd:], seq_lens[nd:], block_table[nd:], max_query_len, nd, num_tokens)
+        _attention_launch(query, kv, out, decodes, scale, max_seq_len, num_kv_splits)
+        _attention_launch(query, kv, out, prefills, scale, max_seq_len, num_kv_splits)
     else:
-        _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-                          scale, max_query_len, max_seq_len, num_kv_splits, 0, num_tokens, seq_order)
+        batch = _Launch(query_start_loc, seq_lens, block_table, max_query_len, 0, num_tokens, seq_order)
+        _attention_launch(query, kv, out, batch, scale, max_seq_len, num_kv_splits)
     return out
+
+
+@dataclass(slots=True)
+class _Launch:
+    """The sequences of one kernel launch: query_start_loc holds absolute token indices, and
+    every token they own is in [tok_lo, tok_hi)."""
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    tok_lo: int
+    tok_hi: int
+    seq_order: torch.Tensor | None = None
 
 
 def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num_splits: int,
@@ -381,33 +397,33 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     return dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
 
 
-def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      max_query_len, max_seq_len, num_kv_splits, tok_lo, tok_hi, seq_order=None):
-    """One launch over the sequences given (query_start_loc holds absolute token
-    indices; every token they own is in [tok_lo, tok_hi))."""
+def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
+                      launch: _Launch, scale: float, max_seq_len: int, num_kv_splits: int | None) -> None:
+    """One kernel launch (two with split-KV) over the sequences of `launch`."""
+    key_cache, value_cache = kv
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
+    num_seqs = launch.seq_lens.shape[0]
+    num_tokens = launch.tok_hi - launch.tok_lo
+    if num_tokens <= 0 or num_seqs == 0:
+        return
 
     if num_kv_splits is None:
-        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, query.device)
+        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
     else:
         num_splits = max(1, int(num_kv_splits))
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_fp32 = query.dtype == torch.float32
-    tiles = tile_config(group, block_d, max_query_len, is_fp32, num_splits,
+    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits,
                         num_seqs * num_kv_heads / sm_count(query.device))
     block_m = tiles["block_m"]
     block_q = block_m // group
-    one_tile = max_query_len <= block_q
+    one_tile = launch.max_query_len <= block_q
 
-    num_tiles = num_seqs if one_tile else tok_hi // block_q + num_seqs
-    ordered = seq_order is not None and one_tile  # (the order maps whole sequences to programs)
+    num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
+    ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)
     grid = (num_seqs * num_kv_heads, 1, num_splits) if ordered else (num_tiles, num_kv_heads, num_splits)
-    num_tokens = tok_hi - tok_lo
-    if num_tokens <= 0 or num_seqs == 0:
-        return
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
@@ -417,12 +433,13 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     pdl = pdl_args(query)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
-        query_start_loc, seq_lens, block_table, seq_order if ordered else seq_lens,
-        float(scale) * 1.4426950408889634, num_seqs, num_q_heads, tok_lo,
+        launch.query_start_loc, launch.seq_lens, launch.block_table,
+        launch.seq_order if ordered else launch.seq_lens,
+        float(scale) * 1.4426950408889634, num_seqs, num_q_heads, launch.tok_lo,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0),
+        launch.block_table.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
@@ -431,7 +448,7 @@ def _attention_launch(query, key_cache, value_cache, out, query_start_loc, seq_l
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, tok_lo,
+            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, launch.tok_lo,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
         )
