@@ -97,7 +97,7 @@ class MultiModalProcessor:
         """(placeholder tokens, processed arrays) of one image."""
         t0 = time.perf_counter()
         try:
-            out = self.image_processor(images=[img], return_tensors="np", **kwargs)
+            out = self.image_processor(images=[img], return_tensors="np", **self._call_kwargs(kwargs))
         except Exception as e:
             raise MediaError(f"the image processor failed: {e}") from None
         self.stats.processing_secs += time.perf_counter() - t0
@@ -115,6 +115,20 @@ class MultiModalProcessor:
             raise MediaError(f"the image makes {n} tokens; at most {self.config.mm_max_item_tokens} "
                              "are accepted (lower max_pixels)")
         return n, arrays
+
+    def _call_kwargs(self, kwargs: dict) -> dict:
+        """A request's mm_processor_kwargs as the processor call takes them. vLLM's clients bound a
+        Qwen-VL image by min_pixels / max_pixels; transformers 5 deprecates those in the call and
+        reads them from size = {"shortest_edge": min, "longest_edge": max}."""
+        if self.model_type not in QWEN_VL_TYPES or not ({"min_pixels", "max_pixels"} & kwargs.keys()):
+            return kwargs
+        kwargs = dict(kwargs)
+        size = dict(kwargs.pop("size", None) or self.image_processor.size)
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if kwargs.get(key) is not None:
+                size[edge] = kwargs[key]
+            kwargs.pop(key, None)
+        return {**kwargs, "size": size}
 
     def _store_item(self, img, kwargs: dict) -> tuple[str, int, int]:
         """(hash, placeholder tokens, store address), processing only on a cache miss."""

@@ -100,9 +100,12 @@ def hf_qwen_vl_greedy(model_dir: str, prompt: str, images: list, max_new_tokens:
     ip = AutoImageProcessor.from_pretrained(model_dir)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     ids = tok.encode(prompt)
-    kwargs = {}
+    kwargs, mm_kwargs = {}, dict(mm_kwargs or {})
+    if "min_pixels" in mm_kwargs or "max_pixels" in mm_kwargs:  # transformers 5 takes the bounds as size
+        mm_kwargs["size"] = {"shortest_edge": mm_kwargs.pop("min_pixels", ip.size["shortest_edge"]),
+                             "longest_edge": mm_kwargs.pop("max_pixels", ip.size["longest_edge"])}
     if images:
-        out = ip(images=images, return_tensors="pt", **(mm_kwargs or {}))
+        out = ip(images=images, return_tensors="pt", **mm_kwargs)
         kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
         counts = [int(g.prod()) // ip.merge_size ** 2 for g in out["image_grid_thw"]]
         expanded = []
