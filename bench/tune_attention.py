@@ -101,7 +101,8 @@ def main() -> int:
         return trajectory(gen, args.trajectory)
     if args.trajectory_sweep:
         grid = _grid(ordered=[True], splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
-        halves = {"whole": offline_workload(), "shard 0/2": offline_workload().shard(0, 2)}
+        whole = offline_workload()
+        halves = {"whole": whole, "shard 0/2": whole.shard(0, 2)}
         for name, step in [("shard 0/2", t) for t in (384, 512, 640, 704, 768, 832, 896, 960, 1000)] + \
                           [("whole", t) for t in (768, 832, 896, 960, 1000)]:
             lens = decode_batch(halves[name], step)
