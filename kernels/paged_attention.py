@@ -381,8 +381,8 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     prefill; an unsplit decode with few programs per SM (programs_per_sm:
     sequences x KV heads over SMs) streams 128 keys per step, 3 stages deep:
     48 decodes of 100-2,000 keys take 63 us that way against 78-91 us with 64.
-    A decode split a few ways has long splits, so it streams 128 keys 2 deep (28
-    decodes of 1,000-2,000 keys in 2 splits: 50 us, against 52-54 with 64 keys);
+    A decode split a few ways has long splits, so it streams 128 keys 2 deep (42
+    decodes of 800-1,700 keys in 2 splits: 59 us, against 63 with 64-key tiles);
     one split many ways has a few tiles per split, which gain nothing from
     software pipelining (batch 1 at 256-2,000 keys, 32 splits: 6.5-7.5 us
     unpipelined against 6.8-7.8 two stages deep)."""
