@@ -37,14 +37,22 @@ SHAPES = {
     "llama70b-tp2-fused": [("qkv", 5120, 8192, "none"), ("gate_up", 28672, 8192, "none")],
     "qwen3-8b-tp2-fused": [("qkv", 3072, 4096, "none"), ("gate_up", 12288, 4096, "none")],
 }
-# swept at 1 and MAX_ROWS rows; tiles whose [rows, BLOCK_N, BLOCK_K] product needs more than
-# 128 fp32 registers per thread are skipped (they spill)
+# the GEMV's, swept at 1 and MAX_ROWS rows; tiles whose [rows, BLOCK_N, BLOCK_K] product needs
+# more than 128 fp32 registers per thread are skipped (they spill)
 GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
         for bn, bk, w, s in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [4, 8], [1, 3, 5])]
+# kernels/skinny_gemm.py's, above MAX_ROWS rows; split_k is kept where the grid has 1/2 to 2
+# programs per SM (fewer leave SMs idle; more only add partial sums)
+MMA_GRID = [dict(block_n=bn, block_k=bk, split_k=sk, swap=sw, num_warps=4, num_stages=s)
+            for bn, bk, sk, sw, s in itertools.product([32, 64], [64, 128, 256], [1, 2, 4, 8], [False, True], [4, 5])]
+ROW_BUCKETS = [1, gv.MAX_ROWS, 16, 32, gv.MAX_DECODE_ROWS]
 
 
-def fits(tiles: dict, rows: int) -> bool:
-    return rows * tiles["block_n"] * tiles["block_k"] <= 128 * 32 * tiles["num_warps"]
+def fits(tiles: dict, rows: int, n: int, sms: int) -> bool:
+    if rows <= gv.MAX_ROWS:
+        return rows * tiles["block_n"] * tiles["block_k"] <= 128 * 32 * tiles["num_warps"]
+    programs = -(-n // tiles["block_n"]) * tiles["split_k"]
+    return sms // 2 <= programs <= 2 * sms
 
 
 def per_call_us(fn, copies: int, iters: int = 10) -> float:
@@ -114,17 +122,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="models to sweep")
     ap.add_argument("--top", type=int, default=3, help="tiles per shape (of the plain sweep) to time with the prologue")
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, gv.MAX_ROWS], choices=[1, gv.MAX_ROWS],
-                    help="row buckets to sweep")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, gv.MAX_ROWS], choices=ROW_BUCKETS,
+                    help="row buckets to sweep (above MAX_ROWS: kernels/skinny_gemm.py's tiles)")
     ap.add_argument("--margin", type=float, default=0.03, help="the GEMV must beat the unfused ops by this much")
     ap.add_argument("--block-n", nargs="+", type=int, help="sweep only these BLOCK_N (default: all)")
     ap.add_argument("--block-k", nargs="+", type=int, help="sweep only these BLOCK_K (default: all)")
     ap.add_argument("--num-stages", nargs="+", type=int, help="sweep only these num_stages (default: all)")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
-    grid = [t for t in GRID if (not args.block_n or t["block_n"] in args.block_n)
-            and (not args.block_k or t["block_k"] in args.block_k)
-            and (not args.num_stages or t["num_stages"] in args.num_stages)]
+    def chosen_grid(grid):
+        return [t for t in grid if (not args.block_n or t["block_n"] in args.block_n)
+                and (not args.block_k or t["block_k"] in args.block_k)
+                and (not args.num_stages or t["num_stages"] in args.num_stages)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen: dict[str, dict | None] = {}
@@ -137,7 +147,8 @@ def main() -> int:
                 # the tiles swept without a prologue, then the best few with it, against the unfused ops
                 base = Case(n, k, "none", rows, gen)
                 swept = []
-                for t in (t for t in grid if fits(t, rows)):
+                grid = chosen_grid(GRID if rows <= gv.MAX_ROWS else MMA_GRID)
+                for t in (t for t in grid if fits(t, rows, n, sms)):
                     try:
                         swept.append((per_call_us(base.fused(t), base.copies), t))
                     except Exception as exc:  # out of resources for this tile
@@ -149,7 +160,7 @@ def main() -> int:
                 timed = [(per_call_us(case.fused(t), case.copies), i) for i, (_, t) in enumerate(swept[:args.top])]
                 us, i = min(timed)
                 best = swept[i][1]
-                if prologue != "none":  # or the separate prologue kernel, then the best plain tiles
+                if prologue != "none" and rows <= gv.MAX_ROWS:  # or the prologue's own kernel first
                     split_us = per_call_us(case.split(swept[0][1]), case.copies)
                     print(f"  rows={rows}: prologue kernel + plain gemv {split_us:6.1f} us", flush=True)
                     if split_us < us:

@@ -27,6 +27,9 @@ row, it beats cuBLAS on every tuned shape: a Qwen3-0.6B layer's linears 35.8 -> 
 us, a Llama-3.1-8B layer's 123.9 -> 108.9 us (gate_up at 4.29 TB/s). On weights above
 ~25 MB the prologue runs as its own kernel first ("fuse": false), since there every
 program's own pass over x costs more than that kernel. 2-8 rows keep cuBLAS.
+
+From 9 to MAX_DECODE_ROWS rows, `gemv` runs the prologue's own kernel and then
+kernels/skinny_gemm.py (tensor cores) where its tiles are tuned and faster than cuBLAS.
 """
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ import triton.language as tl
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.skinny_gemm import skinny_gemm
 
-MAX_ROWS = 8
+MAX_ROWS = 8  # this module's kernel; up to MAX_DECODE_ROWS, kernels/skinny_gemm.py
+MAX_DECODE_ROWS = 64
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_mul")
 _ADD_NORM, _SILU = PROLOGUES.index("add_rms_norm"), PROLOGUES.index("silu_mul")  # the kernel's PROLOGUE codes
 
@@ -175,8 +180,9 @@ def _weight_tile(w_rows, kk, n_ok, K, EVEN: tl.constexpr):
 
 # Tiles per weight shape and batch rows, measured by `python -m bench.tune_gemv --write` on an
 # H200: {"ROWS:NxK:PROLOGUE" (or "ROWS:NxK", any prologue): tiles, or null where cuBLAS after
-# the separate kernel was faster}, ROWS the row bucket (1, or MAX_ROWS for 2..MAX_ROWS: more
-# rows need smaller tiles for the registers). Tiles with "fuse": false run the prologue's own
+# the separate kernel was faster}, ROWS the row bucket (row_bucket: 1; MAX_ROWS for 2..MAX_ROWS,
+# where more rows need smaller tiles for the registers; then 16, 32 and 64, skinny_gemm's
+# tiles, with "split_k" and "swap"). Tiles with "fuse": false run the prologue's own
 # kernel and then the GEMV without it: on large weights (Llama-3.1-8B's gate_up and down) the
 # GEMV streams faster than cuBLAS, but thousands of programs each computing the norm cost more
 # than the one norm kernel, whose run the GEMV's first weight loads overlap under PDL. Under
@@ -186,9 +192,14 @@ TILES_FILE = Path(__file__).with_name("gemv_tiles.json")
 _TUNED: dict[str, dict | None] = json.loads(TILES_FILE.read_text()) if TILES_FILE.exists() else {}
 
 
+def row_bucket(m: int) -> int:
+    """The rows that tiles are tuned at for a batch of m (1 <= m <= MAX_DECODE_ROWS)."""
+    return m if m == 1 else max(MAX_ROWS, triton.next_power_of_2(m))
+
+
 def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | None:
     """The tiles for a [n, k] weight at m rows; None: the unfused ops are faster there."""
-    key = f"{1 if m == 1 else MAX_ROWS}:{n}x{k}"
+    key = f"{row_bucket(m)}:{n}x{k}"
     for k_ in (f"{key}:{prologue}", key):
         if k_ in _TUNED:
             return _TUNED[k_]
@@ -221,19 +232,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          out: torch.Tensor | None = None, tiles: dict | None = None):
-    """x [M <= MAX_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
+    """x [M <= MAX_DECODE_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
     contiguous -> (y [M, N] in x.dtype, written into `out` when given; the new residual
     for add_rms_norm, else None). `tiles` overrides tile_config (tuning)."""
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape
-    assert m <= MAX_ROWS and weight.is_contiguous() and x.stride(-1) == 1
+    assert m <= MAX_DECODE_ROWS and weight.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
     t = (tiles or tile_config(n, k, m, prologue)) if runs_triton(_gemv_kernel, x) else None
-    if t is not None and tiles is None and is_interpreted(_gemv_kernel):
+    if t is not None and tiles is None and is_interpreted(_gemv_kernel) and m <= MAX_ROWS:
         t = _interpreter_tiles(n, k)
     if t is None:
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
+    if m > MAX_ROWS:
+        x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
+        return skinny_gemm(x, weight, bias, t, MAX_DECODE_ROWS, out=out), new_residual
     if code and not t.get("fuse", True):
         x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
         return gemv(x, weight, bias, out=out, tiles=t)[0], new_residual

@@ -38,6 +38,7 @@ _KERNELS = {
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
     "gemv": ["_gemv_kernel"],
+    "skinny_gemm": ["_skinny_gemm_kernel"],
     "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
     "decode_inputs": ["_decode_inputs_kernel"],
 }
@@ -455,16 +456,26 @@ def test_gemv(prologue, dtype):
     tiles = dict(block_n=8, block_k=64, num_warps=4, num_stages=1)
     even = dict(block_n=4, block_k=8, num_warps=4, num_stages=1)  # divide [44, 200]: no masks
     split = dict(tiles, fuse=False)  # the prologue's own kernel, then the plain GEMV
+    # above 8 rows, kernels/skinny_gemm.py: K in 3 splits of 2 x 32 (the last one short), or one
+    # pass with the product transposed
+    mma = dict(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=1)
+    mma_swap = dict(block_n=16, block_k=64, split_k=1, swap=True, num_warps=4, num_stages=1)
 
     def close(y, y_ref):  # bf16: a sum of k products cancels, so allow ulps of the largest output
         scale = (4e-2 if INTERPRET else 1e-2) * y_ref.abs().max().item()
         torch.testing.assert_close(y, y_ref, **(dict(atol=scale, rtol=0) if dtype == torch.bfloat16 else tol))
 
-    for m in (1, 3, 8):
+    for m in (1, 3, 8, 12, 40):
         x = _randn(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, g=g, scale=2.0)
         r = _randn(m, k, dtype=dtype, g=g)
         kw = dict(prologue=prologue, residual=r if prologue == "add_rms_norm" else None, norm_weight=nw, eps=1e-6)
-        cases = ((None, tiles), (bias, tiles), (None, split)) + (((bias, even),) if m == 1 else ())
+        if m > gv.MAX_ROWS:
+            cases = ((None, mma), (bias, mma), (bias, mma_swap))
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+            assert gv.gemv(x, w, out=out, tiles=mma, **kw)[0].data_ptr() == out.data_ptr()
+            close(out, gv.gemv_ref(x, w, **kw)[0])
+        else:
+            cases = ((None, tiles), (bias, tiles), (None, split)) + (((bias, even),) if m == 1 else ())
         for b, t in cases:
             y, new_r = gv.gemv(x, w, b, tiles=t, **kw)
             y_ref, new_r_ref = gv.gemv_ref(x, w, b, **kw)

@@ -182,12 +182,12 @@ def test_matches_hf(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama-biases", "qwen3"])
 def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     """The layers' decode path through kernels/gemv.py (norm fused into the qkv and gate/up
-    projections, SiLU into down): steps of up to 8 tokens take it, the prefills do not."""
+    projections, SiLU into down): decode-sized steps take it, the prefills do not."""
     from kernels import gemv
     from workers.models import layers
     calls = []
     monkeypatch.setattr(layers, "gemv", lambda *a, **kw: calls.append(kw.get("prologue", "none")) or gemv.gemv(*a, **kw))
-    monkeypatch.setattr(layers, "gemv_max_rows", gemv.MAX_ROWS)
+    monkeypatch.setattr(layers, "gemv_max_rows", gemv.MAX_DECODE_ROWS)
     arch, overrides = CASES[case]
     hf = make_hf_model(make_config(arch, **overrides))
     ours = load_model(save(hf, tmp_path), torch.float32, "cpu")

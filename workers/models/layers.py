@@ -5,9 +5,10 @@ Every hot op goes through one module-level name (`rms_norm`,
 reference from kernels/ by default, rebound to the Triton kernel by
 use_triton_kernels(). The layers look the name up at run time, so nothing else
 changes. On the Triton path, linears of decode-sized batches (up to
-kernels.gemv.MAX_ROWS rows) run kernels/gemv.py, which also takes over the
-norm before the qkv and gate/up projections and the SiLU before the down
-projection (LOOM_GEMV=0 turns it off, for A/B runs).
+kernels.gemv.MAX_DECODE_ROWS rows) run kernels/gemv.py, which also takes over
+the norm before the qkv and gate/up projections and the SiLU before the down
+projection, and runs tensor-core kernels or cuBLAS above 8 rows, whichever its
+tuned tiles say is faster (LOOM_GEMV=0 turns it off, for A/B runs).
 
 Parameters are created with `torch.empty` (no init): the model is built under
 `torch.device(...)` and a default dtype by `workers.model_loader`, and then every
@@ -58,7 +59,7 @@ def use_triton_kernels() -> None:
                      silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
     if os.environ.get("LOOM_GEMV", "1") != "0":
         from kernels import gemv as gemv_kernel
-        globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_ROWS)
+        globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_DECODE_ROWS)
 
 
 def use_gemv(x: torch.Tensor) -> bool:
