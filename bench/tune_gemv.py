@@ -41,8 +41,8 @@ SHAPES = {
 # more than 128 fp32 registers per thread are skipped (they spill)
 GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
         for bn, bk, w, s in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [4, 8], [1, 3, 5])]
-# kernels/skinny_gemm.py's, above MAX_ROWS rows; split_k is kept where the grid has 1/2 to 2
-# programs per SM (fewer leave SMs idle; more only add partial sums)
+# kernels/skinny_gemm.py's, above MAX_ROWS rows; split_k > 1 is kept where the grid has 1/2 to
+# 2 programs per SM (fewer leave SMs idle; more only add partial sums), split_k 1 from 1/2
 MMA_GRID = [dict(block_n=bn, block_k=bk, split_k=sk, swap=sw, num_warps=4, num_stages=s)
             for bn, bk, sk, sw, s in itertools.product([32, 64], [64, 128, 256], [1, 2, 4, 8], [False, True], [4, 5])]
 ROW_BUCKETS = [1, gv.MAX_ROWS, 16, 32, gv.MAX_DECODE_ROWS]
@@ -52,7 +52,7 @@ def fits(tiles: dict, rows: int, n: int, sms: int) -> bool:
     if rows <= gv.MAX_ROWS:
         return rows * tiles["block_n"] * tiles["block_k"] <= 128 * 32 * tiles["num_warps"]
     programs = -(-n // tiles["block_n"]) * tiles["split_k"]
-    return sms // 2 <= programs <= 2 * sms
+    return sms // 2 <= programs and (tiles["split_k"] == 1 or programs <= 2 * sms)
 
 
 def per_call_us(fn, copies: int, iters: int = 10) -> float:
