@@ -492,6 +492,16 @@ def test_gemv(prologue, dtype):
         close(out, gv.gemv_ref(x, w, **kw)[0])
 
 
+def test_gemv_row_buckets():
+    """Tiles are tuned at 1, 8, 16, 32 and 64 rows; a batch takes its bucket's (tensor-core
+    tiles above 8 rows, where the H200 sweep found them faster than cuBLAS; None: cuBLAS)."""
+    assert [gv.row_bucket(m) for m in (1, 2, 8, 9, 16, 17, 33, 64)] == [1, 8, 8, 16, 16, 32, 64, 64]
+    assert gv.tile_config(4096, 1024, 12, "add_rms_norm")["split_k"] == 1  # Qwen3-0.6B's qkv
+    assert gv.tile_config(1024, 2048, 40)["split_k"] > 1  # its o_proj: 1,024 columns over the SMs
+    assert gv.tile_config(1024, 3072, 32, "silu_mul") is None  # its down_proj at 17-32 rows: cuBLAS
+    assert gv.tile_config(44, 200, 40) is None  # untuned shapes keep cuBLAS above 8 rows
+
+
 # --------------------------------------------------------------------------
 # sampling
 # --------------------------------------------------------------------------
