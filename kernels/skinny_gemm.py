@@ -99,15 +99,18 @@ def _mma(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.cons
 
 
 _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: CUDA graphs captured with them still use them
 
 
 def _workspace(device: torch.device, n: int, split_k: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K partials (fp32) and the per-tile counters (zero between calls) of a device,
-    sized on first use for max_rows rows, so that the calls of one shape, eager or in a CUDA
-    graph, all use one buffer (a decode graph's warm-up runs eagerly, before its capture)."""
+    """The split-K partials (fp32) and the per-tile counters (zero between calls) of a device.
+    Sized for max_rows rows, so a shape's calls at any batch share one buffer; the tuned tiles
+    all fit the first 4 MiB (bench.tune_gemv splits K only up to 2 programs per SM)."""
     ws, counts = _WORKSPACE.get(device, (None, None))
     need = split_k * max_rows * n
     if ws is None or ws.numel() < need:
+        if ws is not None:
+            _RETIRED.append(ws)
         ws = torch.empty(max(need, _MIN_WORKSPACE), dtype=torch.float32, device=device)
         counts = counts if counts is not None else torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
         _WORKSPACE[device] = (ws, counts)
