@@ -43,9 +43,10 @@ GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
         for bn, bk, w, s in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048], [4, 8], [1, 3, 5])]
 # kernels/skinny_gemm.py's, above MAX_ROWS rows; split_k > 1 is kept where the grid has 1/2 to
 # 2 programs per SM (fewer leave SMs idle; more only add partial sums), split_k 1 from 1/2
-MMA_GRID = [dict(block_n=bn, block_k=bk, split_k=sk, swap=sw, num_warps=4, num_stages=s)
-            for bn, bk, sk, sw, s in itertools.product([32, 64], [64, 128, 256], [1, 2, 4, 8], [False, True], [4, 5])]
-ROW_BUCKETS = [1, gv.MAX_ROWS, 16, 32, gv.MAX_DECODE_ROWS]
+MMA_GRID = [dict(block_n=bn, block_k=bk, split_k=sk, swap=sw, num_warps=w, num_stages=s)
+            for bn, bk, sk, sw, w, s in itertools.product([32, 64, 128], [64, 128, 256], [1, 2, 4, 8], [False, True],
+                                                          [4, 8], [3, 4, 5])]
+ROW_BUCKETS = [b for b in (1, gv.MAX_ROWS, 16, 32, 64, 128) if b <= gv.MAX_DECODE_ROWS]
 
 
 def fits(tiles: dict, rows: int, n: int, sms: int) -> bool:
@@ -128,12 +129,14 @@ def main() -> int:
     ap.add_argument("--block-n", nargs="+", type=int, help="sweep only these BLOCK_N (default: all)")
     ap.add_argument("--block-k", nargs="+", type=int, help="sweep only these BLOCK_K (default: all)")
     ap.add_argument("--num-stages", nargs="+", type=int, help="sweep only these num_stages (default: all)")
+    ap.add_argument("--num-warps", nargs="+", type=int, help="sweep only these num_warps (default: all)")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
     def chosen_grid(grid):
         return [t for t in grid if (not args.block_n or t["block_n"] in args.block_n)
                 and (not args.block_k or t["block_k"] in args.block_k)
-                and (not args.num_stages or t["num_stages"] in args.num_stages)]
+                and (not args.num_stages or t["num_stages"] in args.num_stages)
+                and (not args.num_warps or t["num_warps"] in args.num_warps)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
