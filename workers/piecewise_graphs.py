@@ -84,12 +84,17 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, the largest first (the others reuse its memory). One eager
+        """Capture every size, the largest first (the others reuse its memory). An eager
         forward at the largest size first compiles the kernels and sets up cuBLAS on the
-        capture stream; the kernels do not specialize on the (multiple-of-16) sizes."""
+        capture stream; the kernels do not specialize on the (multiple-of-16) sizes, except
+        the decode-sized linears (kernels/gemv.py: a variant per row bucket, and a split-K
+        workspace), so every size up to layers.gemv_max_rows runs once eagerly too."""
+        from workers.models import layers
+        warm_up = [self.sizes[-1]] + [s for s in self.sizes[:-1] if s <= layers.gemv_max_rows]
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            self.model(*self._args(self.sizes[-1], split=False))
+            for size in warm_up:
+                self.model(*self._args(size, split=False))
             for size in reversed(self.sizes):
                 self._capture(size)
         torch.cuda.current_stream().wait_stream(self._stream)
