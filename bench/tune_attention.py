@@ -100,14 +100,7 @@ def main() -> int:
     if args.trajectory is not None:
         return trajectory(gen, args.trajectory)
     if args.trajectory_sweep:
-        grid = _grid(ordered=[True], splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
-        whole = offline_workload()
-        halves = {"whole": whole, "shard 0/2": whole.shard(0, 2)}
-        for name, step in [("shard 0/2", t) for t in (384, 512, 640, 704, 768, 832, 896, 960, 1000)] + \
-                          [("whole", t) for t in (768, 832, 896, 960, 1000)]:
-            lens = decode_batch(halves[name], step)
-            sweep(f"{name} step {step}: decode {len(lens)}", "qwen3", [1] * len(lens), lens, grid, args.top, gen)
-        return 0
+        return trajectory_sweep(gen, args.top)
     decode = _grid(splits=[1, 4, 8, 16, 32], block_n=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 3])
     if args.quick:
         decode = decode[::7]
@@ -149,6 +142,19 @@ def trajectory(gen, every: int) -> int:
             del q, kc, vc
         print(f"{name}: {total_ms:.1f} ms per layer over {steps} decode steps "
               f"({total_bytes / total_ms / 1e9:.2f} TB/s)", flush=True)
+    return 0
+
+
+def trajectory_sweep(gen, top: int) -> int:
+    """Split counts and tiles at the late, small decode batches of the offline workload and of
+    DP=2's first half, where split-KV decides."""
+    grid = _grid(ordered=[True], splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4], num_stages=[1, 2, 3])
+    whole = offline_workload()
+    halves = {"whole": whole, "shard 0/2": whole.shard(0, 2)}
+    for name, step in [("shard 0/2", t) for t in (384, 512, 640, 704, 768, 832, 896, 960, 1000)] + \
+                      [("whole", t) for t in (768, 832, 896, 960, 1000)]:
+        lens = decode_batch(halves[name], step)
+        sweep(f"{name} step {step}: decode {len(lens)}", "qwen3", [1] * len(lens), lens, grid, top, gen)
     return 0
 
 

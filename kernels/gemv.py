@@ -44,10 +44,9 @@ import triton.language as tl
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.skinny_gemm import skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS as MAX_DECODE_ROWS, skinny_gemm
 
 MAX_ROWS = 8  # this module's kernel; up to MAX_DECODE_ROWS, kernels/skinny_gemm.py
-MAX_DECODE_ROWS = 64
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "silu_mul")
 _ADD_NORM, _SILU = PROLOGUES.index("add_rms_norm"), PROLOGUES.index("silu_mul")  # the kernel's PROLOGUE codes
 
@@ -245,12 +244,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         t = _interpreter_tiles(n, k)
     if t is None:
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
-    if m > MAX_ROWS:
-        x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
-        return skinny_gemm(x, weight, bias, t, MAX_DECODE_ROWS, out=out), new_residual
-    if code and not t.get("fuse", True):
+    if code and (m > MAX_ROWS or not t.get("fuse", True)):  # the prologue's own kernel first
         x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
         return gemv(x, weight, bias, out=out, tiles=t)[0], new_residual
+    if m > MAX_ROWS:
+        return skinny_gemm(x, weight, bias, t, out=out), None
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if code == _ADD_NORM else None
     if code == _ADD_NORM:

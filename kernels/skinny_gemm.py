@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels.jit import is_interpreted, pdl_args, pdl_wait
 
+MAX_ROWS = 64  # rows of a call (kernels/gemv.py sends 9 to 64; cuBLAS was faster at 128)
 MAX_TILES = 4096  # column tiles of one call: the split-K counters
 _MIN_WORKSPACE = 1 << 20  # fp32 elements
 
@@ -102,12 +103,12 @@ _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown workspaces: CUDA graphs captured with them still use them
 
 
-def _workspace(device: torch.device, n: int, split_k: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K partials (fp32) and the per-tile counters (zero between calls) of a device.
-    Sized for max_rows rows, so a shape's calls at any batch share one buffer; the tuned tiles
+    Sized for MAX_ROWS rows, so a shape's calls at any batch share one buffer; the tuned tiles
     all fit the first 4 MiB (bench.tune_gemv splits K only up to 2 programs per SM)."""
     ws, counts = _WORKSPACE.get(device, (None, None))
-    need = split_k * max_rows * n
+    need = split_k * MAX_ROWS * n
     if ws is None or ws.numel() < need:
         if ws is not None:
             _RETIRED.append(ws)
@@ -118,19 +119,19 @@ def _workspace(device: torch.device, n: int, split_k: int, max_rows: int) -> tup
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: dict,
-                max_rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= max_rows, K] (last dim contiguous), weight [N, K] contiguous -> y [M, N] in
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (last dim contiguous), weight [N, K] contiguous -> y [M, N] in
     x.dtype (into `out` when given), with `tiles` from gemv.tile_config."""
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.is_contiguous() and x.stride(-1) == 1 and m <= max_rows
+    assert weight.is_contiguous() and x.stride(-1) == 1 and m <= MAX_ROWS
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     split_k = tiles.get("split_k", 1)
     grid = (triton.cdiv(n, tiles["block_n"]), split_k)
     assert grid[0] <= MAX_TILES
-    ws, counts = _workspace(x.device, n, split_k, max_rows)
+    ws, counts = _workspace(x.device, n, split_k)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, ws, counts,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
