@@ -220,7 +220,9 @@ class Executor:
     def shutdown(self) -> None:
         try:
             if all(p.is_alive() for p in self.procs):
-                self.ring.enqueue(self.enc.encode(MsgType.WORKER_CALL.value, WorkerCall("shutdown")))
+                # bounded: a step cut short by SIGTERM may have left the ring's next chunk
+                # claimed and unpublished, and then the workers are stopped by signal below
+                self.ring.enqueue(self.enc.encode(MsgType.WORKER_CALL.value, WorkerCall("shutdown")), timeout=1)
                 wait_sentinels(self.sentinels(), timeout=5)
         except Exception:
             pass

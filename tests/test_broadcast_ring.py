@@ -136,6 +136,39 @@ def test_writer_closed_before_ready_cleans_up(ipc_dir):
     reader.close()
 
 
+def test_enqueue_cut_short_after_publishing(ipc_dir, monkeypatch):
+    """SIGTERM raises SystemExit wherever the engine's main thread is: an enqueue stopped just
+    after it published its message must not publish the next one under the same sequence
+    number (the readers would skip it: the engine's shutdown call never reached a worker)."""
+    import shm.broadcast_ring as br
+    ring = BroadcastRing.create(1, ipc_dir, max_chunk_bytes=4096)
+    parent, child = CTX.Pipe(duplex=False)
+    proc = _start(rr.reader_verify, ring.handle(), 0, 4096, 0, child)
+    child.close()
+    fence, calls = br._fence, [0]
+
+    def fence_then_stop():
+        fence()
+        calls[0] += 1
+        if calls[0] == 3:  # enqueue's third fence: the sequence number is stored
+            raise SystemExit(0)
+    try:
+        ring.wait_until_ready(timeout=30)
+        ring.enqueue(rr.make_message(0, 4096))
+        monkeypatch.setattr(br, "_fence", fence_then_stop)
+        with pytest.raises(SystemExit):
+            ring.enqueue(rr.make_message(1, 4096))
+        monkeypatch.setattr(br, "_fence", fence)
+        for i in range(2, 40):
+            ring.enqueue(rr.make_message(i, 4096), timeout=10)
+        ring.close()
+        assert parent.poll(30)
+        assert parent.recv() == (40, None)
+    finally:
+        ring.close()
+        _reap([proc])
+
+
 def test_idle_reader_sleeps_and_wakes(ipc_dir):
     ring = BroadcastRing.create(1, ipc_dir)
     parent, child = CTX.Pipe(duplex=False)
