@@ -8,7 +8,17 @@ the hashes to drop, so both sides always agree on what is cached.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from engine_core.request import Request
+
+
+class EncoderFit(NamedTuple):
+    """One request's share of a step: n tokens from `start`, and the items to encode for them."""
+    start: int
+    n: int
+    to_encode: list[int]    # indices into the request's mm_items
+    cost: int               # their encoder output tokens
 
 
 class EncoderCacheManager:
@@ -20,10 +30,9 @@ class EncoderCacheManager:
         self.used = 0
         self.to_free: list[str] = []    # for the workers, with the next step
 
-    def fit(self, req: Request, start: int, n: int, step_budget: int) -> tuple[int, list[int], int]:
+    def fit(self, req: Request, start: int, n: int, step_budget: int) -> EncoderFit:
         """Shrink a step of n tokens from `start` so that it reaches no placeholder range whose
-        encoder output is neither cached nor encodable now. Returns (n, indices of the items to
-        encode in this step, their encoder tokens)."""
+        encoder output is neither cached nor encodable within step_budget encoder tokens."""
         to_encode, cost, seen = [], 0, set()
         for idx, it in enumerate(req.mm_items):
             lo, hi = it.offset, it.offset + it.length
@@ -36,11 +45,13 @@ class EncoderCacheManager:
                 seen.add(it.hash)
                 cost += it.length
             else:
-                return max(lo - start, 0), to_encode, cost   # stop before this image
-        return n, to_encode, cost
+                return EncoderFit(start, max(lo - start, 0), to_encode, cost)   # stop before this image
+        return EncoderFit(start, n, to_encode, cost)
 
-    def commit(self, req: Request, start: int, n: int, to_encode: list[int]) -> None:
-        for idx in to_encode:
+    def commit(self, req: Request, fit: EncoderFit) -> None:
+        """The step runs `fit`: its items are cached from now on, and req uses every range it reaches."""
+        start, n = fit.start, fit.n
+        for idx in fit.to_encode:
             it = req.mm_items[idx]
             if it.hash not in self.users:
                 self.users[it.hash] = set()

@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from ipc.config import EngineConfig
-from engine_core.encoder_cache_manager import EncoderCacheManager
+from engine_core.encoder_cache_manager import EncoderCacheManager, EncoderFit
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.structured_output import StructuredOutputManager
 from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
                           NewRequestData, PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+    token_budget: int
+    encoder_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)   # req id -> tokens, in batch order
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    preempted: list[Request] = field(default_factory=list)
+    encode: dict[str, list[int]] = field(default_factory=dict)    # req id -> mm items to encode
 
 
 class Scheduler:
@@ -88,46 +101,53 @@ class Scheduler:
     # ------------------------------------------------------------ one step
 
     def schedule(self, allow_new: bool = True) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        enc_budget = self.encoder.budget
-        encode: dict[str, list[int]] = {}
-        num_sched: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        preempted: list[Request] = []
+        """The next step: running requests first, then (unless one was preempted) waiting ones,
+        within one token budget. Counters advance now, so the step after can be scheduled before
+        this one's tokens are back."""
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder.budget)
+        self._schedule_running(plan)
+        if allow_new and not plan.preempted:   # none join in a step that preempted
+            self._schedule_waiting(plan)
+        # a constrained request with a token in flight: its bitmask needs that token first
+        defer_sample = any(self.requests[rid].grammar is not None and self.requests[rid].num_output_placeholders
+                           for rid in plan.num_scheduled)
+        self._advance(plan)
+        return self._step_output(plan, defer_sample)
 
-        # 1. Running requests: decodes and unfinished prompt chunks.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Decodes and unfinished prompt chunks, oldest first; when KV blocks run out, the newest
+        running requests are preempted to make room."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.token_budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            i += 1
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, plan.token_budget)
             if n > 0 and req.mm_items:
-                n, to_encode, cost = self.encoder.fit(req, req.num_computed_tokens, n, enc_budget)
+                fit = self.encoder.fit(req, req.num_computed_tokens, n, plan.encoder_budget)
+                n = fit.n
             if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
-                i += 1
                 continue
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
-                break  # req preempted itself: nothing below it is left either
+                return  # req preempted itself: nothing below it is left either
             if req.mm_items:
-                enc_budget -= self._commit_encoder(req, req.num_computed_tokens, n, to_encode, cost, encode)
-            num_sched[req.request_id] = n
-            cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            budget -= n
-            i += 1
+                self._commit_encoder(req, fit, plan)
+            plan.num_scheduled[req.request_id] = n
+            plan.token_budget -= n
+            plan.cached.req_ids.append(req.request_id)
+            plan.cached.new_block_ids.append([b.block_id for b in new_blocks])
+            plan.cached.num_computed_tokens.append(req.num_computed_tokens)
 
-        # 2. Waiting requests, oldest (or just preempted) first. None join in a step that preempted.
-        #    One whose grammar is still compiling stays where it is; the others go past it.
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests, oldest (or just preempted) first, while blocks and budget last. One
+        whose grammar is still compiling keeps its place; the others go past it."""
         compiling: list[Request] = []
-        while (allow_new and not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.structured.ready(req):
                 compiling.append(self.waiting.popleft())
@@ -137,49 +157,49 @@ class Scheduler:
                 continue
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
-            n = min(req.num_tokens - num_hit, budget)
+            n = min(req.num_tokens - num_hit, plan.token_budget)
             if req.mm_items:
-                n, to_encode, cost = self.encoder.fit(req, num_hit, n, enc_budget)
+                fit = self.encoder.fit(req, num_hit, n, plan.encoder_budget)
+                n = fit.n
                 if n <= 0:
                     break  # its next image cannot be encoded in this step
-            new_blocks = self.kv.allocate_slots(req, n, hits)
-            if new_blocks is None:
+            if self.kv.allocate_slots(req, n, hits) is None:
                 if not self.running:
                     self._fail_unfittable(req)
                     continue
                 break
             self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-                self._stats.prefix_cache_queries += req.num_tokens
-                self._stats.prefix_cache_hits += num_hit
-            req.num_computed_tokens = num_hit
             if req.mm_items:
-                enc_budget -= self._commit_encoder(req, num_hit, n, to_encode, cost, encode)
-            req.status = RequestStatus.RUNNING
-            req.admitted_step = self.step_id + 1  # this step's id
-            if not req.first_scheduled_time:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            num_sched[req.request_id] = n
-            new_reqs.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, req.sampling_params,
-                self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
-                req.eos_token_ids, req.mm_items))
-            budget -= n
-            # publish its prompt blocks now: a later request of this step with the same prefix
-            # (the n children of one request) hits them. This step's forward writes their KV
-            # (each layer's cache write runs before its attention) before anyone reads them.
-            self.kv.cache_blocks(req, num_hit + n)
-
+                self._commit_encoder(req, fit, plan)
+            self._admit(req, num_hit, n, plan)
         self.waiting.extendleft(reversed(compiling))
 
-        # 3. Advance counters now, so the next step can be scheduled before this one returns.
-        req_ids = list(num_sched)
-        # a constrained request with a token in flight: its bitmask needs that token first
-        defer_sample = any(self.requests[rid].grammar is not None and self.requests[rid].num_output_placeholders
-                           for rid in req_ids)
-        for rid, n in num_sched.items():
+    def _admit(self, req: Request, num_hit: int, n: int, plan: _StepPlan) -> None:
+        """A waiting request joins the batch with its first n uncached tokens."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+            self._stats.prefix_cache_queries += req.num_tokens
+            self._stats.prefix_cache_hits += num_hit
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        req.admitted_step = self.step_id + 1  # this step's id
+        if not req.first_scheduled_time:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        plan.num_scheduled[req.request_id] = n
+        plan.token_budget -= n
+        plan.new_reqs.append(NewRequestData(
+            req.request_id, req.prompt_token_ids, req.sampling_params,
+            self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
+            req.eos_token_ids, req.mm_items))
+        # publish its prompt blocks now: a later request of this step with the same prefix
+        # (the n children of one request) hits them. This step's forward writes their KV
+        # (each layer's cache write runs before its attention) before anyone reads them.
+        self.kv.cache_blocks(req, num_hit + n)
+
+    def _advance(self, plan: _StepPlan) -> None:
+        """Move every scheduled request's counters past this step, as if its tokens were back."""
+        for rid, n in plan.num_scheduled.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
@@ -192,14 +212,16 @@ class Scheduler:
                 self.encoder.advance(req)
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 self._stats.num_prompt_tokens += n
-        self._stats.num_preemptions += len(preempted)
-        self._stats.num_scheduled_tokens += sum(num_sched.values())
+        self._stats.num_preemptions += len(plan.preempted)
+        self._stats.num_scheduled_tokens += sum(plan.num_scheduled.values())
 
+    def _step_output(self, plan: _StepPlan, defer_sample: bool) -> SchedulerOutput:
+        req_ids = list(plan.num_scheduled)
         finished, self.finished_req_ids = self.finished_req_ids, []
         released, self.released_mm = self.released_mm, []
         self.step_id += 1
-        so = SchedulerOutput(new_reqs, cached, req_ids, [num_sched[r] for r in req_ids],
-                             sum(num_sched.values()), finished, self.step_id, encode,
+        so = SchedulerOutput(plan.new_reqs, plan.cached, req_ids, list(plan.num_scheduled.values()),
+                             sum(plan.num_scheduled.values()), finished, self.step_id, plan.encode,
                              self.encoder.take_free(), released, defer_sample=defer_sample)
         if not defer_sample:
             so.grammar = self.grammar_bitmask(so)
@@ -213,12 +235,11 @@ class Scheduler:
         """Whether a waiting request could join now (not all of them wait for their grammar)."""
         return any(self.structured.ready(req) for req in self.waiting)
 
-    def _commit_encoder(self, req: Request, start: int, n: int, to_encode: list[int], cost: int,
-                        encode: dict[str, list[int]]) -> int:
-        self.encoder.commit(req, start, n, to_encode)
-        if to_encode:
-            encode[req.request_id] = to_encode
-        return cost
+    def _commit_encoder(self, req: Request, fit: EncoderFit, plan: _StepPlan) -> None:
+        self.encoder.commit(req, fit)
+        if fit.to_encode:
+            plan.encode[req.request_id] = fit.to_encode
+        plan.encoder_budget -= fit.cost
 
     def preempt_all(self) -> None:
         """Free every running request's KV; they resume, recomputed, in their order."""
