@@ -11,6 +11,13 @@ A table of measured values against the targets is printed last.
 --profile-dir DIR also traces 32 batch-1 decode tokens of each TPOT row with the torch profiler
 and prints rank 0's GPU time per token by kernel (CUDA-graph replays included), so the gap to
 the weights floor can be read off by kernel: GEMMs, all-reduces, attention, norms.
+
+--one-rank runs each TP=2 row on one GPU as one rank alone: a TP=1 model with one rank's shapes
+(half the query and KV heads, half the intermediate size, half the padded vocabulary), so the
+rank's GEMMs, attention and sampling are timed without its collectives. The table then adds
+2 x layers + 2 collectives per token (two per layer, the embedding's, the logits' gather) at
+--collective-us each to the TPOT rows: an estimate for when no 2-GPU machine is lent, not a
+measurement. The offline rows alone are an upper bound (collectives free).
 """
 from __future__ import annotations
 
@@ -78,7 +85,24 @@ def _profile_decode(llm, vocab: int, profile_dir: str, name: str, n_out: int = 3
     print("\n".join(kernel_table(trace, per=n_out, unit="token")))
 
 
-def measure(name: str, profile_dir: str | None = None, offline: bool = True) -> dict:
+def rank_config(cfg: dict, tp: int) -> dict:
+    """A decoder config whose TP=1 model has the shapes of one rank of `tp` (KV heads replicated
+    when fewer than the ranks, the vocabulary padded so that it splits, as the sharded model does)."""
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return {**cfg, "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "num_attention_heads": heads // tp, "num_key_value_heads": max(1, kv_heads // tp),
+            "intermediate_size": cfg["intermediate_size"] // tp, "vocab_size": -(-cfg["vocab_size"] // tp)}
+
+
+def _write_rank_model(mdir: str, cfg: dict) -> None:
+    """The rank's config, with its special token ids inside its (halved) vocabulary."""
+    special = {k: cfg["vocab_size"] - 1 for k in ("bos_token_id", "eos_token_id")}
+    for name, content in (("config.json", {**cfg, **special}), ("generation_config.json", special)):
+        with open(f"{mdir}/{name}", "w") as f:
+            json.dump(content, f)
+
+
+def measure(name: str, profile_dir: str | None = None, offline: bool = True, one_rank: bool = False) -> dict:
     import tempfile
     from frontend import LLM
     preset, tp, want_tpot, want_tput = RUNS[name]
@@ -86,12 +110,16 @@ def measure(name: str, profile_dir: str | None = None, offline: bool = True) -> 
     with tempfile.TemporaryDirectory(prefix=f"loom-tp-{preset}-") as mdir:
         write_preset(preset, mdir)
         with open(f"{mdir}/config.json") as f:
-            vocab = json.load(f)["vocab_size"]
+            cfg = json.load(f)
+        vocab, layers = cfg["vocab_size"], cfg["num_hidden_layers"]
+        if one_rank and tp > 1:
+            _write_rank_model(mdir, rank_config(cfg, tp))
+            vocab, tp = -(-vocab // tp), 1
         t0 = time.perf_counter()
         extra = {"profiler_dir": profile_dir} if profile_dir and want_tpot else {}
         llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0, **extra)
-        res = {"name": name, "preset": preset, "tp": tp, "startup_s": time.perf_counter() - t0,
-               "kv_blocks": llm.num_gpu_blocks}
+        res = {"name": name, "preset": preset, "tp": tp, "one_rank": one_rank and RUNS[name][1] > 1,
+               "layers": layers, "startup_s": time.perf_counter() - t0, "kv_blocks": llm.num_gpu_blocks}
         try:
             res["all_reduce"] = llm.collective_rpc("all_reduce_info")[0]
             if want_tpot:
@@ -112,25 +140,36 @@ def main() -> int:
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile-dir", default=None, help="trace batch-1 decode of the TPOT rows here")
     p.add_argument("--no-offline", action="store_true", help="skip the offline-throughput rows (TPOT only)")
+    p.add_argument("--one-rank", action="store_true",
+                   help="time each TP=2 row as one rank alone on one GPU (no collectives); see above")
+    p.add_argument("--collective-us", type=float, default=7.0,
+                   help="with --one-rank: us per decode collective added to the TPOT estimate (default 7.0: "
+                        "the fused all-reduce + add + RMSNorm at one row on 2xH200, bench/RESULTS.md session 5)")
     args = p.parse_args()
     results = {}
     for name in args.only:
         try:
-            results[name] = measure(name, args.profile_dir, offline=not args.no_offline)
+            results[name] = measure(name, args.profile_dir, offline=not args.no_offline, one_rank=args.one_rank)
         except Exception as e:  # one failed configuration must not hide the others' numbers
             print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
             results[name] = {"name": name, "error": str(e)}
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
-    _table(results)
+    _table(results, args.collective_us if args.one_rank else None)
     return 0
 
 
-def _table(r: dict) -> None:
+def _table(r: dict, collective_us: float | None = None) -> None:
     def get(name, key):
-        return r.get(name, {}).get(key)
+        v = r.get(name, {}).get(key)
+        if v is not None and key == "tpot_ms" and collective_us is not None and r[name]["one_rank"]:
+            v += (2 * r[name]["layers"] + 2) * collective_us / 1000
+        return v
 
+    if collective_us is not None:
+        print(f"\nONE RANK ALONE on one GPU: TPOT rows add {collective_us} us per collective "
+              f"(an estimate); offline TP=2 rows leave the collectives out (an upper bound)")
     rows = []
     v = get("llama8b-tp2", "tpot_ms")
     rows.append(("Llama-3.1-8B TP=2 batch-1 TPOT", v, "ms", "<= 2.6", v is not None and v <= 2.6))
