@@ -17,6 +17,11 @@ There is no closing barrier: the caller alternates between two buffers (`slot`),
 a peer writes a buffer again only two fused calls later, after the barrier of the call
 in between, which this rank enters only once it has finished reading.
 
+Unlike the other decode kernels it is not launched under PDL (kernels/jit.py), which would let
+the next GEMV launch while this one still waits for the peers. That may save a few us per call
+on two GPUs, unmeasured (no 2-GPU machine in session 14); on one GPU, where a test runs two
+ranks at once, the early GEMV's programs took every SM the other rank still needed: a deadlock.
+
 `allreduce_add_rms_norm_ref` is the torch reference: the sum of the parts, then
 fused_add_rms_norm_ref.
 """

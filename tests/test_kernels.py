@@ -322,6 +322,55 @@ def test_allreduce_add_rms_norm(dtype, world, rank):
         assert torch.equal(flags[p].cpu(), want), (p, flags[p])
 
 
+@needs_cuda
+def test_allreduce_add_rms_norm_two_ranks_at_once():
+    """Two ranks' calls running at the same time on two streams of one GPU, each between a GEMV
+    that writes its part and a GEMV that reads the norm, as in a tensor-parallel decode layer:
+    every call waits for the other rank's signal, the two buffer slots alternate, and each of
+    40 calls equals the reference on both ranks, with the flags back at zero."""
+    from kernels.gemv import gemv
+    g = _gen(6)
+    world, rows, h, k, n2, eps = 2, 1, 1024, 2048, 6144, 1e-6   # Qwen3-0.6B's o_proj and gate_up
+    bf = torch.bfloat16
+    x = [_randn(rows, k, dtype=bf, g=g) for _ in range(world)]
+    w_in = [_randn(h, k, dtype=bf, g=g) / 32 for _ in range(world)]
+    w_out = _randn(n2, h, dtype=bf, g=g) / 64
+    norm_w = _randn(h, dtype=bf, g=g)
+    residual = _randn(rows, h, dtype=bf, g=g)
+    bufs = [[torch.empty(rows, h, dtype=bf, device=DEVICE) for _ in range(world)] for _ in range(2)]  # [slot][rank]
+    flags = [[torch.zeros(rows, world, dtype=torch.int32, device=DEVICE) for _ in range(world)] for _ in range(2)]
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    buf_ptrs, flag_ptrs = [ptrs(b) for b in bufs], [ptrs(f) for f in flags]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    parts = [gemv(x[r], w_in[r])[0] for r in range(world)]
+    want, want_r = arn.allreduce_add_rms_norm_ref(parts, residual, norm_w, eps)
+    # every kernel compiled and loaded first, one rank at a time (the peer's signal raised by
+    # hand): loading a module waits for the GPU to go idle, which a rank waiting for the
+    # other's signal never does
+    gemv(want, w_out)
+    for r in range(world):
+        flags[0][r][:, 1 - r] = 1
+        arn.allreduce_add_rms_norm(buf_ptrs[0], flag_ptrs[0], r, rows, residual, norm_w, eps)
+        torch.cuda.synchronize()
+        flags[0][1 - r].zero_()
+    torch.cuda.synchronize()
+    for it in range(40):
+        slot, outs = it % 2, [None] * world
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                gemv(x[r], w_in[r], out=bufs[slot][r])
+                normed, new_r = arn.allreduce_add_rms_norm(buf_ptrs[slot], flag_ptrs[slot], r, rows, residual,
+                                                           norm_w, eps)
+                outs[r] = (normed, new_r, gemv(normed, w_out)[0])
+        torch.cuda.synchronize()
+        torch.testing.assert_close(outs[0][0], want, **BF16_TOL)
+        assert torch.equal(outs[0][1], want_r), it
+        for normed, new_r, y in outs:  # every rank has the same bits
+            assert torch.equal(normed, outs[0][0]) and torch.equal(new_r, want_r), it
+            assert torch.equal(y, gemv(outs[0][0], w_out)[0]), it
+        assert all(int(f.abs().sum()) == 0 for f in flags[slot]), (it, flags[slot])
+
+
 # --------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------
