@@ -17,10 +17,11 @@ There is no closing barrier: the caller alternates between two buffers (`slot`),
 a peer writes a buffer again only two fused calls later, after the barrier of the call
 in between, which this rank enters only once it has finished reading.
 
-Unlike the other decode kernels it is not launched under PDL (kernels/jit.py), which would let
-the next GEMV launch while this one still waits for the peers. That may save a few us per call
-on two GPUs, unmeasured (no 2-GPU machine in session 14); on one GPU, where a test runs two
-ranks at once, the early GEMV's programs took every SM the other rank still needed: a deadlock.
+Like the other decode kernels it is launched under PDL (kernels/jit.py): it starts while the
+linear before it finishes, and the next GEMV launches and loads its first weights while this
+one waits for the peers (Llama-3.1-8B TP=2 batch-1 TPOT 2.755 -> 2.606 ms on 2xH200,
+bench/RESULTS.md, session 14). Each rank has a GPU of its own. Two ranks sharing one GPU (a
+test) could deadlock: the early GEMV's programs may take every SM the other rank still needs.
 
 `allreduce_add_rms_norm_ref` is the torch reference: the sum of the parts, then
 fused_add_rms_norm_ref.
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit import pdl_args, pdl_wait
 from kernels.rms_norm import fused_add_rms_norm_ref
 
 
@@ -48,11 +50,12 @@ def allreduce_add_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor
 def _allreduce_add_rms_norm_kernel(
     buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_cols, stride_r, rank, eps,
-    WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """buf_ptrs / flag_ptrs: int64 [WORLD], the address of every rank's product buffer
     ([M, n_cols], contiguous) and of its flags (int32 [programs, WORLD])."""
     row = tl.program_id(0)
+    pdl_wait(PDL)  # this rank's part is written; the next kernel may launch
     for peer in tl.static_range(WORLD):
         if peer != rank:
             peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
@@ -102,5 +105,5 @@ def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank
     block = triton.next_power_of_2(h)
     _allreduce_add_rms_norm_kernel[(rows,)](
         buf_ptrs, flag_ptrs, residual, weight, out, res_out, h, residual.stride(0), rank, float(eps),
-        WORLD=world, BLOCK=block, num_warps=max(4, min(16, block // 512)))
+        WORLD=world, BLOCK=block, num_warps=max(4, min(16, block // 512)), **pdl_args(residual))
     return out, res_out

@@ -327,8 +327,19 @@ def test_allreduce_add_rms_norm_two_ranks_at_once():
     """Two ranks' calls running at the same time on two streams of one GPU, each between a GEMV
     that writes its part and a GEMV that reads the norm, as in a tensor-parallel decode layer:
     every call waits for the other rank's signal, the two buffer slots alternate, and each of
-    40 calls equals the reference on both ranks, with the flags back at zero."""
+    40 calls equals the reference on both ranks, with the flags back at zero. PDL is off here:
+    with it, a GEMV launches while its rank still waits, and on one GPU its programs can take
+    the SMs the other rank needs to get there (on two GPUs, tests/test_gpu_tp.py runs it on)."""
     from kernels.gemv import gemv
+    from kernels.jit import set_pdl
+    before = set_pdl(False)
+    try:
+        _two_ranks_at_once(gemv)
+    finally:
+        set_pdl(before)
+
+
+def _two_ranks_at_once(gemv):
     g = _gen(6)
     world, rows, h, k, n2, eps = 2, 1, 1024, 2048, 6144, 1e-6   # Qwen3-0.6B's o_proj and gate_up
     bf = torch.bfloat16
