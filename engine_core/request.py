@@ -86,9 +86,6 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     @property
     def is_finished(self) -> bool:
         return self.status.finished
