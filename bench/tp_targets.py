@@ -136,8 +136,8 @@ def measure(name: str, profile_dir: str | None = None, offline: bool = True, one
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS), help="run these rows (default: all)")
+    p.add_argument("--output-json", default=None, help="write every row's measurements here")
     p.add_argument("--profile-dir", default=None, help="trace batch-1 decode of the TPOT rows here")
     p.add_argument("--no-offline", action="store_true", help="skip the offline-throughput rows (TPOT only)")
     p.add_argument("--one-rank", action="store_true",
