@@ -65,6 +65,24 @@ def test_preset_loads(tmp_path):
     assert round(num_params(PRESETS["llama-3.1-8b"]) / 1e6) == 8030
 
 
+def test_one_tp_rank_as_a_model(tmp_path):
+    """bench.tp_targets --one-rank: a TP=1 config with one rank's shapes, which the engine resolves
+    with its special ids inside the halved vocabulary."""
+    from bench.presets import PRESETS, write_preset
+    from bench.tp_targets import _write_rank_model, rank_config
+    from ipc.config import EngineConfig
+    r = rank_config(PRESETS["llama-3.1-70b"], 2)
+    assert (r["num_attention_heads"], r["num_key_value_heads"], r["intermediate_size"], r["vocab_size"],
+            r["head_dim"]) == (32, 4, 14336, 64128, 128)
+    assert rank_config(PRESETS["llama-3.1-8b"], 16)["num_key_value_heads"] == 1   # replicated, as sharded
+    assert rank_config({**PRESETS["qwen3-8b"], "vocab_size": 151937}, 2)["vocab_size"] == 75969  # padded
+    d = write_preset("llama-3.2-1b", str(tmp_path / "rank"))
+    with open(f"{d}/config.json") as f:
+        _write_rank_model(d, rank_config(json.load(f), 2))
+    cfg = EngineConfig(model=d, load_format="dummy", max_model_len=4096).resolve()
+    assert cfg.vocab_size == 64128 and cfg.eos_token_ids == [64127]
+
+
 def test_bench_throughput_tiny(model_factory, tmp_path):
     out = tmp_path / "tp.json"
     prof = tmp_path / "prof"
