@@ -236,6 +236,7 @@ class Scheduler:
         return any(self.structured.ready(req) for req in self.waiting)
 
     def _commit_encoder(self, req: Request, fit: EncoderFit, plan: _StepPlan) -> None:
+        """req runs `fit` in this step: its images are encoded with it, out of the step's budget."""
         self.encoder.commit(req, fit)
         if fit.to_encode:
             plan.encode[req.request_id] = fit.to_encode
