@@ -111,14 +111,15 @@ def measure(name: str, profile_dir: str | None = None, offline: bool = True, one
         write_preset(preset, mdir)
         with open(f"{mdir}/config.json") as f:
             cfg = json.load(f)
+        one_rank = one_rank and tp > 1
+        if one_rank:
+            cfg, tp = rank_config(cfg, tp), 1
+            _write_rank_model(mdir, cfg)
         vocab, layers = cfg["vocab_size"], cfg["num_hidden_layers"]
-        if one_rank and tp > 1:
-            _write_rank_model(mdir, rank_config(cfg, tp))
-            vocab, tp = -(-vocab // tp), 1
         t0 = time.perf_counter()
         extra = {"profiler_dir": profile_dir} if profile_dir and want_tpot else {}
         llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0, **extra)
-        res = {"name": name, "preset": preset, "tp": tp, "one_rank": one_rank and RUNS[name][1] > 1,
+        res = {"name": name, "preset": preset, "tp": tp, "one_rank": one_rank,
                "layers": layers, "startup_s": time.perf_counter() - t0, "kv_blocks": llm.num_gpu_blocks}
         try:
             res["all_reduce"] = llm.collective_rpc("all_reduce_info")[0]
