@@ -205,7 +205,9 @@ def test_pause_wait_returns_after_in_flight_requests(one):
 
 @pytest.mark.parametrize("clear_cache", [False, True])
 def test_pause_keep_freezes_and_resumes_exactly(one, clear_cache):
-    body = {**GREEDY, "max_tokens": 64}
+    # 400 tokens: the tiny model writes 64 in ~0.1 s, which a busy CI machine's /pause call
+    # outlasted once (the request was done before the pause).
+    body = {**GREEDY, "max_tokens": 400}
 
     async def scenario(s, url):
         ref = await complete(s, url, body)
@@ -215,6 +217,7 @@ def test_pause_keep_freezes_and_resumes_exactly(one, clear_cache):
         t0 = time.monotonic()
         status, _ = await call(s, "POST", url + f"/pause?mode=keep&clear_cache={str(clear_cache).lower()}")
         assert status == 200 and time.monotonic() - t0 < 2.0  # never waits on the frozen requests
+        assert not st.done, "the request finished before the pause: make it longer"
         await asyncio.sleep(0.3)  # what was already on its way
         n = len(st.texts)
         await asyncio.sleep(0.5)
