@@ -41,6 +41,7 @@ _KERNELS = {
     "skinny_gemm": ["_skinny_gemm_kernel"],
     "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
     "decode_inputs": ["_decode_inputs_kernel"],
+    "embedding": ["_vocab_parallel_embedding_kernel"],
 }
 
 
@@ -80,9 +81,9 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, pen, gv, arn, dec = (
+pa, rn, rot, act, smp, qrc, pen, gv, arn, dec, emb = (
     _mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling", "qk_rope_cache",
-                       "penalties", "gemv", "allreduce_norm", "decode_inputs"))
+                       "penalties", "gemv", "allreduce_norm", "decode_inputs", "embedding"))
 
 
 @pytest.fixture(autouse=True)
@@ -499,6 +500,27 @@ def test_decode_inputs():
         assert ids.tolist() == [5, 52, 7, 50]
         assert torch.equal(table[:, :width], packed.view(4, width))
         assert (table[:, width:] == -7).all()
+
+
+# --------------------------------------------------------------------------
+# the vocab-parallel embedding of one rank
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_embedding(dtype):
+    """Rank 1 of 3 over a vocabulary of 10 (rows 4-7 of the padded 12): its ids get their rows,
+    every other id (below, above, and in the padding) a zero row; the two ranks' parts of a
+    2-way split sum to the whole lookup; a row wider than one block (1,100 columns)."""
+    g = _gen(5)
+    table = _randn(12, 1100, dtype=dtype, g=g)
+    ids = torch.tensor([0, 4, 7, 8, 5, 11, 4, 3], device=DEVICE)
+    mine = table[4:8].contiguous()
+    want = emb.vocab_parallel_embedding_ref(ids, mine, 4)
+    assert (want[[0, 3, 5, 7]] == 0).all() and torch.equal(want[1], table[4]) and torch.equal(want[2], table[7])
+    out = torch.full((8, 1100), float("nan"), dtype=dtype, device=DEVICE)
+    assert emb.vocab_parallel_embedding(ids, mine, 4, out=out) is out
+    assert torch.equal(out, want)
+    halves = [emb.vocab_parallel_embedding(ids, table[r * 6:(r + 1) * 6].contiguous(), r * 6) for r in (0, 1)]
+    assert torch.equal(halves[0] + halves[1], torch.nn.functional.embedding(ids, table))
 
 
 # --------------------------------------------------------------------------

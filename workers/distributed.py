@@ -175,11 +175,34 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm,
             and x.dtype == weight.dtype:
         matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
         return PendingSum(rows, cols, norm_slot)
-    method = symm.method(rows * cols, x.dtype) if symm is not None and x.dtype == weight.dtype else None
+    out = _symm_sum(lambda buf: matmul(x.reshape(-1, x.shape[-1]), weight, out=buf), rows, cols, x) \
+        if x.dtype == weight.dtype else None
+    return all_reduce(matmul(x, weight)) if out is None else out.view(shape)
+
+
+def embedding_all_reduce(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """The vocab-parallel embedding of ids [T] (this rank holds weight's rows from vocab_start):
+    each rank looks up its own rows, zeros for the others' ids, and the sum over the ranks is
+    the lookup. Through symmetric memory the lookup writes straight into the shared buffer."""
+    from kernels.embedding import vocab_parallel_embedding  # the engine core imports this module, not Triton
+    if _state.size == 1:
+        return vocab_parallel_embedding(ids, weight, vocab_start)
+    out = _symm_sum(lambda buf: vocab_parallel_embedding(ids, weight, vocab_start, out=buf),
+                    ids.numel(), weight.shape[1], weight)
+    return all_reduce(vocab_parallel_embedding(ids, weight, vocab_start)) if out is None else out
+
+
+def _symm_sum(write: Callable[[torch.Tensor], object], rows: int, cols: int,
+              like: torch.Tensor) -> torch.Tensor | None:
+    """The [rows, cols] sum over the ranks of what write(buffer) writes on each, through
+    symmetric memory: write fills the shared buffer, so no copy precedes the sum. None (and
+    nothing written) where symmetric memory does not take this size."""
+    symm = _state.symm
+    method = symm.method(rows * cols, like.dtype) if symm is not None else None
     if method is None:
-        return all_reduce(matmul(x, weight))
-    matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.buffer_for(rows * cols).view(rows, cols))
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        return None
+    write(symm.buffer_for(rows * cols).view(rows, cols))
+    out = torch.empty((rows, cols), dtype=like.dtype, device=like.device)
     symm.reduce_buffer(rows * cols, method, out.view(-1))
     return out
 
@@ -193,10 +216,10 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=_state.group)
-        parts = out.unbind(0)
-    else:
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x, group=_state.group)
+        # [n, N, k] -> [N, n * k]: a view for one row (a batch-1 decode step), else one copy
+        return out.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+    parts = [torch.empty_like(x) for _ in range(n)]  # gloo has no all_gather_into_tensor
+    dist.all_gather(parts, x, group=_state.group)
     return torch.cat(parts, dim=-1)
 
 

@@ -32,7 +32,7 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import PendingSum, all_gather, all_reduce, linear_all_reduce, tp_rank, tp_size
+from workers.distributed import PendingSum, all_gather, embedding_all_reduce, linear_all_reduce, tp_rank, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -345,10 +345,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.part)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+        return embedding_all_reduce(input_ids, self.weight, self.vocab_start)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered)."""
