@@ -122,7 +122,8 @@ def main() -> int:
     from ipc.sockets import free_tcp_port
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-kb", type=int, nargs="+",
-                   default=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+                   default=[8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+                   help="all-reduce sizes in KiB (default 8 to 16384)")
     p.add_argument("--norm-hidden", type=int, nargs="*", default=[],
                    help="also time all-reduce + add + RMSNorm, unfused vs fused, at these hidden sizes")
     args = p.parse_args()

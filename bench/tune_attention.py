@@ -79,9 +79,9 @@ def _grid(**axes) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--top", type=int, default=6)
+    ap = argparse.ArgumentParser(description="Time decode and prefill attention tilings on the GPU.")
+    ap.add_argument("--quick", action="store_true", help="every 7th decode tiling only (a smoke run)")
+    ap.add_argument("--top", type=int, default=6, help="the fastest configurations printed per shape (default 6)")
     ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
                     help="only decode batches of these sizes (default 64 128 256) with the offline "
                          "workload's mixed context lengths")

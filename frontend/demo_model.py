@@ -409,9 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="Build the tiny Zen-of-Python Qwen3 demo model.")
-    p.add_argument("out_dir")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out_dir", help="the model directory to write")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {DEFAULT_STEPS})")
+    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     build_demo_model(args.out_dir, steps=args.steps, seed=args.seed)

@@ -203,7 +203,7 @@ def build_demo_vision_model(out_dir: str, steps: int | None = None, seed: int = 
 def main(argv: list[str] | None = None) -> None:
     import argparse
     p = argparse.ArgumentParser(description="Build the tiny coloured-shapes Qwen2.5-VL demo model.")
-    p.add_argument("out_dir")
+    p.add_argument("out_dir", help="the model directory to write")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {DEFAULT_STEPS})")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     args = p.parse_args(argv)
