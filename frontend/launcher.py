@@ -59,121 +59,156 @@ def _listen(host: str, port: int) -> socket.socket | None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """`loom serve`: check, start, supervise until a stop signal or a child's death, stop all."""
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s loom %(levelname)s %(message)s")
     try:
         config = engine_config_from_args(args).resolve()
+        auth_key = _check_args(args, config)
+        run_id()  # exported: every child names its shm segments with this run's id
+        if config.nnodes > 1 and config.node_rank > 0:  # a secondary node: only workers (TP over nodes)
+            from engine_core.executor import serve_secondary_node
+            return serve_secondary_node(config)
+        dp = DPLayout.from_args(args, config, auth_key)
     except ConfigError as e:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
-    run_id()  # exported: every child names its shm segments with this run's id
-    n_servers = args.api_server_count or config.data_parallel_size
-    if n_servers < 1:
-        print("loom serve: --api-server-count must be at least 1", file=sys.stderr)
-        return 2
+    launch = _Launch(args, config, dp, auth_key)
+    code = 2
+    try:
+        if launch.start():
+            code = launch.supervise()
+    finally:
+        launch.stop(clean=code == 0)
+    logger.info("stopped (exit code %d)", code)
+    return code
+
+
+def _check_args(args: argparse.Namespace, config) -> str | None:
+    """The engine auth key, once the flags that the config does not check are checked
+    (ConfigError); across nodes, the key is exported for the workers' sockets."""
+    if (args.api_server_count or config.data_parallel_size) < 1:
+        raise ConfigError("--api-server-count must be at least 1")
     if args.max_request_body_bytes < 1:
-        print("loom serve: --max-request-body-bytes must be at least 1", file=sys.stderr)
-        return 2
+        raise ConfigError("--max-request-body-bytes must be at least 1")
     auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
     if config.nnodes > 1:
+        from engine_core.executor import check_network_security
         if auth_key:  # the workers' and the engine's sockets between nodes derive their CURVE keys from it
             os.environ["LOOM_ENGINE_AUTH_KEY"] = auth_key
-        from engine_core.executor import check_network_security, serve_secondary_node
-        try:
-            check_network_security(config.master_addr, auth_key)
-        except ConfigError as e:
-            print(f"loom serve: {e}", file=sys.stderr)
-            return 2
-        if config.node_rank > 0:  # a secondary node: only workers (tensor parallelism over nodes)
-            if not args.headless:
-                print("loom serve: --node-rank > 0 runs only workers: add --headless", file=sys.stderr)
-                return 2
-            return serve_secondary_node(config)
-    attach = bool(args.engine_address) and not args.headless   # API servers of an engine elsewhere
-    try:
-        dp = DPLayout.from_args(args, config, auth_key)
-        if args.headless and args.engine_address:
-            check_handshake_security(args.engine_address, auth_key)
-    except ConfigError as e:
-        print(f"loom serve: {e}", file=sys.stderr)
-        return 2
+        check_network_security(config.master_addr, auth_key)
+        if config.node_rank > 0 and not args.headless:
+            raise ConfigError("--node-rank > 0 runs only workers: add --headless")
+    if args.headless and args.engine_address:
+        check_handshake_security(args.engine_address, auth_key)
+    return auth_key
 
-    servers, listen = [], None
-    if not args.headless:
-        listen = _listen(args.host, args.port)
-        if listen is None:
-            return 2
-    ipc_dir = None if attach else make_ipc_dir()
-    if attach:
-        host = local_address_towards(args.engine_address)
-        clients = [(f"tcp://{host}:*", f"tcp://{host}:*")] * n_servers
-    else:
-        clients = [(ipc_address(ipc_dir, f"client{i}-input"), ipc_address(ipc_dir, f"client{i}-output"))
-                   for i in range(0 if args.headless else n_servers)]
-    engines, coordinator = [], None
-    if dp.remote_ranks:   # the head: ranks of other nodes register on the rpc port
-        try:
-            coordinator = DPCoordinator(dp.head_rpc, dp.coordinator_lookup(ipc_dir), dp.remote_ranks, auth_key)
-        except zmq.ZMQError as e:
-            print(f"loom serve: cannot listen on {dp.head_rpc}: {e}", file=sys.stderr)
-            remove_ipc_dir(ipc_dir)
-            if listen is not None:
-                listen.close()
-            return 2
-        coordinator.start()
-    if not attach:
-        engines = dp.start_engine_cores(config, ipc_dir, clients, args.engine_address if args.headless else None,
-                                        auth_key)
-    metrics_dir = None
-    if listen is not None:
-        metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
+
+class _Launch:
+    """What one `loom serve` starts and owns: the HTTP socket, the engine cores (or, attached,
+    an engine elsewhere), the API servers, the coordinator of remote data-parallel ranks, and
+    the socket and metrics directories."""
+
+    def __init__(self, args: argparse.Namespace, config, dp: DPLayout, auth_key: str | None):
+        self.args, self.config, self.dp, self.auth_key = args, config, dp, auth_key
+        self.attach = bool(args.engine_address) and not args.headless  # API servers of an engine elsewhere
+        self.n_servers = args.api_server_count or config.data_parallel_size
+        self.listen: socket.socket | None = None
+        self.ipc_dir: str | None = None
+        self.metrics_dir: str | None = None
+        self.coordinator: DPCoordinator | None = None
+        self.engines: list = []
+        self.servers: list = []
+
+    def start(self) -> bool:
+        """Start everything; False (with the reason printed) when a socket cannot be bound."""
+        args = self.args
+        if not args.headless:
+            self.listen = _listen(args.host, args.port)
+            if self.listen is None:
+                return False
+        self.ipc_dir = None if self.attach else make_ipc_dir()
+        clients = self._client_addresses()
+        if self.dp.remote_ranks:  # the head: ranks of other nodes register on the rpc port
+            try:
+                self.coordinator = DPCoordinator(self.dp.head_rpc, self.dp.coordinator_lookup(self.ipc_dir),
+                                                 self.dp.remote_ranks, self.auth_key)
+            except zmq.ZMQError as e:
+                print(f"loom serve: cannot listen on {self.dp.head_rpc}: {e}", file=sys.stderr)
+                return False
+            self.coordinator.start()
+        if not self.attach:
+            self.engines = self.dp.start_engine_cores(self.config, self.ipc_dir, clients,
+                                                      args.engine_address if args.headless else None, self.auth_key)
+        if self.listen is not None:
+            self._start_api_servers(clients)
+        return True
+
+    def _client_addresses(self) -> list[tuple[str, str]]:
+        """Each API server's (input, output) socket addresses towards the engine cores."""
+        if self.attach:
+            host = local_address_towards(self.args.engine_address)
+            return [(f"tcp://{host}:*", f"tcp://{host}:*")] * self.n_servers
+        return [(ipc_address(self.ipc_dir, f"client{i}-input"), ipc_address(self.ipc_dir, f"client{i}-output"))
+                for i in range(0 if self.args.headless else self.n_servers)]
+
+    def _start_api_servers(self, clients: list[tuple[str, str]]) -> None:
+        from frontend.api_server_proc import run_api_server_process
+        args = self.args
+        self.metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
                        "enable_control_endpoints": args.enable_control_endpoints,
-                       "engine_address": args.engine_address if attach else None, "engine_auth_key": auth_key,
+                       "engine_address": args.engine_address if self.attach else None,
+                       "engine_auth_key": self.auth_key,
                        "enable_mfu_metrics": args.enable_mfu_metrics,
                        "max_request_body_bytes": args.max_request_body_bytes,
                        "trust_request_chat_template": args.trust_request_chat_template,
                        "chat_template_content_format": args.chat_template_content_format,
                        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
                        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
-                       "dp_lookup": dp.coordinator_lookup(ipc_dir) if coordinator is not None else None,
+                       "dp_lookup": self.dp.coordinator_lookup(self.ipc_dir) if self.coordinator else None,
                        "shutdown_timeout": args.shutdown_timeout}
-        from frontend.api_server_proc import run_api_server_process
-        servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
-                                 (config.to_dict(), server_opts, i, clients[i][0], clients[i][1], listen))
-                   for i in range(n_servers)]
-        listen.close()  # the API servers hold it now
-    children = engines + servers
+        self.servers = [start_process(run_api_server_process, f"loom-api-server-{i}",
+                                      (self.config.to_dict(), server_opts, i, clients[i][0], clients[i][1],
+                                       self.listen))
+                        for i in range(self.n_servers)]
+        self.listen.close()  # the API servers hold it now
+        self.listen = None
 
-    stop = catch_stop_signals()
-    code = 0
-    try:
+    def supervise(self) -> int:
+        """Wait for Ctrl-C / SIGTERM (0: the API servers drain first) or a child's death (1)."""
+        engines, servers = self.engines, self.servers
+        children = engines + servers
+        stop = catch_stop_signals()
         while not stop.is_set():
             wait([p.sentinel for p in children], timeout=_POLL_S)
             dead = [p for p in children if not p.is_alive()]
             if dead and not stop.is_set():
                 for p in dead:
                     logger.error("%s exited with code %s; shutting down", p.name, p.exitcode)
-                code = 1
-                if any(p in dead for p in engines):
+                if any(p in dead for p in engines):  # the API servers answer 503 meanwhile
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
-                break
-        if code == 0 and servers:   # Ctrl-C / SIGTERM: the API servers drain, then the engine stops
-            logger.info("stopping: requests in flight get %.1fs", args.shutdown_timeout)
+                return 1
+        if servers:  # the API servers drain, then the engine stops
+            logger.info("stopping: requests in flight get %.1fs", self.args.shutdown_timeout)
             for p in servers:
                 request_drain(p)
-            deadline = time.monotonic() + args.shutdown_timeout + 2
+            deadline = time.monotonic() + self.args.shutdown_timeout + 2
             while any(p.is_alive() for p in servers) and time.monotonic() < deadline:
                 wait([p.sentinel for p in servers if p.is_alive()], timeout=_POLL_S)
-    finally:
-        if code == 0:
-            stop_processes(servers, timeout=5)
-            stop_processes(engines, timeout=10)
-        else:   # a child died: stop the rest at once, together
-            stop_processes(servers + engines, timeout=5)
-        if coordinator is not None:
-            coordinator.close()
-        remove_ipc_dir(ipc_dir)
-        remove_multiproc_dir(metrics_dir)
-    logger.info("stopped (exit code %d)", code)
-    return code
+        return 0
+
+    def stop(self, clean: bool) -> None:
+        """Stop every child (after a clean stop: the API servers first; else all at once, together)
+        and remove what was made."""
+        if clean:
+            stop_processes(self.servers, timeout=5)
+            stop_processes(self.engines, timeout=10)
+        else:
+            stop_processes(self.servers + self.engines, timeout=5)
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self.listen is not None:
+            self.listen.close()
+        remove_ipc_dir(self.ipc_dir)
+        remove_multiproc_dir(self.metrics_dir)
