@@ -65,8 +65,7 @@ class _Requests:
                               self._blocks(self.prompt + 1, 0), 0, seed=i)
                for i, rid in enumerate(self.ids)]
         self.computed = self.prompt
-        return SchedulerOutput(new, CachedRequestData(), list(self.ids), [self.prompt] * self.n,
-                               self.prompt * self.n)
+        return SchedulerOutput(new, CachedRequestData(), list(self.ids), [self.prompt] * self.n)
 
     def decode(self):
         from ipc.messages import CachedRequestData, SchedulerOutput
@@ -74,7 +73,7 @@ class _Requests:
         blocks = [self._blocks(self.computed + 1, have) for _ in self.ids]
         cached = CachedRequestData(list(self.ids), blocks, [self.computed] * self.n)
         self.computed += 1
-        return SchedulerOutput([], cached, list(self.ids), [1] * self.n, self.n)
+        return SchedulerOutput([], cached, list(self.ids), [1] * self.n)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -86,6 +86,3 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished

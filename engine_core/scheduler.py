@@ -221,8 +221,9 @@ class Scheduler:
         released, self.released_mm = self.released_mm, []
         self.step_id += 1
         so = SchedulerOutput(plan.new_reqs, plan.cached, req_ids, list(plan.num_scheduled.values()),
-                             sum(plan.num_scheduled.values()), finished, self.step_id, plan.encode,
-                             self.encoder.take_free(), released, defer_sample=defer_sample)
+                             finished_req_ids=finished, step_id=self.step_id, scheduled_encoder_inputs=plan.encode,
+                             free_encoder_hashes=self.encoder.take_free(), released_mm=released,
+                             defer_sample=defer_sample)
         if not defer_sample:
             so.grammar = self.grammar_bitmask(so)
         return so

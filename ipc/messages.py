@@ -211,7 +211,6 @@ class SchedulerOutput(_Msg):
     cached_requests: CachedRequestData
     req_ids: list[str]                    # scheduled requests, in batch order
     num_scheduled_tokens: list[int]       # aligned with req_ids
-    total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []      # finished, aborted or preempted: drop their state
     step_id: int = 0
     scheduled_encoder_inputs: dict[str, list[int]] = {}   # req id -> indices of mm items to encode now

@@ -105,7 +105,7 @@ def test_grammar_applies_after_thinking(tiny_model_dir):
         return req
 
     def rows(*reqs):
-        so = SchedulerOutput([], CachedRequestData(), [r.request_id for r in reqs], [1] * len(reqs), len(reqs))
+        so = SchedulerOutput([], CachedRequestData(), [r.request_id for r in reqs], [1] * len(reqs))
         g = manager.grammar_bitmask(so, {r.request_id: r for r in reqs})
         return [] if g is None else g.rows
 

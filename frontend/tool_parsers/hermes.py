@@ -7,7 +7,7 @@ import re
 
 from frontend.tool_parsers.abstract import ToolCall, ToolParser, held_prefix
 
-START, END = "<tool_call>", "</tool_call>"
+START = "<tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
