@@ -32,6 +32,7 @@ import re
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -67,6 +68,15 @@ def auth_proof(key: str, nonce: bytes) -> str:
     return hmac.new(key.encode(), nonce, hashlib.sha256).hexdigest()
 
 
+@dataclass
+class _Watched:
+    """An attached client's input socket, watched through its monitor socket."""
+    index: int
+    dealer: zmq.Socket
+    deadline: float          # dropped if its connection is not up by then
+    connected: bool = False
+
+
 class ClientIO:
     def __init__(self, ready: EngineReady, inputs: queue.Queue, clients: list[tuple[str, str]],
                  handshake_address: str | None = None, auth_key: str | None = None):
@@ -82,6 +92,13 @@ class ClientIO:
         self.live: set[int] = set()          # client indices connected now
         # identity -> (nonce, expiry) of HELLOs not yet followed by ATTACH (the input thread's)
         self.pending_hellos: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        self._enc = Encoder()                # the input thread's (the output thread has its own)
+        self._decoders = {MsgType.ADD.value: Decoder(EngineCoreRequest), MsgType.ABORT.value: Decoder(list[str]),
+                          MsgType.UTILITY.value: Decoder(UtilityRequest)}
+        self._attach_dec = Decoder(AttachRequest)
+        self._poller = zmq.Poller()
+        self._by_sock: dict[zmq.Socket, int] = {}
+        self._watched: dict[zmq.Socket, _Watched] = {}
         self._stop = threading.Event()
         self._in = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self._out = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
@@ -138,89 +155,85 @@ class ClientIO:
         self.ctx.destroy(linger=0)
 
     # ------------------------------------------------------------ input thread
+    # The input thread alone uses _poller, _by_sock (dealer -> client index) and _watched
+    # (an attached client's monitor socket -> what it watches).
 
     def _input_loop(self) -> None:
-        enc = Encoder()
-        decoders = {MsgType.ADD.value: Decoder(EngineCoreRequest), MsgType.ABORT.value: Decoder(list[str]),
-                    MsgType.UTILITY.value: Decoder(UtilityRequest)}
-        attach_dec = Decoder(AttachRequest)
-        poller = zmq.Poller()
-        by_sock: dict[zmq.Socket, int] = {}
-        monitors: dict[zmq.Socket, tuple[int, zmq.Socket, list]] = {}
-        nonces = self.pending_hellos
-
-        def connect(input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"") -> EngineReady:
-            """Connect to a client's two sockets; raises (registering nothing) if either address is bad."""
-            auth = CurveClient(self.keys, client_public) if client_public else None
-            sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth)
-            try:
-                push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, auth=auth)
-            except BaseException:
-                sock.close(linger=0)
-                raise
-            idx = next(self._indices)
-            self.outputs.put(("connect", idx, push))   # from now on the output thread owns it
-            ready = EngineReady(**{f: getattr(self.ready, f) for f in self.ready.__struct_fields__})
-            ready.client_index = idx
-            sock.send_multipart(enc.encode(MsgType.READY.value, ready))
-            poller.register(sock, zmq.POLLIN)
-            by_sock[sock] = idx
-            self.live.add(idx)
-            if watch:  # attached clients may go away; local ones are watched by their parent
-                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-                monitors[mon] = (idx, sock, [False], time.monotonic() + ATTACH_CONNECT_TIMEOUT_S)
-                poller.register(mon, zmq.POLLIN)
-            return ready
-
-        def drop(mon: zmq.Socket, why: str) -> None:
-            idx, dealer, _, _ = monitors.pop(mon)
-            logger.info("client %d %s; aborting its requests", idx, why)
-            poller.unregister(mon)
-            poller.unregister(dealer)
-            del by_sock[dealer]
-            dealer.disable_monitor()
-            mon.close(linger=0)
-            dealer.close(linger=0)
-            self.live.discard(idx)
-            self.outputs.put(("disconnect", idx, None))
-            self.inputs.put((CLIENT_GONE, idx))
-
         for input_addr, output_addr in self.static_clients:
-            connect(input_addr, output_addr, watch=False)
-        if self._handshake is not None:
-            poller.register(self._handshake, zmq.POLLIN)
-            poller.register(self._handshake_monitor, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
-
+            self._connect(input_addr, output_addr, watch=False)
+        for sock in (self._handshake, self._handshake_monitor, self._wake_in):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            now = time.monotonic()
-            for mon in [m for m, (_, _, connected, deadline) in monitors.items() if not connected[0] and now > deadline]:
-                drop(mon, "never connected")
-            for sock, _ in poller.poll(_POLL_MS):
+            self._drop_unconnected(time.monotonic())
+            for sock, _ in self._poller.poll(_POLL_MS):
+                if sock is self._wake_in:
+                    break   # close(): _stop is set
                 try:
-                    if sock is self._wake_in:
-                        break   # close(): _stop is set
-                    if sock is self._handshake:
-                        self._on_handshake(sock, enc, attach_dec, nonces, connect)
-                    elif sock is self._handshake_monitor:
-                        self.handshake_watch.note(parse_monitor_message(sock.recv_multipart())["event"])
-                    elif sock in monitors:
-                        connected = monitors[sock][2]
-                        event = parse_monitor_message(sock.recv_multipart())["event"]
-                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                            connected[0] = True
-                        elif event == zmq.EVENT_DISCONNECTED and connected[0]:
-                            drop(sock, "disconnected")
-                    else:
-                        self._on_client_message(sock, by_sock[sock], decoders)
+                    self._on_readable(sock)
                 except Exception:  # noqa: BLE001  (one bad message or peer must not stop this thread)
                     logger.exception("engine input: dropping a message that could not be handled")
 
-    def _on_client_message(self, sock: zmq.Socket, idx: int, decoders: dict) -> None:
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        if sock is self._handshake:
+            self._on_handshake(sock)
+        elif sock is self._handshake_monitor:
+            self.handshake_watch.note(parse_monitor_message(sock.recv_multipart())["event"])
+        elif sock in self._watched:
+            watched = self._watched[sock]
+            event = parse_monitor_message(sock.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                watched.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and watched.connected:
+                self._drop(sock, "disconnected")
+        else:
+            self._on_client_message(sock, self._by_sock[sock])
+
+    def _connect(self, input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"") -> EngineReady:
+        """Connect to a client's two sockets; raises (registering nothing) if either address is bad."""
+        auth = CurveClient(self.keys, client_public) if client_public else None
+        sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth)
+        try:
+            push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, auth=auth)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        idx = next(self._indices)
+        self.outputs.put(("connect", idx, push))   # from now on the output thread owns it
+        ready = EngineReady(**{f: getattr(self.ready, f) for f in self.ready.__struct_fields__})
+        ready.client_index = idx
+        sock.send_multipart(self._enc.encode(MsgType.READY.value, ready))
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_sock[sock] = idx
+        self.live.add(idx)
+        if watch:  # attached clients may go away; local ones are watched by their parent
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._watched[mon] = _Watched(idx, sock, time.monotonic() + ATTACH_CONNECT_TIMEOUT_S)
+            self._poller.register(mon, zmq.POLLIN)
+        return ready
+
+    def _drop_unconnected(self, now: float) -> None:
+        for mon in [m for m, w in self._watched.items() if not w.connected and now > w.deadline]:
+            self._drop(mon, "never connected")
+
+    def _drop(self, mon: zmq.Socket, why: str) -> None:
+        watched = self._watched.pop(mon)
+        logger.info("client %d %s; aborting its requests", watched.index, why)
+        self._poller.unregister(mon)
+        self._poller.unregister(watched.dealer)
+        del self._by_sock[watched.dealer]
+        watched.dealer.disable_monitor()
+        mon.close(linger=0)
+        watched.dealer.close(linger=0)
+        self.live.discard(watched.index)
+        self.outputs.put(("disconnect", watched.index, None))
+        self.inputs.put((CLIENT_GONE, watched.index))
+
+    def _on_client_message(self, sock: zmq.Socket, idx: int) -> None:
         frames = sock.recv_multipart(copy=False)
         kind = bytes(frames[0].buffer)
         try:
-            msg = decoders[kind].decode(frames)
+            msg = self._decoders[kind].decode(frames)
         except Exception as e:  # a malformed message fails alone
             logger.warning("client %d: dropping a malformed %r message: %s", idx, kind[:8], e)
             return
@@ -230,7 +243,8 @@ class ClientIO:
             msg = (idx, msg)   # a client aborts only its own requests (engine_core/core.py)
         self.inputs.put((kind, msg))
 
-    def _on_handshake(self, sock, enc, attach_dec, nonces, connect) -> None:
+    def _on_handshake(self, sock: zmq.Socket) -> None:
+        nonces, enc = self.pending_hellos, self._enc
         frames = sock.recv_multipart(copy=False)
         identity = bytes(frames[0].buffer)
         now = time.monotonic()
@@ -250,7 +264,7 @@ class ClientIO:
             nonce = nonces.pop(identity, (None, 0.0))[0]
             if kind != MsgType.ATTACH.value or nonce is None:
                 raise PermissionError("say HELLO first")
-            req: AttachRequest = attach_dec.decode(frames[1:])
+            req: AttachRequest = self._attach_dec.decode(frames[1:])
             if self.auth_key is not None and not hmac.compare_digest(
                     req.auth_proof.encode(), auth_proof(self.auth_key, nonce).encode()):
                 raise PermissionError("wrong engine auth key")
@@ -258,7 +272,7 @@ class ClientIO:
                 check_attach_address(addr)
                 if addr.startswith("tcp://") and len(req.client_public_key) != 40:
                     raise ValueError("tcp:// addresses need the client's CURVE public key (40 z85 bytes)")
-            ready = connect(req.input_address, req.output_address, True, req.client_public_key)
+            ready = self._connect(req.input_address, req.output_address, True, req.client_public_key)
         except Exception as e:  # noqa: BLE001  (a bad handshake fails alone)
             logger.warning("refused a client: %s", e)
             sock.send_multipart([identity, *enc.encode(MsgType.REFUSED.value, str(e)[:500])])
