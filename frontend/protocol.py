@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -354,63 +354,75 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
     fields the client did not send; `structured` is the request's constraint (frontend/constraints.py)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
-    logprobs: int | None
-    prompt_logprobs = req.prompt_logprobs
-    if prompt_logprobs is not None and req.stream:
+    if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
-    if chat:
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("when using 'top_logprobs', 'logprobs' must be set to true", 400, "top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        max_tokens_param = "max_tokens"
-        logprobs = req.logprobs
-        if req.suffix:
-            raise APIError("suffix is not supported", 400, "suffix")
-        if req.echo:
-            if prompt_logprobs is None:
-                prompt_logprobs = logprobs      # the echoed prompt carries its logprobs (vLLM)
-            if max_tokens == 0:
-                max_tokens = 1                  # echo alone: score the prompt; the one token is dropped
-    logit_bias = None
-    if req.logit_bias:
-        logit_bias = {}
-        for k, v in req.logit_bias.items():
-            try:
-                tok = int(k)
-            except ValueError:
-                raise APIError(f"logit_bias keys must be token ids, got {k!r}", 400, "logit_bias") from None
-            logit_bias[tok] = v
-    stop = req.stop
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
+    api = _chat_specific(req) if chat else _completion_specific(req)
     kw: dict[str, Any] = dict(
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
-    kw = {k: v for k, v in kw.items() if v is not None}
-    kw = {**(defaults or {}), **kw}
-    params = SamplingParams(max_tokens=max_tokens, stop=list(stop), logprobs=logprobs, logit_bias=logit_bias,
-                            prompt_logprobs=prompt_logprobs, structured_outputs=structured, **kw)
+    kw = {**(defaults or {}), **{k: v for k, v in kw.items() if v is not None}}
+    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    params = SamplingParams(max_tokens=api.max_tokens, stop=stop, logprobs=api.logprobs,
+                            logit_bias=_logit_bias(req.logit_bias), prompt_logprobs=api.prompt_logprobs,
+                            structured_outputs=structured, **kw)
     try:
         check_sampling_params(params, limits)
-    except RequestError as e:
+    except RequestError as e:  # named as the client sent it
         msg, param = str(e), e.param
         if param == "max_tokens":
-            param = max_tokens_param
+            param = api.max_tokens_param
             msg = param + msg[len("max_tokens"):]
         elif chat and param == "logprobs":
             param = "top_logprobs"
             msg = param + msg[len("logprobs"):]
         raise APIError(msg, 400, param) from None
     return params
+
+
+class _ApiSpecific(NamedTuple):
+    """What the chat and the completions APIs spell differently."""
+    max_tokens: int | None
+    max_tokens_param: str       # the field the client set: max_tokens or max_completion_tokens
+    logprobs: int | None
+    prompt_logprobs: int | None
+
+
+def _chat_specific(req: _SamplingFields) -> _ApiSpecific:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("when using 'top_logprobs', 'logprobs' must be set to true", 400, "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.max_completion_tokens is not None:
+        return _ApiSpecific(req.max_completion_tokens, "max_completion_tokens", logprobs, req.prompt_logprobs)
+    return _ApiSpecific(req.max_tokens, "max_tokens", logprobs, req.prompt_logprobs)
+
+
+def _completion_specific(req: _SamplingFields) -> _ApiSpecific:
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, "suffix")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo:
+        if prompt_logprobs is None:
+            prompt_logprobs = req.logprobs      # the echoed prompt carries its logprobs (vLLM)
+        if max_tokens == 0:
+            max_tokens = 1                      # echo alone: score the prompt; the one token is dropped
+    return _ApiSpecific(max_tokens, "max_tokens", req.logprobs, prompt_logprobs)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """The JSON object's string keys as token ids."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {k!r}", 400, "logit_bias") from None
+    return out
 
 
 def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
