@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from bench import common
 from bench.workloads import OFFLINE_OUTPUT_TOKENS, OFFLINE_PROMPT_TOKENS, make_workload
@@ -102,12 +103,12 @@ def check_fits(workload, max_model_len: int) -> None:
 def sampling_report(runs: dict) -> dict:
     """Output tok/s of each run and its ratio to its baseline (n4seed: n4sep; others: plain)."""
     rate = {name: sum(len(c.token_ids) for o in outs for c in o.outputs) / t for name, (t, outs) in runs.items()}
-    report = {}
+    out = {}
     for name, r in rate.items():
         base = "n4sep" if name == "n4seed" else "plain"
-        report[name] = {"output_tok_per_s": r, "baseline": base, "ratio": r / rate[base]}
+        out[name] = {"output_tok_per_s": r, "baseline": base, "ratio": r / rate[base]}
         print(f"sampling {name:10s} {r:10.1f} output tok/s  {r / rate[base]:.3f}x of {base}")
-    return report
+    return out
 
 
 def engine_snapshot(stats) -> tuple[dict, dict, dict]:
@@ -133,117 +134,154 @@ def print_kernel_time(profile_dir: str, steps: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from frontend import LLM, SamplingParams
+    from frontend import LLM
 
     with common.model_dir(args) as mdir:
         opts = common.engine_options(args, mdir)
         vocab = common.read_model_config(mdir).get("vocab_size")
-        wl = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, vocab)
-        if wl.is_default:
-            assert (wl.prompt_tokens, wl.output_tokens) == (OFFLINE_PROMPT_TOKENS, OFFLINE_OUTPUT_TOKENS), \
-                (wl.prompt_tokens, wl.output_tokens)
-        if args.shard:
-            wl = wl.shard(*args.shard)
-        check_fits(wl, opts["max_model_len"])
-        shape = ("standard offline workload (random lengths)" if wl.is_default else
-                 "random lengths" if args.input_len is None and args.output_len is None else
-                 f"fixed lengths {len(wl.prompts[0])} in / {wl.max_tokens[0]} out")
-        if args.shard:
-            shape += ", shard {}/{} of it".format(*args.shard)
-        print(f"model {common.model_label(args)}: {len(wl)} requests, {shape}, "
-              f"{wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens", flush=True)
-
+        wl = load_workload(args, vocab, opts["max_model_len"])
         t0 = time.perf_counter()
         llm = LLM(mdir, **opts)
         startup = time.perf_counter() - t0
         print(f"engine up in {startup:.1f} s ({llm.num_gpu_blocks} KV blocks)", flush=True)
         try:
-            if not args.no_warmup:
-                warm = [[(7 * i + 3) % (vocab or 1000) for i in range(16)]]
-                llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True),
-                             use_tqdm=False)
-            modes = ["plain"] + [m for m in dict.fromkeys(args.sampling) if m != "plain"]
-            runs = {}  # name -> (elapsed, outputs)
-            for mode in modes:
-                for name, prompts, params in sampling_runs(mode, wl, args.temperature):
-                    before = engine_snapshot(llm.stats)
-                    traced = name == "plain" and opts.get("profiler_dir")
-                    if traced:
-                        llm.start_profile("throughput")
-                    t0, cpu0 = time.perf_counter(), time.process_time()
-                    outs = llm.generate(prompts, params, use_tqdm=args.progress)
-                    runs[name] = (time.perf_counter() - t0, outs)
-                    if traced:
-                        llm.stop_profile()
-                    if name == "plain":
-                        client_cpu = time.process_time() - cpu0
-                        engines = engine_report(before, engine_snapshot(llm.stats), t0)
-            elapsed, outs = runs["plain"]
-            preemptions = llm.stats.num_preemptions
-            structured = None
-            if args.structured_output:
-                from bench.structured import run as run_structured
-                output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-                structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
-                                                            "output_tok_per_s": output_tokens / elapsed})
+            runs = timed_runs(llm, wl, args, vocab, opts.get("profiler_dir"))
         finally:
             llm.shutdown()
-
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-        output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        result = {
-            "model": common.model_label(args),
-            "workload": "offline-default" if wl.is_default else "custom",
-            "num_requests": len(outs),
-            "shard": args.shard,
-            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-            "temperature": args.temperature,
-            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-            "expected_prompt_tokens": wl.prompt_tokens, "expected_output_tokens": wl.output_tokens,
-            "elapsed_s": elapsed,
-            "requests_per_s": len(outs) / elapsed,
-            "output_tok_per_s": output_tokens / elapsed,
-            "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
-            "num_preemptions": preemptions,
-            "client_cpu_s": client_cpu,
-            "engines": engines,
-            "startup_s": startup,
-            "structured_output": structured,
-            "engine_options": opts,
-            "env": common.environment(),
-        }
-        print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
-              f"{result['output_tok_per_s']:.2f} output tok/s, {result['total_tok_per_s']:.2f} total tok/s")
-        print(f"Tokens: {prompt_tokens} prompt + {output_tokens} output in {elapsed:.2f} s "
-              f"({preemptions} preemptions)")
-        print(f"Client process CPU: {client_cpu:.2f} s in {elapsed:.2f} s "
-              f"({1e6 * client_cpu / max(output_tokens, 1):.1f} us per output token)")
-        for e in engines:
-            print(f"Engine {e['engine']}: {e['steps']} steps, {e['output_tokens']} output tokens, last output at "
-                  f"{e['last_output_s']:.2f} s ({1e3 * e['last_output_s'] / max(e['steps'], 1):.2f} ms per step)")
-        ok = (prompt_tokens, output_tokens) == (wl.prompt_tokens, wl.output_tokens)
-        if wl.is_default:
-            print(f"Standard workload totals (142,827 prompt / 133,966 output): {'OK' if ok else 'MISMATCH'}")
-        elif not ok:
-            print(f"Token totals MISMATCH: expected {wl.prompt_tokens} prompt / {wl.output_tokens} output")
-        if len(runs) > 1:
-            result["sampling"] = sampling_report(runs)
-        if opts.get("profiler_dir"):
-            print_kernel_time(opts["profiler_dir"], engines[0]["steps"] if engines else 1)
-
+        result = report(args, wl, runs, opts, startup)
         if args.compare_hf:
-            from bench.hf import hf_generate_bench
-            n = len(wl)
-            in_len = args.input_len if args.input_len is not None else round(wl.prompt_tokens / n)
-            out_len = args.output_len if args.output_len is not None else round(wl.output_tokens / n)
-            if args.input_len is None or args.output_len is None:
-                print(f"HF baseline on the mean lengths: {n} x {in_len} in / {out_len} out")
-            hf = hf_generate_bench(mdir, n, in_len, out_len, dtype=opts["dtype"], device=opts["device"],
-                                   seed=args.seed, temperature=args.temperature)
-            result["hf"] = hf
-            result["speedup_vs_hf"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
-            print(f"HF transformers generate: {hf['output_tok_per_s']:.2f} output tok/s "
-                  f"(batch {n}, {in_len} in / {out_len} out, {hf['elapsed_s']:.2f} s)")
-            print(f"Loom / HF output tok/s: {result['speedup_vs_hf']:.2f}x")
+            result.update(compare_hf(args, wl, mdir, opts, result["output_tok_per_s"]))
         common.write_json(args.output_json, result)
-    return 0 if ok else 1
+    return 0 if result["totals_ok"] else 1
+
+
+def load_workload(args: argparse.Namespace, vocab: int | None, max_model_len: int):
+    """The requests to time (the standard workload checked against its published totals), printed."""
+    wl = make_workload(args.num_prompts, args.input_len, args.output_len, args.seed, vocab)
+    if wl.is_default:
+        assert (wl.prompt_tokens, wl.output_tokens) == (OFFLINE_PROMPT_TOKENS, OFFLINE_OUTPUT_TOKENS), \
+            (wl.prompt_tokens, wl.output_tokens)
+    if args.shard:
+        wl = wl.shard(*args.shard)
+    check_fits(wl, max_model_len)
+    shape = ("standard offline workload (random lengths)" if wl.is_default else
+             "random lengths" if args.input_len is None and args.output_len is None else
+             f"fixed lengths {len(wl.prompts[0])} in / {wl.max_tokens[0]} out")
+    if args.shard:
+        shape += ", shard {}/{} of it".format(*args.shard)
+    print(f"model {common.model_label(args)}: {len(wl)} requests, {shape}, "
+          f"{wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens", flush=True)
+    return wl
+
+
+@dataclass
+class Runs:
+    """What timed_runs measured; "plain" is the timed run of the workload as given."""
+    by_name: dict            # run name -> (elapsed s, outputs)
+    client_cpu_s: float      # this process's CPU time during the plain run
+    engines: list[dict]      # engine_report of the plain run
+    preemptions: int
+    structured: dict | None  # bench/structured.py's report, with --structured-output
+
+    @property
+    def plain(self) -> tuple[float, list]:
+        return self.by_name["plain"]
+
+
+def timed_runs(llm, wl, args: argparse.Namespace, vocab: int | None, profiler_dir: str | None) -> Runs:
+    """A warm-up, then the workload once per --sampling mode (the plain run traced under
+    --profile-dir), then the --structured-output runs."""
+    from frontend import SamplingParams
+    if not args.no_warmup:
+        warm = [[(7 * i + 3) % (vocab or 1000) for i in range(16)]]
+        llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True),
+                     use_tqdm=False)
+    modes = ["plain"] + [m for m in dict.fromkeys(args.sampling) if m != "plain"]
+    by_name, client_cpu, engines = {}, 0.0, []
+    for mode in modes:
+        for name, prompts, params in sampling_runs(mode, wl, args.temperature):
+            before = engine_snapshot(llm.stats)
+            traced = name == "plain" and profiler_dir
+            if traced:
+                llm.start_profile("throughput")
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompts, params, use_tqdm=args.progress)
+            by_name[name] = (time.perf_counter() - t0, outs)
+            if traced:
+                llm.stop_profile()
+            if name == "plain":
+                client_cpu = time.process_time() - cpu0
+                engines = engine_report(before, engine_snapshot(llm.stats), t0)
+    structured = None
+    if args.structured_output:
+        from bench.structured import run as run_structured
+        elapsed, outs = by_name["plain"]
+        output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
+                                                    "output_tok_per_s": output_tokens / elapsed})
+    return Runs(by_name, client_cpu, engines, llm.stats.num_preemptions, structured)
+
+
+def report(args: argparse.Namespace, wl, runs: Runs, opts: dict, startup: float) -> dict:
+    """Print the plain run's numbers; the JSON result."""
+    elapsed, outs = runs.plain
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    ok = (prompt_tokens, output_tokens) == (wl.prompt_tokens, wl.output_tokens)
+    result = {
+        "model": common.model_label(args),
+        "workload": "offline-default" if wl.is_default else "custom",
+        "num_requests": len(outs),
+        "shard": args.shard,
+        "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+        "temperature": args.temperature,
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "expected_prompt_tokens": wl.prompt_tokens, "expected_output_tokens": wl.output_tokens,
+        "totals_ok": ok,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(outs) / elapsed,
+        "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "num_preemptions": runs.preemptions,
+        "client_cpu_s": runs.client_cpu_s,
+        "engines": runs.engines,
+        "startup_s": startup,
+        "structured_output": runs.structured,
+        "engine_options": opts,
+        "env": common.environment(),
+    }
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+          f"{result['output_tok_per_s']:.2f} output tok/s, {result['total_tok_per_s']:.2f} total tok/s")
+    print(f"Tokens: {prompt_tokens} prompt + {output_tokens} output in {elapsed:.2f} s "
+          f"({runs.preemptions} preemptions)")
+    print(f"Client process CPU: {runs.client_cpu_s:.2f} s in {elapsed:.2f} s "
+          f"({1e6 * runs.client_cpu_s / max(output_tokens, 1):.1f} us per output token)")
+    for e in runs.engines:
+        print(f"Engine {e['engine']}: {e['steps']} steps, {e['output_tokens']} output tokens, last output at "
+              f"{e['last_output_s']:.2f} s ({1e3 * e['last_output_s'] / max(e['steps'], 1):.2f} ms per step)")
+    if wl.is_default:
+        print(f"Standard workload totals (142,827 prompt / 133,966 output): {'OK' if ok else 'MISMATCH'}")
+    elif not ok:
+        print(f"Token totals MISMATCH: expected {wl.prompt_tokens} prompt / {wl.output_tokens} output")
+    if len(runs.by_name) > 1:
+        result["sampling"] = sampling_report(runs.by_name)
+    if opts.get("profiler_dir"):
+        print_kernel_time(opts["profiler_dir"], runs.engines[0]["steps"] if runs.engines else 1)
+    return result
+
+
+def compare_hf(args: argparse.Namespace, wl, mdir: str, opts: dict, output_tok_per_s: float) -> dict:
+    """HF transformers' generate() on the workload's mean lengths (--compare-hf)."""
+    from bench.hf import hf_generate_bench
+    n = len(wl)
+    in_len = args.input_len if args.input_len is not None else round(wl.prompt_tokens / n)
+    out_len = args.output_len if args.output_len is not None else round(wl.output_tokens / n)
+    if args.input_len is None or args.output_len is None:
+        print(f"HF baseline on the mean lengths: {n} x {in_len} in / {out_len} out")
+    hf = hf_generate_bench(mdir, n, in_len, out_len, dtype=opts["dtype"], device=opts["device"],
+                           seed=args.seed, temperature=args.temperature)
+    speedup = output_tok_per_s / hf["output_tok_per_s"]
+    print(f"HF transformers generate: {hf['output_tok_per_s']:.2f} output tok/s "
+          f"(batch {n}, {in_len} in / {out_len} out, {hf['elapsed_s']:.2f} s)")
+    print(f"Loom / HF output tok/s: {speedup:.2f}x")
+    return {"hf": hf, "speedup_vs_hf": speedup}
