@@ -7,8 +7,7 @@ all-reduce: the sum (torch's one-shot kernel over symmetric memory) and the add-
 which reads the sum again. Here one program per row:
 
 1. tells every peer that this rank's products are ready, and waits for theirs (a flag
-   per (row, rank) in symmetric memory: put = CAS 0 -> 1 on the peer's flag, wait =
-   CAS 1 -> 0 on one's own, so the flags reset themselves, also inside CUDA graphs);
+   per (row, rank) in symmetric memory: `peer_barrier`, which kernels/all_gather.py shares);
 2. reads the row from every rank's buffer over NVLink and sums in rank order (every
    rank gets the same bits), rounded to the activations' dtype as the unfused sum is;
 3. adds the residual and normalises with kernels/rms_norm.py's roundings.
@@ -47,6 +46,25 @@ def allreduce_add_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor
 
 
 @triton.jit
+def peer_barrier(flag_ptrs, cell, rank, WORLD: tl.constexpr):
+    """Tell every peer that this rank's data for `cell` is ready, and wait until every peer has
+    said the same (flag_ptrs: int64 [WORLD], the address of every rank's int32 [cells, WORLD]
+    flags). Put = CAS 0 -> 1 on the peer's flag (it waits while the peer has not yet taken the
+    last put), take = CAS 1 -> 0 on one's own: the flags reset themselves, also inside CUDA
+    graphs, and any sequence of calls that every rank makes alike may share them."""
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(peer_flags + cell * WORLD + rank, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            while tl.atomic_cas(own_flags + cell * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+
+
+@triton.jit
 def _allreduce_add_rms_norm_kernel(
     buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_cols, stride_r, rank, eps,
@@ -56,16 +74,7 @@ def _allreduce_add_rms_norm_kernel(
     ([M, n_cols], contiguous) and of its flags (int32 [programs, WORLD])."""
     row = tl.program_id(0)
     pdl_wait(PDL)  # this rank's part is written; the next kernel may launch
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
-            while tl.atomic_cas(peer_flags + row * WORLD + rank, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            while tl.atomic_cas(own_flags + row * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+    peer_barrier(flag_ptrs, row, rank, WORLD)
 
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols

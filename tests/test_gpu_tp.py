@@ -70,9 +70,10 @@ def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
 
 
 def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
-    """The symmetric-memory one-shot path and the fused all-reduce + RMSNorm are live on this
-    box (P2P, no multicast; each checked against its reference at start-up), and the fused
-    kernel gives the tokens of the unfused pair (one-shot sum, then the add-norm)."""
+    """The symmetric-memory one-shot path, the fused all-reduce + RMSNorm and the one-shot
+    logits gather are live on this box (P2P, no multicast; each checked against its reference
+    at start-up), and they give the tokens of the unfused pair (one-shot sum, then the
+    add-norm) and NCCL's gather."""
     llm = LLM(small_model, max_model_len=256, tensor_parallel_size=2)
     try:
         info = llm.collective_rpc("all_reduce_info")
@@ -81,7 +82,7 @@ def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
     finally:
         llm.shutdown()
     print(f"all-reduce: {info}")
-    assert all(i["one_shot"] and i["fused_allreduce_norm"] for i in info), info
+    assert all(i["one_shot"] and i["fused_allreduce_norm"] and i["one_shot_gather_max_bytes"] for i in info), info
     monkeypatch.setenv("LOOM_FUSED_ALLREDUCE_NORM", "0")
     unfused = _greedy(small_model, tensor_parallel_size=2)
     for a, b in zip(fused, unfused):

@@ -42,6 +42,7 @@ _KERNELS = {
     "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
     "decode_inputs": ["_decode_inputs_kernel"],
     "embedding": ["_vocab_parallel_embedding_kernel"],
+    "all_gather": ["_all_gather_kernel"],
 }
 
 
@@ -81,9 +82,9 @@ else:
 
 INTERPRET = MODE != "cuda"
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
-pa, rn, rot, act, smp, qrc, pen, gv, arn, dec, emb = (
+pa, rn, rot, act, smp, qrc, pen, gv, arn, dec, emb, ag = (
     _mods[n] for n in ("paged_attention", "rms_norm", "rotary", "activation", "sampling", "qk_rope_cache",
-                       "penalties", "gemv", "allreduce_norm", "decode_inputs", "embedding"))
+                       "penalties", "gemv", "allreduce_norm", "decode_inputs", "embedding", "all_gather"))
 
 
 @pytest.fixture(autouse=True)
@@ -381,6 +382,68 @@ def _two_ranks_at_once(gemv):
             assert torch.equal(normed, outs[0][0]) and torch.equal(new_r, want_r), it
             assert torch.equal(y, gemv(outs[0][0], w_out)[0]), it
         assert all(int(f.abs().sum()) == 0 for f in flags[slot]), (it, flags[slot])
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
+def test_all_gather(world, rank):
+    """One rank's call with every peer's signal already raised: the parts side by side, the
+    vocabulary's padding dropped (2 rows, parts of 2,500 columns: two programs per row); the
+    rank consumes its own flags and raises its flag in every peer's, one per program."""
+    g = _gen(8)
+    rows, part = 2, 2500
+    n_out = part * world - 7
+    cells = ag.flag_cells(rows, part)
+    assert cells == 2 * rows
+    parts = [_randn(rows, part, g=g) for _ in range(world)]
+    flags = [torch.zeros(cells, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    flags[rank][:, [p for p in range(world) if p != rank]] = 1
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    out = ag.all_gather(ptrs(parts), ptrs(flags), rank, rows, part, n_out, parts[0])
+    assert out.shape == (rows, n_out) and torch.equal(out, ag.all_gather_ref(parts, n_out))
+    for p in range(world):
+        want = torch.zeros(cells, world, dtype=torch.int32)
+        if p != rank:
+            want[:, rank] = 1
+        assert torch.equal(flags[p].cpu(), want), (p, flags[p])
+
+
+@needs_cuda
+def test_all_gather_two_ranks_at_once():
+    """Two ranks' gathers at the same time on two streams of one GPU, each after a GEMV that
+    writes its part (the lm_head): 40 calls, both ranks get every part in rank order, and the
+    flags are back at zero after each. PDL off, as in the all-reduce test above."""
+    from kernels.gemv import gemv
+    from kernels.jit import set_pdl
+    before = set_pdl(False)
+    try:
+        g = _gen(9)
+        world, rows, h, part = 2, 1, 1024, 6000
+        bf = torch.bfloat16
+        x = [_randn(rows, h, dtype=bf, g=g) for _ in range(world)]
+        w = [_randn(part, h, dtype=bf, g=g) / 32 for _ in range(world)]
+        bufs = [torch.empty(rows, part, dtype=bf, device=DEVICE) for _ in range(world)]
+        flags = [torch.zeros(ag.flag_cells(rows, part), world, dtype=torch.int32, device=DEVICE)
+                 for _ in range(world)]
+        ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+        buf_ptrs, flag_ptrs = ptrs(bufs), ptrs(flags)
+        want = ag.all_gather_ref([gemv(x[r], w[r])[0] for r in range(world)], 2 * part - 3)
+        for r in range(world):  # compiled and loaded one rank at a time (see _two_ranks_at_once)
+            flags[r][:, 1 - r] = 1
+            ag.all_gather(buf_ptrs, flag_ptrs, r, rows, part, 2 * part - 3, x[0])
+            torch.cuda.synchronize()
+            flags[1 - r].zero_()
+        streams = [torch.cuda.Stream() for _ in range(world)]
+        for it in range(40):
+            outs = [None] * world
+            for r in range(world):
+                with torch.cuda.stream(streams[r]):
+                    gemv(x[r], w[r], out=bufs[r])
+                    outs[r] = ag.all_gather(buf_ptrs, flag_ptrs, r, rows, part, 2 * part - 3, x[r])
+            torch.cuda.synchronize()
+            assert all(torch.equal(o, want) for o in outs), it
+            assert all(int(f.abs().sum()) == 0 for f in flags), it
+    finally:
+        set_pdl(before)
 
 
 # --------------------------------------------------------------------------

@@ -23,6 +23,10 @@ the next norm) can defer its sum (`linear_all_reduce(..., norm_slot=)` returns a
 kernel (kernels/allreduce_norm.py), up to FUSED_NORM_MAX_BYTES (4 MiB: it also beats the
 two-shot kernel and the norm after it on the 2-4 MiB sums of 256-row decode steps, Qwen3-8B
 TP=2 offline 14,480 -> 14,888 tok/s).
+
+The vocab-parallel lm_head of a small batch (each rank's logits up to GATHER_MAX_BYTES, 1 MiB:
+8 rows of Llama-3.1-8B at TP=2) writes into symmetric memory too, and one kernel gathers the
+ranks' parts (`lm_head_all_gather`, kernels/all_gather.py); larger batches gather through NCCL.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 1 << 20))
 TWO_SHOT_MAX_BYTES = int(os.environ.get("LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES", 16 << 20))
 FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES", 4 << 20))
+GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -118,7 +123,9 @@ def describe() -> dict:
             "backend": dist.get_backend(_state.group) if _state.group is not None else None,
             "one_shot": symm is not None, "one_shot_max_bytes": symm.one_shot_max if symm else 0,
             "two_shot_max_bytes": symm.two_shot_max if symm else 0,
-            "fused_allreduce_norm": symm is not None and symm.fused is not None}
+            "fused_allreduce_norm": symm is not None and symm.fused is not None,
+            "one_shot_gather_max_bytes": symm.fused.gather_local.numel() * symm.buffer.element_size()
+            if symm is not None and symm.fused is not None else 0}
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -192,6 +199,20 @@ def embedding_all_reduce(ids: torch.Tensor, weight: torch.Tensor, vocab_start: i
     return all_reduce(vocab_parallel_embedding(ids, weight, vocab_start)) if out is None else out
 
 
+def lm_head_all_gather(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [N, H] @ weight.T (this rank's part of a vocab-parallel lm_head) -> every rank's parts
+    side by side, [N, n_out] (the vocabulary's padding dropped), on every rank."""
+    if _state.size == 1:
+        return F.linear(x, weight)
+    symm = _state.symm
+    rows, part = x.shape[0], weight.shape[0]
+    if symm is not None and x.dtype == weight.dtype and symm.can_gather(rows, part, x.dtype):
+        torch.mm(x, weight.t(), out=symm.gather_buffer(rows * part).view(rows, part))
+        return symm.gather(rows, part, n_out, x)
+    logits = all_gather(F.linear(x, weight))
+    return logits[:, :n_out].contiguous() if logits.shape[1] != n_out else logits
+
+
 def _symm_sum(write: Callable[[torch.Tensor], object], rows: int, cols: int,
               like: torch.Tensor) -> torch.Tensor | None:
     """The [rows, cols] sum over the ranks of what write(buffer) writes on each, through
@@ -243,14 +264,16 @@ class SymmMemAllReduce:
     One symmetric buffer serves every call: the ops' barriers order its reuse. A row-parallel
     matmul can write its product straight into it (`buffer_for`), which saves the copy.
 
-    With `fused`, two more buffers of FUSED_NORM_MAX_BYTES (the slots of deferred sums) and a
-    flag per (row, rank) serve the fused all-reduce + add + RMSNorm (kernels/allreduce_norm.py)."""
+    With `fused`, two more buffers of FUSED_NORM_MAX_BYTES (the slots of deferred sums), one of
+    GATHER_MAX_BYTES and a flag per (program, rank) serve our own flag-synchronised kernels: the
+    fused all-reduce + add + RMSNorm (kernels/allreduce_norm.py) and the logits' all-gather
+    (kernels/all_gather.py)."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int):
         self.buffer, self.group_name = buffer, group_name
         self.one_shot_max, self.two_shot_max = one_shot_max, two_shot_max
         self.world_size = dist.get_world_size()
-        self.fused: _FusedNormBuffers | None = None
+        self.fused: _FlaggedBuffers | None = None
 
     @classmethod
     def create(cls, group, device: torch.device, dtype: torch.dtype) -> "SymmMemAllReduce | None":
@@ -276,10 +299,12 @@ class SymmMemAllReduce:
             return None
         if os.environ.get("LOOM_FUSED_ALLREDUCE_NORM", "1") != "0" and FUSED_NORM_MAX_BYTES > 0:  # 0: A/B runs
             try:
-                op.fused = _FusedNormBuffers.create(group.group_name, device, dtype, FUSED_NORM_MAX_BYTES)
+                op.fused = _FlaggedBuffers.create(group.group_name, device, dtype, FUSED_NORM_MAX_BYTES,
+                                                  max(GATHER_MAX_BYTES, 0))
                 op._probe_fused(device, dtype)
-            except Exception as e:  # e.g. a Triton without system-scope atomics: the unfused pair
-                logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(e).__name__, e)
+            except Exception as e:  # e.g. a Triton without system-scope atomics: the unfused pair, NCCL's gather
+                logger.warning("fused all-reduce + RMSNorm and one-shot gather unavailable (%s: %s)",
+                               type(e).__name__, e)
                 op.fused = None
         return op
 
@@ -300,7 +325,9 @@ class SymmMemAllReduce:
                                    f"expected {expect}")
 
     def _probe_fused(self, device: torch.device, dtype: torch.dtype) -> None:
-        """One fused call per slot against the reference, on data every rank can rebuild."""
+        """One fused call per slot and one gather against the references, on data every rank
+        can rebuild."""
+        from kernels.all_gather import all_gather_ref
         from kernels.allreduce_norm import allreduce_add_rms_norm_ref
         rows, cols = 2, 256
         parts = [((torch.arange(rows * cols, device=device) % 7 - 3) * (r + 1) / 4).to(dtype).view(rows, cols)
@@ -314,6 +341,15 @@ class SymmMemAllReduce:
             torch.cuda.synchronize(device)
             if not (torch.equal(got[1], want[1]) and torch.allclose(got[0].float(), want[0].float(), 1e-2, 1e-2)):
                 raise RuntimeError(f"fused all-reduce + RMSNorm differs from its reference (slot {slot})")
+        part, n_out = 3000, 3000 * self.world_size - 5  # two programs per row, padding dropped
+        if self.can_gather(rows, part, dtype):
+            parts = [(torch.arange(rows * part, device=device) % 251 + 1000 * r).to(dtype).view(rows, part)
+                     for r in range(self.world_size)]
+            self.gather_buffer(rows * part).copy_(parts[dist.get_rank()].view(-1))
+            got = self.gather(rows, part, n_out, residual)
+            torch.cuda.synchronize(device)
+            if not torch.equal(got, all_gather_ref(parts, n_out)):
+                raise RuntimeError("one-shot all-gather differs from its reference")
 
     def can_fuse_norm(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
         return (self.fused is not None and dtype == self.buffer.dtype and 0 < rows <= self.fused.max_rows
@@ -321,6 +357,21 @@ class SymmMemAllReduce:
 
     def fused_buffer(self, slot: int, numel: int) -> torch.Tensor:
         return self.fused.local[slot][:numel]
+
+    def can_gather(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
+        from kernels.all_gather import flag_cells
+        f = self.fused
+        return (f is not None and dtype == self.buffer.dtype and rows > 0
+                and rows * cols <= f.gather_local.numel() and flag_cells(rows, cols) <= f.max_rows)
+
+    def gather_buffer(self, numel: int) -> torch.Tensor:
+        return self.fused.gather_local[:numel]
+
+    def gather(self, rows: int, cols: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
+        """Every rank's gather_buffer [rows, cols] side by side -> a new [rows, n_out]."""
+        from kernels.all_gather import all_gather as one_shot_gather
+        f = self.fused
+        return one_shot_gather(f.gather_ptrs, f.flag_ptrs, f.rank, rows, cols, n_out, like)
 
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,29 +410,34 @@ class SymmMemAllReduce:
 
 
 @dataclass
-class _FusedNormBuffers:
-    """The symmetric memory of the fused all-reduce + RMSNorm: two product buffers (slots),
-    every rank's addresses of them as device tables, and the flags (int32 [max_rows, W] per
-    rank, zero between calls)."""
+class _FlaggedBuffers:
+    """The symmetric memory of our flag-synchronised kernels: the fused all-reduce + RMSNorm's
+    two product buffers (slots) and the logits gather's buffer, every rank's addresses of them
+    as device tables, and the flags (int32 [max_rows, W] per rank, zero between calls, shared:
+    a call takes one flag per program and peer, and every rank makes the same calls)."""
     local: tuple[torch.Tensor, torch.Tensor]  # this rank's slots (flat)
     buf_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's slot address
+    gather_local: torch.Tensor  # this rank's gather buffer (flat; empty: no one-shot gather)
+    gather_ptrs: torch.Tensor | None  # int64 [W]: every rank's gather buffer (None: empty)
     flag_ptrs: torch.Tensor  # int64 [W]: every rank's flags
     keep: tuple  # the symmetric allocations the tables point into
     rank: int
-    max_rows: int
+    max_rows: int  # of the fused norm, and the flags per peer
     max_cols: int
     max_bytes: int
     kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm (imported here: the engine core needs no Triton)
 
     @classmethod
-    def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int) -> "_FusedNormBuffers":
+    def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int,
+               gather_bytes: int) -> "_FlaggedBuffers":
         import torch.distributed._symmetric_memory as symm_mem
 
         from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm
-        numel = nbytes // torch.empty(0, dtype=dtype).element_size()
+        elem = torch.empty(0, dtype=dtype).element_size()
+        numel, gather_numel = nbytes // elem, gather_bytes // elem // 16 * 16
         max_rows = max(1, nbytes // 256)  # rows of at least 128 elements
         world, rank = dist.get_world_size(), dist.get_rank()
-        bufs = symm_mem.empty(2 * numel, dtype=dtype, device=device)
+        bufs = symm_mem.empty(2 * numel + gather_numel, dtype=dtype, device=device)
         flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
         flags.zero_()
         buf_handle = symm_mem.rendezvous(bufs, group_name)
@@ -392,12 +448,15 @@ class _FusedNormBuffers:
         def table(handle, local: torch.Tensor, offset: int = 0) -> torch.Tensor:
             """Every rank's address of `local`, which starts `offset` elements into this rank's
             symmetric allocation."""
-            ptrs = [handle.get_buffer(r, (local.numel(),), local.dtype, offset).data_ptr() for r in range(world)]
+            ptrs = [handle.get_buffer(r, (max(local.numel(), 1),), local.dtype, offset).data_ptr()
+                    for r in range(world)]
             if ptrs[rank] != local.data_ptr():
                 raise RuntimeError("symmetric buffer addresses do not match this rank's tensor")
             return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
-        slots = (bufs[:numel], bufs[numel:])
+        slots = (bufs[:numel], bufs[numel:2 * numel])
+        gather = bufs[2 * numel:]
         return cls(local=slots, buf_ptrs=(table(buf_handle, slots[0]), table(buf_handle, slots[1], numel)),
+                   gather_local=gather, gather_ptrs=table(buf_handle, gather, 2 * numel) if gather_numel else None,
                    flag_ptrs=table(flag_handle, flags), keep=(bufs, flags, buf_handle, flag_handle), rank=rank,
                    max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm)

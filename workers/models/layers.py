@@ -32,7 +32,8 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import PendingSum, all_gather, embedding_all_reduce, linear_all_reduce, tp_rank, tp_size
+from workers.distributed import (PendingSum, embedding_all_reduce, linear_all_reduce, lm_head_all_gather, tp_rank,
+                                 tp_size)
 
 logger = logging.getLogger(__name__)
 
@@ -349,11 +350,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered)."""
-        logits = F.linear(hidden, self.weight)
         if self.tp == 1:
-            return logits
-        logits = all_gather(logits)
-        return logits[:, :self.vocab_size].contiguous() if logits.shape[1] != self.vocab_size else logits
+            return F.linear(hidden, self.weight)
+        return lm_head_all_gather(hidden, self.weight, self.vocab_size)
 
 
 class GatedMLP(nn.Module):
