@@ -346,7 +346,7 @@ class SymmMemAllReduce:
             parts = [(torch.arange(rows * part, device=device) % 251 + 1000 * r).to(dtype).view(rows, part)
                      for r in range(self.world_size)]
             self.gather_buffer(rows * part).copy_(parts[dist.get_rank()].view(-1))
-            got = self.gather(rows, part, n_out, residual)
+            got = self.gather(rows, part, n_out, parts[0])
             torch.cuda.synchronize(device)
             if not torch.equal(got, all_gather_ref(parts, n_out)):
                 raise RuntimeError("one-shot all-gather differs from its reference")
@@ -448,8 +448,7 @@ class _FlaggedBuffers:
         def table(handle, local: torch.Tensor, offset: int = 0) -> torch.Tensor:
             """Every rank's address of `local`, which starts `offset` elements into this rank's
             symmetric allocation."""
-            ptrs = [handle.get_buffer(r, (max(local.numel(), 1),), local.dtype, offset).data_ptr()
-                    for r in range(world)]
+            ptrs = [handle.get_buffer(r, (local.numel(),), local.dtype, offset).data_ptr() for r in range(world)]
             if ptrs[rank] != local.data_ptr():
                 raise RuntimeError("symmetric buffer addresses do not match this rank's tensor")
             return torch.tensor(ptrs, dtype=torch.int64, device=device)
