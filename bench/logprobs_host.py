@@ -3,7 +3,7 @@
 
 Synthetic sampler outputs (a [rows, 1 + N] step as the sampler returns it) go through
 the same code the processes run, each stage on its own so that its heap is its own:
-  worker  ModelRunner._pack_logprobs + the WorkerReply encoding (finish())
+  worker  workers.logprobs.pack_logprobs + the WorkerReply encoding (finish())
   engine  the WorkerReply decoding, one EngineCoreOutput per request as the scheduler
           builds it, the EngineCoreOutputs encoding
   client  the EngineCoreOutputs decoding and LLM._run (detokenize, logprobs to Logprob
@@ -30,7 +30,7 @@ from ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
 from ipc.procs import freeze_startup_heap
 from ipc.sampling_params import SamplingParams
 from ipc.serial import Decoder, Encoder
-from workers.model_runner import ModelRunner
+from workers.logprobs import pack_logprobs
 
 
 def sampler_steps(rows: int, steps: int, n: int, vocab: int, seed: int = 0) -> list[tuple]:
@@ -52,7 +52,7 @@ def worker_stage(req_ids, states, steps_data, steps: int, with_lp: bool) -> tupl
     for s in range(steps):
         tokens, topk = steps_data[s % len(steps_data)]
         sampled = tokens.tolist()
-        logprobs = ModelRunner._pack_logprobs(states, sample_rows, topk) if with_lp else None
+        logprobs = pack_logprobs(states, sample_rows, topk) if with_lp else None
         frames = enc.encode(MsgType.WORKER_REPLY.value, WorkerReply(0, ModelRunnerOutput(req_ids, sampled, logprobs)))
         frames_out.append([bytes(f) for f in frames])
     return time.process_time() - t0, frames_out

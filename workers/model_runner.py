@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ipc.config import EngineConfig
-from ipc.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
@@ -20,6 +20,8 @@ from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
+from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, prompt_logprob_rows,
+                              prompt_logprobs)
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
 from workers.sampler import Sampler, SamplingRow
 from workers.step_stats import StepStats, StepToken
@@ -60,15 +62,6 @@ class PendingStep:
     unsampled: tuple | None = None            # (StepBatch, logits) while its sampling waits for a bitmask
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
     graph_sampled: bool = False               # tokens is the decode graphs' `tokens` (the next step's graph reads it)
-
-
-@dataclass
-class PromptLogprobSpans:
-    """The prompt logprobs a step computes: per request (req_id, first row, rows, top-N), and
-    the tensors of all their rows (target ids, target logprob, rank, top ids, top logprobs);
-    pinned host copies after copy_back()."""
-    spans: list[tuple[str, int, int, int]]
-    tensors: tuple
 
 
 @dataclass
@@ -437,7 +430,7 @@ class ModelRunner:
             step.unsampled = (batch, logits)   # sample_deferred() samples it once the bitmask comes
         elif len(batch.sample_rows):
             self._sample_into(step, logits, batch, so.grammar)
-        step.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        step.prompt_logprobs = prompt_logprobs(self.model, batch, hidden)
         if step.unsampled is None:
             self.copy_back(step)
         for st, e in zip(batch.states, batch.end):
@@ -478,7 +471,7 @@ class ModelRunner:
         if not graph_samples:
             host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
         host.update(self.sampler.host_params(rows))
-        host.update(self._prompt_logprob_rows(states, start, n, host["qsl"]))
+        host.update(prompt_logprob_rows(states, start, n, host["qsl"], self.batch.token_ids))
         if prev is not None and prev.tokens is not None:
             host.update(self._feed_indices(prev, states, start, host["qsl"], graph_bs is not None))
         dev, inputs = self._upload(host, graph_bs, n)
@@ -505,15 +498,6 @@ class ModelRunner:
                    and not (so.grammar is not None and len(so.grammar.rows))
                    and self.sampler.plain(rows, self.model.config.vocab_size))
         return graph_bs, samples
-
-    def _prompt_logprob_rows(self, states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows and the prompt tokens whose logprobs the step computes (they travel with its inputs)."""
-        spans = self._prompt_logprob_spans(states, start, n)
-        if not spans:
-            return {}
-        return {"plp_rows": np.concatenate([np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64) for i, _, cnt in spans]),
-                "plp_targets": np.concatenate([self.batch.token_ids[states[i].slot, lo + 1:lo + 1 + cnt]
-                                               for i, lo, cnt in spans])}
 
     @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
@@ -632,10 +616,10 @@ class ModelRunner:
                 if self.batch.requests.get(st.req_id) is st:  # not dropped by a later step's diff
                     self.batch.append_token(st, token_list[j])
             if step.topk is not None:
-                logprobs = self._pack_logprobs(step.states, step.sample_rows, step.topk)
+                logprobs = pack_logprobs(step.states, step.sample_rows, step.topk)
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, self._pack_prompt_logprobs(step.prompt_logprobs),
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
                                  step.failed)
 
     @staticmethod
@@ -705,67 +689,3 @@ class ModelRunner:
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
         return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
-
-    @staticmethod
-    def _pack_logprobs(states, sample_rows: np.ndarray, topk) -> dict[str, Logprobs]:
-        """Each asking row's sampled token and its top-k: a row of the sampler's [B, 1 + N]
-        arrays, cut to 1 + k where the row asks for fewer than the most any row asks. Where every
-        row asks for the most (one logprobs value in the whole batch, the usual case) the Logprobs
-        are built by C loops alone (zip's 1-tuples encode as the lists they stand for)."""
-        ids, lps, ranks = (t.tolist() for t in topk)
-        width = len(ids[0]) if ids else 0
-        rows = [states[i] for i in sample_rows.tolist()]
-        if all(st.params.logprobs is not None and st.params.logprobs + 1 >= width for st in rows):
-            return dict(zip([st.req_id for st in rows], map(Logprobs, zip(ids), zip(lps), zip(ranks))))
-        out = {}
-        for j, st in enumerate(rows):
-            k = st.params.logprobs
-            if k is not None:
-                n = k + 1
-                out[st.req_id] = Logprobs([ids[j][:n]], [lps[j][:n]], [ranks[j]])
-        return out
-
-    @staticmethod
-    def _prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
-        """(request index, first position, positions) whose next prompt token's logprob this step
-        computes: position p predicts token p + 1, while that is still a prompt token."""
-        spans = []
-        for i, st in enumerate(states):
-            if st.params.prompt_logprobs is not None and start[i] < st.num_prompt_tokens:
-                spans.append((i, int(start[i]), max(int(min(n[i], st.num_prompt_tokens - 1 - start[i])), 0)))
-        return spans
-
-    def _prompt_logprobs(self, batch: "StepBatch", hidden: torch.Tensor) -> PromptLogprobSpans | None:
-        """The prompt logprobs of every request that asks, in one batch on the device (no sync)."""
-        spans = self._prompt_logprob_spans(batch.states, batch.start, batch.n)
-        if not spans:
-            return None
-        k = min(max(batch.states[i].params.prompt_logprobs for i, _, _ in spans), self.model.config.vocab_size)
-        out, first = [], 0
-        for i, _, cnt in spans:
-            st = batch.states[i]
-            out.append((st.req_id, first, cnt, st.params.prompt_logprobs))
-            first += cnt
-        if not first:
-            return PromptLogprobSpans(out, ())
-        lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, batch.dev["plp_rows"])).float(),
-                               dim=-1)
-        targets = batch.dev["plp_targets"]
-        tlp = lp.gather(1, targets.view(-1, 1))
-        ranks = (lp > tlp).sum(-1) + 1
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-        return PromptLogprobSpans(out, (targets, tlp.squeeze(1), ranks, top_ids, top_lp))
-
-    @staticmethod
-    def _pack_prompt_logprobs(plp: PromptLogprobSpans | None) -> dict[str, PromptLogprobs] | None:
-        if plp is None:
-            return None
-        if not plp.tensors:
-            return {rid: PromptLogprobs([], [], []) for rid, _, _, _ in plp.spans}
-        targets, tlp, ranks, top_ids, top_lp = (t.tolist() for t in plp.tensors)
-        out = {}
-        for rid, a, cnt, k in plp.spans:
-            b = a + cnt
-            out[rid] = PromptLogprobs([[t] + ids[:k] for t, ids in zip(targets[a:b], top_ids[a:b])],
-                                      [[v] + vals[:k] for v, vals in zip(tlp[a:b], top_lp[a:b])], ranks[a:b])
-        return out
