@@ -36,14 +36,15 @@ def test_llava_clip_matches_hf(tmp_path):
     _check(make_tiny_llava(str(tmp_path), tower="clip", vision_feature_layer=-2, select_strategy="default"), CASES)
 
 
-def test_llava_siglip_feature_layer_list_hub_layout(tmp_path):
+def test_llava_siglip_feature_layer_list_hub_layout_tp2(tmp_path):
+    """The SigLIP tower, in the Hub's layout, at TP=2 (two gloo ranks; the tower on each)."""
     d = make_tiny_llava(str(tmp_path), tower="siglip", vision_feature_layer=[-2, 1], select_strategy="full")
     # rewrite the checkpoint in the Hub's layout: vision_tower.vision_model.*
     from safetensors.torch import load_file, save_file
     w = load_file(f"{d}/model.safetensors")
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in w.items()},
               f"{d}/model.safetensors", metadata={"format": "pt"})
-    _check(d, CASES[:1] + CASES[2:])
+    _check(d, CASES[:1] + CASES[2:], tensor_parallel_size=2)
 
 
 def test_language_model_only(tmp_path):

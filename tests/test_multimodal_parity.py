@@ -133,6 +133,14 @@ def test_chunked_prefill_and_preemption(qwen_vl_dir, monkeypatch):
         assert llm.stats.num_preemptions > 0
 
 
+def test_tensor_parallel(qwen_vl_dir):
+    """At TP=2 (two gloo ranks): the vision tower runs on both ranks from the image in the
+    store (two readers), the language model is sharded, and the tokens are HF's."""
+    with LLM(qwen_vl_dir, max_model_len=256, max_num_seqs=2, block_size=8, tensor_parallel_size=2,
+             mm_processor_cache_gb=0.02) as llm:
+        check(llm, qwen_vl_dir, [(chat(IMG + "split"), [random_image(17, 112, 84)]), (chat("text only"), [])])
+
+
 def test_triton_mrope_kernel_path(qwen_vl_dir):
     """The fused rotary kernel with 3-row positions (run by the Triton interpreter on CPU)."""
     with LLM(qwen_vl_dir, max_model_len=256, max_num_seqs=2, block_size=8, attention_backend="triton",
