@@ -76,8 +76,9 @@ def serve(args: argparse.Namespace) -> int:
     launch = _Launch(args, config, dp, auth_key)
     code = 2
     try:
-        if launch.start():
-            code = launch.supervise()
+        if not launch.start():
+            return 2  # the reason is printed
+        code = launch.supervise()
     finally:
         launch.stop(clean=code == 0)
     logger.info("stopped (exit code %d)", code)
