@@ -298,6 +298,27 @@ def test_rms_norm(dtype):
     torch.testing.assert_close(out, out_ref, **tol)
 
 
+def _ptrs(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Every "rank's" tensor address, as the kernels over symmetric memory take them."""
+    return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)
+
+
+def _flags_with_peers_signalled(world: int, rank: int, cells: int) -> list[torch.Tensor]:
+    """Every rank's flags [cells, world], with every peer's signal to `rank` already raised."""
+    flags = [torch.zeros(cells, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    flags[rank][:, [p for p in range(world) if p != rank]] = 1
+    return flags
+
+
+def _check_flags_after_call(flags: list[torch.Tensor], world: int, rank: int) -> None:
+    """`rank` took its own signals and raised one in every peer's flags, per cell."""
+    for p in range(world):
+        want = torch.zeros(flags[p].shape, dtype=torch.int32)
+        if p != rank:
+            want[:, rank] = 1
+        assert torch.equal(flags[p].cpu(), want), (p, flags[p])
+
+
 @pytest.mark.parametrize("dtype,world,rank", [(torch.float32, 2, 0), (torch.bfloat16, 2, 1), (torch.float32, 4, 2)])
 def test_allreduce_add_rms_norm(dtype, world, rank):
     """One rank's call with every peer's signal already raised (the peers' buffers are
@@ -308,20 +329,14 @@ def test_allreduce_add_rms_norm(dtype, world, rank):
     parts = [_randn(rows, h, dtype=dtype, g=g) for _ in range(world)]
     residual = _randn(rows, 2 * h, dtype=dtype, g=g)[:, :h]  # a strided residual
     w = _randn(h, dtype=dtype, g=g)
-    flags = [torch.zeros(rows, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    flags[rank][:, [p for p in range(world) if p != rank]] = 1
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    out, new_r = arn.allreduce_add_rms_norm(ptrs(parts), ptrs(flags), rank, rows, residual, w, eps)
+    flags = _flags_with_peers_signalled(world, rank, rows)
+    out, new_r = arn.allreduce_add_rms_norm(_ptrs(parts), _ptrs(flags), rank, rows, residual, w, eps)
     out_ref, new_r_ref = arn.allreduce_add_rms_norm_ref(parts, residual, w, eps)
     exact = dtype == torch.float32 or not INTERPRET  # (the interpreter's bf16 rounding is approximate)
     tol = dict(atol=0, rtol=0) if exact else BF16_TOL
     torch.testing.assert_close(new_r, new_r_ref, **tol)
     torch.testing.assert_close(out, out_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
-    for p in range(world):
-        want = torch.zeros(rows, world, dtype=torch.int32)
-        if p != rank:
-            want[:, rank] = 1
-        assert torch.equal(flags[p].cpu(), want), (p, flags[p])
+    _check_flags_after_call(flags, world, rank)
 
 
 @needs_cuda
@@ -352,8 +367,7 @@ def _two_ranks_at_once(gemv):
     residual = _randn(rows, h, dtype=bf, g=g)
     bufs = [[torch.empty(rows, h, dtype=bf, device=DEVICE) for _ in range(world)] for _ in range(2)]  # [slot][rank]
     flags = [[torch.zeros(rows, world, dtype=torch.int32, device=DEVICE) for _ in range(world)] for _ in range(2)]
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    buf_ptrs, flag_ptrs = [ptrs(b) for b in bufs], [ptrs(f) for f in flags]
+    buf_ptrs, flag_ptrs = [_ptrs(b) for b in bufs], [_ptrs(f) for f in flags]
     streams = [torch.cuda.Stream() for _ in range(world)]
     parts = [gemv(x[r], w_in[r])[0] for r in range(world)]
     want, want_r = arn.allreduce_add_rms_norm_ref(parts, residual, norm_w, eps)
@@ -395,16 +409,10 @@ def test_all_gather(world, rank):
     cells = ag.flag_cells(rows, part)
     assert cells == 2 * rows
     parts = [_randn(rows, part, g=g) for _ in range(world)]
-    flags = [torch.zeros(cells, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    flags[rank][:, [p for p in range(world) if p != rank]] = 1
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    out = ag.all_gather(ptrs(parts), ptrs(flags), rank, rows, part, n_out, parts[0])
+    flags = _flags_with_peers_signalled(world, rank, cells)
+    out = ag.all_gather(_ptrs(parts), _ptrs(flags), rank, rows, part, n_out, parts[0])
     assert out.shape == (rows, n_out) and torch.equal(out, ag.all_gather_ref(parts, n_out))
-    for p in range(world):
-        want = torch.zeros(cells, world, dtype=torch.int32)
-        if p != rank:
-            want[:, rank] = 1
-        assert torch.equal(flags[p].cpu(), want), (p, flags[p])
+    _check_flags_after_call(flags, world, rank)
 
 
 @needs_cuda
@@ -424,8 +432,7 @@ def test_all_gather_two_ranks_at_once():
         bufs = [torch.empty(rows, part, dtype=bf, device=DEVICE) for _ in range(world)]
         flags = [torch.zeros(ag.flag_cells(rows, part), world, dtype=torch.int32, device=DEVICE)
                  for _ in range(world)]
-        ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-        buf_ptrs, flag_ptrs = ptrs(bufs), ptrs(flags)
+        buf_ptrs, flag_ptrs = _ptrs(bufs), _ptrs(flags)
         want = ag.all_gather_ref([gemv(x[r], w[r])[0] for r in range(world)], 2 * part - 3)
         for r in range(world):  # compiled and loaded one rank at a time (see _two_ranks_at_once)
             flags[r][:, 1 - r] = 1
