@@ -22,7 +22,6 @@ contention. Rounds alternate the modes so that a noisy machine biases none of th
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys

@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
+from frontend.detokenizer import IncrementalDetokenizer, TokenTexts
 from frontend.output_processor import RequestState
 from ipc.sampling_params import SamplingParams
 from tests.conftest import ROOT

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from frontend import LLM, SamplingParams
-from tests.tiny_vl_models import hf_vl_model, make_tiny_qwen2_5_vl, random_image
+from tests.tiny_vl_models import make_tiny_qwen2_5_vl, random_image
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"

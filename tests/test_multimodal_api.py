@@ -3,7 +3,6 @@ One server for the module; every bad input gets OpenAI's 400 and the server keep
 from __future__ import annotations
 
 import base64
-import functools
 import http.server
 import io
 import os
