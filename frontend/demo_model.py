@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -283,10 +284,32 @@ def reproducible_training(seed: int):
         random.setstate(py_state)
 
 
+@dataclasses.dataclass
+class _Corpus:
+    """The tokenized training documents."""
+    completions: list[list[int]]   # completions from every line start of the Zen
+    long_chats: list[list[int]]    # chats reciting the whole Zen
+    short_chats: list[list[int]]
+    beautiful: int                 # the completion from "Beautiful" on: in every batch
+
+    def draw_batch(self, rng: random.Random) -> list[list[int]]:
+        """The whole Zen from "Beautiful" on (the must-have completion), then a mix of
+        completions from every line start, full chat recitations and short chats."""
+        samples = [self.completions[self.beautiful]]
+        for _ in range(BATCH_SIZE - 1):
+            r = rng.random()
+            if r < 0.5:
+                samples.append(rng.choice(self.completions))
+            elif r < 0.65:
+                samples.append(rng.choice(self.long_chats))
+            else:
+                samples.append(rng.choice(self.short_chats))
+        return samples
+
+
 def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> None:
     """Train the demo tokenizer + model and write a HF checkpoint into ``out_dir``."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
     steps = DEFAULT_STEPS if steps is None else int(steps)
     os.makedirs(out_dir, exist_ok=True)
@@ -294,58 +317,38 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
 
     zen = zen_text()
     completions, chats = _documents(zen)
-
-    # --- tokenizer -------------------------------------------------------
     tok = _train_tokenizer([zen] + chats)
-    hf_tok = _wrap_tokenizer(tok)
-    eot_id = tok.token_to_id(ENDOFTEXT)
-    im_start_id = tok.token_to_id(IM_START)
-    im_end_id = tok.token_to_id(IM_END)
+    eot_id, im_start_id, im_end_id = (tok.token_to_id(sp) for sp in (ENDOFTEXT, IM_START, IM_END))
     for sp, sp_id in ((ENDOFTEXT, eot_id), (IM_START, im_start_id), (IM_END, im_end_id)):
         assert tok.encode(sp).ids == [sp_id], sp  # atomic special tokens
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     vocab_size = ((n_tok + 63) // 64) * 64
     logger.info("demo tokenizer: %d tokens (model vocab %d)", n_tok, vocab_size)
 
-    comp_ids = [tok.encode(t).ids for t in completions]
     chat_ids = [tok.encode(t).ids for t in chats]
-    long_chat_ids = chat_ids[:N_LONG_CHATS]
-    short_chat_ids = chat_ids[N_LONG_CHATS:]
-    # The must-have behaviour starts at the first aphorism: weight it up.
-    beautiful = next(i for i, t in enumerate(completions) if t.startswith("Beautiful"))
-
-    # --- model -----------------------------------------------------------
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        bos_token_id=eot_id,
-        eos_token_id=im_end_id,
-        pad_token_id=eot_id,
-        torch_dtype="float32",
-        **MODEL_CONFIG,
-    )
+    corpus = _Corpus(completions=[tok.encode(t).ids for t in completions], long_chats=chat_ids[:N_LONG_CHATS],
+                     short_chats=chat_ids[N_LONG_CHATS:],
+                     beautiful=next(i for i, t in enumerate(completions) if t.startswith("Beautiful")))
+    config = Qwen3Config(vocab_size=vocab_size, bos_token_id=eot_id, eos_token_id=im_end_id, pad_token_id=eot_id,
+                         torch_dtype="float32", **MODEL_CONFIG)
     config.architectures = ["Qwen3ForCausalLM"]
+    model = _train(config, corpus, steps, seed, pad_id=eot_id, t0=t0)
+    _save(model, _wrap_tokenizer(tok), out_dir, eot_id, im_end_id)
+    logger.info("demo model written to %s in %.1fs", out_dir, time.monotonic() - t0)
+
+
+def _train(config, corpus: _Corpus, steps: int, seed: int, pad_id: int, t0: float):
+    """A Qwen3ForCausalLM trained from scratch on the corpus (deterministic for a seed)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
 
     with reproducible_training(seed):
         rng = random.Random(seed)
         model = Qwen3ForCausalLM(config)
         model.train()
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0
-        )
-
+        opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0)
         for step in range(steps):
-            # Every batch holds the whole Zen from "Beautiful" on (the
-            # must-have completion); the rest is a mix of completions from
-            # every line start, full chat recitations and short chats.
-            samples = [comp_ids[beautiful]]
-            for _ in range(BATCH_SIZE - 1):
-                r = rng.random()
-                if r < 0.5:
-                    samples.append(rng.choice(comp_ids))
-                elif r < 0.65:
-                    samples.append(rng.choice(long_chat_ids))
-                else:
-                    samples.append(rng.choice(short_chat_ids))
+            samples = corpus.draw_batch(rng)
             n_targets = sum(len(s) - 1 for s in samples)
             lr = _lr_at(step, steps)
             for g in opt.param_groups:
@@ -353,34 +356,29 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for group in _micro_batches(samples):
-                ids, labels = _pad(group, eot_id)
+                ids, labels = _pad(group, pad_id)
                 logits = model(input_ids=ids).logits
                 loss = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]),
-                    labels[:, 1:].reshape(-1),
-                    ignore_index=-100,
-                    reduction="sum",
-                ) / n_targets
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                    ignore_index=-100, reduction="sum") / n_targets
                 loss.backward()
                 total += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if step % 25 == 0 or step == steps - 1:
-                logger.info(
-                    "demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
-                    step + 1, steps, total, lr, time.monotonic() - t0,
-                )
+                logger.info("demo model step %d/%d loss %.4f lr %.2e (%.1fs)",
+                            step + 1, steps, total, lr, time.monotonic() - t0)
         model.eval()
+    return model
 
-    # --- save ------------------------------------------------------------
+
+def _save(model, hf_tok, out_dir: str, eot_id: int, im_end_id: int) -> None:
+    """The checkpoint, its generation config and tokenizer, and a normalised config.json."""
+    from transformers import GenerationConfig
+
     model.save_pretrained(out_dir, safe_serialization=True)
-    gen = GenerationConfig(
-        bos_token_id=eot_id,
-        eos_token_id=[im_end_id, eot_id],
-        pad_token_id=eot_id,
-        do_sample=False,
-    )
-    gen.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=eot_id, eos_token_id=[im_end_id, eot_id], pad_token_id=eot_id,
+                     do_sample=False).save_pretrained(out_dir)
     _save_tokenizer(hf_tok, out_dir)
 
     # Normalise config.json: classic ``torch_dtype`` key, sorted, no attn impl.
@@ -402,7 +400,6 @@ def build_demo_model(out_dir: str, steps: int | None = None, seed: int = 0) -> N
         path = os.path.join(out_dir, name)
         if os.path.isfile(path):
             os.chmod(path, 0o644)
-    logger.info("demo model written to %s in %.1fs", out_dir, time.monotonic() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
