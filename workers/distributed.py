@@ -6,7 +6,8 @@ serves a TCPStore (a free port on 127.0.0.1 for one node; --master-addr/--master
 nodes) and every rank connects to it.
 
 The layers ask `tp_rank()` / `tp_size()` when they are built (1 and 0 when the process is not
-a rank of a group, e.g. a model built by a test), and call `all_reduce` / `all_gather`.
+a rank of a group, e.g. a model built by a test), and call `linear_all_reduce`,
+`all_reduce_written` (the embedding) and `lm_head_all_gather`.
 
 All-reduce on CUDA, by size (bf16, 2xH200, CUDA-graph replays: `python -m bench.allreduce_tp`):
 - up to ONE_SHOT_MAX_BYTES (1 MiB) a one-shot all-reduce over peer-to-peer memory (torch
@@ -178,32 +179,34 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm,
     symm = _state.symm
     shape = x.shape[:-1] + (weight.shape[0],)
     rows, cols = x.numel() // x.shape[-1], weight.shape[0]
-    if norm_slot is not None and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype) \
-            and x.dtype == weight.dtype:
-        matmul(x.reshape(-1, x.shape[-1]), weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
+    if x.dtype != weight.dtype:
+        return all_reduce(matmul(x, weight))
+    x2 = x.reshape(rows, x.shape[-1])
+    if norm_slot is not None and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype):
+        matmul(x2, weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
         return PendingSum(rows, cols, norm_slot)
-    out = _symm_sum(lambda buf: matmul(x.reshape(-1, x.shape[-1]), weight, out=buf), rows, cols, x) \
-        if x.dtype == weight.dtype else None
-    return all_reduce(matmul(x, weight)) if out is None else out.view(shape)
+    return all_reduce_written(lambda out=None: matmul(x2, weight, out=out), rows, cols, x).view(shape)
 
 
-def embedding_all_reduce(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    """The vocab-parallel embedding of ids [T] (this rank holds weight's rows from vocab_start):
-    each rank looks up its own rows, zeros for the others' ids, and the sum over the ranks is
-    the lookup. Through symmetric memory the lookup writes straight into the shared buffer."""
-    from kernels.embedding import vocab_parallel_embedding  # the engine core imports this module, not Triton
-    if _state.size == 1:
-        return vocab_parallel_embedding(ids, weight, vocab_start)
-    out = _symm_sum(lambda buf: vocab_parallel_embedding(ids, weight, vocab_start, out=buf),
-                    ids.numel(), weight.shape[1], weight)
-    return all_reduce(vocab_parallel_embedding(ids, weight, vocab_start)) if out is None else out
+def all_reduce_written(write: Callable[..., torch.Tensor], rows: int, cols: int,
+                       like: torch.Tensor) -> torch.Tensor:
+    """The [rows, cols] sum over the ranks of what write() computes on each (in like's dtype).
+    Through symmetric memory write(out=buffer) fills the shared buffer itself, so no copy
+    precedes the sum (a row-parallel matmul, the vocab-parallel embedding's lookup); at sizes
+    it does not take, write() and then an all-reduce."""
+    symm = _state.symm
+    method = symm.method(rows * cols, like.dtype) if symm is not None else None
+    if method is None:
+        return all_reduce(write())
+    write(out=symm.buffer_for(rows * cols).view(rows, cols))
+    out = torch.empty((rows, cols), dtype=like.dtype, device=like.device)
+    symm.reduce_buffer(rows * cols, method, out.view(-1))
+    return out
 
 
 def lm_head_all_gather(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> torch.Tensor:
     """x [N, H] @ weight.T (this rank's part of a vocab-parallel lm_head) -> every rank's parts
-    side by side, [N, n_out] (the vocabulary's padding dropped), on every rank."""
-    if _state.size == 1:
-        return F.linear(x, weight)
+    side by side, [N, n_out] (the vocabulary's padding dropped), on every rank (size > 1)."""
     symm = _state.symm
     rows, part = x.shape[0], weight.shape[0]
     if symm is not None and x.dtype == weight.dtype and symm.can_gather(rows, part, x.dtype):
@@ -213,25 +216,8 @@ def lm_head_all_gather(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> tor
     return logits[:, :n_out].contiguous() if logits.shape[1] != n_out else logits
 
 
-def _symm_sum(write: Callable[[torch.Tensor], object], rows: int, cols: int,
-              like: torch.Tensor) -> torch.Tensor | None:
-    """The [rows, cols] sum over the ranks of what write(buffer) writes on each, through
-    symmetric memory: write fills the shared buffer, so no copy precedes the sum. None (and
-    nothing written) where symmetric memory does not take this size."""
-    symm = _state.symm
-    method = symm.method(rows * cols, like.dtype) if symm is not None else None
-    if method is None:
-        return None
-    write(symm.buffer_for(rows * cols).view(rows, cols))
-    out = torch.empty((rows, cols), dtype=like.dtype, device=like.device)
-    symm.reduce_buffer(rows * cols, method, out.view(-1))
-    return out
-
-
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """[N, k] on every rank -> [N, k * size], the ranks' pieces side by side in rank order."""
-    if _state.size == 1:
-        return x
     x = x.contiguous()
     n = _state.size
     if x.is_cuda:
@@ -359,19 +345,17 @@ class SymmMemAllReduce:
         return self.fused.local[slot][:numel]
 
     def can_gather(self, rows: int, cols: int, dtype: torch.dtype) -> bool:
-        from kernels.all_gather import flag_cells
         f = self.fused
         return (f is not None and dtype == self.buffer.dtype and rows > 0
-                and rows * cols <= f.gather_local.numel() and flag_cells(rows, cols) <= f.max_rows)
+                and rows * cols <= f.gather_local.numel() and f.gather_cells(rows, cols) <= f.max_rows)
 
     def gather_buffer(self, numel: int) -> torch.Tensor:
         return self.fused.gather_local[:numel]
 
     def gather(self, rows: int, cols: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
         """Every rank's gather_buffer [rows, cols] side by side -> a new [rows, n_out]."""
-        from kernels.all_gather import all_gather as one_shot_gather
         f = self.fused
-        return one_shot_gather(f.gather_ptrs, f.flag_ptrs, f.rank, rows, cols, n_out, like)
+        return f.gather_kernel(f.gather_ptrs, f.flag_ptrs, f.rank, rows, cols, n_out, like)
 
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,13 +409,17 @@ class _FlaggedBuffers:
     max_rows: int  # of the fused norm, and the flags per peer
     max_cols: int
     max_bytes: int
-    kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm (imported here: the engine core needs no Triton)
+    # the kernels, imported in create() (the engine core imports this module and needs no Triton):
+    kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm
+    gather_kernel: Callable  # kernels.all_gather.all_gather
+    gather_cells: Callable  # kernels.all_gather.flag_cells: the flags per peer a gather takes
 
     @classmethod
     def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int,
                gather_bytes: int) -> "_FlaggedBuffers":
         import torch.distributed._symmetric_memory as symm_mem
 
+        from kernels.all_gather import all_gather as gather_kernel, flag_cells
         from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm
         elem = torch.empty(0, dtype=dtype).element_size()
         numel, gather_numel = nbytes // elem, gather_bytes // elem // 16 * 16
@@ -458,4 +446,5 @@ class _FlaggedBuffers:
         return cls(local=slots, buf_ptrs=(table(buf_handle, slots[0]), table(buf_handle, slots[1], numel)),
                    gather_local=gather, gather_ptrs=table(buf_handle, gather, 2 * numel) if gather_numel else None,
                    flag_ptrs=table(flag_handle, flags), keep=(bufs, flags, buf_handle, flag_handle), rank=rank,
-                   max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm)
+                   max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm,
+                   gather_kernel=gather_kernel, gather_cells=flag_cells)

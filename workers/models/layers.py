@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul_ref
+from kernels.embedding import vocab_parallel_embedding
 from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import (PendingSum, embedding_all_reduce, linear_all_reduce, lm_head_all_gather, tp_rank,
+from workers.distributed import (PendingSum, all_reduce_written, linear_all_reduce, lm_head_all_gather, tp_rank,
                                  tp_size)
 
 logger = logging.getLogger(__name__)
@@ -346,7 +347,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return F.embedding(input_ids, self.weight)
-        return embedding_all_reduce(input_ids, self.weight, self.vocab_start)
+        # each rank looks up its own rows (zeros for the others' ids): the sum is the lookup
+        lookup = functools.partial(vocab_parallel_embedding, input_ids, self.weight, self.vocab_start)
+        return all_reduce_written(lookup, input_ids.numel(), self.weight.shape[1], self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered)."""
