@@ -3,9 +3,10 @@
 Under tensor parallelism each rank holds the rows [start, start + part) of the embedding
 table. A token whose id lies in another rank's rows gets a zero row here, so that the sum
 over the ranks is the whole lookup. In torch that is seven small kernels (the shift, three
-comparisons, two masked fills and the gather), each a small kernel's fixed ~2-3 us (bench/RESULTS.md, session 7) on a batch-1 decode step's
-critical path; this kernel is one, launched under PDL, and it can write straight into the
-all-reduce's symmetric buffer (workers/distributed.py, all_reduce_written).
+comparisons, two masked fills and the gather), each costing a small kernel's fixed ~2-3 us
+(bench/RESULTS.md, session 7) on a batch-1 decode step's critical path; this kernel is one,
+launched under PDL, and it can write straight into the all-reduce's symmetric buffer
+(workers/distributed.py, all_reduce_written).
 
 `vocab_parallel_embedding_ref` is the torch reference.
 """
