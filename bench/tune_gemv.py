@@ -46,7 +46,7 @@ GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
 MMA_GRID = [dict(block_n=bn, block_k=bk, split_k=sk, swap=sw, num_warps=w, num_stages=s)
             for bn, bk, sk, sw, w, s in itertools.product([32, 64, 128], [64, 128, 256], [1, 2, 4, 8], [False, True],
                                                           [4, 8], [3, 4, 5])]
-ROW_BUCKETS = [b for b in (1, gv.MAX_ROWS, 16, 32, 64, 128) if b <= gv.MAX_DECODE_ROWS]
+ROW_BUCKETS = [1, gv.MAX_ROWS] + [b for b in (16, 32, 64) if b <= gv.MAX_DECODE_ROWS]
 
 
 def fits(tiles: dict, rows: int, n: int, sms: int) -> bool:
