@@ -122,6 +122,19 @@ def _fence() -> None:
     _fence_lock.release()
 
 
+def _byte_views(frames: "Sequence[Frame]") -> tuple[list[memoryview], list[int]]:
+    """Each frame as a flat unsigned-byte view (no copy), and their lengths."""
+    views = []
+    lens = []
+    for f in frames:
+        m = f if type(f) is memoryview else memoryview(f)
+        if m.ndim != 1 or m.format != "B":
+            m = m.cast("B")
+        views.append(m)
+        lens.append(m.nbytes)
+    return views, lens
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -435,6 +448,17 @@ class BroadcastRing:
             self._check_writer()
             raise RuntimeError("ring is closed" if self._closed
                                else "call wait_until_ready() before enqueue()")
+        seq, idx, seq_off = self._claim_chunk(timeout)
+        views, lens = _byte_views(frames)
+        self._write_chunk(seq, idx, views, lens)
+        if self._remote is not None:
+            # copied, as overflow frames are; ZMQ keeps the order of the steps per reader
+            self._remote.send_multipart(views, copy=True)
+        self._publish(seq, seq_off)
+
+    def _claim_chunk(self, timeout: float | None) -> tuple[int, int, int]:
+        """The next message's (seq, chunk index, seq offset), once every reader has read the
+        chunk's last message; its read flags are cleared for the new one."""
         L = self._L
         buf = self._buf
         seq = self._next_seq
@@ -448,44 +472,40 @@ class BroadcastRing:
             self._wait_free(seq_off, timeout)
         _fence()  # the readers' loads of the old data happen before our stores
         buf[seq_off + 8: seq_off + 8 + L.n_readers] = bytes(L.n_readers)
+        return seq, idx, seq_off
 
-        views = []
-        lens = []
-        total = 0
-        for f in frames:
-            m = f if type(f) is memoryview else memoryview(f)
-            if m.ndim != 1 or m.format != "B":
-                m = m.cast("B")
-            views.append(m)
-            lens.append(m.nbytes)
-            total += m.nbytes
+    def _write_chunk(self, seq: int, idx: int, views: list[memoryview], lens: list[int]) -> None:
+        """The frames inline in the chunk when they fit, else a header here and the frames
+        on the overflow socket."""
+        buf = self._buf
         nf = len(views)
         hs = self._hdr_structs.get(nf)
         if hs is None:
             hs = self._hdr_structs[nf] = struct.Struct(f"<II{nf}Q")
-        off = L.data(idx)
-        if hs.size + total <= L.max_chunk_bytes:
+        off = self._L.data(idx)
+        if hs.size + sum(lens) <= self._L.max_chunk_bytes:
             hs.pack_into(buf, off, _KIND_INLINE, nf, *lens)
             p = off + hs.size
             for m, n in zip(views, lens):
                 buf[p:p + n] = m
                 p += n
-        else:
-            _CHUNK_HDR.pack_into(buf, off, _KIND_OVERFLOW, nf)
-            sock = self._ovf
-            sock.send(_OVF_HDR.pack(b"o", seq, nf), zmq.SNDMORE if nf else 0)
-            # Always copied: zero-copy sends would let the caller modify a
-            # buffer zmq is still sending, and go through pyzmq's garbage-
-            # collector thread, which can hang context teardown / exit.
-            for i, m in enumerate(views):
-                sock.send(m, zmq.SNDMORE if i < nf - 1 else 0)
-        if self._remote is not None:
-            # copied, as overflow frames are; ZMQ keeps the order of the steps per reader
-            self._remote.send_multipart(views, copy=True)
+            return
+        _CHUNK_HDR.pack_into(buf, off, _KIND_OVERFLOW, nf)
+        sock = self._ovf
+        sock.send(_OVF_HDR.pack(b"o", seq, nf), zmq.SNDMORE if nf else 0)
+        # Always copied: zero-copy sends would let the caller modify a
+        # buffer zmq is still sending, and go through pyzmq's garbage-
+        # collector thread, which can hang context teardown / exit.
+        for i, m in enumerate(views):
+            sock.send(m, zmq.SNDMORE if i < nf - 1 else 0)
+
+    def _publish(self, seq: int, seq_off: int) -> None:
+        """Store the seq that makes the message visible, then wake the readers that sleep."""
+        buf = self._buf
         _fence()  # data before seq
         _U64.pack_into(buf, seq_off, seq)
         _fence()  # seq store before the sleep-flag loads (Dekker)
-        if any(L.flags_struct.unpack_from(buf, L.sleep_off)):
+        if any(self._L.flags_struct.unpack_from(buf, self._L.sleep_off)):
             self._wake_sleepers()
         self._next_seq = seq + 1
 
