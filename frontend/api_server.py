@@ -57,7 +57,7 @@ from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
 from metrics.http import HttpMetrics
 from metrics.registry import render as render_metrics
-from multimodal.media import MediaError, load_image_url
+from multimodal.media import MediaError
 from multimodal.processor import StoreBusy, mm_reject
 
 logger = logging.getLogger("loom.api")
@@ -421,12 +421,9 @@ class OpenAIServer:
             return ids, []
         mm = getattr(self.llm, "mm", None)
         try:
-            if mm is None or len(urls) > self.config.mm_limit("image"):
+            if mm is None:
                 mm_reject(self.config, len(urls))
-            if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
-                raise MediaError("mm_processor_kwargs must be an object")
-            images = [await load_image_url(u, self.config.allowed_local_media_path, mm.off_loop) for u in urls]
-            return await mm.off_loop(mm.process, ids, images, mm_kwargs)
+            return await mm.process_urls(ids, urls, mm_kwargs, self.config.allowed_local_media_path)
         except MediaError as e:
             raise APIError(str(e), 400, "messages") from None
         except StoreBusy as e:

@@ -8,6 +8,7 @@ import base64
 import binascii
 import io
 import os
+import stat
 from urllib.parse import unquote, urlparse
 
 from PIL import Image
@@ -66,18 +67,32 @@ def load_file_url(url: str, allowed_dir: str | None) -> Image.Image:
     if not allowed_dir:
         raise MediaError("file:// URLs are not allowed (the server was started without "
                          "--allowed-local-media-path)")
-    path = os.path.realpath(unquote(urlparse(url).path))
+    path = unquote(urlparse(url).path)
+    if "\x00" in path:
+        raise MediaError("the file path contains a NUL byte")
+    path = os.path.realpath(path)
     root = os.path.realpath(allowed_dir)
     if os.path.commonpath([path, root]) != root:
         raise MediaError("the file is outside --allowed-local-media-path")
     try:
-        size = os.path.getsize(path)
-        if size > MAX_IMAGE_BYTES:
-            raise MediaError(f"the image has {size} bytes; at most {MAX_IMAGE_BYTES} are accepted")
-        with open(path, "rb") as f:
-            return decode_image(f.read())
+        with open(path, "rb", opener=_open_regular) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_IMAGE_BYTES:
+                raise MediaError(f"the image has {size} bytes; at most {MAX_IMAGE_BYTES} are accepted")
+            return decode_image(f.read(MAX_IMAGE_BYTES + 1))
     except OSError:
         raise MediaError("the file cannot be read") from None
+
+
+def _open_regular(path: str, flags: int) -> int:
+    """open() that refuses anything but a regular file (a FIFO or a device would block the
+    image thread, or never end), without blocking on it: O_NONBLOCK, checked, then cleared."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MediaError("the path is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 async def fetch_http(url: str, timeout: float = FETCH_TIMEOUT_S) -> bytes:

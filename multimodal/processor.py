@@ -15,16 +15,24 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ipc.config import EngineConfig
 from ipc.messages import MultiModalItem
-from multimodal.media import MediaError, as_image
-from multimodal.registry import LLAVA_TYPES, QWEN_VL_TYPES, llava_image_tokens
+from multimodal.media import MediaError, as_image, load_image_url
+from multimodal.registry import LLAVA_TYPES, QWEN_VL_TYPES, llava_image_tokens, max_pixels
 from shm.object_store import ObjectStoreWriter, StoreFull
 
 STORE_WAIT_S = 10.0   # a full store frees as running requests finish
+
+
+class StoredImage(NamedTuple):
+    """An image in the shared-memory store: its content hash, its placeholder tokens, its entry."""
+    hash: str
+    num_tokens: int
+    store_addr: int
 
 
 class StoreBusy(RuntimeError):
@@ -93,8 +101,36 @@ class MultiModalProcessor:
         h.update(img.tobytes())
         return h.hexdigest()
 
+    def check_kwargs(self, kwargs) -> dict:
+        """A request's mm_processor_kwargs, checked: only the settings that bound an image's size
+        (vLLM's Qwen-VL clients send min_pixels / max_pixels), at most the model's own max_pixels,
+        which sized the engine's encoder budget. Any other processor setting (a patch size, a
+        normalisation) would change what the vision encoder receives."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise MediaError("mm_processor_kwargs must be an object")
+        accepted = ("min_pixels", "max_pixels") if self.model_type in QWEN_VL_TYPES else ()
+        out = {}
+        for key, value in kwargs.items():
+            if key not in accepted:
+                raise MediaError(f"mm_processor_kwargs: {key!r} is not accepted for this model"
+                                 + (f" (accepted: {', '.join(accepted)})" if accepted else " (it takes none)"))
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 1 \
+                    or value != int(value):
+                raise MediaError(f"mm_processor_kwargs.{key} must be a positive integer")
+            out[key] = int(value)
+        ceiling = max_pixels(self.config.model, self.hf)
+        if out.get("max_pixels", 0) > ceiling:
+            raise MediaError(f"mm_processor_kwargs.max_pixels may be at most {ceiling} (the model's own)")
+        if out.get("min_pixels", 0) > out.get("max_pixels", ceiling):
+            raise MediaError("mm_processor_kwargs.min_pixels is above max_pixels")
+        return out
+
     def process_image(self, img, kwargs: dict) -> tuple[int, dict[str, np.ndarray]]:
-        """(placeholder tokens, processed arrays) of one image."""
+        """(placeholder tokens, processed arrays) of one image; kwargs as check_kwargs returns them."""
         t0 = time.perf_counter()
         try:
             out = self.image_processor(images=[img], return_tensors="np", **self._call_kwargs(kwargs))
@@ -102,33 +138,48 @@ class MultiModalProcessor:
             raise MediaError(f"the image processor failed: {e}") from None
         self.stats.processing_secs += time.perf_counter() - t0
         self.stats.processed_items += 1
+        arrays = {"pixel_values": np.ascontiguousarray(out["pixel_values"], dtype=np.float32)}
         if self.model_type in QWEN_VL_TYPES:
-            grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(3)
-            merge = int(getattr(self.image_processor, "merge_size", 2))
-            arrays = {"pixel_values": np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
-                      "image_grid_thw": grid}
-            n = int(grid.prod()) // (merge * merge)
-        else:
-            arrays = {"pixel_values": np.ascontiguousarray(out["pixel_values"], dtype=np.float32)}
-            n = llava_image_tokens(self.hf)
+            arrays["image_grid_thw"] = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1)
+        n = self._encoder_tokens(arrays)
         if n > self.config.mm_max_item_tokens:
             raise MediaError(f"the image makes {n} tokens; at most {self.config.mm_max_item_tokens} "
                              "are accepted (lower max_pixels)")
         return n, arrays
 
+    def _encoder_tokens(self, arrays: dict[str, np.ndarray]) -> int:
+        """The placeholder tokens of processed arrays, once they are checked to have the shapes
+        the model's vision encoder takes (its config.json, not the processor's defaults): an
+        array the encoder cannot take would fail the engine's step, not this request."""
+        vc = self.hf.get("vision_config") or {}
+        pixels = arrays["pixel_values"]
+        if self.model_type in QWEN_VL_TYPES:
+            grid = arrays["image_grid_thw"]
+            merge = int(vc.get("spatial_merge_size", 2))
+            dim = int(vc.get("in_channels", vc.get("in_chans", 3))) * int(vc.get("temporal_patch_size", 2)) \
+                * int(vc.get("patch_size", 14)) ** 2
+            ok = (grid.shape == (3,) and (grid >= 1).all() and grid[1] % merge == 0 and grid[2] % merge == 0
+                  and pixels.shape == (int(grid.prod()), dim))
+            n = int(grid.prod()) // (merge * merge) if ok else 0
+        else:
+            side = int(vc.get("image_size", pixels.shape[-1]))
+            ok = pixels.shape == (1, int(vc.get("num_channels", 3)), side, side)
+            n = llava_image_tokens(self.hf)
+        if not ok:
+            raise MediaError(f"the image processor made arrays of shape {pixels.shape}, which this model's "
+                             "vision encoder does not take")
+        return n
+
     def _call_kwargs(self, kwargs: dict) -> dict:
-        """A request's mm_processor_kwargs as the processor call takes them. vLLM's clients bound a
-        Qwen-VL image by min_pixels / max_pixels; transformers 5 deprecates those in the call and
-        reads them from size = {"shortest_edge": min, "longest_edge": max}."""
-        if self.model_type not in QWEN_VL_TYPES or not ({"min_pixels", "max_pixels"} & kwargs.keys()):
-            return kwargs
-        kwargs = dict(kwargs)
-        size = dict(kwargs.pop("size", None) or self.image_processor.size)
+        """Checked kwargs as the processor call takes them: transformers 5 deprecates Qwen-VL's
+        min_pixels / max_pixels in the call and reads size = {"shortest_edge", "longest_edge"}."""
+        if not kwargs:
+            return {}
+        size = dict(self.image_processor.size)
         for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-            if kwargs.get(key) is not None:
+            if key in kwargs:
                 size[edge] = kwargs[key]
-            kwargs.pop(key, None)
-        return {**kwargs, "size": size}
+        return {"size": size}
 
     def _store_item(self, img, kwargs: dict) -> tuple[str, int, int]:
         """(hash, placeholder tokens, store address), processing only on a cache miss."""
@@ -162,29 +213,63 @@ class MultiModalProcessor:
 
     # ------------------------------------------------------------ one prompt
 
-    def process(self, prompt_ids: list[int], images: list, kwargs: dict | None = None
-                ) -> tuple[list[int], list[MultiModalItem]]:
-        """Expand each image placeholder token of prompt_ids into the image's tokens and store
-        the images. Blocking (run it off the event loop)."""
-        kwargs = dict(kwargs or {})
-        if len(images) > self.config.mm_limit("image"):
-            mm_reject(self.config, len(images))
-        spots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if len(spots) != len(images):
-            raise MediaError(f"the prompt has {len(spots)} image placeholder(s) for {len(images)} image(s)")
+    def check_prompt(self, prompt_ids: list[int], num_images: int) -> None:
+        """Before any image is loaded: at most --limit-mm-per-prompt, one placeholder each."""
+        if num_images > self.config.mm_limit("image"):
+            mm_reject(self.config, num_images)
+        spots = prompt_ids.count(self.image_token_id)
+        if spots != num_images:
+            raise MediaError(f"the prompt has {spots} image placeholder(s) for {num_images} image(s)")
+
+    def store_image(self, image, kwargs: dict) -> StoredImage:
+        """One image processed (on a cache miss) and referenced in the store. Blocking (run it off
+        the event loop); kwargs as check_kwargs returns them."""
+        return StoredImage(*self._store_item(as_image(image), kwargs))
+
+    def expand(self, prompt_ids: list[int], stored: list[StoredImage]) -> tuple[list[int], list[MultiModalItem]]:
+        """Each image placeholder token of prompt_ids expanded into its image's tokens."""
         items, ids, prev = [], [], 0
-        try:
-            for spot, image in zip(spots, images):
-                key, n, addr = self._store_item(as_image(image), kwargs)
-                ids.extend(prompt_ids[prev:spot])
-                items.append(MultiModalItem("image", key, len(ids), n, self.store.name, addr))
-                ids.extend([self.image_token_id] * n)
-                prev = spot + 1
-        except BaseException:
-            self.unref(items)
-            raise
+        spots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        for spot, image in zip(spots, stored, strict=True):
+            ids.extend(prompt_ids[prev:spot])
+            items.append(MultiModalItem("image", image.hash, len(ids), image.num_tokens, self.store.name,
+                                        image.store_addr))
+            ids.extend([self.image_token_id] * image.num_tokens)
+            prev = spot + 1
         ids.extend(prompt_ids[prev:])
         return ids, items
+
+    def process(self, prompt_ids: list[int], images: list, kwargs: dict | None = None
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """The offline path, with decoded images: check, store each, expand. Blocking."""
+        kwargs = self.check_kwargs(kwargs)
+        self.check_prompt(prompt_ids, len(images))
+        stored = []
+        try:
+            for image in images:
+                stored.append(self.store_image(image, kwargs))
+        except BaseException:
+            self.unref(stored)
+            raise
+        return self.expand(prompt_ids, stored)
+
+    async def process_urls(self, prompt_ids: list[int], urls: list, kwargs: dict | None, allowed_dir: str | None
+                           ) -> tuple[list[int], list[MultiModalItem]]:
+        """The API server's path: each image_url loaded (http(s) fetched on the event loop, decoded
+        off it), then processed and stored before the next one is loaded, so that one decoded image
+        (up to MAX_IMAGE_PIXELS) is held at a time."""
+        kwargs = self.check_kwargs(kwargs)
+        self.check_prompt(prompt_ids, len(urls))
+        stored = []
+        try:
+            for url in urls:
+                image = await load_image_url(url, allowed_dir, self.off_loop)
+                stored.append(await self.off_loop(self.store_image, image, kwargs))
+                del image
+        except BaseException:
+            self.unref(stored)
+            raise
+        return self.expand(prompt_ids, stored)
 
     def addref(self, items: list[MultiModalItem], k: int) -> None:
         """k more references to each item (n > 1 choices: one engine request each)."""
@@ -193,7 +278,7 @@ class MultiModalProcessor:
                 if self.store.lookup(it.hash) != it.store_addr:
                     raise RuntimeError("a referenced store entry went away")
 
-    def unref(self, items: list[MultiModalItem]) -> None:
+    def unref(self, items: "list[MultiModalItem] | list[StoredImage]") -> None:
         """Give back the store references of a request that never reached the engine."""
         for it in items:
             self.store.unref(it.store_addr)

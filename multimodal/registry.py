@@ -23,13 +23,19 @@ def max_item_tokens(model_dir: str, hf: dict) -> int:
     model_type = hf.get("model_type")
     if model_type in QWEN_VL_TYPES:
         pp = _preprocessor(model_dir)
-        size = pp.get("size") or {}
-        max_pixels = pp.get("max_pixels") or size.get("longest_edge") or 12845056
         unit = int(pp.get("patch_size", 14)) * int(pp.get("merge_size", 2))
-        return int(max_pixels) // (unit * unit)
+        return max_pixels(model_dir, hf) // (unit * unit)
     if model_type in LLAVA_TYPES:
         return llava_image_tokens(hf)
     return 0
+
+
+def max_pixels(model_dir: str, hf: dict) -> int:
+    """A Qwen-VL processor's largest image in pixels (its own max_pixels); 0 for other models."""
+    if hf.get("model_type") not in QWEN_VL_TYPES:
+        return 0
+    pp = _preprocessor(model_dir)
+    return int(pp.get("max_pixels") or (pp.get("size") or {}).get("longest_edge") or 12845056)
 
 
 def llava_image_tokens(hf: dict) -> int:

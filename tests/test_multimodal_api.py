@@ -122,6 +122,21 @@ def test_mm_processor_kwargs_max_pixels(server):
     assert small["usage"]["prompt_tokens"] < big["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"temporal_patch_size": 1}, "'temporal_patch_size' is not accepted"),  # killed the engine once
+    ({"patch_size": 28}, "'patch_size' is not accepted"),
+    ({"min_pixels": 10 ** 9}, "min_pixels is above max_pixels"),           # upscaled to OOM once
+    ({"max_pixels": 10 ** 10}, "at most"),
+    ({"max_pixels": "many"}, "positive integer"),
+    ([1, 2], "mm_processor_kwargs"),
+])
+def test_bad_mm_processor_kwargs_are_400_and_the_server_keeps_serving(client, kwargs, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, image_message(png_url(random_image(39, 56, 56))), extra_body={"mm_processor_kwargs": kwargs})
+    assert needle in e.value.body["message"]
+    assert chat(client, image_message(png_url(random_image(36, 56, 56)))).choices
+
+
 def _oversized_png() -> str:
     from PIL import Image
     buf = io.BytesIO()
@@ -135,10 +150,16 @@ def _oversized_png() -> str:
     ("ftp://example.com/cat.png", "scheme"),
     ("file:///etc/passwd", "outside"),
     ("oversized", "pixels"),
+    ("fifo", "not a regular file"),  # opening it would block the image thread until a writer came
+    ("file:///nul%00.png", "NUL"),
 ])
-def test_bad_images_are_400_and_the_server_keeps_serving(client, url, needle):
+def test_bad_images_are_400_and_the_server_keeps_serving(client, media_dir, url, needle):
     if url == "oversized":
         url = _oversized_png()
+    if url == "fifo":
+        if not (media_dir / "fifo").exists():
+            os.mkfifo(media_dir / "fifo")
+        url = f"file://{media_dir}/fifo"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, image_message(url))
     assert e.value.status_code == 400
