@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -45,6 +46,7 @@ from ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = b"client-gone"
+ADD_MALFORMED = b"add-malformed"  # (client index, request id, error): an ADD that did not decode
 HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything bigger is dropped by libzmq
 MAX_PENDING_HELLOS = 1024             # nonces of HELLOs not yet followed by ATTACH: the oldest go first
 HELLO_TTL_S = 30.0                    # ... and none lives longer than this
@@ -235,8 +237,12 @@ class ClientIO:
         try:
             msg = self._decoders[kind].decode(frames)
         except Exception as e:  # a malformed message fails alone
-            logger.warning("client %d: dropping a malformed %r message: %s", idx, kind[:8], e)
-            return
+            request_id = _request_id(frames) if kind == MsgType.ADD.value else None
+            if request_id is None:
+                logger.warning("client %d: dropping a malformed %r message: %s", idx, kind[:8], e)
+                return
+            # answered, or the client would wait for this request forever
+            kind, msg = ADD_MALFORMED, (idx, request_id, f"malformed request: {e}")
         if kind in (MsgType.ADD.value, MsgType.UTILITY.value):
             msg.client_index = idx
         elif kind == MsgType.ABORT.value:
@@ -306,3 +312,15 @@ class ClientIO:
                         logger.warning("client %d: output socket has no connection; message dropped", idx)
         for sock in socks.values():   # a moment to deliver ENGINE_DEAD; a client that is gone gets none
             sock.close(linger=_FINAL_LINGER_MS)
+
+
+def _request_id(frames) -> str | None:
+    """The request id of an ADD that does not decode as an EngineCoreRequest (its first field),
+    if that much of it is there."""
+    try:
+        body = msgspec.msgpack.decode(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1])
+    except Exception:
+        return None
+    if isinstance(body, list) and body and isinstance(body[0], str):
+        return body[0]
+    return None

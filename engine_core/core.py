@@ -23,7 +23,7 @@ import zmq
 
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
-from engine_core.client_io import CLIENT_GONE, ClientIO
+from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, ClientIO
 from engine_core.dp_coordinator import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, PendingOutput
 from engine_core.loop_stats import LoopStats
@@ -451,6 +451,11 @@ class EngineCoreProc(EngineCore):
             err = self.add_request(msg)
             if err is not None:
                 self.pending_outputs.setdefault(msg.client_index, []).append(err)
+        elif kind == ADD_MALFORMED:  # counted as an ADD: a DP router acknowledges its ADDs by this count
+            client_index, request_id, error = msg
+            self.num_added[client_index] = self.num_added.get(client_index, 0) + 1
+            self.pending_outputs.setdefault(client_index, []).append(
+                EngineCoreOutput(request_id, [], "error", error=error))
         elif kind == MsgType.ABORT.value:
             client_index, req_ids = msg
             self.abort_requests(self._own_requests(client_index, req_ids))

@@ -19,7 +19,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     disable_any_whitespace: bool = False  # JSON without optional whitespace
 
     def kind(self) -> tuple[str, object]:
-        """(kind, value) of the one constraint given; ValueError unless exactly one is."""
+        """(kind, value) of the one constraint given; ValueError unless exactly one is, or unless
+        every field has its type (a Struct's constructor does not check types, and a constraint
+        built from a request's JSON that the engine then could not decode would never be answered)."""
+        for f in msgspec.structs.fields(self):
+            try:
+                msgspec.convert(getattr(self, f.name), f.type)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"structured_outputs {f.name}: {e}") from None
         given = [(k, getattr(self, k)) for k in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:

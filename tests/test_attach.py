@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import requests
 
 from engine_core.client import EngineCoreClient, EngineDeadError
+from ipc.messages import MsgType
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
 from tests.conftest import ROOT, Server, run_to_end, shm_entries
@@ -98,6 +100,18 @@ def test_attach_headless_engine(tiny_model_dir, headless):
             assert info["tracked_requests"] == 0 and info["free_blocks"] == info["num_blocks"]
             assert _generate(client, "after", PROMPTS[0]) == expected[0]
             assert clean(http(PROMPTS[1])) == clean(tok.decode(expected[1]))
+
+            # an ADD that does not decode (a prompt that is not a list of ints) fails alone, with an
+            # error output for its request id, where it was once dropped and left its client waiting
+            client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value,
+                                         msgspec.msgpack.encode(["bad-add", "not a prompt", []])])
+            out, deadline = None, time.monotonic() + 10
+            while out is None:
+                assert time.monotonic() < deadline, "the malformed ADD was not answered"
+                outs = client.get_outputs(timeout=1)
+                out = next((o for o in outs.outputs if o.request_id == "bad-add"), None) if outs else None
+            assert out.finish_reason == "error" and "malformed request" in out.error
+            assert _generate(client, "after-bad", PROMPTS[2]) == expected[2]
 
             # a wrong key, or none, is refused
             with pytest.raises(PermissionError):

@@ -189,6 +189,11 @@ def test_mixed_batch_free_requests_untouched(client, model):
     ("/v1/completions", {"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    # wrong types: these once reached the engine, which could not decode them and never answered
+    ("/v1/completions", {"structured_outputs": {"choice": "abc"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": "yes"}},
+     "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
