@@ -20,6 +20,8 @@ from ipc.sampling_params import SamplingParams
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+# logits are divided or multiplied by it in float32: 1e-300 was 0 there, and made every score NaN
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 MAX_N = 128                      # choices of one request
 MAX_STOP_STRINGS = 1024          # each output token is checked against every stop string
 MAX_STOP_STRING_CHARS = 4096
@@ -92,9 +94,9 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
         value = getattr(p, name)
         if not -2 <= value <= 2:
             raise _bad(name, f"must be in [-2, 2], got {value}")
-    _finite("repetition_penalty", p.repetition_penalty)
-    if not p.repetition_penalty > 0:
-        raise _bad("repetition_penalty", f"must be greater than 0, got {p.repetition_penalty}")
+    if not MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise _bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                                         f"got {p.repetition_penalty}")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(p, name)
         if value is not None:

@@ -97,6 +97,7 @@ def _crash_bodies(vocab: int):
         ("/v1/completions", {"prompt": [[1, 2]] * 10_000, "max_tokens": 1}, "prompt"),
         ("/v1/completions", {"prompt": ["a"] * 600, "n": 2, "max_tokens": 1}, "n"),
         ("/v1/completions", {**p, "truncate_prompt_tokens": 2 ** 70}, "truncate_prompt_tokens"),
+        ("/v1/completions", {**p, "repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
         # nested 10,000 deep: in a field we read, one we ignore, and one we pass on
         ("/v1/completions", f'{{"prompt": {_nested(10_000)}}}'.encode(), None),
         ("/v1/completions", f'{{"prompt": "x", "unknown": {_nested(10_000)}}}'.encode(), None),
@@ -137,6 +138,10 @@ def test_integers_at_the_limits_still_work(server, vocab_size):
                   {"stop_token_ids": [vocab_size - 1], "min_tokens": 1}):
         r = _post(server, "/v1/completions", {**p, **extra})
         assert r.status_code == 200, (extra, r.text)
+    # a subnormal temperature samples as vLLM's smallest (0.01): it made every score NaN, token 0
+    # won, and a grammar then failed the request with a 500
+    r = _post(server, "/v1/completions", {**p, "temperature": 1e-45, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
 
 
 def test_body_size_limit(server):

@@ -56,6 +56,13 @@ def _padded(lists: list[list], dtype, fill) -> np.ndarray:
 
 
 _INT32_MAX = 2 ** 31 - 1  # validated at the boundaries; clamped here so a bad row can never raise
+# vLLM's _MAX_TEMP: a positive temperature below it is raised to it, as 1 / temperature would
+# overflow (a subnormal temperature made every score NaN, and token 0 won)
+MIN_TEMPERATURE = 1e-2
+
+
+def _temperature(t: float) -> float:
+    return t if t <= 0.0 or t >= MIN_TEMPERATURE else MIN_TEMPERATURE
 
 
 class Sampler:
@@ -101,7 +108,7 @@ class Sampler:
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=n)
         i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=n)
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=n)
-        host = {"temperature": f32(x.temperature for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
+        host = {"temperature": f32(_temperature(x.temperature) for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
                 "out_positions": i64(r.output_index for r in rows), "slots": i64(r.slot for r in rows)}
