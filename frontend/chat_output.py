@@ -61,7 +61,7 @@ class ChatOutput:
             try:
                 calls = json.loads(content)
                 return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 return []   # cut short (max_tokens): the text stays content
         return []
 

@@ -274,7 +274,7 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise APIError(f"{at}.function.arguments is not valid JSON: {e}", 400, "messages") from None
         if not isinstance(args, dict):
             raise APIError(f"{at}.function.arguments must be a JSON object", 400, "messages")

@@ -223,6 +223,9 @@ def test_malformed_tool_calls_in_messages_are_400(server, model):
         [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {}}]}],
         [{"role": "assistant", "content": None, "tool_calls": {"id": "c1"}}],
         [{"role": "user", "content": "x", "tool_calls": []}],
+        # arguments nested past the recursion limit (a 500 once)
+        [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "add", "arguments": "[" * 100_000 + "]" * 100_000}}]}],
     ]
     for messages in bad:
         r = _post(server, "/v1/chat/completions", {"model": model, "messages": MESSAGES + messages, "max_tokens": 2})

@@ -22,6 +22,9 @@ def test_hermes_extracts_calls_and_content():
     assert p.extract("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
     # an unclosed block at the end (max_tokens after the JSON) still parses, as in vLLM
     assert p.extract('<tool_call>{"name": "f", "arguments": {}}')[1][0].name == "f"
+    # JSON nested past Python's recursion limit is not a call either (it was a 500)
+    deep = "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>"
+    assert p.extract(deep) == (deep, [])
 
 
 def test_hermes_streaming_holds_back_the_marker():
@@ -39,6 +42,8 @@ def test_llama3_json():
     assert p.extract("Just text.") == ("Just text.", [])
     assert p.extract('{"not a call": 1}') == ('{"not a call": 1}', [])
     assert p.plain_prefix('{"name"', final=False) == "" and p.plain_prefix("Hi", final=False) == "Hi"
+    deep = '{"name": "f", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert p.extract(deep) == (deep, [])
 
 
 @pytest.mark.parametrize("name,text,expected", [
@@ -88,6 +93,9 @@ def test_required_and_named_outputs():
     msg = out.message()
     assert msg["content"] is None and [c["function"]["name"] for c in msg["tool_calls"]] == ["add", "f"]
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": False}
+    deep = ChatOutput(ToolUse("required"), None)
+    deep.text = "[" * 100_000 + "]" * 100_000  # nested past the recursion limit: cut short, not a 500
+    assert "tool_calls" not in deep.message()
     named = ChatOutput(ToolUse("named", name="add"), None)
     got = _stream(named, '{"a": 1, "b": true}', 4)
     assert got["content"] == "" and len({c.get("id") for c in got["tool_calls"]} - {None}) == 1

@@ -26,7 +26,7 @@ class HermesToolParser(ToolParser):
                 if not isinstance(name, str):
                     raise TypeError("name is not a string")
                 calls.append(ToolCall(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return text, []   # not a well-formed call: the text stays content (as vLLM)
         content = text[:text.find(START)]
         return (content if content.strip() else None), calls

@@ -28,7 +28,7 @@ class Llama3JsonToolParser(ToolParser):
                 calls.append(ToolCall(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
                 while i < len(body) and body[i] in " \t\r\n;":
                     i += 1
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return text, []
         return None, calls
 
