@@ -250,6 +250,8 @@ class OpenAIServer:
         except web.HTTPRequestEntityTooLarge:
             raise APIError(f"The request body is larger than {self.options.max_request_body_bytes} bytes "
                            "(--max-request-body-bytes).", 413) from None
+        except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not have
+            raise APIError(f"The request body cannot be read: {e}", 400) from None
         return raw if cls is None else parse_request(raw, cls)
 
     # ------------------------------------------------------------ simple endpoints

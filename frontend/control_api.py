@@ -75,6 +75,8 @@ class ControlAPI:
             return await self.llm.call_utility(method, *args)
         except EngineDeadError:
             raise
+        except OverflowError:  # msgpack carries 64-bit integers
+            raise APIError("an integer argument is outside the 64-bit range", 400, param) from None
         except RuntimeError as e:
             m = _FAILURE.match(str(e))
             if m and m.group(1) in client_errors:

@@ -98,6 +98,8 @@ def _crash_bodies(vocab: int):
         ("/v1/completions", {"prompt": ["a"] * 600, "n": 2, "max_tokens": 1}, "n"),
         ("/v1/completions", {**p, "truncate_prompt_tokens": 2 ** 70}, "truncate_prompt_tokens"),
         ("/v1/completions", {**p, "repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
+        ("/collective_rpc", {"method": "ping", "args": [10 ** 40]}, None),  # past msgpack's 64 bits
+        ("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 10 ** 20}, None),
         # nested 10,000 deep: in a field we read, one we ignore, and one we pass on
         ("/v1/completions", f'{{"prompt": {_nested(10_000)}}}'.encode(), None),
         ("/v1/completions", f'{{"prompt": "x", "unknown": {_nested(10_000)}}}'.encode(), None),
@@ -142,6 +144,12 @@ def test_integers_at_the_limits_still_work(server, vocab_size):
     # won, and a grammar then failed the request with a 500
     r = _post(server, "/v1/completions", {**p, "temperature": 1e-45, "structured_outputs": {"choice": ["yes", "no"]}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+
+
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(server):
+    r = requests.post(server.url + "/v1/completions", data=b"not gzip at all",
+                      headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
 
 
 def test_body_size_limit(server):
