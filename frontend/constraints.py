@@ -113,12 +113,15 @@ def tool_use(req, config) -> tuple[ToolUse, StructuredOutputsParams | None]:
                            400, "tool_choice")
         return ToolUse("auto", parser=TOOL_PARSERS[config.tool_call_parser]()), None
     if choice == "required":
+        defs, params = _lift_defs(tools)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
-                                                    "parameters": t["parameters"]},
-                  "required": ["name", "parameters"]} for t in tools]
+                                                    "parameters": p},
+                  "required": ["name", "parameters"]} for t, p in zip(tools, params)]
         schema: dict = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return ToolUse("required"), StructuredOutputsParams(json=schema)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -129,6 +132,25 @@ def tool_use(req, config) -> tuple[ToolUse, StructuredOutputsParams | None]:
         return ToolUse("named", name=name), StructuredOutputsParams(json=tool["parameters"])
     raise APIError("'tool_choice' must be 'none', 'auto', 'required' or "
                    '{"type": "function", "function": {"name": ...}}', 400, "tool_choice")
+
+
+def _lift_defs(tools: list[dict]) -> tuple[dict, list[dict]]:
+    """The tools' "$defs" (as pydantic emits them, referenced as "#/$defs/X") moved to the root
+    of the schema that embeds every tool's parameters, where those references point; and each
+    tool's parameters without them. As vLLM, a name defined differently by two tools is a 400."""
+    defs: dict = {}
+    params = []
+    for t in tools:
+        p = dict(t["parameters"])
+        own = p.pop("$defs", None) or {}
+        if not isinstance(own, dict):
+            raise APIError(f"the parameters of tool {t['name']!r}: '$defs' must be an object", 400, "tools")
+        for name, d in own.items():
+            if defs.setdefault(name, d) != d:
+                raise APIError(f"tools define {name!r} in '$defs' differently; tool_choice 'required' needs "
+                               "one definition per name", 400, "tools")
+        params.append(p)
+    return defs, params
 
 
 def _check_tools(tools: list | None) -> list[dict]:

@@ -291,6 +291,27 @@ def test_tool_choice_required_and_named(client, model, stream):
                 jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
 
 
+def test_tool_choice_required_with_pydantic_defs(client, model):
+    # pydantic puts nested models in "$defs" and refers to them as "#/$defs/X": lifted to the root
+    # of the grammar's schema (as vLLM), where those references point (a 400 "Cannot find field" once)
+    greet = {"type": "function", "function": {"name": "greet", "parameters": {
+        "$defs": {"Who": {"type": "object", "properties": {"name": {"type": "string", "enum": ["Ann", "Bob"]}},
+                          "required": ["name"]}},
+        "type": "object", "properties": {"who": {"$ref": "#/$defs/Who"}}, "required": ["who"]}}}
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=[TOOLS[1], greet], tool_choice="required",
+                                       temperature=1.0, seed=0, max_tokens=300)
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        params = greet["function"]["parameters"] if call.function.name == "greet" else PARAMS[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    other = json.loads(json.dumps(greet))
+    other["function"]["name"] = "greet2"
+    other["function"]["parameters"]["$defs"]["Who"]["properties"]["name"]["enum"] = ["Cy"]
+    with pytest.raises(openai.BadRequestError, match="differently"):
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=[greet, other], tool_choice="required",
+                                       max_tokens=8)
+
+
 def test_tool_choice_none_gives_no_calls(client, model):
     r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="none",
                                        max_tokens=16, temperature=0)
