@@ -40,7 +40,7 @@ def request_constraint(req) -> StructuredOutputsParams | None:
 
 
 def _response_format(rf: dict) -> StructuredOutputsParams | None:
-    kind = rf.get("type", "text")
+    kind = rf.get("type")
     if kind == "text":
         return None
     if kind == "json_object":

@@ -96,6 +96,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     echo: bool | None = None
+    # vLLM's, not built here: refused when set, rather than ignored (build_sampling_params)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int | None = None
     # structured outputs (frontend/constraints.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
@@ -356,6 +360,11 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(req, name):
+            raise APIError(f"{name} is not supported by this server", 400, name)
+    if req.priority:  # vLLM's answer under its default first-come-first-served policy
+        raise APIError(f"Got priority {req.priority} but Priority scheduling is not enabled.", 400, "priority")
     api = _chat_specific(req) if chat else _completion_specific(req)
     kw: dict[str, Any] = dict(
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,

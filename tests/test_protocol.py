@@ -203,6 +203,16 @@ def test_response_format_becomes_a_constraint():
     c = request_constraint(req({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}))
     assert c.json == schema
     bad(request_constraint, req({"response_format": {"type": "xml"}}), param="response_format")
+    bad(request_constraint, req({"response_format": {"json_schema": {"schema": schema}}}), param="response_format")
+
+
+def test_vllm_fields_not_built_here_are_refused_not_ignored():
+    # a client relying on them would otherwise get unconstrained output without a word
+    bad(completion_params, {"allowed_token_ids": [1, 2]}, param="allowed_token_ids")
+    bad(chat_params, {"bad_words": ["cat"]}, param="bad_words")
+    bad(completion_params, {"priority": 3}, param="priority", contains="Priority scheduling is not enabled")
+    for unset in ({"allowed_token_ids": None}, {"bad_words": []}, {"priority": 0}):
+        completion_params(unset)
 
 
 @pytest.mark.parametrize("fields, param", [
