@@ -306,8 +306,6 @@ class EngineCore:
         self.executor.collective_rpc("destroy_weights_update_group", [group_name])
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        if truncate_size < 0:
-            raise ValueError(f"truncate_size must be at least 0, got {truncate_size}")
         from workers.weight_update import merge_weight_rows
         parts = self.executor.collective_rpc("get_weights_by_name", [name, truncate_size])
         return merge_weight_rows(parts, truncate_size)

@@ -198,6 +198,8 @@ class WeightUpdater:
         rank's part begins on it, "values"}; `merge_weight_rows` joins the ranks' parts."""
         if name not in self.expected:
             raise ValueError(f"{name!r} is not a weight of this model")
+        if truncate_size < 0:  # here, so that /collective_rpc checks it too
+            raise ValueError(f"truncate_size must be at least 0, got {truncate_size}")
         pname, sid = name, None
         for fused, part, shard_id in getattr(self.model, "stacked_params", ()):
             if part in name:
