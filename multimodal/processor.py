@@ -118,8 +118,8 @@ class MultiModalProcessor:
                                  + (f" (accepted: {', '.join(accepted)})" if accepted else " (it takes none)"))
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 1 \
-                    or value != int(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2 ** 63 \
+                    or value != int(value):  # (NaN and inf fail the range)
                 raise MediaError(f"mm_processor_kwargs.{key} must be a positive integer")
             out[key] = int(value)
         ceiling = max_pixels(self.config.model, self.hf)
@@ -181,8 +181,8 @@ class MultiModalProcessor:
                 size[edge] = kwargs[key]
         return {"size": size}
 
-    def _store_item(self, img, kwargs: dict) -> tuple[str, int, int]:
-        """(hash, placeholder tokens, store address), processing only on a cache miss."""
+    def _store_item(self, img, kwargs: dict) -> StoredImage:
+        """The image in the store, processed only on a cache miss."""
         key = self.item_hash(img, kwargs)
         self.stats.cache_queries += 1
         with self._lock:
@@ -191,7 +191,7 @@ class MultiModalProcessor:
             addr = self.store.lookup(key)
             if addr is not None:
                 self.stats.cache_hits += 1
-                return key, n, addr
+                return StoredImage(key, n, addr)
         n, arrays = self.process_image(img, kwargs)
         deadline = time.monotonic() + STORE_WAIT_S
         while True:
@@ -209,7 +209,7 @@ class MultiModalProcessor:
             self._lengths.move_to_end(key)
             while len(self._lengths) > 65536:
                 self._lengths.popitem(last=False)
-        return key, n, addr
+        return StoredImage(key, n, addr)
 
     # ------------------------------------------------------------ one prompt
 
@@ -224,7 +224,7 @@ class MultiModalProcessor:
     def store_image(self, image, kwargs: dict) -> StoredImage:
         """One image processed (on a cache miss) and referenced in the store. Blocking (run it off
         the event loop); kwargs as check_kwargs returns them."""
-        return StoredImage(*self._store_item(as_image(image), kwargs))
+        return self._store_item(as_image(image), kwargs)
 
     def expand(self, prompt_ids: list[int], stored: list[StoredImage]) -> tuple[list[int], list[MultiModalItem]]:
         """Each image placeholder token of prompt_ids expanded into its image's tokens."""
