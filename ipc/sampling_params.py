@@ -90,6 +90,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

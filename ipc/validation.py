@@ -28,6 +28,7 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024        # checked for every sampled token
 MAX_EOS_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024            # entries; applied to every step of the request in the worker
+MAX_ALLOWED_TOKEN_IDS = 16384     # allowed_token_ids: likewise
 
 
 class RequestError(ValueError):
@@ -108,6 +109,10 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
         for tok, bias in p.logit_bias.items():
             if not -100 <= bias <= 100:
                 raise _bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+    if p.allowed_token_ids is not None:
+        if not 1 <= len(p.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+            raise _bad("allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(p.allowed_token_ids)}")
+        check_token_ids("allowed_token_ids", p.allowed_token_ids, limits.vocab_size)
     if len(p.stop) > MAX_STOP_STRINGS:
         raise _bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}")
     for s in p.stop:

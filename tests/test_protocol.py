@@ -208,11 +208,17 @@ def test_response_format_becomes_a_constraint():
 
 def test_vllm_fields_not_built_here_are_refused_not_ignored():
     # a client relying on them would otherwise get unconstrained output without a word
-    bad(completion_params, {"allowed_token_ids": [1, 2]}, param="allowed_token_ids")
     bad(chat_params, {"bad_words": ["cat"]}, param="bad_words")
     bad(completion_params, {"priority": 3}, param="priority", contains="Priority scheduling is not enabled")
-    for unset in ({"allowed_token_ids": None}, {"bad_words": []}, {"priority": 0}):
+    for unset in ({"bad_words": []}, {"priority": 0}):
         completion_params(unset)
+
+
+def test_allowed_token_ids():
+    assert completion_params({"allowed_token_ids": [1, 2]}, vocab_size=10).allowed_token_ids == [1, 2]
+    assert chat_params({"allowed_token_ids": [3]}, vocab_size=10).allowed_token_ids == [3]
+    bad(completion_params, {"allowed_token_ids": []}, param="allowed_token_ids")
+    bad(completion_params, {"allowed_token_ids": [10]}, vocab_size=10, param="allowed_token_ids")
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -115,6 +115,26 @@ def test_logit_bias_forces_and_forbids(llm):
     assert base[0] not in banned
 
 
+def test_allowed_token_ids_only_those_are_sampled(llm):
+    # vLLM's allowed_token_ids: sampled (temperature 1, several seeds) and greedy, in one batch
+    # with a row that has none, which samples exactly as it does alone
+    allowed = [5, 9, 42]
+    free = SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": PROMPT}, free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=s, ignore_eos=True, allowed_token_ids=allowed)
+              for s in range(3)]
+    params += [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[77]), free]
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(params), params, use_tqdm=False)
+    sampled = [o.outputs[0].token_ids for o in outs]
+    assert all(set(t) <= set(allowed) and len(t) == 12 for t in sampled[:3])
+    assert len({tuple(t) for t in sampled[:3]}) > 1   # really sampled, not forced
+    assert sampled[3] == [77] * 6
+    assert sampled[4] == alone
+    for bad in ([], [10 ** 6]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(allowed_token_ids=bad), use_tqdm=False)
+
+
 def test_penalties_adjust_logits_as_specified():
     # the persistent batch's device state (prompt mask, output counts updated from the sampled
     # tokens) and the sampler's per-row inputs give the adjustment the API documents

@@ -28,9 +28,10 @@ class SamplingRow:
 
     @property
     def adjusts(self) -> bool:
-        """Whether the row's logits change before sampling (penalties, logit_bias, min_tokens)."""
+        """Whether the row's logits change before sampling (penalties, logit_bias, min_tokens,
+        allowed_token_ids)."""
         p = self.params
-        return bool(p.needs_penalties or p.logit_bias or self.banned())
+        return bool(p.needs_penalties or p.logit_bias or p.allowed_token_ids or self.banned())
 
     def banned(self) -> list[int]:
         """Ids the row may not draw yet: eos and stop tokens until min_tokens are out."""
@@ -42,9 +43,18 @@ class SamplingRow:
     def bad_ids(self, vocab: int) -> str | None:
         """An error naming the ids outside [0, vocab) that the row's logit_bias or bans hold (the
         boundaries refuse them; a row that still has them fails alone)."""
-        ids = [*(self.params.logit_bias or ()), *self.banned()]
+        ids = [*(self.params.logit_bias or ()), *self.banned(), *(self.params.allowed_token_ids or ())]
         bad = sorted({t for t in ids if not 0 <= t < vocab}) if ids else None
         return f"IndexError: token ids {bad} outside the vocabulary [0, {vocab})" if bad else None
+
+
+def keep_allowed(logits: torch.Tensor, allow_ids: torch.Tensor) -> torch.Tensor:
+    """-inf for every token a row's allowed_token_ids leave out. allow_ids: int64 [B, N], each row
+    padded with -1; a row of -1 alone (no allow-list) keeps every token."""
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep.scatter_(1, allow_ids.clamp(min=0), allow_ids >= 0)
+    keep |= (allow_ids[:, :1] < 0)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _padded(lists: list[list], dtype, fill) -> np.ndarray:
@@ -122,6 +132,9 @@ class Sampler:
                         bias_vals=_padded([list(b.values()) for b in bias], np.float32, 0.0),
                         ban_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
                                         np.int32, -1))
+            if any(x.allowed_token_ids for x in p):
+                host["allow_ids"] = _padded([[t if 0 <= t <= _INT32_MAX else -1 for t in x.allowed_token_ids or ()]
+                                             for x in p], np.int64, -1)
         return host
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
@@ -150,6 +163,8 @@ class Sampler:
             logits = apply_penalties(logits, dev["penalty_slots"], counts, prompt_mask, dev["repetition"],
                                      dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"],
                                      dev["ban_ids"])
+            if "allow_ids" in dev:
+                logits = keep_allowed(logits, dev["allow_ids"])
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
