@@ -111,7 +111,8 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
                 raise _bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
     if p.allowed_token_ids is not None:
         if not 1 <= len(p.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
-            raise _bad("allowed_token_ids", f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(p.allowed_token_ids)}")
+            raise _bad("allowed_token_ids",
+                       f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(p.allowed_token_ids)}")
         check_token_ids("allowed_token_ids", p.allowed_token_ids, limits.vocab_size)
     if len(p.stop) > MAX_STOP_STRINGS:
         raise _bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}")

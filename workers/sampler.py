@@ -118,7 +118,8 @@ class Sampler:
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=n)
         i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=n)
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=n)
-        host = {"temperature": f32(_temperature(x.temperature) for x in p), "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
+        host = {"temperature": f32(_temperature(x.temperature) for x in p),
+                "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
                 "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
                 "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
                 "out_positions": i64(r.output_index for r in rows), "slots": i64(r.slot for r in rows)}
