@@ -55,6 +55,7 @@ class MultiModalProcessor:
             self.hf = json.load(f)
         self.config = config
         self.model_type = self.hf.get("model_type")
+        self.max_pixels = max_pixels(config.model, self.hf)  # the largest image mm_processor_kwargs may ask for
         self.store = store
         self.stats = MMStats()
         self._lock = threading.Lock()
@@ -122,7 +123,7 @@ class MultiModalProcessor:
                     or value != int(value):  # (NaN and inf fail the range)
                 raise MediaError(f"mm_processor_kwargs.{key} must be a positive integer")
             out[key] = int(value)
-        ceiling = max_pixels(self.config.model, self.hf)
+        ceiling = self.max_pixels
         if out.get("max_pixels", 0) > ceiling:
             raise MediaError(f"mm_processor_kwargs.max_pixels may be at most {ceiling} (the model's own)")
         if out.get("min_pixels", 0) > out.get("max_pixels", ceiling):

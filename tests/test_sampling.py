@@ -135,6 +135,13 @@ def test_allowed_token_ids_only_those_are_sampled(llm):
             llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(allowed_token_ids=bad), use_tqdm=False)
 
 
+def test_keep_allowed_masks_rows_with_a_list_and_drops_ids_outside_the_vocabulary():
+    from workers.sampler import keep_allowed
+    got = keep_allowed(torch.zeros(3, 6), torch.tensor([[1, 4, -1], [-1, -1, -1], [5, 99, -1]]))
+    inf = float("-inf")
+    assert got.tolist() == [[inf, 0, inf, inf, 0, inf], [0] * 6, [inf] * 5 + [0]]
+
+
 def test_penalties_adjust_logits_as_specified():
     # the persistent batch's device state (prompt mask, output counts updated from the sampled
     # tokens) and the sampler's per-row inputs give the adjustment the API documents

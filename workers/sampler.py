@@ -43,17 +43,20 @@ class SamplingRow:
     def bad_ids(self, vocab: int) -> str | None:
         """An error naming the ids outside [0, vocab) that the row's logit_bias or bans hold (the
         boundaries refuse them; a row that still has them fails alone)."""
-        ids = [*(self.params.logit_bias or ()), *self.banned(), *(self.params.allowed_token_ids or ())]
+        ids = [*(self.params.logit_bias or ()), *self.banned()]
         bad = sorted({t for t in ids if not 0 <= t < vocab}) if ids else None
         return f"IndexError: token ids {bad} outside the vocabulary [0, {vocab})" if bad else None
 
 
 def keep_allowed(logits: torch.Tensor, allow_ids: torch.Tensor) -> torch.Tensor:
     """-inf for every token a row's allowed_token_ids leave out. allow_ids: int64 [B, N], each row
-    padded with -1; a row of -1 alone (no allow-list) keeps every token."""
-    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    keep.scatter_(1, allow_ids.clamp(min=0), allow_ids >= 0)
-    keep |= (allow_ids[:, :1] < 0)
+    padded with -1; a row of -1 alone (no allow-list) keeps every token. Ids outside the
+    vocabulary (the boundaries refuse them) land in a spare column and are dropped."""
+    bsz, vocab = logits.shape
+    inside = (allow_ids >= 0) & (allow_ids < vocab)
+    keep = torch.zeros((bsz, vocab + 1), dtype=torch.bool, device=logits.device)
+    keep.scatter_(1, torch.where(inside, allow_ids, vocab), True)
+    keep = keep[:, :vocab] | (allow_ids[:, :1] < 0)
     return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -133,9 +136,8 @@ class Sampler:
                         bias_vals=_padded([list(b.values()) for b in bias], np.float32, 0.0),
                         ban_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
                                         np.int32, -1))
-            if any(x.allowed_token_ids for x in p):
-                host["allow_ids"] = _padded([[t if 0 <= t <= _INT32_MAX else -1 for t in x.allowed_token_ids or ()]
-                                             for x in p], np.int64, -1)
+            if any(x.allowed_token_ids for x in p):  # (no per-id Python here: keep_allowed drops bad ids)
+                host["allow_ids"] = _padded([x.allowed_token_ids or () for x in p], np.int64, -1)
         return host
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
