@@ -36,11 +36,10 @@ def prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple
     return spans
 
 
-def prompt_logprob_rows(states, start: np.ndarray, n: np.ndarray, qsl: np.ndarray,
+def prompt_logprob_rows(spans: list[tuple[int, int, int]], states, qsl: np.ndarray,
                         token_ids: np.ndarray) -> dict[str, np.ndarray]:
     """The rows (into the step's tokens, qsl: each request's first) and the prompt tokens
-    (from the persistent batch's token_ids) whose logprobs the step computes."""
-    spans = prompt_logprob_spans(states, start, n)
+    (from the persistent batch's token_ids) of the step's prompt_logprob_spans."""
     if not spans:
         return {}
     return {"plp_rows": np.concatenate([np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64) for i, _, cnt in spans]),
@@ -51,7 +50,7 @@ def prompt_logprobs(model, batch, hidden: torch.Tensor) -> PromptLogprobSpans | 
     """The prompt logprobs of every request of the StepBatch that asks, in one batch on the
     device (no sync): the lm_head over its prompt_logprob_rows, a log-softmax, the targets'
     logprobs and ranks, and the top-N."""
-    spans = prompt_logprob_spans(batch.states, batch.start, batch.n)
+    spans = batch.plp_spans
     if not spans:
         return None
     k = min(max(batch.states[i].params.prompt_logprobs for i, _, _ in spans), model.config.vocab_size)

@@ -6,7 +6,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, prompt_logprob_rows,
-                              prompt_logprobs)
+                              prompt_logprob_spans, prompt_logprobs)
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
 from workers.sampler import Sampler, SamplingRow
 from workers.step_stats import StepStats, StepToken
@@ -81,6 +81,7 @@ class StepBatch:
     inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
     piecewise_size: int | None = None          # else the piecewise graphs' size that runs it, if any
     graph_samples: bool = False                # the decode graph's head samples it
+    plp_spans: list = field(default_factory=list)  # logprobs.prompt_logprob_spans: computed once, in prepare()
 
     @property
     def kind(self) -> str:
@@ -471,7 +472,8 @@ class ModelRunner:
         if not graph_samples:
             host["sample_index"] = self._padded_rows(host["qsl"][1:][sample_rows] - 1)
         host.update(self.sampler.host_params(rows))
-        host.update(prompt_logprob_rows(states, start, n, host["qsl"], self.batch.token_ids))
+        plp_spans = prompt_logprob_spans(states, start, n)
+        host.update(prompt_logprob_rows(plp_spans, states, host["qsl"], self.batch.token_ids))
         if prev is not None and prev.tokens is not None:
             host.update(self._feed_indices(prev, states, start, host["qsl"], graph_bs is not None))
         dev, inputs = self._upload(host, graph_bs, n)
@@ -484,7 +486,7 @@ class ModelRunner:
         if graph_bs is None and embeds is None and self.piecewise is not None:
             piecewise_size = self.piecewise.size_for(int(n.sum()))
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
-                         piecewise_size, graph_samples)
+                         piecewise_size, graph_samples, plp_spans)
 
     def _decode_graph(self, so: SchedulerOutput, n: np.ndarray, rows: list[SamplingRow], num_sampled: int,
                       has_mm: bool) -> tuple[int | None, bool]:
