@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -86,6 +87,13 @@ def _maker_pid(name: str) -> int | None:
     process that made the multimodal store's run id (its pid, then 8 hex digits)."""
     m = re.match(r"loom_ring_(\d+)_|loom-tensors-(\d+)-|loom_mm_(\d+)[0-9a-f]{8}_c\d+$", name)
     return int(next(g for g in m.groups() if g)) if m else None
+
+
+def own_run_id() -> str:
+    """A multimodal store run id for a server a test starts: this process's pid leads it, as
+    in `shm.object_store.run_id`, so that the other pytest-xdist worker's `shm_entries()` can
+    tell the segments are not its own."""
+    return f"{os.getpid()}{secrets.token_hex(4)}"
 
 
 def _descends_from_us(pid: int) -> bool:

@@ -5,14 +5,13 @@ on one host run side by side (each run names its segments with its own id)."""
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import time
 
 import pytest
 import requests
 
-from tests.conftest import Server, serve_processes
+from tests.conftest import Server, own_run_id, serve_processes
 from tests.test_multimodal_api import image_message, png_url
 from tests.tiny_vl_models import make_tiny_qwen2_5_vl, random_image
 
@@ -47,7 +46,7 @@ def test_sigkill_of_any_process_leaves_nothing_in_dev_shm(vl_dir):
     segment still linked: the resource tracker unlinks it), two after one (already unlinked
     once every process had mapped it)."""
     victims = {"api_server": False, "worker": True, "engine": False, "parent": True}  # -> image first?
-    runs = {v: f"kill{secrets.token_hex(4)}" for v in victims}
+    runs = {v: own_run_id() for v in victims}
     servers = {v: _start(vl_dir, runs[v]) for v in victims}
     try:
         for s in servers.values():

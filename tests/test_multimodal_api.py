@@ -6,17 +6,17 @@ import base64
 import http.server
 import io
 import os
-import secrets
 import threading
 
 import openai
 import pytest
 import requests
 
+from tests.conftest import own_run_id
 from tests.tiny_vl_models import hf_qwen_vl_greedy, make_tiny_qwen2_5_vl, random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-RUN_ID = f"test{secrets.token_hex(4)}"
+RUN_ID = own_run_id()
 
 
 def png_url(img, fmt: str = "PNG") -> str:
