@@ -20,7 +20,7 @@ class RequestState:
     detokenizer's step was most of it), which matters when data-parallel engines feed one client."""
 
     __slots__ = ("engine_id", "index", "params", "tokenizer", "texts", "detok", "token_ids",
-                 "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs", "_new_lp",
+                 "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs",
                  "_prompt_lp_sent", "_prompt_ids")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
@@ -41,7 +41,6 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
-        self._new_lp: list | None = None
         self._prompt_lp_sent = False
 
     def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
