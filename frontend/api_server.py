@@ -38,6 +38,7 @@ from aiohttp import web
 from frontend.control_api import ControlAPI
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
+from frontend.processing import tokenize_bad_words
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
@@ -184,6 +185,12 @@ class OpenAIServer:
 
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name, getattr(self.config, "model", None))
+
+    async def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's bad_words as token ids, in the tokenizer's thread (checked with the prompt)."""
+        if not params.bad_words:
+            return params
+        return await self.tokenizers.run(sum(map(len, params.bad_words)), tokenize_bad_words, params)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, index: int | None = None) -> None:
         try:
@@ -343,8 +350,8 @@ class OpenAIServer:
         if len(prompts) > MAX_PROMPTS:
             raise APIError(f"prompt list length {len(prompts)} exceeds the maximum of {MAX_PROMPTS}", 400, "prompt")
         constraint = await self.tokenizers.run(0, lambda _: request_constraint(req))   # xgrammar: off the loop
-        params = build_sampling_params(req, chat=False, limits=self.limits,
-                                       defaults=self.config.default_sampling_params, structured=constraint)
+        params = await self._tokenize_bad_words(build_sampling_params(
+            req, chat=False, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(f"n x prompts = {len(prompts) * params.n} exceeds the maximum of {MAX_CHOICES} "
                            "choices per request", 400, "n")
@@ -381,8 +388,8 @@ class OpenAIServer:
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = normalize_messages(req.messages, self._content_format(req))
         tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
-        params = build_sampling_params(req, chat=True, limits=self.limits,
-                                       defaults=self.config.default_sampling_params, structured=constraint)
+        params = await self._tokenize_bad_words(build_sampling_params(
+            req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         ids = await self.tokenizers.chat(

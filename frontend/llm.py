@@ -18,14 +18,14 @@ from frontend.dp_router import DPRouter, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids
+from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.chat import render_chat
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
-from ipc.validation import Limits, validate_request
+from ipc.validation import Limits, check_sampling_params, validate_request
 
 
 class LLM:
@@ -98,13 +98,16 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        checked = []
+        checked, limits = [], Limits.of(self.config)
         try:
             for prompt, params in zip(prompts, params_list):  # check all before sending any
                 text, ids = to_token_ids(self.tokenizer, prompt)
+                if params.bad_words:
+                    check_sampling_params(params, limits)   # bounds the words before they are tokenized
+                    params = tokenize_bad_words(self.tokenizer, params)
                 ids, items = self._multimodal(prompt, ids, params.n)
                 checked.append((text, ids, params, items))
-                validate_request(ids, params, Limits.of(self.config))
+                validate_request(ids, params, limits)
         except BaseException:
             if self.mm is not None:  # release the images of the prompts already checked
                 for *_, items in checked:

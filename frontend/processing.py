@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
 from transformers import AutoTokenizer
 
 from ipc.config import EngineConfig
@@ -32,6 +33,22 @@ def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
+
+
+def tokenize_bad_words(tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` with its bad_words as token ids, banned as vLLM bans them: each word as written
+    (less leading spaces), and with one leading space (the word after another word) where
+    that tokenizes to a different first token and the same length."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    seqs = []
+    for word in params.bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        seqs.append(plain)
+        if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            seqs.append(spaced)
+    return msgspec.structs.replace(params, bad_words_token_ids=seqs)
 
 
 def engine_requests(request_id: str, token_ids: list[int], params: SamplingParams,

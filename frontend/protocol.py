@@ -97,8 +97,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     echo: bool | None = None
     allowed_token_ids: list[int] | None = None
-    # vLLM's, not built here: refused when set, rather than ignored (build_sampling_params)
     bad_words: list[str] | None = None
+    # vLLM's, not built here: refused when set, rather than ignored (build_sampling_params)
     priority: int | None = None
     # structured outputs (frontend/constraints.py)
     response_format: dict[str, Any] | None = None
@@ -360,8 +360,6 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
-    if req.bad_words:
-        raise APIError("bad_words is not supported by this server", 400, "bad_words")
     if req.priority:  # vLLM's answer under its default first-come-first-served policy
         raise APIError(f"Got priority {req.priority} but Priority scheduling is not enabled.", 400, "priority")
     api = _chat_specific(req) if chat else _completion_specific(req)
@@ -375,7 +373,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
     params = SamplingParams(max_tokens=api.max_tokens, stop=stop, logprobs=api.logprobs,
                             logit_bias=_logit_bias(req.logit_bias), prompt_logprobs=api.prompt_logprobs,
-                            allowed_token_ids=req.allowed_token_ids,
+                            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
                             structured_outputs=structured, **kw)
     try:
         check_sampling_params(params, limits)

@@ -91,10 +91,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None          # vLLM's: words never generated (the frontends tokenize them)
+    # what the worker bans, from bad_words (frontend/processing.tokenize_bad_words) or sent as ids by
+    # an engine-protocol client: a sequence's last token, once the outputs end with the rest of it
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
 

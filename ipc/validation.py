@@ -29,6 +29,10 @@ MAX_STOP_TOKEN_IDS = 1024        # checked for every sampled token
 MAX_EOS_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024            # entries; applied to every step of the request in the worker
 MAX_ALLOWED_TOKEN_IDS = 16384     # allowed_token_ids: likewise
+MAX_BAD_WORDS = 128              # bad_words strings; each is banned as written and with a leading space
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 32         # per tokenized bad word: the worker keeps each request's last 31 outputs
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_BAD_WORDS
 
 
 class RequestError(ValueError):
@@ -114,6 +118,7 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
             raise _bad("allowed_token_ids",
                        f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(p.allowed_token_ids)}")
         check_token_ids("allowed_token_ids", p.allowed_token_ids, limits.vocab_size)
+    _check_bad_words(p)
     if len(p.stop) > MAX_STOP_STRINGS:
         raise _bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}")
     for s in p.stop:
@@ -131,8 +136,35 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
             raise RequestError(str(e), "structured_outputs") from None
 
 
+def _check_bad_words(p: SamplingParams) -> None:
+    """The strings, before a frontend tokenizes them (a bound on that work)."""
+    if p.bad_words is not None:
+        if len(p.bad_words) > MAX_BAD_WORDS:
+            raise _bad("bad_words", f"may hold at most {MAX_BAD_WORDS} words, got {len(p.bad_words)}")
+        for w in p.bad_words:
+            if not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                raise _bad("bad_words", f"must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters, "
+                                        f"got {w[:40]!r}")
+
+
+def _check_bad_words_token_ids(p: SamplingParams, limits: Limits) -> None:
+    if p.bad_words and p.bad_words_token_ids is None:
+        raise _bad("bad_words", "were not tokenized: the engine protocol carries them as bad_words_token_ids")
+    if p.bad_words_token_ids is None:
+        return
+    if len(p.bad_words_token_ids) > MAX_BAD_WORD_SEQUENCES:
+        raise _bad("bad_words_token_ids", f"may hold at most {MAX_BAD_WORD_SEQUENCES} sequences, "
+                                          f"got {len(p.bad_words_token_ids)}")
+    for ids in p.bad_words_token_ids:
+        if not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS:
+            raise _bad("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(ids)}")
+        check_token_ids("bad_words_token_ids", ids, limits.vocab_size)
+
+
 def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> None:
-    """A tokenized prompt against the vocabulary and the context length."""
+    """A tokenized request: its prompt against the vocabulary and the context length, and its
+    bad words' token ids (an engine-protocol client sends them as bad_words_token_ids)."""
+    _check_bad_words_token_ids(p, limits)
     n = len(token_ids)
     if n == 0:
         raise RequestError("the prompt is empty", "prompt")

@@ -12,11 +12,13 @@ def hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, eos: list[int] | None = None,
+              **generate_kwargs) -> list[int]:
     model = hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+                             eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             **generate_kwargs)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -151,6 +151,25 @@ def test_return_token_ids(server, client, model, tiny_model_dir):
     assert [t for e in events for ch in e["choices"] for t in ch.get("token_ids") or []] == r["choices"][0]["token_ids"]
 
 
+def test_bad_words(client, model, tok, tiny_model_dir):
+    # vLLM's bad_words through the openai client: the server bans each word's token sequences
+    # (as written and with a leading space); HF greedy with those sequences banned is the oracle.
+    # The word is two tokens of the unbanned output, so the ban changes it.
+    from frontend.processing import tokenize_bad_words
+    from ipc.sampling_params import SamplingParams
+    base = hf_greedy(tiny_model_dir, PROMPT_IDS, 12)
+    seqs = lambda w: tokenize_bad_words(tok, SamplingParams(bad_words=[w])).bad_words_token_ids
+    k, word = next((i, w) for i in range(1, 10) if (w := tok.decode(base[i:i + 2])).strip()
+                   and base[i:i + 2] in seqs(w) and base[i] != PROMPT_IDS[-1])
+    r = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, "bad_words": [word]})
+    out = r.choices[0].model_extra["token_ids"]
+    assert out == hf_greedy(tiny_model_dir, PROMPT_IDS, 12, bad_words_ids=seqs(word))
+    assert out[:k + 1] == base[:k + 1] and out != base
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=2, extra_body={"bad_words": [" "]})
+
+
 def test_return_tokens_as_token_ids(server):
     r = _post(server, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 3, "logprobs": 2, "temperature": 0,
                                           "ignore_eos": True, "return_tokens_as_token_ids": True,

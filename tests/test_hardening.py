@@ -419,6 +419,11 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
         ("max_tokens", [11, 12], SamplingParams(max_tokens=0), ()),
         ("logprobs", [11, 12], SamplingParams(logprobs=10 ** 6), ()),
         ("prompt_logprobs", [11, 12], SamplingParams(prompt_logprobs=-2), ()),
+        ("bad_words", [11, 12], SamplingParams(bad_words=["cat"]), ()),   # strings: the client tokenizes
+        ("bad_words", [11, 12], SamplingParams(bad_words_token_ids=[[]]), ()),
+        ("bad_words", [11, 12], SamplingParams(bad_words_token_ids=[[1] * 33]), ()),
+        ("bad_words_token_ids", [11, 12], SamplingParams(bad_words_token_ids=[[3, vocab_size]]), ()),
+        ("bad_words_token_ids", [11, 12], SamplingParams(bad_words_token_ids=[[-1]]), ()),
     ]
     for i, (param, prompt, params, eos) in enumerate(bad):
         tokens, out = run_to_end(client, f"bad-{i}", prompt, params, eos)
@@ -482,12 +487,13 @@ _ENDPOINTS = {
                         "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options",
                         "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
                         "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "best_of",
-                        "suffix", "add_special_tokens", "response_format", "model", "user", "guided_regex"],
+                        "suffix", "add_special_tokens", "response_format", "model", "user", "guided_regex",
+                        "bad_words", "allowed_token_ids"],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "n",
                              "logprobs", "top_logprobs", "stop", "stream", "stream_options", "echo", "tools",
                              "tool_choice", "add_generation_prompt", "continue_final_message", "chat_template",
                              "chat_template_kwargs", "prompt_logprobs", "return_token_ids", "logit_bias",
-                             "min_tokens", "response_format", "model"],
+                             "min_tokens", "response_format", "model", "bad_words"],
     "/tokenize": ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
                   "chat_template_kwargs", "model"],
     "/detokenize": ["tokens", "model"],

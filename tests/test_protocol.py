@@ -208,10 +208,16 @@ def test_response_format_becomes_a_constraint():
 
 def test_vllm_fields_not_built_here_are_refused_not_ignored():
     # a client relying on them would otherwise get unconstrained output without a word
-    bad(chat_params, {"bad_words": ["cat"]}, param="bad_words")
     bad(completion_params, {"priority": 3}, param="priority", contains="Priority scheduling is not enabled")
-    for unset in ({"bad_words": []}, {"priority": 0}):
-        completion_params(unset)
+    completion_params({"priority": 0})
+
+
+def test_bad_words_are_bounded_before_they_are_tokenized():
+    assert chat_params({"bad_words": ["cat", " dog"]}).bad_words == ["cat", " dog"]
+    assert completion_params({"bad_words": []}).bad_words is None
+    bad(chat_params, {"bad_words": ["  "]}, param="bad_words")
+    bad(chat_params, {"bad_words": ["x" * 257]}, param="bad_words")
+    bad(completion_params, {"bad_words": ["w"] * 129}, param="bad_words")
 
 
 def test_allowed_token_ids():

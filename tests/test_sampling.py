@@ -7,7 +7,7 @@ import torch
 
 from frontend import LLM, SamplingParams
 from ipc.sampling_params import SamplingParams as SP
-from tests.hf_oracle import hf_logprobs
+from tests.hf_oracle import hf_greedy, hf_logprobs
 from kernels.penalties import apply_penalties_ref
 from workers.input_batch import InputBatch
 from workers.sampler import Sampler, SamplingRow
@@ -135,6 +135,52 @@ def test_allowed_token_ids_only_those_are_sampled(llm):
             llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(allowed_token_ids=bad), use_tqdm=False)
 
 
+def test_bad_words_match_hf(llm):
+    # vLLM's bad_words as token ids (as the frontends tokenize them): a two-token word banned
+    # where the outputs end with its first token, a one-token word never; HF's bad_words_ids
+    # is the oracle (it also matches the prompt's end, which this word's prefix is not)
+    greedy = lambda words=None: SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                               bad_words_token_ids=words)
+    base = llm.generate({"prompt_token_ids": PROMPT}, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(1, 8) if base[i] != PROMPT[-1])
+    pair, single = [base[k], base[k + 1]], [base[0]]
+    words = [[pair], [single, pair], None]     # a batch-mate without words samples as alone
+    outs = [o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": PROMPT}] * 3, [greedy(w) for w in words], use_tqdm=False)]
+    assert outs[0][:k + 1] == base[:k + 1] and outs[0][k + 1] != base[k + 1]
+    assert base[0] not in outs[1]
+    assert outs[2] == base
+    for out, w in zip(outs[:2], words):
+        assert out == hf_greedy(llm.config.model, PROMPT, 12, bad_words_ids=w)
+        assert all(out[i:i + 2] != pair for i in range(11))
+    for bad in ([[]], [[10 ** 6]], [[1] * 33]):
+        with pytest.raises(ValueError, match="bad_words"):
+            llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(bad_words_token_ids=bad), use_tqdm=False)
+
+
+def test_ban_bad_words_as_vllm_bans_them():
+    # every (row, word) against vLLM's rule, over random outputs: a word's last token is banned
+    # when the outputs so far end with the rest of it (never when there are fewer of them)
+    from workers.sampler import BadWords, SamplingRow, _bad_word_batch, ban_bad_words
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, recents, expect = 6, [], [], []
+    for _ in range(64):
+        n_out = int(torch.randint(0, 5, (1,), generator=gen))
+        outputs = torch.randint(0, 3, (n_out,), generator=gen).tolist()
+        words = [torch.randint(0, 3, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+                 for _ in range(int(torch.randint(1, 4, (1,), generator=gen)))]
+        banned = {w[-1] for w in words if len(w) - 1 <= n_out and outputs[n_out - len(w) + 1:] == w[:-1]}
+        rows.append(SamplingRow(SP(), 0, n_out, bad_words=BadWords.of(words)))
+        recents.append([-1] * (5 - n_out) + outputs)
+        expect.append([float("-inf") if t in banned else 0.0 for t in range(vocab)])
+    rows.append(SamplingRow(SP(), 0, 0))   # no words: untouched
+    recents.append([-1] * 5)
+    expect.append([0.0] * vocab)
+    prefix, last = (torch.from_numpy(a) for a in _bad_word_batch(rows))
+    got = ban_bad_words(torch.zeros(len(rows), vocab), torch.tensor(recents), prefix, last)
+    assert got.tolist() == expect
+
+
 def test_keep_allowed_masks_rows_with_a_list_and_drops_ids_outside_the_vocabulary():
     from workers.sampler import keep_allowed
     got = keep_allowed(torch.zeros(3, 6), torch.tensor([[1, 4, -1], [-1, -1, -1], [5, 99, -1]]))
@@ -153,8 +199,8 @@ def test_penalties_adjust_logits_as_specified():
     batch.add("a", [1, 2, 3], [3, 4], [0], 0, params, 0, [11])      # resumed: two outputs known
     batch.add("b", [40], [], [1], 0, SP(logit_bias={3: -1.0}), 0, [11])
     slots = torch.tensor([batch.requests["a"].slot, batch.requests["b"].slot])
-    batch.count_sampled(slots[:1], torch.tensor([4]))                  # a's third output, on the device
-    batch.count_sampled(slots[:1], torch.tensor([5]))
+    batch.record_sampled(slots[:1], torch.tensor([4]))                  # a's third output, on the device
+    batch.record_sampled(slots[:1], torch.tensor([5]))
     rows = [SamplingRow(params, 0, 4, int(slots[0]), (11,)), SamplingRow(SP(logit_bias={3: -1.0}), 0, 0,
                                                                           int(slots[1]), (11,))]
     dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}

@@ -6,10 +6,12 @@ step's inputs are then built with vectorised numpy ops, never per token.
 The penalty state is on the device, one row per slot: how often the request
 generated each token (int32 [slots, vocab]) and which tokens its prompt holds
 (uint8 [slots, vocab]). Each step's sampled tokens are added to the counts on
-the device (count_sampled), so the counts already include a token whose value
+the device (record_sampled), so the counts already include a token whose value
 the host has not seen yet: penalised steps overlap like any other. The tensors
 are made when the first request with penalties arrives (vocab 152k x 256 slots:
 155 MB + 39 MB), and a slot's rows are set only for requests that read them.
+The same holds for the last outputs of each slot (int64 [slots, 31]), which the
+bad words' prefixes are matched against, on the device, for the same reason.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import numpy as np
 import torch
 
 from ipc.sampling_params import SamplingParams
+from ipc.validation import MAX_BAD_WORD_TOKENS
+from workers.sampler import BadWords
 
 
 @dataclass
@@ -35,6 +39,7 @@ class CachedRequestState:
     mm_items: list = field(default_factory=list)   # ipc.messages.MultiModalItem, by offset
     mrope_positions: np.ndarray | None = None      # [3, prompt] (M-RoPE models with images)
     mrope_delta: int = 0                           # added to the index of every later token
+    bad_words: BadWords | None = None
 
 
 class InputBatch:
@@ -47,6 +52,7 @@ class InputBatch:
         self.max_num_reqs, self.vocab_size, self.device = max_num_reqs, vocab_size, torch.device(device)
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
+        self.recent_outputs: torch.Tensor | None = None
 
     def add(self, req_id: str, prompt: list[int], outputs: list[int], block_ids: list[int],
             num_computed: int, params: SamplingParams, seed: int, eos: list[int]) -> None:
@@ -59,6 +65,9 @@ class InputBatch:
                                                    len(block_ids), params, seed, eos)
         if params.needs_penalties:
             self._set_penalty_rows(slot, prompt, outputs)
+        if params.bad_words_token_ids:
+            self.requests[req_id].bad_words = BadWords.of(params.bad_words_token_ids)
+            self._set_recent_outputs(slot, outputs)
 
     def _set_penalty_rows(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
         if self.output_counts is None:
@@ -74,14 +83,27 @@ class InputBatch:
         out = ids(outputs)  # a resumed request's earlier outputs
         self.output_counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
+    def _set_recent_outputs(self, slot: int, outputs: list[int]) -> None:
+        """A slot's last outputs as the bad words see them: a resumed request's own, -1 before."""
+        if self.recent_outputs is None:
+            self.recent_outputs = torch.full((self.max_num_reqs, MAX_BAD_WORD_TOKENS - 1), -1,
+                                             dtype=torch.int64, device=self.device)
+        row = np.full(MAX_BAD_WORD_TOKENS - 1, -1, dtype=np.int64)
+        tail = outputs[len(outputs) - len(row):]
+        row[len(row) - len(tail):] = tail
+        self.recent_outputs[slot] = torch.from_numpy(row).to(self.device)
+
     def penalty_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.output_counts is None else (self.output_counts, self.prompt_mask)
 
-    def count_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Add a step's sampled tokens (device [B]) to their slots' counts, on the device."""
+    def record_sampled(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Add a step's sampled tokens (device [B]) to their slots' counts and last outputs, on the device."""
         if self.output_counts is not None:
             self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                           accumulate=True)
+        if self.recent_outputs is not None:
+            recent = self.recent_outputs
+            recent[slots] = torch.cat((recent[slots, 1:], tokens.view(-1, 1)), dim=1)
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
         st = self.requests[req_id]

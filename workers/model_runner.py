@@ -539,16 +539,18 @@ class ModelRunner:
                ) -> tuple[torch.Tensor, tuple | None, dict]:
         """This step's tokens (on the device), where asked their top-k logprobs, and {row: error}
         of the rows whose parameters the sampler refused (those requests fail alone). The tokens
-        go into the penalty counts on the device at once: the next step's penalties see them
-        even while their values are still on the way to the host. The constrained rows sample
-        from what their grammar bitmask allows. A step the decode graph's head samples has no
-        row with penalties, so its tokens need not be counted."""
+        go into the penalty counts and last outputs on the device at once: the next step's
+        penalties and bad words see them even while their values are still on the way to the
+        host. The constrained rows sample from what their grammar bitmask allows. A step the
+        decode graph's head samples has no row with penalties or bad words, so its tokens need
+        not be recorded."""
         if batch.graph_samples:
             return self.graphs.run_head(batch.graph_bs, len(batch.n)), None, {}
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
-        tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state())
-        self.batch.count_sampled(batch.dev["slots"], tokens)
+        tokens, topk, failed = self.sampler(logits, batch.rows, batch.dev, self.batch.penalty_state(),
+                                            self.batch.recent_outputs)
+        self.batch.record_sampled(batch.dev["slots"], tokens)
         return tokens, topk, failed
 
     @torch.inference_mode()
@@ -690,4 +692,5 @@ class ModelRunner:
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
-        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids)
+        return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids,
+                           st.bad_words)

@@ -18,6 +18,26 @@ import torch
 from ipc.sampling_params import SamplingParams
 
 
+ANY_TOKEN = -2   # in a bad word's padded prefix: before the word's start, matches any output
+
+
+@dataclass(frozen=True)
+class BadWords:
+    """A request's bad_words_token_ids as the sampler bans them, made once per request: every
+    prefix right-aligned in `prefix` [W, P] (ANY_TOKEN before a shorter one's start), the last
+    tokens in `last` [W]. A word's last token is banned when the outputs end with its prefix."""
+    prefix: np.ndarray
+    last: np.ndarray
+
+    @classmethod
+    def of(cls, words: list[list[int]]) -> "BadWords":
+        p = max(map(len, words)) - 1
+        prefix = np.full((len(words), p), ANY_TOKEN, dtype=np.int64)
+        for i, w in enumerate(words):
+            prefix[i, p - len(w) + 1:] = w[:-1]
+        return cls(prefix, np.array([w[-1] for w in words], dtype=np.int64))
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
@@ -25,13 +45,14 @@ class SamplingRow:
     output_index: int                 # which output token this draw produces (= outputs so far)
     slot: int = 0                     # the request's persistent-batch slot: its penalty state
     eos_token_ids: tuple[int, ...] = ()
+    bad_words: BadWords | None = None
 
     @property
     def adjusts(self) -> bool:
         """Whether the row's logits change before sampling (penalties, logit_bias, min_tokens,
-        allowed_token_ids)."""
+        allowed_token_ids, bad_words)."""
         p = self.params
-        return bool(p.needs_penalties or p.logit_bias or p.allowed_token_ids or self.banned())
+        return bool(p.needs_penalties or p.logit_bias or p.allowed_token_ids or self.bad_words or self.banned())
 
     def banned(self) -> list[int]:
         """Ids the row may not draw yet: eos and stop tokens until min_tokens are out."""
@@ -58,6 +79,33 @@ def keep_allowed(logits: torch.Tensor, allow_ids: torch.Tensor) -> torch.Tensor:
     keep.scatter_(1, torch.where(inside, allow_ids, vocab), True)
     keep = keep[:, :vocab] | (allow_ids[:, :1] < 0)
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def ban_bad_words(logits: torch.Tensor, recent: torch.Tensor, prefix: torch.Tensor, last: torch.Tensor
+                  ) -> torch.Tensor:
+    """-inf for each bad word's last token where a row's latest outputs equal the word's prefix.
+    recent: int64 [B, H], each row's last H outputs, oldest first (-1 before its first);
+    prefix: [B, W, P] (P <= H), right-aligned, ANY_TOKEN before a shorter word's start;
+    last: [B, W], -1 where a row has fewer words."""
+    bsz, vocab = logits.shape
+    tail = recent[:, recent.shape[1] - prefix.shape[2]:]
+    hit = ((prefix == tail[:, None, :]) | (prefix == ANY_TOKEN)).all(dim=-1) & (last >= 0) & (last < vocab)
+    ban = torch.zeros((bsz, vocab + 1), dtype=torch.bool, device=logits.device)
+    ban.scatter_(1, torch.where(hit, last, vocab), True)   # a miss lands in the spare column
+    return logits.masked_fill(ban[:, :vocab], float("-inf"))
+
+
+def _bad_word_batch(rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' BadWords as one [B, W, P] prefix and [B, W] last array (ban_bad_words' inputs)."""
+    words = [r.bad_words for r in rows if r.bad_words is not None]
+    w, p = max(len(b.last) for b in words), max(b.prefix.shape[1] for b in words)
+    prefix = np.full((len(rows), w, p), ANY_TOKEN, dtype=np.int64)
+    last = np.full((len(rows), w), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        if (b := r.bad_words) is not None:
+            prefix[i, :len(b.last), p - b.prefix.shape[1]:] = b.prefix
+            last[i, :len(b.last)] = b.last
+    return prefix, last
 
 
 def _padded(lists: list[list], dtype, fill) -> np.ndarray:
@@ -138,13 +186,16 @@ class Sampler:
                                         np.int32, -1))
             if any(x.allowed_token_ids for x in p):  # (no per-id Python here: keep_allowed drops bad ids)
                 host["allow_ids"] = _padded([x.allowed_token_ids or () for x in p], np.int64, -1)
+            if any(r.bad_words for r in rows):
+                host["bad_prefix"], host["bad_last"] = _bad_word_batch(rows)
         return host
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
-                 state: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 state: tuple[torch.Tensor, torch.Tensor] | None = None, recent: torch.Tensor | None = None):
         """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device;
         state: the persistent batch's (output_counts, prompt_mask), [slots, V] each, needed
-        when a row has penalties (None before any request had them). Returns (token_ids int64
+        when a row has penalties (None before any request had them); recent: its last outputs
+        per slot [slots, H], needed when a row has bad words. Returns (token_ids int64
         [B] tensor, logprobs or None, {row: error} of rows whose parameters name token ids
         outside the vocabulary: those requests fail alone, the batch goes on, the kernels
         ignoring such ids). logprobs: (ids [B, 1 + N], the sampled token then the top N by
@@ -168,6 +219,9 @@ class Sampler:
                                      dev["ban_ids"])
             if "allow_ids" in dev:
                 logits = keep_allowed(logits, dev["allow_ids"])
+            if "bad_last" in dev:
+                logits = ban_bad_words(logits, recent.index_select(0, dev["slots"]), dev["bad_prefix"],
+                                       dev["bad_last"])
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
