@@ -109,7 +109,8 @@ class EngineCore:
                     return f"an image of {it.length} tokens exceeds the encoder budget ({self.config.mm_encoder_budget})"
                 end = it.offset + it.length
         try:
-            validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids)
+            validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids,
+                             ecr.priority)
         except RequestError as e:
             return str(e)
         return None

@@ -43,7 +43,7 @@ class Request:
     __slots__ = ("request_id", "client_index", "prompt_token_ids", "output_token_ids",
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
-                 "arrival_time", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
+                 "arrival_time", "priority", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
                  "grammar", "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
@@ -64,6 +64,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
         self.arrival_time = time.monotonic()
+        self.priority = req.priority
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self.num_preemptions = 0

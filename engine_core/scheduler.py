@@ -3,10 +3,14 @@
 Running requests are served first (decodes and unfinished prompt chunks),
 then waiting ones; a long prompt is prefilled in chunks across steps. When KV
 blocks run out, the newest running request is preempted (its blocks freed, to
-be recomputed) and returns to the front of the queue.
+be recomputed) and returns to the front of the queue. Under
+--scheduling-policy priority (vLLM's), both the queue and the running list are
+ordered by each request's (priority, arrival): the running requests are served
+in that order, and preemption takes the last of them.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +36,10 @@ class _StepPlan:
     encode: dict[str, list[int]] = field(default_factory=dict)    # req id -> mm items to encode
 
 
+def _priority_order(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, structured: StructuredOutputManager | None = None):
         self.config = config
@@ -39,6 +47,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []   # to tell workers at the next step
         self.step_id = 0
@@ -54,7 +63,17 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.structured.add_request(req)
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: in (priority, arrival) order under the priority policy, else at
+        the back, or at the front (a preempted request)."""
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_priority_order)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
         """End requests from outside (abort); returns those that were still alive."""
@@ -115,8 +134,8 @@ class Scheduler:
         return self._step_output(plan, defer_sample)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Decodes and unfinished prompt chunks, oldest first; when KV blocks run out, the newest
-        running requests are preempted to make room."""
+        """Decodes and unfinished prompt chunks, oldest (or first by priority) first; when KV
+        blocks run out, the running requests at the list's end are preempted to make room."""
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             req = self.running[i]
@@ -128,7 +147,7 @@ class Scheduler:
             if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
                 continue
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
-                victim = self.running.pop()
+                victim = self.running.pop()   # after req in the list: not scheduled in this step
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
@@ -185,7 +204,10 @@ class Scheduler:
         req.admitted_step = self.step_id + 1  # this step's id
         if not req.first_scheduled_time:
             req.first_scheduled_time = time.monotonic()
-        self.running.append(req)
+        if self.by_priority:
+            bisect.insort(self.running, req, key=_priority_order)
+        else:
+            self.running.append(req)
         plan.num_scheduled[req.request_id] = n
         plan.token_budget -= n
         plan.new_reqs.append(NewRequestData(
@@ -262,7 +284,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.prompt_logprobs_seen = 0      # recomputed from the start: those sent already are not sent again
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.finished_req_ids.append(req.request_id)  # workers drop its state; it comes back as new
 
     def _fail_unfittable(self, req: Request) -> None:

@@ -481,6 +481,8 @@ class OpenAIServer:
     async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
         extra = {"mm_items": mm_items} if mm_items else {}   # a chat's images (one prompt)
         extra.update(self._dp_rank(ctx.request))
+        if ctx.req.priority:
+            extra["priority"] = ctx.req.priority
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)

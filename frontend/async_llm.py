@@ -175,19 +175,21 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       mm_items: list | None = None, data_parallel_rank: int | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       mm_items: list | None = None, data_parallel_rank: int | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
         mm_items: the prompt's images, already in this server's store (one reference, taken over
         here: every engine request holds one, given back by the engine when it ends).
-        data_parallel_rank pins the request to that engine core; else the router picks one."""
+        data_parallel_rank pins the request to that engine core; else the router picks one.
+        priority: its place under --scheduling-policy priority (lower runs first)."""
         if self.is_dead:
             if mm_items:
                 self.mm.unref(mm_items)
             raise EngineDeadError(self.dead_reason)
         arrival = time.monotonic()
-        ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time())
+        ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time(),
+                               priority)
         if data_parallel_rank is not None:
             engine = self.router.pinned(check_rank(data_parallel_rank, self.router.n), len(ecrs))
         else:

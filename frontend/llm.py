@@ -68,27 +68,30 @@ class LLM:
         return SamplingParams(**self.config.default_sampling_params)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
         {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
         placeholder once per image). Prompts with images go to the engine in chunks, so that the
-        shared-memory store only ever holds the images of requests in flight."""
+        shared-memory store only ever holds the images of requests in flight. `priority`: one
+        per prompt, with scheduling_policy="priority" (lower runs first), as vLLM's."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
         if not has_images or self.mm is None:
-            self.enqueue(prompts, sampling_params)
+            self.enqueue(prompts, sampling_params, priority)
             return self.wait_for_completion(use_tqdm=use_tqdm)
         chunk = 4 * self.config.max_num_seqs
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
         out = []
         for i in range(0, len(prompts), chunk):
-            self.enqueue(prompts[i:i + chunk], params[i:i + chunk] if params else sampling_params)
+            self.enqueue(prompts[i:i + chunk], params[i:i + chunk] if params else sampling_params,
+                         priority[i:i + chunk] if priority else None)
             out += self.wait_for_completion(use_tqdm=use_tqdm)
         return out
 
-    def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
+    def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                priority: Sequence[int] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -98,27 +101,30 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError("priority must hold one value per prompt")
         checked, limits = [], Limits.of(self.config)
         try:
-            for prompt, params in zip(prompts, params_list):  # check all before sending any
+            for prompt, params, prio in zip(prompts, params_list, priorities):  # check all before sending any
                 text, ids = to_token_ids(self.tokenizer, prompt)
                 if params.bad_words:
                     check_sampling_params(params, limits)   # bounds the words before they are tokenized
                     params = tokenize_bad_words(self.tokenizer, params)
                 ids, items = self._multimodal(prompt, ids, params.n)
-                checked.append((text, ids, params, items))
-                validate_request(ids, params, limits)
+                checked.append((text, ids, params, items, prio))
+                validate_request(ids, params, limits, priority=prio)
         except BaseException:
             if self.mm is not None:  # release the images of the prompts already checked
-                for *_, items in checked:
+                for *_, items, _ in checked:
                     self.mm.unref(items)
             raise
         now, ids_out = time.time(), []
-        for text, ids, params, items in checked:
+        for text, ids, params, items, prio in checked:
             rid = new_request_id()
             result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
             self._results.append(result)
-            ecrs = engine_requests(rid, ids, params, self.config.eos_token_ids, now)
+            ecrs = engine_requests(rid, ids, params, self.config.eos_token_ids, now, prio)
             engine = self.router.pick(ids, len(ecrs))
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
-from ipc.validation import Limits, RequestError, check_sampling_params
+from ipc.validation import Limits, RequestError, check_priority, check_sampling_params
 
 # ------------------------------------------------------------------ errors
 
@@ -98,8 +98,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     echo: bool | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # vLLM's, not built here: refused when set, rather than ignored (build_sampling_params)
-    priority: int | None = None
+    priority: int | None = None      # with --scheduling-policy priority: lower runs first
     # structured outputs (frontend/constraints.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
@@ -360,8 +359,6 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
-    if req.priority:  # vLLM's answer under its default first-come-first-served policy
-        raise APIError(f"Got priority {req.priority} but Priority scheduling is not enabled.", 400, "priority")
     api = _chat_specific(req) if chat else _completion_specific(req)
     kw: dict[str, Any] = dict(
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -377,6 +374,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
                             structured_outputs=structured, **kw)
     try:
         check_sampling_params(params, limits)
+        check_priority(req.priority or 0, limits)
     except RequestError as e:  # named as the client sent it
         msg, param = str(e), e.param
         if param == "max_tokens":

@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int = option(0, "seed of the workers' random state (dummy weights)")
     max_model_len: int | None = option(None, "longest sequence (prompt + output); default: the model's")
     max_num_seqs: int = option(256, "most requests in one step")
+    scheduling_policy: str = option("fcfs", "fcfs: waiting requests run in arrival order, and preemption takes "
+                                    "the newest running one; priority: by each request's `priority` (lower "
+                                    "first, then arrival), and preemption takes the lowest", ("fcfs", "priority"))
     max_num_batched_tokens: int | None = option(None, "token budget of one step (default: max(8192, --max-num-seqs))")
     block_size: int = option(16, "tokens per KV-cache block (a power of two)")
     num_gpu_blocks_override: int | None = option(None, "a fixed number of KV-cache blocks instead of the profiled one")

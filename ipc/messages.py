@@ -55,6 +55,7 @@ class EngineCoreRequest(_Msg):
     arrival_time: float = 0.0
     client_index: int = 0
     mm_items: list[MultiModalItem] = []    # sorted by offset
+    priority: int = 0                      # with --scheduling-policy priority: lower runs first
 
 
 class Logprobs(_Msg):

@@ -49,10 +49,12 @@ class Limits:
     vocab_size: int                # 0: unknown (no vocabulary checks)
     max_model_len: int
     max_logprobs: int = 20
+    priority_scheduling: bool = False
 
     @classmethod
     def of(cls, config) -> "Limits":
-        return cls(config.vocab_size, config.max_model_len, config.max_logprobs)
+        return cls(config.vocab_size, config.max_model_len, config.max_logprobs,
+                   config.scheduling_policy == "priority")
 
 
 def _bad(param: str, why: str) -> RequestError:
@@ -180,6 +182,12 @@ def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> Non
                            "max_tokens")
 
 
+def check_priority(priority: int, limits: Limits) -> None:
+    if priority and not limits.priority_scheduling:   # vLLM's words
+        raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+    _int_in("priority", priority, INT64_MIN, INT64_MAX)
+
+
 def check_eos_token_ids(eos_token_ids: list[int], limits: Limits) -> None:
     if len(eos_token_ids) > MAX_EOS_TOKEN_IDS:
         raise _bad("eos_token_ids", f"may hold at most {MAX_EOS_TOKEN_IDS} ids, got {len(eos_token_ids)}")
@@ -187,8 +195,9 @@ def check_eos_token_ids(eos_token_ids: list[int], limits: Limits) -> None:
 
 
 def validate_request(token_ids: list[int], p: SamplingParams, limits: Limits,
-                     eos_token_ids: list[int] = ()) -> None:
+                     eos_token_ids: list[int] = (), priority: int = 0) -> None:
     """The whole check of one request; raises RequestError."""
     check_sampling_params(p, limits)
     check_prompt(token_ids, p, limits)
     check_eos_token_ids(list(eos_token_ids), limits)
+    check_priority(priority, limits)

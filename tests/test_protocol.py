@@ -20,8 +20,8 @@ def parse(cls, obj):
     return parse_request(json.dumps(obj).encode(), cls)
 
 
-def _limits(vocab_size: int = 0, max_logprobs: int = 20) -> Limits:
-    return Limits(vocab_size, 4096, max_logprobs)
+def _limits(vocab_size: int = 0, max_logprobs: int = 20, priority_scheduling: bool = False) -> Limits:
+    return Limits(vocab_size, 4096, max_logprobs, priority_scheduling)
 
 
 def completion_params(obj, **kw):
@@ -206,10 +206,12 @@ def test_response_format_becomes_a_constraint():
     bad(request_constraint, req({"response_format": {"json_schema": {"schema": schema}}}), param="response_format")
 
 
-def test_vllm_fields_not_built_here_are_refused_not_ignored():
-    # a client relying on them would otherwise get unconstrained output without a word
+def test_priority_needs_the_priority_policy():
+    # vLLM's answer under its default first-come-first-served policy
     bad(completion_params, {"priority": 3}, param="priority", contains="Priority scheduling is not enabled")
     completion_params({"priority": 0})
+    completion_params({"priority": -3}, priority_scheduling=True)
+    bad(chat_params, {"priority": 2 ** 63}, param="priority", priority_scheduling=True)
 
 
 def test_bad_words_are_bounded_before_they_are_tokenized():

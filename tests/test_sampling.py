@@ -158,6 +158,23 @@ def test_bad_words_match_hf(llm):
             llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(bad_words_token_ids=bad), use_tqdm=False)
 
 
+def test_priority_scheduling_offline(llm, model_factory):
+    # LLM(scheduling_policy="priority").generate(..., priority=[...]) as vLLM's: one request at a
+    # time here, each output as under fcfs; without the policy a priority is refused
+    prompts = [{"prompt_token_ids": PROMPT[:k]} for k in (8, 6, 4)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    engine = LLM(model_factory("qwen3"), max_model_len=128, block_size=4, max_num_seqs=1,
+                 scheduling_policy="priority")
+    try:
+        outs = engine.generate(prompts, greedy, use_tqdm=False, priority=[2, -1, 0])
+    finally:
+        engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        llm.generate(prompts[0], greedy, use_tqdm=False, priority=[1])
+
+
 def test_ban_bad_words_as_vllm_bans_them():
     # every (row, word) against vLLM's rule, over random outputs: a word's last token is banned
     # when the outputs so far end with the rest of it (never when there are fewer of them)

@@ -107,6 +107,39 @@ def test_preemption_requeues_at_front_and_counts():
     assert s.kv.pool.num_free_blocks == 4
 
 
+def test_priority_policy_orders_the_queue_and_preempts_the_lowest():
+    # vLLM's --scheduling-policy priority: waiting requests run by (priority, arrival), and
+    # preemption takes the running request last in that order; fcfs: arrival order, the newest
+    def prio_req(rid: str, priority: int, prompt: list[int], max_tokens: int) -> Request:
+        return Request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), [0],
+                                         priority=priority), 256, 0)
+
+    def first_scheduled(policy: str) -> list[str]:
+        s = Scheduler(cfg(scheduling_policy=policy, max_num_seqs=1), 64)
+        for rid, priority in (("late", 5), ("urgent", -1), ("mid", 0), ("mid2", 0)):
+            s.add_request(prio_req(rid, priority, [1, 2, 3], 2))
+        order = []
+        while s.has_unfinished():
+            so, _ = fake_step(s)
+            order += [r for r in so.req_ids if r not in order]
+        return order
+
+    assert first_scheduled("priority") == ["urgent", "mid", "mid2", "late"]
+    assert first_scheduled("fcfs") == ["late", "urgent", "mid", "mid2"]
+
+    def preempted(policy: str) -> dict[str, int]:
+        s = Scheduler(cfg(scheduling_policy=policy, block_size=4), 4)   # 16 tokens of KV: one must go
+        reqs = [prio_req("low", 1, list(range(1, 8)), 6), prio_req("high", 0, list(range(20, 27)), 6)]
+        for r in reqs:
+            s.add_request(r)
+        while s.has_unfinished() and not any(r.num_preemptions for r in reqs):
+            fake_step(s)
+        return {r.request_id: r.num_preemptions for r in reqs}
+
+    assert preempted("priority") == {"low": 1, "high": 0}
+    assert preempted("fcfs") == {"low": 0, "high": 1}   # the newest
+
+
 def test_unfittable_request_errors_instead_of_looping():
     s = Scheduler(cfg(block_size=4), 2)                 # 8 tokens of KV
     r = req("big", list(range(1, 12)))
