@@ -38,6 +38,7 @@ from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
 from ipc.validation import Limits, RequestError, validate_request
+from shm.object_store import is_entry_handle
 from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ class EngineCore:
     def add_request(self, ecr: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; a bad one fails alone with an error output."""
         error = self._validate(ecr)
-        if error:
-            self.scheduler.release_mm(ecr.mm_items)  # the workers still hold a store reference each
+        if error:  # the workers still hold a store reference to each real entry
+            self.scheduler.release_mm([it for it in ecr.mm_items if is_entry_handle(it.store_name, it.store_addr)])
             return EngineCoreOutput(ecr.request_id, [], "error", error=error)
         seed = ecr.sampling_params.seed
         if seed is None:
@@ -107,6 +108,8 @@ class EngineCore:
                     return "multimodal placeholder ranges must be sorted, disjoint and inside the prompt"
                 if it.length > self.config.mm_encoder_budget:
                     return f"an image of {it.length} tokens exceeds the encoder budget ({self.config.mm_encoder_budget})"
+                if not is_entry_handle(it.store_name, it.store_addr):
+                    return "multimodal items must name entries of this host's multimodal store"
                 end = it.offset + it.length
         try:
             validate_request(ecr.prompt_token_ids, ecr.sampling_params, self.limits, ecr.eos_token_ids,
@@ -325,6 +328,9 @@ class EngineCore:
         """Run a @remote worker method on every worker; their results, by rank."""
         if method in ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
             raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
+        if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict) \
+                or not all(isinstance(k, str) for k in kwargs or {}):   # a worker could not decode the call
+            raise ValueError("collective_rpc args must be a list and kwargs an object with string keys")
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
     def debug_info(self) -> dict:

@@ -60,6 +60,19 @@ def segment_name(client_index: int) -> str:
     return f"loom_mm_{run_id()}_c{client_index}"
 
 
+def is_entry_handle(name: str, addr: int) -> bool:
+    """Whether (name, addr) could be an entry of a store segment on this host: a store's name, a
+    segment that exists, an aligned address inside its data. The engine checks every handle an
+    ADD carries (a worker reads and releases them), so that a bad one fails its request alone."""
+    if not (name.startswith("loom_mm_") and "/" not in name and addr % _ALIGN == 0):
+        return False
+    try:
+        size = os.stat(f"/dev/shm/{name}").st_size
+    except (OSError, ValueError):
+        return False
+    return _DATA_START <= addr < size
+
+
 def _round_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
 
@@ -265,6 +278,8 @@ class ObjectStoreReader:
     def release(self, name: str, addr: int) -> None:
         """This reader is done with one request's reference to the entry."""
         _, buf, n = self._segment(name)
+        if not _DATA_START <= addr <= len(buf) - 24 - 8 * n:
+            raise ValueError(f"no entry at {addr} of {name}")
         np.frombuffer(buf, dtype="<i8", count=1, offset=addr + 16 + 8 * self.rank)[0] += 1
 
     def close(self) -> None:

@@ -127,11 +127,11 @@ def child_pids(pid: int, trackers: bool = False) -> list[int]:
     return kids if trackers else [k for k in kids if not _is_resource_tracker(k)]
 
 
-def run_to_end(client, rid: str, prompt: list[int], params, eos=()):
+def run_to_end(client, rid: str, prompt: list[int], params, eos=(), mm_items=()):
     """Send one request through an EngineCoreClient and read its outputs until it finishes:
     (its tokens, its last EngineCoreOutput)."""
     from ipc.messages import EngineCoreRequest
-    client.add_request(EngineCoreRequest(rid, prompt, params, list(eos)))
+    client.add_request(EngineCoreRequest(rid, prompt, params, list(eos), mm_items=list(mm_items)))
     tokens = []
     while True:
         outs = client.get_outputs(timeout=60)

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from engine_core.client import EngineCoreClient
-from ipc.messages import EngineCoreRequest
+from ipc.messages import EngineCoreRequest, MultiModalItem
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
 from tests.conftest import (ROOT, child_pids, is_tokenizer_process, run_fake, run_to_end, running_server,
@@ -432,6 +432,15 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
             continue
         assert out.finish_reason == "error" and out.error and param in out.error, (param, out)
         assert tokens == []
+    # store handles that name no entry (a worker would release them), and a collective_rpc whose
+    # kwargs a worker could not decode: each refused alone
+    for i, (name, addr) in enumerate((("seg", 0), ("loom_mm_nosuch_c0", 128))):
+        _, out = run_to_end(client, f"mm-{i}", [11, 12, 13], SamplingParams(max_tokens=2), (),
+                            [MultiModalItem("image", "h", 0, 2, name, addr)])
+        assert out.finish_reason == "error", out
+    for kwargs in ([1], "abc", {1: 2}):
+        with pytest.raises(RuntimeError, match="kwargs"):
+            client.call_utility("collective_rpc", "ping", [], kwargs)
     assert proc.poll() is None
     assert client.call_utility("ping") == "pong"
     after, _ = run_to_end(client, "after", [11, 12, 13, 14], SamplingParams(**greedy))

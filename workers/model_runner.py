@@ -362,7 +362,10 @@ class ModelRunner:
             if r.mm_items:
                 self._add_mm(self.batch.requests[r.req_id], r)
         for name, addr in so.released_mm:  # requests gone for good: their store entries may go
-            self.mm_store.release(name, addr)
+            try:
+                self.mm_store.release(name, addr)
+            except (OSError, ValueError) as e:   # bookkeeping: a bad handle must not fail the step
+                logger.warning("multimodal store release of (%s, %d) skipped: %s", name, addr, e)
         c = so.cached_requests
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             if blocks:
