@@ -188,6 +188,9 @@ class StructuredOutputManager:
             g.matcher = xgr.GrammarMatcher(g.future.result(), override_stop_tokens=list(req.eos_token_ids) or None)
         except Exception as e:  # noqa: BLE001  (the request fails alone)
             g.error = str(e)
+            # the cached future re-raises this same object for every request with that constraint,
+            # and each raise chains this frame (which holds req) onto its traceback: drop it
+            e.__traceback__ = None
             return True
         if not g.active:
             g.active = self._thinking_ended(req.prompt_token_ids, in_prompt=True)

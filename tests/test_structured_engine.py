@@ -55,6 +55,10 @@ def results(tiny_model_dir):
                                                                StructuredOutputsParams(regex="[0-9")),
                                                 SamplingParams(max_tokens=4, temperature=0)], use_tqdm=False)
                 out["bad"] = [o.outputs[0] for o in bad]
+                for _ in range(3):   # the same failed grammar, from the cache
+                    llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+                        regex="[0-9")), use_tqdm=False)
+                out["live_after_bad"] = llm.debug_info()["live_requests"]
     return out
 
 
@@ -80,6 +84,7 @@ def test_constraint_that_does_not_compile_fails_alone_in_the_engine(results):
     bad, good = results["bad"]
     assert bad.finish_reason == "error" and "does not compile" in str(bad.stop_reason)
     assert good.finish_reason == "length" and len(good.token_ids) == 4
+    assert results["live_after_bad"] == 0   # the cached compile error held every such request
 
 
 def test_grammar_applies_after_thinking(tiny_model_dir):
