@@ -61,16 +61,11 @@ def segment_name(client_index: int) -> str:
 
 
 def is_entry_handle(name: str, addr: int) -> bool:
-    """Whether (name, addr) could be an entry of a store segment on this host: a store's name, a
-    segment that exists, an aligned address inside its data. The engine checks every handle an
-    ADD carries (a worker reads and releases them), so that a bad one fails its request alone."""
-    if not (name.startswith("loom_mm_") and "/" not in name and addr % _ALIGN == 0):
-        return False
-    try:
-        size = os.stat(f"/dev/shm/{name}").st_size
-    except (OSError, ValueError):
-        return False
-    return _DATA_START <= addr < size
+    """Whether (name, addr) could be an entry of a store segment: a store's name and an aligned
+    address past the header. The engine checks every handle an ADD carries (a worker reads and
+    releases them). Whether the segment exists cannot be asked of /dev/shm: a segment is
+    unlinked once every worker has mapped it."""
+    return name.startswith("loom_mm_") and "/" not in name and addr % _ALIGN == 0 and addr >= _DATA_START
 
 
 def _round_up(x: int, a: int = _ALIGN) -> int:
