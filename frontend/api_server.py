@@ -50,7 +50,7 @@ from frontend.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
 from ipc.sampling_params import SamplingParams
-from ipc.validation import Limits, RequestError, check_prompt
+from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.chat_output import ChatOutput, ToolUse
 from frontend.constraints import check_constraint, request_constraint, tool_use
 from frontend.reasoning import REASONING_PARSERS
@@ -187,10 +187,15 @@ class OpenAIServer:
         check_model(name, self.model_name, getattr(self.config, "model", None))
 
     async def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """vLLM's bad_words as token ids, in the tokenizer's thread (checked with the prompt)."""
+        """vLLM's bad_words as token ids, in the tokenizer's thread, checked once per request."""
         if not params.bad_words:
             return params
-        return await self.tokenizers.run(sum(map(len, params.bad_words)), tokenize_bad_words, params)
+        params = await self.tokenizers.run(sum(map(len, params.bad_words)), tokenize_bad_words, params)
+        try:
+            check_bad_words_token_ids(params, self.limits)
+        except RequestError as e:
+            raise value_error(e) from None
+        return params
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, index: int | None = None) -> None:
         try:

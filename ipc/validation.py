@@ -149,7 +149,8 @@ def _check_bad_words(p: SamplingParams) -> None:
                                         f"got {w[:40]!r}")
 
 
-def _check_bad_words_token_ids(p: SamplingParams, limits: Limits) -> None:
+def check_bad_words_token_ids(p: SamplingParams, limits: Limits) -> None:
+    """The bad words once tokenized (an engine-protocol client sends them as bad_words_token_ids)."""
     if p.bad_words and p.bad_words_token_ids is None:
         raise _bad("bad_words", "were not tokenized: the engine protocol carries them as bad_words_token_ids")
     if p.bad_words_token_ids is None:
@@ -164,9 +165,7 @@ def _check_bad_words_token_ids(p: SamplingParams, limits: Limits) -> None:
 
 
 def check_prompt(token_ids: list[int], p: SamplingParams, limits: Limits) -> None:
-    """A tokenized request: its prompt against the vocabulary and the context length, and its
-    bad words' token ids (an engine-protocol client sends them as bad_words_token_ids)."""
-    _check_bad_words_token_ids(p, limits)
+    """A tokenized prompt against the vocabulary and the context length."""
     n = len(token_ids)
     if n == 0:
         raise RequestError("the prompt is empty", "prompt")
@@ -199,5 +198,6 @@ def validate_request(token_ids: list[int], p: SamplingParams, limits: Limits,
     """The whole check of one request; raises RequestError."""
     check_sampling_params(p, limits)
     check_prompt(token_ids, p, limits)
+    check_bad_words_token_ids(p, limits)
     check_eos_token_ids(list(eos_token_ids), limits)
     check_priority(priority, limits)

@@ -89,7 +89,7 @@ class InputBatch:
             self.recent_outputs = torch.full((self.max_num_reqs, MAX_BAD_WORD_TOKENS - 1), -1,
                                              dtype=torch.int64, device=self.device)
         row = np.full(MAX_BAD_WORD_TOKENS - 1, -1, dtype=np.int64)
-        tail = outputs[len(outputs) - len(row):]
+        tail = outputs[-len(row):]
         row[len(row) - len(tail):] = tail
         self.recent_outputs[slot] = torch.from_numpy(row).to(self.device)
 
