@@ -38,6 +38,7 @@ from aiohttp import web
 from frontend.control_api import ControlAPI
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
+from frontend.http_errors import OpenAIErrorRunner
 from frontend.processing import tokenize_bad_words
 from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
@@ -601,7 +602,7 @@ async def serve(llm, host: str = "127.0.0.1", port: int = 8000, sock: socket.soc
     app = build_app(llm, **options)
     if on_built is not None:
         on_built(app[SERVER_KEY])
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+    runner = OpenAIErrorRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
                            access_log=logger if access_log else None)
     await runner.setup()
     try:

@@ -156,6 +156,33 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(server):
     assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
 
 
+def _raw_http(server, request: bytes) -> tuple[int, bytes]:
+    """Send bytes no HTTP client library would; the status and body of the answer."""
+    host, port = server.url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /health HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /health HTTP/1.1 junk\r\n\r\n",
+], ids=["header-too-long", "duplicate-content-length", "unknown-encoding", "bad-request-line"])
+def test_requests_the_http_parser_refuses_get_openai_errors(server, request_bytes):
+    """aiohttp answers these before any handler runs; the answer is still OpenAI's error shape."""
+    status, body = _raw_http(server, request_bytes)
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"], body
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
 def test_body_size_limit(server):
     r = _post(server, "/v1/completions", {"prompt": "a" * (BODY_LIMIT + 10)})
     assert r.status_code == 413, r.text
