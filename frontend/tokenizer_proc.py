@@ -175,7 +175,20 @@ def _run_forked(tokenizer, job: EncodeJob | ChatJob, inp: int) -> bytes | None:
     return bytes(out)
 
 
+def _close_inherited_descriptors() -> None:
+    """The API server's loop (uvloop) starts us without closing its inheritable descriptors:
+    a pipe that tells `loom serve` the API server is alive until every holder has gone, and the
+    listening socket multiprocessing handed it. Ours from Python are never inheritable (PEP 446)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                os.close(fd)
+        except OSError:   # the listing's own descriptor, closed by now
+            pass
+
+
 def main(path: str, parent: int) -> None:
+    _close_inherited_descriptors()
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is `loom serve`'s to handle; we die with our parent
     from transformers import AutoTokenizer

@@ -331,6 +331,17 @@ def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
     assert str(len(tok.encode(text))) in r.json()["error"]["message"], r.text
 
 
+def test_the_tokenizer_process_holds_none_of_the_api_servers_descriptors(server):
+    """Not the HTTP port's listening socket, nor the pipe by which `loom serve` sees its API
+    server die: only its own stdin, stdout and stderr."""
+    assert _post(server, "/tokenize", {"prompt": "x " * 70_000}, timeout=120).status_code == 200
+    tokenizer = _tokenizer_process(server)
+    assert tokenizer is not None
+    held = {fd: os.readlink(f"/proc/{tokenizer}/fd/{fd}") for fd in os.listdir(f"/proc/{tokenizer}/fd")}
+    leaked = {fd: what for fd, what in held.items() if int(fd) > 2 and what.startswith(("socket:", "pipe:"))}
+    assert not leaked, held
+
+
 def test_a_gone_clients_tokenization_is_killed(server):
     """A huge prompt's tokenization is killed when its client disconnects: the job stops at once,
     and the next huge request starts tokenizing at once instead of waiting for it to finish."""
