@@ -28,6 +28,15 @@ from multimodal.processor import make_mm_processor
 from ipc.validation import Limits, check_sampling_params, validate_request
 
 
+def longest_first(max_tokens: Sequence[int]) -> list[int]:
+    """The order in which one call's requests go to the engine: longest max_tokens first
+    (stable). A batch ends when its last request does, so the longest should start first: in
+    arrival order, one admitted in the last prefill step still needs its whole output after it
+    (longest-processing-time-first, the makespan rule). Over several engines (data parallel) the
+    router's turns then deal the long ones out evenly."""
+    return sorted(range(len(max_tokens)), key=lambda k: -max_tokens[k])
+
+
 class LLM:
     def __init__(self, model: str, **options):
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
@@ -119,12 +128,17 @@ class LLM:
                 for *_, items, _ in checked:
                     self.mm.unref(items)
             raise
-        now, ids_out = time.time(), []
+        now, ids_out, sends = time.time(), [], []
         for text, ids, params, items, prio in checked:
             rid = new_request_id()
             result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
             self._results.append(result)
-            ecrs = engine_requests(rid, ids, params, self.config.eos_token_ids, now, prio)
+            ids_out.append(rid)
+            sends.append((result, ids, params, items, prio))
+        budgets = [p.max_tokens if p.max_tokens is not None else self.config.max_model_len - len(ids)
+                   for _, ids, p, _, _ in sends]
+        for result, ids, params, items, prio in (sends[k] for k in longest_first(budgets)):
+            ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio)
             engine = self.router.pick(ids, len(ecrs))
             for j, ecr in enumerate(ecrs):
                 ecr.mm_items = items
@@ -133,7 +147,6 @@ class LLM:
                                                                      final_only=True))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
-            ids_out.append(rid)
         return ids_out
 
     def _multimodal(self, prompt, ids: list[int], n: int) -> tuple[list[int], list]:

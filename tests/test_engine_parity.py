@@ -7,6 +7,7 @@ import random
 import pytest
 
 from frontend import LLM, SamplingParams
+from frontend.llm import longest_first
 from tests.hf_oracle import hf_greedy
 
 MAX_NEW = 12
@@ -61,3 +62,26 @@ def test_sliding_window_model_is_capped_at_its_window(model_factory):
     model_dir = model_factory("mistral", sliding_window=48)
     llm = check_parity(model_dir, _prompts(300, 4), block_size=4, max_num_seqs=2)
     assert llm.config.max_model_len == 48
+
+
+def test_longest_first_order():
+    assert longest_first([5, 9, 3, 452, 7, 9]) == [3, 1, 5, 4, 0, 2]   # ties keep their order
+    assert longest_first([]) == []
+
+
+def test_a_batch_sent_longest_first_answers_in_order(model_factory):
+    """The engine gets one call's requests longest max_tokens first, one at a time here
+    (max_num_seqs=1); each answer is still its own prompt's, in the order given."""
+    model_dir = model_factory("qwen3")
+    prompts = _prompts(300, n=4, seed=3)
+    budgets = [3, 11, 6, 9]
+    llm = LLM(model_dir, max_num_seqs=1, block_size=4, max_model_len=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=m) for m in budgets], use_tqdm=False)
+        eos = llm.config.eos_token_ids
+    finally:
+        llm.shutdown()
+    for p, m, o in zip(prompts, budgets, outs):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, m, eos)
