@@ -197,8 +197,8 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm, norm_sl
     slots (a decoder layer: o_proj 0, down_proj 1), which is what lets the fused kernel skip
     a closing barrier.
 
-    async_sum (a micro-batch's linear): a sum that goes through NCCL comes back as an AsyncSum,
-    launched but not waited for; any other is finished here."""
+    async_sum: a sum that goes through NCCL comes back as an AsyncSum, launched but not waited
+    for (the sums of symmetric memory are quicker than a wait would save)."""
     if _state.size == 1:
         return matmul(x, weight)
     symm = _state.symm
@@ -207,9 +207,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm, norm_sl
     if x.dtype != weight.dtype:
         return all_reduce(matmul(x, weight))
     x2 = x.reshape(rows, x.shape[-1])
-    # (not for a micro-batch: the other one's deferred sum would take the same slot before this
-    # one's norm had read it)
-    if norm_slot is not None and not async_sum and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype):
+    if norm_slot is not None and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype):
         matmul(x2, weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
         return PendingSum(rows, cols, norm_slot)
     if async_sum and (symm is None or symm.method(rows * cols, x.dtype) is None):

@@ -45,7 +45,7 @@ def cut_point(qsl: np.ndarray, sums_use_nccl) -> int | None:
     """The sequence boundary at which to cut a step (qsl: query start locations, host), or None.
     sums_use_nccl(tokens): whether a micro-batch of that many tokens sums through NCCL."""
     mode, num_seqs, total = _mode(), len(qsl) - 1, int(qsl[-1])
-    if mode == "never" or num_seqs < 2 or (mode == "auto" and not sums_use_nccl(total // 2)):
+    if mode == "never" or num_seqs < 2 or (mode == "auto" and not sums_use_nccl(total // 4)):
         return None
     cut = 1 + int(np.argmin(np.abs(qsl[1:-1] - total / 2)))
     smaller = min(int(qsl[cut]), total - int(qsl[cut]))
