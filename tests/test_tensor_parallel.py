@@ -80,14 +80,10 @@ def _generate(model_dir, prompts, params, **options):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("micro_batches", ["auto", "always"])
-def test_qwen3_under_prefix_caching_chunking_and_preemption(model_factory, monkeypatch, micro_batches):
+def test_qwen3_under_prefix_caching_chunking_and_preemption(model_factory):
     """One TP=2 engine with every schedule at once: a shared prefix (prefix hits), a step budget
     of 8 tokens (every prompt chunked) and a KV cache of 20 blocks (preemptions). Greedy rows
-    equal HF; seeded rows equal an ample TP=1 run. "always": every step of two sequences or more
-    runs as two micro-batches, each one's sums left to gloo while the other computes
-    (workers/micro_batches.py; on a GPU only large steps are cut)."""
-    monkeypatch.setenv("LOOM_MICRO_BATCHES", micro_batches)
+    equal HF; seeded rows equal an ample TP=1 run."""
     model_dir = model_factory("qwen3")
     prompts = _workload(300)
     greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
@@ -317,18 +313,3 @@ def test_each_rank_holds_the_tp1_model_sharded(model_factory, monkeypatch, load_
         torch.testing.assert_close(k_rows, full["model.layers.0.self_attn.qkv_proj.weight"][64:80])
         assert part.lm_head.weight.shape == (169, 64)
     assert bool((part.lm_head.weight[-1] == 0).all())  # id 337 of 338: padding
-
-
-@pytest.mark.parametrize("mode,qsl,nccl,cut", [
-    ("auto", [0, 1, 2, 900, 1500, 2000], True, 3),      # the boundary nearest the middle
-    ("auto", [0, 1, 2, 900, 1500, 2000], False, None),  # sums symmetric memory takes: no cut
-    ("auto", [0, 1, 1800, 2000], True, None),           # a half under a quarter of the tokens
-    ("always", [0, 1, 1800, 2000], False, 2),
-    ("always", [0, 2000], True, None),                  # one sequence is never cut
-    ("never", [0, 1, 2, 900, 1500, 2000], True, None),
-])
-def test_micro_batch_cut_point(monkeypatch, mode, qsl, nccl, cut):
-    import numpy as np
-    from workers.micro_batches import cut_point
-    monkeypatch.setenv("LOOM_MICRO_BATCHES", mode)
-    assert cut_point(np.array(qsl), lambda tokens: nccl) == cut

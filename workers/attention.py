@@ -31,8 +31,6 @@ class AttentionMetadata:
     # while a piecewise CUDA graph is captured: called in attention's place, it ends the graph's
     # current piece and returns the buffer attention will write at replay (workers/piecewise_graphs.py)
     graph_split: Callable | None = None
-    # a large tensor-parallel step's two halves (workers/micro_batches.py), or None
-    micro_batches: list | None = None
 
 
 class Attention(nn.Module):

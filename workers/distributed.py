@@ -140,14 +140,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def sum_goes_to_nccl(numel: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether an all-reduce of `numel` elements runs through NCCL (no symmetric-memory kernel
-    takes it) on this rank of a group."""
-    if _state.size == 1 or device.type != "cuda":
-        return False
-    return _state.symm is None or _state.symm.method(numel, dtype) is None
-
-
 def _mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         return F.linear(x, weight)
@@ -171,22 +163,8 @@ class PendingSum:
         return normed.view(residual.shape), new_residual.view(residual.shape)
 
 
-@dataclass
-class AsyncSum:
-    """A row-parallel product whose sum over the ranks NCCL is still computing on its own
-    stream (a micro-batch's, workers/micro_batches.py: the other micro-batch computes
-    meanwhile). The RMSNorm that consumes it waits for it."""
-    total: torch.Tensor
-    work: dist.Work
-
-    def wait(self) -> torch.Tensor:
-        """The sum, once the compute stream has been made to wait for NCCL's."""
-        self.work.wait()
-        return self.total
-
-
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm, norm_slot: int | None = None,
-                      async_sum: bool = False) -> torch.Tensor | PendingSum | AsyncSum:
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm,
+                      norm_slot: int | None = None) -> torch.Tensor | PendingSum:
     """x @ weight.T summed over the ranks (a row-parallel linear's product). Through symmetric
     memory the matmul writes straight into the shared buffer, so no copy precedes the sum.
     matmul(x, weight, out=None): the product (into `out` [rows, N] when given); the decode
@@ -195,10 +173,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm, norm_sl
     norm_slot (0 or 1): an RMSNorm consumes the sum, so it may come back as a PendingSum for
     the norm to finish (kernels/allreduce_norm.py). Consecutive deferred sums must alternate
     slots (a decoder layer: o_proj 0, down_proj 1), which is what lets the fused kernel skip
-    a closing barrier.
-
-    async_sum: a sum that goes through NCCL comes back as an AsyncSum, launched but not waited
-    for (the sums of symmetric memory are quicker than a wait would save)."""
+    a closing barrier."""
     if _state.size == 1:
         return matmul(x, weight)
     symm = _state.symm
@@ -210,9 +185,6 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, matmul=_mm, norm_sl
     if norm_slot is not None and symm is not None and symm.can_fuse_norm(rows, cols, x.dtype):
         matmul(x2, weight, out=symm.fused_buffer(norm_slot, rows * cols).view(rows, cols))
         return PendingSum(rows, cols, norm_slot)
-    if async_sum and (symm is None or symm.method(rows * cols, x.dtype) is None):
-        total = matmul(x2, weight)
-        return AsyncSum(total.view(shape), dist.all_reduce(total, group=_state.group, async_op=True))
     return all_reduce_written(lambda out=None: matmul(x2, weight, out=out), rows, cols, x).view(shape)
 
 

@@ -17,8 +17,7 @@ from ipc.profiling import step_stats_enabled
 from ipc.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
-from workers import micro_batches
-from workers.distributed import sum_goes_to_nccl, tp_size
+from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, prompt_logprob_rows,
@@ -439,7 +438,7 @@ class ModelRunner:
         embeds = self.mm.embeddings(mm, inputs["input_ids"]) if mm else None
         self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
         piecewise_size = None
-        if graph_bs is None and embeds is None and self.piecewise is not None and not inputs["meta"].micro_batches:
+        if graph_bs is None and embeds is None and self.piecewise is not None:
             piecewise_size = self.piecewise.size_for(int(n.sum()))
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
                          piecewise_size, graph_samples, plp_spans)
@@ -651,11 +650,6 @@ class ModelRunner:
             block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
             max_query_len=int(n.max()), max_seq_len=int(host["seq_lens"].max()), backend=self.backend,
             num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n), seq_order=dev.get("seq_order"))
-        if tp_size() > 1:
-            cut = micro_batches.cut_point(host["qsl"], lambda tokens: sum_goes_to_nccl(
-                tokens * self.model.config.hidden_size, self.dtype, self.device))
-            if cut is not None:
-                meta.micro_batches = micro_batches.split(meta, host["qsl"], cut)
         return {"input_ids": dev["input_ids"], "positions": dev["positions"], "meta": meta}
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:

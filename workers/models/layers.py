@@ -33,7 +33,7 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import (AsyncSum, PendingSum, all_reduce_written, linear_all_reduce, lm_head_all_gather, tp_rank,
+from workers.distributed import (PendingSum, all_reduce_written, linear_all_reduce, lm_head_all_gather, tp_rank,
                                  tp_size)
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | PendingSum, residual: torch.Tensor | None = None):
         """Without residual: the normalized x. With residual: x + residual is
         normalized and (out, new_residual) returned. x may be a row-parallel linear's
-        PendingSum: the sum over the ranks is then fused in; or an AsyncSum, waited for here."""
-        if isinstance(x, AsyncSum):
-            x = x.wait()
+        PendingSum: the sum over the ranks is then fused in."""
         if isinstance(x, PendingSum):
             return x.add_rms_norm(residual, self.weight, self.eps)
         if residual is None:
@@ -262,7 +260,7 @@ class ColumnParallelLinear(nn.Module):
         """self(norm(x + residual)) and the new residual x + residual (residual None: the first
         layer, where x itself is the residual). At decode sizes the norm is fused into the GEMV;
         after a row-parallel linear's PendingSum, into the all-reduce."""
-        if isinstance(x, (PendingSum, AsyncSum)):
+        if isinstance(x, PendingSum):
             normed, residual = norm(x, residual)
             return self(normed), residual
         if use_gemv(x):
@@ -305,11 +303,9 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False,
-                async_sum: bool = False) -> torch.Tensor | PendingSum | AsyncSum:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
-        (fused into the GEMV at decode sizes). async_sum: an NCCL sum may come back unwaited
-        (an AsyncSum, for the norm after it; not with a bias, which is added after the sum)."""
+        (fused into the GEMV at decode sizes)."""
         if use_gemv(x):
             prologue = "silu_mul" if silu_mul else "none"
             if self.tp == 1:
@@ -321,7 +317,7 @@ class RowParallelLinear(nn.Module):
             x = silu_and_mul(x)
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
-        y = linear_all_reduce(x, self.weight, norm_slot=self.norm_slot, async_sum=async_sum and self.bias is None)
+        y = linear_all_reduce(x, self.weight, norm_slot=self.norm_slot)
         return y if self.bias is None else y + self.bias
 
 
@@ -372,11 +368,10 @@ class GatedMLP(nn.Module):
             hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, norm_slot=1)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                async_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), the new residual)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up, silu_mul=True, async_sum=async_sum), residual
+        return self.down_proj(gate_up, silu_mul=True), residual
 
 
 class SelfAttention(nn.Module):
@@ -405,11 +400,9 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                norm: RMSNorm, kv_cache: KVCache, meta: AttentionMetadata,
-                async_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                norm: RMSNorm, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention(norm(hidden + residual)), the new residual); the norm is fused into the qkv
-        projection at decode sizes (residual None: the first layer). async_sum: see
-        RowParallelLinear."""
+        projection at decode sizes (residual None: the first layer)."""
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -419,7 +412,7 @@ class SelfAttention(nn.Module):
         norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
                                *norms, mrope_section=self.rotary_emb.mrope_section)
-        return self.o_proj(self.attn(q, kv_cache, meta), async_sum=async_sum), residual
+        return self.o_proj(self.attn(q, kv_cache, meta)), residual
 
 
 class DecoderLayer(nn.Module):

@@ -13,7 +13,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from workers import micro_batches
 from workers.attention import AttentionMetadata
 from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
                                    get_head_dim, get_rope_params, load_stacked_weights)
@@ -44,8 +43,6 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """positions: [T], or [3, T] for M-RoPE; inputs_embeds (multimodal) replace the token embeddings."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if meta.micro_batches:
-            return micro_batches.run_layers(self, hidden, positions, kv_caches, meta.micro_batches)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
