@@ -63,11 +63,6 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
         loop.call_soon_threadsafe(lambda: loop.create_task(
             _shut_down(llm, server[0], shutdown_timeout, 0, "loom serve stopping")))
 
-    # Descriptors that come through multiprocessing arrive inheritable, and uvloop's subprocesses
-    # (the tokenizer process) inherit every inheritable descriptor: without this the tokenizer
-    # process would hold the HTTP port open after its API server had gone.
-    for fd in (listen_sock.fileno(), death_pipe.fileno()):
-        os.set_inheritable(fd, False)
     watch_parent(death_pipe, on_drain=on_drain, remove_dirs=(os.environ.get(METRICS_DIR_ENV),))
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
