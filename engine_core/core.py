@@ -534,6 +534,7 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     config = EngineConfig.from_dict(config_dict)
+    config.data_parallel_rank = dp.rank if dp is not None else 0
     if dp is not None and config.device != "cpu" and config.data_parallel_size > 1:
         select_devices(dp.local_rank, config.tensor_parallel_size)   # before any worker starts
     if os.environ.get("LOOM_DEBUG_DISABLE_GC") == "1":

@@ -106,6 +106,8 @@ class EngineConfig:
     default_sampling_params: dict = field(default_factory=dict)  # for fields a request does not set
     mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
+    # set by each engine core for its workers
+    data_parallel_rank: int = 0     # this engine's rank among --data-parallel-size
 
     @property
     def model_name(self) -> str:

@@ -296,8 +296,9 @@ def make_mm_processor(config: EngineConfig, client_index: int) -> MultiModalProc
     if not config.mm_encoder_budget:
         return None
     from shm.object_store import segment_name
+    tp = config.tensor_parallel_size
     store = ObjectStoreWriter(segment_name(client_index), int(config.mm_processor_cache_gb * (1 << 30)),
-                              n_readers=config.tensor_parallel_size)
+                              n_readers=config.data_parallel_size * tp, readers_per_request=tp)
     return MultiModalProcessor(config, store)
 
 

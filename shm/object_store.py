@@ -16,8 +16,9 @@ Segment layout (little endian)::
 Reference counting across processes without locks: `issued` is written by the writer only
 (one per request that references the entry), `released[r]` by reader r only (one per request
 it is done with; the engine core tells every worker when a request is gone, whether or not
-it ever ran). An entry is free once every released[r] == issued; the writer evicts the
-oldest entries first, and only free ones, when it needs room.
+it ever ran). The readers are every worker of every engine core (reader dp_rank x TP + rank),
+but a request reaches one engine's TP workers: an entry is free once the releases add up to
+TP x issued. The writer evicts the oldest entries first, and only free ones, when it needs room.
 
 Lifetime: the writer creates the segment (registered with the resource tracker, which
 unlinks it if the writer is SIGKILLed) and unlinks it as soon as every reader has mapped it
@@ -78,10 +79,13 @@ class StoreFull(RuntimeError):
 
 
 class ObjectStoreWriter:
-    def __init__(self, name: str, capacity: int, n_readers: int):
+    def __init__(self, name: str, capacity: int, n_readers: int, readers_per_request: int | None = None):
+        """n_readers: every worker of every engine core (data parallel x tensor parallel);
+        readers_per_request: the workers of one engine, which alone see a request (default: all)."""
         if not 1 <= n_readers <= _MAX_READERS:
             raise ValueError(f"n_readers must be in [1, {_MAX_READERS}]")
         self.name, self.capacity, self.n_readers = name, _round_up(capacity), n_readers
+        self.readers_per_request = readers_per_request or n_readers
         self._lock = threading.Lock()   # the API server processes in a thread pool
         self._entries: OrderedDict[int, str] = OrderedDict()   # addr -> key, oldest first
         self._by_key: dict[str, int] = {}
@@ -164,7 +168,7 @@ class ObjectStoreWriter:
 
     def _is_free(self, addr: int) -> bool:
         counts = np.frombuffer(self._buf, dtype="<i8", count=1 + self.n_readers, offset=addr + 8)
-        return bool((counts[1:] >= counts[0]).all())
+        return int(counts[1:].sum()) >= int(counts[0]) * self.readers_per_request
 
     def _alloc(self, size: int) -> int:
         if size > self.capacity - _DATA_START:

@@ -175,6 +175,23 @@ def test_tensor_parallel(qwen_vl_dir):
         check(llm, qwen_vl_dir, [(chat(IMG + "split"), [random_image(17, 112, 84)]), (chat("text only"), [])])
 
 
+def test_data_parallel(qwen_vl_dir):
+    """At DP=2 both engines' workers read the one store (readers of their own): images work on
+    each engine, and an entry is free once the engine its request went to is done with it, so
+    60 distinct images pass through a store that holds about 25 (it used to fill: an engine's
+    worker released as the other engine's, and found the segment already unlinked)."""
+    with LLM(qwen_vl_dir, max_model_len=256, max_num_seqs=2, block_size=8, data_parallel_size=2,
+             mm_processor_cache_gb=0.002) as llm:
+        # (prompts that differ in their first KV block: no prefix affinity to one engine)
+        check(llm, qwen_vl_dir, [(chat("one: " + IMG), [random_image(21, 56, 84)]),
+                                 (chat("two: " + IMG), [random_image(22, 84, 56)])])
+        assert all(llm.router.sent), llm.router.sent   # each engine had an image request
+        for i in range(60):
+            out = llm.generate({"prompt": chat(f"{i}: " + IMG), "multi_modal_data": {"image": random_image(100 + i, 56, 56)}},
+                               greedy(1), use_tqdm=False)
+            assert out[0].outputs[0].finish_reason == "length", (i, out[0].outputs[0])
+
+
 def test_triton_mrope_kernel_path(qwen_vl_dir):
     """The fused rotary kernel with 3-row positions (run by the Triton interpreter on CPU)."""
     with LLM(qwen_vl_dir, max_model_len=256, max_num_seqs=2, block_size=8, attention_backend="triton",

@@ -124,7 +124,8 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None  # the other steps' graphs
         self._weights_asleep = False
         self.stats = StepStats(self.device) if step_stats_enabled() else None
-        self.mm = MultimodalInputs(self.model, rank)
+        # every worker of every engine reads the API servers' stores as a reader of its own
+        self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
 
     # ------------------------------------------------------------ KV cache

@@ -143,7 +143,7 @@ class Worker:
             if not self.config.profiler_dir:
                 raise ValueError("no profiler directory: start the server with --profiler-dir DIR "
                                  "(or LOOM_TORCH_PROFILER_DIR=DIR)")
-            dp_rank = getattr(self.config, "data_parallel_rank", 0)   # 0 until data parallelism lands
+            dp_rank = self.config.data_parallel_rank
             global_rank = dp_rank * self.config.tensor_parallel_size + self.rank
             self._profiler = WorkerProfiler(self.config.profiler_dir, self.runner.device, dp_rank, self.rank,
                                             global_rank)
