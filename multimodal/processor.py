@@ -9,6 +9,7 @@ video processor), so the image processor and the tokenizer are used directly; th
 expansion is the processor's own rule (grid t*h*w / merge^2 copies of the image token)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
@@ -81,7 +82,6 @@ class MultiModalProcessor:
 
     async def off_loop(self, fn, *args):
         """fn(*args) in this processor's own thread, off the event loop (and off the tokenizer's)."""
-        import asyncio
         from concurrent.futures import ThreadPoolExecutor
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="loom-mm")
@@ -266,7 +266,7 @@ class MultiModalProcessor:
         try:
             for url in urls:
                 image = await load_image_url(url, allowed_dir, self.off_loop)
-                stored.append(await self.off_loop(self.store_image, image, kwargs))
+                stored.append(await self._store_off_loop(image, kwargs))
                 del image
                 num_tokens += stored[-1].num_tokens
                 if num_tokens > self.config.max_model_len:   # no need to load the others
@@ -276,6 +276,21 @@ class MultiModalProcessor:
             self.unref(stored)
             raise
         return self.expand(prompt_ids, stored)
+
+    async def _store_off_loop(self, image, kwargs: dict) -> StoredImage:
+        """store_image on the processor's thread. The thread cannot be stopped: when the caller is
+        cancelled meanwhile (its client went), the item is still stored and referenced, and that
+        reference goes back once it is."""
+        job = asyncio.ensure_future(self.off_loop(self.store_image, image, kwargs))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(self._unref_done)
+            raise
+
+    def _unref_done(self, job: "asyncio.Future[StoredImage]") -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.unref([job.result()])
 
     def addref(self, items: list[MultiModalItem], k: int) -> None:
         """k more references to each item (n > 1 choices: one engine request each)."""

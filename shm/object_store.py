@@ -155,6 +155,11 @@ class ObjectStoreWriter:
     def num_entries(self) -> int:
         return len(self._entries)
 
+    def num_in_use(self) -> int:
+        """Entries some request still references (the others may be evicted)."""
+        with self._lock:
+            return sum(not self._is_free(a) for a in self._entries)
+
     def used_bytes(self) -> int:
         return sum(self._size(a) for a in self._entries)
 

@@ -237,3 +237,44 @@ def test_images_past_the_context_stop_loading_at_once(vl_dir):
             asyncio.run(mm.process_urls(prompt, urls, None, None))
     finally:
         mm.close()
+
+
+def test_a_request_cancelled_while_its_image_is_stored_gives_the_reference_back(vl_dir):
+    """The client goes while the image thread processes its image (aiohttp cancels the handler):
+    the thread still stores it and takes a reference, which must come back once it is done.
+    A leaked one pins its entry, and once the ring wraps to it every new image is a 503."""
+    import asyncio
+    import threading
+    from ipc.config import EngineConfig
+    from multimodal.processor import make_mm_processor
+    config = EngineConfig(model=vl_dir, max_model_len=512, mm_processor_cache_gb=0.01).resolve()
+    mm = make_mm_processor(config, client_index=8)
+    started, release = threading.Event(), threading.Event()
+    store_image = mm.store_image
+
+    def slow_store_image(image, kwargs):   # the real work, held until the request is cancelled
+        started.set()
+        release.wait(30)
+        return store_image(image, kwargs)
+
+    mm.store_image = slow_store_image
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(mm.process_urls([mm.image_token_id, 11], [png_url(random_image(71, 56, 56))],
+                                                     None, None))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        for _ in range(500):   # the thread finishes, then the reference goes back on the loop
+            await asyncio.sleep(0.01)
+            if mm.store.num_entries() == 1 and mm.store.num_in_use() == 0:
+                return True
+        return False
+
+    try:
+        assert asyncio.run(cancel_midway()), "the cancelled request's store reference was not given back"
+    finally:
+        mm.close()
