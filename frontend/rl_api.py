@@ -212,11 +212,13 @@ class RLControl(ControlAPI):
         return _result(False, msg, 400, APIError(msg, 400))
 
     async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's: one entry per data-parallel rank."""
         info = await self._call("debug_info")
-        used = (info["num_blocks"] - info["free_blocks"]) * self.server.config.block_size
+        block_size = self.server.config.block_size
         return web.Response(body=dumps([{
-            "dp_rank": 0, "num_reqs": info["running"] + info["waiting"], "num_waiting_reqs": info["waiting"],
-            "num_running_reqs": info["running"], "num_tokens": used}]), content_type="application/json")
+            "dp_rank": rank, "num_reqs": e["running"] + e["waiting"], "num_waiting_reqs": e["waiting"],
+            "num_running_reqs": e["running"], "num_tokens": (e["num_blocks"] - e["free_blocks"]) * block_size}
+            for rank, e in enumerate(info.get("engines", [info]))]), content_type="application/json")
 
     # ---- profiler
 

@@ -191,6 +191,8 @@ def test_control_calls_reach_every_engine(dp_server):
         pytest.skip(r.text)
     assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text   # one worker per engine
     assert requests.post(server.url + "/reset_prefix_cache", timeout=10).status_code == 200
+    load = requests.get(server.url + "/get_load", timeout=10).json()   # SGLang's: an entry per rank
+    assert [e["dp_rank"] for e in load] == [0, 1] and all(e["num_tokens"] >= 0 for e in load), load
 
 
 def _wait_health(sessions, url: str, status: int, timeout: float) -> None:
