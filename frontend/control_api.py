@@ -104,7 +104,15 @@ class ControlAPI:
         return _json({"is_sleeping": bool(await self._call("is_sleeping"))})
 
     async def pause(self, request: web.Request) -> web.Response:
+        """?mode=abort|wait|keep; or, as vLLM's earlier /pause, ?wait_for_inflight_requests=true
+        (wait) or false (abort)."""
         mode = _query_choice(request, "mode", PAUSE_MODES, "abort")
+        if "wait_for_inflight_requests" in request.query:
+            waits = _query_bool(request, "wait_for_inflight_requests", False)
+            if "mode" in request.query and (mode == "wait") != waits:
+                raise APIError(f"'wait_for_inflight_requests' contradicts mode={mode}", 400,
+                               "wait_for_inflight_requests")
+            mode = "wait" if waits else mode
         clear_cache = _query_bool(request, "clear_cache", False)
         await self._call("pause", mode, clear_cache, param="mode")
         return _json({"status": "ok"})

@@ -127,6 +127,10 @@ def test_bad_values_and_rpc(one):
                                    ("/sleep?level=x", "level", "'level'"),
                                    ("/pause?mode=x", "mode", "'mode' must be one of abort, wait, keep"),
                                    ("/pause?mode=keep&clear_cache=maybe", "clear_cache", "true or false"),
+                                   ("/pause?wait_for_inflight_requests=maybe", "wait_for_inflight_requests",
+                                    "true or false"),
+                                   ("/pause?mode=abort&wait_for_inflight_requests=true",
+                                    "wait_for_inflight_requests", "contradicts mode=abort"),
                                    ("/wake_up?tags=weights&tags=foo", "tags", "unknown tags ['foo']"),
                                    ("/sleep?level=1", "level", "--enable-sleep-mode"),
                                    ("/sleep?level=2", "level", "--enable-sleep-mode")):
@@ -186,13 +190,14 @@ def test_pause_abort_then_queue_until_resume(one):
     run(scenario, one.url)
 
 
-def test_pause_wait_returns_after_in_flight_requests(one):
+@pytest.mark.parametrize("query", ["mode=wait", "wait_for_inflight_requests=true"])   # the latter: vLLM's earlier name
+def test_pause_wait_returns_after_in_flight_requests(one, query):
     async def scenario(s, url):
         st = Stream()
         task = asyncio.create_task(stream_completion(s, url, {**GREEDY, "max_tokens": 80}, st=st))
         await until(lambda: len(st.texts) >= 2)
         t0 = time.monotonic()
-        assert await call(s, "POST", url + "/pause?mode=wait") == (200, {"status": "ok"})
+        assert await call(s, "POST", url + f"/pause?{query}") == (200, {"status": "ok"})
         t1 = time.monotonic()
         await asyncio.wait_for(task, 10)
         assert st.finish == "length"  # finished, not aborted
