@@ -484,9 +484,12 @@ class OpenAIServer:
 
     def _dp_rank(self, request: web.Request) -> dict:
         """generate()'s data_parallel_rank from the X-data-parallel-rank header, when it has one."""
-        value = request.headers.get(DP_RANK_HEADER)
-        if value is None:
+        values = request.headers.getall(DP_RANK_HEADER, [])
+        if not values:
             return {}
+        if len(values) > 1:
+            raise APIError(f"{DP_RANK_HEADER} is given {len(values)} times; give one rank", 400)
+        value = values[0]
         try:
             return {"data_parallel_rank": check_rank(value, self.config.data_parallel_size)}
         except ValueError as e:

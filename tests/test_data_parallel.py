@@ -3,9 +3,11 @@ node and across two (simulated on loopback), and offline (LLM(data_parallel_size
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -126,6 +128,15 @@ def test_rank_header_pins(dp_server):
     for bad in ("2", "-1", "x"):
         r = _complete(requests, server.url, prompt, bad)
         assert r.status_code == 400 and RANK in r.json()["error"]["message"], r.text
+    # the header twice (raw, since HTTP clients merge a repeated header into one)
+    host, port = server.url.split("//")[1].rsplit(":", 1)
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"X-data-parallel-rank: 0\r\nX-data-parallel-rank: 1\r\nConnection: close\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = b"".join(iter(lambda: s.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 400") and b"given 2 times" in answer, answer[:300]
 
 
 def test_pause_through_one_server_resume_through_the_other(dp_server):
