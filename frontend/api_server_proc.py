@@ -86,6 +86,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
                 from engine_core.dp_coordinator import lookup_remote_engines
                 found = await loop.run_in_executor(None, lookup_remote_engines, dp_lookup)
                 remote = [found[r] for r in sorted(found)]
+                llm.router.remote = frozenset(found)   # images (in this host's store) go to local ranks only
             try:
                 await llm.start(engine_address=engine_address, auth_key=auth_key, remote_engines=remote)
             except (PermissionError, TimeoutError) as e:   # a wrong key or address: one line, not a traceback

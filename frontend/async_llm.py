@@ -187,13 +187,22 @@ class AsyncLLM:
             if mm_items:
                 self.mm.unref(mm_items)
             raise EngineDeadError(self.dead_reason)
+        try:
+            rank = None if data_parallel_rank is None else check_rank(data_parallel_rank, self.router.n)
+            if mm_items and rank in self.router.remote:
+                raise ValueError(f"data-parallel rank {rank} runs on another node, where this server's "
+                                 f"images cannot be read: pin a rank of this node, or none")
+        except ValueError:
+            if mm_items:   # they never reach an engine
+                self.mm.unref(mm_items)
+            raise
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time(),
                                priority)
-        if data_parallel_rank is not None:
-            engine = self.router.pinned(check_rank(data_parallel_rank, self.router.n), len(ecrs))
+        if rank is not None:
+            engine = self.router.pinned(rank, len(ecrs))
         else:
-            engine = self.router.pick(prompt_token_ids, len(ecrs))
+            engine = self.router.pick(prompt_token_ids, len(ecrs), local_only=bool(mm_items))
         if mm_items:
             self.mm.addref(mm_items, len(ecrs) - 1)
             for ecr in ecrs:

@@ -37,6 +37,7 @@ class DPRouter:
         self.acked = [0] * num_engines       # of which the engine had taken in at its last report
         self._rotation = client_index
         self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self.remote: frozenset[int] = frozenset()   # engines on other nodes: they cannot read this host's images
 
     def on_load(self, engine: int, load: EngineLoad) -> None:
         if 0 <= engine < self.n:
@@ -51,19 +52,21 @@ class DPRouter:
             starts = min(unseen, max(self.max_num_seqs - running - waiting, 0))
         return 4 * (waiting + unseen - starts) + running + starts
 
-    def pick(self, prompt_token_ids: list[int], num_requests: int = 1) -> int:
-        """The engine for a request of num_requests engine requests (its choices), counted as sent."""
+    def pick(self, prompt_token_ids: list[int], num_requests: int = 1, local_only: bool = False) -> int:
+        """The engine for a request of num_requests engine requests (its choices), counted as sent.
+        local_only: among the engines of this node (a request with images in this host's store)."""
         if self.n == 1:
             engine = 0
         else:
-            scores = [self.score(e) for e in range(self.n)]
+            engines = [e for e in range(self.n) if not (local_only and e in self.remote)]
+            scores = {e: self.score(e) for e in engines}
             self._rotation = (self._rotation + 1) % self.n
-            engine = min(range(self.n), key=lambda e: (scores[e], (e - self._rotation) % self.n))
+            engine = min(engines, key=lambda e: (scores[e], (e - self._rotation) % self.n))
             key = self._prefix_key(prompt_token_ids)
             if key is not None:
                 previous = self._prefixes.get(key)
                 best = scores[engine]
-                if previous is not None and scores[previous] <= best + AFFINITY_SLACK + best // 8:
+                if previous in scores and scores[previous] <= best + AFFINITY_SLACK + best // 8:
                     engine = previous
                 self._prefixes[key] = engine
                 self._prefixes.move_to_end(key)

@@ -414,6 +414,17 @@ def test_router_prefix_affinity_and_pinning():
     assert r.pinned(1, 2) == 1 and r.sent[1] >= 2
 
 
+def test_router_sends_images_to_this_nodes_engines_only():
+    """A request with images (in this host's shared-memory store) goes to an engine of this node,
+    however loaded, and keeps no prefix affinity to a rank on another node."""
+    r = DPRouter(3, block_size=4)
+    r.remote = frozenset({1, 2})
+    r.on_load(0, EngineLoad(50, 200, 0))
+    assert {r.pick([7, 7, 7, 7, k], local_only=True) for k in range(6)} == {0}
+    assert r.pick([8, 8, 8, 8, 1]) in (1, 2)                 # text goes to the least loaded
+    assert r.pick([8, 8, 8, 8, 2], local_only=True) == 0     # the same prefix with an image: still here
+
+
 def test_merge_results():
     assert merge_results("is_paused", [False, True]) is True
     assert merge_results("collective_rpc", [["a"], ["b"]]) == ["a", "b"]
