@@ -18,14 +18,26 @@ from frontend.dp_router import DPRouter, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words
+from frontend.processing import (engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words,
+                                 typed_params)
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.chat import render_chat
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
-from ipc.validation import Limits, check_sampling_params, validate_request
+from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, a list of token ids) or a list of them -> a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError("prompts must be a prompt or a list of prompts (strings, token-id lists or "
+                           f"dicts), got {type(prompts).__name__}", "prompt")
+    return list(prompts)
 
 
 def longest_first(max_tokens: Sequence[int]) -> list[int]:
@@ -84,8 +96,7 @@ class LLM:
         placeholder once per image). Prompts with images go to the engine in chunks, so that the
         shared-memory store only ever holds the images of requests in flight. `priority`: one
         per prompt, with scheduling_policy="priority" (lower runs first), as vLLM's."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
         if not has_images or self.mm is None:
             self.enqueue(prompts, sampling_params, priority)
@@ -102,8 +113,7 @@ class LLM:
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                 priority: Sequence[int] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -116,6 +126,7 @@ class LLM:
         checked, limits = [], Limits.of(self.config)
         try:
             for prompt, params, prio in zip(prompts, params_list, priorities):  # check all before sending any
+                typed_params(params)
                 text, ids = to_token_ids(self.tokenizer, prompt)
                 if params.bad_words:
                     check_sampling_params(params, limits)   # bounds the words before they are tokenized

@@ -22,17 +22,41 @@ def load_tokenizer(config: EngineConfig):
     return AutoTokenizer.from_pretrained(tokenizer_source(config))
 
 
+def _is_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(t) is int for t in value)   # (not bools)
+
+
 def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
+            if not _is_ids(prompt["prompt_token_ids"]):
+                raise RequestError("prompt_token_ids must be a list of token ids (integers)", "prompt")
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+    if _is_ids(prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
+
+
+def typed_params(params) -> SamplingParams:
+    """SamplingParams built in Python are not type-checked (msgspec checks only what it decodes):
+    a float max_tokens or seed would pass here and fail at the engine's decoder, silently. So
+    the offline LLM checks them as the HTTP and engine-protocol paths do."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}", "sampling_params")
+    try:
+        msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except (msgspec.ValidationError, TypeError):
+        for f in msgspec.structs.fields(SamplingParams):   # which one (the struct travels as an array)
+            try:
+                msgspec.convert(msgspec.to_builtins(getattr(params, f.name)), f.type)
+            except (msgspec.ValidationError, TypeError) as e:
+                raise RequestError(f"{f.name}: {e}", f.name) from None
+        raise RequestError("sampling params of the wrong types", "sampling_params") from None
+    return params
 
 
 def tokenize_bad_words(tokenizer, params: SamplingParams) -> SamplingParams:

@@ -360,6 +360,16 @@ def test_invalid_params_rejected(llm):
         llm.generate({"prompt_token_ids": []}, SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="context length"):
         llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(), use_tqdm=False)
+    # wrong types, which SamplingParams built in Python does not check: refused here, where the
+    # engine's decoder used to fail them silently (finish_reason "error", no tokens)
+    for bad in (dict(max_tokens=4.5), dict(seed=1.5), dict(stop_token_ids=[1.5]), dict(bad_words=[5])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(**bad), use_tqdm=False)
+    for prompt in ([True, False], {"prompt_token_ids": "abc"}, 5):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=3),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
 def test_sampler_fails_a_bad_row_alone():
