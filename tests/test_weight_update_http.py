@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -191,6 +192,12 @@ def test_bad_updates_over_http(server, ckpt, tmp_path):
     assert status == 400 and "no config.json" in body["message"], body
     status, body = post(server, "/update_weights_from_disk", {"path": b})
     assert status == 400 and body["error"]["param"] == "model_path", body
+    truncated = tmp_path / "truncated"            # a checkpoint cut short: the caller's file, a 400 (was a 500)
+    shutil.copytree(b, truncated)
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    status, body = post(server, "/update_weights_from_disk", {"model_path": str(truncated)})
+    assert status == 400 and "not a readable safetensors file" in body["message"], body
     r = requests.get(server.url + "/get_weights_by_name", params={"name": "nope"}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and "'nope' is not a weight" in r.json()["error"]["message"]
     r = requests.get(server.url + "/get_weights_by_name", params={"name": K_PROJ, "truncate_size": -1}, headers=AUTH,

@@ -103,13 +103,16 @@ def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterato
 def checkpoint_metadata(files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, safetensors dtype such as "BF16") of every tensor, from the file headers
     alone (nothing is read into memory)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     out = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except SafetensorError as e:   # truncated or not safetensors at all: the caller's file
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
     return out
 
 
