@@ -315,6 +315,8 @@ class EngineCore:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         from workers.weight_update import merge_weight_rows
+        if "weights" in self.control.asleep:   # (the parameters are empty: it answered [])
+            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before reading them")
         parts = self.executor.collective_rpc("get_weights_by_name", [name, truncate_size])
         return merge_weight_rows(parts, truncate_size)
 

@@ -97,7 +97,7 @@ class ControlAPI:
         bad = [t for t in tags if t not in SLEEP_TAGS]
         if bad:
             raise APIError(f"unknown tags {bad}; 'tags' must be among {', '.join(SLEEP_TAGS)}", 400, "tags")
-        await self._call("wake_up", tags or None, param="tags")
+        await self._call("wake_up", tags or None)   # (tags are checked above: an error now is the reload's)
         return _json({"status": "ok"})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:

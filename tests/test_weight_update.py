@@ -125,6 +125,8 @@ def test_update_while_asleep_with_weights_awake(llm, ckpt, ref):
     llm.sleep(1)
     with pytest.raises(RuntimeError, match="weights are asleep"):
         llm.update_weights_from_disk(b)
+    with pytest.raises(RuntimeError, match="weights are asleep"):   # (their parameters are empty)
+        llm.get_weights_by_name("model.norm.weight", 3)
     llm.wake_up(["weights"])
     llm.update_weights_from_disk(b)
     llm.wake_up()
