@@ -287,6 +287,13 @@ class EngineCore:
                 raise RuntimeError("the prefix cache could not be reset after a weight update")
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
+        if "weights" in self.control.asleep and self.control.sleep_level == 2:
+            # discarded (level 2): the checkpoint is loaded as they wake, which is also the way out
+            # when the one they would reload from no longer loads
+            n = self.executor.collective_rpc("wake_up", [["weights"], model_path, load_format])[0]
+            self.control.asleep.discard("weights")
+            self._weights_updated(flush_cache)
+            return n
         self._check_weights_updatable()
         n = self.executor.collective_rpc("update_weights_from_disk", [model_path, load_format])[0]
         self._weights_updated(flush_cache)

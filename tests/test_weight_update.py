@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -136,6 +137,29 @@ def test_update_while_asleep_with_weights_awake(llm, ckpt, ref):
     assert _gen(llm) == ref[b]
     llm.sleep(0)        # scheduling asleep: no request steps, so updates are allowed
     llm.update_weights_from_disk(a)
+    llm.wake_up()
+    assert _gen(llm) == ref[a]
+
+
+def test_weights_discarded_by_sleep_2_load_from_disk_as_they_wake(llm, ckpt, ref, tmp_path):
+    """update_weights_from_disk while level 2 has discarded the weights loads them as they wake:
+    also the way out when the checkpoint they would reload from no longer loads (here cut short
+    on disk after it was loaded), where every wake-up fails and requests would wait for ever."""
+    a, b = ckpt
+    broken = tmp_path / "broken"
+    shutil.copytree(b, broken)
+    llm.sleep(0)
+    llm.update_weights_from_disk(str(broken))
+    llm.wake_up()
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    llm.sleep(2)
+    with pytest.raises(RuntimeError):
+        llm.wake_up()
+    assert llm.update_weights_from_disk(a) > 0
+    llm.wake_up()                                   # the KV cache
+    assert not llm.is_sleeping() and _gen(llm) == ref[a]
+    llm.sleep(2)                                    # and it reloads from A from now on
     llm.wake_up()
     assert _gen(llm) == ref[a]
 

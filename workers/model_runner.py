@@ -310,7 +310,10 @@ class ModelRunner:
         self.graphs, self.piecewise = None, None  # they point at the freed memory; recaptured on wake-up
         self._release_memory()
 
-    def wake_up(self, tags: list[str]) -> None:
+    def wake_up(self, tags: list[str], weights_dir: str | None = None, load_format: str | None = None) -> int:
+        """The parts in `tags` back; level-2 weights are loaded from `weights_dir` (default: the
+        checkpoint last loaded), which then becomes the one to reload. The tensors loaded."""
+        loaded = 0
         if "weights" in tags:
             if self._weights_backup is not None:
                 for n, t in self.model.state_dict(keep_vars=True).items():
@@ -319,17 +322,20 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(self.weights_dir, self.dtype, self.device, self.config.load_format,
-                                   self.config.language_model_only)
+                fresh = load_model(weights_dir or self.weights_dir, self.dtype, self.device,
+                                   load_format or self.config.load_format, self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):
                     t.data = src.data
+                    loaded += 1
                 del fresh
+                self.weights_dir = weights_dir or self.weights_dir
             self._weights_asleep = False
             if self.kv_caches:
                 self.capture_cudagraphs()
         if "kv_cache" in tags:
             self.initialize_cache(self.num_blocks)
+        return loaded
 
     def _release_memory(self) -> None:
         import gc

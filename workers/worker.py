@@ -83,8 +83,8 @@ class Worker:
         self.runner.sleep(level)
 
     @remote
-    def wake_up(self, tags: list[str]) -> None:
-        self.runner.wake_up(tags)
+    def wake_up(self, tags: list[str], weights_dir: str | None = None, load_format: str | None = None) -> int:
+        return self.runner.wake_up(tags, weights_dir, load_format)
 
     @remote
     def memory_info(self) -> dict:
