@@ -252,8 +252,8 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
         store.set_timeout(JOIN_TIMEOUT)   # every rank joins within it (gloo connects them here)
         pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
                                           group_name=group_name, backend_options=None, timeout=GROUP_TIMEOUT)
-    except RuntimeError as e:   # DistStoreError (a timeout) is one
-        raise RuntimeError(f"the trainer's group at {host}:{master_port} did not form within "
+    except RuntimeError as e:   # DistStoreError (a timeout) is one; no trainer where the caller said (a 400)
+        raise ValueError(f"the trainer's group at {host}:{master_port} did not form within "
                            f"{JOIN_TIMEOUT.total_seconds():g} s: {str(e).splitlines()[0][:300]}") from None
     store.set_timeout(GROUP_TIMEOUT)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
