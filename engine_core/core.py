@@ -213,12 +213,19 @@ class EngineCore:
         unknown = [t for t in tags if t not in SLEEP_TAGS]
         if unknown:
             raise ValueError(f"unknown wake-up tags {unknown}; use {list(SLEEP_TAGS)}")
+        self._wake(tags)
+
+    def _wake(self, tags: list[str], weights_dir: str | None = None, load_format: str | None = None) -> int:
+        """Wake `tags`; level-2 weights load from weights_dir (default: the checkpoint last loaded).
+        The tensors loaded."""
         worker_tags = [t for t in ("weights", "kv_cache") if t in tags and t in self.control.asleep]
+        loaded = 0
         if worker_tags:
-            self.executor.collective_rpc("wake_up", [worker_tags])
+            loaded = self.executor.collective_rpc("wake_up", [worker_tags, weights_dir, load_format])[0]
         self.control.asleep.difference_update(tags)
         if not self.control.asleep:
             self.control.sleep_level = 0
+        return loaded
 
     def is_sleeping(self) -> bool:
         return self.control.is_sleeping
@@ -290,8 +297,7 @@ class EngineCore:
         if "weights" in self.control.asleep and self.control.sleep_level == 2:
             # discarded (level 2): the checkpoint is loaded as they wake, which is also the way out
             # when the one they would reload from no longer loads
-            n = self.executor.collective_rpc("wake_up", [["weights"], model_path, load_format])[0]
-            self.control.asleep.discard("weights")
+            n = self._wake(["weights"], model_path, load_format)
             self._weights_updated(flush_cache)
             return n
         self._check_weights_updatable()

@@ -139,12 +139,10 @@ class LLM:
                 for *_, items, _ in checked:
                     self.mm.unref(items)
             raise
-        now, ids_out, sends = time.time(), [], []
+        now, sends = time.time(), []
         for text, ids, params, items, prio in checked:
-            rid = new_request_id()
-            result = RequestOutput(rid, text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
+            result = RequestOutput(new_request_id(), text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
             self._results.append(result)
-            ids_out.append(rid)
             sends.append((result, ids, params, items, prio))
         budgets = [p.max_tokens if p.max_tokens is not None else self.config.max_model_len - len(ids)
                    for _, ids, p, _, _ in sends]
@@ -158,7 +156,7 @@ class LLM:
                                                                      final_only=True))
                 self._engine_of[ecr.request_id] = engine
                 self.client.add_request(ecr, engine)
-        return ids_out
+        return [result.request_id for result, *_ in sends]
 
     def _multimodal(self, prompt, ids: list[int], n: int) -> tuple[list[int], list]:
         """Images of a prompt dict into the store, placeholders expanded; one store reference

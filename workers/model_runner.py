@@ -322,14 +322,15 @@ class ModelRunner:
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
                 torch.manual_seed(self.config.seed)
-                fresh = load_model(weights_dir or self.weights_dir, self.dtype, self.device,
-                                   load_format or self.config.load_format, self.config.language_model_only)
+                weights_dir = weights_dir or self.weights_dir
+                fresh = load_model(weights_dir, self.dtype, self.device, load_format or self.config.load_format,
+                                   self.config.language_model_only)
                 for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                             fresh.state_dict(keep_vars=True).items()):
                     t.data = src.data
                     loaded += 1
                 del fresh
-                self.weights_dir = weights_dir or self.weights_dir
+                self.weights_dir = weights_dir
             self._weights_asleep = False
             if self.kv_caches:
                 self.capture_cudagraphs()
