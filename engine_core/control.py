@@ -37,6 +37,7 @@ class ControlState:
 
 @dataclass
 class Deferred:
-    """A utility result that is ready only once `done()` holds (pause in wait mode)."""
+    """A utility result that is ready only once `done()` holds (pause in wait mode, a trainer's
+    group forming). An exception from `done()` is the call's failure."""
     done: Callable[[], bool]
     result: Any = None

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -42,6 +42,7 @@ from shm.object_store import is_entry_handle
 from workers.remote import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
+DEFERRED_POLL_S = 0.05   # how often a deferred reply that asks the workers asks them
 HEARTBEAT_S = 1.0   # clients take an engine silent for several of these as stalled (docs/protocol.md)
 
 
@@ -319,9 +320,27 @@ class EngineCore:
         return n
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> Deferred:
+        """Answered once every worker is in the trainer's group. The join waits for the trainer (up
+        to LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S), so it runs beside the loop, which keeps stepping."""
         self.executor.collective_rpc("init_weights_update_group",
                                      [master_address, master_port, rank_offset, world_size, group_name, backend])
+        return Deferred(self._poll_workers("weights_update_group_ready", [group_name]))
+
+    def _poll_workers(self, method: str, args: list) -> Callable[[], bool]:
+        """A Deferred's done(): whether every worker answers `method` with True, asked at most every
+        DEFERRED_POLL_S. Steps in flight are taken first: the workers answer calls between steps."""
+        next_poll = 0.0
+
+        def done() -> bool:
+            nonlocal next_poll
+            if time.monotonic() < next_poll:
+                return False
+            for ci, outs in self.drain().items():
+                self.pending_outputs.setdefault(ci, []).extend(outs)
+            next_poll = time.monotonic() + DEFERRED_POLL_S
+            return all(self.executor.collective_rpc(method, args))
+        return done
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.executor.collective_rpc("destroy_weights_update_group", [group_name])
@@ -411,7 +430,8 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         self._last_beat = 0.0
         while True:
-            self._drain_inputs(block=not self.has_work() and not self.pending_outputs)
+            self._drain_inputs(block=not self.has_work() and not self.pending_outputs,
+                               timeout=DEFERRED_POLL_S if self._deferred else HEARTBEAT_S)
             by_client = self.step() if self.has_work() else {}
             for ci, outs in self.pending_outputs.items():
                 by_client.setdefault(ci, [])[:0] = outs
@@ -460,9 +480,9 @@ class EngineCoreProc(EngineCore):
         self._last_beat = now
         self.io.send(-1, MsgType.OUTPUTS.value, EngineCoreOutputs([], self.engine_index, time.time()))
 
-    def _drain_inputs(self, block: bool) -> None:
+    def _drain_inputs(self, block: bool, timeout: float) -> None:
         try:
-            item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
+            item = self.inputs.get(timeout=timeout) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -522,10 +542,14 @@ class EngineCoreProc(EngineCore):
     def _finish_deferred(self) -> None:
         for item in list(self._deferred):
             client_index, out, deferred = item
-            if deferred.done():
-                self._deferred.remove(item)
+            try:
+                if not deferred.done():
+                    continue
                 out.result = deferred.result
-                self._send_utility(client_index, out)
+            except Exception as e:
+                out.failure = f"{type(e).__name__}: {e}"
+            self._deferred.remove(item)
+            self._send_utility(client_index, out)
 
     def _send_utility(self, client_index: int, out: UtilityOutput) -> None:
         self.io.send(client_index, MsgType.OUTPUTS.value,

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -35,6 +36,7 @@ WEIGHT_ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/init_weigh
                     ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
                     ("GET", "/get_load")]
 PROFILER_ENDPOINTS = [("POST", "/start_profile"), ("POST", "/stop_profile")]
+JOIN_TIMEOUT_S = 6   # a trainer that never joins fails /init_weights_update_group after this
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def ckpt(model_factory):
 def server(ckpt, tmp_path_factory):
     traces = str(tmp_path_factory.mktemp("traces"))
     s = Server(ckpt[0], "--enable-control-endpoints", "--api-key", KEY, "--profiler-dir", traces,
-               "--max-model-len", "256", env={"OMP_NUM_THREADS": "1"})
+               "--max-model-len", "256",
+               env={"OMP_NUM_THREADS": "1", "LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S": str(JOIN_TIMEOUT_S)})
     try:
         s.wait_healthy(180)
         s.traces = traces
@@ -154,6 +157,22 @@ def test_weights_from_a_trainer_group(server, ckpt):
             trainer.wait()
     restore(server, a)
     assert greedy_text(server) == hf_text(a)
+
+
+def test_requests_step_while_a_trainer_group_forms(server, ckpt):
+    """The join waits for the trainer (here: none, a port nobody listens on), but not the engine's
+    loop: a request sent meanwhile is answered first (it waited out the whole join timeout)."""
+    with ThreadPoolExecutor(1) as pool:
+        join = pool.submit(post, server, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": free_tcp_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "nobody", "backend": "gloo"})
+        time.sleep(0.5)   # the workers are joining
+        assert greedy_text(server) == hf_text(ckpt[0])
+        assert not join.done()
+        status, body = join.result(timeout=JOIN_TIMEOUT_S + 60)
+    assert status == 400 and f"did not form within {JOIN_TIMEOUT_S} s" in body["message"], body
+    status, body = post(server, "/destroy_weights_update_group", {"group_name": "nobody"})
+    assert status == 400 and "no weight update group" in body["message"], body
 
 
 def test_weights_from_tensor_handles(server, ckpt):

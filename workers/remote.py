@@ -17,6 +17,8 @@ ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
     "update_weights_from_disk": "use POST /update_weights_from_disk",
     "update_weights_from_distributed": "use POST /update_weights_from_distributed",
     "update_weights_from_tensor": "use POST /update_weights_from_tensor",
+    # it returns before the group forms; the engine answers once it has
+    "init_weights_update_group": "use POST /init_weights_update_group",
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Iterable
 
@@ -30,8 +31,8 @@ from workers.models.layers import RowParallelLinear, VocabParallelEmbedding
 logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT = timedelta(minutes=10)   # a trainer that joined but never sends fails the call after this
-# The engine's loop waits inside init_weights_update_group (as SGLang's scheduler does): a
-# trainer that never joins (a wrong address or port) fails the call after this, not GROUP_TIMEOUT.
+# A trainer that never joins (a wrong address or port) fails init_weights_update_group after
+# this, not GROUP_TIMEOUT; meanwhile the engine keeps stepping (SGLang's scheduler waits).
 JOIN_TIMEOUT = timedelta(seconds=float(os.environ.get("LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S", 120)))
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -59,6 +60,28 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
     return out
 
 
+class GroupJoin:
+    """A trainer's group being joined on a thread of its own: the join waits until the trainer
+    (rank 0) and every other rank are there, up to JOIN_TIMEOUT."""
+
+    def __init__(self, group_name: str, args: tuple):
+        self.args = args   # (backend, master_address, master_port, world_size, rank)
+        self.group: dist.ProcessGroup | None = None
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._join, args=(group_name,), daemon=True,
+                                        name=f"join-{group_name}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def _join(self, group_name: str) -> None:
+        try:
+            self.group = init_custom_process_group(*self.args, group_name)
+        except Exception as e:   # raised by the next call that names the group (group_ready)
+            self.error = e
+
+
 class WeightUpdater:
     """One worker's weight updates and its trainer process groups."""
 
@@ -67,6 +90,7 @@ class WeightUpdater:
         self.rank = rank      # the tensor-parallel rank: rank_offset + rank in a trainer's group
         self.expected = expected_shapes(runner.model, runner.weights_dir, runner.config.load_format)
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.joining: dict[str, GroupJoin] = {}   # groups still forming, by name
 
     @property
     def model(self):
@@ -136,7 +160,10 @@ class WeightUpdater:
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:
-        if group_name in self.groups:
+        """Start joining a trainer's group; the join runs on its own thread, since it waits for the
+        trainer and the step loop must not (`group_ready` tells when it has formed)."""
+        self._settle(group_name)
+        if group_name in self.groups or group_name in self.joining:
             raise ValueError(f"weight update group {group_name!r} already exists: destroy it first")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -146,22 +173,48 @@ class WeightUpdater:
         if not 0 < rank < world_size:
             raise ValueError(f"rank_offset {rank_offset} gives worker {self.rank} rank {rank}, outside "
                              f"1..{world_size - 1} of world_size {world_size} (the trainer is rank 0)")
-        self.groups[group_name] = init_custom_process_group(backend, master_address, master_port, world_size,
-                                                            rank, group_name)
-        logger.info("joined weight update group %r as rank %d of %d (%s)", group_name, rank, world_size, backend)
+        self.joining[group_name] = GroupJoin(group_name, (backend, master_address, master_port, world_size, rank))
+
+    def group_ready(self, group_name: str) -> bool:
+        """Whether the group has formed (False: still joining); a failed join raises its error once."""
+        self._settle(group_name)
+        if group_name in self.groups:
+            return True
+        if group_name in self.joining:
+            return False
+        raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
+
+    def _settle(self, group_name: str) -> None:
+        """Move a finished join into `groups`, or raise its error (and forget it)."""
+        join = self.joining.get(group_name)
+        if join is None or not join.done():
+            return
+        del self.joining[group_name]
+        if join.error is not None:
+            raise join.error
+        self.groups[group_name] = join.group
+        logger.info("joined weight update group %r as rank %d of %d (%s)", group_name, join.args[4],
+                    join.args[3], join.args[0])
+
+    def _group(self, group_name: str) -> dist.ProcessGroup:
+        self._settle(group_name)
+        if group_name in self.joining:
+            raise ValueError(f"weight update group {group_name!r} is still forming: wait for "
+                             f"init_weights_update_group to return")
+        pg = self.groups.get(group_name)
+        if pg is None:
+            raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
+        return pg
 
     def destroy_group(self, group_name: str) -> None:
-        pg = self.groups.pop(group_name, None)
-        if pg is None:
-            raise ValueError(f"no weight update group {group_name!r}")
+        pg = self._group(group_name)
+        del self.groups[group_name]
         dist.destroy_process_group(pg)
 
     def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str) -> int:
         """Receive one broadcast from the trainer's rank 0 per name, in order, and load each."""
-        pg = self.groups.get(group_name)
-        if pg is None:
-            raise ValueError(f"no weight update group {group_name!r}: call init_weights_update_group first")
+        pg = self._group(group_name)
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         # an unknown dtype or a negative size: the broadcasts cannot even be taken and dropped

@@ -115,7 +115,12 @@ class Worker:
     @remote
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str) -> None:
+        """Start joining a trainer's group (the engine then polls weights_update_group_ready)."""
         self.weights.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    @remote
+    def weights_update_group_ready(self, group_name: str) -> bool:
+        return self.weights.group_ready(group_name)
 
     @remote
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
