@@ -5,8 +5,8 @@ the host time spent launching a step (split into the phases the caller marks),
 the device time between two events around it, and the device's idle time
 before it (from the previous step's end: the step was launched too late), and
 it counts the Triton kernels compiled after warm-up (a compile mid-run costs
-0.1-1 s). Idle time is also summed by the step's token count (powers of two),
-since a small batch's step can be shorter than the host's work between steps.
+0.1-1 s). Device and idle time are also summed by the step's token count (powers of two):
+a small batch's step can be shorter than the host's work between steps.
 The summary is logged when the worker exits and returned by the `step_stats`
 worker method (collective_rpc).
 """
@@ -41,7 +41,8 @@ class StepStats:
         self.steps: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
         self.idle_s: dict[str, float] = defaultdict(float)
-        self.idle_by_tokens: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])  # bucket -> [steps, s]
+        # by kind and token count (rounded up to a power of two): [steps, device s, idle s before]
+        self.by_tokens: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self._last_stop = None  # the end event of the newest step read
         self.compiles: list[str] = []
         self.serving = False
@@ -103,13 +104,15 @@ class StepStats:
             self._unread.append(mark)
         while self._unread and (wait or self._unread[0][2].query()):
             kind, start, stop, num_tokens = self._unread.popleft()
-            self.device_s[kind] += start.elapsed_time(stop) / 1e3
+            device = start.elapsed_time(stop) / 1e3
+            self.device_s[kind] += device
+            bucket = self.by_tokens[kind, 1 << max(num_tokens - 1, 0).bit_length()]
+            bucket[0] += 1
+            bucket[1] += device
             if self._last_stop is not None:
                 idle = max(self._last_stop.elapsed_time(start), 0.0) / 1e3
                 self.idle_s[kind] += idle
-                bucket = self.idle_by_tokens[1 << max(num_tokens - 1, 0).bit_length()]
-                bucket[0] += 1
-                bucket[1] += idle
+                bucket[2] += idle
             self._last_stop = stop
 
     def summary(self) -> dict:
@@ -120,7 +123,8 @@ class StepStats:
                        "idle_ms_before": 1e3 * self.idle_s[kind] / n,
                        **{f"host_ms_{p}": 1e3 * t / n for p, t in self.phase_s[kind].items()}}
                 for kind, n in self.steps.items()} | {
-            "idle_ms_by_tokens": {b: (n, round(1e3 * t, 1)) for b, (n, t) in sorted(self.idle_by_tokens.items())},
+            "by_tokens": {f"{kind} <={b}": {"steps": n, "device_ms": round(1e3 * d, 1), "idle_ms": round(1e3 * i, 1)}
+                          for (kind, b), (n, d, i) in sorted(self.by_tokens.items())},
             "triton_compiles_while_serving": len(self.compiles)}
 
     def log(self) -> None:
