@@ -4,10 +4,10 @@ Shared by the offline LLM and the API servers' AsyncLLM.
 """
 from __future__ import annotations
 
-from ipc.messages import EngineCoreOutput, Logprobs, PromptLogprobs
+from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, Logprobs, PromptLogprobs
 from ipc.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer, TokenTexts, decodes_once
-from frontend.outputs import CompletionOutput, Logprob
+from frontend.outputs import CompletionOutput, Logprob, RequestFault
 
 
 class RequestState:
@@ -73,7 +73,7 @@ class RequestState:
         self.num_cached_tokens = out.num_cached_tokens
         if self.finish_reason is None and out.finish_reason is not None:
             self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason if out.error is None else out.error
+            self.stop_reason = _stop_reason(out)
         finished = self.finish_reason is not None
         if finished and self.stop_reason is None or finished and not isinstance(self.stop_reason, str):
             self.detok.flush()
@@ -93,7 +93,7 @@ class RequestState:
         if out.finish_reason is None:
             return None
         self.finish_reason = out.finish_reason
-        self.stop_reason = out.stop_reason if out.error is None else out.error
+        self.stop_reason = _stop_reason(out)
         ids = self.token_ids
         if (out.finish_reason == "stop" and out.error is None and out.new_token_ids
                 and not self.params.include_stop_str_in_output):
@@ -121,3 +121,11 @@ class RequestState:
                     d[tid] = Logprob(vals[r], r, texts[tid])
             entries.append(d)
         return entries
+
+
+def _stop_reason(out: EngineCoreOutput) -> int | str | None:
+    """An ended output's stop_reason: the stop token or string, or an error's message (a
+    RequestFault unless the engine said the failure was its own)."""
+    if out.error is None:
+        return out.stop_reason
+    return out.error if out.stop_reason == INTERNAL_ERROR else RequestFault(out.error)

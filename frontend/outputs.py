@@ -19,6 +19,11 @@ class Logprob(msgspec.Struct, gc=False):
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+class RequestFault(str):
+    """The stop_reason of a choice that failed for its own request's reasons (a constraint its own
+    bad_words or allowed_token_ids dead-end), not the server's: a 400, where other errors are 500s."""
+
+
 @dataclass
 class CompletionOutput:
     index: int

@@ -20,6 +20,7 @@ from frontend.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat
                                completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
                                sse, usage)
 from frontend.chat_output import ChatOutput, ToolUse
+from frontend.outputs import RequestFault
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger("loom.api")
@@ -264,8 +265,11 @@ def value_error(e: ValueError) -> APIError:
 
 
 def check_choice(choice: Choice) -> None:
-    """A choice the engine finished with an error fails the request (500)."""
+    """A choice the engine finished with an error fails the request: a 400 when its own parameters
+    made it fail (RequestFault), else a 500."""
     if choice.finish_reason == "error":
+        if isinstance(choice.stop_reason, RequestFault):
+            raise APIError(f"The request failed: {choice.stop_reason}", 400)
         raise APIError(f"The request failed in the engine: {choice.stop_reason}", 500)
 
 

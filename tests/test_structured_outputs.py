@@ -149,6 +149,23 @@ def test_choice_regex_grammar(client, model):
         assert re.fullmatch(r"ab[0-9]{1,2}!", r.choices[0].text), r.choices[0].text
 
 
+def test_a_constraint_its_own_allowed_tokens_dead_end_is_400(server, model):
+    """The grammar needs "!" after at most two digits, which allowed_token_ids leave out: the
+    request fails after a few tokens, for its own parameters: a 400 (it was a 500), streamed too."""
+    ids = [requests.post(server.url + "/tokenize", json={"model": model, "prompt": c, "add_special_tokens": False},
+                         timeout=30).json()["tokens"] for c in "ab0123456789"]
+    body = {"model": model, "prompt": "Say", "max_tokens": 30, "temperature": 1.0, "seed": 0,
+            "structured_outputs": {"grammar": 'root ::= "ab" d d? "!"\nd ::= [0-9]'},
+            "allowed_token_ids": [t for one in ids for t in one]}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and "no token is left to sample" in r.json()["error"]["message"], r.text
+    r = requests.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 400 and "no token is left" in events[-1]["error"]["message"], events
+    assert len(events) > 2   # it failed after some tokens (before any, it was a 400 already)
+    assert _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_streamed_constrained_output_equals_whole(client, model):
     body = {"structured_outputs": {"json": SCHEMA}}
     whole = client.completions.create(model=model, prompt="Once upon", temperature=1.0, seed=7, max_tokens=300,
