@@ -207,9 +207,13 @@ class WeightUpdater:
         return pg
 
     def destroy_group(self, group_name: str) -> None:
+        """Leave a trainer's group. Tearing down an NCCL communicator waits for the trainer's own
+        teardown (the ranks finalize together), which may come only after this call has answered:
+        it runs on a thread of its own."""
         pg = self._group(group_name)
         del self.groups[group_name]
-        dist.destroy_process_group(pg)
+        threading.Thread(target=dist.destroy_process_group, args=(pg,), daemon=True,
+                         name=f"leave-{group_name}").start()
 
     def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str) -> int:
