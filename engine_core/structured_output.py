@@ -82,11 +82,61 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def json_schema_grammar(schema: str, any_whitespace: bool, strict_mode: bool = True) -> str:
-    """The EBNF of a JSON schema (whitespace bounded, see MAX_JSON_WHITESPACE)."""
+    """The EBNF of a JSON schema (whitespace bounded, see MAX_JSON_WHITESPACE). ValueError for a
+    schema with a keyword the grammar would silently not enforce."""
     import xgrammar as xgr
+    why = unenforced_keyword(json.loads(schema))
+    if why:
+        raise ValueError(f"{why}, which constrained decoding cannot enforce")
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode,
                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
     return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+# Keywords xgrammar accepts but does not enforce (its output may break them while finishing with
+# "stop"); vLLM's has_xgrammar_unsupported_json_features lists most of them.
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
+               "dependentSchemas", "unevaluatedItems")
+# where a schema holds subschemas: one, a list of them, or a map of names to them
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keyword(schema, path: str = "#") -> str | None:
+    """What in a JSON schema the grammar would not enforce (None: nothing), named by its path."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema:
+            return f"{path} uses {key!r}"
+    if schema.get("uniqueItems") is True:
+        return f"{path} uses 'uniqueItems'"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path} uses 'allOf' with {len(schema['allOf'])} schemas"
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("required"), list) and schema.get("additionalProperties") in (None, False) \
+            and not schema.get("patternProperties"):
+        missing = [r for r in schema["required"] if r not in props]
+        if missing:
+            return f"{path} requires {missing[0]!r}, which its 'properties' do not define"
+    for key in _SUBSCHEMA:
+        why = unenforced_keyword(schema.get(key), f"{path}/{key}")
+        if why:
+            return why
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                why = unenforced_keyword(sub, f"{path}/{key}/{i}")
+                if why:
+                    return why
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                why = unenforced_keyword(sub, f"{path}/{key}/{name}")
+                if why:
+                    return why
+    return None
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^ ]+:\d+: ")

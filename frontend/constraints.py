@@ -74,7 +74,7 @@ def check_constraint(c: StructuredOutputsParams, param: str) -> None:
     """400 for a constraint that cannot compile, before it reaches the engine (which checks again).
     xgrammar builds the grammar without the tokenizer here: cheap, and the same parser."""
     import xgrammar as xgr
-    from engine_core.structured_output import choice_grammar, grammar_key, xgrammar_reason
+    from engine_core.structured_output import choice_grammar, grammar_key, json_schema_grammar, xgrammar_reason
     try:
         if c.json is not None and not isinstance(c.json, (str, dict)):
             raise ValueError("json must be a JSON schema (an object or its JSON text)")
@@ -82,7 +82,7 @@ def check_constraint(c: StructuredOutputsParams, param: str) -> None:
             raise ValueError("json must be a JSON schema object")
         kind, source = grammar_key(c)
         if kind in ("json", "json_compact"):
-            xgr.Grammar.from_json_schema(source)
+            json_schema_grammar(source, kind == "json")
         elif kind == "regex":
             xgr.Grammar.from_regex(source)
         elif kind == "grammar":

@@ -225,6 +225,16 @@ def _nested_schema(depth: int) -> dict:
     ("/v1/completions", {"structured_outputs": {"choice": [f"{i:04d}" * 200 for i in range(200)]}},
      "structured_outputs"),
     ("/v1/completions", {"guided_regex": "a" * (130 * 1024)}, "guided_regex"),
+    # keywords xgrammar accepts and ignores: its output broke them and finished with "stop"
+    ("/v1/completions", {"guided_json": {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}},
+     "guided_json"),
+    ("/v1/completions", {"structured_outputs": {"json": {"allOf": [{"type": "object"}, {"required": ["b"]}]}}},
+     "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["zz"]}}}], "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
