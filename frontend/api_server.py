@@ -53,7 +53,7 @@ from frontend.serving import (GenerationContext, Prompt, first_output, merge, ou
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.chat_output import ChatOutput, ToolUse
-from frontend.constraints import check_constraint, request_constraint, tool_use
+from frontend.constraints import check_constraint, check_tools, request_constraint, tool_use
 from frontend.reasoning import REASONING_PARSERS
 from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
@@ -314,10 +314,17 @@ class OpenAIServer:
         else:
             check_request_chat_template(req, self.options.trust_request_chat_template)
             messages = normalize_messages(req.messages, self._content_format(req))
+            check_tools(req.tools)
+            urls = image_urls(messages)
+            if urls and getattr(self.llm, "mm", None) is None:   # refused as a chat request would be
+                try:
+                    mm_reject(self.config, len(urls))
+                except MediaError as e:
+                    raise APIError(str(e), 400, "messages") from None
             ids = await self.tokenizers.chat(
                 size, messages,
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
-                continue_final_message=bool(req.continue_final_message),
+                continue_final_message=bool(req.continue_final_message), tools=req.tools,
                 chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
                 add_special_tokens=bool(req.add_special_tokens))
         token_strs = None

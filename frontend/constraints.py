@@ -98,7 +98,7 @@ def check_constraint(c: StructuredOutputsParams, param: str) -> None:
 
 def tool_use(req, config) -> tuple[ToolUse, StructuredOutputsParams | None]:
     """How the request uses its tools, and the grammar that required / named choices impose."""
-    tools = _check_tools(req.tools)
+    tools = check_tools(req.tools)
     choice: Any = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
@@ -153,7 +153,7 @@ def _lift_defs(tools: list[dict]) -> tuple[dict, list[dict]]:
     return defs, params
 
 
-def _check_tools(tools: list | None) -> list[dict]:
+def check_tools(tools: list | None) -> list[dict]:
     """[{"name", "parameters"}] of the request's tools (each checked)."""
     out = []
     for i, t in enumerate(tools or []):

@@ -141,6 +141,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
+    tools: list[Any] | None = None   # (with messages) rendered by the chat template, as a chat request's
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -494,6 +494,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "model": "nope", "stream": True}, 404, "model"),
     ("/tokenize", {}, 400, "prompt"),
+    # an image for a text-only model: refused, as a chat request is (its part was silently dropped)
+    ("/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "nope"}]}, 400, "tools"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
 ]
 

@@ -166,6 +166,15 @@ def test_a_constraint_its_own_allowed_tokens_dead_end_is_400(server, model):
     assert _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_tokenize_renders_the_tools(server, model_dir):
+    """/tokenize passes tools to the chat template, as a chat request does (they were dropped)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    r = _post(server, "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    text = tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in text and r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+
+
 def test_streamed_constrained_output_equals_whole(client, model):
     body = {"structured_outputs": {"json": SCHEMA}}
     whole = client.completions.create(model=model, prompt="Once upon", temperature=1.0, seed=7, max_tokens=300,
