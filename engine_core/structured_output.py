@@ -271,9 +271,7 @@ class StructuredOutputManager:
             return True
         if not in_prompt:
             return len(ids) >= len(end) and ids[-len(end):] == end
-        # in the prompt: the last <think> is closed (e.g. a template that turned thinking off)
-        last_start = _rfind(ids, start)
-        return last_start >= 0 and _rfind(ids, end) > last_start
+        return prompt_ended_thinking(ids, start, end)
 
     def grammar_bitmask(self, so: SchedulerOutput, requests: dict) -> GrammarOutput | None:
         """The bitmask of `so`'s constrained rows whose grammar applies, from their matchers' state
@@ -329,6 +327,14 @@ def _distinct_rows(bitmask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     if not np.array_equal(distinct[which], bitmask):   # rows that differ outside the sample
         return bitmask, None
     return distinct, which.astype(np.int32)
+
+
+def prompt_ended_thinking(ids: list[int], start: list[int], end: list[int]) -> bool:
+    """Whether a prompt's last <think> is closed (a template that turned thinking off, or a
+    continued message that closed it): its output's constraint applies from the first token,
+    and the output is all content (the API server's reasoning parser agrees)."""
+    last_start = _rfind(ids, start)
+    return last_start >= 0 and _rfind(ids, end) > last_start
 
 
 def _rfind(ids: list[int], pattern: list[int]) -> int:

@@ -54,7 +54,8 @@ from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.chat_output import ChatOutput, ToolUse
 from frontend.constraints import check_constraint, check_tools, request_constraint, tool_use
-from frontend.reasoning import REASONING_PARSERS
+from frontend.reasoning import REASONING_PARSERS, ReasoningParser
+from engine_core.structured_output import prompt_ended_thinking
 from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
 from metrics.http import HttpMetrics
@@ -172,6 +173,7 @@ class OpenAIServer:
                                if fmt == "auto" else fmt)
         parser = getattr(self.config, "reasoning_parser", None)
         self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
+        self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
         # Counted in the API server, which does not track the engine a request ran on: with one
         # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
         self.tool_parser_engine = "0" if getattr(self.config, "data_parallel_size", 1) == 1 else "all"
@@ -439,7 +441,8 @@ class OpenAIServer:
                                 model=self.model_name, params=params, prompts=[Prompt(None, ids)],
                                 include_usage=include_usage, continuous_usage=continuous,
                                 prompt_tokens_details=self.options.enable_prompt_tokens_details,
-                                echo_texts=echo_texts, role=role, tools=tools, reasoning=self.reasoning_parser,
+                                echo_texts=echo_texts, role=role, tools=tools,
+                                reasoning=self._reasoning_for(ids, constraint is not None),
                                 on_tool_parse=self._count_tool_parse)
         return await self._generate(ctx, mm_items)
 
@@ -458,6 +461,18 @@ class OpenAIServer:
             raise APIError(str(e), 400, "messages") from None
         except StoreBusy as e:
             raise APIError(str(e), 503) from None
+
+    def _reasoning_for(self, ids: list[int], constrained: bool) -> ReasoningParser | None:
+        """The reasoning parser of a chat's output; none for a constrained chat whose prompt closed
+        the thinking: the engine constrains its output from the first token, so all of it is the
+        answer (it came back as reasoning_content, and a named tool's call was lost)."""
+        parser = self.reasoning_parser
+        if parser is None or not constrained:
+            return parser
+        if self._think_ids is None:
+            self._think_ids = tuple(self.tokenizer.encode(tag, add_special_tokens=False)
+                                    for tag in (parser.start, parser.end))
+        return None if prompt_ended_thinking(ids, *self._think_ids) else parser
 
     def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
         """The request's tool use, and its constraint: response_format / structured_outputs, or

@@ -197,3 +197,35 @@ def test_reasoning_and_auto_tool_calls_through_the_api_server():
     assert got["reasoning_content"] == msg["reasoning_content"] and got["content"] == msg["content"]
     assert [c["function"] for c in got["tool_calls"]] == [call["function"]]
     assert 'vllm:tool_call_parser_invocations_total{' in metrics
+
+
+class _ScriptedArguments(_ScriptedLLM):
+    SCRIPT = '{"city": "Rome"}'
+
+
+def test_a_prompt_that_closed_the_thinking_makes_a_constrained_output_content():
+    """--reasoning-parser deepseek_r1 reads an output without </think> as reasoning. But when the
+    prompt closed the thinking, the engine constrains the output from its first token (as vLLM):
+    a named tool's arguments are then the answer, whole and streamed (they came back as
+    reasoning_content, and the call was lost)."""
+    from tests.conftest import run_fake
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    body = {"model": "fake", "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "<think>ok</think>"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            deltas = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        return whole, deltas
+
+    whole, deltas = run_fake(_ScriptedArguments(reasoning_parser="deepseek_r1"), scenario)
+    msg = whole["choices"][0]["message"]
+    assert "reasoning_content" not in msg or not msg["reasoning_content"], msg
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    streamed = [c for d in deltas for ch in d["choices"] for c in ch["delta"].get("tool_calls") or []]
+    assert "".join(c["function"].get("arguments", "") for c in streamed) == '{"city": "Rome"}'
+    assert not any(ch["delta"].get("reasoning_content") for d in deltas for ch in d["choices"])
