@@ -105,7 +105,7 @@ def _threshold_ref(key: torch.Tensor, e: torch.Tensor, key0: int, k: int, p: flo
     if 0 < k < vocab and k < int(allowed.sum()):
         thr = int(torch.sort(key[allowed]).values[k - 1])
         allowed = key <= thr
-    if p < 1.0:
+    if p < 1.0 and bool(allowed.any()):   # (none: a row masked whole, whose request fails alone)
         uniq, inv = torch.unique(key[allowed], sorted=True, return_inverse=True)
         mass = torch.zeros(uniq.shape[0], dtype=torch.float32, device=key.device).index_add_(0, inv, e[allowed])
         cum = mass.cumsum(0)

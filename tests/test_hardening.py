@@ -483,7 +483,10 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     assert out.finish_reason == "error" and "request_id must be at most 1024" in out.error, out.error[:100]
     # valid alone, but nothing left to sample together: each fails alone, with the reason in `error`
     for i, params in enumerate((SamplingParams(allowed_token_ids=[7], structured_outputs=StructuredOutputsParams(choice=["zzzz"])),
-                                SamplingParams(allowed_token_ids=[7], min_tokens=2, stop_token_ids=[7]))):
+                                SamplingParams(allowed_token_ids=[7], min_tokens=2, stop_token_ids=[7]),
+                                # top-p over a row with nothing left ended the engine (an empty cumsum)
+                                SamplingParams(allowed_token_ids=[7], min_tokens=2, stop_token_ids=[7], top_p=0.5,
+                                               temperature=1.0))):
         tokens, out = run_to_end(client, f"masked-{i}", [11, 12], params)
         assert out.finish_reason == "error" and "no token is left" in out.error and tokens == [], out
     # a schema that admits nothing: the token that broke it is not an output (error once None)
