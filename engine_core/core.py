@@ -121,6 +121,10 @@ class EngineCore:
                              ecr.priority)
         except RequestError as e:
             return str(e)
+        except Exception as e:   # noqa: BLE001  (a check that itself broke on a client's input: the
+            # request fails alone; the engine does not)
+            logger.warning("request %s: validation raised %s: %s", ecr.request_id, type(e).__name__, e)
+            return f"invalid request: {type(e).__name__}: {e}"
         return None
 
     def wake(self) -> None:

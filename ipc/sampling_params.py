@@ -72,7 +72,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
                              f"json_object (got {names})")
         kind, value = given[0]
-        size = _source_chars(kind, value)
+        try:
+            size = _source_chars(kind, value)
+        except TypeError as e:   # a value JSON has no form for (msgpack's extension types decode to them)
+            raise ValueError(f"structured_outputs {kind}: {e}") from None
         if size > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"structured_outputs {kind}: {size} characters, more than {MAX_CONSTRAINT_CHARS} "
                              "(compiling it would hold up every constrained request)")

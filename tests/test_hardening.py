@@ -22,6 +22,7 @@ import threading
 import time
 
 import aiohttp
+import msgspec
 import pytest
 import requests
 
@@ -489,6 +490,12 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
                                                temperature=1.0))):
         tokens, out = run_to_end(client, f"masked-{i}", [11, 12], params)
         assert out.finish_reason == "error" and "no token is left" in out.error and tokens == [], out
+    # a schema holding a msgpack extension (decoded to an array, which JSON has no form for): its
+    # size check raised TypeError, which ended the engine
+    ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(("<f4", [1], -1, b"\0" * 4)))
+    _, out = run_to_end(client, "ext-json", [11, 12],
+                        SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": ext})))
+    assert out.finish_reason == "error" and "structured_outputs json" in out.error, out
     # a schema that admits nothing: the token that broke it is not an output (error once None)
     tokens, out = run_to_end(client, "no-json", [11, 12],
                              SamplingParams(structured_outputs=StructuredOutputsParams(json={"$ref": "#"})))
