@@ -200,8 +200,9 @@ class EngineCore:
 
     def sleep(self, level: int = 1) -> None:
         """0: stop scheduling. 1: also offload weights to CPU and free the KV cache. 2: discard both."""
-        if level not in (0, 1, 2):
-            raise ValueError(f"level must be 0, 1 or 2, got {level}")
+        if type(level) is not int or level not in (0, 1, 2):   # (1.0 or True went out in the stats, an
+            # int field every client's decoder then refused: their outputs were dropped with them)
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
         if level == 0:
             self.control.asleep.add("scheduling")
         else:

@@ -506,6 +506,9 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
         _, out = run_to_end(client, f"mm-{i}", [11, 12, 13], SamplingParams(max_tokens=2), (),
                             [MultiModalItem("image", "h", 0, 2, name, addr)])
         assert out.finish_reason == "error", out
+    for level in (1.0, True, "1"):
+        with pytest.raises(RuntimeError, match="level must be 0, 1 or 2"):
+            client.call_utility("sleep", level)
     for kwargs in ([1], "abc", {1: 2}):
         with pytest.raises(RuntimeError, match="kwargs"):
             client.call_utility("collective_rpc", "ping", [], kwargs)
