@@ -40,11 +40,15 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._skip_special = params.skip_special_tokens
         self._undecoded: list[int] = []   # ids whose bytes do not yet form whole characters
+        # as vLLM (its PR 22014): the text of the first min_tokens tokens is not searched for stop strings
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self.text = ""
         self._sent = 0  # chars of self.text already handed out
 
     def add(self, token_id: int) -> str | None:
         """Append one token. Returns the stop string if the text now contains one."""
+        self._num_tokens += 1
         piece = self._stream.step(self._tok, token_id)
         if piece is None:
             self._undecoded.append(token_id)
@@ -65,7 +69,9 @@ class IncrementalDetokenizer:
             return None
         old = len(self.text)
         self.text += piece
-        return self._match_stop(old, piece) if self.stop else None
+        if not self.stop or self._num_tokens <= self._min_tokens and self._min_tokens:
+            return None
+        return self._match_stop(old, piece)
 
     def _match_stop(self, old: int, piece: str) -> str | None:
         """The first stop string (in the request's order) that the text contains now and did not

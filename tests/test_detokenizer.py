@@ -165,6 +165,20 @@ def test_stop_strings_match_as_a_search_of_each_would(tokenizer):
                 break
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As vLLM (PR 22014): the text of the first min_tokens tokens is not searched for stop strings;
+    a stop string may still begin there and end later."""
+    ids = tokenizer.encode(" a. b. c. d. e.", add_special_tokens=False)
+    texts = [tokenizer.decode(ids[:k + 1]) for k in range(len(ids))]
+    first = next(k for k, t in enumerate(texts) if "." in t)   # the token that completes the first "."
+    stops = []
+    for min_tokens in (0, first + 1):
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["."], min_tokens=min_tokens))
+        stops.append(next((k for k, t in enumerate(ids) if detok.add(t) is not None), None))
+    assert stops[0] == first and stops[1] is not None and stops[1] > first, stops
+    assert texts[stops[1]].count(".") >= 2
+
+
 def test_stop_and_bad_words_strings_stay_with_the_client():
     """The engine gets neither: the client's detokenizer stops, and the words go as token ids."""
     from frontend.processing import engine_requests
