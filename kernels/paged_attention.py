@@ -294,25 +294,6 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     return 1 << (want.bit_length() - 1)
 
 
-PREFILL_MAX_KV_SPLITS = 8   # (each count is a kernel variant that the warm-up compiles)
-PREFILL_MIN_SPLIT_KEYS = 128
-
-
-def choose_prefill_kv_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
-    """Split-KV for a launch of multi-tile queries (a prompt chunk) with fewer (query tile, KV
-    head) programs than SPLIT_BELOW_PROGRAMS_PER_SM per SM: each program would walk the whole
-    context alone while most SMs idle. A mixed step's chunk of ~140 tokens beside 114 decodes
-    of Llama-3.1-70B at TP=2 (72 programs over ~1,000 keys) took most of the step's 9.9 ms of
-    attention (bench/RESULTS.md, session 20). Splits of at least PREFILL_MIN_SPLIT_KEYS keys,
-    at most PREFILL_MAX_KV_SPLITS, a power of two."""
-    sms = sm_count(device)
-    if num_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * sms:
-        return 1
-    want = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(1, num_programs)),
-               max_seq_len // PREFILL_MIN_SPLIT_KEYS, PREFILL_MAX_KV_SPLITS)
-    return 1 << (want.bit_length() - 1) if want >= 2 else 1
-
-
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, max_query_len: int,
@@ -428,20 +409,17 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
     if num_tokens <= 0 or num_seqs == 0:
         return
 
+    if num_kv_splits is None:
+        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
+    else:
+        num_splits = max(1, int(num_kv_splits))
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_fp32 = query.dtype == torch.float32
-    block_m = tile_config(group, block_d, launch.max_query_len, is_fp32, 1)["block_m"]
-    block_q = block_m // group
-    one_tile = launch.max_query_len <= block_q
-    if num_kv_splits is not None:
-        num_splits = max(1, int(num_kv_splits))
-    elif one_tile:
-        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
-    else:   # (query tiles with work: at most one partial tile per sequence)
-        num_splits = choose_prefill_kv_splits((triton.cdiv(num_tokens, block_q) + num_seqs) * num_kv_heads,
-                                              max_seq_len, query.device)
     tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits,
                         num_seqs * num_kv_heads / sm_count(query.device))
+    block_m = tiles["block_m"]
+    block_q = block_m // group
+    one_tile = launch.max_query_len <= block_q
 
     num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
     ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)

@@ -248,17 +248,6 @@ def test_attention_decode_split_kv():
     assert pa.choose_num_kv_splits(5, 2, 1, 4096, torch.device("cpu")) == 2
     assert pa.choose_num_kv_splits(6, 2, 1, 4096, torch.device("cpu")) == 1
     assert pa.tile_config(2, 128, 1, False, 2)["block_n"] == 128
-
-
-def test_attention_prompt_chunk_split_kv():
-    # a prompt chunk over a long context with few (query tile, KV head) programs splits its KV
-    # (the CPU counts as 4 SMs: 6 programs, 600 keys -> 2 splits), equal to the reference
-    assert pa.choose_prefill_kv_splits(6, 600, torch.device("cpu")) == 2
-    assert pa.choose_prefill_kv_splits(2, 4096, torch.device("cpu")) == pa.PREFILL_MAX_KV_SPLITS
-    assert pa.choose_prefill_kv_splits(12, 4096, torch.device("cpu")) == 1   # enough programs
-    assert pa.choose_prefill_kv_splits(2, 200, torch.device("cpu")) == 1     # too few keys
-    _check_attention([20], [600], hq=8, hkv=2, d=32, bs=16, splits=(None,))
-    _check_attention([1, 1, 20], [50, 300, 600], hq=8, hkv=2, d=32, bs=16, splits=(None,), num_decodes=2, seed=3)
     assert pa.tile_config(2, 128, 1, False, 32)["num_stages"] == 1
     _check_attention([1], [600], hq=2, hkv=1, d=16, bs=16, splits=(None,), seed=3)
 

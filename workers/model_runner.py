@@ -241,32 +241,21 @@ class ModelRunner:
         logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
     def _warmup_split_kv(self) -> None:
-        """Attention over long contexts splits the KV (2, 4, ... ways) for decodes and for short
-        prompt chunks: compile each split count a batch of this --max-model-len can pick (graph
-        capture compiles the decode graphs' own)."""
-        from kernels.paged_attention import (MAX_KV_SPLITS, MIN_SPLIT_TOKENS, PREFILL_MAX_KV_SPLITS,
-                                             PREFILL_MIN_SPLIT_KEYS, paged_attention)
-        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
-        seq_len = self.config.max_model_len
-        chunk = 2 * (64 // (hq // self.num_kv_heads)) + 1   # several query tiles of the largest size
-        for n, most in ((1, min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS)),
-                        (chunk, min(PREFILL_MAX_KV_SPLITS, seq_len // PREFILL_MIN_SPLIT_KEYS))):
-            splits = 2
-            while splits <= most and n < seq_len:
-                self._attention_once(n, seq_len, splits)
-                splits *= 2
-
-    def _attention_once(self, num_tokens: int, seq_len: int, splits: int) -> None:
-        """Layer 0's attention for one sequence's last num_tokens of seq_len, its KV split `splits` ways."""
-        from kernels.paged_attention import paged_attention
+        """Decode attention over long contexts splits the KV (2, 4, ... ways): compile each
+        split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
+        from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
         key_cache, value_cache = self.kv_caches[0]
-        hq = self.model.config.num_attention_heads // tp_size()
-        q = torch.randn(num_tokens, hq, self.head_dim, dtype=self.dtype, device=self.device)
-        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device)
+        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
+        q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
+        seq_len = self.config.max_model_len
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
         seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
         block_table = torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device)
-        paged_attention(q, key_cache, value_cache, qsl, seq_lens, block_table, 1.0, num_tokens, seq_len,
-                        num_kv_splits=splits)
+        splits = 2
+        while splits <= min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS):
+            paged_attention(q, key_cache, value_cache, qsl, seq_lens, block_table, 1.0, 1, seq_len,
+                            num_kv_splits=splits)
+            splits *= 2
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 
