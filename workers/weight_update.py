@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Iterable
 
@@ -68,18 +69,34 @@ class GroupJoin:
         self.args = args   # (backend, master_address, master_port, world_size, rank)
         self.group: dist.ProcessGroup | None = None
         self.error: Exception | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+        self._deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
         self._thread = threading.Thread(target=self._join, args=(group_name,), daemon=True,
                                         name=f"join-{group_name}")
         self._thread.start()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        """Finished, or past JOIN_TIMEOUT: torch's store client may retry its connection after the
+        timeout (an address that does not answer took 288 s at 120), and the caller waits no longer."""
+        with self._lock:
+            if self._thread.is_alive() and time.monotonic() > self._deadline and not self._abandoned:
+                self._abandoned = True   # a group it forms after all is torn down (_join)
+                self.error = ValueError(f"the trainer's group at {self.args[1]}:{self.args[2]} did not form "
+                                        f"within {JOIN_TIMEOUT.total_seconds():g} s")
+            return self._abandoned or not self._thread.is_alive()
 
     def _join(self, group_name: str) -> None:
         try:
-            self.group = init_custom_process_group(*self.args, group_name)
+            group, error = init_custom_process_group(*self.args, group_name), None
         except Exception as e:   # raised by the next call that names the group (group_ready)
-            self.error = e
+            group, error = None, e
+        with self._lock:
+            if not self._abandoned:
+                self.group, self.error = group, error
+                return
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 class WeightUpdater:
