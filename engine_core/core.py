@@ -413,7 +413,7 @@ class EngineCoreProc(EngineCore):
         self._published_step, self._published_control, self._published_load = 0, (0, False), (0, 0)
         self.num_added: dict[int, int] = {}   # ADDs taken in, by client: its requests not yet counted elsewhere
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
-                            engine_index, config.model_name)
+                            engine_index, config.model_name, scheduling_policy=config.scheduling_policy)
         self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
         self.io.start()
 

@@ -108,7 +108,9 @@ class AsyncLLM:
         data-parallel ranks on other nodes at their handshake addresses (remote_engines)."""
         addresses = [engine_address] if engine_address else list(remote_engines)
         await asyncio.gather(*(self.client.attach_handshake(a, auth_key, timeout) for a in addresses))
-        await self.client.wait_ready(timeout)
+        ready = await self.client.wait_ready(timeout)
+        if engine_address:   # the engine's limits, not this command's flags, decide what it takes
+            self.config.max_model_len, self.config.scheduling_policy = ready.max_model_len, ready.scheduling_policy
 
     @property
     def client_index(self) -> int:

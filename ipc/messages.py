@@ -151,6 +151,7 @@ class EngineReady(_Msg):
     engine_index: int = 0
     model: str = ""
     client_index: int = 0          # the index the engine gave this client
+    scheduling_policy: str = "fcfs"   # an attached API server checks requests' priority by the engine's
 
 
 class Hello(_Msg):

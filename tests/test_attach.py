@@ -43,7 +43,8 @@ def headless(tiny_model_dir):
     port = free_tcp_port()
     address = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
-                             "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "512"],
+                             "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "512",
+                             "--scheduling-policy", "priority"],
                             cwd=ROOT, start_new_session=True)
     try:
         yield address, proc
@@ -66,10 +67,16 @@ def test_attach_headless_engine(tiny_model_dir, headless):
     try:
         expected = [hf_greedy(tiny_model_dir, p, 8) for p in PROMPTS]
         # API servers of a second `loom serve`, attached to the same engine
+        # (with neither --max-model-len nor --scheduling-policy: the engine's hold)
         api = Server(tiny_model_dir, "--engine-address", address, "--api-server-count", "2",
-                     "--max-model-len", "512", env={"LOOM_ENGINE_AUTH_KEY": KEY})
+                     env={"LOOM_ENGINE_AUTH_KEY": KEY})
         try:
             api.wait_healthy()
+            r = requests.post(api.url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[0], "max_tokens": 2, "priority": 3})
+            assert r.status_code == 200, r.text   # (a 400: "priority needs --scheduling-policy priority")
+            r = requests.post(api.url + "/v1/completions", timeout=60, json={"prompt": [5] * 600, "max_tokens": 2})
+            assert r.status_code == 400 and "512" in r.json()["error"]["message"], r.text
 
             def http(prompt):
                 r = requests.post(api.url + "/v1/completions", timeout=60, json={
