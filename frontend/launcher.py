@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -103,10 +104,18 @@ def serve(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace, config) -> str | None:
     """The engine auth key, once the flags that the config does not check are checked
     (ConfigError); across nodes, the key is exported for the workers' sockets."""
-    if (args.api_server_count or config.data_parallel_size) < 1:
-        raise ConfigError("--api-server-count must be at least 1")
+    if args.api_server_count is not None and args.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.max_request_body_bytes < 1:
         raise ConfigError("--max-request-body-bytes must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key:   # "" would match a request with no key at all
+        raise ConfigError("--api-key must not be empty")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
+    if args.engine_address and not re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d{1,5}", args.engine_address):
+        raise ConfigError(f"--engine-address must be tcp://HOST:PORT, got {args.engine_address!r}")
     auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
     if config.nnodes > 1:
         from engine_core.executor import check_network_security

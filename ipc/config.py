@@ -123,21 +123,28 @@ class EngineConfig:
 
     def resolve(self) -> "EngineConfig":
         """Read the model's config.json, fill defaults and fail early on impossible sizes."""
+        self._check_option_types()
         path = os.path.join(self.model, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model directory {self.model!r} has no config.json")
-        with open(path) as f:
-            hf = json.load(f)
+        hf = read_json_object(path)
         text_cfg = hf.get("text_config", hf)
-        self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+        if not isinstance(text_cfg, dict):
+            raise ConfigError(f"{path}: text_config is not an object")
+        try:
+            self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+            self.vocab_size = int(text_cfg.get("vocab_size") or 0)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: {e}") from None
         limit = f"max_position_embeddings {self.model_max_len}"
         window = attention_window(text_cfg)
         if window is not None and window < self.model_max_len:
             # Sliding-window attention is not implemented; within the window it equals full attention.
             self.model_max_len, limit = window, f"sliding_window {window} (sliding-window attention is not supported)"
-        self.vocab_size = int(text_cfg.get("vocab_size") or 0)
         if self.max_model_len is None:
             self.max_model_len = self.model_max_len
+        if self.max_logprobs == -1:   # vLLM's "no limit": the whole vocabulary
+            self.max_logprobs = self.vocab_size or 2 ** 31 - 1
         if self.max_model_len > self.model_max_len:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's {limit}")
         if self.max_num_batched_tokens is None:
@@ -161,8 +168,7 @@ class EngineConfig:
             if self.generation_config not in ("auto", "vllm") and not os.path.isfile(path):
                 raise ConfigError(f"--generation-config {src!r} has no generation_config.json")
             if os.path.isfile(path):
-                with open(path) as f:
-                    gen = json.load(f)
+                gen = read_json_object(path)
                 defaults = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS
                             if k in gen and gen[k] is not None and gen[k] != _HF_GENERATION_DEFAULTS[k]}
         override = self.override_generation_config
@@ -185,9 +191,15 @@ class EngineConfig:
 
     def _resolve_multimodal(self, hf: dict) -> None:
         from multimodal.registry import max_item_tokens
-        if isinstance(self.limit_mm_per_prompt, str):
-            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
-        self.limit_mm_per_prompt = {str(k): int(v) for k, v in (self.limit_mm_per_prompt or {}).items()}
+        limits = self.limit_mm_per_prompt
+        try:
+            if isinstance(limits, str):
+                limits = json.loads(limits)
+            if not isinstance(limits, dict) or not all(type(v) is int for v in limits.values()):
+                raise ValueError("it must be a JSON object of integers, such as {\"image\": 2}")
+        except ValueError as e:   # (json.JSONDecodeError is one)
+            raise ConfigError(f"--limit-mm-per-prompt: {e}") from None
+        self.limit_mm_per_prompt = {str(k): v for k, v in limits.items()}
         for k, v in self.limit_mm_per_prompt.items():
             if v < 0 or (k != "image" and v > 0):
                 raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
@@ -205,6 +217,16 @@ class EngineConfig:
         return self.limit_mm_per_prompt.get(modality, 999)
 
     def check(self) -> None:
+        self._check_option_types()
+        if self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be at least -1 (no limit), got {self.max_logprobs}")
+        if not -2 ** 63 <= self.seed < 2 ** 64:   # torch.manual_seed's range
+            raise ConfigError(f"--seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"--kv-cache-memory-bytes must be at least 1, got {self.kv_cache_memory_bytes}")
+        if self.mm_processor_cache_gb < 0 or not self.log_stats_interval > 0:
+            raise ConfigError("--mm-processor-cache-gb must be at least 0 and --log-stats-interval above 0, got "
+                              f"{self.mm_processor_cache_gb} and {self.log_stats_interval}")
         if self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -239,6 +261,22 @@ class EngineConfig:
         if self.data_parallel_size > 1 and nodes > 1:
             raise ConfigError("--data-parallel-size > 1 with --nnodes > 1 is not supported: each data-parallel "
                               "rank runs its tensor-parallel workers on one node")
+
+    def _check_option_types(self) -> None:
+        """Every numeric option's type and every option's choices: `loom serve`'s parser checks
+        them, LLM(...)'s keyword arguments reach here unchecked."""
+        for f in fields(self):
+            if "help" not in f.metadata:
+                continue
+            value, kind = getattr(self, f.name), str(f.type).split(" |")[0]
+            if value is None and "None" in str(f.type):
+                continue
+            ok = {"int": type(value) is int, "float": type(value) in (int, float),
+                  "bool": type(value) is bool}.get(kind, True)
+            choices = f.metadata.get("choices")
+            if not ok or choices and value not in choices:
+                want = f"one of {', '.join(map(str, choices))}" if choices else f"an {kind}" if kind == "int" else f"a {kind}"
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """A request of max_model_len tokens must fit in the KV cache, or it could never run."""
@@ -320,13 +358,26 @@ def _eos_token_ids(model_dir: str, hf_cfg: dict) -> list[int]:
     gen_path = os.path.join(model_dir, "generation_config.json")
     sources = [hf_cfg]
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            sources.insert(0, json.load(f))
+        sources.insert(0, read_json_object(gen_path))
     for src in sources:
         eos = src.get("eos_token_id")
         if eos is None:
             continue
         for tok in eos if isinstance(eos, list) else [eos]:
+            if type(tok) is not int:
+                raise ConfigError(f"eos_token_id must be token ids, got {eos!r} (in {model_dir})")
             if tok not in ids:
-                ids.append(int(tok))
+                ids.append(tok)
     return ids
+
+
+def read_json_object(path: str) -> dict:
+    """A model file's JSON object; ConfigError (one line, exit 2) when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:   # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ConfigError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -102,3 +102,38 @@ def test_serve_raises_the_open_file_limit():
     soft, hard = (int(x) for x in out.stdout.split())
     import resource
     assert soft == (65536 if hard == resource.RLIM_INFINITY else min(65536, hard)), out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "70000"], "--port"),
+    (["--api-key", ""], "--api-key must not be empty"),   # "" matched a request with no key: auth off
+    (["--engine-address", "garbage"], "tcp://HOST:PORT"),
+    (["--limit-mm-per-prompt", '{"image": "x"}'], "--limit-mm-per-prompt"),
+])
+def test_serve_flag_mistakes_are_one_line(tiny_model_dir, args, words):
+    """Each was a traceback (exit 1), or silently accepted."""
+    assert words in _one_line(_loom("serve", tiny_model_dir, *args))
+
+
+def test_broken_model_files_and_offline_options_are_config_errors(tiny_model_dir, tmp_path):
+    """A model's config.json or generation_config.json that is not a JSON object, and LLM(...)
+    options of the wrong type or outside their choices (only the command line checked those):
+    ConfigError naming what is wrong, before any process starts."""
+    import shutil
+    from ipc.config import ConfigError, EngineConfig
+    for name, text in (("config.json", "{bad"), ("config.json", "[1, 2]"), ("generation_config.json", "{oops"),
+                       ("config.json", '{"max_position_embeddings": "abc"}')):
+        d = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_model_dir, d)
+        (d / name).write_text(text)
+        with pytest.raises(ConfigError, match=name):
+            EngineConfig(model=str(d)).resolve()
+    for kw, words in ((dict(scheduling_policy="lifo"), "--scheduling-policy must be one of"),
+                      (dict(reasoning_parser="bogus"), "--reasoning-parser"),
+                      (dict(max_num_seqs="8"), "--max-num-seqs must be an int"),
+                      (dict(seed=10 ** 30), "--seed"), (dict(max_logprobs=-2), "--max-logprobs"),
+                      (dict(kv_cache_memory_bytes=0), "--kv-cache-memory-bytes")):
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig(model=tiny_model_dir, **kw).resolve()
+    # vLLM's -1: no limit on logprobs (the whole vocabulary); it made every logprobs request a 400
+    assert EngineConfig(model=tiny_model_dir, max_logprobs=-1).resolve().max_logprobs > 0
