@@ -211,7 +211,8 @@ class EngineCore:
             self.scheduler.preempt_all()  # their KV is about to go; they recompute after wake-up
             self.executor.collective_rpc("sleep", [level])
             self.scheduler.reset_prefix_cache()
-            self.control.asleep.update(SLEEP_TAGS)
+            # (not "scheduling": waking weights and kv_cache, as RL trainers do, ends the sleep)
+            self.control.asleep.update(("weights", "kv_cache"))
         self.control.sleep_level = max(self.control.sleep_level, level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
