@@ -573,7 +573,9 @@ def check_handshake_security(address: str, auth_key: str | None) -> None:
 def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, str]],
                     handshake_address: str | None, auth_key: str | None, dp: DPRank | None, death_pipe) -> None:
     """Process entry point. `dp`: this engine's data-parallel rank (None: the only engine)."""
-    watch_parent(death_pipe, remove_dirs=(ipc_dir,))   # a SIGKILLed parent cannot remove it
+    # a SIGKILLed parent cannot remove them: this engine's directory and, under data parallelism
+    # (ipc_dir is then the launcher's directory's dp{rank}), the launcher's too
+    watch_parent(death_pipe, remove_dirs=(ipc_dir,) if dp is None else (ipc_dir, os.path.dirname(ipc_dir)))
     child_signals()
     name = "engine" if dp is None else f"engine{dp.rank}"
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),

@@ -264,7 +264,11 @@ def _orphan_shm(before: set[str]) -> set[str]:
     return new - mapped
 
 
-def test_killing_one_engine_core_ends_serve(model_factory):
+@pytest.mark.parametrize("victim", ["engine", "serve"])
+def test_killing_one_engine_core_ends_serve(model_factory, victim):
+    """SIGKILL of one engine core ends `loom serve` non-zero; SIGKILL of `loom serve` itself ends
+    every child; either way nothing is left (the launcher's socket directory stayed in the second
+    case: each engine core removed only its own dp{rank} directory)."""
     import tempfile
     model = model_factory("qwen3")
     tmp = tempfile.mkdtemp(prefix="dp")   # the run's ipc and metrics directories land here, apart from others'
@@ -277,6 +281,16 @@ def test_killing_one_engine_core_ends_serve(model_factory):
         engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
         assert len(engines) == 2
         assert os.listdir(tmp)                                 # the ipc dir is there
+        if victim == "serve":
+            children = server.descendants()
+            os.kill(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(10)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (any(_alive(p) for p in children) or os.listdir(tmp)):
+                time.sleep(0.2)
+            assert not any(_alive(p) for p in children), "processes left behind"
+            assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
+            return
         os.kill(engines[1], signal.SIGKILL)
         statuses = set()
         while server.proc.poll() is None:   # /health says 503 while the API server lingers
@@ -431,3 +445,11 @@ def test_merge_results():
     assert merge_results("reset_prefix_cache", [True, False]) is False
     assert merge_results("debug_info", [{"waiting": 1}, {"waiting": 2}])["waiting"] == 3
     assert merge_results("anything", [5]) == 5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
