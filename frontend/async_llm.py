@@ -24,6 +24,7 @@ from metrics.request_metrics import RequestMetrics
 from multimodal.processor import make_mm_processor
 
 ENGINE_STALL_S = 5.0   # the engine beats every second (engine_core/core.py): this much silence is a stall
+ATTACH_TIMEOUT_S = 30.0   # for the engine at --engine-address (or a remote rank) to answer the handshake
 
 
 class _Collector:
@@ -107,7 +108,9 @@ class AsyncLLM:
         """Wait for every engine's READY; first attach to the engine at engine_address, or to the
         data-parallel ranks on other nodes at their handshake addresses (remote_engines)."""
         addresses = [engine_address] if engine_address else list(remote_engines)
-        await asyncio.gather(*(self.client.attach_handshake(a, auth_key, timeout) for a in addresses))
+        # an engine that is there answers at once: 30 s, not the start-up timeout, before giving up
+        await asyncio.gather(*(self.client.attach_handshake(a, auth_key, min(timeout, ATTACH_TIMEOUT_S))
+                               for a in addresses))
         ready = await self.client.wait_ready(timeout)
         if engine_address:   # the engine's limits, not this command's flags, decide what it takes
             self.config.max_model_len, self.config.scheduling_policy = ready.max_model_len, ready.scheduling_policy

@@ -201,7 +201,8 @@ class _Launch:
         self.listen = None
 
     def supervise(self) -> int:
-        """Wait for Ctrl-C / SIGTERM (0: the API servers drain first) or a child's death (1)."""
+        """Wait for Ctrl-C / SIGTERM (0: the API servers drain first) or a child's death (1; 2 for a
+        configuration mistake it found)."""
         engines, servers = self.engines, self.servers
         children = engines + servers
         stop = catch_stop_signals()
@@ -213,7 +214,8 @@ class _Launch:
                     logger.error("%s exited with code %s; shutting down", p.name, p.exitcode)
                 if any(p in dead for p in engines):  # the API servers answer 503 meanwhile
                     wait([p.sentinel for p in servers], timeout=_DEAD_ENGINE_GRACE_S)
-                return 1
+                # 2: a configuration mistake found in a child (a KV cache too small for --max-model-len)
+                return 2 if any(p.exitcode == 2 for p in dead) else 1
         if servers:  # the API servers drain, then the engine stops
             logger.info("stopping: requests in flight get %.1fs", self.args.shutdown_timeout)
             for p in servers:

@@ -137,3 +137,10 @@ def test_broken_model_files_and_offline_options_are_config_errors(tiny_model_dir
             EngineConfig(model=tiny_model_dir, **kw).resolve()
     # vLLM's -1: no limit on logprobs (the whole vocabulary); it made every logprobs request a 400
     assert EngineConfig(model=tiny_model_dir, max_logprobs=-1).resolve().max_logprobs > 0
+
+
+def test_a_kv_cache_too_small_exits_2_without_a_traceback(tiny_model_dir):
+    """Found by the engine core after start-up, it is still a configuration mistake: exit 2 (was 1),
+    and the worker leaves quietly as the engine closes its ring (it printed a RingClosed traceback)."""
+    r = _loom("serve", tiny_model_dir, "--num-gpu-blocks-override", "1", "--port", "0")
+    assert r.returncode == 2 and "needs" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

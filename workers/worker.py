@@ -232,7 +232,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    from shm.broadcast_ring import RemoteHandle, _curve_client, attach_reader
+    from shm.broadcast_ring import RemoteHandle, RingClosed, _curve_client, attach_reader
     ctx = zmq.Context()
     # a worker on another node replies over TCP: CURVE with the keys of the ring's auth key
     auth = _curve_client(ring_handle.auth_key) if isinstance(ring_handle, RemoteHandle) else None
@@ -250,6 +250,9 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
             serve_steps(worker, ring, send)
     except SystemExit:
         pass
+    except RingClosed as e:   # the engine went away without a shutdown message: it reports why
+        logger.info("worker %d: %s; exiting", rank, e)
+        code = 1
     except Exception:
         logger.exception("worker %d failed", rank)
         try:
