@@ -149,6 +149,7 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's {limit}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        check_tokenizer_files(self.tokenizer or self.model)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)
@@ -369,6 +370,19 @@ def _eos_token_ids(model_dir: str, hf_cfg: dict) -> list[int]:
             if tok not in ids:
                 ids.append(tok)
     return ids
+
+
+# a tokenizer directory holds at least one of these (transformers builds an empty tokenizer
+# from a directory with none, which encodes every text to no tokens)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError(f"tokenizer directory {path!r} does not exist")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise ConfigError(f"{path!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                          "give one with --tokenizer")
 
 
 def read_json_object(path: str) -> dict:

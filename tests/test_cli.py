@@ -3,6 +3,7 @@ configuration mistakes are one line on stderr and exit status 2, with no traceba
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -128,6 +129,11 @@ def test_broken_model_files_and_offline_options_are_config_errors(tiny_model_dir
         (d / name).write_text(text)
         with pytest.raises(ConfigError, match=name):
             EngineConfig(model=str(d)).resolve()
+    bare = tmp_path / "no-tokenizer"   # (transformers made an empty tokenizer of it: every text encoded to [])
+    bare.mkdir()
+    shutil.copy(os.path.join(tiny_model_dir, "config.json"), bare)
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        EngineConfig(model=str(bare)).resolve()
     for kw, words in ((dict(scheduling_policy="lifo"), "--scheduling-policy must be one of"),
                       (dict(reasoning_parser="bogus"), "--reasoning-parser"),
                       (dict(max_num_seqs="8"), "--max-num-seqs must be an int"),
