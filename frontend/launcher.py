@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 
 import zmq
 
-from ipc.config import ConfigError
+from ipc.config import ConfigError, check_tokenizer_files
 from engine_core.client import local_address_towards
 from engine_core.core import check_handshake_security
 from engine_core.dp_coordinator import DPCoordinator
@@ -110,6 +110,8 @@ def _check_args(args: argparse.Namespace, config) -> str | None:
         raise ConfigError("--max-request-body-bytes must be at least 1")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.headless:   # (an engine alone takes token ids)
+        check_tokenizer_files(config.tokenizer or config.model)
     if args.api_key is not None and not args.api_key:   # "" would match a request with no key at all
         raise ConfigError("--api-key must not be empty")
     if args.shutdown_timeout < 0:

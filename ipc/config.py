@@ -149,7 +149,6 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's {limit}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
-        check_tokenizer_files(self.tokenizer or self.model)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)

@@ -132,8 +132,9 @@ def test_broken_model_files_and_offline_options_are_config_errors(tiny_model_dir
     bare = tmp_path / "no-tokenizer"   # (transformers made an empty tokenizer of it: every text encoded to [])
     bare.mkdir()
     shutil.copy(os.path.join(tiny_model_dir, "config.json"), bare)
+    from frontend import LLM
     with pytest.raises(ConfigError, match="has no tokenizer"):
-        EngineConfig(model=str(bare)).resolve()
+        LLM(str(bare))
     for kw, words in ((dict(scheduling_policy="lifo"), "--scheduling-policy must be one of"),
                       (dict(reasoning_parser="bogus"), "--reasoning-parser"),
                       (dict(max_num_seqs="8"), "--max-num-seqs must be an int"),
