@@ -19,6 +19,7 @@ class LoomParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs["formatter_class"] = _HelpFormatter
+        kwargs.setdefault("allow_abbrev", False)   # --chat-template read as --chat-template-content-format
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -27,7 +28,7 @@ class LoomParser(argparse.ArgumentParser):
 
 # EngineConfig fields that are not command-line options
 _INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget",
-             "default_sampling_params"}
+             "default_sampling_params", "data_parallel_rank"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:

@@ -51,7 +51,7 @@ def test_every_flag_has_help_and_shows_its_default():
         for a in parser._actions:
             if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
-            if not a.help:
+            if not a.help or not a.help.replace("(default: %(default)s)", "").strip():
                 missing.append(f"{name} {a.option_strings or a.dest}: no help")
             elif a.option_strings and "%(default)" not in fmt._get_help_string(a):
                 missing.append(f"{name} {a.option_strings}: default not shown")
