@@ -10,11 +10,27 @@ import shutil
 import tempfile
 
 from bench.presets import PRESETS, write_preset
-from ipc.config import EngineConfig
+from ipc.config import ConfigError, EngineConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # EngineConfig fields that are not bench flags: filled by resolve(), or set by the bench itself
 _SKIP = {"model", "model_max_len", "vocab_size", "eos_token_ids", "default_sampling_params", "seed"}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (0 or less ran a whole engine start first, then failed)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0 (inf allowed)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +49,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def read_model_config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        hf = json.load(f)
+    from ipc.config import read_json_object
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--model {model_dir!r} has no config.json")
+    hf = read_json_object(path)
     return hf.get("text_config", hf)
 
 
@@ -53,7 +72,15 @@ def engine_options(args: argparse.Namespace, model_dir: str) -> dict:
 
 @contextlib.contextmanager
 def model_dir(args: argparse.Namespace):
-    """The model directory to load: --model as given, or a temporary one for --preset."""
+    """The model directory to load: --model as given, or a temporary one for --preset. An
+    --output-json that cannot be written fails here, before the run (not after it)."""
+    out = getattr(args, "output_json", None)
+    if out:
+        d = os.path.dirname(os.path.abspath(out))
+        while not os.path.isdir(d):   # write_json makes the missing directories
+            d = os.path.dirname(d)
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"--output-json {out!r}: {d} is not writable")
     if not getattr(args, "preset", None):
         yield args.model
         return

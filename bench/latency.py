@@ -24,11 +24,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("latency", help="batch-1 latency: TTFT and time per output token",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--input-len", type=int, nargs="+", default=[128],
+    p.add_argument("--input-len", type=common.positive_int, nargs="+", default=[128],
                    help="prompt length(s); several run one after the other, paired with --output-len")
-    p.add_argument("--output-len", type=int, nargs="+", default=[128],
+    p.add_argument("--output-len", type=common.positive_int, nargs="+", default=[128],
                    help="output length(s), paired with --input-len")
-    p.add_argument("--iters", type=int, default=5, help="timed runs per shape (the median is reported)")
+    p.add_argument("--iters", type=common.positive_int, default=5, help="timed runs per shape (the median is reported)")
     p.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--output-json", default=None, help="write the results to this JSON file")

@@ -46,12 +46,12 @@ def add_parser(sub) -> None:
                    help="random: token-id prompts to /v1/completions; random-mm: random text and images "
                         "to /v1/chat/completions (default: %(default)s)")
     random_mm.add_args(p)
-    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens per request")
-    p.add_argument("--random-output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--random-input-len", type=common.positive_int, default=1024, help="prompt tokens per request")
+    p.add_argument("--random-output-len", type=common.positive_int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--num-prompts", type=common.positive_int, default=1000, help="requests to send")
+    p.add_argument("--request-rate", type=common.positive_float, default=float("inf"),
                    help="requests per second, Poisson arrivals (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--max-concurrency", type=common.positive_int, default=None, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--vocab-size", type=int, default=None,

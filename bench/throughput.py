@@ -36,9 +36,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput (LLM.generate) on the standard workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="requests (None: 256)")
-    p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of randint(100, 1024)")
-    p.add_argument("--output-len", type=int, default=None,
+    p.add_argument("--num-prompts", type=common.positive_int, default=None, help="requests (None: 256)")
+    p.add_argument("--input-len", type=common.positive_int, default=None, help="fixed prompt length instead of randint(100, 1024)")
+    p.add_argument("--output-len", type=common.positive_int, default=None,
                    help="fixed output length instead of randint(100, 1024)")
     p.add_argument("--shard", type=shard_arg, default=None, metavar="R/N",
                    help="run only requests R, R+N, ...: engine R's share of a DP=N run, on one engine")

@@ -151,3 +151,9 @@ def test_a_kv_cache_too_small_exits_2_without_a_traceback(tiny_model_dir):
     and the worker leaves quietly as the engine closes its ring (it printed a RingClosed traceback)."""
     r = _loom("serve", tiny_model_dir, "--num-gpu-blocks-override", "1", "--port", "0")
     assert r.returncode == 2 and "needs" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_bench_argument_mistakes_are_one_line(tiny_model_dir, tmp_path):
+    """Each was a traceback, after a whole engine start for some (an empty median of --iters 0)."""
+    assert "--iters: must be at least 1" in _one_line(_loom("bench", "latency", "--model", tiny_model_dir, "--iters", "0"))
+    assert "has no config.json" in _one_line(_loom("bench", "throughput", "--model", str(tmp_path)))
