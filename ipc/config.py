@@ -74,7 +74,7 @@ class EngineConfig:
     data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
                                      "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
-    max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for")
+    max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
                                     "vllm: none (the API's own defaults); or a directory holding a "
                                     "generation_config.json")
