@@ -105,15 +105,19 @@ def test_serve_raises_the_open_file_limit():
     assert soft == (65536 if hard == resource.RLIM_INFINITY else min(65536, hard)), out
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--port", "70000"], "--port"),
-    (["--api-key", ""], "--api-key must not be empty"),   # "" matched a request with no key: auth off
-    (["--engine-address", "garbage"], "tcp://HOST:PORT"),
-    (["--limit-mm-per-prompt", '{"image": "x"}'], "--limit-mm-per-prompt"),
-])
-def test_serve_flag_mistakes_are_one_line(tiny_model_dir, args, words):
-    """Each was a traceback (exit 1), or silently accepted."""
-    assert words in _one_line(_loom("serve", tiny_model_dir, *args))
+def test_serve_flag_mistakes_are_config_errors(tiny_model_dir):
+    """Each was a traceback (exit 1), or silently accepted: now a ConfigError, which `loom serve`
+    prints as one line with exit 2 (shown end to end for the first)."""
+    from frontend.cli import engine_config_from_args
+    from frontend.launcher import _check_args
+    from ipc.config import ConfigError
+    assert "--api-key must not be empty" in _one_line(_loom("serve", tiny_model_dir, "--api-key", ""))  # (auth off)
+    for args, words in ((["--port", "70000"], "--port"), (["--engine-address", "garbage"], "tcp://HOST:PORT"),
+                        (["--limit-mm-per-prompt", '{"image": "x"}'], "--limit-mm-per-prompt"),
+                        (["--api-server-count", "0"], "--api-server-count")):
+        parsed = _root_parser().parse_args(["serve", tiny_model_dir, *args])
+        with pytest.raises(ConfigError, match=words):
+            _check_args(parsed, engine_config_from_args(parsed).resolve())
 
 
 def test_broken_model_files_and_offline_options_are_config_errors(tiny_model_dir, tmp_path):

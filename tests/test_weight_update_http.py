@@ -36,7 +36,7 @@ WEIGHT_ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/init_weigh
                     ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
                     ("GET", "/get_load")]
 PROFILER_ENDPOINTS = [("POST", "/start_profile"), ("POST", "/stop_profile")]
-JOIN_TIMEOUT_S = 6   # a trainer that never joins fails /init_weights_update_group after this
+JOIN_TIMEOUT_S = 4   # a trainer that never joins fails /init_weights_update_group after this
 
 
 @pytest.fixture(scope="module")
