@@ -36,7 +36,7 @@ WEIGHT_ENDPOINTS = [("POST", "/update_weights_from_disk"), ("POST", "/init_weigh
                     ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/flush_cache"),
                     ("GET", "/get_load")]
 PROFILER_ENDPOINTS = [("POST", "/start_profile"), ("POST", "/stop_profile")]
-JOIN_TIMEOUT_S = 4   # a trainer that never joins fails /init_weights_update_group after this
+JOIN_TIMEOUT_S = 6   # a trainer that never joins fails /init_weights_update_group after this
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,7 @@ def test_weights_from_a_trainer_group(server, ckpt):
         return fut.result(timeout=120)
 
     try:
+        _wait_listening(port)   # the trainer's store: the server's join waits JOIN_TIMEOUT_S at most
         status, body = post(server, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "rl_group", "backend": "gloo"})
@@ -157,6 +158,19 @@ def test_weights_from_a_trainer_group(server, ckpt):
             trainer.wait()
     restore(server, a)
     assert greedy_text(server) == hf_text(a)
+
+
+def _wait_listening(port: int, timeout: float = 120.0) -> None:
+    """Until something accepts connections on the port (the trainer's process loads torch first)."""
+    import socket
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on port {port}"
+            time.sleep(0.1)
 
 
 def test_requests_step_while_a_trainer_group_forms(server, ckpt):
