@@ -409,6 +409,9 @@ class EngineCoreProc(EngineCore):
             check_handshake_security(handshake_address, auth_key)
         super().__init__(config, ipc_dir)
         self.engine_index = engine_index
+        # a data-parallel rank of another node's head: it ends with the head (its API servers), or it
+        # would run on unused and never register with a restarted head
+        self.serves_a_head = False
         self.inputs: queue.Queue = queue.Queue()
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
         self._published_step, self._published_control, self._published_load = 0, (0, False), (0, 0)
@@ -522,6 +525,8 @@ class EngineCoreProc(EngineCore):
             self.abort_requests([r.request_id for r in list(self.scheduler.requests.values())
                                  if r.client_index == msg])
             self._deferred = [d for d in self._deferred if d[0] != msg]
+            if self.serves_a_head and not self.io.live:
+                raise HeadGone("every API server of the head disconnected: the head is gone")
 
     def _own_requests(self, client_index: int, req_ids: list[str]) -> list[str]:
         """Those of `req_ids` that client_index added: request ids are the clients' own, so one
@@ -562,6 +567,10 @@ class EngineCoreProc(EngineCore):
                      EngineCoreOutputs([], self.engine_index, time.time(), utility_output=out))
 
 
+class HeadGone(Exception):
+    """The API servers of the head this data-parallel rank served have all disconnected."""
+
+
 def check_handshake_security(address: str, auth_key: str | None) -> None:
     """Anyone who reaches a TCP handshake socket could drive the engine: off loopback, require a key."""
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -596,6 +605,7 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
         freeze_startup_heap()
         if dp is not None and dp.register_address:   # on another node: the head's API servers attach now
             register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
+            engine.serves_a_head = True
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
     except SystemExit:   # SIGTERM: tell the clients at once, rather than when the sockets close
@@ -605,6 +615,9 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
         logger.error("%s", e)
         _report_startup_failure(clients, str(e))
         code = 2
+    except HeadGone as e:
+        logger.error("%s; exiting", e)
+        code = 1
     except BaseException as e:
         logger.error("engine core failed: %s\n%s", e, traceback.format_exc())
         if engine is not None:

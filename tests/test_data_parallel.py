@@ -312,13 +312,14 @@ def test_killing_one_engine_core_ends_serve(model_factory, victim):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str) -> subprocess.Popen:
+def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str, rank: int = 1,
+                   size: int = 2) -> subprocess.Popen:
     """A headless rank 1 in its own TMPDIR: the test SIGKILLs its whole process group at once (a lost
     node), so nothing of it is left to remove its socket directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmpdir}
     env.pop("LOOM_ENGINE_AUTH_KEY", None)
     return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", model, "--headless",
-                             "--data-parallel-size", "2", "--data-parallel-start-rank", "1",
+                             "--data-parallel-size", str(size), "--data-parallel-start-rank", str(rank),
                              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
                              "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "256",
                              *(["--engine-auth-key", key] if key else [])],
@@ -337,11 +338,12 @@ def test_two_nodes_on_loopback(model_factory):
     from engine_core.dp_coordinator import register_with_head
     model = model_factory("qwen3")
     rpc_port = free_tcp_port()
-    head = Server(model, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+    head = Server(model, "--data-parallel-size", "3", "--data-parallel-size-local", "1",
                   "--data-parallel-rpc-port", str(rpc_port), "--api-server-count", "1", "--max-model-len", "256",
                   env={"OMP_NUM_THREADS": "1", "LOOM_ENGINE_AUTH_KEY": KEY})
     remote_tmp = tempfile.mkdtemp(prefix="dp-remote-")
-    remote = _headless_rank(model, rpc_port, KEY, remote_tmp)
+    remote = _headless_rank(model, rpc_port, KEY, remote_tmp, rank=1, size=3)
+    other = _headless_rank(model, rpc_port, KEY, tempfile.mkdtemp(prefix="dp-remote-", dir=remote_tmp), rank=2, size=3)
     try:
         head.wait_healthy()
         prompts = _prompts(2)
@@ -354,11 +356,14 @@ def test_two_nodes_on_loopback(model_factory):
             with pytest.raises(PermissionError):
                 register_with_head(f"tcp://127.0.0.1:{rpc_port}", 1, "tcp://127.0.0.1:1", key, timeout=10)
         assert _text(_complete(requests, head.url, prompts[1], 1)) == expected[1]
-        # the remote rank dies: the head ends non-zero
-        _kill_group(remote)
+        # a remote rank dies: the head ends non-zero; then the other remote rank, whose head is gone,
+        # ends non-zero too (it ran on, unused, and never registered with a restarted head)
+        _kill_group(other)
         assert head.proc.wait(30) not in (0, None)
+        assert remote.wait(30) not in (0, None)
     finally:
         _kill_group(remote)
+        _kill_group(other)
         head.stop()
         shutil.rmtree(remote_tmp, ignore_errors=True)
 
