@@ -257,7 +257,10 @@ async def run(args) -> dict:
     headers = _headers(args.api_key)
     base = args.base_url.rstrip("/")
     async with _session() as session:
-        status, models = await _get_json(session, base + "/v1/models", headers)
+        try:
+            status, models = await _get_json(session, base + "/v1/models", headers)
+        except (OSError, ValueError) as e:   # nothing listens there (aiohttp's errors are OSErrors), not a URL
+            raise SystemExit(f"loom bench serve: cannot reach --base-url {args.base_url}: {type(e).__name__}: {e}")
         if status != 200 or not models or not models.get("data"):
             raise SystemExit(f"GET {base}/v1/models answered {status}: {models}")
         card = models["data"][0]

@@ -161,3 +161,5 @@ def test_bench_argument_mistakes_are_one_line(tiny_model_dir, tmp_path):
     """Each was a traceback, after a whole engine start for some (an empty median of --iters 0)."""
     assert "--iters: must be at least 1" in _one_line(_loom("bench", "latency", "--model", tiny_model_dir, "--iters", "0"))
     assert "has no config.json" in _one_line(_loom("bench", "throughput", "--model", str(tmp_path)))
+    r = _loom("bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2")   # nothing there
+    assert r.returncode == 1 and "cannot reach --base-url" in r.stderr and "Traceback" not in r.stderr, r.stderr
