@@ -343,7 +343,8 @@ def test_two_nodes_on_loopback(model_factory):
                   env={"OMP_NUM_THREADS": "1", "LOOM_ENGINE_AUTH_KEY": KEY})
     remote_tmp = tempfile.mkdtemp(prefix="dp-remote-")
     remote = _headless_rank(model, rpc_port, KEY, remote_tmp, rank=1, size=3)
-    other = _headless_rank(model, rpc_port, KEY, tempfile.mkdtemp(prefix="dp-remote-", dir=remote_tmp), rank=2, size=3)
+    other_tmp = tempfile.mkdtemp(prefix="dp-r2-")   # (not inside remote_tmp: unix socket paths are short)
+    other = _headless_rank(model, rpc_port, KEY, other_tmp, rank=2, size=3)
     try:
         head.wait_healthy()
         prompts = _prompts(2)
@@ -366,6 +367,7 @@ def test_two_nodes_on_loopback(model_factory):
         _kill_group(other)
         head.stop()
         shutil.rmtree(remote_tmp, ignore_errors=True)
+        shutil.rmtree(other_tmp, ignore_errors=True)
 
 
 def test_offline_llm_splits_requests(model_factory):
