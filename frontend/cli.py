@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:   # a configuration that can never work: one line, no traceback
         print(f"loom {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C before `loom serve` took over the signal (while it loads)
+        print(f"loom {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -163,3 +163,16 @@ def test_bench_argument_mistakes_are_one_line(tiny_model_dir, tmp_path):
     assert "has no config.json" in _one_line(_loom("bench", "throughput", "--model", str(tmp_path)))
     r = _loom("bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2")   # nothing there
     assert r.returncode == 1 and "cannot reach --base-url" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_while_loom_serve_loads_is_one_line(tiny_model_dir):
+    """SIGINT at once, before `loom serve` installs its handler (it printed a KeyboardInterrupt
+    traceback): 'interrupted' and 130; or, if it landed later, the clean stop (0)."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(0.8)   # past the interpreter's start, inside the imports and the model's config
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (130, 0) and "Traceback" not in err, (proc.returncode, err[-2000:])

@@ -242,7 +242,10 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     ring = None
     code = 0
     try:
-        ring = attach_reader(ring_handle, rank)
+        try:
+            ring = attach_reader(ring_handle, rank)
+        except FileNotFoundError as e:   # the engine stopped (its ring removed) before this worker got there
+            raise RingClosed(f"the step ring is gone ({e})") from None
         worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
         freeze_startup_heap()
         send(WorkerReply(rank, result="ready"))
