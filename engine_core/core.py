@@ -404,14 +404,15 @@ class EngineCoreProc(EngineCore):
     """The engine-core process: EngineCore plus its client connections (ClientIO)."""
 
     def __init__(self, config: EngineConfig, ipc_dir: str, clients: list[tuple[str, str]],
-                 handshake_address: str | None = None, auth_key: str | None = None, engine_index: int = 0):
+                 handshake_address: str | None = None, auth_key: str | None = None, engine_index: int = 0,
+                 serves_a_head: bool = False):
         if handshake_address:
             check_handshake_security(handshake_address, auth_key)
         super().__init__(config, ipc_dir)
         self.engine_index = engine_index
         # a data-parallel rank of another node's head: it ends with the head (its API servers), or it
         # would run on unused and never register with a restarted head
-        self.serves_a_head = False
+        self.serves_a_head = serves_a_head
         self.inputs: queue.Queue = queue.Queue()
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
         self._published_step, self._published_control, self._published_load = 0, (0, False), (0, 0)
@@ -600,12 +601,12 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     code = 0
     try:
         engine = EngineCoreProc(config, ipc_dir, clients, handshake_address, auth_key,
-                                engine_index=dp.rank if dp is not None else 0)
+                                engine_index=dp.rank if dp is not None else 0,
+                                serves_a_head=dp is not None and bool(dp.register_address))
         _watch_workers(engine)
         freeze_startup_heap()
         if dp is not None and dp.register_address:   # on another node: the head's API servers attach now
             register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
-            engine.serves_a_head = True
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
     except SystemExit:   # SIGTERM: tell the clients at once, rather than when the sockets close

@@ -97,8 +97,9 @@ def json_schema_grammar(schema: str, any_whitespace: bool, strict_mode: bool = T
 # "stop"); vLLM's has_xgrammar_unsupported_json_features lists most of them.
 _UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else", "dependentRequired",
                "dependentSchemas", "unevaluatedItems")
-# where a schema holds subschemas: one, a list of them, or a map of names to them
-_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+# where a schema holds subschemas: one, a list of them, or a map of names to them (those under
+# _UNENFORCED keywords need no visit)
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 

@@ -17,7 +17,7 @@ from frontend.dp_router import DPRouter, check_rank, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.processing import engine_requests, load_tokenizer, tokenizer_source
+from frontend.processing import engine_requests, load_tokenizer
 from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
@@ -91,7 +91,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, client_index: int = 0):
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.tokenizer_source = tokenizer_source(config)   # for the API server's tokenizer process
+        self.tokenizer_source = config.tokenizer_dir   # for the API server's tokenizer process (the same files)
         self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(config, client_index)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,

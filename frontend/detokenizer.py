@@ -69,7 +69,7 @@ class IncrementalDetokenizer:
             return None
         old = len(self.text)
         self.text += piece
-        if not self.stop or self._num_tokens <= self._min_tokens and self._min_tokens:
+        if not self.stop or 0 < self._num_tokens <= self._min_tokens:
             return None
         return self._match_stop(old, piece)
 

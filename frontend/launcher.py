@@ -111,7 +111,7 @@ def _check_args(args: argparse.Namespace, config) -> str | None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if not args.headless:   # (an engine alone takes token ids)
-        check_tokenizer_files(config.tokenizer or config.model)
+        check_tokenizer_files(config.tokenizer_dir)
     if args.api_key is not None and not args.api_key:   # "" would match a request with no key at all
         raise ConfigError("--api-key must not be empty")
     if args.shutdown_timeout < 0:

@@ -11,7 +11,7 @@ import weakref
 from typing import Sequence
 
 from engine_core.client import EngineCoreClient
-from ipc.config import EngineConfig, check_tokenizer_files
+from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
 from engine_core.dp_coordinator import DPRank
 from frontend.dp_router import DPRouter, merge_results
@@ -53,7 +53,6 @@ class LLM:
     def __init__(self, model: str, **options):
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
         self.config = EngineConfig(model=model, **options).resolve()
-        check_tokenizer_files(self.config.tokenizer or self.config.model)
         self.tokenizer = load_tokenizer(self.config)
         self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(self.config, client_index=0)  # its store, before any child starts

@@ -7,19 +7,15 @@ import uuid
 import msgspec
 from transformers import AutoTokenizer
 
-from ipc.config import EngineConfig
+from ipc.config import EngineConfig, check_tokenizer_files
 from ipc.validation import RequestError
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
 
-def tokenizer_source(config: EngineConfig) -> str:
-    """What the tokenizer is loaded from (the tokenizer process of frontend/tokenizer_proc.py loads the same)."""
-    return config.tokenizer or config.model
-
-
 def load_tokenizer(config: EngineConfig):
-    return AutoTokenizer.from_pretrained(tokenizer_source(config))
+    check_tokenizer_files(config.tokenizer_dir)
+    return AutoTokenizer.from_pretrained(config.tokenizer_dir)
 
 
 def _is_ids(value) -> bool:

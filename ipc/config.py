@@ -216,17 +216,22 @@ class EngineConfig:
             return 0
         return self.limit_mm_per_prompt.get(modality, 999)
 
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where the tokenizer is loaded from: --tokenizer, else the model directory."""
+        return self.tokenizer or self.model
+
     def check(self) -> None:
-        self._check_option_types()
         if self.max_logprobs < -1:
             raise ConfigError(f"--max-logprobs must be at least -1 (no limit), got {self.max_logprobs}")
         if not -2 ** 63 <= self.seed < 2 ** 64:   # torch.manual_seed's range
             raise ConfigError(f"--seed must be in [-2**63, 2**64), got {self.seed}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ConfigError(f"--kv-cache-memory-bytes must be at least 1, got {self.kv_cache_memory_bytes}")
-        if self.mm_processor_cache_gb < 0 or not self.log_stats_interval > 0:
-            raise ConfigError("--mm-processor-cache-gb must be at least 0 and --log-stats-interval above 0, got "
-                              f"{self.mm_processor_cache_gb} and {self.log_stats_interval}")
+        if self.mm_processor_cache_gb < 0:
+            raise ConfigError(f"--mm-processor-cache-gb must be at least 0, got {self.mm_processor_cache_gb}")
+        if not self.log_stats_interval > 0:
+            raise ConfigError(f"--log-stats-interval must be above 0, got {self.log_stats_interval}")
         if self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:

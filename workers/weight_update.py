@@ -65,8 +65,10 @@ class GroupJoin:
     """A trainer's group being joined on a thread of its own: the join waits until the trainer
     (rank 0) and every other rank are there, up to JOIN_TIMEOUT."""
 
-    def __init__(self, group_name: str, args: tuple):
-        self.args = args   # (backend, master_address, master_port, world_size, rank)
+    def __init__(self, group_name: str, backend: str, master_address: str, master_port: int, world_size: int,
+                 rank: int):
+        self.backend, self.address, self.port = backend, master_address, master_port
+        self.world_size, self.rank = world_size, rank
         self.group: dist.ProcessGroup | None = None
         self.error: Exception | None = None
         self._abandoned = False
@@ -82,13 +84,15 @@ class GroupJoin:
         with self._lock:
             if self._thread.is_alive() and time.monotonic() > self._deadline and not self._abandoned:
                 self._abandoned = True   # a group it forms after all is torn down (_join)
-                self.error = ValueError(f"the trainer's group at {self.args[1]}:{self.args[2]} did not form "
+                self.error = ValueError(f"the trainer's group at {self.address}:{self.port} did not form "
                                         f"within {JOIN_TIMEOUT.total_seconds():g} s")
             return self._abandoned or not self._thread.is_alive()
 
     def _join(self, group_name: str) -> None:
         try:
-            group, error = init_custom_process_group(*self.args, group_name), None
+            group = init_custom_process_group(self.backend, self.address, self.port, self.world_size, self.rank,
+                                              group_name)
+            error = None
         except Exception as e:   # raised by the next call that names the group (group_ready)
             group, error = None, e
         with self._lock:
@@ -190,7 +194,7 @@ class WeightUpdater:
         if not 0 < rank < world_size:
             raise ValueError(f"rank_offset {rank_offset} gives worker {self.rank} rank {rank}, outside "
                              f"1..{world_size - 1} of world_size {world_size} (the trainer is rank 0)")
-        self.joining[group_name] = GroupJoin(group_name, (backend, master_address, master_port, world_size, rank))
+        self.joining[group_name] = GroupJoin(group_name, backend, master_address, master_port, world_size, rank)
 
     def group_ready(self, group_name: str) -> bool:
         """Whether the group has formed (False: still joining); a failed join raises its error once."""
@@ -210,8 +214,8 @@ class WeightUpdater:
         if join.error is not None:
             raise join.error
         self.groups[group_name] = join.group
-        logger.info("joined weight update group %r as rank %d of %d (%s)", group_name, join.args[4],
-                    join.args[3], join.args[0])
+        logger.info("joined weight update group %r as rank %d of %d (%s)", group_name, join.rank, join.world_size,
+                    join.backend)
 
     def _group(self, group_name: str) -> dist.ProcessGroup:
         self._settle(group_name)
