@@ -23,7 +23,9 @@ from bench.workloads import Workload, offline_workload
 from kernels import paged_attention as pa
 from kernels.jit import sm_count
 
-SHAPES = {"qwen3": (16, 8, 128), "llama8b": (32, 8, 128)}  # (q heads, kv heads, head dim)
+# (q heads, kv heads, head dim) of one rank
+SHAPES = {"qwen3": (16, 8, 128), "llama8b": (32, 8, 128), "qwen3-8b-tp2": (16, 4, 128),
+          "llama70b-tp2": (32, 4, 128)}
 
 
 def _time(fn) -> float:
@@ -85,6 +87,8 @@ def main() -> int:
     ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
                     help="only decode batches of these sizes (default 64 128 256) with the offline "
                          "workload's mixed context lengths")
+    ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=["qwen3", "llama8b"],
+                    help="the rank shapes --mixed sweeps (default qwen3 llama8b)")
     ap.add_argument("--trajectory", type=int, nargs="?", const=32, metavar="EVERY",
                     help="today's defaults at every EVERY-th decode step (default 32) of the offline workload "
                          "and of each DP=2 engine's half (bench throughput --shard 0/2, 1/2): attention time "
@@ -96,7 +100,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     if args.mixed is not None:
-        return mixed(args.top, gen, args.mixed or (64, 128, 256))
+        return mixed(args.top, gen, args.mixed or (64, 128, 256), args.models)
     if args.trajectory is not None:
         return trajectory(gen, args.trajectory)
     if args.trajectory_sweep:
@@ -158,13 +162,13 @@ def trajectory_sweep(gen, top: int) -> int:
     return 0
 
 
-def mixed(top: int, gen, sizes=(64, 128, 256)) -> int:
+def mixed(top: int, gen, sizes=(64, 128, 256), models=("qwen3", "llama8b")) -> int:
     """Decode batches whose contexts spread as the offline workload's do (prompt
     100-1024 tokens plus up to 1024 generated): random order against longest first."""
     rng = random.Random(0)
-    grid = (_grid(ordered=[False, True], splits=[1], block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3])
-            + _grid(ordered=[False, True], splits=[2, 4, 8, 16], block_n=[64], num_warps=[4], num_stages=[1]))
-    for model in ("qwen3", "llama8b"):
+    grid = (_grid(ordered=[False, True], splits=[1], block_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3, 4])
+            + _grid(ordered=[False, True], splits=[2, 4], block_n=[64, 128], num_warps=[4, 8], num_stages=[1, 2, 3]))
+    for model in models:
         for bs in sizes:
             lens = [rng.randint(101, 2048) for _ in range(bs)]
             sweep(f"decode {bs}@mixed (mean {sum(lens) // bs})", model, [1] * bs, lens, grid, top, gen)

@@ -294,6 +294,20 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     return 1 << (want.bit_length() - 1)
 
 
+FEW_PREFILL_PROGRAMS_PER_SM = 1.0  # a launch of multi-query tiles with fewer programs per SM is a short chunk
+CHUNK_SPLIT_MIN_KEYS = 512  # ... whose KV splits in two from this many keys
+
+
+def choose_chunk_kv_splits(programs_per_sm: float, max_seq_len: int) -> int:
+    """Split-KV for a launch of multi-query tiles: a short prompt chunk over a long
+    context has fewer (query tile, KV head) programs than SMs, each walking the whole
+    context while SMs idle. In two: Llama-3.1-70B's rank at TP=2, 140 queries over
+    1,000 keys, 29.1 -> 26.5 us (4 ways: 29.7; bench/RESULTS.md, session 21)."""
+    if programs_per_sm >= FEW_PREFILL_PROGRAMS_PER_SM or max_seq_len < CHUNK_SPLIT_MIN_KEYS:
+        return 1
+    return 2
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, max_query_len: int,
@@ -318,10 +332,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     one launch with prefill-sized tiles, which wastes tensor-core work on the
     decode rows. The result is the same either way.
 
-    seq_order (optional, int32 [B], pure decode batches): a permutation of the
-    sequences, longest first. Programs then start in that order with a
-    sequence's KV heads side by side, so the longest work is not left for the
-    tail of the launch when context lengths differ.
+    seq_order (optional, int32): a permutation of the decodes, longest first: of
+    all B sequences in a pure decode batch, of the first num_decodes in a mixed
+    one. Programs then start in that order with a sequence's KV heads side by
+    side, so the longest work is not left for the tail of the launch when
+    context lengths differ.
 
     out (optional, [T, Hq, D], last dim contiguous): written in place and returned, as a piecewise
     CUDA graph needs attention's output at a fixed address."""
@@ -350,12 +365,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     nd = int(num_decodes)
     kv = (key_cache, value_cache)
     if 0 < nd < num_seqs and max_query_len > 1:
-        decodes = _Launch(query_start_loc[:nd + 1], seq_lens[:nd], block_table[:nd], 1, 0, nd)
+        decodes = _Launch(query_start_loc[:nd + 1], seq_lens[:nd], block_table[:nd], 1, 0, nd, seq_order)
         prefills = _Launch(query_start_loc[nd:], seq_lens[nd:], block_table[nd:], max_query_len, nd, num_tokens)
         _attention_launch(query, kv, out, decodes, scale, max_seq_len, num_kv_splits)
         _attention_launch(query, kv, out, prefills, scale, max_seq_len, num_kv_splits)
     else:
-        batch = _Launch(query_start_loc, seq_lens, block_table, max_query_len, 0, num_tokens, seq_order)
+        pure_decode = max_query_len == 1 or nd == num_seqs
+        batch = _Launch(query_start_loc, seq_lens, block_table, max_query_len, 0, num_tokens,
+                        seq_order if pure_decode else None)
         _attention_launch(query, kv, out, batch, scale, max_seq_len, num_kv_splits)
     return out
 
@@ -378,7 +395,9 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
     KV head), BLOCK_N keys per iteration, warps and pipeline stages. From
     bench/tune_attention.py on an H200: 64x32 tiles beat 128x64 by 13-17% on
-    prefill; an unsplit decode with few programs per SM (programs_per_sm:
+    prefill, but a short chunk with fewer programs (query tiles x KV heads) than
+    SMs streams 64 keys per step (140 queries of Llama-3.1-70B's TP=2 rank over
+    1,000 keys: 29.1 us against 37.3); an unsplit decode with few programs per SM (programs_per_sm:
     sequences x KV heads over SMs) streams 128 keys per step, 3 stages deep:
     48 decodes of 100-2,000 keys take 63 us that way against 78-91 us with 64.
     A decode split a few ways has long splits, so it streams 128 keys 2 deep (42
@@ -387,7 +406,8 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     software pipelining (batch 1 at 256-2,000 keys, 32 splits: 6.5-7.5 us
     unpipelined against 6.8-7.8 two stages deep)."""
     decode_bf16 = max_query_len == 1 and not is_fp32 and block_d <= 128
-    block_n = 64 if decode_bf16 else 32
+    short_chunk = max_query_len > 1 and not is_fp32 and 0 < programs_per_sm < FEW_PREFILL_PROGRAMS_PER_SM
+    block_n = 64 if decode_bf16 or short_chunk else 32
     stages = 1 if num_splits > LONG_TILE_MAX_SPLITS else 2
     if decode_bf16 and num_splits == 1 and 0 < programs_per_sm < LONG_TILE_PROGRAMS_PER_SM:
         block_n, stages = 128, 3
@@ -409,17 +429,21 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
     if num_tokens <= 0 or num_seqs == 0:
         return
 
-    if num_kv_splits is None:
-        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
-    else:
-        num_splits = max(1, int(num_kv_splits))
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_fp32 = query.dtype == torch.float32
-    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits,
-                        num_seqs * num_kv_heads / sm_count(query.device))
-    block_m = tiles["block_m"]
-    block_q = block_m // group
+    block_q = tile_config(group, block_d, launch.max_query_len, is_fp32, 1)["block_m"] // group
     one_tile = launch.max_query_len <= block_q
+    # programs with work: a sequence's query tiles, at most one of them partial
+    programs = (num_seqs if one_tile else triton.cdiv(num_tokens, block_q) + num_seqs) * num_kv_heads
+    programs_per_sm = programs / sm_count(query.device)
+    if num_kv_splits is not None:
+        num_splits = max(1, int(num_kv_splits))
+    elif one_tile:
+        num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
+    else:
+        num_splits = choose_chunk_kv_splits(programs_per_sm, max_seq_len)
+    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm)
+    block_m = tiles["block_m"]
 
     num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
     ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)

@@ -252,12 +252,28 @@ def test_attention_decode_split_kv():
     _check_attention([1], [600], hq=2, hkv=1, d=16, bs=16, splits=(None,), seed=3)
 
 
+def test_attention_short_prompt_chunk():
+    # a chunk with fewer (query tile, KV head) programs than SMs (the CPU counts as 4) streams 64 keys
+    # per step, and over 512+ keys of context splits its KV in two; equal to the reference either way
+    assert pa.choose_chunk_kv_splits(0.75, 600) == 2
+    assert pa.choose_chunk_kv_splits(0.75, 300) == 1   # too little context
+    assert pa.choose_chunk_kv_splits(1.5, 4096) == 1   # enough programs
+    assert pa.tile_config(8, 128, 140, False, 2, 0.5)["block_n"] == 64
+    assert pa.tile_config(8, 128, 140, False, 1, 4.0)["block_n"] == 32
+    _check_attention([12], [600], hq=8, hkv=1, d=32, bs=16, dtype=torch.bfloat16, splits=(None, 1))
+    _check_attention([1, 1, 12], [50, 700, 600], hq=8, hkv=1, d=32, bs=16, dtype=torch.bfloat16, splits=(None,),
+                     num_decodes=2, seed=3)
+
+
 def test_attention_decode_longest_first():
     # seq_order: programs take the sequences in the given order (a permutation), KV heads side by
     # side; every sequence still gets its own output, with and without splits
     seq_lens = [70, 5, 130, 1, 33]
     order = sorted(range(5), key=lambda i: -seq_lens[i])
     _check_attention([1] * 5, seq_lens, hq=6, hkv=3, d=16, bs=8, splits=(1, 2), seq_order=order)
+    # a mixed batch: the order covers its leading decodes, and the prompt chunk after them is untouched
+    _check_attention([1] * 5 + [7], seq_lens + [40], hq=6, hkv=3, d=16, bs=8, splits=(None,), num_decodes=5,
+                     seq_order=order)
 
 
 def test_attention_bf16():

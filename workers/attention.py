@@ -27,7 +27,7 @@ class AttentionMetadata:
     num_decodes: int = 0           # leading sequences with one query token (a tiling hint)
     num_kv_splits: int | None = None  # split-KV for decode (None: chosen per launch)
     sdpa_plan: SdpaPlan | None = None  # the CPU path's layout of the step, built by its first layer
-    seq_order: torch.Tensor | None = None  # int32 [B]: a decode batch's sequences, longest first
+    seq_order: torch.Tensor | None = None  # int32 [num_decodes]: the decodes, longest context first
     # while a piecewise CUDA graph is captured: called in attention's place, it ends the graph's
     # current piece and returns the buffer attention will write at replay (workers/piecewise_graphs.py)
     graph_split: Callable | None = None

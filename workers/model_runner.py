@@ -47,6 +47,11 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def _num_decodes(n: np.ndarray) -> int:
+    """How many of a step's sequences lead it with one query token each."""
+    return int(np.argmax(n != 1)) if (n != 1).any() else len(n)
+
+
 @dataclass
 class PendingStep:
     """A step launched on the device whose sampled tokens are not yet on the CPU."""
@@ -241,21 +246,32 @@ class ModelRunner:
         logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
     def _warmup_split_kv(self) -> None:
-        """Decode attention over long contexts splits the KV (2, 4, ... ways): compile each
-        split count a batch of this --max-model-len can pick (graph capture compiles its own)."""
-        from kernels.paged_attention import MIN_SPLIT_TOKENS, MAX_KV_SPLITS, paged_attention
-        key_cache, value_cache = self.kv_caches[0]
-        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
-        q = torch.randn(1, hq, self.head_dim, dtype=self.dtype, device=self.device)
+        """Attention over long contexts splits the KV: decodes 2, 4, ... ways, a short prompt
+        chunk in two. Compile each split count a batch of this --max-model-len can pick (graph
+        capture compiles the decode graphs' own)."""
+        from kernels.paged_attention import CHUNK_SPLIT_MIN_KEYS, MAX_KV_SPLITS, MIN_SPLIT_TOKENS
         seq_len = self.config.max_model_len
-        qsl = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
-        block_table = torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device)
         splits = 2
         while splits <= min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS):
-            paged_attention(q, key_cache, value_cache, qsl, seq_lens, block_table, 1.0, 1, seq_len,
-                            num_kv_splits=splits)
+            self._attention_once(1, seq_len, splits)
             splits *= 2
+        group = self.model.config.num_attention_heads // tp_size() // self.num_kv_heads
+        chunk = 2 * max(1, 64 // group) + 1  # three query tiles of the largest size: one program per SM or fewer
+        if seq_len >= CHUNK_SPLIT_MIN_KEYS and chunk < seq_len:
+            self._attention_once(chunk, seq_len, None)
+
+    def _attention_once(self, num_tokens: int, seq_len: int, splits: int | None) -> None:
+        """Layer 0's attention for one sequence's last num_tokens of seq_len, its KV split
+        `splits` ways (None: as the kernel picks)."""
+        from kernels.paged_attention import paged_attention
+        key_cache, value_cache = self.kv_caches[0]
+        hq = self.model.config.num_attention_heads // tp_size()  # this rank's query heads
+        q = torch.randn(num_tokens, hq, self.head_dim, dtype=self.dtype, device=self.device)
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
+        block_table = torch.zeros((1, self.max_blocks_per_req), dtype=torch.int32, device=self.device)
+        paged_attention(q, key_cache, value_cache, qsl, seq_lens, block_table, 1.0, num_tokens, seq_len,
+                        num_kv_splits=splits)
 
     # ------------------------------------------------------------ CUDA graphs (decode)
 
@@ -645,19 +661,20 @@ class ModelRunner:
 
     @staticmethod
     def _decode_order(n: np.ndarray, seq_lens: np.ndarray) -> dict[str, np.ndarray]:
-        """A pure decode batch's attention launch order, longest context first: with
-        contexts of 100 to 2,000 tokens it takes a batch-128 decode's attention from
-        182 to 147 us (Qwen3-0.6B; bench.tune_attention --mixed)."""
-        if not (n == 1).all():
+        """The decodes' attention launch order, longest context first (a mixed batch's
+        decodes lead it): with contexts of 100 to 2,000 tokens it takes a batch-128
+        decode's attention from 182 to 147 us (Qwen3-0.6B; bench.tune_attention --mixed)."""
+        num_decodes = _num_decodes(n)
+        if num_decodes == 0:
             return {}
-        return {"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32)}
+        return {"seq_order": np.argsort(-seq_lens[:num_decodes], kind="stable").astype(np.int32)}
 
     def _device_inputs(self, host: dict, dev: dict, n: np.ndarray) -> dict:
         meta = AttentionMetadata(  # the host built qsl, seq_lens and block_table as int32
             query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"],
             block_table=dev["block_table"], slot_mapping=dev["slot_mapping"],
             max_query_len=int(n.max()), max_seq_len=int(host["seq_lens"].max()), backend=self.backend,
-            num_decodes=int(np.argmax(n != 1)) if (n != 1).any() else len(n), seq_order=dev.get("seq_order"))
+            num_decodes=_num_decodes(n), seq_order=dev.get("seq_order"))
         return {"input_ids": dev["input_ids"], "positions": dev["positions"], "meta": meta}
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
