@@ -26,6 +26,7 @@ import json
 import statistics
 import time
 
+from bench.common import positive_int
 from bench.presets import write_preset
 from bench.workloads import fixed_workload, make_workload
 
@@ -102,7 +103,8 @@ def _write_rank_model(mdir: str, cfg: dict) -> None:
             json.dump(content, f)
 
 
-def measure(name: str, profile_dir: str | None = None, offline: bool = True, one_rank: bool = False) -> dict:
+def measure(name: str, profile_dir: str | None = None, offline: bool = True, one_rank: bool = False,
+            engine_args: dict | None = None) -> dict:
     import tempfile
     from frontend import LLM
     preset, tp, want_tpot, want_tput = RUNS[name]
@@ -118,7 +120,8 @@ def measure(name: str, profile_dir: str | None = None, offline: bool = True, one
         vocab, layers = cfg["vocab_size"], cfg["num_hidden_layers"]
         t0 = time.perf_counter()
         extra = {"profiler_dir": profile_dir} if profile_dir and want_tpot else {}
-        llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0, **extra)
+        llm = LLM(mdir, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, seed=0, **extra,
+                  **(engine_args or {}))
         res = {"name": name, "preset": preset, "tp": tp, "one_rank": one_rank,
                "layers": layers, "startup_s": time.perf_counter() - t0, "kv_blocks": llm.num_gpu_blocks}
         try:
@@ -146,11 +149,15 @@ def main() -> int:
     p.add_argument("--collective-us", type=float, default=7.0,
                    help="with --one-rank: us per decode collective added to the TPOT estimate (default 7.0: "
                         "the fused all-reduce + add + RMSNorm at one row on 2xH200, bench/RESULTS.md session 5)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="each engine's token budget per step (default: loom serve's)")
     args = p.parse_args()
+    engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     results = {}
     for name in args.only:
         try:
-            results[name] = measure(name, args.profile_dir, offline=not args.no_offline, one_rank=args.one_rank)
+            results[name] = measure(name, args.profile_dir, offline=not args.no_offline, one_rank=args.one_rank,
+                                    engine_args=engine_args)
         except Exception as e:  # one failed configuration must not hide the others' numbers
             print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
             results[name] = {"name": name, "error": str(e)}

@@ -13,6 +13,8 @@ sequence i has queries q[query_start_loc[i]:query_start_loc[i+1]], which are the
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -367,14 +369,42 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if 0 < nd < num_seqs and max_query_len > 1:
         decodes = _Launch(query_start_loc[:nd + 1], seq_lens[:nd], block_table[:nd], 1, 0, nd, seq_order)
         prefills = _Launch(query_start_loc[nd:], seq_lens[nd:], block_table[nd:], max_query_len, nd, num_tokens)
-        _attention_launch(query, kv, out, decodes, scale, max_seq_len, num_kv_splits)
-        _attention_launch(query, kv, out, prefills, scale, max_seq_len, num_kv_splits)
+        with _beside(query) as side:
+            with side:
+                _attention_launch(query, kv, out, prefills, scale, max_seq_len, num_kv_splits)
+            _attention_launch(query, kv, out, decodes, scale, max_seq_len, num_kv_splits)
     else:
         pure_decode = max_query_len == 1 or nd == num_seqs
         batch = _Launch(query_start_loc, seq_lens, block_table, max_query_len, 0, num_tokens,
                         seq_order if pure_decode else None)
         _attention_launch(query, kv, out, batch, scale, max_seq_len, num_kv_splits)
     return out
+
+
+CONCURRENT_LAUNCHES = os.environ.get("LOOM_ATTENTION_STREAMS", "1") != "0"
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextmanager
+def _beside(query: torch.Tensor):
+    """A mixed batch's two launches (prompt tiles, decodes) write disjoint rows, so the prompt
+    tiles run on a side stream beside the decodes: their few long programs start first and the
+    decodes' short ones fill the SMs around them, where one after the other each launch's last
+    wave left SMs idle. Yields the context to launch the prompt tiles in: the side stream (which
+    first waits for this stream's work, the KV-cache writes; this stream waits for it on exit),
+    or a no-op where there is none (CPU, a graph capture, LOOM_ATTENTION_STREAMS=0)."""
+    if not (CONCURRENT_LAUNCHES and query.is_cuda) or torch.cuda.is_current_stream_capturing():
+        yield nullcontext()
+        return
+    main = torch.cuda.current_stream(query.device)
+    side = _SIDE_STREAMS.get(main.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[main.device.index] = torch.cuda.Stream(main.device)
+    side.wait_stream(main)
+    try:
+        yield torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
 
 
 @dataclass(slots=True)
