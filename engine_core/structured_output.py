@@ -334,8 +334,16 @@ def prompt_ended_thinking(ids: list[int], start: list[int], end: list[int]) -> b
     """Whether a prompt's last <think> is closed (a template that turned thinking off, or a
     continued message that closed it): its output's constraint applies from the first token,
     and the output is all content (the API server's reasoning parser agrees)."""
+    return prompt_thinking(ids, start, end) == "closed"
+
+
+def prompt_thinking(ids: list[int], start: list[int], end: list[int]) -> str | None:
+    """"closed" when a prompt's last <think> is closed, "open" when it is not (the output starts
+    inside the thinking), None when the prompt has no <think>."""
     last_start = _rfind(ids, start)
-    return last_start >= 0 and _rfind(ids, end) > last_start
+    if last_start < 0:
+        return None
+    return "closed" if _rfind(ids, end) > last_start else "open"
 
 
 def _rfind(ids: list[int], pattern: list[int]) -> int:

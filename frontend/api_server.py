@@ -54,8 +54,8 @@ from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.chat_output import ChatOutput, ToolUse
 from frontend.constraints import check_constraint, check_tools, request_constraint, tool_use
-from frontend.reasoning import REASONING_PARSERS, ReasoningParser
-from engine_core.structured_output import prompt_ended_thinking
+from frontend.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_after_prompt
+from engine_core.structured_output import prompt_thinking
 from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
 from metrics.http import HttpMetrics
@@ -463,16 +463,21 @@ class OpenAIServer:
             raise APIError(str(e), 503) from None
 
     def _reasoning_for(self, ids: list[int], constrained: bool) -> ReasoningParser | None:
-        """The reasoning parser of a chat's output; none for a constrained chat whose prompt closed
-        the thinking: the engine constrains its output from the first token, so all of it is the
-        answer (it came back as reasoning_content, and a named tool's call was lost)."""
+        """The reasoning parser of a chat's output, by how its prompt left the thinking: none for a
+        constrained chat whose prompt closed it (the engine constrains its output from the first
+        token, so all of it is the answer: it came back as reasoning_content, and a named tool's
+        call was lost); reasoning up to </think> when the prompt opened it (a stream sent it as
+        content, then again as reasoning, and lost the answer)."""
         parser = self.reasoning_parser
-        if parser is None or not constrained:
-            return parser
+        if parser is None:
+            return None
         if self._think_ids is None:
             self._think_ids = tuple(self.tokenizer.encode(tag, add_special_tokens=False)
                                     for tag in (parser.start, parser.end))
-        return None if prompt_ended_thinking(ids, *self._think_ids) else parser
+        state = prompt_thinking(ids, *self._think_ids)
+        if state == "closed" and constrained:
+            return None
+        return reasoning_after_prompt(parser, state)
 
     def _chat_constraint(self, req: ChatCompletionRequest) -> tuple[ToolUse, StructuredOutputsParams | None]:
         """The request's tool use, and its constraint: response_format / structured_outputs, or

@@ -92,6 +92,27 @@ def test_unclosed_thinking_streams_once(step):
     assert whole.message()["content"] == text and "reasoning_content" not in whole.message()
 
 
+@pytest.mark.parametrize("step", [1, 3, 8, 100])
+@pytest.mark.parametrize("text", ["I think</think>answer", "x</think>", "plain answer", "a</thi", "<thi"])
+@pytest.mark.parametrize("prompt", [None, "open"])
+def test_qwen3_stream_adds_up_to_the_whole_message(text, prompt, step):
+    """qwen3 on an output with no opening <think>: it streamed the text as content, then again as
+    reasoning at </think>, and lost the answer. Now the stream adds up to the whole message: all
+    content when the output did not open the thinking, reasoning up to </think> when the prompt
+    opened it (Qwen3-*-Thinking-2507's template)."""
+    from frontend.reasoning import reasoning_after_prompt
+    parser = reasoning_after_prompt(REASONING_PARSERS["qwen3"](), prompt)
+    whole = ChatOutput(ToolUse("none"), parser)
+    whole.text = text
+    msg = whole.message()
+    got = _stream(ChatOutput(ToolUse("none"), parser), text, step)
+    assert (got["reasoning_content"], got["content"]) == (msg.get("reasoning_content", ""), msg["content"] or "")
+    if prompt == "open" and "</think>" in text:
+        assert (msg["reasoning_content"], msg["content"]) == tuple(text.split("</think>"))
+    elif prompt is None:
+        assert msg["content"] == text
+
+
 def test_required_tool_call_with_a_lone_surrogate_stays_content():
     out = ChatOutput(ToolUse("required"), None)
     out.text = '[{"name": "f", "parameters": {"x": "\\ud800"}}]'
@@ -229,3 +250,27 @@ def test_a_prompt_that_closed_the_thinking_makes_a_constrained_output_content():
     streamed = [c for d in deltas for ch in d["choices"] for c in ch["delta"].get("tool_calls") or []]
     assert "".join(c["function"].get("arguments", "") for c in streamed) == '{"city": "Rome"}'
     assert not any(ch["delta"].get("reasoning_content") for d in deltas for ch in d["choices"])
+
+
+def test_a_prompt_that_opened_the_thinking_makes_the_output_reasoning():
+    """--reasoning-parser qwen3 when the template opened <think> in the prompt (Qwen3-*-Thinking-2507):
+    the output starts inside the thinking, so up to </think> it is reasoning, whole and streamed
+    alike (here the output never closes it)."""
+    from tests.conftest import run_fake
+    body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"},
+                                          {"role": "assistant", "content": "<think>"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            deltas = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        return whole, deltas
+
+    whole, deltas = run_fake(_ScriptedArguments(reasoning_parser="qwen3"), scenario)
+    msg = whole["choices"][0]["message"]
+    assert msg["reasoning_content"] == _ScriptedArguments.SCRIPT and not msg["content"], msg
+    streamed = "".join(ch["delta"].get("reasoning_content") or "" for d in deltas for ch in d["choices"])
+    assert streamed == _ScriptedArguments.SCRIPT
+    assert not any(ch["delta"].get("content") for d in deltas for ch in d["choices"])

@@ -17,6 +17,14 @@ class ReasoningParser:
         """streamed (with final): the end of a stream, which sent an opened, unclosed thinking as
         reasoning while it grew: it stays reasoning (vLLM streams it so too; its whole answer
         makes it content, as `final` alone does here)."""
+        if not self.unclosed_is_reasoning:
+            body = text.lstrip()
+            if not body.startswith(self.start):
+                if not final and self.start.startswith(body):
+                    return None, None   # maybe the start of <think>: wait
+                # not thinking: all of it is the answer, a stray </think> too (a stream has sent it
+                # as content by then; a prompt that opened the thinking takes another parser)
+                return None, text
         i = text.find(self.end)
         if i >= 0:
             reasoning = text[:i]
@@ -51,6 +59,15 @@ class Qwen3ReasoningParser(ReasoningParser):
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1's template opens <think> in the prompt: the output starts inside the thinking."""
     unclosed_is_reasoning = True
+
+
+def reasoning_after_prompt(parser: ReasoningParser | None, prompt_thinking: str | None) -> ReasoningParser | None:
+    """The parser of an output whose prompt left its thinking `prompt_thinking`: "open" (the
+    template opened <think>, as Qwen3-*-Thinking-2507's do): the output starts inside it, so
+    all of it is reasoning up to </think>, whoever's the parser; "closed" or None: `parser`."""
+    if parser is not None and prompt_thinking == "open":
+        return DeepSeekR1ReasoningParser()
+    return parser
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3ReasoningParser,
