@@ -22,6 +22,10 @@ def test_hermes_extracts_calls_and_content():
     assert p.extract("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
     # an unclosed block at the end (max_tokens after the JSON) still parses, as in vLLM
     assert p.extract('<tool_call>{"name": "f", "arguments": {}}')[1][0].name == "f"
+    # arguments are always JSON (a string the model wrote becomes a JSON string, as vLLM's json.dumps);
+    # a block without arguments is not a call
+    assert p.extract('<tool_call>{"name": "f", "arguments": "str"}</tool_call>')[1][0].arguments == '"str"'
+    assert p.extract('<tool_call>{"name": "f"}</tool_call>') == ('<tool_call>{"name": "f"}</tool_call>', [])
     # JSON nested past Python's recursion limit is not a call either (it was a 500)
     deep = "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>"
     assert p.extract(deep) == (deep, [])
@@ -47,6 +51,8 @@ def test_llama3_json():
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
     assert p.extract("Just text.") == ("Just text.", [])
     assert p.extract('{"not a call": 1}') == ('{"not a call": 1}', [])
+    assert p.extract('{"name": "f"}') == ('{"name": "f"}', [])   # neither parameters nor arguments
+    assert p.extract('{"name": "f", "parameters": "x"}')[1][0].arguments == '"x"'
     assert p.plain_prefix('{"name"', final=False) == "" and p.plain_prefix("Hi", final=False) == "Hi"
     deep = '{"name": "f", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}"
     assert p.extract(deep) == (deep, [])

@@ -29,7 +29,9 @@ def parsed_call(name, arguments) -> ToolCall:
     escape ("\\ud800"), which JSON allows and UTF-8 (the response) cannot carry."""
     if not isinstance(name, str):
         raise TypeError("name is not a string")
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    # always JSON, as vLLM: arguments the model wrote as a string become a JSON string (left raw,
+    # "str" was not JSON, and a client's json.loads(arguments) failed)
+    text = json.dumps(arguments, ensure_ascii=False)
     (name + text).encode("utf-8")   # UnicodeEncodeError is a ValueError
     return ToolCall(name, text)
 

@@ -22,7 +22,7 @@ class HermesToolParser(ToolParser):
                 if not body:
                     continue
                 obj = json.loads(body)
-                name, args = obj["name"], obj.get("arguments", {})
+                name, args = obj["name"], obj["arguments"]   # no arguments: not a call (vLLM)
                 calls.append(parsed_call(name, args))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return text, []   # not a well-formed call: the text stays content (as vLLM)

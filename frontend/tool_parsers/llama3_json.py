@@ -22,7 +22,7 @@ class Llama3JsonToolParser(ToolParser):
             while i < len(body):
                 obj, i = decoder.raw_decode(body, i)
                 name = obj["name"]
-                args = obj.get("parameters", obj.get("arguments", {}))
+                args = obj["arguments"] if "arguments" in obj else obj["parameters"]   # neither: not a call
                 calls.append(parsed_call(name, args))
                 while i < len(body) and body[i] in " \t\r\n;":
                     i += 1
