@@ -87,7 +87,7 @@ def json_schema_grammar(schema: str, any_whitespace: bool, strict_mode: bool = T
     import xgrammar as xgr
     why = unenforced_keyword(json.loads(schema))
     if why:
-        raise ValueError(f"{why}, which constrained decoding cannot enforce")
+        raise ValueError(why)
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode,
                                            max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
     return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
@@ -104,23 +104,39 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+               "null": (type(None),), "object": (dict,), "array": (list,)}
+
+
+def _of_type(value, type_name) -> bool:
+    if type_name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    if isinstance(value, bool) and type_name in ("integer", "number"):
+        return False
+    return isinstance(value, _JSON_TYPES.get(type_name, object))
+
+
 def unenforced_keyword(schema, path: str = "#") -> str | None:
-    """What in a JSON schema the grammar would not enforce (None: nothing), named by its path."""
+    """What in a JSON schema the grammar would not enforce, or a part that admits no value (the
+    output was then empty or broke the schema, and said "stop"), named by its path; None: nothing."""
     if not isinstance(schema, dict):
         return None
     for key in _UNENFORCED:
         if key in schema:
-            return f"{path} uses {key!r}"
+            return f"{path} uses {key!r}, which constrained decoding cannot enforce"
     if schema.get("uniqueItems") is True:
-        return f"{path} uses 'uniqueItems'"
+        return f"{path} uses 'uniqueItems', which constrained decoding cannot enforce"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return f"{path} uses 'allOf' with {len(schema['allOf'])} schemas"
+        return f"{path} uses 'allOf' with {len(schema['allOf'])} schemas, which constrained decoding cannot enforce"
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     if isinstance(schema.get("required"), list) and schema.get("additionalProperties") in (None, False) \
             and not schema.get("patternProperties"):
         missing = [r for r in schema["required"] if r not in props]
         if missing:
             return f"{path} requires {missing[0]!r}, which its 'properties' do not define"
+    why = _admits_nothing(schema)
+    if why:
+        return f"{path} admits no value: {why}"
     for key in _SUBSCHEMA:
         why = unenforced_keyword(schema.get(key), f"{path}/{key}")
         if why:
@@ -137,6 +153,22 @@ def unenforced_keyword(schema, path: str = "#") -> str | None:
                 why = unenforced_keyword(sub, f"{path}/{key}/{name}")
                 if why:
                     return why
+    return None
+
+
+def _admits_nothing(schema: dict) -> str | None:
+    """Why a schema's own keywords (not its subschemas) admit no value, if they do."""
+    for key in ("anyOf", "oneOf", "allOf", "enum"):
+        if schema.get(key) == []:
+            return f"an empty {key!r}"
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        return None
+    for key, values in (("enum", schema.get("enum")), ("const", [schema["const"]] if "const" in schema else None)):
+        if isinstance(values, list) and values and \
+                not any(_of_type(v, t) for v in values for t in types):
+            return f"no {key!r} value is of its 'type' {schema['type']!r}"
     return None
 
 

@@ -244,6 +244,11 @@ def _nested_schema(depth: int) -> dict:
      "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "required": ["zz"]}}}], "tool_choice": "required"}, "tools"),
+    # schemas that admit no value: the output was empty, or a number for a string, and said "stop"
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"anyOf": []}}}}, "response_format"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "object", "properties": {
+        "a": {"type": "string", "enum": [1]}}}}}, "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
