@@ -274,6 +274,10 @@ class OpenAIServer:
             raise APIError(f"The request body is larger than {self.options.max_request_body_bytes} bytes "
                            "(--max-request-body-bytes).", 413) from None
         except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not have
+            # the body ends here and the connection closes after the answer: aiohttp would read
+            # on into the broken body and log its error again, as an ERROR with a traceback
+            request.content.feed_eof()
+            request.protocol.close()
             raise APIError(f"The request body cannot be read: {e}", 400) from None
         return raw if cls is None else parse_request(raw, cls)
 

@@ -646,3 +646,37 @@ def test_image_sent_to_a_text_only_model_is_400(client, model_name):
     assert e.value.status_code == 400
     assert client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=2).choices
+
+
+def test_malformed_http_is_a_4xx_without_an_error_in_the_log(caplog):
+    """A body that does not decode as its Content-Encoding, and bytes aiohttp's parser refuses, are
+    OpenAI-shaped 400s, logged below ERROR: any client could fill the log with tracebacks (aiohttp
+    logged each one, the first twice), and the server answers the next request."""
+    import asyncio
+    import logging
+
+    async def raw(url: str, data: bytes) -> bytes:
+        host, port = url.split("//")[1].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(data)
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return answer
+
+    async def scenario(s, url, llm):
+        async with s.post(url + "/v1/completions", data=b"not gzip",
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+            assert r.status == 400 and "cannot be read" in (await r.json())["error"]["message"]
+        for bad in (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"):
+            answer = await raw(url, bad)
+            assert answer.split(b" ", 2)[1] == b"400" and b'"error"' in answer, answer
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.2)   # aiohttp's lingering read of the broken body, where it logged again
+
+    with caplog.at_level(logging.DEBUG):
+        run_fake(FakeLLM(), scenario)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
