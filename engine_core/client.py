@@ -432,17 +432,24 @@ class AsyncEngineCoreClient(_ClientBase):
         call_id = next(self._call_ids)
         loop = asyncio.get_running_loop()
         futs = []
-        for e in engines:
-            fut = loop.create_future()
-            self._calls[(e, call_id)] = fut
-            futs.append(fut)
-            await self.input.send_multipart(self._frames(
-                MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args)), e), copy=False)
         try:
+            for e in engines:
+                # encoded first: arguments that do not encode (an int past 64 bits) leave no reply
+                # waiting, which the engine's death would fail unretrieved ("Future exception was
+                # never retrieved"), one per such call
+                frames = self._frames(MsgType.UTILITY, UtilityRequest(self.client_index, call_id, method,
+                                                                      list(args)), e)
+                fut = loop.create_future()
+                self._calls[(e, call_id)] = fut
+                futs.append(fut)
+                await self.input.send_multipart(frames, copy=False)
             results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
         finally:
             for e in engines:
                 self._calls.pop((e, call_id), None)
+            for fut in futs:   # (a send that failed part-way: replies no one will await)
+                if not fut.done():
+                    fut.cancel()
         for r in results:
             if isinstance(r, BaseException):
                 raise r

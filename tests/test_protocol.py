@@ -350,3 +350,24 @@ def test_echoed_prompt_logprobs_format():
     assert lp["tokens"] == ["token_id:5", "token_id:7"]
     assert prompt_logprobs_json(entries) == [None, {"7": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
                                                     "9": {"logprob": -9999.0, "rank": 1, "decoded_token": "a"}}]
+
+
+def test_a_utility_call_whose_arguments_do_not_encode_leaves_no_reply_waiting(tmp_path):
+    """An int past 64 bits in a control call's arguments is the caller's error (a 400 over HTTP), and
+    nothing of the call stays: its reply future stayed registered, and the engine's death later
+    failed it unretrieved ("Future exception was never retrieved"), one per such call."""
+    import asyncio
+
+    from engine_core.client import AsyncEngineCoreClient
+
+    async def main():
+        client = AsyncEngineCoreClient(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", 0, lambda o: None,
+                                       lambda r: None)
+        client.engines = {0: b"no-such-engine"}   # (a ROUTER drops what it cannot route)
+        try:
+            with pytest.raises(OverflowError):
+                await client.call_utility("ping", 2 ** 70, timeout=5)
+            assert client._calls == {}
+        finally:
+            client.close()
+    asyncio.run(main())
