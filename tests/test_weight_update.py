@@ -156,6 +156,14 @@ def test_weights_discarded_by_sleep_2_load_from_disk_as_they_wake(llm, ckpt, ref
     llm.sleep(2)
     with pytest.raises(RuntimeError):
         llm.wake_up()
+    # a path that is no model directory is refused as it is while awake (it went on to the Hub,
+    # 23 s of retries with the engine blocked; "" reloaded the old checkpoint and said success)
+    for bad in ("/nonexistent", "", "not-a-dir-nor-a-repo"):
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="not a model directory"):
+            llm.update_weights_from_disk(bad)
+        assert time.monotonic() - t0 < 5
+    assert llm.is_sleeping()
     assert llm.update_weights_from_disk(a) > 0
     llm.wake_up()                                   # the KV cache
     assert not llm.is_sleeping() and _gen(llm) == ref[a]

@@ -337,6 +337,9 @@ class ModelRunner:
                 self._weights_backup = None
             else:  # level 2: reload from the model directory
                 from workers.model_loader import load_model
+                from workers.weight_update import check_checkpoint_dir
+                if weights_dir is not None:   # a weight update while asleep: checked as one while awake
+                    check_checkpoint_dir(weights_dir, self.model.config)
                 torch.manual_seed(self.config.seed)
                 weights_dir = weights_dir or self.weights_dir
                 fresh = load_model(weights_dir, self.dtype, self.device, load_format or self.config.load_format,

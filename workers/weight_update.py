@@ -61,6 +61,22 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
     return out
 
 
+def check_checkpoint_dir(model_path: str, served_config) -> None:
+    """ValueError unless model_path is a model directory of the served architecture (checked
+    before anything loads: a path that is not a directory went on to the Hub)."""
+    config_path = os.path.join(model_path, "config.json")
+    if not model_path or not os.path.isfile(config_path):
+        raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
+    try:
+        with open(config_path) as f:
+            archs = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"model_path {model_path!r}: its config.json does not read ({type(e).__name__})") from None
+    ours = getattr(served_config, "architectures", None)
+    if archs != ours:
+        raise ValueError(f"model_path {model_path!r} holds {archs}, but the served model is {ours}")
+
+
 class GroupJoin:
     """A trainer's group being joined on a thread of its own: the join waits until the trainer
     (rank 0) and every other rank are there, up to JOIN_TIMEOUT."""
@@ -154,14 +170,7 @@ class WeightUpdater:
     def update_from_disk(self, model_path: str, load_format: str = "auto") -> int:
         if load_format not in ("auto", "safetensors"):
             raise ValueError(f"load_format must be 'auto' or 'safetensors' for a weight update, got {load_format!r}")
-        config_path = os.path.join(model_path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model_path {model_path!r} is not a model directory (no config.json)")
-        with open(config_path) as f:
-            archs = json.load(f).get("architectures")
-        ours = getattr(self.model.config, "architectures", None)
-        if archs != ours:
-            raise ValueError(f"model_path {model_path!r} holds {archs}, but the served model is {ours}")
+        check_checkpoint_dir(model_path, self.model.config)
         try:
             files = safetensors_files(model_path)
         except FileNotFoundError as e:
