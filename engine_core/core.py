@@ -460,22 +460,28 @@ class EngineCoreProc(EngineCore):
                 and load == self._published_load and not self.scheduler.has_timings()):
             self._heartbeat()
             return  # nothing new (a sleep / pause change, or an abort's timing, is reported even without a step)
+        load_changed = load != self._published_load
         self._published_step, self._published_control, self._published_load = step, control, load
         stats = self.scheduler.make_stats()
         stats.sleep_level, stats.is_paused = control
+        gauges = stats.gauges_only()
         timings: dict[int, list] = {}
         for ci, t in self.scheduler.take_timings():
             timings.setdefault(ci, []).append(t)
         live = self.io.client_indices()
         stats_client = live[step % len(live)] if live else None
         targets = set(by_client) | set(timings) | ({stats_client} if live else set())
-        if self.config.data_parallel_size > 1:
+        if self.config.data_parallel_size > 1 or load_changed:
+            # every client routes by the load; and an API server attached on its own (its
+            # /metrics not merged with the others') keeps its gauges current: they stayed busy
             targets |= set(live)
         now = time.time()
         for ci in targets:
+            # the step's counters go to one client (the API servers of one `loom serve` sum them),
+            # the gauges to every client a message goes to
             self.io.send(ci, MsgType.OUTPUTS.value, EngineCoreOutputs(
                 by_client.get(ci, []), self.engine_index, now,
-                stats if ci == stats_client else None, None, timings.get(ci, []),
+                stats if ci == stats_client else gauges, None, timings.get(ci, []),
                 EngineLoad(*load, self.num_added.get(ci, 0))))
         self._heartbeat()
 

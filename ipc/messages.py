@@ -103,6 +103,12 @@ class SchedulerStats(_Msg):
     num_attn_query_key_pairs: int = 0  # sum over scheduled tokens of the keys each attends to (causal)
     num_kv_tokens_read: int = 0       # sum over scheduled requests of their context length after this step
 
+    def gauges_only(self) -> "SchedulerStats":
+        """The state (running, waiting, KV usage, sleep, pause) without the step's counts: for the
+        clients that do not count this step."""
+        return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage,
+                              sleep_level=self.sleep_level, is_paused=self.is_paused)
+
 
 class RequestTiming(_Msg):
     """Engine-side timestamps of a finished request (seconds, time.monotonic domain of the engine)."""

@@ -108,6 +108,20 @@ def test_attach_headless_engine(tiny_model_dir, headless):
             assert _generate(client, "after", PROMPTS[0]) == expected[0]
             assert clean(http(PROMPTS[1])) == clean(tok.decode(expected[1]))
 
+            # every client hears that the engine went idle, though another client's requests ran:
+            # the step's stats reached one client, and an API server attached on its own (its
+            # /metrics merged with no other's) showed "running 1" for ever
+            for _ in range(3):
+                while client.get_outputs(timeout=0.2) is not None:
+                    pass
+                http(PROMPTS[2])
+                idle, deadline = False, time.monotonic() + 5
+                while not idle:
+                    assert time.monotonic() < deadline, "this client never heard that the engine is idle"
+                    outs = client.get_outputs(timeout=0.5)
+                    s = outs.scheduler_stats if outs else None
+                    idle = s is not None and s.num_running == 0 and s.num_waiting == 0
+
             # an ADD that does not decode (a prompt that is not a list of ints) fails alone, with an
             # error output for its request id, where it was once dropped and left its client waiting
             client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value,
