@@ -612,7 +612,10 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
         _watch_workers(engine)
         freeze_startup_heap()
         if dp is not None and dp.register_address:   # on another node: the head's API servers attach now
-            register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
+            try:
+                register_with_head(dp.register_address, dp.rank, engine.io.handshake_endpoint, auth_key)
+            except PermissionError as e:   # a wrong key, a rank already there: the command line's mistake
+                raise ConfigError(str(e)) from None
         with maybe_profile("engine_core"):
             engine.run_busy_loop()
     except SystemExit:   # SIGTERM: tell the clients at once, rather than when the sockets close

@@ -313,7 +313,7 @@ def test_killing_one_engine_core_ends_serve(model_factory, victim):
 
 
 def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str, rank: int = 1,
-                   size: int = 2) -> subprocess.Popen:
+                   size: int = 2, capture: bool = False) -> subprocess.Popen:
     """A headless rank 1 in its own TMPDIR: the test SIGKILLs its whole process group at once (a lost
     node), so nothing of it is left to remove its socket directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmpdir}
@@ -323,7 +323,8 @@ def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str, rank
                              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
                              "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "256",
                              *(["--engine-auth-key", key] if key else [])],
-                            cwd=ROOT, start_new_session=True, env=env)
+                            cwd=ROOT, start_new_session=True, env=env,
+                            **(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -356,6 +357,16 @@ def test_two_nodes_on_loopback(model_factory):
         for key in ("wrong", None):
             with pytest.raises(PermissionError):
                 register_with_head(f"tcp://127.0.0.1:{rpc_port}", 1, "tcp://127.0.0.1:1", key, timeout=10)
+        assert _text(_complete(requests, head.url, prompts[1], 1)) == expected[1]
+        # a second rank 1 is the command line's mistake: one line and exit 2, not a traceback and 1
+        dup_tmp = tempfile.mkdtemp(prefix="dp-dup-")
+        try:
+            dup = _headless_rank(model, rpc_port, KEY, dup_tmp, rank=1, size=3, capture=True)
+            out = dup.communicate(timeout=120)[0]
+            assert dup.returncode == 2 and "already registered" in out and "Traceback" not in out, out
+        finally:
+            _kill_group(dup)
+            shutil.rmtree(dup_tmp, ignore_errors=True)
         assert _text(_complete(requests, head.url, prompts[1], 1)) == expected[1]
         # a remote rank dies: the head ends non-zero; then the other remote rank, whose head is gone,
         # ends non-zero too (it ran on, unused, and never registered with a restarted head)
