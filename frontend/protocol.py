@@ -171,6 +171,10 @@ def parse_request(body: bytes, cls: type[msgspec.Struct]):
     except RecursionError:
         raise APIError("The request body is nested too deeply.", 400) from None
     except UnicodeDecodeError as e:
+        try:   # msgspec's offset is inside the string it was decoding: find it in the body
+            bytes(body).decode("utf-8")
+        except UnicodeDecodeError as whole:
+            e = whole
         raise APIError(f"The request body is not valid UTF-8: {e.reason} at byte {e.start}", 400) from None
     for name in req.__struct_fields__:
         if getattr(req, name) is msgspec.UNSET:
@@ -200,8 +204,10 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         raise APIError("'prompt' must not be empty", 400, "prompt")
     if all(_is_int(t) for t in prompt):
         return [list(prompt)]
-    if all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
-        return [p if isinstance(p, str) else list(p) for p in prompt]   # a batch (strings and id lists may mix)
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]   # (a batch of one kind: strings and id lists do not mix, as OpenAI's)
     raise bad
 
 

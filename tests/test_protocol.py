@@ -109,8 +109,8 @@ def test_completion_prompt_forms():
     assert completion_prompts(["a", "b"]) == ["a", "b"]
     assert completion_prompts([[1], [2, 3]]) == [[1], [2, 3]]
     assert completion_prompts(["only"]) == ["only"]
-    assert completion_prompts([[1], "a"]) == [[1], "a"]
-    for wrong in (5, None, {"a": 1}, [1, "a"], [[1], 2], [[1, "a"]], [True, 2], [1.5]):
+    # strings and token-id lists do not mix in one batch (OpenAI's forms; vLLM refuses it too)
+    for wrong in (5, None, {"a": 1}, [1, "a"], [[1], 2], [[1, "a"]], [True, 2], [1.5], [[1], "a"], ["a", [1]]):
         bad(completion_prompts, wrong, param="prompt")
     bad(completion_prompts, [], param="prompt", contains="empty")
 
@@ -371,3 +371,11 @@ def test_a_utility_call_whose_arguments_do_not_encode_leaves_no_reply_waiting(tm
         finally:
             client.close()
     asyncio.run(main())
+
+
+def test_invalid_utf8_is_located_in_the_body():
+    """The 400 names the bad byte's offset in the body (it gave its offset inside the JSON string)."""
+    from frontend.protocol import parse_request
+    body = b'{"prompt": "\xff\xfe abc"}'
+    with pytest.raises(APIError, match="at byte 12"):
+        parse_request(body, CompletionRequest)
