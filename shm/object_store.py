@@ -18,7 +18,8 @@ Reference counting across processes without locks: `issued` is written by the wr
 it is done with; the engine core tells every worker when a request is gone, whether or not
 it ever ran). The readers are every worker of every engine core (reader dp_rank x TP + rank),
 but a request reaches one engine's TP workers: an entry is free once the releases add up to
-TP x issued. The writer evicts the oldest entries first, and only free ones, when it needs room.
+TP x issued. The writer evicts the oldest entries first, and only free ones, when it needs room
+(stepping over an entry still in use).
 
 Lifetime: the writer creates the segment (registered with the resource tracker, which
 unlinks it if the writer is SIGKILLed) and unlinks it as soon as every reader has mapped it
@@ -32,7 +33,6 @@ import os
 import secrets
 import struct
 import threading
-from collections import OrderedDict
 from multiprocessing import resource_tracker
 
 import _posixshmem
@@ -87,7 +87,7 @@ class ObjectStoreWriter:
         self.name, self.capacity, self.n_readers = name, _round_up(capacity), n_readers
         self.readers_per_request = readers_per_request or n_readers
         self._lock = threading.Lock()   # the API server processes in a thread pool
-        self._entries: OrderedDict[int, str] = OrderedDict()   # addr -> key, oldest first
+        self._entries: dict[int, str] = {}   # addr -> key
         self._by_key: dict[str, int] = {}
         self._head = _DATA_START
         self._linked = False
@@ -176,29 +176,29 @@ class ObjectStoreWriter:
         return int(counts[1:].sum()) >= int(counts[0]) * self.readers_per_request
 
     def _alloc(self, size: int) -> int:
+        """Next fit along the ring from the head: the first stretch of `size` bytes whose entries
+        are all free is taken, and those entries evicted (oldest first, as the ring goes round).
+        An entry still in use is stepped over, not waited for: a long request's image at the
+        ring's tail held up every new image (for seconds, then a 503) with the store nearly empty."""
         if size > self.capacity - _DATA_START:
             raise StoreFull(f"an item of {size} bytes does not fit the store ({self.capacity} bytes)")
-        while True:
-            if not self._entries:
-                self._head = _DATA_START
-            else:
-                oldest = next(iter(self._entries))
-                if self._head > oldest:  # live region [oldest, head): room after it, else wrap
-                    if self._head + size <= self.capacity:
-                        break
-                    if _DATA_START + size <= oldest:
-                        self._head = _DATA_START
-                        break
-                elif self._head + size <= oldest:  # wrapped: room between head and oldest
-                    break
-                if not self._is_free(oldest):
-                    raise StoreFull("the multimodal store is full of items still in use")
-                self._by_key.pop(self._entries.pop(oldest))  # oldest first
-                continue
-            break
-        addr = self._head
-        self._head += size
-        return addr
+        start, walked = self._head, 0
+        while walked <= self.capacity:   # one lap, and a stretch more
+            if start + size > self.capacity:
+                walked += self.capacity - start
+                start = _DATA_START
+            end = start + size
+            in_the_way = [a for a in self._entries if a < end and a + self._size(a) > start]
+            busy = [a for a in in_the_way if not self._is_free(a)]
+            if not busy:
+                for a in in_the_way:
+                    self._by_key.pop(self._entries.pop(a))
+                self._head = end
+                return start
+            past = max(a + self._size(a) for a in busy)
+            walked += past - start
+            start = past
+        raise StoreFull("the multimodal store is full of items still in use")
 
     def maybe_unlink(self) -> None:
         """Unlink the segment once every reader has mapped it (cheap: call it as outputs come)."""

@@ -57,6 +57,32 @@ def test_oldest_first_eviction_only_when_every_reader_is_done():
             x.close()
 
 
+def test_an_entry_still_in_use_is_stepped_over():
+    """A long request's image at the ring's tail: newer images take the room around it (they
+    waited behind it for seconds, then got a 503, with the store nearly empty)."""
+    w = ObjectStoreWriter(_name("d"), 64 << 10, n_readers=1)
+    r = ObjectStoreReader(0)
+    try:
+        item = np.zeros(2500, dtype=np.float32)   # 10 kB: five fit in 64 kB
+        held = w.put("held", {"x": item + 7})
+        for i in range(40):   # eight laps of the ring, each item released when done
+            addr = w.put(f"k{i}", {"x": item + i})
+            assert r.get(w.name, addr)["x"][0] == i
+            r.release(w.name, addr)
+        np.testing.assert_array_equal(r.get(w.name, held)["x"], item + 7)   # untouched throughout
+        assert w.lookup("held") == held
+        held2 = w.put("held2", {"x": item + 8})   # two held: what is left still cycles
+        for i in range(40, 80):
+            r.release(w.name, w.put(f"k{i}", {"x": item + i}))
+        np.testing.assert_array_equal(r.get(w.name, held2)["x"], item + 8)
+        with pytest.raises(StoreFull, match="in use"):   # nothing free anywhere: still refused
+            for i in range(10):
+                w.put(f"pin{i}", {"x": item})
+    finally:
+        r.close()
+        w.close()
+
+
 def test_close_unlinks_and_bounded_size_under_many_items():
     w = ObjectStoreWriter(_name("c"), 256 << 10, n_readers=1)
     r = ObjectStoreReader(0)
