@@ -29,6 +29,8 @@ def decode_image(data: bytes) -> Image.Image:
         raise MediaError(f"the image has {len(data)} bytes; at most {MAX_IMAGE_BYTES} are accepted")
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:   # (PIL's own limit, far above ours)
+        raise MediaError(f"the image has more than {MAX_IMAGE_PIXELS} pixels") from None
     except Exception:
         raise MediaError("the data is not a PNG, JPEG or WebP image") from None
     check_size(img)
@@ -36,6 +38,18 @@ def decode_image(data: bytes) -> Image.Image:
         img.load()
     except Exception as e:
         raise MediaError(f"the image cannot be decoded: {e}") from None
+    return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, transparency composited onto white, as transformers' convert_to_rgb and vLLM do
+    (convert("RGB") dropped the alpha: a transparent background became black)."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
     return img.convert("RGB")
 
 
@@ -49,6 +63,7 @@ def check_size(img: Image.Image) -> None:
 
 def load_data_url(url: str) -> Image.Image:
     head, sep, payload = url.partition(",")
+    head = head.lower()   # (URL schemes and MIME types are case-insensitive)
     if not sep or not head.startswith("data:"):
         raise MediaError("a data URL must look like data:image/png;base64,...")
     if not head.endswith(";base64"):
@@ -138,7 +153,7 @@ def as_image(obj) -> Image.Image:
     """Offline inputs: a PIL image (or bytes of one) -> RGB."""
     if isinstance(obj, Image.Image):
         check_size(obj)
-        return obj.convert("RGB") if obj.mode != "RGB" else obj
+        return to_rgb(obj)
     if isinstance(obj, (bytes, bytearray)):
         return decode_image(bytes(obj))
     raise MediaError(f"an image must be a PIL.Image or bytes, got {type(obj).__name__}")

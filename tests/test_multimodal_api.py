@@ -278,3 +278,29 @@ def test_a_request_cancelled_while_its_image_is_stored_gives_the_reference_back(
         assert asyncio.run(cancel_midway()), "the cancelled request's store reference was not given back"
     finally:
         mm.close()
+
+
+def test_image_decoding_as_transformers_and_vllm():
+    """Transparency is composited onto white (convert("RGB") made it black, so a model saw another
+    picture than transformers' processor does); "DATA:" is a data URL (schemes are
+    case-insensitive); an image past PIL's own bomb limit is refused for its size."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from multimodal.media import MediaError, as_image, decode_image, load_data_url
+
+    def encoded(img, fmt="PNG") -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, format=fmt)
+        return buf.getvalue()
+    clear = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    clear.putpixel((1, 1), (30, 60, 220, 255))
+    for img in (decode_image(encoded(clear)), decode_image(encoded(clear.convert("LA"))), as_image(clear)):
+        assert img.mode == "RGB" and img.getpixel((0, 0)) == (255, 255, 255)
+    assert decode_image(encoded(clear)).getpixel((1, 1)) == (30, 60, 220)
+    url = "DATA:IMAGE/PNG;BASE64," + base64.b64encode(encoded(clear)).decode()
+    assert load_data_url(url).getpixel((0, 0)) == (255, 255, 255)
+    with pytest.raises(MediaError, match="pixels"):
+        decode_image(encoded(Image.new("1", (20000, 20000))))
