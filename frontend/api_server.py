@@ -322,8 +322,9 @@ class OpenAIServer:
             messages = normalize_messages(req.messages, self._content_format(req))
             check_tools(req.tools)
             urls = image_urls(messages)
-            if urls and getattr(self.llm, "mm", None) is None:   # refused as a chat request would be
-                try:
+            if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit("image")):
+                try:   # refused as a chat request would be (images are not decoded here: vLLM's /tokenize
+                    # does not expand them either)
                     mm_reject(self.config, len(urls))
                 except MediaError as e:
                     raise APIError(str(e), 400, "messages") from None

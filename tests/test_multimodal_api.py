@@ -186,10 +186,15 @@ def test_bad_images_are_400_and_the_server_keeps_serving(client, media_dir, url,
     assert chat(client, image_message(png_url(random_image(36, 56, 56)))).choices
 
 
-def test_more_images_than_the_limit(client):
+def test_more_images_than_the_limit(client, server):
     url = png_url(random_image(37, 56, 56))
     with pytest.raises(openai.BadRequestError, match="At most 2 image"):
         chat(client, image_message(url, url, url))
+    # /tokenize of the same messages too (it answered 200)
+    r = requests.post(server.url + "/tokenize", timeout=30, json={"messages": image_message(url, url, url)})
+    assert r.status_code == 400 and "At most 2 image" in r.json()["error"]["message"], r.text
+    assert requests.post(server.url + "/tokenize", timeout=30,
+                         json={"messages": image_message(url, url)}).status_code == 200
 
 
 def test_mm_cache_metrics(client, server):
