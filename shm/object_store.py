@@ -256,7 +256,7 @@ class ObjectStoreReader:
             finally:
                 os.close(fd)
             buf = memoryview(mm)
-            magic, cap, n_readers = _HEADER.unpack_from(buf, 0)
+            magic, cap, n_readers = _HEADER.unpack_from(buf, 0) if size >= _DATA_START else (0, 0, 0)
             if magic != _MAGIC or cap != size or self.rank >= n_readers:
                 buf.release()
                 mm.close()

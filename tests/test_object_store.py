@@ -96,3 +96,18 @@ def test_close_unlinks_and_bounded_size_under_many_items():
         r.close()
         w.close()
     assert not os.path.exists(f"/dev/shm/{w.name}")
+
+
+def test_a_reader_refuses_a_segment_too_small_for_a_header():
+    """An attached client may name any loom_mm_* segment; one shorter than the header was a
+    struct.error in the worker's release, which ended the engine."""
+    name = _name("tiny")
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(b"\0" * 10)
+    r = ObjectStoreReader(0)
+    try:
+        with pytest.raises(ValueError):
+            r.release(name, 128)
+    finally:
+        r.close()
+        os.unlink(f"/dev/shm/{name}")

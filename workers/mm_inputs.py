@@ -7,6 +7,7 @@ its placeholder tokens keep their token embeddings until the scheduler drops it.
 from __future__ import annotations
 
 import logging
+import struct
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ class MultimodalInputs:
         for name, addr in released:
             try:
                 self.store.release(name, addr)
-            except (OSError, ValueError) as e:   # bookkeeping: a bad handle must not fail the step
+            except (OSError, ValueError, struct.error) as e:   # bookkeeping: a bad handle must not fail the step
                 logger.warning("multimodal store release of (%s, %d) skipped: %s", name, addr, e)
 
     def run_encoders(self, requests: dict[str, CachedRequestState], so: SchedulerOutput) -> None:
