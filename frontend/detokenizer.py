@@ -29,11 +29,25 @@ def decodes_once(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bo
     return not tail.endswith("\ufffd")
 
 
+def _primed_stream(tok, prefix: list[int], skip_special_tokens: bool) -> DecodeStream:
+    """A DecodeStream primed with the prompt's last ids. Its prefix must decode to whole
+    characters: the ids after the last such cut (a character the prompt leaves unfinished) are
+    stepped through it instead, held there until the output completes them. Primed with them,
+    the stream's first piece carried the prompt's tail into the output text ("ul is better
+    than\ufffd of ..."), where stop strings matched it too."""
+    cut = len(prefix)
+    while cut > 0 and tok.decode(prefix[:cut], skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+        cut -= 1
+    stream = DecodeStream(ids=prefix[:cut], skip_special_tokens=skip_special_tokens)
+    for t in prefix[cut:]:
+        stream.step(tok, t)   # (the prompt's own text: not output)
+    return stream
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self._tok = tokenizer._tokenizer  # the Rust tokenizer behind a PreTrainedTokenizerFast
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PREFIX_IDS:]),
-                                    skip_special_tokens=params.skip_special_tokens)
+        self._stream = _primed_stream(self._tok, list(prompt_token_ids[-_PREFIX_IDS:]), params.skip_special_tokens)
         self.stop = params.stop
         self._stops_by_last = _stops_by_last_char(tuple(self.stop)) if self.stop else {}
         self.include_stop = params.include_stop_str_in_output

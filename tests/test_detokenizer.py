@@ -45,6 +45,25 @@ def test_stream_primed_with_prompt_ids_matches_a_full_decode(tokenizer, text):
     assert tokenizer.decode(prompt) + streamed == tokenizer.decode(ids)
 
 
+def test_a_prompt_that_ends_inside_a_character_leaks_nothing_into_the_output(tokenizer):
+    """The prompt's last id is the first byte of a character: the stream's first piece carried the
+    prompt's tail into the output ("ul is better than\ufffd of ..."), and a stop string matched it.
+    Now the output is the text from the unfinished character on: its bytes with the output's
+    (U+FFFD where they do not make a character, as vLLM and a full decode give)."""
+    head = tokenizer.encode("Beautiful is better than", add_special_tokens=False)
+    lead = tokenizer.encode("é", add_special_tokens=False)   # two bytes: a byte-level BPE splits them,
+    byte = [t for t in lead if tokenizer.decode([t]).endswith("\ufffd")][:1] or lead[:1]
+    prompt = head + byte
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    output = tokenizer.encode(" of the Zen", add_special_tokens=False)
+    for params in (SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, stop=["better"])):
+        detok = IncrementalDetokenizer(tokenizer, prompt, params)
+        assert all(detok.add(t) is None for t in output)
+        detok.flush()
+        text = detok.take_delta(finished=True)
+        assert "better" not in text and text == tokenizer.decode(prompt + output)[len(tokenizer.decode(head)):]
+
+
 def test_decode_stream_takes_prefill_ids(tokenizer):
     """The exact call frontend/detokenizer.py makes (fails with TypeError on tokenizers < 0.22)."""
     from tokenizers.decoders import DecodeStream
