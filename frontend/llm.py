@@ -142,21 +142,41 @@ class LLM:
         now, sends = time.time(), []
         for text, ids, params, items, prio in checked:
             result = RequestOutput(new_request_id(), text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
-            self._results.append(result)
             sends.append((result, ids, params, items, prio))
         budgets = [p.max_tokens if p.max_tokens is not None else self.config.max_model_len - len(ids)
                    for _, ids, p, _, _ in sends]
-        for result, ids, params, items, prio in (sends[k] for k in longest_first(budgets)):
-            ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio)
-            engine = self.router.pick(ids, len(ecrs))
-            for j, ecr in enumerate(ecrs):
-                ecr.mm_items = items
-                self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, params,
-                                                                     self.tokenizer, self.token_texts,
-                                                                     final_only=True))
-                self._engine_of[ecr.request_id] = engine
-                self.client.add_request(ecr, engine)
+        sent: list[str] = []
+        try:
+            for result, ids, params, items, prio in (sends[k] for k in longest_first(budgets)):
+                ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio)
+                engine = self.router.pick(ids, len(ecrs))
+                for j, ecr in enumerate(ecrs):
+                    ecr.mm_items = items
+                    self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, params,
+                                                                         self.tokenizer, self.token_texts,
+                                                                         final_only=True))
+                    self._engine_of[ecr.request_id] = engine
+                    self.client.add_request(ecr, engine)
+                    sent.append(ecr.request_id)
+        except BaseException:   # (Ctrl-C while sending): none of this call's requests stays behind
+            self._withdraw(sends, sent)
+            raise
+        self._results.extend(result for result, *_ in sends)
         return [result.request_id for result, *_ in sends]
+
+    def _withdraw(self, sends: list, sent: list[str]) -> None:
+        """A call's requests whose sending was cut short: those sent are aborted, the others' image
+        references given back. The next call waited for them (a partly sent batch)."""
+        self._abort(sent)
+        ours = {id(result) for result, *_ in sends}
+        for rid in [rid for rid, (result, _) in self._states.items() if id(result) in ours]:
+            del self._states[rid]
+            self._engine_of.pop(rid, None)
+        if self.mm is not None:
+            for result, _, params, items, _ in sends:
+                unsent = params.n - sum(rid.startswith(result.request_id) for rid in sent)
+                for _ in range(max(0, unsent) if items else 0):
+                    self.mm.unref(items)
 
     def _multimodal(self, prompt, ids: list[int], n: int) -> tuple[list[int], list]:
         """Images of a prompt dict into the store, placeholders expanded; one store reference

@@ -387,3 +387,25 @@ def test_sampler_fails_a_bad_row_alone():
     tokens, _, failed, _ = Sampler(use_triton=False)(logits, rows, dev)
     assert sorted(failed) == [1, 2] and "[-7]" in failed[1]
     assert tokens.tolist() == [3, int(logits[1].argmax()), int(logits[2].argmax())]
+
+
+def test_an_interrupted_send_leaves_nothing_for_the_next_call(llm):
+    """Ctrl-C while generate sends a batch: the requests already sent are aborted and none of the
+    batch is waited for by the next call (it returned them too, some never sent, unfinished)."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    real, calls = llm.client.add_request, []
+
+    def interrupted(*args):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(args)
+        real(*args)
+    llm.client.add_request = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT] * 8, params, use_tqdm=False)
+    finally:
+        llm.client.add_request = real
+    assert not llm._states and not llm._results   # (the next call waited for them: for ever)
+    [out] = llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.finished
