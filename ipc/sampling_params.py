@@ -117,6 +117,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.stop is None:   # (vLLM's defaults for these, which its users pass)
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):

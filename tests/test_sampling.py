@@ -407,5 +407,6 @@ def test_an_interrupted_send_leaves_nothing_for_the_next_call(llm):
     finally:
         llm.client.add_request = real
     assert not llm._states and not llm._results   # (the next call waited for them: for ever)
+    params = SamplingParams(temperature=0, max_tokens=4, stop=None, stop_token_ids=None)   # vLLM's defaults
     [out] = llm.generate([PROMPT], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.finished
