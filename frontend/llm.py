@@ -199,15 +199,30 @@ class LLM:
         self.mm.addref(items, n - 1)
         return ids, items
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}; content may be OpenAI content parts,
-        with images as image_url parts or {"type": "image_pil", "image_pil": PIL.Image})."""
-        text, images = render_chat(self.tokenizer, messages, self.config.allowed_local_media_path)
-        prompt = {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
-        if images:
-            prompt.update(multi_modal_data={"image": images}, mm_processor_kwargs=mm_processor_kwargs or {})
-        return self.generate(prompt, sampling_params, use_tqdm=use_tqdm)
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}), or a list of them: one output each.
+        Content may be OpenAI content parts, with images as image_url parts or {"type":
+        "image_pil", "image_pil": PIL.Image}. The keywords are vLLM's `LLM.chat`'s."""
+        conversations = messages if isinstance(messages, list) and messages and isinstance(messages[0], list) \
+            else [messages]
+        template = {k: v for k, v in (chat_template_kwargs or {}).items()
+                    if k not in ("tokenize", "conversation", "messages")}
+        template.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        if tools:
+            template["tools"] = tools
+        if chat_template is not None:
+            template["chat_template"] = chat_template
+        prompts = []
+        for conversation in conversations:
+            text, images = render_chat(self.tokenizer, conversation, self.config.allowed_local_media_path, **template)
+            prompt = {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            if images:
+                prompt.update(multi_modal_data={"image": images}, mm_processor_kwargs=mm_processor_kwargs or {})
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def wait_for_completion(self, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every enqueued request to the end; their outputs, in the order enqueued."""

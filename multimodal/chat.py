@@ -33,8 +33,25 @@ def split_parts(messages: list[dict]) -> tuple[list[dict], list]:
     return out, sources
 
 
-def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None) -> tuple[str, list]:
-    """Offline: the prompt text and the loaded images (data: and file: URLs, PIL images)."""
+def check_conversation(messages) -> None:
+    """ValueError unless `messages` is a list of {"role", "content"} messages (content a string,
+    None, or a list of content parts): an offline caller's mistake, named."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("a conversation must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a 'role' string, got {type(m).__name__}")
+        content = m.get("content")
+        if not (content is None or isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(p, dict) for p in content))):
+            raise ValueError(f"message {i}: content must be a string, None or a list of content parts")
+
+
+def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None, **template) -> tuple[str, list]:
+    """Offline: the prompt text and the loaded images (data: and file: URLs, PIL images).
+    `template`: apply_chat_template's options (add_generation_prompt, continue_final_message,
+    tools, chat_template and the template's own kwargs)."""
+    check_conversation(messages)
     msgs, sources = split_parts(messages)
     images = []
     for src in sources:
@@ -42,5 +59,8 @@ def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None) -> tup
             images.append(load_data_url(src) if src.startswith("data:") else load_file_url(src, allowed_dir))
         else:
             images.append(as_image(src))
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    options = {"add_generation_prompt": True, **template}
+    if options["add_generation_prompt"] and options.get("continue_final_message"):
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, **options)
     return text, images

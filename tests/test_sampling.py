@@ -410,3 +410,30 @@ def test_an_interrupted_send_leaves_nothing_for_the_next_call(llm):
     params = SamplingParams(temperature=0, max_tokens=4, stop=None, stop_token_ids=None)   # vLLM's defaults
     [out] = llm.generate([PROMPT], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.finished
+
+
+def test_chat_takes_vllms_keywords_and_batches(llm):
+    """LLM.chat as vLLM's: a list of conversations, add_generation_prompt / continue_final_message,
+    tools, chat_template_kwargs (each a TypeError before), and a mistake in the messages named in
+    a ValueError (an AttributeError before)."""
+    tok = llm.tokenizer
+    conv = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+
+    def direct(messages, **kw):
+        text = tok.apply_chat_template(messages, tokenize=False, **kw)
+        return llm.generate({"prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params,
+                            use_tqdm=False)[0].outputs[0].token_ids
+    one, two = llm.chat([conv, conv + [{"role": "assistant", "content": "he"}]], params, use_tqdm=False)
+    assert one.outputs[0].token_ids == direct(conv, add_generation_prompt=True)
+    cont = llm.chat(conv + [{"role": "assistant", "content": "he"}], params, use_tqdm=False,
+                    add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.outputs[0].token_ids == direct(conv + [{"role": "assistant", "content": "he"}],
+                                               add_generation_prompt=False, continue_final_message=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert llm.chat(conv, params, use_tqdm=False, tools=tools, chat_template_kwargs={"enable_thinking": False})
+    for bad in ("hello", ["hi"], [{"role": "user", "content": 5}], []):
+        with pytest.raises(ValueError):
+            llm.chat(bad, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot both"):
+        llm.chat(conv, params, use_tqdm=False, continue_final_message=True)
