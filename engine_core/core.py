@@ -370,6 +370,8 @@ class EngineCore:
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Run a @remote worker method on every worker; their results, by rank."""
+        if not isinstance(method, str):
+            raise ValueError(f"collective_rpc method must be a string, got {type(method).__name__}")
         if method in ENGINE_ONLY_WORKER_METHODS or method.startswith("_"):
             raise ValueError(f"method {method!r} is not callable on workers through collective_rpc")
         if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict) \

@@ -370,6 +370,14 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
+        self.client = _ShutDown()   # later calls: one clear error (a ZMQError, or "the engine exited")
+
+
+class _ShutDown:
+    """The engine client of an LLM after shutdown()."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("this LLM has been shut down")
 
     def __enter__(self):
         return self

@@ -120,6 +120,8 @@ def test_bad_control_arguments(llm):
         llm.wake_up(["gpu"])
     with pytest.raises(RuntimeError, match="not callable"):
         llm.collective_rpc("__init__")
+    with pytest.raises(RuntimeError, match="must be a string"):   # (an AttributeError's message before)
+        llm.collective_rpc(5)
 
 
 def test_sleep_levels_need_sleep_mode(model_factory):
@@ -131,3 +133,8 @@ def test_sleep_levels_need_sleep_mode(model_factory):
         llm.wake_up()
     finally:
         llm.shutdown()
+    # after shutdown: one clear error (a ZMQError, or "the engine core exited with code 0")
+    for call in (lambda: llm.generate(["hi"], use_tqdm=False), llm.pause, llm.is_sleeping):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    llm.shutdown()   # (idempotent)
