@@ -372,13 +372,6 @@ class LLM:
         self._finalizer()
         self.client = _ShutDown()   # later calls: one clear error (a ZMQError, or "the engine exited")
 
-
-class _ShutDown:
-    """The engine client of an LLM after shutdown()."""
-
-    def __getattr__(self, name):
-        raise RuntimeError("this LLM has been shut down")
-
     def __enter__(self):
         return self
 
@@ -463,3 +456,10 @@ class _progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class _ShutDown:
+    """The engine client of an LLM after shutdown()."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("this LLM has been shut down")

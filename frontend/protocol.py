@@ -204,10 +204,8 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         raise APIError("'prompt' must not be empty", 400, "prompt")
     if all(_is_int(t) for t in prompt):
         return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]   # (a batch of one kind: strings and id lists do not mix, as OpenAI's)
+    if all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
+        return [p if isinstance(p, str) else list(p) for p in prompt]   # a batch (strings and id lists may mix)
     raise bad
 
 

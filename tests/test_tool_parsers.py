@@ -230,17 +230,9 @@ class _ScriptedArguments(_ScriptedLLM):
     SCRIPT = '{"city": "Rome"}'
 
 
-def test_a_prompt_that_closed_the_thinking_makes_a_constrained_output_content():
-    """--reasoning-parser deepseek_r1 reads an output without </think> as reasoning. But when the
-    prompt closed the thinking, the engine constrains the output from its first token (as vLLM):
-    a named tool's arguments are then the answer, whole and streamed (they came back as
-    reasoning_content, and the call was lost)."""
+def _whole_and_streamed(llm, body: dict) -> tuple[dict, list[dict]]:
+    """A chat completion through the API server over `llm`, whole and streamed (its chunks)."""
     from tests.conftest import run_fake
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    body = {"model": "fake", "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "<think>ok</think>"}],
-            "continue_final_message": True, "add_generation_prompt": False}
 
     async def scenario(session, url, llm):
         async with session.post(url + "/v1/chat/completions", json=body) as r:
@@ -248,8 +240,21 @@ def test_a_prompt_that_closed_the_thinking_makes_a_constrained_output_content():
         async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
             deltas = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
         return whole, deltas
+    return run_fake(llm, scenario)
 
-    whole, deltas = run_fake(_ScriptedArguments(reasoning_parser="deepseek_r1"), scenario)
+
+def test_a_prompt_that_closed_the_thinking_makes_a_constrained_output_content():
+    """--reasoning-parser deepseek_r1 reads an output without </think> as reasoning. But when the
+    prompt closed the thinking, the engine constrains the output from its first token (as vLLM):
+    a named tool's arguments are then the answer, whole and streamed (they came back as
+    reasoning_content, and the call was lost)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    body = {"model": "fake", "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "<think>ok</think>"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+
+    whole, deltas = _whole_and_streamed(_ScriptedArguments(reasoning_parser="deepseek_r1"), body)
     msg = whole["choices"][0]["message"]
     assert "reasoning_content" not in msg or not msg["reasoning_content"], msg
     assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
@@ -262,19 +267,11 @@ def test_a_prompt_that_opened_the_thinking_makes_the_output_reasoning():
     """--reasoning-parser qwen3 when the template opened <think> in the prompt (Qwen3-*-Thinking-2507):
     the output starts inside the thinking, so up to </think> it is reasoning, whole and streamed
     alike (here the output never closes it)."""
-    from tests.conftest import run_fake
     body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"},
                                           {"role": "assistant", "content": "<think>"}],
             "continue_final_message": True, "add_generation_prompt": False}
 
-    async def scenario(session, url, llm):
-        async with session.post(url + "/v1/chat/completions", json=body) as r:
-            whole = await r.json()
-        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
-            deltas = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
-        return whole, deltas
-
-    whole, deltas = run_fake(_ScriptedArguments(reasoning_parser="qwen3"), scenario)
+    whole, deltas = _whole_and_streamed(_ScriptedArguments(reasoning_parser="qwen3"), body)
     msg = whole["choices"][0]["message"]
     assert msg["reasoning_content"] == _ScriptedArguments.SCRIPT and not msg["content"], msg
     streamed = "".join(ch["delta"].get("reasoning_content") or "" for d in deltas for ch in d["choices"])
