@@ -18,6 +18,7 @@ from frontend.dp_router import DPRouter, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.protocol import template_options
 from frontend.processing import (engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words,
                                  typed_params)
 from ipc.procs import start_process, stop_processes
@@ -145,37 +146,34 @@ class LLM:
             sends.append((result, ids, params, items, prio))
         budgets = [p.max_tokens if p.max_tokens is not None else self.config.max_model_len - len(ids)
                    for _, ids, p, _, _ in sends]
-        sent: list[str] = []
+        sent: list[tuple[RequestOutput, str]] = []   # (a prompt's output, one engine request sent for it)
         try:
             for result, ids, params, items, prio in (sends[k] for k in longest_first(budgets)):
                 ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio)
                 engine = self.router.pick(ids, len(ecrs))
                 for j, ecr in enumerate(ecrs):
                     ecr.mm_items = items
+                    self.client.add_request(ecr, engine)
+                    self._engine_of[ecr.request_id] = engine
                     self._states[ecr.request_id] = (result, RequestState(ecr.request_id, j, ids, params,
                                                                          self.tokenizer, self.token_texts,
                                                                          final_only=True))
-                    self._engine_of[ecr.request_id] = engine
-                    self.client.add_request(ecr, engine)
-                    sent.append(ecr.request_id)
+                    sent.append((result, ecr.request_id))
         except BaseException:   # (Ctrl-C while sending): none of this call's requests stays behind
             self._withdraw(sends, sent)
             raise
         self._results.extend(result for result, *_ in sends)
         return [result.request_id for result, *_ in sends]
 
-    def _withdraw(self, sends: list, sent: list[str]) -> None:
+    def _withdraw(self, sends: list, sent: list[tuple[RequestOutput, str]]) -> None:
         """A call's requests whose sending was cut short: those sent are aborted, the others' image
         references given back. The next call waited for them (a partly sent batch)."""
-        self._abort(sent)
-        ours = {id(result) for result, *_ in sends}
-        for rid in [rid for rid, (result, _) in self._states.items() if id(result) in ours]:
+        self._abort([rid for _, rid in sent])
+        for _, rid in sent:
             del self._states[rid]
-            self._engine_of.pop(rid, None)
         if self.mm is not None:
             for result, _, params, items, _ in sends:
-                unsent = params.n - sum(rid.startswith(result.request_id) for rid in sent)
-                for _ in range(max(0, unsent) if items else 0):
+                for _ in range(params.n - sum(r is result for r, _ in sent) if items else 0):
                     self.mm.unref(items)
 
     def _multimodal(self, prompt, ids: list[int], n: int) -> tuple[list[int], list]:
@@ -208,13 +206,9 @@ class LLM:
         "image_pil", "image_pil": PIL.Image}. The keywords are vLLM's `LLM.chat`'s."""
         conversations = messages if isinstance(messages, list) and messages and isinstance(messages[0], list) \
             else [messages]
-        template = {k: v for k, v in (chat_template_kwargs or {}).items()
-                    if k not in ("tokenize", "conversation", "messages")}
-        template.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-        if tools:
-            template["tools"] = tools
-        if chat_template is not None:
-            template["chat_template"] = chat_template
+        template = template_options(add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
         prompts = []
         for conversation in conversations:
             text, images = render_chat(self.tokenizer, conversation, self.config.allowed_local_media_path, **template)

@@ -471,6 +471,23 @@ def encode_prompts(tokenizer, prompts: list[str | list[int]], add_special_tokens
     return out
 
 
+def template_options(*, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     tools: list | None = None, chat_template_kwargs: dict | None = None,
+                     chat_template: str | None = None) -> dict:
+    """apply_chat_template's keywords (besides the messages and tokenize=False), for the API
+    server and the offline LLM.chat alike; ValueError for a contradiction."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items()
+              if k not in ("tokenize", "conversation", "messages")}
+    kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    if tools:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return kwargs
+
+
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
@@ -479,19 +496,14 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     request's); returns (prompt text, token ids)."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise APIError("This model has no chat template; use /v1/completions instead.", 400, "messages")
-    if add_generation_prompt and continue_final_message:
-        raise APIError("add_generation_prompt and continue_final_message cannot both be true", 400,
-                       "continue_final_message")
-    kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("tokenize", "conversation", "messages", "add_generation_prompt", "continue_final_message"):
-        kwargs.pop(reserved, None)
-    if tools:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **kwargs)
+        kwargs = template_options(add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tools=tools,
+                                  chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+    except ValueError as e:
+        raise APIError(str(e), 400, "continue_final_message") from None
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except APIError:
         raise
     except Exception as e:  # jinja TemplateError (raise_exception in the template), bad messages, ...

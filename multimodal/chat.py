@@ -49,8 +49,7 @@ def check_conversation(messages) -> None:
 
 def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None, **template) -> tuple[str, list]:
     """Offline: the prompt text and the loaded images (data: and file: URLs, PIL images).
-    `template`: apply_chat_template's options (add_generation_prompt, continue_final_message,
-    tools, chat_template and the template's own kwargs)."""
+    `template`: apply_chat_template's keywords (frontend.protocol.template_options)."""
     check_conversation(messages)
     msgs, sources = split_parts(messages)
     images = []
@@ -59,8 +58,5 @@ def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None, **temp
             images.append(load_data_url(src) if src.startswith("data:") else load_file_url(src, allowed_dir))
         else:
             images.append(as_image(src))
-    options = {"add_generation_prompt": True, **template}
-    if options["add_generation_prompt"] and options.get("continue_final_message"):
-        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, **options)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, **template)
     return text, images
