@@ -28,6 +28,7 @@ puts in the environment, which children inherit: two servers on one host never c
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import secrets
@@ -88,6 +89,7 @@ class ObjectStoreWriter:
         self.readers_per_request = readers_per_request or n_readers
         self._lock = threading.Lock()   # the API server processes in a thread pool
         self._entries: dict[int, str] = {}   # addr -> key
+        self._addrs: list[int] = []          # the entries' addresses, sorted: the ring walk bisects them
         self._by_key: dict[str, int] = {}
         self._head = _DATA_START
         self._linked = False
@@ -142,6 +144,7 @@ class ObjectStoreWriter:
                 dst = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=addr + data_off + o)
                 dst[:] = np.ascontiguousarray(a).reshape(-1)
             self._entries[addr] = key
+            bisect.insort(self._addrs, addr)
             self._by_key[key] = addr
             self.maybe_unlink()
             return addr
@@ -188,17 +191,27 @@ class ObjectStoreWriter:
                 walked += self.capacity - start
                 start = _DATA_START
             end = start + size
-            in_the_way = [a for a in self._entries if a < end and a + self._size(a) > start]
+            in_the_way = self._overlapping(start, end)
             busy = [a for a in in_the_way if not self._is_free(a)]
             if not busy:
                 for a in in_the_way:
                     self._by_key.pop(self._entries.pop(a))
+                    del self._addrs[bisect.bisect_left(self._addrs, a)]
                 self._head = end
                 return start
             past = max(a + self._size(a) for a in busy)
             walked += past - start
             start = past
         raise StoreFull("the multimodal store is full of items still in use")
+
+    def _overlapping(self, start: int, end: int) -> list[int]:
+        """The entries in [start, end): entries do not overlap, so at most the one before `start`
+        reaches into it, then those that begin before `end`."""
+        i = bisect.bisect_left(self._addrs, start)
+        if i > 0 and self._addrs[i - 1] + self._size(self._addrs[i - 1]) > start:
+            i -= 1
+        j = bisect.bisect_left(self._addrs, end, lo=i)
+        return self._addrs[i:j]
 
     def maybe_unlink(self) -> None:
         """Unlink the segment once every reader has mapped it (cheap: call it as outputs come)."""
