@@ -466,7 +466,6 @@ class EngineCoreProc(EngineCore):
         self._published_step, self._published_control, self._published_load = step, control, load
         stats = self.scheduler.make_stats()
         stats.sleep_level, stats.is_paused = control
-        gauges = stats.gauges_only()
         timings: dict[int, list] = {}
         for ci, t in self.scheduler.take_timings():
             timings.setdefault(ci, []).append(t)
@@ -477,6 +476,7 @@ class EngineCoreProc(EngineCore):
             # every client routes by the load; and an API server attached on its own (its
             # /metrics not merged with the others') keeps its gauges current: they stayed busy
             targets |= set(live)
+        gauges = stats.gauges_only() if len(targets) > 1 else None
         now = time.time()
         for ci in targets:
             # the step's counters go to one client (the API servers of one `loom serve` sum them),

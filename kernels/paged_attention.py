@@ -420,6 +420,11 @@ class _Launch:
     seq_order: torch.Tensor | None = None
 
 
+def query_rows(group: int, max_query_len: int) -> int:
+    """BLOCK_M: a tile's rows, query tokens x the GROUP heads of a KV head (padded to 16)."""
+    return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+
+
 def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num_splits: int,
                 programs_per_sm: float = 0.0) -> dict:
     """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
@@ -443,8 +448,7 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
         block_n, stages = 128, 3
     elif decode_bf16 and 1 < num_splits <= LONG_TILE_MAX_SPLITS:
         block_n = 128
-    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
-    return dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
+    return dict(block_m=query_rows(group, max_query_len), block_n=block_n, num_warps=4, num_stages=stages)
 
 
 def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
@@ -461,7 +465,7 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     is_fp32 = query.dtype == torch.float32
-    block_q = tile_config(group, block_d, launch.max_query_len, is_fp32, 1)["block_m"] // group
+    block_q = query_rows(group, launch.max_query_len) // group
     one_tile = launch.max_query_len <= block_q
     # programs with work: a sequence's query tiles, at most one of them partial
     programs = (num_seqs if one_tile else triton.cdiv(num_tokens, block_q) + num_seqs) * num_kv_heads
@@ -474,6 +478,9 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
         num_splits = choose_chunk_kv_splits(programs_per_sm, max_seq_len)
     tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm)
     block_m = tiles["block_m"]
+    if block_m != block_q * group:   # (bench/tune_attention.py sets other tiles)
+        block_q = block_m // group
+        one_tile = launch.max_query_len <= block_q
 
     num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
     ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)
