@@ -32,23 +32,18 @@ class ReasoningParser:
             if j >= 0 and not reasoning[:j].strip():
                 reasoning = reasoning[j + len(self.start):]
             return reasoning, text[i + len(self.end):]
+        # no </think> yet; qwen3 gets here only with the output opening <think>
+        body = text.lstrip()
+        opened = body.startswith(self.start)
         if final:
-            body = text.lstrip()
-            opened = body.startswith(self.start)
-            if self.unclosed_is_reasoning or (streamed and opened):
+            if self.unclosed_is_reasoning or streamed:
                 return (body[len(self.start):] if opened else text), None
             return None, text
-        return self._open(text)
-
-    def _open(self, text: str) -> tuple[str | None, str | None]:
-        body = text.lstrip()
-        if body.startswith(self.start):
+        if opened:
             return held_prefix(body[len(self.start):], self.end), None
         if self.start.startswith(body):
             return None, None          # maybe the start of <think>: wait
-        if self.unclosed_is_reasoning:
-            return held_prefix(text, self.end), None
-        return None, text
+        return held_prefix(text, self.end), None
 
 
 class Qwen3ReasoningParser(ReasoningParser):
