@@ -42,14 +42,16 @@ def _time(fn, graphed: bool) -> float:
     return statistics.median(rounds)
 
 
-def _norm_rows(symm, rank: int, device, hiddens: list[int]) -> list[dict]:
-    """us per all-reduce + add + RMSNorm, unfused and fused, at 1, 8 and 64 rows."""
+def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int],
+               variants: list[tuple[int, int, int]]) -> list[dict]:
+    """us per all-reduce + add + RMSNorm, unfused and fused (per variant: programs, warps,
+    rows per tile; 0 = the default), at each row count."""
     import torch
     from kernels.rms_norm import fused_add_rms_norm
     from workers.distributed import PendingSum
     rows_out = []
     for h in hiddens:
-        for rows in (1, 8, 64):
+        for rows in row_counts:
             numel = rows * h
             if not symm.can_fuse_norm(rows, h, torch.bfloat16):
                 continue
@@ -65,25 +67,27 @@ def _norm_rows(symm, rank: int, device, hiddens: list[int]) -> list[dict]:
                     symm.reduce_buffer(numel, "one_shot", summed.view(-1))
                     fused_add_rms_norm(summed, res, w, 1e-5)
 
-            def fused():
-                for slot in (0, 1):
-                    symm.reduce_add_rms_norm(PendingSum(rows, h, slot), res, w, 1e-5)
-
             symm.buffer_for(numel).copy_(part)
             for slot in (0, 1):
                 symm.fused_buffer(slot, numel).copy_(part)
             symm.reduce_buffer(numel, "one_shot", summed.view(-1))
             want = fused_add_rms_norm(summed, res, w, 1e-5)
-            got = symm.reduce_add_rms_norm(PendingSum(rows, h, 0), res, w, 1e-5)
-            got1 = symm.reduce_add_rms_norm(PendingSum(rows, h, 1), res, w, 1e-5)
-            torch.cuda.synchronize()
-            exact = all(torch.equal(a, b) for a, b in zip(want + want, got + got1))
-            rows_out.append({"hidden": h, "rows": rows, "unfused": _time(unfused, True) / 2,
-                             "fused": _time(fused, True) / 2, "exact": exact})
+            row = {"hidden": h, "rows": rows, "unfused": _time(unfused, True) / 2, "fused": {}}
+            f = symm.fused
+            for programs, warps, tile_rows in variants:
+                def fused(programs=programs, warps=warps, tile_rows=tile_rows):
+                    return [f.kernel(f.buf_ptrs[slot], f.flag_ptrs, f.rank, rows, res, w, 1e-5, programs=programs
+                                     or None, num_warps=warps or None, tile_rows=tile_rows or 1) for slot in (0, 1)]
+                got = fused()
+                torch.cuda.synchronize()
+                exact = all(torch.equal(a, b) for a, b in zip(want + want, got[0] + got[1]))
+                row["fused"][(programs, warps, tile_rows)] = (_time(fused, True) / 2, exact)
+            rows_out.append(row)
     return rows_out
 
 
-def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int]) -> None:
+def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int], norm_rows: list[int],
+          variants: list[tuple[int, int, int]]) -> None:
     # a buffer for the largest size, so both symmetric-memory paths are timed at every size
     os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
     os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
@@ -110,9 +114,9 @@ def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int]
             torch.cuda.synchronize()
             row["exact"] = row.get("exact", True) and bool((y == 3).all())
         rows.append(row)
-    norm_rows = _norm_rows(symm, rank, device, norm_hidden) if symm is not None and symm.fused else []
+    norm_table = _norm_rows(symm, rank, device, norm_hidden, norm_rows, variants) if symm is not None and symm.fused else []
     if rank == 0:
-        out.put((rows, norm_rows, distributed.describe()))
+        out.put((rows, norm_table, distributed.describe()))
     dist.barrier()
     distributed.destroy_distributed()
 
@@ -126,14 +130,22 @@ def main() -> int:
                    help="all-reduce sizes in KiB (default 8 to 16384)")
     p.add_argument("--norm-hidden", type=int, nargs="*", default=[],
                    help="also time all-reduce + add + RMSNorm, unfused vs fused, at these hidden sizes")
+    p.add_argument("--norm-rows", type=int, nargs="+", default=[1, 8, 64],
+                   help="the row counts of --norm-hidden (default 1 8 64)")
+    p.add_argument("--norm-variants", nargs="+", default=["0x0x1"],
+                   help="fused kernel launches to compare, PROGRAMSxWARPSxROWS (programs, warps, rows per "
+                        "program's tile; 0: the default), e.g. 0x0x1 132x16x1")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_kb, out, args.norm_hidden)) for r in range(2)]
+    variants = [tuple(int(v) for v in spec.split("x")) for spec in args.norm_variants]
+    assert all(len(v) == 3 for v in variants), "--norm-variants takes PROGRAMSxWARPSxROWS"
+    procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_kb, out, args.norm_hidden, args.norm_rows, variants))
+             for r in range(2)]
     for proc in procs:
         proc.start()
-    rows, norm_rows, info = out.get(timeout=300)
+    rows, norm_rows, info = out.get(timeout=600)
     for proc in procs:
         proc.join(60)
     print("us per all-reduce of bf16 on 2 GPUs (graph: replays of a captured CUDA graph)")
@@ -144,9 +156,12 @@ def main() -> int:
               f"{f('two_shot'):>12} {r.get('exact', '-')}")
     if args.norm_hidden:
         print(f"\nall-reduce + add + RMSNorm, us per call (graphed); rank 0: {info}")
-        print(f"{'hidden':>7} {'rows':>5} {'one-shot + add-norm':>20} {'fused':>7} same bits")
+        names = [f"{p or 'all'}x{w or 'def'}x{t or 1}" for p, w, t in variants]
+        print(f"{'hidden':>7} {'rows':>5} {'1shot+norm':>11} " + " ".join(f"{n:>12}" for n in names) + "  same bits")
         for r in norm_rows:
-            print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>20.1f} {r['fused']:>7.1f} {r['exact']}")
+            cells = [r["fused"][v] for v in variants]
+            print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>11.1f} " + " ".join(f"{t:>12.1f}" for t, _ in cells)
+                  + f"  {all(e for _, e in cells)}")
     return 0
 
 

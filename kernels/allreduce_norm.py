@@ -67,43 +67,51 @@ def peer_barrier(flag_ptrs, cell, rank, WORLD: tl.constexpr):
 @triton.jit
 def _allreduce_add_rms_norm_kernel(
     buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_cols, stride_r, rank, eps,
-    WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    rows, n_cols, stride_r, rank, eps,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """buf_ptrs / flag_ptrs: int64 [WORLD], the address of every rank's product buffer
-    ([M, n_cols], contiguous) and of its flags (int32 [programs, WORLD])."""
-    row = tl.program_id(0)
-    pdl_wait(PDL)  # this rank's part is written; the next kernel may launch
-    peer_barrier(flag_ptrs, row, rank, WORLD)
+    ([rows, n_cols], contiguous) and of its flags (int32 [programs, WORLD]). Program p takes
+    the tiles of ROWS rows p, p + programs, ..."""
+    first = tl.program_id(0)
+    pdl_wait(PDL)  # this rank's whole buffer is written; the next kernel may launch
+    # so one barrier per program, whatever its rows, tells the peers that all of it is ready
+    peer_barrier(flag_ptrs, first, rank, WORLD)
 
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    at = row.to(tl.int64) * n_cols + offs
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        part = tl.load(buf_ptrs + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        total += tl.load(part + at, mask=mask, other=0.0).to(tl.float32)
-    summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-    res = tl.load(res_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    x = (summed + res).to(res_out_ptr.dtype.element_ty)
-    tl.store(res_out_ptr + at, x, mask=mask)
-    x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    cols = tl.arange(0, BLOCK)[None, :]
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    for tile in range(first, tl.cdiv(rows, ROWS), tl.num_programs(0)):
+        row = tl.cast(tile, tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        mask = (row < rows) & (cols < n_cols)
+        at = row * n_cols + cols
+        total = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            part = tl.load(buf_ptrs + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            total += tl.load(part + at, mask=mask, other=0.0).to(tl.float32)
+        summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (summed + res).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + at, x, mask=mask)
+        x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1)[:, None] / n_cols + eps)
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-MAX_COLS = 16384  # one row per program, held in registers
+MAX_COLS = 16384  # a row is held in registers
+MAX_PROGRAMS = 1 << 30  # programs per call (and flag cells): rows beyond loop in the programs
 
 
 def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int, rows: int,
-                           residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           programs: int | None = None, num_warps: int | None = None,
+                           tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum every rank's [rows, H] buffer (buf_ptrs: their addresses, int64 [W] on the device),
     add residual [rows, H] and normalise by weight [H]: (normed, new residual), both new
-    [rows, H] tensors. flag_ptrs: every rank's int32 flags, at least rows x W, zero between
-    calls. Every rank of the group must make the same call."""
+    [rows, H] tensors. flag_ptrs: every rank's int32 flags, at least min(rows, programs) x W,
+    zero between calls. Every rank of the group must make the same call. programs, num_warps
+    and tile_rows (None: one program per tile, MAX_PROGRAMS at most; warps by the row's length;
+    rows per tile) are for bench.allreduce_tp's sweep."""
     world = buf_ptrs.numel()
     h = weight.numel()
     assert h <= MAX_COLS and residual.shape == (rows, h) and residual.stride(-1) == 1
@@ -112,7 +120,9 @@ def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank
     if rows == 0:
         return out, res_out
     block = triton.next_power_of_2(h)
-    _allreduce_add_rms_norm_kernel[(rows,)](
-        buf_ptrs, flag_ptrs, residual, weight, out, res_out, h, residual.stride(0), rank, float(eps),
-        WORLD=world, BLOCK=block, num_warps=max(4, min(16, block // 512)), **pdl_args(residual))
+    tiles = triton.cdiv(rows, tile_rows)
+    _allreduce_add_rms_norm_kernel[(min(tiles, programs or MAX_PROGRAMS),)](
+        buf_ptrs, flag_ptrs, residual, weight, out, res_out, rows, h, residual.stride(0), rank, float(eps),
+        WORLD=world, BLOCK=block, ROWS=tile_rows, num_warps=num_warps or max(4, min(16, block // 512)),
+        **pdl_args(residual))
     return out, res_out

@@ -47,6 +47,8 @@ ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 1 <
 TWO_SHOT_MAX_BYTES = int(os.environ.get("LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES", 16 << 20))
 FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES", 4 << 20))
 GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
+# programs of the fused all-reduce + norm: rows beyond them loop in the programs (0: one per row)
+FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -360,7 +362,8 @@ class SymmMemAllReduce:
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.fused
-        return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps)
+        return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps,
+                        programs=FUSED_NORM_PROGRAMS or None)
 
     def method(self, numel: int, dtype: torch.dtype) -> str | None:
         """"one_shot", "two_shot", or None when a contiguous tensor of this size goes to NCCL."""
