@@ -98,6 +98,74 @@ def _allreduce_add_rms_norm_kernel(
         tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _push_allreduce_add_rms_norm_kernel(
+    part_ptr, recv_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rows, n_cols, stride_r, rank, eps,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    """The same sum, pushed: each program writes its rows of this rank's product (part_ptr,
+    [rows, n_cols]) into every peer's receive buffer (recv_ptrs: int64 [WORLD], every rank's
+    [WORLD, rows, n_cols] buffer; this rank's plane), signals, and then reads only local memory.
+    NVLink then carries posted writes rather than reads and their requests."""
+    first = tl.program_id(0)
+    plane = tl.cast(rows, tl.int64) * n_cols
+    cols = tl.arange(0, BLOCK)[None, :]
+    pdl_wait(PDL)
+    for tile in range(first, tl.cdiv(rows, ROWS), tl.num_programs(0)):
+        row = tl.cast(tile, tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        mask = (row < rows) & (cols < n_cols)
+        at = row * n_cols + cols
+        mine = tl.load(part_ptr + at, mask=mask)
+        for peer in tl.static_range(WORLD):
+            if peer != rank:
+                dst = tl.load(recv_ptrs + peer).to(tl.pointer_type(out_ptr.dtype.element_ty))
+                tl.store(dst + rank * plane + at, mine, mask=mask)
+    tl.debug_barrier()  # every thread's writes come before the barrier's release
+    peer_barrier(flag_ptrs, first, rank, WORLD)
+
+    recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    for tile in range(first, tl.cdiv(rows, ROWS), tl.num_programs(0)):
+        row = tl.cast(tile, tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        mask = (row < rows) & (cols < n_cols)
+        at = row * n_cols + cols
+        total = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            src = tl.where(r == rank, part_ptr + at, recv + r * plane + at)
+            total += tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (summed + res).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + at, x, mask=mask)
+        x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1)[:, None] / n_cols + eps)
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def push_allreduce_add_rms_norm(part: torch.Tensor, recv_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int,
+                                rows: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                programs: int | None = None, num_warps: int | None = None,
+                                tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """allreduce_add_rms_norm with this rank's product `part` (flat, rows x H) pushed into every
+    rank's receive buffer (recv_ptrs: int64 [W], each [W, rows, H])."""
+    world = recv_ptrs.numel()
+    h = weight.numel()
+    assert h <= MAX_COLS and residual.shape == (rows, h) and residual.stride(-1) == 1
+    out = torch.empty((rows, h), dtype=residual.dtype, device=residual.device)
+    res_out = torch.empty_like(out)
+    if rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(h)
+    tiles = triton.cdiv(rows, tile_rows)
+    _push_allreduce_add_rms_norm_kernel[(min(tiles, programs or MAX_PROGRAMS),)](
+        part, recv_ptrs, flag_ptrs, residual, weight, out, res_out, rows, h, residual.stride(0), rank, float(eps),
+        WORLD=world, BLOCK=block, ROWS=tile_rows, num_warps=num_warps or max(4, min(16, block // 512)),
+        **pdl_args(residual))
+    return out, res_out
+
+
 MAX_COLS = 16384  # a row is held in registers
 MAX_PROGRAMS = 1 << 30  # programs per call (and flag cells): rows beyond loop in the programs
 
