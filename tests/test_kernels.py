@@ -39,7 +39,7 @@ _KERNELS = {
     "penalties": ["_penalties_kernel"],
     "gemv": ["_gemv_kernel"],
     "skinny_gemm": ["_skinny_gemm_kernel"],
-    "allreduce_norm": ["_allreduce_add_rms_norm_kernel", "_push_allreduce_add_rms_norm_kernel"],
+    "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
     "decode_inputs": ["_decode_inputs_kernel"],
     "embedding": ["_vocab_parallel_embedding_kernel"],
     "all_gather": ["_all_gather_kernel"],
@@ -357,34 +357,6 @@ def test_allreduce_add_rms_norm(dtype, world, rank, rows, programs, tile_rows):
     tol = dict(atol=0, rtol=0) if exact else BF16_TOL
     torch.testing.assert_close(new_r, new_r_ref, **tol)
     torch.testing.assert_close(out, out_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
-    _check_flags_after_call(flags, world, rank)
-
-
-@pytest.mark.parametrize("dtype,world,rank,rows,programs,tile_rows", [
-    (torch.float32, 2, 1, 3, None, 1), (torch.bfloat16, 3, 0, 5, 2, 2)])
-def test_push_allreduce_add_rms_norm(dtype, world, rank, rows, programs, tile_rows):
-    """The pushed variant, one rank's call with the peers' products already in its receive
-    buffer and their signals raised: the same result as the reference, this rank's product
-    written into every peer's receive buffer (its plane), and the flags as after a read."""
-    g = _gen(7)
-    h, eps = 96, 1e-6
-    parts = [_randn(rows, h, dtype=dtype, g=g) for _ in range(world)]
-    residual = _randn(rows, h, dtype=dtype, g=g)
-    w = _randn(h, dtype=dtype, g=g)
-    recv = [torch.zeros(world, rows, h, dtype=dtype, device=DEVICE) for _ in range(world)]
-    for src in range(world):
-        recv[rank][src] = parts[src]
-    tiles = -(-rows // tile_rows)
-    flags = _flags_with_peers_signalled(world, rank, min(tiles, programs or tiles))
-    out, new_r = arn.push_allreduce_add_rms_norm(parts[rank].reshape(-1), _ptrs(recv), _ptrs(flags), rank, rows,
-                                                 residual, w, eps, programs=programs, tile_rows=tile_rows)
-    out_ref, new_r_ref = arn.allreduce_add_rms_norm_ref(parts, residual, w, eps)
-    exact = dtype == torch.float32 or not INTERPRET
-    torch.testing.assert_close(new_r, new_r_ref, **(dict(atol=0, rtol=0) if exact else BF16_TOL))
-    torch.testing.assert_close(out, out_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
-    for peer in range(world):
-        if peer != rank:
-            assert torch.equal(recv[peer][rank], parts[rank]), peer
     _check_flags_after_call(flags, world, rank)
 
 

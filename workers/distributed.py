@@ -49,7 +49,6 @@ FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES",
 GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
 # programs of the fused all-reduce + norm: rows beyond them loop in the programs (0: one per row)
 FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
-FUSED_NORM_PUSH = os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PUSH", "0") == "1"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -363,9 +362,6 @@ class SymmMemAllReduce:
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.fused
-        if FUSED_NORM_PUSH:
-            return f.push_kernel(f.local[pending.slot], f.recv_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows,
-                                 residual, weight, eps, programs=FUSED_NORM_PROGRAMS or None)
         return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps,
                         programs=FUSED_NORM_PROGRAMS or None)
 
@@ -408,7 +404,6 @@ class _FlaggedBuffers:
     a call takes one flag per program and peer, and every rank makes the same calls)."""
     local: tuple[torch.Tensor, torch.Tensor]  # this rank's slots (flat)
     buf_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's slot address
-    recv_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's receive buffer
     gather_local: torch.Tensor  # this rank's gather buffer (flat; empty: no one-shot gather)
     gather_ptrs: torch.Tensor | None  # int64 [W]: every rank's gather buffer (None: empty)
     flag_ptrs: torch.Tensor  # int64 [W]: every rank's flags
@@ -419,7 +414,6 @@ class _FlaggedBuffers:
     max_bytes: int
     # the kernels, imported in create() (the engine core imports this module and needs no Triton):
     kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm
-    push_kernel: Callable  # kernels.allreduce_norm.push_allreduce_add_rms_norm
     gather_kernel: Callable  # kernels.all_gather.all_gather
     gather_cells: Callable  # kernels.all_gather.flag_cells: the flags per peer a gather takes
 
@@ -429,13 +423,12 @@ class _FlaggedBuffers:
         import torch.distributed._symmetric_memory as symm_mem
 
         from kernels.all_gather import all_gather as gather_kernel, flag_cells
-        from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm, push_allreduce_add_rms_norm
+        from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm
         elem = torch.empty(0, dtype=dtype).element_size()
         numel, gather_numel = nbytes // elem, gather_bytes // elem // 16 * 16
         max_rows = max(1, nbytes // 256)  # rows of at least 128 elements
         world, rank = dist.get_world_size(), dist.get_rank()
-        # two slots, the gather's buffer, and two receive buffers of W planes
-        bufs = symm_mem.empty((2 + 2 * world) * numel + gather_numel, dtype=dtype, device=device)
+        bufs = symm_mem.empty(2 * numel + gather_numel, dtype=dtype, device=device)
         flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
         flags.zero_()
         buf_handle = symm_mem.rendezvous(bufs, group_name)
@@ -452,11 +445,8 @@ class _FlaggedBuffers:
             return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
         slots = (bufs[:numel], bufs[numel:2 * numel])
-        gather = bufs[2 * numel:2 * numel + gather_numel]
-        recv_at = [2 * numel + gather_numel + i * world * numel for i in (0, 1)]
-        recv_ptrs = tuple(table(buf_handle, bufs[at:at + world * numel], at) for at in recv_at)
+        gather = bufs[2 * numel:]
         return cls(local=slots, buf_ptrs=(table(buf_handle, slots[0]), table(buf_handle, slots[1], numel)),
-                   recv_ptrs=recv_ptrs, push_kernel=push_allreduce_add_rms_norm,
                    gather_local=gather, gather_ptrs=table(buf_handle, gather, 2 * numel) if gather_numel else None,
                    flag_ptrs=table(flag_handle, flags), keep=(bufs, flags, buf_handle, flag_handle), rank=rank,
                    max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm,
