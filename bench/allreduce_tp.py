@@ -43,9 +43,9 @@ def _time(fn, graphed: bool) -> float:
 
 
 def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int],
-               variants: list[tuple[int, int, int]]) -> list[dict]:
-    """us per all-reduce + add + RMSNorm, unfused and fused (per variant: programs, warps,
-    rows per tile; 0 = the default), at each row count."""
+               variants: list[tuple[int, int]]) -> list[dict]:
+    """us per all-reduce + add + RMSNorm, unfused and fused (per variant: programs, warps;
+    0 = the default), at each row count."""
     import torch
     from kernels.rms_norm import fused_add_rms_norm
     from workers.distributed import PendingSum
@@ -74,20 +74,20 @@ def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int
             want = fused_add_rms_norm(summed, res, w, 1e-5)
             row = {"hidden": h, "rows": rows, "unfused": _time(unfused, True) / 2, "fused": {}}
             f = symm.fused
-            for programs, warps, tile_rows in variants:
-                def fused(programs=programs, warps=warps, tile_rows=tile_rows):
-                    return [f.kernel(f.buf_ptrs[slot], f.flag_ptrs, f.rank, rows, res, w, 1e-5, programs=programs
-                                     or None, num_warps=warps or None, tile_rows=tile_rows or 1) for slot in (0, 1)]
+            for programs, warps in variants:
+                def fused(programs=programs, warps=warps):
+                    return [f.kernel(f.buf_ptrs[slot], f.flag_ptrs, f.rank, rows, res, w, 1e-5,
+                                     programs=programs or None, num_warps=warps or None) for slot in (0, 1)]
                 got = fused()
                 torch.cuda.synchronize()
                 exact = all(torch.equal(a, b) for a, b in zip(want + want, got[0] + got[1]))
-                row["fused"][(programs, warps, tile_rows)] = (_time(fused, True) / 2, exact)
+                row["fused"][(programs, warps)] = (_time(fused, True) / 2, exact)
             rows_out.append(row)
     return rows_out
 
 
 def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int], norm_rows: list[int],
-          variants: list[tuple[int, int, int]]) -> None:
+          variants: list[tuple[int, int]]) -> None:
     # a buffer for the largest size, so both symmetric-memory paths are timed at every size
     os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
     os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
@@ -114,7 +114,8 @@ def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int]
             torch.cuda.synchronize()
             row["exact"] = row.get("exact", True) and bool((y == 3).all())
         rows.append(row)
-    norm_table = _norm_rows(symm, rank, device, norm_hidden, norm_rows, variants) if symm is not None and symm.fused else []
+    norm_table = (_norm_rows(symm, rank, device, norm_hidden, norm_rows, variants)
+                  if symm is not None and symm.fused else [])
     if rank == 0:
         out.put((rows, norm_table, distributed.describe()))
     dist.barrier()
@@ -132,15 +133,15 @@ def main() -> int:
                    help="also time all-reduce + add + RMSNorm, unfused vs fused, at these hidden sizes")
     p.add_argument("--norm-rows", type=int, nargs="+", default=[1, 8, 64],
                    help="the row counts of --norm-hidden (default 1 8 64)")
-    p.add_argument("--norm-variants", nargs="+", default=["0x0x1"],
-                   help="fused kernel launches to compare, PROGRAMSxWARPSxROWS (programs, warps, rows per "
-                        "program's tile; 0: the default), e.g. 0x0x1 132x16x1")
+    p.add_argument("--norm-variants", nargs="+", default=["0x0"],
+                   help="fused kernel launches to compare, PROGRAMSxWARPS (0: the default, one program "
+                        "per SM and warps by the row's length), e.g. 0x0 100000x0 (a program per row) 0x8")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_tcp_port()
     variants = [tuple(int(v) for v in spec.split("x")) for spec in args.norm_variants]
-    assert all(len(v) == 3 for v in variants), "--norm-variants takes PROGRAMSxWARPSxROWS"
+    assert all(len(v) == 2 for v in variants), "--norm-variants takes PROGRAMSxWARPS"
     procs = [ctx.Process(target=_rank, args=(r, port, args.sizes_kb, out, args.norm_hidden, args.norm_rows, variants))
              for r in range(2)]
     for proc in procs:
@@ -156,7 +157,7 @@ def main() -> int:
               f"{f('two_shot'):>12} {r.get('exact', '-')}")
     if args.norm_hidden:
         print(f"\nall-reduce + add + RMSNorm, us per call (graphed); rank 0: {info}")
-        names = [f"{p or 'all'}x{w or 'def'}x{t or 1}" for p, w, t in variants]
+        names = [f"{p or 'def'}x{w or 'def'}" for p, w in variants]
         print(f"{'hidden':>7} {'rows':>5} {'1shot+norm':>11} " + " ".join(f"{n:>12}" for n in names) + "  same bits")
         for r in norm_rows:
             cells = [r["fused"][v] for v in variants]

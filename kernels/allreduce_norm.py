@@ -4,12 +4,15 @@ Under tensor parallelism every layer ends twice in a row-parallel linear (o_proj
 down_proj) whose partial products are summed over the ranks, and the sum goes straight
 into the next RMSNorm together with the residual. Unfused that is two kernels per
 all-reduce: the sum (torch's one-shot kernel over symmetric memory) and the add-norm,
-which reads the sum again. Here one program per row:
+which reads the sum again. Here each program (one per row, at most one per SM):
 
 1. tells every peer that this rank's products are ready, and waits for theirs (a flag
-   per (row, rank) in symmetric memory: `peer_barrier`, which kernels/all_gather.py shares);
-2. reads the row from every rank's buffer over NVLink and sums in rank order (every
-   rank gets the same bits), rounded to the activations' dtype as the unfused sum is;
+   per (program, rank) in symmetric memory: `peer_barrier`, which kernels/all_gather.py
+   shares). It waits for the whole kernel before it first (PDL), so one barrier covers
+   every row of the buffer;
+2. for each of its rows, reads the row from every rank's buffer over NVLink and sums in
+   rank order (every rank gets the same bits), rounded to the activations' dtype as the
+   unfused sum is;
 3. adds the residual and normalises with kernels/rms_norm.py's roundings.
 
 There is no closing barrier: the caller alternates between two buffers (`slot`), and
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import pdl_args, pdl_wait
+from kernels.jit import pdl_args, pdl_wait, sm_count
 from kernels.rms_norm import fused_add_rms_norm_ref
 
 
@@ -68,50 +71,52 @@ def peer_barrier(flag_ptrs, cell, rank, WORLD: tl.constexpr):
 def _allreduce_add_rms_norm_kernel(
     buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
     rows, n_cols, stride_r, rank, eps,
-    WORLD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """buf_ptrs / flag_ptrs: int64 [WORLD], the address of every rank's product buffer
     ([rows, n_cols], contiguous) and of its flags (int32 [programs, WORLD]). Program p takes
-    the tiles of ROWS rows p, p + programs, ..."""
+    rows p, p + programs, ..."""
     first = tl.program_id(0)
     pdl_wait(PDL)  # this rank's whole buffer is written; the next kernel may launch
     # so one barrier per program, whatever its rows, tells the peers that all of it is ready
     peer_barrier(flag_ptrs, first, rank, WORLD)
 
-    cols = tl.arange(0, BLOCK)[None, :]
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    for tile in range(first, tl.cdiv(rows, ROWS), tl.num_programs(0)):
-        row = tl.cast(tile, tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-        mask = (row < rows) & (cols < n_cols)
-        at = row * n_cols + cols
-        total = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(first, rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)
+        at = row * n_cols + offs
+        total = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             part = tl.load(buf_ptrs + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
             total += tl.load(part + at, mask=mask, other=0.0).to(tl.float32)
         summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-        res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         x = (summed + res).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + at, x, mask=mask)
         x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1)[:, None] / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
         normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 MAX_COLS = 16384  # a row is held in registers
-MAX_PROGRAMS = 1 << 30  # programs per call (and flag cells): rows beyond loop in the programs
 
 
 def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int, rows: int,
                            residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           programs: int | None = None, num_warps: int | None = None,
-                           tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                           programs: int | None = None,
+                           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum every rank's [rows, H] buffer (buf_ptrs: their addresses, int64 [W] on the device),
     add residual [rows, H] and normalise by weight [H]: (normed, new residual), both new
     [rows, H] tensors. flag_ptrs: every rank's int32 flags, at least min(rows, programs) x W,
-    zero between calls. Every rank of the group must make the same call. programs, num_warps
-    and tile_rows (None: one program per tile, MAX_PROGRAMS at most; warps by the row's length;
-    rows per tile) are for bench.allreduce_tp's sweep."""
+    zero between calls. Every rank of the group must make the same call.
+
+    programs: at most one per SM by default. More rows than SMs then loop in the programs,
+    each with one barrier: 256 rows of 8,192 took 19.4 us on 2xH200 where a program per row
+    (two waves, a barrier each) took 22.7 (bench/RESULTS.md, session 22). num_warps: by the
+    row's length by default; both are parameters for bench.allreduce_tp's sweep."""
     world = buf_ptrs.numel()
     h = weight.numel()
     assert h <= MAX_COLS and residual.shape == (rows, h) and residual.stride(-1) == 1
@@ -120,9 +125,7 @@ def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank
     if rows == 0:
         return out, res_out
     block = triton.next_power_of_2(h)
-    tiles = triton.cdiv(rows, tile_rows)
-    _allreduce_add_rms_norm_kernel[(min(tiles, programs or MAX_PROGRAMS),)](
+    _allreduce_add_rms_norm_kernel[(min(rows, programs or sm_count(residual.device)),)](
         buf_ptrs, flag_ptrs, residual, weight, out, res_out, rows, h, residual.stride(0), rank, float(eps),
-        WORLD=world, BLOCK=block, ROWS=tile_rows, num_warps=num_warps or max(4, min(16, block // 512)),
-        **pdl_args(residual))
+        WORLD=world, BLOCK=block, num_warps=num_warps or max(4, min(16, block // 512)), **pdl_args(residual))
     return out, res_out

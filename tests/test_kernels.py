@@ -335,10 +335,10 @@ def _check_flags_after_call(flags: list[torch.Tensor], world: int, rank: int) ->
         assert torch.equal(flags[p].cpu(), want), (p, flags[p])
 
 
-@pytest.mark.parametrize("dtype,world,rank,rows,programs,tile_rows", [
-    (torch.float32, 2, 0, 3, None, 1), (torch.bfloat16, 2, 1, 3, None, 1), (torch.float32, 4, 2, 3, None, 1),
-    (torch.float32, 2, 1, 7, 3, 1), (torch.float32, 2, 0, 7, 2, 2)])
-def test_allreduce_add_rms_norm(dtype, world, rank, rows, programs, tile_rows):
+@pytest.mark.parametrize("dtype,world,rank,rows,programs", [
+    (torch.float32, 2, 0, 3, None), (torch.bfloat16, 2, 1, 3, None), (torch.float32, 4, 2, 3, None),
+    (torch.float32, 2, 1, 7, 3)])
+def test_allreduce_add_rms_norm(dtype, world, rank, rows, programs):
     """One rank's call with every peer's signal already raised (the peers' buffers are
     ordinary tensors here): the rank-order sum, residual add and norm equal the reference;
     the rank consumes its own flags and raises its flag in every peer's, one per program
@@ -348,10 +348,9 @@ def test_allreduce_add_rms_norm(dtype, world, rank, rows, programs, tile_rows):
     parts = [_randn(rows, h, dtype=dtype, g=g) for _ in range(world)]
     residual = _randn(rows, 2 * h, dtype=dtype, g=g)[:, :h]  # a strided residual
     w = _randn(h, dtype=dtype, g=g)
-    tiles = -(-rows // tile_rows)
-    flags = _flags_with_peers_signalled(world, rank, min(tiles, programs or tiles))
+    flags = _flags_with_peers_signalled(world, rank, min(rows, programs or rows))
     out, new_r = arn.allreduce_add_rms_norm(_ptrs(parts), _ptrs(flags), rank, rows, residual, w, eps,
-                                            programs=programs, tile_rows=tile_rows)
+                                            programs=programs or rows)
     out_ref, new_r_ref = arn.allreduce_add_rms_norm_ref(parts, residual, w, eps)
     exact = dtype == torch.float32 or not INTERPRET  # (the interpreter's bf16 rounding is approximate)
     tol = dict(atol=0, rtol=0) if exact else BF16_TOL

@@ -47,7 +47,7 @@ ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 1 <
 TWO_SHOT_MAX_BYTES = int(os.environ.get("LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES", 16 << 20))
 FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES", 4 << 20))
 GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
-# programs of the fused all-reduce + norm: rows beyond them loop in the programs (0: one per row)
+# programs of the fused all-reduce + norm, for A/B runs (0: one per SM; rows beyond loop in them)
 FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
