@@ -31,11 +31,11 @@ import os
 import queue
 import re
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -355,17 +355,59 @@ class ClientIO:
 
 
 def _id_to_answer(frames, kind: bytes) -> str | int | None:
-    """What the client of a malformed ADD or UTILITY waits on, if that much of it decodes: an
+    """What the client of a malformed ADD or UTILITY waits on, if that much of it reads: an
     ADD's request id (the first field of EngineCoreRequest), a UTILITY's call id (the second
-    field of UtilityRequest)."""
+    field of UtilityRequest). Only the fields up to it are read, so a body with a bad later
+    field or bytes after its end still gets its answer."""
     where = {MsgType.ADD.value: (0, str), MsgType.UTILITY.value: (1, int)}.get(kind)
     if where is None or len(frames) < 2:
         return None
-    try:
-        body = msgspec.msgpack.decode(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1])
-    except Exception:
-        return None
     pos, typ = where
-    if isinstance(body, list) and len(body) > pos and type(body[pos]) is typ:
-        return body[pos]
+    fields = _leading_fields(bytes(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]), pos + 1)
+    if fields is not None and len(fields) > pos and type(fields[pos]) is typ:
+        return fields[pos]
     return None
+
+
+_MSGPACK_INTS = {0xcc: ">B", 0xcd: ">H", 0xce: ">I", 0xcf: ">Q", 0xd0: ">b", 0xd1: ">h", 0xd2: ">i", 0xd3: ">q"}
+_MSGPACK_STR_LENGTHS = {0xd9: ">B", 0xda: ">H", 0xdb: ">I"}
+
+
+def _leading_fields(body: bytes, count: int) -> list | None:
+    """The first `count` elements of the msgpack array `body` (fewer if it has fewer), read
+    without the rest of it; None unless the body starts as an array whose elements up to
+    there are ints or strings."""
+    try:
+        head = body[0]
+        if 0x90 <= head <= 0x9f:
+            length, at = head & 0x0f, 1
+        elif head in (0xdc, 0xdd):
+            fmt = ">H" if head == 0xdc else ">I"
+            length, at = struct.unpack_from(fmt, body, 1)[0], 1 + struct.calcsize(fmt)
+        else:
+            return None
+        fields = []
+        for _ in range(min(count, length)):
+            tag = body[at]
+            if tag <= 0x7f or tag >= 0xe0:  # positive and negative fixint
+                fields.append(tag if tag <= 0x7f else tag - 0x100)
+                at += 1
+            elif tag in _MSGPACK_INTS:
+                fmt = _MSGPACK_INTS[tag]
+                fields.append(struct.unpack_from(fmt, body, at + 1)[0])
+                at += 1 + struct.calcsize(fmt)
+            else:
+                if 0xa0 <= tag <= 0xbf:
+                    size, at = tag & 0x1f, at + 1
+                elif tag in _MSGPACK_STR_LENGTHS:
+                    fmt = _MSGPACK_STR_LENGTHS[tag]
+                    size, at = struct.unpack_from(fmt, body, at + 1)[0], at + 1 + struct.calcsize(fmt)
+                else:
+                    return None
+                if at + size > len(body):
+                    return None
+                fields.append(body[at:at + size].decode())
+                at += size
+        return fields
+    except (IndexError, struct.error, UnicodeDecodeError):
+        return None

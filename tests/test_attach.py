@@ -132,6 +132,15 @@ def test_attach_headless_engine(tiny_model_dir, headless):
                 outs = client.get_outputs(timeout=1)
                 out = next((o for o in outs.outputs if o.request_id == "bad-add"), None) if outs else None
             assert out.finish_reason == "error" and "malformed request" in out.error
+            # a well-formed ADD with a byte after its end: answered too (its id read on its own)
+            body = msgspec.msgpack.encode(["bad-tail", [1, 2, 3], []]) + b"\x00"
+            client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value, body])
+            out, deadline = None, time.monotonic() + 10
+            while out is None:
+                assert time.monotonic() < deadline, "the ADD with a trailing byte was not answered"
+                outs = client.get_outputs(timeout=1)
+                out = next((o for o in outs.outputs if o.request_id == "bad-tail"), None) if outs else None
+            assert out.finish_reason == "error" and "malformed request" in out.error
             # a UTILITY whose call id reads but whose method is not a string: answered with a failure
             client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.UTILITY.value,
                                          msgspec.msgpack.encode([0, 987654, 5, []])])
