@@ -135,6 +135,8 @@ class LLM:
                 ids, items = self._multimodal(prompt, ids, params.n)
                 checked.append((text, ids, params, items, prio))
                 validate_request(ids, params, limits, priority=prio)
+                if params.structured_outputs is not None:
+                    _check_constraint(params.structured_outputs)
         except BaseException:
             if self.mm is not None:  # release the images of the prompts already checked
                 for *_, items, _ in checked:
@@ -457,3 +459,14 @@ class _ShutDown:
 
     def __getattr__(self, name):
         raise RuntimeError("this LLM has been shut down")
+
+
+def _check_constraint(c) -> None:
+    """ValueError for a constraint that does not compile, as vLLM's LLM raises (the engine would
+    finish the request with an error)."""
+    from frontend.constraints import check_constraint
+    from frontend.protocol import APIError
+    try:
+        check_constraint(c, "structured_outputs")
+    except APIError as e:
+        raise ValueError(e.message) from None

@@ -51,13 +51,19 @@ def results(tiny_model_dir):
             if async_scheduling:
                 out["solo"] = [llm.generate([p], SamplingParams(temperature=0, max_tokens=24),
                                             use_tqdm=False)[0].outputs[0].text for p in FREE]
-                bad = llm.generate(["x", "y"], [SamplingParams(max_tokens=4, structured_outputs=
-                                                               StructuredOutputsParams(regex="[0-9")),
-                                                SamplingParams(max_tokens=4, temperature=0)], use_tqdm=False)
-                out["bad"] = [o.outputs[0] for o in bad]
-                for _ in range(3):   # the same failed grammar, from the cache
-                    llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
-                        regex="[0-9")), use_tqdm=False)
+                bad_params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9"))
+                try:   # vLLM's LLM raises, and sends nothing
+                    llm.generate(["x", "y"], [SamplingParams(max_tokens=4), bad_params], use_tqdm=False)
+                except ValueError as e:
+                    out["raised"] = str(e)
+                # the engine checks again, for the clients that send it anyway (the LLM's check off)
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr("frontend.llm._check_constraint", lambda c: None)
+                    bad = llm.generate(["x", "y"], [bad_params, SamplingParams(max_tokens=4, temperature=0)],
+                                       use_tqdm=False)
+                    out["bad"] = [o.outputs[0] for o in bad]
+                    for _ in range(3):   # the same failed grammar, from the cache
+                        llm.generate(["x"], bad_params, use_tqdm=False)
                 out["live_after_bad"] = llm.debug_info()["live_requests"]
     return out
 
@@ -78,6 +84,10 @@ def test_async_scheduling_on_and_off_identical(results):
 def test_free_requests_in_mixed_batch_equal_solo(results):
     assert [o.text for o in results[True][4:]] == results["solo"]
     assert [o.text for o in results[False][4:]] == results["solo"]
+
+
+def test_constraint_that_does_not_compile_raises_in_llm(results):
+    assert "the constraint is invalid" in results.get("raised", ""), results.get("raised")
 
 
 def test_constraint_that_does_not_compile_fails_alone_in_the_engine(results):
