@@ -271,6 +271,7 @@ def _merge(deltas: list) -> list:
         m.token_ids = m.token_ids + d.token_ids
         if d.logprobs is not None:
             m.logprobs = (m.logprobs or []) + d.logprobs
+            m.cumulative_logprob = d.cumulative_logprob   # a running total
         if m.prompt_logprobs is None:
             m.prompt_logprobs = d.prompt_logprobs
         m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason

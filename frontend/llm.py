@@ -261,6 +261,7 @@ class LLM:
                     if choice.logprobs is None:
                         choice.logprobs = []
                     choice.logprobs.extend(delta.logprobs)
+                    choice.cumulative_logprob = delta.cumulative_logprob
                 if delta.finish_reason is None:
                     continue
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason

@@ -21,7 +21,7 @@ class RequestState:
 
     __slots__ = ("engine_id", "index", "params", "tokenizer", "texts", "detok", "token_ids",
                  "finish_reason", "stop_reason", "num_cached_tokens", "prompt_logprobs",
-                 "_prompt_lp_sent", "_prompt_ids")
+                 "cumulative_logprob", "_prompt_lp_sent", "_prompt_ids")
 
     def __init__(self, engine_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, texts: TokenTexts, final_only: bool = False):
@@ -41,6 +41,8 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        # vLLM's: the sum of the sampled tokens' logprobs, kept where they are asked for
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self._prompt_lp_sent = False
 
     def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
@@ -63,6 +65,7 @@ class RequestState:
             new_ids.append(tok)
             if new_lp is not None and lp_entries:
                 new_lp.append(lp_entries[j])
+                self.cumulative_logprob += out.logprobs.logprobs[j][0]
             if drop_last and j == last:
                 break
             stop = self.detok.add(tok)
@@ -80,7 +83,8 @@ class RequestState:
         text = self.detok.take_delta(finished)
         if not new_ids and not text and not finished:
             return None, abort
-        delta = CompletionOutput(self.index, text, new_ids, self.finish_reason, self.stop_reason, new_lp)
+        delta = CompletionOutput(self.index, text, new_ids, self.finish_reason, self.stop_reason, new_lp,
+                                 self.cumulative_logprob)
         if self.prompt_logprobs is not None and not self._prompt_lp_sent:
             self._prompt_lp_sent = True   # complete by now: every prompt chunk precedes the first token
             delta.prompt_logprobs = self.prompt_logprobs

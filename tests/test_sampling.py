@@ -37,6 +37,11 @@ def test_logprobs_match_hf(llm):
         assert set(top_i.tolist()) <= set(entry)
         for v, t in zip(top_v.tolist(), top_i.tolist()):
             assert entry[t].logprob == pytest.approx(v, abs=1e-4)
+    # vLLM's cumulative_logprob: the sum of the sampled tokens' logprobs (None unless asked for)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(ref[len(PROMPT) - 1 + i][tok].item() for i, tok in enumerate(gen)), abs=1e-3)
+    plain = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert plain[0].outputs[0].cumulative_logprob is None
     # prompt logprobs: None for the first token, then the prompt token and the top 3
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(PROMPT)
