@@ -207,8 +207,8 @@ def _pivot_pass(row_ptr, vocab, m, inv_t, lo, hi,
 
 
 @triton.jit
-def _race(row_ptr, noise_row_ptr, offs, vocab, m, inv_t, thr, u, best, best_i, USE_NOISE: tl.constexpr):
-    msk = offs < vocab
+def _race(row_ptr, noise_row_ptr, offs, lo, hi, m, inv_t, thr, u, best, best_i, USE_NOISE: tl.constexpr):
+    msk = (offs >= lo) & (offs < hi)
     l = tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32)
     key, e = _key_e(l, m, inv_t, msk)
     if USE_NOISE:
@@ -255,14 +255,15 @@ def _philox_key(seed_ptr, pos_ptr, row):
 
 
 @triton.jit
-def _race_range(row_ptr, noise_row, lo, hi, vocab, m, inv_t, thr, key, RAND_Q: tl.constexpr,
+def _race_range(row_ptr, noise_row, first, lo, hi, vocab, m, inv_t, thr, key, RAND_Q: tl.constexpr,
                 USE_NOISE: tl.constexpr):
-    """The exponential race over tokens [lo, hi) (lo a multiple of 4 * RAND_Q): returns the
-    best score and its first token (vocab if none)."""
+    """The exponential race over tokens [lo, hi), walked from `first` <= lo (a multiple of
+    4 * RAND_Q: the Philox counters are the token's): returns the best score and its first
+    token (vocab if none)."""
     best = tl.full([RAND_Q], -1.0, dtype=tl.float32)
     best_i = tl.arange(0, RAND_Q)
     lane = tl.arange(0, RAND_Q)
-    for start in range(lo, hi, 4 * RAND_Q):
+    for start in range(first, hi, 4 * RAND_Q):
         if USE_NOISE:
             u0 = tl.zeros([RAND_Q], dtype=tl.float32)
             u1 = u0
@@ -270,12 +271,12 @@ def _race_range(row_ptr, noise_row, lo, hi, vocab, m, inv_t, thr, key, RAND_Q: t
             u3 = u0
         else:
             u0, u1, u2, u3 = tl.rand4x(key, start // 4 + lane)
-        best, best_i = _race(row_ptr, noise_row, start + lane, hi, m, inv_t, thr, u0, best, best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, hi, m, inv_t, thr, u1, best, best_i,
+        best, best_i = _race(row_ptr, noise_row, start + lane, lo, hi, m, inv_t, thr, u0, best, best_i, USE_NOISE)
+        best, best_i = _race(row_ptr, noise_row, start + RAND_Q + lane, lo, hi, m, inv_t, thr, u1, best, best_i,
                              USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, hi, m, inv_t, thr, u2, best,
+        best, best_i = _race(row_ptr, noise_row, start + 2 * RAND_Q + lane, lo, hi, m, inv_t, thr, u2, best,
                              best_i, USE_NOISE)
-        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, hi, m, inv_t, thr, u3, best,
+        best, best_i = _race(row_ptr, noise_row, start + 3 * RAND_Q + lane, lo, hi, m, inv_t, thr, u3, best,
                              best_i, USE_NOISE)
     top = tl.max(best, 0)
     return top, tl.min(tl.where(best == top, best_i, vocab), 0)
@@ -392,45 +393,49 @@ def _sample_kernel(
         thr = hi
 
     # last pass: exponential race over the kept tokens
-    top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, vocab, vocab, m, inv_t, thr,
+    top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, 0, vocab, vocab, m, inv_t, thr,
                            _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
 @step_jit(ints=("num_chunks",))
-def _chunk_max_kernel(logits_ptr, stride_l, part_max_ptr, part_arg_ptr, vocab, chunk, num_chunks,
+def _chunk_max_kernel(logits_ptr, stride_l, part_max_ptr, part_arg_ptr, vocab_lo, vocab_hi, base, chunk, num_chunks,
                       BLOCK: tl.constexpr):
-    """Program (row, c): max and first argmax of the row's logits in [c * chunk, (c + 1) * chunk)."""
+    """Program (row, c): max and first argmax of the row's logits over chunk c, the token ids
+    [base + c * chunk, base + (c + 1) * chunk) within [vocab_lo, vocab_hi). The logits hold ids
+    vocab_lo.. (a rank's vocabulary shard; from 0 unsharded); the argmax is a token id."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    lo = c * chunk
-    m, arg = _max_argmax(logits_ptr + row * stride_l, lo, tl.minimum(lo + chunk, vocab), vocab, BLOCK)
+    start = base + c * chunk
+    m, arg = _max_argmax(logits_ptr + row * stride_l - vocab_lo, tl.maximum(start, vocab_lo),
+                         tl.minimum(start + chunk, vocab_hi), vocab_hi, BLOCK)
     tl.store(part_max_ptr + row * num_chunks + c, m)
     tl.store(part_arg_ptr + row * num_chunks + c, arg)
 
 
-@step_jit(ints=("num_chunks",), pointers=("temp_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
+@step_jit(ints=("num_chunks", "num_max"), pointers=("temp_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
 def _chunk_race_kernel(
     logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, min_p_ptr, seed_ptr, pos_ptr,
-    part_max_ptr, part_score_ptr, part_tok_ptr, vocab, chunk, num_chunks,
+    all_max_ptr, num_max, part_score_ptr, part_tok_ptr, vocab_lo, vocab_hi, base, chunk, num_chunks,
     RAND_Q: tl.constexpr, BLOCK_C: tl.constexpr, USE_NOISE: tl.constexpr,
 ):
-    """Program (row, c): the exponential race over the row's chunk c (as _sample_kernel's last
-    pass, min_p the only filter), given the row max from the chunk maxima."""
+    """Program (row, c): the exponential race over the row's chunk c (as _chunk_max_kernel's;
+    as _sample_kernel's last pass, min_p the only filter), given the row max from the
+    num_max chunk maxima of the whole vocabulary (every rank's, sharded). Noise, when given, is
+    indexed by token id."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     temp = tl.load(temp_ptr + row).to(tl.float32)
     if temp <= 0.0:
         return
     offs_c = tl.arange(0, BLOCK_C)
-    m = tl.max(tl.load(part_max_ptr + row * num_chunks + offs_c, mask=offs_c < num_chunks,
-                       other=float("-inf")), 0)
+    m = tl.max(tl.load(all_max_ptr + row * num_max + offs_c, mask=offs_c < num_max, other=float("-inf")), 0)
     inv_t = tl.math.div_rn(1.0, temp)
     thr = _min_p_key(min_p_ptr, row)
-    lo = c * chunk  # a multiple of 4 * RAND_Q: the same Philox counters as one program per row
-    top, tok = _race_range(logits_ptr + row * stride_l, noise_ptr + row * stride_n, lo,
-                           tl.minimum(lo + chunk, vocab), vocab, m, inv_t, thr,
-                           _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
+    start = base + c * chunk  # a multiple of 4 * RAND_Q: the same Philox counters as one program per row
+    top, tok = _race_range(logits_ptr + row * stride_l - vocab_lo, noise_ptr + row * stride_n, start,
+                           tl.maximum(start, vocab_lo), tl.minimum(start + chunk, vocab_hi), vocab_hi, m, inv_t,
+                           thr, _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
     tl.store(part_score_ptr + row * num_chunks + c, top)
     tl.store(part_tok_ptr + row * num_chunks + c, tok)
 
@@ -468,11 +473,11 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
     i32 = dict(dtype=torch.int32, device=logits.device)
     part_max, part_score = torch.empty(bsz, num_chunks, **f32), torch.empty(bsz, num_chunks, **f32)
     part_arg, part_tok = torch.empty(bsz, num_chunks, **i32), torch.empty(bsz, num_chunks, **i32)
-    _chunk_max_kernel[(bsz, num_chunks)](logits, logits.stride(0), part_max, part_arg, vocab, chunk, num_chunks,
-                                         BLOCK=_BLOCK, num_warps=4)
+    _chunk_max_kernel[(bsz, num_chunks)](logits, logits.stride(0), part_max, part_arg, 0, vocab, 0, chunk,
+                                         num_chunks, BLOCK=_BLOCK, num_warps=4)
     _chunk_race_kernel[(bsz, num_chunks)](
         logits, logits.stride(0), noise, stride_n, temperature, min_p, seeds, positions,
-        part_max, part_score, part_tok, vocab, chunk, num_chunks,
+        part_max, num_chunks, part_score, part_tok, 0, vocab, 0, chunk, num_chunks,
         RAND_Q=_RAND_Q, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=4)
     _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
                                BLOCK_C=_MAX_CHUNKS, num_warps=1)
@@ -549,3 +554,108 @@ def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise, top_k_top_p, num_chunks,
                    max_top_k, top_p_only)
+
+
+# --------------------------------------------------------------------------
+# vocabulary shards (tensor parallelism)
+# --------------------------------------------------------------------------
+# Under tensor parallelism each rank computes the logits of its slice of the vocabulary.
+# Rows that sample plainly (greedy, temperature, min-p) need no rank to see the others'
+# logits: the row max, then the exponential race's winner, are reductions. Each rank reduces
+# its own columns to a few values per row, `gather` ([B, k] -> every rank's [B, k] side by
+# side, a collective) exchanges them, and every rank picks the same token. The draws are the
+# unsharded sampler's (the same max, the same noise per token id, first index on ties), so
+# the tokens equal sample() / sample_ref() on the gathered logits.
+
+def _gather_pairs(gather, a: torch.Tensor, b: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's [B, C] float32 a and int32 b -> every rank's, [B, world * C] each, in rank
+    order (one collective: a's bits travel as int32)."""
+    bsz, c = a.shape
+    got = gather(torch.cat((a.view(torch.int32), b), dim=1)).view(bsz, world, 2, c)
+    return got[:, :, 0].reshape(bsz, world * c).view(torch.float32), got[:, :, 1].reshape(bsz, world * c)
+
+
+def sample_sharded(logits: torch.Tensor, vocab_start: int, vocab_size: int, temperature: torch.Tensor,
+                   min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, gather, world: int,
+                   noise: torch.Tensor | None = None, num_chunks: int | None = None) -> torch.Tensor:
+    """Plain rows (temperature [B] fp32, 0 = greedy; min_p [B]; no top-k / top-p) from this
+    rank's logits [B, part] (token ids vocab_start.., padding past vocab_size) -> token ids
+    int64 [B], the same on every rank of the `world` that makes the same call. `gather` is the
+    group's all-gather ([B, k] -> [B, world * k]); noise, when given, is [B, vocab_size]
+    (every rank's), else Philox as sample(). Each rank splits its part into the same number of
+    chunks (num_chunks, default about four programs per SM), which stay on 1,024-token
+    boundaries of the whole vocabulary (the Philox layout)."""
+    if not runs_triton(_chunk_max_kernel, logits):
+        return sample_sharded_ref(logits, vocab_start, vocab_size, temperature, min_p, seeds, positions, gather,
+                                  noise)
+    bsz, part = logits.shape
+    out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    step = 4 * _RAND_Q
+    if num_chunks is None:
+        num_chunks = triton.cdiv(4 * sm_count(logits.device), max(bsz, 1))
+    # a part that starts mid-chunk needs one chunk more; every rank's chunks fit the pick's tile
+    num_chunks = max(1, min(int(num_chunks), triton.cdiv(part, step), _MAX_CHUNKS // world - 1))
+    chunk = triton.cdiv(triton.cdiv(part, num_chunks), step) * step
+    per_rank = triton.cdiv(part, chunk) + 1   # the same on every rank: the exchange's shape
+    base = vocab_start // chunk * chunk
+    vocab_hi = min(vocab_start + part, vocab_size)
+    use_noise = noise is not None
+    noise_arg = noise.contiguous() if use_noise else logits
+    stride_n = noise_arg.stride(0) if use_noise else 0
+    temperature, min_p = temperature.contiguous(), min_p.contiguous()
+    seeds, positions = seeds.contiguous(), positions.contiguous()
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    # (a greedy row's race parts stay unwritten: the pick reads its maxima)
+    part_max, part_score = torch.empty(bsz, per_rank, **f32), torch.empty(bsz, per_rank, **f32)
+    part_arg, part_tok = torch.empty(bsz, per_rank, **i32), torch.empty(bsz, per_rank, **i32)
+    grid = (bsz, per_rank)
+    _chunk_max_kernel[grid](logits, logits.stride(0), part_max, part_arg, vocab_start, vocab_hi, base, chunk,
+                            per_rank, BLOCK=_BLOCK, num_warps=4)
+    all_max, all_arg = _gather_pairs(gather, part_max, part_arg, world)
+    _chunk_race_kernel[grid](
+        logits, logits.stride(0), noise_arg, stride_n, temperature, min_p, seeds, positions,
+        all_max, world * per_rank, part_score, part_tok, vocab_start, vocab_hi, base, chunk, per_rank,
+        RAND_Q=_RAND_Q, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=4)
+    all_score, all_tok = _gather_pairs(gather, part_score, part_tok, world)
+    _chunk_pick_kernel[(bsz,)](temperature, all_max, all_arg, all_score, all_tok, out, world * per_rank,
+                               BLOCK_C=_MAX_CHUNKS, num_warps=1)
+    return out
+
+
+def _first_max(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per row, the id of the first largest value ([B, W] each: the ranks' bests in rank order)."""
+    first = (values == values.max(dim=-1, keepdim=True).values).int().argmax(dim=-1, keepdim=True)
+    return ids.gather(1, first).squeeze(1)
+
+
+def sample_sharded_ref(logits: torch.Tensor, vocab_start: int, vocab_size: int, temperature: torch.Tensor,
+                       min_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, gather,
+                       noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of sample_sharded: each rank's best per row, exchanged; the noise of its
+    columns cut from the row's whole-vocabulary draw (sample_ref's generator)."""
+    bsz, part = logits.shape
+    n = max(0, min(part, vocab_size - vocab_start))
+    x = logits[:, :n].float()
+    ones = torch.ones_like(temperature, dtype=torch.float32)
+    greedy, inv_t, _, _, max_d = _prepare(x, temperature, ones.int(), ones, min_p)
+    local_max = x.max(dim=-1).values if n else torch.full((bsz,), float("-inf"), device=x.device)
+    local_arg = x.argmax(dim=-1) + vocab_start if n else torch.zeros(bsz, dtype=torch.int64, device=x.device)
+    all_max = gather(local_max[:, None])
+    out = _first_max(all_max, gather(local_arg[:, None]))
+    if bool(greedy.all()):
+        return out
+    if noise is None:
+        noise = torch.empty((bsz, vocab_size), dtype=torch.float32, device=x.device)
+        for i, s in enumerate(mix_seed(seeds, positions).tolist()):
+            g = torch.Generator(device=x.device)
+            g.manual_seed(s & _MASK64)
+            noise[i].exponential_(generator=g)
+    q = noise[:, vocab_start:vocab_start + n].float()
+    d = (all_max.max(dim=-1).values[:, None] - x) * inv_t[:, None]
+    score = torch.where(_keys(d) <= _keys(max_d)[:, None], torch.exp(-d) / q, torch.full_like(d, -1.0))
+    best = score.max(dim=-1).values if n else torch.full((bsz,), -2.0, device=x.device)
+    best_id = score.argmax(dim=-1) + vocab_start if n else torch.zeros(bsz, dtype=torch.int64, device=x.device)
+    return torch.where(greedy, out, _first_max(gather(best[:, None]), gather(best_id[:, None])))

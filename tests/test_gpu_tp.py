@@ -69,6 +69,22 @@ def test_tp2_bf16_matches_tp1_and_graphs_match_eager(small_model):
         assert top2 is None or top2[0] - top2[1] <= 0.25, f"TP=2 left TP=1 at token {d}, not at a near-tie: {top2}"
 
 
+def test_tp2_plain_rows_sample_from_vocabulary_shards(small_model, monkeypatch):
+    """Rows that sample plainly (greedy, temperature, min-p) and whose logits are not gathered in
+    one shot draw from each rank's vocabulary shard (kernels/sampling.py, sample_sharded: two
+    NCCL exchanges, captured in the decode graphs' head): fp32, the tokens the gathered logits
+    give (here the one-shot gather, then nothing gathered: LOOM_ONE_SHOT_GATHER_MAX_BYTES=0)."""
+    prompts = PROMPTS + [[(7 * i + j) % 300 + 20 for j in range(5 + 3 * i)] for i in range(13)]
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0.0, min_p=0.05 * (i % 2), seed=11 + i, max_tokens=32,
+                             ignore_eos=True) for i in range(len(prompts))]
+    gathered = _greedy(small_model, prompts, params, dtype="float32", tensor_parallel_size=2)
+    monkeypatch.setenv("LOOM_ONE_SHOT_GATHER_MAX_BYTES", "0")
+    sharded = _greedy(small_model, prompts, params, dtype="float32", tensor_parallel_size=2)
+    eager = _greedy(small_model, prompts, params, dtype="float32", tensor_parallel_size=2, enforce_eager=True)
+    assert sharded == gathered
+    assert eager == gathered
+
+
 def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
     """The symmetric-memory one-shot path, the fused all-reduce + RMSNorm and the one-shot
     logits gather are live on this box (P2P, no multicast; each checked against its reference

@@ -801,6 +801,73 @@ def test_sample_chunked_rows_match():
         assert ref[4] == 1500 and ref[0] == 17
 
 
+def _sharded_calls(fn, shards: list[torch.Tensor], part: int, *args, **kwargs) -> list[list[int]]:
+    """Each rank's call of a sharded sampler (fn(shard, vocab_start, vocab_size, ..., gather,
+    ...)), the ranks in threads that meet in `gather` as a collective would. One thread runs at
+    a time (the interpreter is not thread-safe): a rank hands over only while it waits there."""
+    import threading
+    world, turn, meet = len(shards), threading.Lock(), threading.Barrier(len(shards))
+    slots: list = [None] * world
+    outs: list = [None] * world
+
+    def gather_of(rank):
+        def gather(x):
+            slots[rank] = x.clone()
+            turn.release()
+            meet.wait()              # every rank's part is in
+            got = torch.cat(slots, dim=-1)
+            meet.wait()              # every rank has read them before any writes its next
+            turn.acquire()
+            return got
+        return gather
+
+    def rank_main(rank):
+        with turn:
+            outs[rank] = fn(shards[rank], rank * part, args[0], *args[1:], gather_of(rank), **kwargs).tolist()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+@pytest.mark.parametrize("world,vocab", [(2, V), (3, V + 7)])
+def test_sample_sharded_equals_the_whole_vocabulary(world, vocab):
+    # tensor parallelism: plain rows drawn from every rank's vocabulary shard (the last padded)
+    # through two exchanges give, on every rank, the tokens of the whole logits; with the
+    # interpreter's Philox and with explicit noise; the shards start mid-chunk (V / 2 = 1000)
+    g = _gen(21)
+    b = 6
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 0.5], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.02], device=DEVICE)
+    top_k, top_p = torch.zeros(b, dtype=torch.int32, device=DEVICE), torch.ones(b, device=DEVICE)
+    seeds, positions = torch.arange(b, device=DEVICE) + 7, torch.arange(b, device=DEVICE) * 5
+    part = -(-vocab // world)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = _randn(b, vocab, g=g, scale=3.0).to(dtype)
+        logits[4, vocab - 3] = logits[4].max() + 3      # the last rank's greedy best
+        logits[0, 5] = logits[0, part + 5] = logits[0].max() + 1  # a tie across ranks: the first wins
+        noise = torch.empty(b, vocab).exponential_(generator=g).to(DEVICE)
+        padded = torch.cat((logits, torch.zeros(b, part * world - vocab, dtype=dtype, device=DEVICE)), dim=1)
+        shards = [padded[:, r * part:(r + 1) * part] for r in range(world)]
+        args = (vocab, temp, min_p, seeds, positions)
+        whole = {"noise": smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, top_k_top_p=False),
+                 "philox": smp.sample(logits, temp, top_k, top_p, min_p, seeds, positions, top_k_top_p=False)}
+        assert whole["noise"].tolist() == smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise).tolist()
+        for chunks in (None, 1):
+            got = _sharded_calls(smp.sample_sharded, shards, part, *args, world=world, noise=noise, num_chunks=chunks)
+            assert got == [whole["noise"].tolist()] * world, chunks
+            got = _sharded_calls(smp.sample_sharded, shards, part, *args, world=world, num_chunks=chunks)
+            assert got == [whole["philox"].tolist()] * world, chunks
+        ref = _sharded_calls(smp.sample_sharded_ref, shards, part, *args, noise=noise)
+        assert ref == [whole["noise"].tolist()] * world
+        seeded = smp.sample_ref(logits, temp, top_k, top_p, min_p, seeds, positions).tolist()
+        assert _sharded_calls(smp.sample_sharded_ref, shards, part, *args) == [seeded] * world
+        assert whole["noise"][4] == vocab - 3 and whole["noise"][0] == 5
+
+
 def test_sample_respects_filters_and_is_seeded():
     g = _gen(7)
     temp, top_k, top_p, min_p = _sampling_params()

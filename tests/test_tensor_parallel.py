@@ -83,12 +83,14 @@ def _generate(model_dir, prompts, params, **options):
 def test_qwen3_under_prefix_caching_chunking_and_preemption(model_factory):
     """One TP=2 engine with every schedule at once: a shared prefix (prefix hits), a step budget
     of 8 tokens (every prompt chunked) and a KV cache of 20 blocks (preemptions). Greedy rows
-    equal HF; seeded rows equal an ample TP=1 run."""
+    equal HF; seeded rows equal an ample TP=1 run. Most rows sample plainly (greedy, temperature,
+    min-p): their steps sample from each rank's vocabulary shard (LogitsShard); a top-p row's
+    steps gather the logits."""
     model_dir = model_factory("qwen3")
     prompts = _workload(300)
     greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
-    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True)
-              for i in range(len(prompts))]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9 if i == 5 else 1.0, min_p=0.05 * (i % 2), seed=100 + i,
+                             max_tokens=MAX_NEW, ignore_eos=True) for i in range(len(prompts))]
     got, stats = _generate(model_dir, prompts + prompts, greedy + seeded, tensor_parallel_size=2,
                            enable_prefix_caching=True, max_num_batched_tokens=8, max_num_seqs=4,
                            num_gpu_blocks_override=20)

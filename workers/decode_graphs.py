@@ -9,7 +9,8 @@ Each size has two graphs:
   (kernels/decode_inputs.py) takes each row's input token from the previous step's
   sampled tokens where the host does not know it yet, and spreads the packed block
   table over the full-width table that attention reads.
-- the head: lm_head and the plain sampler (greedy, temperature, min-p) -> `tokens`.
+- the head: lm_head and the plain sampler (greedy, temperature, min-p) -> `tokens`
+  (under tensor parallelism, a large batch samples from each rank's vocabulary shard).
   A step whose rows all sample plainly replays both graphs. Any other step (top-k,
   top-p, penalties, logprobs, a grammar) replays the model and samples eagerly.
 
@@ -35,6 +36,7 @@ from ipc.config import EngineConfig
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max
 from workers.host_to_device import Alternating
+from workers.sampler import sample_plain
 
 logger = logging.getLogger(__name__)
 
@@ -250,15 +252,12 @@ class DecodeGraphs:
         self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
 
     def _capture_head(self, bs: int) -> None:
-        from kernels import sampling
         v = self._dev_views[bs]
 
         def head():
-            logits = self.model.compute_logits(self.model_graphs[bs].output)
-            args = (logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["seeds"], v["out_positions"])
-            # as the eager sampler draws (workers/sampler.py): the Triton kernels with the Triton backend
-            out = sampling.sample(*args, top_k_top_p=False) if self.backend == "triton" else sampling.sample_ref(*args)
-            self.tokens[:bs].copy_(out)
+            logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
+            # as the eager sampler draws: the Triton kernels with the Triton backend
+            self.tokens[:bs].copy_(sample_plain(logits, v, use_triton=self.backend == "triton"))
         self.stage(bs, {})
         self.head_graphs[bs] = self._capture(head)
 

@@ -7,7 +7,7 @@ nodes) and every rank connects to it.
 
 The layers ask `tp_rank()` / `tp_size()` when they are built (1 and 0 when the process is not
 a rank of a group, e.g. a model built by a test), and call `linear_all_reduce`,
-`all_reduce_written` (the embedding) and `lm_head_all_gather`.
+`all_reduce_written` (the embedding) and `lm_head_logits`.
 
 All-reduce on CUDA, by size (bf16, 2xH200, CUDA-graph replays: `python -m bench.allreduce_tp`):
 - up to ONE_SHOT_MAX_BYTES (1 MiB) a one-shot all-reduce over peer-to-peer memory (torch
@@ -27,7 +27,12 @@ TP=2 offline 14,480 -> 14,888 tok/s).
 
 The vocab-parallel lm_head of a small batch (each rank's logits up to GATHER_MAX_BYTES, 1 MiB:
 8 rows of Llama-3.1-8B at TP=2) writes into symmetric memory too, and one kernel gathers the
-ranks' parts (`lm_head_all_gather`, kernels/all_gather.py); larger batches gather through NCCL.
+ranks' parts (`lm_head_all_gather`, kernels/all_gather.py). A larger batch whose rows sample
+plainly (greedy, temperature, min-p) is not gathered at all: each rank keeps its part (a
+`LogitsShard`) and the sampler exchanges a few values per row (kernels/sampling.py,
+`sample_sharded`), where NCCL would move every rank's logits (39 MB per rank for 256 rows of
+Qwen3-8B) and the sampler then read the whole vocabulary on every rank. Other batches gather
+through NCCL.
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES",
 GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
 # programs of the fused all-reduce + norm, for A/B runs (0: one per SM; rows beyond loop in them)
 FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
+# the sharded sampler's chunk exchange holds at most 64 chunks per row (kernels/sampling.py)
+MAX_SHARDED_SAMPLING_RANKS = 16
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -204,6 +211,33 @@ def all_reduce_written(write: Callable[..., torch.Tensor], rows: int, cols: int,
     out = torch.empty((rows, cols), dtype=like.dtype, device=like.device)
     symm.reduce_buffer(rows * cols, method, out.view(-1))
     return out
+
+
+@dataclass
+class LogitsShard:
+    """This rank's columns of the logits: [N, part] for the token ids vocab_start.. of a
+    vocabulary of vocab_size ids (the last rank's columns past it are padding), split over
+    `world` ranks in rank order."""
+    logits: torch.Tensor
+    vocab_start: int
+    vocab_size: int
+    world: int
+
+    def __getitem__(self, rows: slice) -> "LogitsShard":
+        return LogitsShard(self.logits[rows], self.vocab_start, self.vocab_size, self.world)
+
+
+def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: int, n_out: int, plain: bool
+                   ) -> torch.Tensor | LogitsShard:
+    """x [N, H] through this rank's part of a vocab-parallel lm_head (size > 1): the whole
+    logits [N, n_out] on every rank, or, for rows that sample plainly (`plain`) too many to
+    gather in one shot, this rank's LogitsShard (the sampler exchanges a few values per row
+    instead)."""
+    symm = _state.symm
+    one_shot = symm is not None and x.dtype == weight.dtype and symm.can_gather(x.shape[0], weight.shape[0], x.dtype)
+    if plain and not one_shot and _state.size <= MAX_SHARDED_SAMPLING_RANKS:
+        return LogitsShard(F.linear(x, weight), vocab_start, n_out, _state.size)
+    return lm_head_all_gather(x, weight, n_out)
 
 
 def lm_head_all_gather(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> torch.Tensor:

@@ -88,6 +88,7 @@ class StepBatch:
     inputs_embeds: torch.Tensor | None = None  # multimodal: encoder outputs at the placeholders
     piecewise_size: int | None = None          # else the piecewise graphs' size that runs it, if any
     graph_samples: bool = False                # the decode graph's head samples it
+    plain: bool = False                        # every sampled row samples plainly, now (Sampler.plain)
     plp_spans: list = field(default_factory=list)  # logprobs.prompt_logprob_spans: computed once, in prepare()
 
     @property
@@ -231,6 +232,9 @@ class ModelRunner:
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
+            plain_rows = [SamplingRow(SamplingParams(temperature=0.7), 0, 0, 0, (0,))] * len(n)
+            plain_logits = self.model.compute_logits(hidden[-len(n):], plain=True)  # a rank's shard, at TP
+            self.sampler(plain_logits, plain_rows, self.h2d(self.sampler.host_params(plain_rows)))
             for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
                            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
                            SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
@@ -449,7 +453,9 @@ class ModelRunner:
                 self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         host = self._host_inputs(n, start, slots)
         mm = self.mm.spans(states, start, n, host["qsl"]) if self.mm.enabled else []
-        graph_bs, graph_samples = self._decode_graph(so, n, rows, len(sample_rows), bool(mm))
+        plain = (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
+                 and self.sampler.plain(rows, self.model.config.vocab_size))
+        graph_bs, graph_samples = self._decode_graph(n, plain and len(sample_rows) == len(n), bool(mm))
         if self.uses_mrope:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         if not graph_samples:
@@ -468,20 +474,16 @@ class ModelRunner:
         if graph_bs is None and embeds is None and self.piecewise is not None:
             piecewise_size = self.piecewise.size_for(int(n.sum()))
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
-                         piecewise_size, graph_samples, plp_spans)
+                         piecewise_size, graph_samples, plain, plp_spans)
 
-    def _decode_graph(self, so: SchedulerOutput, n: np.ndarray, rows: list[SamplingRow], num_sampled: int,
-                      has_mm: bool) -> tuple[int | None, bool]:
+    def _decode_graph(self, n: np.ndarray, all_plain: bool, has_mm: bool) -> tuple[int | None, bool]:
         """The decode graph size that runs the step (pure decodes, no image placeholder), and
         whether its head samples it: when every row samples, plainly (no top-k / top-p,
-        penalties, logprobs or grammar), there is no eager lm_head or sampler at all."""
+        penalties, logprobs or grammar: `all_plain`), there is no eager lm_head or sampler at all."""
         if self.graphs is None or has_mm or not (n == 1).all():
             return None, False
         graph_bs = self.graphs.size_for(len(n))
-        samples = (graph_bs is not None and num_sampled == len(n) and not so.defer_sample
-                   and not (so.grammar is not None and len(so.grammar.rows))
-                   and self.sampler.plain(rows, self.model.config.vocab_size))
-        return graph_bs, samples
+        return graph_bs, graph_bs is not None and all_plain
 
     @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
@@ -514,7 +516,8 @@ class ModelRunner:
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
         if not len(batch.sample_rows) or batch.graph_samples:
             return hidden, None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]))
+        # (plain rows may get this rank's LogitsShard under tensor parallelism: Sampler takes either)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.dev["sample_index"]), batch.plain)
         return hidden, logits[:len(batch.sample_rows)]
 
     def sample(self, logits: torch.Tensor | None, batch: "StepBatch", grammar: GrammarOutput | None

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ipc.sampling_params import SamplingParams
+from workers.distributed import LogitsShard, all_gather
 
 
 ANY_TOKEN = -2   # in a bad word's padded prefix: before the word's start, matches any output
@@ -126,6 +127,19 @@ def _temperature(t: float) -> float:
     return t if t <= 0.0 or t >= MIN_TEMPERATURE else MIN_TEMPERATURE
 
 
+def sample_plain(logits: torch.Tensor | LogitsShard, dev: dict[str, torch.Tensor], use_triton: bool) -> torch.Tensor:
+    """The tokens of rows that all sample plainly (Sampler.plain), from the whole logits or,
+    under tensor parallelism, this rank's LogitsShard (every rank then draws the same tokens
+    through two small exchanges): the decode graphs' head, and eager steps of such rows."""
+    from kernels import sampling
+    if isinstance(logits, LogitsShard):
+        args = (logits.logits, logits.vocab_start, logits.vocab_size, dev["temperature"], dev["min_p"],
+                dev["seeds"], dev["out_positions"], all_gather)
+        return sampling.sample_sharded(*args, world=logits.world) if use_triton else sampling.sample_sharded_ref(*args)
+    args = (logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"], dev["out_positions"])
+    return sampling.sample(*args, top_k_top_p=False) if use_triton else sampling.sample_ref(*args)
+
+
 class Sampler:
     def __init__(self, use_triton: bool):
         self.use_triton = use_triton
@@ -190,7 +204,7 @@ class Sampler:
                 host["bad_prefix"], host["bad_last"] = _bad_word_batch(rows)
         return host
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
+    def __call__(self, logits: torch.Tensor | LogitsShard, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
                  state: tuple[torch.Tensor, torch.Tensor] | None = None, recent: torch.Tensor | None = None):
         """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device;
         state: the persistent batch's (output_counts, prompt_mask), [slots, V] each, needed
@@ -205,7 +219,11 @@ class Sampler:
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
         (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
-        made only for logprobs and adjustments (both on the device, no host sync)."""
+        made only for logprobs and adjustments (both on the device, no host sync).
+
+        A LogitsShard (tensor parallelism) comes only for rows that all sample plainly."""
+        if isinstance(logits, LogitsShard):
+            return sample_plain(logits, dev, self.use_triton), None, {}, None
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         # (dtype=: one kernel reads the logits as they are and writes float32, no float copy first)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if max_lp is not None else None

@@ -33,8 +33,8 @@ from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
 from workers.attention import Attention, AttentionMetadata
-from workers.distributed import (PendingSum, all_reduce_written, linear_all_reduce, lm_head_all_gather, tp_rank,
-                                 tp_size)
+from workers.distributed import (LogitsShard, PendingSum, all_reduce_written, linear_all_reduce, lm_head_logits,
+                                 tp_rank, tp_size)
 
 logger = logging.getLogger(__name__)
 
@@ -351,11 +351,13 @@ class VocabParallelEmbedding(nn.Module):
         lookup = functools.partial(vocab_parallel_embedding, input_ids, self.weight, self.vocab_start)
         return all_reduce_written(lookup, input_ids.numel(), self.weight.shape[1], self.weight)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered)."""
+    def logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
+        """hidden [N, H] -> logits [N, vocab_size] on every rank (the ranks' parts gathered), or,
+        when every row samples plainly and the parts are too large to gather in one shot, this
+        rank's LogitsShard (workers/distributed.py)."""
         if self.tp == 1:
             return F.linear(hidden, self.weight)
-        return lm_head_all_gather(hidden, self.weight, self.vocab_size)
+        return lm_head_logits(hidden, self.weight, self.vocab_start, self.vocab_size, plain)
 
 
 class GatedMLP(nn.Module):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionMetadata
+from workers.distributed import LogitsShard
 from workers.models.layers import (DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
                                    get_head_dim, get_rope_params, load_stacked_weights)
 
@@ -78,12 +79,13 @@ class LlamaForCausalLM(nn.Module):
         """Flattened (varlen) tokens of all sequences -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
         """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (the sampler reads
         bf16 directly and converts to float32 only where it computes on them). Under tensor
         parallelism every rank gets the whole vocabulary (gathered), so every rank samples
-        the same tokens from the same seeds and keeps its batch in step."""
-        return self.lm_head.logits(hidden)
+        the same tokens from the same seeds and keeps its batch in step; rows that sample
+        plainly (`plain`) may get this rank's LogitsShard instead (VocabParallelEmbedding.logits)."""
+        return self.lm_head.logits(hidden, plain)
 
     def _ignore_weight(self, name: str) -> bool:
         if "rotary_emb." in name:  # HF buffers (inv_freq, cos/sin caches)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
+from workers.distributed import LogitsShard
 from workers.models.layers import KVCache, replicated
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
@@ -118,8 +119,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
+        return self.language_model.compute_logits(hidden, plain)
 
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed images (pixel_values [1, C, H, W] each) -> embeddings [tokens, hidden] each."""

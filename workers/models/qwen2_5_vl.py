@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
+from workers.distributed import LogitsShard
 from workers.models.layers import KVCache, VocabParallelEmbedding, load_stacked_weights, replicated
 from workers.models.llama import STACKED_PARAMS, LlamaModel
 
@@ -224,8 +225,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
+        return self.lm_head.logits(hidden, plain)
 
     # ------------------------------------------------------------ vision
 
