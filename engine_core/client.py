@@ -134,6 +134,13 @@ class _ClientBase:
             self.last_heard[outs.engine_index] = time.monotonic()
         return outs
 
+    def silent_engines(self, seconds: float) -> frozenset[int]:
+        """The engines that have sent nothing, not even a heartbeat, for more than `seconds`."""
+        if self.ready is None:
+            return frozenset()
+        now = time.monotonic()
+        return frozenset(e for e, t in self.last_heard.items() if now - t > seconds)
+
     def silent_for(self) -> float:
         """Seconds since the quietest engine last sent anything (0 before every engine is ready)."""
         if self.ready is None:

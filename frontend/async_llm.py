@@ -207,7 +207,8 @@ class AsyncLLM:
         if rank is not None:
             engine = self.router.pinned(rank, len(ecrs))
         else:
-            engine = self.router.pick(prompt_token_ids, len(ecrs), local_only=bool(mm_items))
+            engine = self.router.pick(prompt_token_ids, len(ecrs), local_only=bool(mm_items),
+                                      avoid=self.client.silent_engines(ENGINE_STALL_S))
         if mm_items:
             self.mm.addref(mm_items, len(ecrs) - 1)
             for ecr in ecrs:

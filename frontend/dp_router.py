@@ -14,6 +14,10 @@ Prefix affinity: a prompt whose first KV block was last sent to engine E goes to
 E's score is close to the lowest (within AFFINITY_SLACK + an eighth), where its prefix is
 likely cached; otherwise to the least loaded engine, ties rotating from this client's index so
 that idle API servers do not all pick engine 0.
+
+An engine that has stopped stepping (silent past its heartbeat: a hung GPU, SIGSTOP) keeps its
+last reported load, which would go on drawing requests that it never serves: the caller names
+such engines in `avoid`, and they get no new requests while another engine can take them.
 """
 from __future__ import annotations
 
@@ -52,13 +56,16 @@ class DPRouter:
             starts = min(unseen, max(self.max_num_seqs - running - waiting, 0))
         return 4 * (waiting + unseen - starts) + running + starts
 
-    def pick(self, prompt_token_ids: list[int], num_requests: int = 1, local_only: bool = False) -> int:
+    def pick(self, prompt_token_ids: list[int], num_requests: int = 1, local_only: bool = False,
+             avoid: frozenset[int] = frozenset()) -> int:
         """The engine for a request of num_requests engine requests (its choices), counted as sent.
-        local_only: among the engines of this node (a request with images in this host's store)."""
+        local_only: among the engines of this node (a request with images in this host's store).
+        avoid: engines that stopped stepping; chosen only when every other is excluded too."""
         if self.n == 1:
             engine = 0
         else:
             engines = [e for e in range(self.n) if not (local_only and e in self.remote)]
+            engines = [e for e in engines if e not in avoid] or engines
             scores = {e: self.score(e) for e in engines}
             self._rotation = (self._rotation + 1) % self.n
             engine = min(engines, key=lambda e: (scores[e], (e - self._rotation) % self.n))

@@ -218,7 +218,9 @@ def _wait_health(sessions, url: str, status: int, timeout: float) -> None:
 
 def test_health_follows_each_engines_heartbeat(dp_server):
     """One engine core that stops stepping (SIGSTOP) while the other beats: /health is 503 on every
-    API server within the stall time (async_llm.ENGINE_STALL_S), and 200 again once it steps."""
+    API server within the stall time (async_llm.ENGINE_STALL_S), and 200 again once it steps.
+    Meanwhile the API servers route every unpinned request to the engine that still steps: the
+    stopped one's last reported load (idle) drew half of them, which then hung."""
     from frontend.async_llm import ENGINE_STALL_S
     _, server = dp_server
     engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
@@ -229,6 +231,10 @@ def test_health_follows_each_engines_heartbeat(dp_server):
     try:
         _wait_health(sessions, server.url, 503, ENGINE_STALL_S + 10)
         assert "stopped stepping" in sessions[0].get(server.url + "/health", timeout=5).text
+        before = _successes(server.url, "0")
+        for i in range(6):   # through both API servers, each with its own router
+            assert _text(_complete(sessions[i % 2], server.url, f"still served {i}", timeout=20)) is not None
+        assert _successes(server.url, "0") - before == 6
     finally:
         os.kill(engines[1], signal.SIGCONT)
     _wait_health(sessions, server.url, 200, 10)
@@ -432,6 +438,14 @@ def test_router_fills_free_slots_first():
     waiting.on_load(0, EngineLoad(10, 200, 0))                   # waiting though not full (KV cache): they count
     waiting.on_load(1, EngineLoad(0, 240, 0))
     assert waiting.score(0) == 4 * 10 + 200 and waiting.score(1) == 240
+
+
+def test_router_avoids_engines_that_stopped_stepping():
+    r = DPRouter(3, block_size=4)
+    r.on_load(0, EngineLoad(0, 9, 0))
+    r.on_load(2, EngineLoad(0, 5, 0))
+    assert [r.pick([i], avoid=frozenset({1})) for i in range(3)] == [2, 2, 0]   # engine 1 (idle) is silent
+    assert r.pick([7], avoid=frozenset({0, 1, 2})) == 1    # every engine silent: the usual choice
 
 
 def test_router_prefix_affinity_and_pinning():
