@@ -51,7 +51,8 @@ def typed_params(params) -> SamplingParams:
                 msgspec.convert(msgspec.to_builtins(getattr(params, f.name)), f.type)
             except (msgspec.ValidationError, TypeError) as e:
                 raise RequestError(f"{f.name}: {e}", f.name) from None
-        raise RequestError("sampling params of the wrong types", "sampling_params") from None
+        # every field has its type: a value set after construction is out of range, which the
+        # request's checks (ipc/validation.py) then name
     return params
 
 

@@ -373,11 +373,11 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     kw = {**(defaults or {}), **{k: v for k, v in kw.items() if v is not None}}
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    params = SamplingParams(max_tokens=api.max_tokens, stop=stop, logprobs=api.logprobs,
-                            logit_bias=_logit_bias(req.logit_bias), prompt_logprobs=api.prompt_logprobs,
-                            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
-                            structured_outputs=structured, **kw)
-    try:
+    try:   # (SamplingParams checks its values as it is made)
+        params = SamplingParams(max_tokens=api.max_tokens, stop=stop, logprobs=api.logprobs,
+                                logit_bias=_logit_bias(req.logit_bias), prompt_logprobs=api.prompt_logprobs,
+                                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
+                                structured_outputs=structured, **kw)
         check_sampling_params(params, limits)
         check_priority(req.priority or 0, limits)
     except RequestError as e:  # named as the client sent it

@@ -132,6 +132,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """The checks that need no model (ipc/validation.py, ANY_MODEL), where the params are made:
+        a bad value is a ValueError here, as vLLM's SamplingParams raises one; decoded from a
+        socket, msgspec reports it as a ValidationError. A value of the wrong type is left to the
+        type checks (frontend/processing.typed_params; msgspec's decoders)."""
+        from ipc.validation import ANY_MODEL, RequestError, check_sampling_params
+        try:
+            check_sampling_params(self, ANY_MODEL)
+        except RequestError:
+            raise
+        except Exception:   # noqa: BLE001  (a check that met a value of the wrong type)
+            pass
 
     @property
     def greedy(self) -> bool:

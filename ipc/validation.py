@@ -58,6 +58,10 @@ class Limits:
                    config.scheduling_policy == "priority")
 
 
+# what any model allows: SamplingParams checks its own values against these when it is built
+ANY_MODEL = Limits(vocab_size=0, max_model_len=INT64_MAX, max_logprobs=INT64_MAX, priority_scheduling=True)
+
+
 def _bad(param: str, why: str) -> RequestError:
     return RequestError(f"{param} {why}", param)
 

@@ -439,39 +439,59 @@ def engine(tiny_model_dir):
             proc.kill()
 
 
+def _unchecked(**values) -> SamplingParams:
+    """SamplingParams as a client that skips their checks sends them (their values set after they
+    are made: SamplingParams refuses a bad value as it is made)."""
+    params = SamplingParams()
+    for name, value in values.items():
+        setattr(params, name, value)
+    return params
+
+
+def test_sampling_params_refuse_bad_values_as_they_are_made():
+    """As vLLM's: a ValueError naming the parameter when SamplingParams is made, not at generate()."""
+    for values, param in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                          (dict(top_k=2 ** 31), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+                          (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=2 ** 64), "seed"),
+                          (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(stop=[""]), "stop")):
+        with pytest.raises(ValueError, match=param):
+            SamplingParams(**values)
+    assert SamplingParams(top_k=-1, stop="x").top_k == 0   # vLLM's forms still normalised
+
+
 def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     client, proc, _ = engine
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
     before, _ = run_to_end(client, "before", [11, 12, 13, 14], SamplingParams(**greedy))
     bad = [
-        ("top_k", [11, 12], SamplingParams(top_k=2 ** 31), ()),
-        ("top_k", [11, 12], SamplingParams(top_k=2 ** 63), ()),
-        ("logit_bias", [11, 12], SamplingParams(logit_bias={-3: 1.0}, temperature=0), ()),
-        ("logit_bias", [11, 12], SamplingParams(logit_bias={vocab_size: 1.0}), ()),
-        ("logit_bias", [11, 12], SamplingParams(logit_bias={1: float("nan")}), ()),
-        ("eos_token_ids", [11, 12], SamplingParams(min_tokens=3, max_tokens=4), (vocab_size + 5,)),
-        ("eos_token_ids", [11, 12], SamplingParams(min_tokens=3, max_tokens=4), (-1,)),
-        ("stop_token_ids", [11, 12], SamplingParams(min_tokens=2, stop_token_ids=[vocab_size]), ()),
-        ("seed", [11, 12], SamplingParams(seed=2 ** 64 - 1), ()),
-        ("seed", [11, 12], SamplingParams(seed=-2 ** 63), ()),   # fits: must run
-        ("prompt", [vocab_size], SamplingParams(), ()),
-        ("prompt", [-1, 3], SamplingParams(), ()),
-        ("prompt", [], SamplingParams(), ()),
-        ("prompt", [1] * MAX_MODEL_LEN, SamplingParams(), ()),
-        ("temperature", [11, 12], SamplingParams(temperature=float("nan")), ()),
-        ("temperature", [11, 12], SamplingParams(temperature=float("inf")), ()),
-        ("top_p", [11, 12], SamplingParams(top_p=float("nan")), ()),
-        ("repetition_penalty", [11, 12], SamplingParams(repetition_penalty=float("inf")), ()),
-        ("n", [11, 12], SamplingParams(n=0), ()),
-        ("max_tokens", [11, 12], SamplingParams(max_tokens=0), ()),
-        ("logprobs", [11, 12], SamplingParams(logprobs=10 ** 6), ()),
-        ("prompt_logprobs", [11, 12], SamplingParams(prompt_logprobs=-2), ()),
-        ("bad_words", [11, 12], SamplingParams(bad_words=["cat"]), ()),   # strings: the client tokenizes
-        ("bad_words", [11, 12], SamplingParams(bad_words_token_ids=[[]]), ()),
-        ("bad_words", [11, 12], SamplingParams(bad_words_token_ids=[[1] * 33]), ()),
-        ("bad_words_token_ids", [11, 12], SamplingParams(bad_words_token_ids=[[3, vocab_size]]), ()),
-        ("bad_words_token_ids", [11, 12], SamplingParams(bad_words_token_ids=[[-1]]), ()),
-        ("n must be 1", [11, 12], SamplingParams(n=2), ()),   # a client fans n out (it once returned one)
+        ("top_k", [11, 12], _unchecked(top_k=2 ** 31), ()),
+        ("top_k", [11, 12], _unchecked(top_k=2 ** 63), ()),
+        ("logit_bias", [11, 12], _unchecked(logit_bias={-3: 1.0}, temperature=0), ()),
+        ("logit_bias", [11, 12], _unchecked(logit_bias={vocab_size: 1.0}), ()),
+        ("logit_bias", [11, 12], _unchecked(logit_bias={1: float("nan")}), ()),
+        ("eos_token_ids", [11, 12], _unchecked(min_tokens=3, max_tokens=4), (vocab_size + 5,)),
+        ("eos_token_ids", [11, 12], _unchecked(min_tokens=3, max_tokens=4), (-1,)),
+        ("stop_token_ids", [11, 12], _unchecked(min_tokens=2, stop_token_ids=[vocab_size]), ()),
+        ("seed", [11, 12], _unchecked(seed=2 ** 64 - 1), ()),
+        ("seed", [11, 12], _unchecked(seed=-2 ** 63), ()),   # fits: must run
+        ("prompt", [vocab_size], _unchecked(), ()),
+        ("prompt", [-1, 3], _unchecked(), ()),
+        ("prompt", [], _unchecked(), ()),
+        ("prompt", [1] * MAX_MODEL_LEN, _unchecked(), ()),
+        ("temperature", [11, 12], _unchecked(temperature=float("nan")), ()),
+        ("temperature", [11, 12], _unchecked(temperature=float("inf")), ()),
+        ("top_p", [11, 12], _unchecked(top_p=float("nan")), ()),
+        ("repetition_penalty", [11, 12], _unchecked(repetition_penalty=float("inf")), ()),
+        ("n", [11, 12], _unchecked(n=0), ()),
+        ("max_tokens", [11, 12], _unchecked(max_tokens=0), ()),
+        ("logprobs", [11, 12], _unchecked(logprobs=10 ** 6), ()),
+        ("prompt_logprobs", [11, 12], _unchecked(prompt_logprobs=-2), ()),
+        ("bad_words", [11, 12], _unchecked(bad_words=["cat"]), ()),   # strings: the client tokenizes
+        ("bad_words", [11, 12], _unchecked(bad_words_token_ids=[[]]), ()),
+        ("bad_words", [11, 12], _unchecked(bad_words_token_ids=[[1] * 33]), ()),
+        ("bad_words_token_ids", [11, 12], _unchecked(bad_words_token_ids=[[3, vocab_size]]), ()),
+        ("bad_words_token_ids", [11, 12], _unchecked(bad_words_token_ids=[[-1]]), ()),
+        ("n must be 1", [11, 12], _unchecked(n=2), ()),   # a client fans n out (it once returned one)
     ]
     for i, (param, prompt, params, eos) in enumerate(bad):
         tokens, out = run_to_end(client, f"bad-{i}", prompt, params, eos)
@@ -494,7 +514,7 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     # size check raised TypeError, which ended the engine
     ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(("<f4", [1], -1, b"\0" * 4)))
     _, out = run_to_end(client, "ext-json", [11, 12],
-                        SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": ext})))
+                        _unchecked(structured_outputs=StructuredOutputsParams(json={"type": ext})))
     assert out.finish_reason == "error" and "structured_outputs json" in out.error, out
     # a schema that admits nothing: the token that broke it is not an output (error once None)
     tokens, out = run_to_end(client, "no-json", [11, 12],
