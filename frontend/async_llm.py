@@ -204,6 +204,11 @@ class AsyncLLM:
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time(),
                                priority)
+        if any(ecr.request_id in self._requests for ecr in ecrs):
+            # (vLLM's words) registering it again would hand the running request's outputs to this one
+            if mm_items:
+                self.mm.unref(mm_items)
+            raise ValueError(f"Request id {request_id} already running.")
         if rank is not None:
             engine = self.router.pinned(rank, len(ecrs))
         else:

@@ -38,6 +38,35 @@ def _attach(address: str, key: str | None = KEY, timeout: float = 120) -> Engine
                 raise
 
 
+def _async_llm_refuses_a_running_request_id(model_dir: str, address: str, expected: list[int]) -> None:
+    """An API server's AsyncLLM (in this process, attached like `loom serve --engine-address`):
+    generate() with the id of a request it is running raises ValueError (vLLM's "already
+    running"). It once registered the new one over the running one, which then never finished."""
+    import asyncio
+    import tempfile
+
+    from frontend.async_llm import AsyncLLM
+    from ipc.config import EngineConfig
+
+    async def scenario(tmp: str) -> list[int]:
+        llm = AsyncLLM(EngineConfig(model=model_dir).resolve(), f"ipc://{tmp}/in", f"ipc://{tmp}/out")
+        try:
+            await llm.start(engine_address=address, auth_key=KEY, timeout=60)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            running = llm.generate(PROMPTS[0], params, "same-id")
+            first = await running.__anext__()
+            with pytest.raises(ValueError, match="already running"):
+                await llm.generate(PROMPTS[1], params, "same-id").__anext__()
+            outs = [first] + [o async for o in running]
+            assert outs[-1].finished
+            return [t for o in outs for t in o.outputs[0].token_ids]
+        finally:
+            llm.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assert asyncio.run(asyncio.wait_for(scenario(tmp), 120)) == expected
+
+
 @pytest.fixture
 def headless(tiny_model_dir):
     port = free_tcp_port()
@@ -152,6 +181,8 @@ def test_attach_headless_engine(tiny_model_dir, headless):
                     outs.utility_output.call_id == 987654 else None
             assert "malformed utility call" in reply.failure
             assert _generate(client, "after-bad", PROMPTS[2]) == expected[2]
+
+            _async_llm_refuses_a_running_request_id(tiny_model_dir, address, expected[0])
 
             # a wrong key, or none, is refused
             with pytest.raises(PermissionError):
