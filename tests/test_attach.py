@@ -29,13 +29,18 @@ def _generate(client: EngineCoreClient, rid: str, prompt: list[int], max_tokens:
 
 
 def _attach(address: str, key: str | None = KEY, timeout: float = 120) -> EngineCoreClient:
+    """Attach with the right key, retrying until the engine is up. Until it has bound the port,
+    whatever else held the port a moment (another test's socket: free_tcp_port only found it free)
+    may answer, and refuse the handshake: a PermissionError is retried too. A wrong key is tested
+    with EngineCoreClient.attach itself."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return EngineCoreClient.attach(address, key, timeout=2)
-        except TimeoutError:
+        except (TimeoutError, PermissionError):
             if time.monotonic() > deadline:
                 raise
+            time.sleep(0.2)
 
 
 def _async_llm_refuses_a_running_request_id(model_dir: str, address: str, expected: list[int]) -> None:
