@@ -43,6 +43,18 @@ def _attach(address: str, key: str | None = KEY, timeout: float = 120) -> Engine
             time.sleep(0.2)
 
 
+def _send_raw_add(client: EngineCoreClient, rid: str, body: bytes, timeout: float = 10):
+    """Send an ADD body as it is (no encoder between) and wait for the output answering `rid`."""
+    client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value, body])
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"the ADD of {rid!r} was not answered"
+        outs = client.get_outputs(timeout=1)
+        out = next((o for o in outs.outputs if o.request_id == rid), None) if outs else None
+        if out is not None:
+            return out
+
+
 def _async_llm_refuses_a_running_request_id(model_dir: str, address: str, expected: list[int]) -> None:
     """An API server's AsyncLLM (in this process, attached like `loom serve --engine-address`):
     generate() with the id of a request it is running raises ValueError (vLLM's "already
@@ -158,22 +170,10 @@ def test_attach_headless_engine(tiny_model_dir, headless):
 
             # an ADD that does not decode (a prompt that is not a list of ints) fails alone, with an
             # error output for its request id, where it was once dropped and left its client waiting
-            client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value,
-                                         msgspec.msgpack.encode(["bad-add", "not a prompt", []])])
-            out, deadline = None, time.monotonic() + 10
-            while out is None:
-                assert time.monotonic() < deadline, "the malformed ADD was not answered"
-                outs = client.get_outputs(timeout=1)
-                out = next((o for o in outs.outputs if o.request_id == "bad-add"), None) if outs else None
+            out = _send_raw_add(client, "bad-add", msgspec.msgpack.encode(["bad-add", "not a prompt", []]))
             assert out.finish_reason == "error" and "malformed request" in out.error
             # a well-formed ADD with a byte after its end: answered too (its id read on its own)
-            body = msgspec.msgpack.encode(["bad-tail", [1, 2, 3], []]) + b"\x00"
-            client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.ADD.value, body])
-            out, deadline = None, time.monotonic() + 10
-            while out is None:
-                assert time.monotonic() < deadline, "the ADD with a trailing byte was not answered"
-                outs = client.get_outputs(timeout=1)
-                out = next((o for o in outs.outputs if o.request_id == "bad-tail"), None) if outs else None
+            out = _send_raw_add(client, "bad-tail", msgspec.msgpack.encode(["bad-tail", [1, 2, 3], []]) + b"\x00")
             assert out.finish_reason == "error" and "malformed request" in out.error
             # a UTILITY whose call id reads but whose method is not a string: answered with a failure
             client.input.send_multipart([client.engines[client.engine_indices[0]], MsgType.UTILITY.value,

@@ -27,7 +27,7 @@ TP=2 offline 14,480 -> 14,888 tok/s).
 
 The vocab-parallel lm_head of a small batch (each rank's logits up to GATHER_MAX_BYTES, 1 MiB:
 8 rows of Llama-3.1-8B at TP=2) writes into symmetric memory too, and one kernel gathers the
-ranks' parts (`lm_head_all_gather`, kernels/all_gather.py). A larger batch whose rows sample
+ranks' parts (`lm_head_logits`, kernels/all_gather.py). A larger batch whose rows sample
 plainly (greedy, temperature, min-p) is not gathered at all: each rank keeps its part (a
 `LogitsShard`) and the sampler exchanges a few values per row (kernels/sampling.py,
 `sample_sharded`), where NCCL would move every rank's logits (39 MB per rank for 256 rows of
@@ -229,25 +229,17 @@ class LogitsShard:
 
 def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, vocab_start: int, n_out: int, plain: bool
                    ) -> torch.Tensor | LogitsShard:
-    """x [N, H] through this rank's part of a vocab-parallel lm_head (size > 1): the whole
-    logits [N, n_out] on every rank, or, for rows that sample plainly (`plain`) too many to
-    gather in one shot, this rank's LogitsShard (the sampler exchanges a few values per row
-    instead)."""
-    symm = _state.symm
-    one_shot = symm is not None and x.dtype == weight.dtype and symm.can_gather(x.shape[0], weight.shape[0], x.dtype)
-    if plain and not one_shot and _state.size <= MAX_SHARDED_SAMPLING_RANKS:
-        return LogitsShard(F.linear(x, weight), vocab_start, n_out, _state.size)
-    return lm_head_all_gather(x, weight, n_out)
-
-
-def lm_head_all_gather(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> torch.Tensor:
-    """x [N, H] @ weight.T (this rank's part of a vocab-parallel lm_head) -> every rank's parts
-    side by side, [N, n_out] (the vocabulary's padding dropped), on every rank (size > 1)."""
+    """x [N, H] @ weight.T, this rank's part of a vocab-parallel lm_head (size > 1): every rank's
+    parts side by side, [N, n_out] (the vocabulary's padding dropped), on every rank; or, for
+    rows that sample plainly (`plain`) too many to gather in one shot, this rank's LogitsShard
+    (the sampler exchanges a few values per row instead)."""
     symm = _state.symm
     rows, part = x.shape[0], weight.shape[0]
     if symm is not None and x.dtype == weight.dtype and symm.can_gather(rows, part, x.dtype):
         torch.mm(x, weight.t(), out=symm.gather_buffer(rows * part).view(rows, part))
         return symm.gather(rows, part, n_out, x)
+    if plain and _state.size <= MAX_SHARDED_SAMPLING_RANKS:
+        return LogitsShard(F.linear(x, weight), vocab_start, n_out, _state.size)
     logits = all_gather(F.linear(x, weight))
     return logits[:, :n_out].contiguous() if logits.shape[1] != n_out else logits
 

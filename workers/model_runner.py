@@ -232,16 +232,16 @@ class ModelRunner:
             inputs = self._device_inputs(host, self.h2d(host), n)
             hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
             logits = self.model.compute_logits(hidden[-len(n):])
-            plain_rows = [SamplingRow(SamplingParams(temperature=0.7), 0, 0, 0, (0,))] * len(n)
-            plain_logits = self.model.compute_logits(hidden[-len(n):], plain=True)  # a rank's shard, at TP
-            self.sampler(plain_logits, plain_rows, self.h2d(self.sampler.host_params(plain_rows)))
+            # the plain rows' logits: this rank's shard at TP (its kernels and exchanges), else the same
+            plain_logits = self.model.compute_logits(hidden[-len(n):], plain=True) if tp_size() > 1 else logits
             for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
                            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
                            SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
                                           logit_bias={1: 1.0}, min_tokens=2),
                            SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1)):
                 rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(n)  # slot 0: the sampler's stand-in state
-                self.sampler(logits, rows, self.h2d(self.sampler.host_params(rows)))
+                plain = self.sampler.plain(rows, self.model.config.vocab_size)
+                self.sampler(plain_logits if plain else logits, rows, self.h2d(self.sampler.host_params(rows)))
         self._warmup_split_kv()
         for rows in self._logit_row_counts:  # the lm_head's shapes (_padded_rows)
             self.model.compute_logits(torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype,
@@ -453,9 +453,13 @@ class ModelRunner:
                 self.stats.finished(self.stats.end(enc_token, "encoder", sum(map(len, so.scheduled_encoder_inputs.values()))))
         host = self._host_inputs(n, start, slots)
         mm = self.mm.spans(states, start, n, host["qsl"]) if self.mm.enabled else []
-        plain = (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
-                 and self.sampler.plain(rows, self.model.config.vocab_size))
-        graph_bs, graph_samples = self._decode_graph(n, plain and len(sample_rows) == len(n), bool(mm))
+        graph_bs = self._decode_graph_size(n, bool(mm))
+        every_row_samples = len(sample_rows) == len(n)
+        # whether the sampled rows all sample plainly, asked only where it matters (it walks every
+        # row): a decode graph's head samples such a step, and under TP its logits may stay sharded
+        plain = (((graph_bs is not None and every_row_samples) or tp_size() > 1)
+                 and self._samples_plainly(so, rows))
+        graph_samples = graph_bs is not None and every_row_samples and plain
         if self.uses_mrope:
             host["positions"] = self.batch.mrope_positions(states, host["positions"], host["qsl"])
         if not graph_samples:
@@ -476,14 +480,18 @@ class ModelRunner:
         return StepBatch(states, n, start, end, sample_rows, rows, host, dev, inputs, graph_bs, stats_token, embeds,
                          piecewise_size, graph_samples, plain, plp_spans)
 
-    def _decode_graph(self, n: np.ndarray, all_plain: bool, has_mm: bool) -> tuple[int | None, bool]:
-        """The decode graph size that runs the step (pure decodes, no image placeholder), and
-        whether its head samples it: when every row samples, plainly (no top-k / top-p,
-        penalties, logprobs or grammar: `all_plain`), there is no eager lm_head or sampler at all."""
+    def _decode_graph_size(self, n: np.ndarray, has_mm: bool) -> int | None:
+        """The decode graph size that runs the step (pure decodes, no image placeholder). Its head
+        samples the step when every row samples, plainly: then there is no eager lm_head or
+        sampler at all."""
         if self.graphs is None or has_mm or not (n == 1).all():
-            return None, False
-        graph_bs = self.graphs.size_for(len(n))
-        return graph_bs, graph_bs is not None and all_plain
+            return None
+        return self.graphs.size_for(len(n))
+
+    def _samples_plainly(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """No top-k / top-p, penalties, logprobs or grammar among the sampled rows (Sampler.plain)."""
+        return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
+                and self.sampler.plain(rows, self.model.config.vocab_size))
 
     @functools.cached_property
     def _logit_row_counts(self) -> list[int]:
