@@ -91,12 +91,23 @@ def engine_io(request):
     io.start()
     ctx = zmq.Context()
     client = EngineCoreClient.attach(address, request.param, timeout=10)
+    _wait_until_connected(io)
     try:
         yield address, io, inputs, request.param, client, ctx
     finally:
         client.close()
         ctx.destroy(linger=0)
         io.close()
+
+
+def _wait_until_connected(io: ClientIO) -> None:
+    """The engine counts an attached client as connected once its input thread reads the
+    socket monitor's handshake event, a moment after the client's READY: tests that count
+    unconnected attaches start after that (a loaded CI machine once saw the gap)."""
+    deadline = time.monotonic() + 10
+    while any(not w.connected for w in list(io._watched.values())):
+        assert time.monotonic() < deadline, "the attached client never counted as connected"
+        time.sleep(0.01)
 
 
 def _roundtrip(io: ClientIO, inputs: queue.Queue, client: EngineCoreClient, tag: str) -> None:
