@@ -24,10 +24,14 @@ from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, C
                       PeerGuard, derive_keys, new_keys)
 from ipc.messages import (AttachRequest, EngineCoreOutputs, EngineCoreRequest, EngineReady, Hello, MsgType,
                           UtilityRequest)
+from ipc.handshake import HandshakeDealer
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
+
+ENGINE_REFUSED_CONNECTION = ("the engine refused our connection: wrong engine auth key, or a key on one side "
+                             "only (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
 
 
 class EngineDeadError(RuntimeError):
@@ -175,55 +179,28 @@ def local_address_towards(engine_address: str) -> str:
         return s.getsockname()[0]
 
 
-def _handshake_reply(sock: zmq.Socket, monitor: zmq.Socket, timeout: float, what: str) -> list:
-    """The engine's next message; PermissionError as soon as the ZMTP handshake fails (a wrong key,
-    or a key on one side only: the engine's CURVE socket admits no one else)."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        ready = dict(poller.poll(left * 1000))
-        if sock in ready:
-            return sock.recv_multipart(copy=False)
-        if monitor in ready and parse_monitor_message(monitor.recv_multipart())["event"] & HANDSHAKE_FAILED:
-            raise PermissionError("the engine refused our connection: wrong engine auth key, or a key on one "
-                                  "side only (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
-    raise TimeoutError(what)
-
-
 def attach_handshake(engine_address: str, client: "_ClientBase", auth_key: str | None = None,
                      timeout: float = 30.0) -> None:
     """Ask the engine at its handshake address to connect to our sockets (docs/protocol.md)."""
     from engine_core.client_io import auth_proof
-    ctx = zmq.Context()
     auth = None
     if auth_key:  # the engine's handshake socket is CURVE with keys derived from the key
         auth = CurveClient(derive_keys(auth_key, CLIENT_ROLE), derive_keys(auth_key, ENGINE_ROLE).public)
-    sock = make_socket(ctx, zmq.DEALER, engine_address, bind=False, auth=auth)
-    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
-    try:
-        enc = Encoder()
-        sock.send_multipart(enc.encode(MsgType.HELLO.value, None))
-        frames = _handshake_reply(sock, monitor, timeout, f"no engine answered at {engine_address}")
+    enc = Encoder()
+    with HandshakeDealer(engine_address, auth, ENGINE_REFUSED_CONNECTION) as dealer:
+        frames = dealer.ask(enc.encode(MsgType.HELLO.value, None), timeout, f"no engine answered at {engine_address}")
         hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:
             raise PermissionError("the engine requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
         input_address, output_address = client.tcp_addresses(local_address_towards(engine_address))
         client.guard.allow(hello.engine_public_key)   # before the engine can connect to us
         proof = auth_proof(auth_key, hello.nonce) if hello.auth_required else ""
-        sock.send_multipart(enc.encode(MsgType.ATTACH.value, AttachRequest(
-            input_address, output_address, proof, client.keys.public)))
-        frames = _handshake_reply(sock, monitor, timeout,
-                                  f"the engine at {engine_address} did not answer the attach request")
+        frames = dealer.ask(enc.encode(MsgType.ATTACH.value, AttachRequest(
+            input_address, output_address, proof, client.keys.public)), timeout,
+            f"the engine at {engine_address} did not answer the attach request")
         # READY (accepted; READY also comes on our input) or REFUSED
         if bytes(frames[0].buffer) == MsgType.REFUSED.value:
             raise PermissionError(f"the engine refused to attach: {msgspec.msgpack.decode(frames[1].buffer)}")
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
 
 
 class EngineCoreClient(_ClientBase):

@@ -43,7 +43,7 @@ from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, C
                       PeerGuard, derive_keys, new_keys)
 from ipc.messages import AttachRequest, EngineCoreRequest, EngineReady, Hello, MsgType, UtilityRequest
 from ipc.serial import Decoder, Encoder
-from ipc.sockets import make_socket
+from ipc.sockets import close_socket, make_socket
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = b"client-gone"
@@ -205,12 +205,15 @@ class ClientIO:
     def _connect(self, input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"") -> EngineReady:
         """Connect to a client's two sockets; raises (registering nothing) if either address is bad."""
         auth = CurveClient(self.keys, client_public) if client_public else None
-        sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth)
+        # attached clients may go away; local ones are watched by their parent
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED if watch else 0
+        sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth, monitor=events)
+        mon = sock.get_monitor_socket() if watch else None
         try:
             push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, auth=auth,
                                sndhwm=ATTACHED_OUTPUT_HWM if watch else 0)
         except BaseException:
-            sock.close(linger=0)
+            close_socket(sock, mon)
             raise
         idx = next(self._indices)
         self.outputs.put(("connect", idx, (push, watch)))   # from now on the output thread owns it
@@ -220,8 +223,7 @@ class ClientIO:
         self._poller.register(sock, zmq.POLLIN)
         self._by_sock[sock] = idx
         self.live.add(idx)
-        if watch:  # attached clients may go away; local ones are watched by their parent
-            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        if mon is not None:
             self._watched[mon] = _Watched(idx, sock, time.monotonic() + ATTACH_CONNECT_TIMEOUT_S)
             self._poller.register(mon, zmq.POLLIN)
         return ready
@@ -244,9 +246,7 @@ class ClientIO:
         self._poller.unregister(mon)
         self._poller.unregister(watched.dealer)
         del self._by_sock[watched.dealer]
-        watched.dealer.disable_monitor()
-        mon.close(linger=0)
-        watched.dealer.close(linger=0)
+        close_socket(watched.dealer, mon)
         self.live.discard(watched.index)
         self.outputs.put(("disconnect", watched.index, None))
         self.inputs.put((CLIENT_GONE, watched.index))

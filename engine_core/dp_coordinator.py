@@ -25,9 +25,10 @@ import threading
 import msgspec
 import zmq
 
-from engine_core.client import _handshake_reply
+from engine_core.client import ENGINE_REFUSED_CONNECTION
 from engine_core.client_io import HANDSHAKE_MAX_MSG_BYTES, auth_proof
-from ipc.auth import HANDSHAKE_FAILED, CurveClient, CurveServer, PeerGuard, derive_keys
+from ipc.auth import CurveClient, CurveServer, PeerGuard, derive_keys
+from ipc.handshake import HandshakeDealer
 from ipc.messages import EngineRegistration, Hello, MsgType
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
@@ -64,31 +65,22 @@ def select_devices(local_rank: int, tp_size: int) -> None:
 def register_with_head(head_address: str, rank: int, handshake_address: str, auth_key: str | None,
                        timeout: float = 900.0) -> None:
     """From a remote engine core, once it is ready: tell the head where to attach."""
-    ctx = zmq.Context()
     auth = None
     if auth_key:
         auth = CurveClient(derive_keys(auth_key, DP_RANK_ROLE), derive_keys(auth_key, DP_HEAD_ROLE).public)
-    sock = make_socket(ctx, zmq.DEALER, head_address, bind=False, auth=auth)
-    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
     enc = Encoder()
-    try:
-        sock.send_multipart(enc.encode(MsgType.HELLO.value, None))
-        frames = _handshake_reply(sock, monitor, timeout, f"the head's DP coordinator did not answer at {head_address}")
+    with HandshakeDealer(head_address, auth, ENGINE_REFUSED_CONNECTION) as dealer:
+        frames = dealer.ask(enc.encode(MsgType.HELLO.value, None), timeout,
+                            f"the head's DP coordinator did not answer at {head_address}")
         hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:
             raise PermissionError("the head requires an auth key (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
         proof = auth_proof(auth_key, hello.nonce) if auth_key else ""
-        sock.send_multipart(enc.encode(MsgType.REGISTER.value, EngineRegistration(rank, handshake_address, proof)))
-        frames = _handshake_reply(sock, monitor, timeout,
-                                  f"the head's DP coordinator at {head_address} did not answer the registration")
+        frames = dealer.ask(enc.encode(MsgType.REGISTER.value, EngineRegistration(rank, handshake_address, proof)),
+                            timeout, f"the head's DP coordinator at {head_address} did not answer the registration")
         if bytes(frames[0].buffer) == MsgType.REFUSED.value:
             raise PermissionError(f"the head refused data-parallel rank {rank}: "
                                   f"{msgspec.msgpack.decode(frames[1].buffer)}")
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
 
 
 class DPCoordinator:

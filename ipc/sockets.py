@@ -33,9 +33,12 @@ def ipc_address(ipc_dir: str, name: str) -> str:
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
                 identity: bytes | None = None, linger: int = 0, auth=None,
-                max_msg_size: int | None = None, sndhwm: int = 0) -> zmq.Socket:
+                max_msg_size: int | None = None, sndhwm: int = 0, monitor: int = 0) -> zmq.Socket:
     """`auth`: an ipc/auth.py CurveServer / CurveClient, applied before bind / connect.
     `sndhwm`: messages queued before a send raises zmq.Again (0: no bound).
+    `monitor`: the socket events to watch, from before it connects (a handshake can end before a
+    monitor attached after connect() exists, and is then never reported); `sock.get_monitor_socket()`
+    returns that monitor, and `close_socket(sock, monitor)` closes both.
     A bad address raises zmq.ZMQError and leaves no socket behind."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger)
@@ -49,15 +52,25 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     if auth is not None:
         auth.apply(sock)
+    if monitor:
+        sock.get_monitor_socket(monitor)
     try:
         if bind:
             sock.bind(address)
         else:
             sock.connect(address)
     except BaseException:
-        sock.close(linger=0)
+        close_socket(sock, sock.get_monitor_socket() if monitor else None)
         raise
     return sock
+
+
+def close_socket(sock: zmq.Socket, monitor: zmq.Socket | None = None) -> None:
+    """Close a socket, and its monitor."""
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

@@ -23,6 +23,7 @@ from engine_core import client_io
 from engine_core.client import EngineCoreClient
 from engine_core.client_io import ClientIO
 from ipc.auth import CLIENT_ROLE, ENGINE_ROLE, CurveClient, derive_keys, new_keys
+from ipc.handshake import HandshakeDealer
 from ipc.messages import (AttachRequest, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineReady,
                           Hello, MsgType)
 from ipc.sampling_params import SamplingParams
@@ -259,6 +260,24 @@ def test_no_key_gets_nothing_from_a_keyed_engine(engine_io):
     assert io.handshake_watch.failed > failed_before and io._guard.refused > refused_before
     assert inputs.empty()
     _roundtrip(io, inputs, client, "after-no-key")
+
+
+def test_a_handshake_that_failed_before_the_first_send_is_refused_at_once(engine_io):
+    """A keyless attach to a keyed engine, whose ZMTP handshake has already failed when the HELLO
+    is sent (a slow thread between connect and send; a CI run hung here). libzmq then reports no
+    event to a monitor attached after connect(), and may hold no connection, so a send blocked
+    forever; HandshakeDealer watches from before it connects and sends only to a connection."""
+    address, io, inputs, key, client, ctx = engine_io
+    if key is None:
+        pytest.skip("the engine has no key: any local peer may attach (docs/protocol.md)")
+    for delay in (0.3, 1.0):
+        start = time.monotonic()
+        with HandshakeDealer(address, None, "refused") as dealer:
+            time.sleep(delay)
+            with pytest.raises(PermissionError):
+                dealer.ask(_frames(MsgType.HELLO, None), 5, "no answer")
+        assert time.monotonic() - start < delay + 2, "the failed handshake was not reported at once"
+    _roundtrip(io, inputs, client, "after-late-send")
 
 
 def test_failed_handshakes_log_a_line_per_interval(engine_io, caplog):
