@@ -31,7 +31,7 @@ def ipc_address(ipc_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(ipc_dir, name)}"
 
 
-def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, *,
                 identity: bytes | None = None, linger: int = 0, auth=None,
                 max_msg_size: int | None = None, sndhwm: int = 0, monitor: int = 0) -> zmq.Socket:
     """`auth`: an ipc/auth.py CurveServer / CurveClient, applied before bind / connect.
