@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 from multiprocessing.connection import wait as wait_sentinels
 
+from ipc.auth import HANDSHAKE_FAILED
 from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import catch_stop_signals, start_process, stop_processes
@@ -23,6 +24,9 @@ from ipc.sockets import ipc_address, make_socket
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 100
+# what the reply socket of other nodes' workers reports (Executor._watch_remote)
+REMOTE_WORKER_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
+                        | zmq.EVENT_MONITOR_STOPPED)
 
 
 class WorkerError(RuntimeError):
@@ -70,10 +74,12 @@ class Executor:
                 from shm.broadcast_ring import READER_ROLE
                 self._guard = PeerGuard(self.ctx, "tensor-parallel replies",
                                         (derive_keys(nodes.auth_key, READER_ROLE).public,))
-            remote = make_socket(self.ctx, zmq.PULL, nodes.reply_address, bind=True, auth=nodes.reply_server())
+            # watched from before it binds: another node's workers may be connecting already
+            remote = make_socket(self.ctx, zmq.PULL, nodes.reply_address, bind=True, auth=nodes.reply_server(),
+                                 monitor=REMOTE_WORKER_EVENTS)
             self.replies.append(remote)
             self._remote_sock = remote
-            self._watch_remote(remote)
+            self._watch_remote(remote.get_monitor_socket())
         self.poller = zmq.Poller()
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
@@ -97,15 +103,13 @@ class Executor:
 
     # ------------------------------------------------------------ liveness
 
-    def _watch_remote(self, sock: zmq.Socket) -> None:
+    def _watch_remote(self, mon: zmq.Socket) -> None:
         """A worker of another node holds one connection to the reply socket, open from its
         start to its end: that connection dropping is its death (its node died or went away).
-        A disconnect that follows a failed handshake is a stranger's, not a worker's."""
+        A disconnect that follows a failed handshake is a stranger's, not a worker's.
+        mon: the reply socket's monitor, of REMOTE_WORKER_EVENTS."""
         import threading
         from zmq.utils.monitor import recv_monitor_message
-        from ipc.auth import HANDSHAKE_FAILED
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
-                                      | zmq.EVENT_MONITOR_STOPPED)
 
         def watch():
             workers = strangers = 0  # connections that passed the handshake / that failed it
