@@ -48,7 +48,6 @@ def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int
     0 = the default), at each row count."""
     import torch
     from kernels.rms_norm import fused_add_rms_norm
-    from workers.distributed import PendingSum
     rows_out = []
     for h in hiddens:
         for rows in row_counts:
