@@ -28,7 +28,11 @@ class HandshakeDealer:
         """refused: the PermissionError's message when the ZMTP handshake fails."""
         self.refused = refused
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, address, bind=False, auth=auth, monitor=HANDSHAKE_FAILED)
+        try:
+            self.sock = make_socket(self.ctx, zmq.DEALER, address, bind=False, auth=auth, monitor=HANDSHAKE_FAILED)
+        except BaseException:   # a bad address: make_socket left no socket, so nothing holds the context
+            self.ctx.term()
+            raise
         self.monitor = self.sock.get_monitor_socket()
 
     def __enter__(self) -> "HandshakeDealer":
