@@ -87,9 +87,11 @@ def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int
 
 def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int], norm_rows: list[int],
           variants: list[tuple[int, int]]) -> None:
-    # a buffer for the largest size, so both symmetric-memory paths are timed at every size
-    os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
-    os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(max(sizes_kb) * 1024)
+    # a buffer for the largest size and norm shape (bf16), so both symmetric-memory paths are
+    # timed at every size and the unfused norm rows can stage their parts in it
+    largest = max(max(sizes_kb) * 1024, 2 * max(norm_hidden, default=0) * max(norm_rows, default=0))
+    os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(largest)
+    os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(largest)
     import torch
     import torch.distributed as dist
     from workers import distributed
