@@ -129,7 +129,7 @@ def test_bench_profile_step_tiny(model_factory, mode):
 
 def test_bench_step_host_tiny(model_factory):
     r = _loom("step-host", "--model", model_factory("qwen3"), "--device", "cpu", "--batch", "2", "--context", "9",
-              "--steps", "10", "--profile", "3")
+              "--steps", "10", "--profile", "3", "--profile-steps", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "batch 2, context 9, temperature 1.0, cpu, eager: 10 decode steps" in r.stdout
     assert "launch" in r.stdout and "torch operators per step" in r.stdout
