@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import secrets
@@ -38,6 +39,18 @@ from ipc.sockets import free_tcp_port
 from tests.tiny_models import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def ends_with_this_test_process() -> None:
+    """preexec_fn for the servers tests start: SIGTERM when the thread that started them ends.
+    A pytest killed by a timeout runs no fixture teardown, and a `loom serve` in its own session
+    would outlive it. Every test starts its servers from pytest's main thread. Between fork and
+    exec this runs only the prctl call (resolved before the fork): nothing that takes a lock."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -233,7 +246,7 @@ class Server:
         cmd = [sys.executable, "-m", "frontend.cli", "serve", model_dir, "--host", "127.0.0.1",
                "--port", str(self.port), *args]
         self.log = open(os.devnull, "w") if os.environ.get("LOOM_TEST_QUIET") else None
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process,
                                      env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
 
     def wait_healthy(self, timeout: float = 120.0) -> "Server":

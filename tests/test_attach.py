@@ -17,7 +17,7 @@ from engine_core.client import EngineCoreClient, EngineDeadError
 from ipc.messages import MsgType
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, run_to_end, shm_entries
+from tests.conftest import ROOT, Server, ends_with_this_test_process, run_to_end, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "s3cret-key"
@@ -91,7 +91,7 @@ def headless(tiny_model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
                              "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "512",
                              "--scheduling-policy", "priority"],
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process)
     try:
         yield address, proc
     finally:

@@ -29,7 +29,7 @@ from ipc.messages import (AttachRequest, EngineCoreOutput, EngineCoreOutputs, En
 from ipc.sampling_params import SamplingParams
 from ipc.serial import Encoder
 from ipc.sockets import free_tcp_port, make_socket
-from tests.conftest import ROOT, Server, child_pids
+from tests.conftest import ROOT, Server, child_pids, ends_with_this_test_process
 
 KEY = "test-auth-key"
 ENC = Encoder()
@@ -336,7 +336,7 @@ def attached_server(tiny_model_dir):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
                                "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "256"],
-                              cwd=ROOT, start_new_session=True)
+                              cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process)
     api = Server(tiny_model_dir, "--engine-address", address, "--max-model-len", "256",
                  env={"LOOM_ENGINE_AUTH_KEY": KEY})
     try:

@@ -19,7 +19,7 @@ import requests
 from frontend.dp_router import DPRouter, merge_results
 from ipc.messages import EngineLoad
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, child_pids, shm_entries
+from tests.conftest import ROOT, Server, child_pids, ends_with_this_test_process, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "dp-s3cret"
@@ -329,7 +329,7 @@ def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str, rank
                              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
                              "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "256",
                              *(["--engine-auth-key", key] if key else [])],
-                            cwd=ROOT, start_new_session=True, env=env,
+                            cwd=ROOT, start_new_session=True, env=env, preexec_fn=ends_with_this_test_process,
                             **(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}))
 
 

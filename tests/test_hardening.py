@@ -30,8 +30,8 @@ from engine_core.client import EngineCoreClient
 from ipc.messages import EngineCoreRequest, MultiModalItem
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import (ROOT, child_pids, is_tokenizer_process, run_fake, run_to_end, running_server,
-                            serve_processes)
+from tests.conftest import (ROOT, child_pids, ends_with_this_test_process, is_tokenizer_process, run_fake, run_to_end,
+                            running_server, serve_processes)
 
 KEY = "hardening-key"
 MAX_MODEL_LEN = 256
@@ -419,6 +419,7 @@ def engine(tiny_model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
                              "--engine-address", address, "--engine-auth-key", KEY,
                              "--max-model-len", str(MAX_MODEL_LEN)], cwd=ROOT, start_new_session=True,
+                            preexec_fn=ends_with_this_test_process,
                             env={**os.environ, "LOOM_ATTACHED_OUTPUT_HWM": str(UNREAD_OUTPUTS_HWM)})
     client = None
     try:
