@@ -16,8 +16,6 @@ import argparse
 import time
 
 from bench import common
-from bench.common import positive_int
-
 
 
 def add_parser(sub) -> None:
@@ -36,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also: the N functions with the most own time per step (cProfile), and the "
                         "torch operators per step (torch.profiler, host side)")
-    p.add_argument("--profile-steps", type=positive_int, default=100, metavar="S",
+    p.add_argument("--profile-steps", type=common.positive_int, default=100, metavar="S",
                    help="steps each of the two profiles of --profile runs (default 100)")
     p.set_defaults(func=main)
 
@@ -88,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
 
     with common.model_dir(args) as mdir:
         config = EngineConfig(model=mdir, load_format="dummy" if args.preset else "auto", device=args.device,
-                              max_model_len=args.context + args.steps + 2 * args.profile_steps + 128, max_num_seqs=max(args.batch, 8),
+                              max_model_len=args.context + args.steps + 2 * args.profile_steps + 128,
+                              max_num_seqs=max(args.batch, 8),
                               enforce_eager=args.enforce_eager).resolve()
         runner = ModelRunner(config)
         runner.initialize_cache(runner.determine_num_blocks())

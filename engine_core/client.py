@@ -184,8 +184,7 @@ def attach_handshake(engine_address: str, client: "_ClientBase", auth_key: str |
     if auth_key:  # the engine's handshake socket is CURVE with keys derived from the key
         auth = CurveClient(derive_keys(auth_key, CLIENT_ROLE), derive_keys(auth_key, ENGINE_ROLE).public)
     enc = Encoder()
-    with HandshakeDealer(engine_address, auth, "the engine refused our connection: wrong engine auth key, or a "
-                         "key on one side only (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)") as dealer:
+    with HandshakeDealer(engine_address, auth, "the engine") as dealer:
         frames = dealer.ask(enc.encode(MsgType.HELLO.value, None), timeout, f"no engine answered at {engine_address}")
         hello: Hello = Decoder(Hello).decode(frames)
         if hello.auth_required and not auth_key:

@@ -68,8 +68,7 @@ def register_with_head(head_address: str, rank: int, handshake_address: str, aut
     if auth_key:
         auth = CurveClient(derive_keys(auth_key, DP_RANK_ROLE), derive_keys(auth_key, DP_HEAD_ROLE).public)
     enc = Encoder()
-    with HandshakeDealer(head_address, auth, "the head refused our connection: wrong engine auth key, or a "
-                         "key on one side only (--engine-auth-key / LOOM_ENGINE_AUTH_KEY)") as dealer:
+    with HandshakeDealer(head_address, auth, "the head") as dealer:
         frames = dealer.ask(enc.encode(MsgType.HELLO.value, None), timeout,
                             f"the head's DP coordinator did not answer at {head_address}")
         hello: Hello = Decoder(Hello).decode(frames)

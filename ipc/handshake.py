@@ -24,9 +24,11 @@ from ipc.sockets import close_socket, make_socket
 class HandshakeDealer:
     """One handshake's DEALER, with a context of its own; use it in a `with` block."""
 
-    def __init__(self, address: str, auth: CurveClient | None, refused: str):
-        """refused: the PermissionError's message when the ZMTP handshake fails."""
-        self.refused = refused
+    def __init__(self, address: str, auth: CurveClient | None, peer: str):
+        """peer: who we ask ("the engine", "the head"), for the PermissionError when the ZMTP
+        handshake fails."""
+        self.refused = (f"{peer} refused our connection: wrong engine auth key, or a key on one side only "
+                        "(--engine-auth-key / LOOM_ENGINE_AUTH_KEY)")
         self.ctx = zmq.Context()
         try:
             self.sock = make_socket(self.ctx, zmq.DEALER, address, bind=False, auth=auth, monitor=HANDSHAKE_FAILED)
@@ -57,8 +59,9 @@ class HandshakeDealer:
         poller.register(self.monitor, zmq.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(left * 1000))
-            if self.monitor in ready and parse_monitor_message(self.monitor.recv_multipart())["event"] & HANDSHAKE_FAILED:
-                raise PermissionError(self.refused)
+            if self.monitor in ready:
+                if parse_monitor_message(self.monitor.recv_multipart())["event"] & HANDSHAKE_FAILED:
+                    raise PermissionError(self.refused)
             if self.sock in ready:
                 return
         raise TimeoutError(what)

@@ -44,13 +44,19 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def ends_with_this_test_process() -> None:
-    """preexec_fn for the servers tests start: SIGTERM when the thread that started them ends.
-    A pytest killed by a timeout runs no fixture teardown, and a `loom serve` in its own session
-    would outlive it. Every test starts its servers from pytest's main thread. Between fork and
-    exec this runs only the prctl call (resolved before the fork): nothing that takes a lock."""
+def _ends_with_this_test_process() -> None:
+    """SIGTERM when the thread that started us ends. Between fork and exec this runs only the
+    prctl call (resolved before the fork): nothing that takes a lock."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
+    """`loom serve MODEL ARGS` in a session of its own (a test signals or counts it as a group),
+    ended by SIGTERM if the test process dies: a pytest killed by a timeout runs no fixture
+    teardown, and the server would outlive it. Start it from pytest's main thread."""
+    return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", model_dir, *args], cwd=ROOT,
+                            start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -243,11 +249,9 @@ class Server:
     def __init__(self, model_dir: str, *args: str, env: dict | None = None):
         self.port = free_tcp_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "frontend.cli", "serve", model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
         self.log = open(os.devnull, "w") if os.environ.get("LOOM_TEST_QUIET") else None
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process,
-                                     env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
+        self.proc = popen_serve(model_dir, "--host", "127.0.0.1", "--port", str(self.port), *args,
+                                env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
 
     def wait_healthy(self, timeout: float = 120.0) -> "Server":
         import requests

@@ -17,7 +17,7 @@ from engine_core.client import EngineCoreClient, EngineDeadError
 from ipc.messages import MsgType
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, ends_with_this_test_process, run_to_end, shm_entries
+from tests.conftest import ROOT, Server, popen_serve, run_to_end, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "s3cret-key"
@@ -88,10 +88,8 @@ def _async_llm_refuses_a_running_request_id(model_dir: str, address: str, expect
 def headless(tiny_model_dir):
     port = free_tcp_port()
     address = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
-                             "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "512",
-                             "--scheduling-policy", "priority"],
-                            cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process)
+    proc = popen_serve(tiny_model_dir, "--headless", "--engine-address", address, "--engine-auth-key", KEY,
+                       "--max-model-len", "512", "--scheduling-policy", "priority")
     try:
         yield address, proc
     finally:

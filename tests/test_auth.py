@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import queue
 import subprocess
-import sys
 import time
 
 import msgspec
@@ -29,7 +28,7 @@ from ipc.messages import (AttachRequest, EngineCoreOutput, EngineCoreOutputs, En
 from ipc.sampling_params import SamplingParams
 from ipc.serial import Encoder
 from ipc.sockets import free_tcp_port, make_socket
-from tests.conftest import ROOT, Server, child_pids, ends_with_this_test_process
+from tests.conftest import Server, child_pids, popen_serve
 
 KEY = "test-auth-key"
 ENC = Encoder()
@@ -272,7 +271,7 @@ def test_a_handshake_that_failed_before_the_first_send_is_refused_at_once(engine
         pytest.skip("the engine has no key: any local peer may attach (docs/protocol.md)")
     for delay in (0.3, 1.0):
         start = time.monotonic()
-        with HandshakeDealer(address, None, "refused") as dealer:
+        with HandshakeDealer(address, None, "the engine") as dealer:
             time.sleep(delay)
             with pytest.raises(PermissionError):
                 dealer.ask(_frames(MsgType.HELLO, None), 5, "no answer")
@@ -334,9 +333,8 @@ def _listening_tcp_ports(pid: int) -> set[int]:
 def attached_server(tiny_model_dir):
     """A headless engine with a key, and a `loom serve` whose API server attaches to it."""
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
-                               "--engine-address", address, "--engine-auth-key", KEY, "--max-model-len", "256"],
-                              cwd=ROOT, start_new_session=True, preexec_fn=ends_with_this_test_process)
+    engine = popen_serve(tiny_model_dir, "--headless", "--engine-address", address, "--engine-auth-key", KEY,
+                         "--max-model-len", "256")
     api = Server(tiny_model_dir, "--engine-address", address, "--max-model-len", "256",
                  env={"LOOM_ENGINE_AUTH_KEY": KEY})
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from frontend import cli
-from tests.conftest import ROOT
+from tests.conftest import ROOT, popen_serve
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "loom"):
@@ -170,8 +170,7 @@ def test_ctrl_c_while_loom_serve_loads_is_one_line(tiny_model_dir):
     traceback): 'interrupted' and 130; or, if it landed later, the clean stop (0)."""
     import signal
     import time
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--port", "0"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = popen_serve(tiny_model_dir, "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.8)   # past the interpreter's start, inside the imports and the model's config
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

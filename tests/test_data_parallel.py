@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -19,7 +18,7 @@ import requests
 from frontend.dp_router import DPRouter, merge_results
 from ipc.messages import EngineLoad
 from ipc.sockets import free_tcp_port
-from tests.conftest import ROOT, Server, child_pids, ends_with_this_test_process, shm_entries
+from tests.conftest import Server, child_pids, popen_serve, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "dp-s3cret"
@@ -324,13 +323,11 @@ def _headless_rank(model: str, rpc_port: int, key: str | None, tmpdir: str, rank
     node), so nothing of it is left to remove its socket directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmpdir}
     env.pop("LOOM_ENGINE_AUTH_KEY", None)
-    return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", model, "--headless",
-                             "--data-parallel-size", str(size), "--data-parallel-start-rank", str(rank),
-                             "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-                             "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "256",
-                             *(["--engine-auth-key", key] if key else [])],
-                            cwd=ROOT, start_new_session=True, env=env, preexec_fn=ends_with_this_test_process,
-                            **(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}))
+    return popen_serve(model, "--headless", "--data-parallel-size", str(size), "--data-parallel-start-rank", str(rank),
+                       "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+                       "--data-parallel-rpc-port", str(rpc_port), "--max-model-len", "256",
+                       *(["--engine-auth-key", key] if key else []), env=env,
+                       **(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

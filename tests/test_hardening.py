@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -30,7 +29,7 @@ from engine_core.client import EngineCoreClient
 from ipc.messages import EngineCoreRequest, MultiModalItem
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from ipc.sockets import free_tcp_port
-from tests.conftest import (ROOT, child_pids, ends_with_this_test_process, is_tokenizer_process, run_fake, run_to_end,
+from tests.conftest import (child_pids, is_tokenizer_process, popen_serve, run_fake, run_to_end,
                             running_server, serve_processes)
 
 KEY = "hardening-key"
@@ -416,11 +415,9 @@ UNREAD_OUTPUTS_HWM = 32   # the engine's queue for an attached client's outputs 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
-                             "--engine-address", address, "--engine-auth-key", KEY,
-                             "--max-model-len", str(MAX_MODEL_LEN)], cwd=ROOT, start_new_session=True,
-                            preexec_fn=ends_with_this_test_process,
-                            env={**os.environ, "LOOM_ATTACHED_OUTPUT_HWM": str(UNREAD_OUTPUTS_HWM)})
+    proc = popen_serve(tiny_model_dir, "--headless", "--engine-address", address, "--engine-auth-key", KEY,
+                       "--max-model-len", str(MAX_MODEL_LEN),
+                       env={**os.environ, "LOOM_ATTACHED_OUTPUT_HWM": str(UNREAD_OUTPUTS_HWM)})
     client = None
     try:
         deadline = time.monotonic() + 180
