@@ -59,9 +59,12 @@ class HandshakeDealer:
         poller.register(self.monitor, zmq.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(left * 1000))
-            if self.monitor in ready:
-                if parse_monitor_message(self.monitor.recv_multipart())["event"] & HANDSHAKE_FAILED:
-                    raise PermissionError(self.refused)
+            if self.monitor in ready and self._handshake_failed():
+                raise PermissionError(self.refused)
             if self.sock in ready:
                 return
         raise TimeoutError(what)
+
+    def _handshake_failed(self) -> bool:
+        """The monitor's next event: whether it says the ZMTP (CURVE) handshake failed."""
+        return bool(parse_monitor_message(self.monitor.recv_multipart())["event"] & HANDSHAKE_FAILED)
