@@ -9,8 +9,9 @@ LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES and two-shot up to LOOM_TWO_SHOT_ALLREDUCE_MAX
 this table says where each stops winning.
 
 --norm-hidden H ... also times the all-reduce + residual add + RMSNorm of decode-sized rows:
-the one-shot sum then the add-norm kernel, against the fused kernel (kernels/allreduce_norm.py),
-graphed, and checks that both give the same bits.
+the one-shot sum then the add-norm kernel, against the fused kernels (kernels/allreduce_norm.py:
+the flagged pull, and the Lamport push at every row count), graphed, and checks that all give the
+same bits.
 """
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ def _norm_rows(symm, rank: int, device, hiddens: list[int], row_counts: list[int
             want = fused_add_rms_norm(summed, res, w, 1e-5)
             row = {"hidden": h, "rows": rows, "unfused": _time(unfused, True) / 2, "fused": {}}
             f = symm.fused
+            if rows <= f.lamport_rows:
+                def lamport():
+                    return [f.lamport_kernel(symm.fused_buffer(slot, numel).view(rows, h), f.inbox_ptrs[slot],
+                                             f.inbox_stride, f.rank, res, w, 1e-5) for slot in (0, 1)]
+                got = lamport()
+                torch.cuda.synchronize()
+                exact = all(torch.equal(a, b) for a, b in zip(want + want, got[0] + got[1]))
+                row["lamport"] = (_time(lamport, True) / 2, exact)
             for programs, warps in variants:
                 def fused(programs=programs, warps=warps):
                     return [f.kernel(f.buf_ptrs[slot], f.flag_ptrs, f.rank, rows, res, w, 1e-5,
@@ -92,6 +101,7 @@ def _rank(rank: int, port: int, sizes_kb: list[int], out, norm_hidden: list[int]
     largest = max(max(sizes_kb) * 1024, 2 * max(norm_hidden, default=0) * max(norm_rows, default=0))
     os.environ["LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES"] = str(largest)
     os.environ["LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES"] = str(largest)
+    os.environ["LOOM_LAMPORT_ALLREDUCE_MAX_ROWS"] = str(max(norm_rows, default=0))  # timed at every row count
     import torch
     import torch.distributed as dist
     from workers import distributed
@@ -159,11 +169,13 @@ def main() -> int:
     if args.norm_hidden:
         print(f"\nall-reduce + add + RMSNorm, us per call (graphed); rank 0: {info}")
         names = [f"{p or 'def'}x{w or 'def'}" for p, w in variants]
-        print(f"{'hidden':>7} {'rows':>5} {'1shot+norm':>11} " + " ".join(f"{n:>12}" for n in names) + "  same bits")
+        print(f"{'hidden':>7} {'rows':>5} {'1shot+norm':>11} {'lamport':>8} " + " ".join(f"{n:>12}" for n in names)
+              + "  same bits")
         for r in norm_rows:
-            cells = [r["fused"][v] for v in variants]
-            print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>11.1f} " + " ".join(f"{t:>12.1f}" for t, _ in cells)
-                  + f"  {all(e for _, e in cells)}")
+            cells = [r["fused"][v] for v in variants] + ([r["lamport"]] if "lamport" in r else [])
+            lamport = f"{r['lamport'][0]:.1f}" if "lamport" in r else "-"
+            print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>11.1f} {lamport:>8} "
+                  + " ".join(f"{t:>12.1f}" for t, _ in cells[:len(variants)]) + f"  {all(e for _, e in cells)}")
     return 0
 
 

@@ -25,7 +25,14 @@ one waits for the peers (Llama-3.1-8B TP=2 batch-1 TPOT 2.755 -> 2.606 ms on 2xH
 bench/RESULTS.md, session 14). Each rank has a GPU of its own. Two ranks sharing one GPU (a
 test) could deadlock: the early GEMV's programs may take every SM the other rank still needs.
 
-`allreduce_add_rms_norm_ref` is the torch reference: the sum of the parts, then
+For a few rows (decode) the flags' round trip over NVLink before the data costs more than the
+data: `lamport_add_rms_norm` pushes instead. Each rank stores its rows into every peer's inbox,
+which holds -0.0's bits (the sentinel) wherever nothing has arrived, and each reader spins on its
+own inbox until no element is the sentinel, then puts the sentinel back (TensorRT-LLM's
+"Lamport" one-shot). Pushing large rows loses to pulling them (bench/RESULTS.md, session 26),
+so workers/distributed.py takes it up to LOOM_LAMPORT_ALLREDUCE_MAX_ROWS rows.
+
+`allreduce_add_rms_norm_ref` is the torch reference of both: the sum of the parts, then
 fused_add_rms_norm_ref.
 """
 from __future__ import annotations
@@ -101,6 +108,55 @@ def _allreduce_add_rms_norm_kernel(
         tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _lamport_add_rms_norm_kernel(
+    part_ptr, inbox_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rows, n_cols, stride_r, src_stride, rank, eps,
+    SENTINEL: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """part_ptr: this rank's [rows, n_cols] product, seen as integers of its width (the bits are
+    compared, not the values). inbox_ptrs: int64 [WORLD], every rank's inbox, the same integers:
+    the part of rank r sits src_stride * r elements in, [rows, n_cols]; an element that still
+    holds SENTINEL (-0.0's bits) has not arrived. Program p takes rows p, p + programs, ..."""
+    first = tl.program_id(0)
+    pdl_wait(PDL)
+    bits = part_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inbox = tl.load(inbox_ptrs + rank).to(tl.pointer_type(bits))
+    for row in range(first, rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)
+        at = row * n_cols + offs
+        mine = tl.load(part_ptr + at, mask=mask, other=0)
+        mine = tl.where(mine == SENTINEL, tl.zeros_like(mine), mine)  # -0.0 -> +0.0: never the sentinel
+        for peer in tl.static_range(WORLD):
+            if peer != rank:
+                dst = tl.load(inbox_ptrs + peer).to(tl.pointer_type(bits))
+                tl.store(dst + rank * src_stride + at, mine, mask=mask)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order: every rank gets the same bits
+            if r == rank:
+                total += mine.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            else:
+                src = inbox + r * src_stride + at
+                got = tl.load(src, mask=mask, other=0, volatile=True)
+                while tl.max((got == SENTINEL).to(tl.int32), 0) > 0:
+                    got = tl.load(src, mask=mask, other=0, volatile=True)
+                # empty again for this slot's call after next, which the peer reaches only
+                # after this rank's next call has sent it that call's part
+                tl.store(src, tl.full([BLOCK], SENTINEL, bits), mask=mask)
+                total += got.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (summed + res).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + at, x, mask=mask)
+        x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 MAX_COLS = 16384  # a row is held in registers
 
 
@@ -128,4 +184,38 @@ def allreduce_add_rms_norm(buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank
     _allreduce_add_rms_norm_kernel[(min(rows, programs or sm_count(residual.device)),)](
         buf_ptrs, flag_ptrs, residual, weight, out, res_out, rows, h, residual.stride(0), rank, float(eps),
         WORLD=world, BLOCK=block, num_warps=num_warps or max(4, min(16, block // 512)), **pdl_args(residual))
+    return out, res_out
+
+
+INT_OF = {2: torch.int16, 4: torch.int32}  # the integers an inbox holds, by element size
+
+
+def sentinel(dtype: torch.dtype) -> int:
+    """The bits of -0.0 in `dtype`, read as INT_OF's integer: an inbox element not yet written."""
+    return -(1 << (8 * torch.empty(0, dtype=dtype).element_size() - 1))
+
+
+def lamport_add_rms_norm(part: torch.Tensor, inbox_ptrs: torch.Tensor, src_stride: int, rank: int,
+                         residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """allreduce_add_rms_norm without flags, for a few rows (Lamport's one-shot, as TensorRT-LLM's):
+    each program stores its rows of this rank's product `part` [rows, H] into every peer's inbox,
+    then waits on its own inbox until no element holds the sentinel, sums in rank order, and puts
+    the sentinel back. A flag round trip over NVLink before the data is what it saves.
+
+    The inboxes (inbox_ptrs: every rank's, int64 [W]; src_stride: elements between the parts of two
+    senders) start full of sentinel(dtype). Calls must alternate between two inboxes as the pulled
+    kernel's slots do: a peer writes an inbox again only after this rank's next call has sent it
+    data, that is after this rank emptied it. A product element of -0.0 arrives as +0.0 (its sum
+    is equal to the reference's, as tensors compare)."""
+    rows, h = part.shape
+    assert h <= MAX_COLS and residual.shape == (rows, h) and residual.stride(-1) == 1 and part.is_contiguous()
+    out = torch.empty((rows, h), dtype=residual.dtype, device=residual.device)
+    res_out = torch.empty_like(out)
+    if rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(h)
+    _lamport_add_rms_norm_kernel[(min(rows, sm_count(residual.device)),)](
+        part.view(INT_OF[part.element_size()]), inbox_ptrs, residual, weight, out, res_out, rows, h,
+        residual.stride(0), src_stride, rank, float(eps), SENTINEL=sentinel(part.dtype),
+        WORLD=inbox_ptrs.numel(), BLOCK=block, num_warps=max(4, min(16, block // 512)), **pdl_args(residual))
     return out, res_out

@@ -87,10 +87,11 @@ def test_tp2_plain_rows_sample_from_vocabulary_shards(small_model, monkeypatch):
 
 
 def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
-    """The symmetric-memory one-shot path, the fused all-reduce + RMSNorm and the one-shot
-    logits gather are live on this box (P2P, no multicast; each checked against its reference
-    at start-up), and they give the tokens of the unfused pair (one-shot sum, then the
-    add-norm) and NCCL's gather."""
+    """The symmetric-memory one-shot path, the fused all-reduce + RMSNorm (Lamport's for decode
+    rows) and the one-shot logits gather are live on this box (P2P, no multicast; each checked
+    against its reference at start-up); the Lamport kernel gives the pulled one's tokens exactly,
+    and both give the tokens of the unfused pair (one-shot sum, then the add-norm) and NCCL's
+    gather."""
     llm = LLM(small_model, max_model_len=256, tensor_parallel_size=2)
     try:
         info = llm.collective_rpc("all_reduce_info")
@@ -99,7 +100,10 @@ def test_one_shot_all_reduce_is_used_and_exact(small_model, monkeypatch):
     finally:
         llm.shutdown()
     print(f"all-reduce: {info}")
-    assert all(i["one_shot"] and i["fused_allreduce_norm"] and i["one_shot_gather_max_bytes"] for i in info), info
+    assert all(i["one_shot"] and i["fused_allreduce_norm"] and i["one_shot_gather_max_bytes"]
+               and i["lamport_max_rows"] for i in info), info
+    monkeypatch.setenv("LOOM_LAMPORT_ALLREDUCE_MAX_ROWS", "0")
+    assert _greedy(small_model, tensor_parallel_size=2) == fused, "Lamport and pulled sums differ"
     monkeypatch.setenv("LOOM_FUSED_ALLREDUCE_NORM", "0")
     unfused = _greedy(small_model, tensor_parallel_size=2)
     for a, b in zip(fused, unfused):

@@ -39,7 +39,7 @@ _KERNELS = {
     "penalties": ["_penalties_kernel"],
     "gemv": ["_gemv_kernel"],
     "skinny_gemm": ["_skinny_gemm_kernel"],
-    "allreduce_norm": ["_allreduce_add_rms_norm_kernel"],
+    "allreduce_norm": ["_allreduce_add_rms_norm_kernel", "_lamport_add_rms_norm_kernel"],
     "decode_inputs": ["_decode_inputs_kernel"],
     "embedding": ["_vocab_parallel_embedding_kernel"],
     "all_gather": ["_all_gather_kernel"],
@@ -359,24 +359,59 @@ def test_allreduce_add_rms_norm(dtype, world, rank, rows, programs):
     _check_flags_after_call(flags, world, rank)
 
 
+@pytest.mark.parametrize("dtype,world,rank,rows", [
+    (torch.float32, 2, 1, 3), (torch.float32, 4, 2, 2), (torch.bfloat16, 2, 0, 1)])
+def test_lamport_add_rms_norm(dtype, world, rank, rows):
+    """One rank's flagless call with every peer's part already in its inbox (the inboxes are
+    ordinary tensors here): the rank-order sum, residual add and norm equal the reference; the
+    rank's own part went to every peer's inbox, a -0.0 in it as +0.0 (-0.0 is the sentinel of a
+    part not yet arrived), and its own inbox is all sentinel again, ready for the call after next."""
+    g = _gen(7)
+    h, eps = 96, 1e-6
+    parts = [_randn(rows, h, dtype=dtype, g=g) for _ in range(world)]
+    parts[rank][0, 0] = -0.0
+    residual = _randn(rows, 2 * h, dtype=dtype, g=g)[:, :h]
+    w = _randn(h, dtype=dtype, g=g)
+    bits, sentinel, stride = arn.INT_OF[parts[0].element_size()], arn.sentinel(dtype), rows * h + 8
+    inboxes = [torch.full((world * stride,), sentinel, dtype=bits, device=DEVICE) for _ in range(world)]
+    for p in range(world):
+        if p != rank:
+            inboxes[rank][p * stride:p * stride + rows * h] = parts[p].reshape(-1).view(bits)
+    out, new_r = arn.lamport_add_rms_norm(parts[rank], _ptrs(inboxes), stride, rank, residual, w, eps)
+    out_ref, new_r_ref = arn.allreduce_add_rms_norm_ref(parts, residual, w, eps)
+    exact = dtype == torch.float32 or not INTERPRET
+    torch.testing.assert_close(new_r, new_r_ref, **(dict(atol=0, rtol=0) if exact else BF16_TOL))
+    torch.testing.assert_close(out, out_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+    sent = parts[rank].clone()
+    sent[0, 0] = 0.0
+    for p in range(world):
+        got = inboxes[p].cpu()
+        if p != rank:
+            assert torch.equal(got[rank * stride:rank * stride + rows * h], sent.reshape(-1).view(bits).cpu()), p
+            got = torch.cat([got[:rank * stride], got[rank * stride + rows * h:]])
+        assert bool((got == sentinel).all()), p
+
+
 @needs_cuda
-def test_allreduce_add_rms_norm_two_ranks_at_once():
+@pytest.mark.parametrize("lamport", [False, True], ids=["pulled", "lamport"])
+def test_allreduce_add_rms_norm_two_ranks_at_once(lamport):
     """Two ranks' calls running at the same time on two streams of one GPU, each between a GEMV
     that writes its part and a GEMV that reads the norm, as in a tensor-parallel decode layer:
-    every call waits for the other rank's signal, the two buffer slots alternate, and each of
-    40 calls equals the reference on both ranks, with the flags back at zero. PDL is off here:
+    every call waits for the other rank's signal (or part, lamport), the two buffer slots
+    alternate, and each of 40 calls equals the reference on both ranks, with the flags back at
+    zero (the inboxes all sentinel). PDL is off here:
     with it, a GEMV launches while its rank still waits, and on one GPU its programs can take
     the SMs the other rank needs to get there (on two GPUs, tests/test_gpu_tp.py runs it on)."""
     from kernels.gemv import gemv
     from kernels.jit import set_pdl
     before = set_pdl(False)
     try:
-        _two_ranks_at_once(gemv)
+        _two_ranks_at_once(gemv, lamport)
     finally:
         set_pdl(before)
 
 
-def _two_ranks_at_once(gemv):
+def _two_ranks_at_once(gemv, lamport: bool):
     g = _gen(6)
     world, rows, h, k, n2, eps = 2, 1, 1024, 2048, 6144, 1e-6   # Qwen3-0.6B's o_proj and gate_up
     bf = torch.bfloat16
@@ -388,6 +423,15 @@ def _two_ranks_at_once(gemv):
     bufs = [[torch.empty(rows, h, dtype=bf, device=DEVICE) for _ in range(world)] for _ in range(2)]  # [slot][rank]
     flags = [[torch.zeros(rows, world, dtype=torch.int32, device=DEVICE) for _ in range(world)] for _ in range(2)]
     buf_ptrs, flag_ptrs = [_ptrs(b) for b in bufs], [_ptrs(f) for f in flags]
+    bits, sentinel, stride = torch.int16, arn.sentinel(bf), rows * h
+    inboxes = [[torch.full((world * stride,), sentinel, dtype=bits, device=DEVICE) for _ in range(world)]
+               for _ in range(2)]  # [slot][rank]
+    inbox_ptrs = [_ptrs(b) for b in inboxes]
+
+    def fused(slot, r):
+        if lamport:
+            return arn.lamport_add_rms_norm(bufs[slot][r], inbox_ptrs[slot], stride, r, residual, norm_w, eps)
+        return arn.allreduce_add_rms_norm(buf_ptrs[slot], flag_ptrs[slot], r, rows, residual, norm_w, eps)
     streams = [torch.cuda.Stream() for _ in range(world)]
     parts = [gemv(x[r], w_in[r])[0] for r in range(world)]
     want, want_r = arn.allreduce_add_rms_norm_ref(parts, residual, norm_w, eps)
@@ -397,17 +441,19 @@ def _two_ranks_at_once(gemv):
     gemv(want, w_out)
     for r in range(world):
         flags[0][r][:, 1 - r] = 1
-        arn.allreduce_add_rms_norm(buf_ptrs[0], flag_ptrs[0], r, rows, residual, norm_w, eps)
+        inboxes[0][r][(1 - r) * stride:(2 - r) * stride] = parts[1 - r].reshape(-1).view(bits)
+        bufs[0][r].copy_(parts[r])
+        fused(0, r)
         torch.cuda.synchronize()
         flags[0][1 - r].zero_()
+        inboxes[0][1 - r].fill_(sentinel)
     torch.cuda.synchronize()
     for it in range(40):
         slot, outs = it % 2, [None] * world
         for r in range(world):
             with torch.cuda.stream(streams[r]):
                 gemv(x[r], w_in[r], out=bufs[slot][r])
-                normed, new_r = arn.allreduce_add_rms_norm(buf_ptrs[slot], flag_ptrs[slot], r, rows, residual,
-                                                           norm_w, eps)
+                normed, new_r = fused(slot, r)
                 outs[r] = (normed, new_r, gemv(normed, w_out)[0])
         torch.cuda.synchronize()
         torch.testing.assert_close(outs[0][0], want, **BF16_TOL)
@@ -416,6 +462,7 @@ def _two_ranks_at_once(gemv):
             assert torch.equal(normed, outs[0][0]) and torch.equal(new_r, want_r), it
             assert torch.equal(y, gemv(outs[0][0], w_out)[0]), it
         assert all(int(f.abs().sum()) == 0 for f in flags[slot]), (it, flags[slot])
+        assert all(bool((b == sentinel).all()) for b in inboxes[slot]), it
 
 
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])

@@ -54,6 +54,9 @@ FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES",
 GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
 # programs of the fused all-reduce + norm, for A/B runs (0: one per SM; rows beyond loop in them)
 FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
+# up to this many rows the fused all-reduce + norm pushes into the peers' inboxes without flags
+# (kernels/allreduce_norm.py's Lamport kernel); 0: always the flagged pull
+LAMPORT_MAX_ROWS = int(os.environ.get("LOOM_LAMPORT_ALLREDUCE_MAX_ROWS", 16))
 # the sharded sampler's chunk exchange holds at most 64 chunks per row (kernels/sampling.py)
 MAX_SHARDED_SAMPLING_RANKS = 16
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -135,7 +138,8 @@ def describe() -> dict:
             "two_shot_max_bytes": symm.two_shot_max if symm else 0,
             "fused_allreduce_norm": symm is not None and symm.fused is not None,
             "one_shot_gather_max_bytes": symm.fused.gather_local.numel() * symm.buffer.element_size()
-            if symm is not None and symm.fused is not None else 0}
+            if symm is not None and symm.fused is not None else 0,
+            "lamport_max_rows": symm.fused.lamport_rows if symm is not None and symm.fused is not None else 0}
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -344,17 +348,19 @@ class SymmMemAllReduce:
         from kernels.all_gather import all_gather_ref
         from kernels.allreduce_norm import allreduce_add_rms_norm_ref
         rows, cols = 2, 256
-        parts = [((torch.arange(rows * cols, device=device) % 7 - 3) * (r + 1) / 4).to(dtype).view(rows, cols)
-                 for r in range(self.world_size)]
-        residual = torch.ones(rows, cols, dtype=dtype, device=device)
         weight = torch.full((cols,), 0.5, dtype=dtype, device=device)
-        want = allreduce_add_rms_norm_ref(parts, residual, weight, 1e-6)
-        for slot in (0, 1):
-            self.fused_buffer(slot, rows * cols).copy_(parts[dist.get_rank()].view(-1))
-            got = self.reduce_add_rms_norm(PendingSum(rows, cols, slot), residual, weight, 1e-6)
-            torch.cuda.synchronize(device)
-            if not (torch.equal(got[1], want[1]) and torch.allclose(got[0].float(), want[0].float(), 1e-2, 1e-2)):
-                raise RuntimeError(f"fused all-reduce + RMSNorm differs from its reference (slot {slot})")
+        for n in {rows, self.fused.lamport_rows + 1}:  # the Lamport kernel (if on) and the pulled one
+            parts = [((torch.arange(n * cols, device=device) % 7 - 3) * (r + 1) / 4).to(dtype).view(n, cols)
+                     for r in range(self.world_size)]
+            residual = torch.ones(n, cols, dtype=dtype, device=device)
+            want = allreduce_add_rms_norm_ref(parts, residual, weight, 1e-6)
+            for slot in (0, 1):
+                self.fused_buffer(slot, n * cols).copy_(parts[dist.get_rank()].view(-1))
+                got = self.reduce_add_rms_norm(PendingSum(n, cols, slot), residual, weight, 1e-6)
+                torch.cuda.synchronize(device)
+                if not (torch.equal(got[1], want[1]) and torch.allclose(got[0].float(), want[0].float(), 1e-2, 1e-2)):
+                    raise RuntimeError(f"fused all-reduce + RMSNorm of {n} rows differs from its reference "
+                                       f"(slot {slot})")
         part, n_out = 3000, 3000 * self.world_size - 5  # two programs per row, padding dropped
         if self.can_gather(rows, part, dtype):
             parts = [(torch.arange(rows * part, device=device) % 251 + 1000 * r).to(dtype).view(rows, part)
@@ -388,6 +394,9 @@ class SymmMemAllReduce:
     def reduce_add_rms_norm(self, pending: "PendingSum", residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.fused
+        if pending.rows <= f.lamport_rows:
+            part = f.local[pending.slot][:pending.rows * pending.cols].view(pending.rows, pending.cols)
+            return f.lamport_kernel(part, f.inbox_ptrs[pending.slot], f.inbox_stride, f.rank, residual, weight, eps)
         return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps,
                         programs=FUSED_NORM_PROGRAMS or None)
 
@@ -433,6 +442,9 @@ class _FlaggedBuffers:
     gather_local: torch.Tensor  # this rank's gather buffer (flat; empty: no one-shot gather)
     gather_ptrs: torch.Tensor | None  # int64 [W]: every rank's gather buffer (None: empty)
     flag_ptrs: torch.Tensor  # int64 [W]: every rank's flags
+    inbox_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's Lamport inbox
+    inbox_stride: int  # elements between two senders' parts in an inbox
+    lamport_rows: int  # the most rows the Lamport kernel takes (0: never)
     keep: tuple  # the symmetric allocations the tables point into
     rank: int
     max_rows: int  # of the fused norm, and the flags per peer
@@ -442,6 +454,7 @@ class _FlaggedBuffers:
     kernel: Callable  # kernels.allreduce_norm.allreduce_add_rms_norm
     gather_kernel: Callable  # kernels.all_gather.all_gather
     gather_cells: Callable  # kernels.all_gather.flag_cells: the flags per peer a gather takes
+    lamport_kernel: Callable  # kernels.allreduce_norm.lamport_add_rms_norm
 
     @classmethod
     def create(cls, group_name: str, device: torch.device, dtype: torch.dtype, nbytes: int,
@@ -449,7 +462,7 @@ class _FlaggedBuffers:
         import torch.distributed._symmetric_memory as symm_mem
 
         from kernels.all_gather import all_gather as gather_kernel, flag_cells
-        from kernels.allreduce_norm import MAX_COLS, allreduce_add_rms_norm
+        from kernels.allreduce_norm import INT_OF, MAX_COLS, allreduce_add_rms_norm, lamport_add_rms_norm, sentinel
         elem = torch.empty(0, dtype=dtype).element_size()
         numel, gather_numel = nbytes // elem, gather_bytes // elem // 16 * 16
         max_rows = max(1, nbytes // 256)  # rows of at least 128 elements
@@ -457,10 +470,15 @@ class _FlaggedBuffers:
         bufs = symm_mem.empty(2 * numel + gather_numel, dtype=dtype, device=device)
         flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
         flags.zero_()
+        lamport_rows = min(max(LAMPORT_MAX_ROWS, 0), max_rows)
+        inbox_stride = max(1, lamport_rows * MAX_COLS)
+        inboxes = symm_mem.empty(2 * world * inbox_stride, dtype=INT_OF[elem], device=device)
+        inboxes.fill_(sentinel(dtype))
         buf_handle = symm_mem.rendezvous(bufs, group_name)
         flag_handle = symm_mem.rendezvous(flags, group_name)
+        inbox_handle = symm_mem.rendezvous(inboxes, group_name)
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero before any rank signals
+        dist.barrier()  # every rank's flags are zero, and its inboxes empty, before any rank signals
 
         def table(handle, local: torch.Tensor, offset: int = 0) -> torch.Tensor:
             """Every rank's address of `local`, which starts `offset` elements into this rank's
@@ -472,8 +490,12 @@ class _FlaggedBuffers:
 
         slots = (bufs[:numel], bufs[numel:2 * numel])
         gather = bufs[2 * numel:]
+        half = world * inbox_stride
         return cls(local=slots, buf_ptrs=(table(buf_handle, slots[0]), table(buf_handle, slots[1], numel)),
                    gather_local=gather, gather_ptrs=table(buf_handle, gather, 2 * numel) if gather_numel else None,
-                   flag_ptrs=table(flag_handle, flags), keep=(bufs, flags, buf_handle, flag_handle), rank=rank,
+                   flag_ptrs=table(flag_handle, flags),
+                   inbox_ptrs=(table(inbox_handle, inboxes[:half]), table(inbox_handle, inboxes[half:], half)),
+                   inbox_stride=inbox_stride, lamport_rows=lamport_rows,
+                   keep=(bufs, flags, inboxes, buf_handle, flag_handle, inbox_handle), rank=rank,
                    max_rows=max_rows, max_cols=MAX_COLS, max_bytes=nbytes, kernel=allreduce_add_rms_norm,
-                   gather_kernel=gather_kernel, gather_cells=flag_cells)
+                   gather_kernel=gather_kernel, gather_cells=flag_cells, lamport_kernel=lamport_add_rms_norm)
