@@ -440,8 +440,10 @@ def _two_ranks_at_once(gemv, lamport: bool):
     # other's signal never does
     gemv(want, w_out)
     for r in range(world):
-        flags[0][r][:, 1 - r] = 1
-        inboxes[0][r][(1 - r) * stride:(2 - r) * stride] = parts[1 - r].reshape(-1).view(bits)
+        if lamport:
+            inboxes[0][r][(1 - r) * stride:(2 - r) * stride] = parts[1 - r].reshape(-1).view(bits)
+        else:
+            flags[0][r][:, 1 - r] = 1
         bufs[0][r].copy_(parts[r])
         fused(0, r)
         torch.cuda.synchronize()
