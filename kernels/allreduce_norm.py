@@ -75,6 +75,21 @@ def peer_barrier(flag_ptrs, cell, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _add_norm_store(total, res_row, out_row, res_out_row, w, offs, mask, n_cols, eps):
+    """One row's fp32 sum over the ranks -> rounded to the activations' dtype as the unfused sum
+    is, plus the residual (stored: the new residual), normalised and scaled by w (stored), with
+    kernels/rms_norm.py's roundings. res_row, out_row, res_out_row: the row's first elements."""
+    summed = total.to(out_row.dtype.element_ty).to(tl.float32)
+    res = tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+    x = (summed + res).to(res_out_row.dtype.element_ty)
+    tl.store(res_out_row + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * rstd).to(out_row.dtype.element_ty).to(tl.float32)
+    tl.store(out_row + offs, (normed * w).to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _allreduce_add_rms_norm_kernel(
     buf_ptrs, flag_ptrs, res_ptr, w_ptr, out_ptr, res_out_ptr,
     rows, n_cols, stride_r, rank, eps,
@@ -98,14 +113,8 @@ def _allreduce_add_rms_norm_kernel(
         for r in tl.static_range(WORLD):
             part = tl.load(buf_ptrs + r).to(tl.pointer_type(out_ptr.dtype.element_ty))
             total += tl.load(part + at, mask=mask, other=0.0).to(tl.float32)
-        summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-        res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (summed + res).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + at, x, mask=mask)
-        x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        _add_norm_store(total, res_ptr + row * stride_r, out_ptr + row * n_cols, res_out_ptr + row * n_cols,
+                        w, offs, mask, n_cols, eps)
 
 
 @triton.jit
@@ -147,14 +156,8 @@ def _lamport_add_rms_norm_kernel(
                 # after this rank's next call has sent it that call's part
                 tl.store(src, tl.full([BLOCK], SENTINEL, bits), mask=mask)
                 total += got.to(out_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-        summed = total.to(out_ptr.dtype.element_ty).to(tl.float32)
-        res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (summed + res).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + at, x, mask=mask)
-        x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        _add_norm_store(total, res_ptr + row * stride_r, out_ptr + row * n_cols, res_out_ptr + row * n_cols,
+                        w, offs, mask, n_cols, eps)
 
 
 MAX_COLS = 16384  # a row is held in registers
