@@ -285,7 +285,8 @@ class SymmMemAllReduce:
     With `fused`, two more buffers of FUSED_NORM_MAX_BYTES (the slots of deferred sums), one of
     GATHER_MAX_BYTES and a flag per (program, rank) serve our own flag-synchronised kernels: the
     fused all-reduce + add + RMSNorm (kernels/allreduce_norm.py) and the logits' all-gather
-    (kernels/all_gather.py)."""
+    (kernels/all_gather.py). Two inboxes per rank (one per slot) serve the fused kernel's flagless
+    Lamport variant, which sums deferred products of up to LAMPORT_MAX_ROWS rows."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max: int, two_shot_max: int):
         self.buffer, self.group_name = buffer, group_name
@@ -434,8 +435,8 @@ class SymmMemAllReduce:
 @dataclass
 class _FlaggedBuffers:
     """The symmetric memory of our flag-synchronised kernels: the fused all-reduce + RMSNorm's
-    two product buffers (slots) and the logits gather's buffer, every rank's addresses of them
-    as device tables, and the flags (int32 [max_rows, W] per rank, zero between calls, shared:
+    two product buffers (slots) and Lamport inboxes, the logits gather's buffer, every rank's
+    addresses of them as device tables, and the flags (int32 [max_rows, W] per rank, zero between calls, shared:
     a call takes one flag per program and peer, and every rank makes the same calls)."""
     local: tuple[torch.Tensor, torch.Tensor]  # this rank's slots (flat)
     buf_ptrs: tuple[torch.Tensor, torch.Tensor]  # per slot: int64 [W], every rank's slot address
