@@ -172,10 +172,11 @@ def main() -> int:
         print(f"{'hidden':>7} {'rows':>5} {'1shot+norm':>11} {'lamport':>8} " + " ".join(f"{n:>12}" for n in names)
               + "  same bits")
         for r in norm_rows:
-            cells = [r["fused"][v] for v in variants] + ([r["lamport"]] if "lamport" in r else [])
-            lamport = f"{r['lamport'][0]:.1f}" if "lamport" in r else "-"
+            cells = [r["fused"][v] for v in variants]
+            lamport_us, lamport_exact = r.get("lamport", (None, True))
+            lamport = "-" if lamport_us is None else f"{lamport_us:.1f}"
             print(f"{r['hidden']:>7} {r['rows']:>5} {r['unfused']:>11.1f} {lamport:>8} "
-                  + " ".join(f"{t:>12.1f}" for t, _ in cells[:len(variants)]) + f"  {all(e for _, e in cells)}")
+                  + " ".join(f"{t:>12.1f}" for t, _ in cells) + f"  {lamport_exact and all(e for _, e in cells)}")
     return 0
 
 

@@ -195,7 +195,7 @@ INT_OF = {2: torch.int16, 4: torch.int32}  # the integers an inbox holds, by ele
 
 def sentinel(dtype: torch.dtype) -> int:
     """The bits of -0.0 in `dtype`, read as INT_OF's integer: an inbox element not yet written."""
-    return -(1 << (8 * torch.empty(0, dtype=dtype).element_size() - 1))
+    return -(1 << (8 * dtype.itemsize - 1))
 
 
 def lamport_add_rms_norm(part: torch.Tensor, inbox_ptrs: torch.Tensor, src_stride: int, rank: int,
@@ -218,7 +218,7 @@ def lamport_add_rms_norm(part: torch.Tensor, inbox_ptrs: torch.Tensor, src_strid
         return out, res_out
     block = triton.next_power_of_2(h)
     _lamport_add_rms_norm_kernel[(min(rows, sm_count(residual.device)),)](
-        part.view(INT_OF[part.element_size()]), inbox_ptrs, residual, weight, out, res_out, rows, h,
+        part.view(INT_OF[part.dtype.itemsize]), inbox_ptrs, residual, weight, out, res_out, rows, h,
         residual.stride(0), src_stride, rank, float(eps), SENTINEL=sentinel(part.dtype),
         WORLD=inbox_ptrs.numel(), BLOCK=block, num_warps=max(4, min(16, block // 512)), **pdl_args(residual))
     return out, res_out

@@ -350,7 +350,7 @@ class SymmMemAllReduce:
         from kernels.allreduce_norm import allreduce_add_rms_norm_ref
         rows, cols = 2, 256
         weight = torch.full((cols,), 0.5, dtype=dtype, device=device)
-        for n in {rows, self.fused.lamport_rows + 1}:  # the Lamport kernel (if on) and the pulled one
+        for n in {1, self.fused.lamport_rows + 1}:  # the Lamport kernel (if on) and the pulled one
             parts = [((torch.arange(n * cols, device=device) % 7 - 3) * (r + 1) / 4).to(dtype).view(n, cols)
                      for r in range(self.world_size)]
             residual = torch.ones(n, cols, dtype=dtype, device=device)
