@@ -12,7 +12,7 @@ ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--random-input-len 16 --random-outpu
 PY=${PYTHON:-python3}
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 LOG=$(mktemp)
-$PY -m frontend.cli serve "$MODEL" --port "$PORT" --max-model-len 512 ${SERVE_ARGS:-} > "$LOG" 2>&1 & SERVER=$!
+$PY -m frontend.entrypoints.cli serve "$MODEL" --port "$PORT" --max-model-len 512 ${SERVE_ARGS:-} > "$LOG" 2>&1 & SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER; rm -f "$LOG"' EXIT
 for _ in $(seq 300); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 0.5; done
 API=$(ss -ltnpH "sport = :$PORT" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2)
@@ -20,7 +20,7 @@ ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }   # u
 tree() { echo "$1"; for c in $(ps -o pid= --ppid "$1"); do tree "$c"; done; }
 server_ticks() { local t=0; for p in $(tree $SERVER); do t=$((t + $(ticks "$p"))); done; echo $t; }
 before=$(ticks $API); all_before=$(server_ticks)
-OUT=$($PY -m frontend.cli bench serve --base-url "http://127.0.0.1:$PORT" --disable-tqdm "${ARGS[@]}")
+OUT=$($PY -m frontend.entrypoints.cli bench serve --base-url "http://127.0.0.1:$PORT" --disable-tqdm "${ARGS[@]}")
 after=$(ticks $API); all_after=$(server_ticks)
 echo "$OUT" | grep -E "Output token throughput|Median ITL|Median TTFT"
 TOKENS=$(echo "$OUT" | awk -F: '/Total generated tokens/ {print $2 + 0}')

@@ -43,7 +43,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every `loom serve` engine option (--max-num-seqs, --enforce-eager, --dtype, ...).
     --max-model-len defaults to min(4096, the model's limit); --load-format to dummy for presets."""
-    from frontend.cli import add_engine_args as add_flags
+    from frontend.entrypoints.args import add_engine_args as add_flags
     g = p.add_argument_group("engine options (as for `loom serve`)")
     add_flags(g, defaults={"max_model_len": None, "load_format": None}, skip=_SKIP)
 

@@ -24,7 +24,7 @@ HZ=$(getconf CLK_TCK)
 SERVER=
 
 start_loom() {
-    setsid $PY -m frontend.cli serve "$MODEL" --served-model-name "$NAME" --max-model-len "$MAXLEN" \
+    setsid $PY -m frontend.entrypoints.cli serve "$MODEL" --served-model-name "$NAME" --max-model-len "$MAXLEN" \
         --dtype "$DTYPE" --port "$PORT" ${LOOM_ARGS:-} > "$1" 2>&1 & SERVER=$!
 }
 start_vllm() {
@@ -56,7 +56,7 @@ run() {  # SERVER_KIND PAIR
     # one short request first (`loom bench serve`'s own test request), so neither pays a first-call cost
     local l0 t0 t1 l1
     l0=$(load1); t0=$(server_ticks)
-    $PY -m frontend.cli bench serve --base-url "http://127.0.0.1:$PORT" --model "$NAME" --disable-tqdm \
+    $PY -m frontend.entrypoints.cli bench serve --base-url "http://127.0.0.1:$PORT" --model "$NAME" --disable-tqdm \
         --temperature 0 --result-file "$res" "${ARGS[@]}" > "$log.bench" 2>&1 \
         || [ -s "$res" ] || { cat "$log.bench"; exit 1; }   # failed requests: kept, and marked in the table
     t1=$(server_ticks); l1=$(load1)

@@ -10,7 +10,7 @@ set -u
 OUT=${OUT:-/tmp/loom-bench-dp}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOOM_LOG_LEVEL=${LOOM_LOG_LEVEL:-WARNING}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1   # NVLink multicast stays off on the lent machines
-LOOM="python3 -m frontend.cli"
+LOOM="python3 -m frontend.entrypoints.cli"
 PORT=8123
 NUM_PROMPTS=${NUM_PROMPTS:-4096}   # ~15-30 s per run: the ramp-up and the tail stay a small part
 LOADGEN_PROCS=${LOADGEN_PROCS:-4}

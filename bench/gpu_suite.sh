@@ -5,7 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/loom-bench}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOOM_LOG_LEVEL=${LOOM_LOG_LEVEL:-WARNING}
-LOOM="python3 -m frontend.cli"
+LOOM="python3 -m frontend.entrypoints.cli"
 run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to stdout
   local name=$1 t=$2; shift 2
   echo "=== $name: $*"

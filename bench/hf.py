@@ -122,7 +122,7 @@ def hf_generate_bench(model_dir: str, batch_size: int, input_len: int, output_le
             print(f"HF generate batch {b}, {n_in} in / {n_out} out: {res['output_tok_per_s']:.2f} output tok/s, "
                   f"{res['ms_per_step']:.2f} ms/step ({elapsed:.2f} s)", flush=True)
             results.append(res)
-            del ids, mask
+            ids = mask = None   # free them before the next batch size
     finally:
         if own_model:
             del model

@@ -23,7 +23,7 @@ import torch
 
 from bench.presets import write_preset
 from frontend.detokenizer import TokenTexts
-from frontend.llm import LLM, EngineStatsTotals
+from frontend.entrypoints.llm import LLM, EngineStatsTotals
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, MsgType, WorkerReply

@@ -153,7 +153,7 @@ def decode_steps(log: list, batch: int) -> dict[int, tuple[float, bool]]:
 def _compile_time(schemas: list[dict], llm) -> float:
     """Mean seconds to compile one schema like those above, for scale (in the bench process)."""
     import xgrammar as xgr
-    from engine_core.structured_output import json_schema_grammar
+    from ipc.grammar import json_schema_grammar
     info = xgr.TokenizerInfo.from_huggingface(llm.tokenizer, vocab_size=max(llm.config.vocab_size, len(llm.tokenizer)))
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     import json

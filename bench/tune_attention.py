@@ -143,7 +143,7 @@ def trajectory(gen, every: int) -> int:
             total_ms += weight * _time(lambda: pa.paged_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, 1, max(lens),
                                                                   seq_order=order))
             total_bytes += weight * sum(lens) * hkv * d * 2 * 2
-            del q, kc, vc
+            q = kc = vc = None   # free them before the next shape
         print(f"{name}: {total_ms:.1f} ms per layer over {steps} decode steps "
               f"({total_bytes / total_ms / 1e9:.2f} TB/s)", flush=True)
     return 0

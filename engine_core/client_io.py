@@ -23,7 +23,6 @@ input queue.
 from __future__ import annotations
 
 import collections
-import hashlib
 import hmac
 import itertools
 import logging
@@ -40,7 +39,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, CurveServer, HandshakeWatch,
-                      PeerGuard, derive_keys, new_keys)
+                      PeerGuard, auth_proof, derive_keys, new_keys)
+from ipc.handshake import HANDSHAKE_MAX_MSG_BYTES
 from ipc.messages import AttachRequest, EngineCoreRequest, EngineReady, Hello, MsgType, UtilityRequest
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import close_socket, make_socket
@@ -50,7 +50,6 @@ CLIENT_GONE = b"client-gone"
 ADD_MALFORMED = b"add-malformed"  # (client index, request id, error): an ADD that did not decode
 UTILITY_MALFORMED = b"utility-malformed"  # (client index, call id, error): a UTILITY that did not decode
 MALFORMED = {MsgType.ADD.value: ADD_MALFORMED, MsgType.UTILITY.value: UTILITY_MALFORMED}
-HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything bigger is dropped by libzmq
 MAX_PENDING_HELLOS = 1024             # nonces of HELLOs not yet followed by ATTACH: the oldest go first
 HELLO_TTL_S = 30.0                    # ... and none lives longer than this
 _FINAL_LINGER_MS = 200
@@ -74,9 +73,6 @@ def check_attach_address(addr: str) -> None:
         return
     raise ValueError(f"not a tcp://HOST:PORT or ipc://PATH address: {addr[:100]!r}")
 
-
-def auth_proof(key: str, nonce: bytes) -> str:
-    return hmac.new(key.encode(), nonce, hashlib.sha256).hexdigest()
 
 
 @dataclass

@@ -6,9 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
-PAUSE_MODES = ("abort", "wait", "keep")
-
 
 class PauseState(enum.Enum):
     UNPAUSED = "unpaused"

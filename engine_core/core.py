@@ -22,9 +22,10 @@ from typing import Any, Callable
 import zmq
 
 from ipc.config import ConfigError, EngineConfig
-from engine_core.control import PAUSE_MODES, SLEEP_TAGS, ControlState, Deferred, PauseState
+from engine_core.control import ControlState, Deferred, PauseState
+from ipc.control import PAUSE_MODES, SLEEP_TAGS
 from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, UTILITY_MALFORMED, ClientIO
-from engine_core.dp_coordinator import DPRank, register_with_head, select_devices
+from ipc.data_parallel import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, PendingOutput
 from engine_core.loop_stats import LoopStats
 from engine_core.request import Request, RequestStatus
@@ -39,7 +40,7 @@ from ipc.serial import Encoder
 from ipc.sockets import make_socket
 from ipc.validation import MAX_REQUEST_ID_CHARS, Limits, RequestError, validate_request
 from shm.object_store import is_entry_handle
-from workers.remote import ENGINE_ONLY_WORKER_METHODS
+from ipc.worker_methods import ENGINE_ONLY_WORKER_METHODS
 
 logger = logging.getLogger(__name__)
 DEFERRED_POLL_S = 0.05   # how often a deferred reply that asks the workers asks them

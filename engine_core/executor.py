@@ -71,7 +71,7 @@ class Executor:
         if nodes.count > 1:  # the replies of the other nodes' workers
             if nodes.auth_key:
                 from ipc.auth import PeerGuard, derive_keys
-                from shm.broadcast_ring import READER_ROLE
+                from ipc.auth import READER_ROLE
                 self._guard = PeerGuard(self.ctx, "tensor-parallel replies",
                                         (derive_keys(nodes.auth_key, READER_ROLE).public,))
             # watched from before it binds: another node's workers may be connecting already
@@ -271,8 +271,8 @@ class Nodes:
         return RemoteHandle(self.ring_address, self.auth_key)
 
     def reply_server(self):
-        from shm.broadcast_ring import _curve_server
-        return _curve_server(self.auth_key)
+        from ipc.auth import ring_curve_server
+        return ring_curve_server(self.auth_key)
 
 
 def _bracket(host: str) -> str:

@@ -8,6 +8,6 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name):
     # Imported lazily so that `import frontend` stays light (the CLI, spawned children).
     if name == "LLM":
-        from frontend.llm import LLM
+        from frontend.entrypoints.llm import LLM
         return LLM
     raise AttributeError(name)

@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from engine_core.client import AsyncEngineCoreClient, EngineDeadError
+from frontend.engine_client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
 from frontend.dp_router import DPRouter, check_rank, merge_results
 from frontend.detokenizer import TokenTexts
@@ -101,7 +101,7 @@ class AsyncLLM:
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
-        self.draining = False            # shutting down: new requests are refused (frontend/api_server_proc.py)
+        self.draining = False            # shutting down: new requests are refused (frontend/openai/api_server_proc.py)
 
     async def start(self, timeout: float = 900.0, engine_address: str | None = None,
                     auth_key: str | None = None, remote_engines: list[str] = ()) -> None:

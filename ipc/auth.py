@@ -145,3 +145,24 @@ class HandshakeWatch:
         if self._log_now():
             logger.warning("%s: dropped a peer that failed the handshake (%d so far)", self.name, self.failed)
         return True
+
+
+def auth_proof(key: str, nonce: bytes) -> str:
+    """The HMAC a peer sends back for a handshake's nonce: proof that it holds the key."""
+    return hmac.new(key.encode(), nonce, hashlib.sha256).hexdigest()
+
+
+# CURVE roles of the TP broadcast ring's remote readers (shm/broadcast_ring.py), keys from the auth key
+RING_ROLE, READER_ROLE = "loom-tp-ring", "loom-tp-reader"
+
+
+def ring_curve_server(auth_key: str | None) -> CurveServer | None:
+    """The ring's overflow/remote socket on the engine core's side; None without a key."""
+    return CurveServer(derive_keys(auth_key, RING_ROLE)) if auth_key else None
+
+
+def ring_curve_client(auth_key: str | None) -> CurveClient | None:
+    """A remote ring reader's (a worker on another node) side; None without a key."""
+    if not auth_key:
+        return None
+    return CurveClient(derive_keys(auth_key, READER_ROLE), derive_keys(auth_key, RING_ROLE).public)

@@ -1,8 +1,8 @@
 """The asking side of a handshake over a DEALER: HELLO, then one request, each answered.
 
 Two peers use it (docs/protocol.md): an API server or router attaching to an engine core
-(engine_core/client.py, `attach_handshake`), and a remote data-parallel rank registering with
-the head (engine_core/dp_coordinator.py, `register_with_head`).
+(frontend/engine_client.py, `attach_handshake`), and a remote data-parallel rank registering with
+the head (frontend/entrypoints/dp_coordinator.py, `register_with_head`).
 
 Against a CURVE socket, a peer without the right key fails the ZMTP handshake, and libzmq drops
 that connection for good: a DEALER left with no connection then blocks on send, and nothing
@@ -19,6 +19,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ipc.auth import HANDSHAKE_FAILED, CurveClient
 from ipc.sockets import close_socket, make_socket
+
+HANDSHAKE_MAX_MSG_BYTES = 64 * 1024   # HELLO and ATTACH are small: anything bigger is dropped by libzmq
 
 
 class HandshakeDealer:

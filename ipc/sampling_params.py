@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ipc.validation import ANY_MODEL, RequestError, check_sampling_params
+
 
 # JSON nesting of a schema (objects and arrays; a property is two levels): xgrammar's compile time
 # grows fast with it (400 nested properties took 29 s on one thread that every constrained request
@@ -139,7 +141,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         a bad value is a ValueError here, as vLLM's SamplingParams raises one; decoded from a
         socket, msgspec reports it as a ValidationError. A value of the wrong type is left to the
         type checks (frontend/processing.typed_params; msgspec's decoders)."""
-        from ipc.validation import ANY_MODEL, RequestError, check_sampling_params
         try:
             check_sampling_params(self, ANY_MODEL)
         except RequestError:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ipc.sampling_params import SamplingParams
+if TYPE_CHECKING:   # annotations only: SamplingParams checks its values with this module
+    from ipc.sampling_params import SamplingParams
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1

@@ -49,7 +49,7 @@ def check_conversation(messages) -> None:
 
 def render_chat(tokenizer, messages: list[dict], allowed_dir: str | None, **template) -> tuple[str, list]:
     """Offline: the prompt text and the loaded images (data: and file: URLs, PIL images).
-    `template`: apply_chat_template's keywords (frontend.protocol.template_options)."""
+    `template`: apply_chat_template's keywords (frontend.openai.protocol.template_options)."""
     check_conversation(messages)
     msgs, sources = split_parts(messages)
     images = []

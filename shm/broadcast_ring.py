@@ -94,6 +94,8 @@ import _posixshmem  # CPython's POSIX shm_open/shm_unlink (what SharedMemory use
 import msgspec
 import zmq
 
+from ipc.auth import READER_ROLE, PeerGuard, derive_keys, ring_curve_client, ring_curve_server
+
 __all__ = ["BroadcastRing", "RingHandle", "RingClosed", "ReaderGone", "RemoteSpec", "RemoteHandle",
            "RemoteReader", "attach_reader"]
 
@@ -170,23 +172,7 @@ class RemoteHandle(msgspec.Struct, frozen=True):
     auth_key: str | None = None
 
 
-# CURVE roles of the keys derived from the auth key (ipc/auth.py derive_keys)
-RING_ROLE, READER_ROLE = "loom-tp-ring", "loom-tp-reader"
 _HEARTBEAT_MS = 1000
-
-
-def _curve_server(auth_key: str | None):
-    if not auth_key:
-        return None
-    from ipc.auth import CurveServer, derive_keys
-    return CurveServer(derive_keys(auth_key, RING_ROLE))
-
-
-def _curve_client(auth_key: str | None):
-    if not auth_key:
-        return None
-    from ipc.auth import CurveClient, derive_keys
-    return CurveClient(derive_keys(auth_key, READER_ROLE), derive_keys(auth_key, RING_ROLE).public)
 
 
 class _Layout:
@@ -285,7 +271,6 @@ class BroadcastRing:
     def _bind_remote(self, remote: RemoteSpec, linger_s: float) -> None:
         self._remote_ranks = tuple(remote.ranks)
         if remote.auth_key:
-            from ipc.auth import PeerGuard, derive_keys
             self._guard = PeerGuard(self._ctx, "tensor-parallel step broadcast",
                                     (derive_keys(remote.auth_key, READER_ROLE).public,))
         sock = self._remote = self._ctx.socket(zmq.XPUB)
@@ -294,7 +279,7 @@ class BroadcastRing:
         sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10 * _HEARTBEAT_MS)
-        server = _curve_server(remote.auth_key)
+        server = ring_curve_server(remote.auth_key)
         if server is not None:
             server.apply(sock)
         sock.bind(remote.address)
@@ -745,7 +730,7 @@ class RemoteReader:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self._sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10 * _HEARTBEAT_MS)
-        client = _curve_client(handle.auth_key)
+        client = ring_curve_client(handle.auth_key)
         if client is not None:
             client.apply(self._sub)
         # a dropped connection (the writer died, or stopped answering heartbeats) ends the ring

@@ -2,7 +2,7 @@
 import sys
 import time
 
-from engine_core.client import EngineCoreClient
+from frontend.engine_client import EngineCoreClient
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 

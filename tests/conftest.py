@@ -55,7 +55,7 @@ def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
     """`loom serve MODEL ARGS` in a session of its own (a test signals or counts it as a group),
     ended by SIGTERM if the test process dies: a pytest killed by a timeout runs no fixture
     teardown, and the server would outlive it. Start it from pytest's main thread."""
-    return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", model_dir, *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "frontend.entrypoints.cli", "serve", model_dir, *args], cwd=ROOT,
                             start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
@@ -91,7 +91,7 @@ def demo_model_dir(tmp_path_factory) -> str:
     """The demo model, trained once per run: pytest-xdist workers share one build (~30 s)."""
     from filelock import FileLock
 
-    from frontend.demo_model import build_demo_model
+    from frontend.tools.demo_model import build_demo_model
     base = tmp_path_factory.getbasetemp()
     out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-model"
     with FileLock(f"{out}.lock"):
@@ -163,10 +163,10 @@ def run_to_end(client, rid: str, prompt: list[int], params, eos=(), mm_items=())
 
 
 def is_tokenizer_process(pid: int) -> bool:
-    """An API server's tokenizer process (frontend/tokenizer_proc.py), or one of its jobs."""
+    """An API server's tokenizer process (frontend/openai/tokenizer_proc.py), or one of its jobs."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"frontend.tokenizer_proc" in f.read()
+            return b"frontend.openai.tokenizer_proc" in f.read()
     except FileNotFoundError:
         return False
 
@@ -208,7 +208,7 @@ def run_fake(llm, scenario, **serve_kw):
 
     import aiohttp
 
-    from frontend.api_server import serve
+    from frontend.openai.api_server import serve
 
     async def main():
         port = free_tcp_port()

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server.
 
-Part 1 runs `frontend.api_server.serve` in-process against a scripted fake
+Part 1 runs `frontend.openai.api_server.serve` in-process against a scripted fake
 AsyncLLM (fast, deterministic): engine death before and during a stream,
 client disconnects aborting, tokenization off the event loop.
 
@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from ipc.config import EngineConfig
-from frontend.api_server import serve
+from frontend.openai.api_server import serve
 from frontend.errors import EngineDeadError
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from tests.conftest import openai_client, run_fake, running_server

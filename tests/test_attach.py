@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import requests
 
-from engine_core.client import EngineCoreClient, EngineDeadError
+from frontend.engine_client import EngineCoreClient, EngineDeadError
 from ipc.messages import MsgType
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
@@ -211,7 +211,7 @@ def test_attach_headless_engine(tiny_model_dir, headless):
 
 
 def test_headless_refuses_network_address_without_key(tiny_model_dir):
-    r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", tiny_model_dir, "--headless",
+    r = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "serve", tiny_model_dir, "--headless",
                         "--engine-address", "tcp://0.0.0.0:5999"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "auth-key" in r.stderr

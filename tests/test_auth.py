@@ -19,7 +19,7 @@ import requests
 import zmq
 
 from engine_core import client_io
-from engine_core.client import EngineCoreClient
+from frontend.engine_client import EngineCoreClient
 from engine_core.client_io import ClientIO
 from ipc.auth import CLIENT_ROLE, ENGINE_ROLE, CurveClient, derive_keys, new_keys
 from ipc.handshake import HandshakeDealer
@@ -158,7 +158,7 @@ BAD_ATTACHES = [
 def test_malformed_handshakes_fail_alone(engine_io):
     """Each bad ATTACH gets REFUSED; the attached client keeps working and new clients can attach."""
     address, io, inputs, key, client, ctx = engine_io
-    from engine_core.client_io import auth_proof
+    from ipc.auth import auth_proof
     sock = _handshake_dealer(ctx, address, key)
     try:
         for bad in BAD_ATTACHES:
@@ -217,7 +217,7 @@ def test_attaches_to_addresses_no_one_listens_on_are_bounded(engine_io, monkeypa
     ATTACH_CONNECT_TIMEOUT_S: past MAX_UNCONNECTED_ATTACHES a key holder's next one is refused
     (it was unbounded), and the attached client keeps working."""
     address, io, inputs, key, client, ctx = engine_io
-    from engine_core.client_io import auth_proof
+    from ipc.auth import auth_proof
     monkeypatch.setattr(client_io, "MAX_UNCONNECTED_ATTACHES", 2)
     sock = _handshake_dealer(ctx, address, key)
     try:

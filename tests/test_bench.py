@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 
 
 def _loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frontend.cli", "bench", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "bench", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from frontend import cli
+from frontend.entrypoints import cli
 from tests.conftest import ROOT, popen_serve
 
 
@@ -63,7 +63,7 @@ def test_every_flag_has_help_and_shows_its_default():
 
 
 def _loom(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frontend.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -97,7 +97,7 @@ def test_serve_raises_the_open_file_limit():
     connections locked everyone out of an API server) up to 65,536 within the hard limit."""
     code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, soft), hard)); "
-            "from frontend.launcher import raise_open_file_limit; raise_open_file_limit(); "
+            "from frontend.entrypoints.launcher import raise_open_file_limit; raise_open_file_limit(); "
             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     soft, hard = (int(x) for x in out.stdout.split())
@@ -108,8 +108,8 @@ def test_serve_raises_the_open_file_limit():
 def test_serve_flag_mistakes_are_config_errors(tiny_model_dir):
     """Each was a traceback (exit 1), or silently accepted: now a ConfigError, which `loom serve`
     prints as one line with exit 2 (shown end to end for the first)."""
-    from frontend.cli import engine_config_from_args
-    from frontend.launcher import _check_args
+    from frontend.entrypoints.args import engine_config_from_args
+    from frontend.entrypoints.launcher import _check_args
     from ipc.config import ConfigError
     assert "--api-key must not be empty" in _one_line(_loom("serve", tiny_model_dir, "--api-key", ""))  # (auth off)
     for args, words in ((["--port", "70000"], "--port"), (["--engine-address", "garbage"], "tcp://HOST:PORT"),

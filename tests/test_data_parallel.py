@@ -182,7 +182,7 @@ def test_abort_follows_its_request(dp_server):
 
 
 def test_devices_per_rank(monkeypatch):
-    from engine_core.dp_coordinator import select_devices
+    from ipc.data_parallel import select_devices
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     select_devices(1, 2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -339,7 +339,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def test_two_nodes_on_loopback(model_factory):
-    from engine_core.dp_coordinator import register_with_head
+    from ipc.data_parallel import register_with_head
     model = model_factory("qwen3")
     rpc_port = free_tcp_port()
     head = Server(model, "--data-parallel-size", "3", "--data-parallel-size-local", "1",

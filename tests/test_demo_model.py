@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from frontend.demo_model import build_demo_model
+from frontend.tools.demo_model import build_demo_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from frontend import LLM, SamplingParams
-from frontend.demo_vision_model import COLOURS, SHAPES, build_demo_vision_model, draw_shape
+from frontend.tools.demo_vision_model import COLOURS, SHAPES, build_demo_vision_model, draw_shape
 
 # Fewer steps than the default (700): enough for colours (about 20 s), and CI time is tight.
 TEST_STEPS = 150

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from frontend import LLM, SamplingParams
-from frontend.llm import longest_first
+from frontend.entrypoints.llm import longest_first
 from tests.hf_oracle import hf_greedy
 
 MAX_NEW = 12

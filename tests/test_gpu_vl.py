@@ -45,7 +45,7 @@ def test_qwen2_5_vl_on_gpu_matches_hf(tmp_path, dtype, exact):
 
 
 def test_vision_demo_bf16_on_gpu_matches_hf(tmp_path):
-    from frontend.demo_vision_model import _chat, build_demo_vision_model, draw_shape
+    from frontend.tools.demo_vision_model import _chat, build_demo_vision_model, draw_shape
     d = str(tmp_path / "demo-vision")
     build_demo_vision_model(d, steps=150)
     cases = [(_chat(q)[0], [draw_shape(shape, colour, rng=__import__("random").Random(i))])

@@ -5,7 +5,7 @@ ONE real `loom serve` and over the engine protocol through a client attached to 
 engine; afterwards both still answer, and a greedy request gives the same tokens as before.
 Also: request-supplied chat templates are refused by default, one user's huge request does not
 hold up another's small one, work queued for a client that has gone is skipped, and a large
-input's tokenization (in the tokenizer process, frontend/tokenizer_proc.py) is killed when its
+input's tokenization (in the tokenizer process, frontend/openai/tokenizer_proc.py) is killed when its
 client goes, with the same ids as in-process tokenization. An attached client's ABORT ends only
 its own requests.
 """
@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import requests
 
-from engine_core.client import EngineCoreClient
+from frontend.engine_client import EngineCoreClient
 from ipc.messages import EngineCoreRequest, MultiModalItem
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from ipc.sockets import free_tcp_port
@@ -299,7 +299,7 @@ def test_tokenization_for_a_gone_client_is_skipped():
 
 
 def _tokenizer_process(server) -> int | None:
-    """The API server's tokenizer process (frontend/tokenizer_proc.py), once a large input started it."""
+    """The API server's tokenizer process (frontend/openai/tokenizer_proc.py), once a large input started it."""
     api = serve_processes(server)["api_server"]
     return next((k for k in child_pids(api) if is_tokenizer_process(k)), None)
 
@@ -308,7 +308,7 @@ def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
     """Inputs above the small lane's 64 KiB go through the tokenizer process: the same ids as the
     in-process tokenizer, for a prompt, a chat (its template included) and a list of prompts."""
     from transformers import AutoTokenizer
-    from frontend.protocol import render_chat
+    from frontend.openai.protocol import render_chat
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "Zen of Python: é 😀 \u00e9 1234 " * 4000 + "the end"       # ~150 KB, not ASCII only
     r = _post(server, "/tokenize", {"prompt": text}, timeout=120)
@@ -544,8 +544,8 @@ def test_a_client_that_does_not_read_its_outputs_is_dropped(engine, monkeypatch)
     it and aborts its requests, where it once queued every output in its own memory; the other
     clients are served throughout."""
     import zmq
-    import engine_core.client as client_mod
-    from engine_core.client import attach_handshake
+    import frontend.engine_client as client_mod
+    from frontend.engine_client import attach_handshake
     from ipc.sockets import make_socket
     good, proc, address = engine
 

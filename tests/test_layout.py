@@ -35,7 +35,7 @@ def test_transformers_is_not_confused_by_our_kernels_package():
 
 
 def test_loom_command_exists():
-    r = subprocess.run([sys.executable, "-m", "frontend.cli", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "serve" in r.stdout and "demo-model" in r.stdout and "bench" in r.stdout
 
 

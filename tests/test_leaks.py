@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine_core.client import EngineCoreClient
+from frontend.engine_client import EngineCoreClient
 from frontend import LLM
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams

@@ -176,7 +176,7 @@ def test_request_metrics_prompt_counted_once():
 
 
 def test_progress_bar_shows_speeds(capsys):
-    from frontend.llm import _progress
+    from frontend.entrypoints.llm import _progress
     assert _progress(2, False) is None
     bar = _progress(2, True)
     bar.add_tokens(10)

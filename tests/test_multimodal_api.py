@@ -213,7 +213,7 @@ def test_bench_serve_random_mm(server, tmp_path):
     import subprocess
     import sys
     out = tmp_path / "mm.json"
-    r = subprocess.run([sys.executable, "-m", "frontend.cli", "bench", "serve", "--base-url", server.url,
+    r = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "bench", "serve", "--base-url", server.url,
                         "--dataset-name", "random-mm", "--num-prompts", "3", "--random-input-len", "16",
                         "--random-output-len", "4", "--random-mm-base-items-per-request", "2",
                         "--random-mm-bucket-config", "{(56, 56, 1): 0.5, (84, 112, 1): 0.5}",

@@ -1,4 +1,4 @@
-"""Unit tests of the OpenAI wire format (frontend/protocol.py): parsing, validation,
+"""Unit tests of the OpenAI wire format (frontend/openai/protocol.py): parsing, validation,
 sampling-parameter mapping and response formatting. No engine, no server."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from frontend.outputs import Logprob
-from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, chat_chunk, chat_chunk_choice,
                                chat_logprobs, check_model, completion_logprobs, completion_prompts, error_body,
                                merge_completion_logprobs, models_response, normalize_messages, parse_request,
@@ -195,7 +195,7 @@ def test_chat_max_completion_tokens_and_logprobs():
 
 
 def test_response_format_becomes_a_constraint():
-    from frontend.constraints import request_constraint
+    from frontend.openai.constraints import request_constraint
     req = lambda body: parse_request(json.dumps({"messages": [], **body}).encode(), ChatCompletionRequest)
     assert request_constraint(req({"response_format": {"type": "text"}})) is None
     assert request_constraint(req({"response_format": {"type": "json_object"}})).json_object is True
@@ -327,7 +327,7 @@ def test_usage_and_models_and_sse():
 
 
 def test_detect_content_format():
-    from frontend.protocol import detect_content_format
+    from frontend.openai.protocol import detect_content_format
     assert detect_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
     assert detect_content_format("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
                                  "{% endfor %}{% endfor %}") == "openai"
@@ -341,7 +341,7 @@ def test_detect_content_format():
 
 
 def test_echoed_prompt_logprobs_format():
-    from frontend.protocol import prompt_logprobs_json
+    from frontend.openai.protocol import prompt_logprobs_json
     entries = [None, {7: Logprob(-1.0, 2, "b"), 9: Logprob(-float("inf"), 1, "a")}]
     lp, off = completion_logprobs([5, 7], entries, num_top=1, decode=lambda t: "xy")
     assert lp["tokens"] == ["xy", "b"] and lp["token_logprobs"] == [None, -1.0]
@@ -358,7 +358,7 @@ def test_a_utility_call_whose_arguments_do_not_encode_leaves_no_reply_waiting(tm
     failed it unretrieved ("Future exception was never retrieved"), one per such call."""
     import asyncio
 
-    from engine_core.client import AsyncEngineCoreClient
+    from frontend.engine_client import AsyncEngineCoreClient
 
     async def main():
         client = AsyncEngineCoreClient(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", 0, lambda o: None,
@@ -375,7 +375,7 @@ def test_a_utility_call_whose_arguments_do_not_encode_leaves_no_reply_waiting(tm
 
 def test_invalid_utf8_is_located_in_the_body():
     """The 400 names the bad byte's offset in the body (it gave its offset inside the JSON string)."""
-    from frontend.protocol import parse_request
+    from frontend.openai.protocol import parse_request
     body = b'{"prompt": "\xff\xfe abc"}'
     with pytest.raises(APIError, match="at byte 12"):
         parse_request(body, CompletionRequest)

@@ -42,7 +42,7 @@ def _requests():
 @pytest.fixture(scope="module")
 def results(tiny_model_dir):
     """(outputs with async scheduling, outputs without, solo greedy outputs of FREE)."""
-    from frontend.llm import LLM
+    from frontend.entrypoints.llm import LLM
     prompts, params = _requests()
     out = {}
     for async_scheduling in (True, False):
@@ -58,7 +58,7 @@ def results(tiny_model_dir):
                     out["raised"] = str(e)
                 # the engine checks again, for the clients that send it anyway (the LLM's check off)
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr("frontend.llm._check_constraint", lambda c: None)
+                    mp.setattr("frontend.entrypoints.llm._check_constraint", lambda c: None)
                     bad = llm.generate(["x", "y"], [bad_params, SamplingParams(max_tokens=4, temperature=0)],
                                        use_tqdm=False)
                     out["bad"] = [o.outputs[0] for o in bad]

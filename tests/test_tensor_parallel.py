@@ -233,7 +233,7 @@ def test_serve_refuses_in_one_line_with_exit_2(tmp_path, tiny_model_dir):
         # no GPU at all: the device check speaks first (ipc/config.py check_device)
         cases.append(([tiny_model_dir, "-tp", "2", "--device", "cuda"], "no CUDA GPU is visible"))
     for args, message in cases:
-        r = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", *args], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()

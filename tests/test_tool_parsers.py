@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from frontend.chat_output import ChatOutput, ToolUse
-from frontend.reasoning import REASONING_PARSERS
-from frontend.tool_parsers import TOOL_PARSERS
+from frontend.openai.chat_output import ChatOutput, ToolUse
+from frontend.openai.reasoning import REASONING_PARSERS
+from frontend.openai.tool_parsers import TOOL_PARSERS
 
 
 def test_hermes_extracts_calls_and_content():
@@ -106,7 +106,7 @@ def test_qwen3_stream_adds_up_to_the_whole_message(text, prompt, step):
     reasoning at </think>, and lost the answer. Now the stream adds up to the whole message: all
     content when the output did not open the thinking, reasoning up to </think> when the prompt
     opened it (Qwen3-*-Thinking-2507's template)."""
-    from frontend.reasoning import reasoning_after_prompt
+    from frontend.openai.reasoning import reasoning_after_prompt
     parser = reasoning_after_prompt(REASONING_PARSERS["qwen3"](), prompt)
     whole = ChatOutput(ToolUse("none"), parser)
     whole.text = text

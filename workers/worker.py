@@ -16,7 +16,7 @@ from ipc.procs import child_signals, freeze_startup_heap, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
-from workers.remote import remote
+from ipc.worker_methods import remote
 
 logger = logging.getLogger(__name__)
 
@@ -232,10 +232,11 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     child_signals()
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    from shm.broadcast_ring import RemoteHandle, RingClosed, _curve_client, attach_reader
+    from ipc.auth import ring_curve_client
+    from shm.broadcast_ring import RemoteHandle, RingClosed, attach_reader
     ctx = zmq.Context()
     # a worker on another node replies over TCP: CURVE with the keys of the ring's auth key
-    auth = _curve_client(ring_handle.auth_key) if isinstance(ring_handle, RemoteHandle) else None
+    auth = ring_curve_client(ring_handle.auth_key) if isinstance(ring_handle, RemoteHandle) else None
     reply = make_socket(ctx, zmq.PUSH, reply_address, bind=False, linger=1000, auth=auth)
     enc = Encoder()
     send = lambda msg: reply.send_multipart(enc.encode(MsgType.WORKER_REPLY.value, msg), copy=False)

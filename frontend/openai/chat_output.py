@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from frontend.reasoning import ReasoningParser
-from frontend.tool_parsers import ToolCall, ToolParser, parsed_call
+from frontend.openai.reasoning import ReasoningParser
+from frontend.openai.tool_parsers import ToolCall, ToolParser, parsed_call
 
 
 @dataclass

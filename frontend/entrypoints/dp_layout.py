@@ -1,14 +1,14 @@
 """`loom serve`'s data-parallel layout: which engine cores (ranks) run on this node, and how
-the ranks of other nodes join (engine_core/dp_coordinator.py)."""
+the ranks of other nodes join (frontend/entrypoints/dp_coordinator.py)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 
-from engine_core.client import local_address_towards
+from frontend.engine_client import local_address_towards
 from engine_core.core import check_handshake_security, run_engine_core
-from engine_core.dp_coordinator import DPRank
+from ipc.data_parallel import DPRank
 from ipc.config import ConfigError, EngineConfig
 from ipc.procs import start_process
 from ipc.sockets import ipc_address

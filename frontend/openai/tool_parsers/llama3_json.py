@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from frontend.tool_parsers.abstract import ToolCall, ToolParser, parsed_call
+from frontend.openai.tool_parsers.abstract import ToolCall, ToolParser, parsed_call
 
 PYTHON_TAG = "<|python_tag|>"
 

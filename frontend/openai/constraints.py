@@ -8,9 +8,9 @@ import functools
 import json
 from typing import Any
 
-from frontend.chat_output import ToolUse
-from frontend.protocol import APIError
-from frontend.tool_parsers import TOOL_PARSERS
+from frontend.openai.chat_output import ToolUse
+from frontend.openai.protocol import APIError
+from frontend.openai.tool_parsers import TOOL_PARSERS
 from ipc.sampling_params import StructuredOutputsParams
 
 _SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
@@ -74,7 +74,7 @@ def _structured_outputs(so: dict) -> StructuredOutputsParams:
 def check_constraint(c: StructuredOutputsParams, param: str) -> None:
     """400 for a constraint that cannot compile, before it reaches the engine (which checks again).
     xgrammar builds the grammar without the tokenizer here: cheap, and the same parser."""
-    from engine_core.structured_output import grammar_key, xgrammar_reason
+    from ipc.grammar import grammar_key, xgrammar_reason
     try:
         if c.json is not None and not isinstance(c.json, (str, dict)):
             raise ValueError("json must be a JSON schema (an object or its JSON text)")
@@ -92,7 +92,7 @@ def _grammar_error(kind: str, source: str) -> str | None:
     """Why xgrammar cannot build this grammar (None: it can), per (kind, source): an offline
     batch, or API traffic, repeats one schema (0.45 ms a parse of a 3-property schema)."""
     import xgrammar as xgr
-    from engine_core.structured_output import choice_grammar, json_schema_grammar, xgrammar_reason
+    from ipc.grammar import choice_grammar, json_schema_grammar, xgrammar_reason
     try:
         if kind in ("json", "json_compact"):
             json_schema_grammar(source, kind == "json")

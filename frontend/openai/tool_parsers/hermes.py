@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from frontend.tool_parsers.abstract import ToolCall, ToolParser, held_prefix, parsed_call
+from frontend.openai.tool_parsers.abstract import ToolCall, ToolParser, held_prefix, parsed_call
 
 START = "<tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)

@@ -19,7 +19,7 @@ same arguments produce byte-identical ``model.safetensors``.
 
 Manual run::
 
-    python -m frontend.demo_model OUT_DIR [--steps N] [--seed S]
+    python -m frontend.tools.demo_model OUT_DIR [--steps N] [--seed S]
 """
 
 from __future__ import annotations

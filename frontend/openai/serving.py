@@ -15,11 +15,11 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from frontend.errors import EngineDeadError, engine_dead_message
-from frontend.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat_chunk_choice, chat_logprobs,
+from frontend.openai.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat_chunk_choice, chat_logprobs,
                                chat_response, completion_choice, completion_chunk, completion_logprobs,
                                completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
                                sse, usage)
-from frontend.chat_output import ChatOutput, ToolUse
+from frontend.openai.chat_output import ChatOutput, ToolUse
 from frontend.outputs import RequestFault
 from ipc.sampling_params import SamplingParams
 

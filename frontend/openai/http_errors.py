@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from frontend.protocol import error_body
+from frontend.openai.protocol import error_body
 
 
 class _OpenAIErrorHandler(RequestHandler):

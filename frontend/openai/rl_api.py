@@ -45,8 +45,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.control_api import ControlAPI
-from frontend.protocol import APIError, dumps, parse_request
+from frontend.openai.control_api import ControlAPI
+from frontend.openai.protocol import APIError, dumps, parse_request
 
 DEFAULT_GROUP = "weight_update_group"
 

@@ -35,7 +35,7 @@ async def _exit_when_dead(llm) -> None:
 async def _shut_down(llm, server, grace: float, code: int, why: str) -> None:
     """Refuse new requests, give those in flight `grace` seconds, fail the rest, exit `code`
     once their handlers wrote the errors (`server`: the OpenAIServer, None before it is built)."""
-    from frontend.protocol import APIError
+    from frontend.openai.protocol import APIError
     llm.draining = True
     logger.info("%s: shutting down; %d requests in flight get %.1fs", why, llm.num_in_flight, grace)
     deadline = time.monotonic() + grace
@@ -68,7 +68,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s api{client_index} %(levelname)s %(message)s")
     import uvloop
-    from frontend.api_server import serve
+    from frontend.openai.api_server import serve
     from frontend.async_llm import AsyncLLM
 
     engine_address, auth_key = opts.pop("engine_address", None), opts.pop("engine_auth_key", None)
@@ -83,7 +83,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
         try:
             remote = []
             if dp_lookup:   # data-parallel ranks on other nodes: where the head's coordinator says they are
-                from engine_core.dp_coordinator import lookup_remote_engines
+                from ipc.data_parallel import lookup_remote_engines
                 found = await loop.run_in_executor(None, lookup_remote_engines, dp_lookup)
                 remote = [found[r] for r in sorted(found)]
                 llm.router.remote = frozenset(found)   # images (in this host's store) go to local ranks only

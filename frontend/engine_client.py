@@ -179,7 +179,7 @@ def local_address_towards(engine_address: str) -> str:
 def attach_handshake(engine_address: str, client: "_ClientBase", auth_key: str | None = None,
                      timeout: float = 30.0) -> None:
     """Ask the engine at its handshake address to connect to our sockets (docs/protocol.md)."""
-    from engine_core.client_io import auth_proof
+    from ipc.auth import auth_proof
     auth = None
     if auth_key:  # the engine's handshake socket is CURVE with keys derived from the key
         auth = CurveClient(derive_keys(auth_key, CLIENT_ROLE), derive_keys(auth_key, ENGINE_ROLE).public)

@@ -14,7 +14,7 @@ algorithms make the build reproducible.
 
 Manual run::
 
-    python -m frontend.demo_vision_model OUT_DIR [--steps N] [--seed S]
+    python -m frontend.tools.demo_vision_model OUT_DIR [--steps N] [--seed S]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import os
 import random
 import time
 
-from frontend.demo_model import reproducible_training
+from frontend.tools.demo_model import reproducible_training
 
 logger = logging.getLogger(__name__)
 

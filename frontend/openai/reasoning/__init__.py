@@ -2,7 +2,7 @@
 (`--reasoning-parser NAME`; vLLM's names)."""
 from __future__ import annotations
 
-from frontend.tool_parsers.abstract import held_prefix
+from frontend.openai.tool_parsers.abstract import held_prefix
 
 
 class ReasoningParser:

@@ -1,7 +1,7 @@
 """Large inputs are tokenized in a tokenizer process, so that the work of a client that has gone
 can be stopped (a thread cannot be).
 
-The API server starts the process (`python -m frontend.tokenizer_proc PATH PARENT_PID`) the first
+The API server starts the process (`python -m frontend.openai.tokenizer_proc PATH PARENT_PID`) the first
 time an input above the small lane's size arrives, and keeps it: it loads the tokenizer once
 (AutoTokenizer.from_pretrained(PATH), as the API server does) and never tokenizes itself. Each
 job runs in a child it forks (copy-on-write: the loaded tokenizer comes for free, in ~10 ms), so
@@ -33,7 +33,7 @@ import time
 
 import msgspec
 
-from frontend.protocol import APIError, render_chat
+from frontend.openai.protocol import APIError, render_chat
 
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
@@ -47,7 +47,7 @@ class EncodeJob(msgspec.Struct, tag="encode", array_like=True):
 
 
 class ChatJob(msgspec.Struct, tag="chat", array_like=True):
-    """render_chat()'s arguments (frontend/protocol.py)."""
+    """render_chat()'s arguments (frontend/openai/protocol.py)."""
     messages: list[dict]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -281,7 +281,7 @@ class TokenizerProcess:
         try:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false")   # no thread pool to fork with
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "frontend.tokenizer_proc", self.path, str(os.getpid()),
+                sys.executable, "-m", "frontend.openai.tokenizer_proc", self.path, str(os.getpid()),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             if not isinstance(await self._read(proc), Ready):
                 raise RuntimeError("no READY")

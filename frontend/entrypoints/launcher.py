@@ -23,11 +23,11 @@ from multiprocessing.connection import wait
 import zmq
 
 from ipc.config import ConfigError, check_tokenizer_files
-from engine_core.client import local_address_towards
+from frontend.engine_client import local_address_towards
 from engine_core.core import check_handshake_security
-from engine_core.dp_coordinator import DPCoordinator
-from frontend.cli import engine_config_from_args
-from frontend.dp_layout import DPLayout
+from frontend.entrypoints.dp_coordinator import DPCoordinator
+from frontend.entrypoints.args import engine_config_from_args
+from frontend.entrypoints.dp_layout import DPLayout
 from ipc.procs import catch_stop_signals, request_drain, start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
@@ -180,7 +180,7 @@ class _Launch:
                 for i in range(0 if self.args.headless else self.n_servers)]
 
     def _start_api_servers(self, clients: list[tuple[str, str]]) -> None:
-        from frontend.api_server_proc import run_api_server_process
+        from frontend.openai.api_server_proc import run_api_server_process
         args = self.args
         self.metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,

@@ -10,15 +10,15 @@ import time
 import weakref
 from typing import Sequence
 
-from engine_core.client import EngineCoreClient
+from frontend.engine_client import EngineCoreClient
 from ipc.config import EngineConfig
 from engine_core.core import run_engine_core
-from engine_core.dp_coordinator import DPRank
+from ipc.data_parallel import DPRank
 from frontend.dp_router import DPRouter, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.protocol import template_options
+from frontend.openai.protocol import template_options
 from frontend.processing import (engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words,
                                  typed_params)
 from ipc.procs import start_process, stop_processes
@@ -465,8 +465,8 @@ class _ShutDown:
 def _check_constraint(c) -> None:
     """ValueError for a constraint that does not compile, as vLLM's LLM raises (the engine would
     finish the request with an error)."""
-    from frontend.constraints import check_constraint
-    from frontend.protocol import APIError
+    from frontend.openai.constraints import check_constraint
+    from frontend.openai.protocol import APIError
     try:
         check_constraint(c, "structured_outputs")
     except APIError as e:

@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine_core.control import PAUSE_MODES, SLEEP_TAGS
+from ipc.control import PAUSE_MODES, SLEEP_TAGS
 from frontend.errors import EngineDeadError
-from frontend.protocol import APIError, dumps
-from workers.remote import ENGINE_ONLY_WORKER_METHODS, is_remote
+from frontend.openai.protocol import APIError, dumps
+from ipc.worker_methods import ENGINE_ONLY_WORKER_METHODS, is_remote
 
 # "ValueError: msg", or "RuntimeError: worker 0: ValueError: msg" from a worker
 _FAILURE = re.compile(r"^(?:(?:WorkerError|RuntimeError): worker \d+: )?(\w+): (.*)\Z", re.DOTALL)

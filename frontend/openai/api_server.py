@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), POST /invocations
 (SageMaker: either of those by the body's shape), GET /v1/models, GET /health, GET /metrics
 (Prometheus), GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (with
---enable-tokenizer-info-endpoint), and the control endpoints of frontend/control_api.py (with
+--enable-tokenizer-info-endpoint), and the control endpoints of frontend/openai/control_api.py (with
 --enable-control-endpoints). Every response carries X-Loom-Server-Index (which API-server process
 answered).
 
@@ -12,7 +12,7 @@ UTF-8 is a 400), and validated by ipc/validation.py before anything reaches the 
 
 Tokenization and chat templating run off the event loop, in two lanes: inputs under
 _SMALL_INPUT_CHARS in a thread of their own, so one user's 20 MB prompt cannot delay another's
-small request; larger ones in a tokenizer process (frontend/tokenizer_proc.py). Work for a client
+small request; larger ones in a tokenizer process (frontend/openai/tokenizer_proc.py). Work for a client
 that has gone is cancelled: a queued job is skipped, a running one in the tokenizer process is
 killed (cancelling the handler does both).
 
@@ -35,27 +35,27 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.control_api import ControlAPI
+from frontend.openai.control_api import ControlAPI
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
-from frontend.http_errors import OpenAIErrorRunner
+from frontend.openai.http_errors import OpenAIErrorRunner
 from frontend.processing import tokenize_bad_words
-from frontend.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, detect_content_format, dumps,
                                encode_prompts, error_body, image_urls, message_text, models_response,
                                normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
                                truncate_prompt)
-from frontend.rl_api import rl_routes
-from frontend.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
-from frontend.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
+from frontend.openai.rl_api import rl_routes
+from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
+from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
-from frontend.chat_output import ChatOutput, ToolUse
-from frontend.constraints import check_constraint, check_tools, request_constraint, tool_use
-from frontend.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_after_prompt
-from engine_core.structured_output import prompt_thinking
+from frontend.openai.chat_output import ChatOutput, ToolUse
+from frontend.openai.constraints import check_constraint, check_tools, request_constraint, tool_use
+from frontend.openai.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_after_prompt
+from ipc.grammar import prompt_thinking
 from ipc.sampling_params import StructuredOutputsParams
 from metrics.registry import Builder
 from metrics.http import HttpMetrics
@@ -76,7 +76,7 @@ MAX_CHOICES = 1024               # n x prompts of one request
 
 @dataclass
 class ServerOptions:
-    """The `loom serve` flags an API server honours (see frontend/cli.py for their help)."""
+    """The `loom serve` flags an API server honours (see frontend/entrypoints/cli.py for their help)."""
     api_key: str | None = None
     enable_control_endpoints: bool = False
     max_request_body_bytes: int = 8 * 1024 * 1024
@@ -116,7 +116,7 @@ def _error_response(e: APIError, headers: dict | None = None) -> web.Response:
 
 class _Tokenizers:
     """Two lanes: small inputs in a thread of their own, so they never wait behind a huge one;
-    large ones (encoding and chat templates) in the tokenizer process (frontend/tokenizer_proc.py),
+    large ones (encoding and chat templates) in the tokenizer process (frontend/openai/tokenizer_proc.py),
     where the work of a client that has gone is killed, not finished. Other large work (decode,
     token strings), and large inputs while no tokenizer process can be had, run in a second
     thread. Each thread has its own tokenizer (a HF fast tokenizer is not safe to share)."""
@@ -610,7 +610,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         if self.options.enable_control_endpoints:
             routes += ControlAPI(self).routes()
-        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/rl_api.py)
+        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/openai/rl_api.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

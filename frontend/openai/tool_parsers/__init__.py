@@ -2,9 +2,9 @@
 `--enable-auto-tool-choice --tool-call-parser NAME`; vLLM's parser names)."""
 from __future__ import annotations
 
-from frontend.tool_parsers.abstract import ToolCall, ToolParser, parsed_call
-from frontend.tool_parsers.hermes import HermesToolParser
-from frontend.tool_parsers.llama3_json import Llama3JsonToolParser
+from frontend.openai.tool_parsers.abstract import ToolCall, ToolParser, parsed_call
+from frontend.openai.tool_parsers.hermes import HermesToolParser
+from frontend.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 

@@ -99,7 +99,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int | None = None      # with --scheduling-policy priority: lower runs first
-    # structured outputs (frontend/constraints.py)
+    # structured outputs (frontend/openai/constraints.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None   # vLLM's: json | regex | choice | grammar | json_object
     guided_json: Any = None                           # vLLM's older names for the same
@@ -170,7 +170,7 @@ def parse_request(body: bytes, cls: type[msgspec.Struct]):
         raise APIError(f"Invalid JSON in the request body: {e}", 400) from None
     except RecursionError:
         raise APIError("The request body is nested too deeply.", 400) from None
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
         try:   # msgspec's offset is inside the string it was decoding: find it in the body
             bytes(body).decode("utf-8")
         except UnicodeDecodeError as whole:
@@ -359,7 +359,7 @@ def build_sampling_params(req: _SamplingFields, *, chat: bool, limits: Limits,
                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Request fields -> validated SamplingParams (APIError 400 naming the param on failure).
     `defaults` (the model's generation config, EngineConfig.default_sampling_params) fill the
-    fields the client did not send; `structured` is the request's constraint (frontend/constraints.py)."""
+    fields the client did not send; `structured` is the request's constraint (frontend/openai/constraints.py)."""
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError("best_of is not supported (it must equal n)", 400, "best_of")
     if req.prompt_logprobs is not None and req.stream:
@@ -643,7 +643,7 @@ def completion_chunk(rid: str, created: int, model: str, choices: list[dict], us
 
 def chat_choice(index: int, message: str | dict, finish_reason: str | None, stop_reason=None,
                 logprobs: dict | None = None, role: str = "assistant", **vllm_fields) -> dict:
-    """`message`: the assistant message (frontend/chat_output.py), or just its text. vllm_fields:
+    """`message`: the assistant message (frontend/openai/chat_output.py), or just its text. vllm_fields:
     token_ids (return_token_ids)."""
     if isinstance(message, str):
         message = {"role": role, "content": message}
