@@ -514,10 +514,15 @@ def test_crash_inputs_fail_alone_over_the_engine_protocol(engine, vocab_size):
     _, out = run_to_end(client, "ext-json", [11, 12],
                         _unchecked(structured_outputs=StructuredOutputsParams(json={"type": ext})))
     assert out.finish_reason == "error" and "structured_outputs json" in out.error, out
-    # a schema that admits nothing: the token that broke it is not an output (error once None)
+    # a constraint that admits nothing: the token that broke it is not an output (error once None).
+    # (xgrammar < 0.2.9 compiled the schema {"$ref": "#"} to such a grammar; 0.2.9 refuses it at
+    # compile time, so an empty character class is the constraint that compiles and admits nothing)
+    tokens, out = run_to_end(client, "no-token", [11, 12],
+                             SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]")))
+    assert out.finish_reason == "error" and "admits no token" in out.error and tokens == [], out
     tokens, out = run_to_end(client, "no-json", [11, 12],
                              SamplingParams(structured_outputs=StructuredOutputsParams(json={"$ref": "#"})))
-    assert out.finish_reason == "error" and "admits no token" in out.error and tokens == [], out
+    assert out.finish_reason == "error" and tokens == [], out   # admits no token, or does not compile
     # store handles that name no entry (a worker would release them), and a collective_rpc whose
     # kwargs a worker could not decode: each refused alone
     for i, (name, addr) in enumerate((("seg", 0), ("loom_mm_nosuch_c0", 128))):
