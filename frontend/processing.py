@@ -1,11 +1,10 @@
-"""Input processing shared by LLM and AsyncLLM: tokenizer loading, prompts to
-token ids, and fan-out of n > 1 (the checks are ipc/validation.py's)."""
+"""Input processing shared by LLM and the API server: tokenizer loading, prompts to token ids
+(one path: tokenize_prompt), and fan-out of n > 1 (the checks are ipc/validation.py's)."""
 from __future__ import annotations
 
 import uuid
 
 import msgspec
-from transformers import AutoTokenizer
 
 from ipc.config import EngineConfig, check_tokenizer_files
 from ipc.validation import RequestError
@@ -14,6 +13,7 @@ from ipc.sampling_params import SamplingParams
 
 
 def load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer   # (seconds to import: the tokenizer process imports this module first)
     check_tokenizer_files(config.tokenizer_dir)
     return AutoTokenizer.from_pretrained(config.tokenizer_dir)
 
@@ -22,8 +22,11 @@ def _is_ids(value) -> bool:
     return isinstance(value, (list, tuple)) and all(type(t) is int for t in value)   # (not bools)
 
 
-def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
-    """A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
+def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of one prompt: a string, a list of token ids, or
+    {"prompt_token_ids": [...]} / {"prompt": str}. The one way a prompt becomes token ids, for
+    LLM.generate, the API server (/v1/completions, /tokenize) and its tokenizer process; a chat
+    becomes its prompt text in frontend/chat_utils.py's render_chat."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             if not _is_ids(prompt["prompt_token_ids"]):
@@ -31,10 +34,30 @@ def to_token_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+        return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if _is_ids(prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
+
+
+def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+    """tokenize_prompt() of each prompt of a batch."""
+    return [tokenize_prompt(tokenizer, p, add_special_tokens) for p in prompts]
+
+
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len)."""
+    n = truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n < 0:
+        raise RequestError(f"truncate_prompt_tokens must be -1 or non-negative, got {n}", "truncate_prompt_tokens")
+    if n > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+                           "Please select a smaller truncation size.", "truncate_prompt_tokens")
+    return ids[-n:] if n else []   # (the whole prompt when it is shorter)
 
 
 def typed_params(params) -> SamplingParams:

@@ -308,7 +308,7 @@ def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
     """Inputs above the small lane's 64 KiB go through the tokenizer process: the same ids as the
     in-process tokenizer, for a prompt, a chat (its template included) and a list of prompts."""
     from transformers import AutoTokenizer
-    from frontend.openai.protocol import render_chat
+    from frontend.chat_utils import render_chat
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "Zen of Python: é 😀 \u00e9 1234 " * 4000 + "the end"       # ~150 KB, not ASCII only
     r = _post(server, "/tokenize", {"prompt": text}, timeout=120)

@@ -8,12 +8,27 @@ import math
 import pytest
 
 from frontend.outputs import Logprob
+from frontend import chat_utils
 from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, chat_chunk, chat_chunk_choice,
                                chat_logprobs, check_model, completion_logprobs, completion_prompts, error_body,
-                               merge_completion_logprobs, models_response, normalize_messages, parse_request,
-                               render_chat, sse, stream_usage, usage)
-from ipc.validation import Limits
+                               merge_completion_logprobs, models_response, parse_request, sse, stream_usage, usage)
+from frontend.openai.serving import value_error
+from ipc.validation import Limits, RequestError
+
+
+def _as_http(fn):
+    """fn (frontend/chat_utils.py) as the API server calls it: its RequestError is the 400 it answers."""
+    def call(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except RequestError as e:
+            raise value_error(e) from None
+    return call
+
+
+normalize_messages = _as_http(chat_utils.parse_chat_messages)
+render_chat = _as_http(chat_utils.render_chat)
 
 
 def parse(cls, obj):
@@ -327,7 +342,7 @@ def test_usage_and_models_and_sse():
 
 
 def test_detect_content_format():
-    from frontend.openai.protocol import detect_content_format
+    from frontend.chat_utils import detect_content_format
     assert detect_content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
     assert detect_content_format("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
                                  "{% endfor %}{% endfor %}") == "openai"

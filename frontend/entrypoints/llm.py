@@ -18,13 +18,12 @@ from frontend.dp_router import DPRouter, merge_results
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.openai.protocol import template_options
-from frontend.processing import (engine_requests, load_tokenizer, new_request_id, to_token_ids, tokenize_bad_words,
+from frontend.chat_utils import detect_content_format, load_images, parse_chat_messages, render_chat
+from frontend.processing import (engine_requests, load_tokenizer, new_request_id, tokenize_bad_words, tokenize_prompt,
                                  typed_params)
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
-from multimodal.chat import render_chat
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
 from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
@@ -128,7 +127,7 @@ class LLM:
         try:
             for prompt, params, prio in zip(prompts, params_list, priorities):  # check all before sending any
                 typed_params(params)
-                text, ids = to_token_ids(self.tokenizer, prompt)
+                text, ids = tokenize_prompt(self.tokenizer, prompt)
                 if params.bad_words:
                     check_sampling_params(params, limits)   # bounds the words before they are tokenized
                     params = tokenize_bad_words(self.tokenizer, params)
@@ -208,13 +207,16 @@ class LLM:
         "image_pil", "image_pil": PIL.Image}. The keywords are vLLM's `LLM.chat`'s."""
         conversations = messages if isinstance(messages, list) and messages and isinstance(messages[0], list) \
             else [messages]
-        template = template_options(add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+        # as the API server does (frontend/chat_utils.py), with its default --chat-template-content-format auto
+        content_format = detect_content_format(chat_template or getattr(self.tokenizer, "chat_template", None))
         prompts = []
         for conversation in conversations:
-            text, images = render_chat(self.tokenizer, conversation, self.config.allowed_local_media_path, **template)
-            prompt = {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            parsed = parse_chat_messages(conversation, content_format)
+            text, ids = render_chat(self.tokenizer, parsed, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            images = load_images(parsed, self.config.allowed_local_media_path)
             if images:
                 prompt.update(multi_modal_data={"image": images}, mm_processor_kwargs=mm_processor_kwargs or {})
             prompts.append(prompt)

@@ -39,13 +39,12 @@ from frontend.openai.control_api import ControlAPI
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.openai.http_errors import OpenAIErrorRunner
-from frontend.processing import tokenize_bad_words
+from frontend.chat_utils import detect_content_format, image_urls, message_text, parse_chat_messages, render_chat
+from frontend.processing import tokenize_bad_words, tokenize_prompts, truncate_prompt
 from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
-                               check_stream_options, completion_prompts, detect_content_format, dumps,
-                               encode_prompts, error_body, image_urls, message_text, models_response,
-                               normalize_messages, now, parse_request, random_id, render_chat, stream_usage,
-                               truncate_prompt)
+                               check_stream_options, completion_prompts, dumps, error_body, models_response, now,
+                               parse_request, random_id, stream_usage)
 from frontend.openai.rl_api import rl_routes
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
@@ -133,22 +132,28 @@ class _Tokenizers:
             executor, functools.partial(fn, tokenizer, *args, **kwargs))
 
     async def encode(self, size: int, prompts: list, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
-        """encode_prompts() of a request body of `size` bytes."""
+        """tokenize_prompts() (frontend/processing.py) of a request body of `size` bytes."""
         texts = [p for p in prompts if isinstance(p, str)]
         if size > _SMALL_INPUT_CHARS and texts and self.process is not None:
             ids = await self.process.run(EncodeJob(texts, add_special_tokens))
             if ids is not None:
                 it = iter(ids)
                 return [(p, next(it)) if isinstance(p, str) else (None, p) for p in prompts]
-        return await self.run(size, encode_prompts, prompts, add_special_tokens)
+        try:
+            return await self.run(size, tokenize_prompts, prompts, add_special_tokens)
+        except RequestError as e:
+            raise value_error(e) from None
 
     async def chat(self, size: int, messages: list[dict], **kwargs) -> list[int]:
-        """render_chat()'s token ids, for a request body of `size` bytes."""
+        """render_chat()'s token ids (frontend/chat_utils.py), for a request body of `size` bytes."""
         if size > _SMALL_INPUT_CHARS and self.process is not None:
             ids = await self.process.run(ChatJob(messages, **kwargs))
             if ids is not None:
                 return ids[0]
-        return (await self.run(size, render_chat, messages, **kwargs))[1]
+        try:
+            return (await self.run(size, render_chat, messages, **kwargs))[1]
+        except RequestError as e:
+            raise value_error(e) from None
 
     def shutdown(self) -> None:
         for executor, _ in (self.small, self.large):
@@ -206,6 +211,12 @@ class OpenAIServer:
         except RequestError as e:
             raise value_error(e) from None
         return params
+
+    def _truncate(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        try:
+            return truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len)
+        except RequestError as e:
+            raise value_error(e) from None
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, index: int | None = None) -> None:
         try:
@@ -319,7 +330,7 @@ class OpenAIServer:
             [(_, ids)] = await self.tokenizers.encode(size, [req.prompt], add_special)
         else:
             check_request_chat_template(req, self.options.trust_request_chat_template)
-            messages = normalize_messages(req.messages, self._content_format(req))
+            messages = self._messages(req)
             check_tools(req.tools)
             urls = image_urls(messages)
             if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit("image")):
@@ -386,8 +397,7 @@ class OpenAIServer:
         self.check_alive()
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         encoded = await self.tokenizers.encode(request.content_length or 0, prompts, add_special)
-        encoded = [Prompt(text, truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len))
-                   for text, ids in encoded]
+        encoded = [Prompt(text, self._truncate(ids, req)) for text, ids in encoded]
         for i, p in enumerate(encoded):
             self._check_prompt(p.token_ids, params, i if len(encoded) > 1 else None)
         echo_texts = None
@@ -414,7 +424,7 @@ class OpenAIServer:
         self._check_model(req.model)
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
-        messages = normalize_messages(req.messages, self._content_format(req))
+        messages = self._messages(req)
         tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
         params = await self._tokenize_bad_words(build_sampling_params(
             req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
@@ -427,7 +437,7 @@ class OpenAIServer:
             tools=req.tools if req.tool_choice != "none" else None,
             chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
             add_special_tokens=bool(req.add_special_tokens))
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len)
+        ids = self._truncate(ids, req)
         ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
         try:
             self._check_prompt(ids, params)
@@ -506,6 +516,13 @@ class OpenAIServer:
         self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
                                             "streaming" if streaming else "non_streaming",
                                             "tool_call" if called else "no_tool_call", "chat_completions").inc()
+
+    def _messages(self, req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
+        """The request's messages, parsed for the chat template (frontend/chat_utils.py)."""
+        try:
+            return parse_chat_messages(req.messages, self._content_format(req))
+        except RequestError as e:
+            raise value_error(e) from None
 
     def _content_format(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         if req.chat_template is not None and self.options.chat_template_content_format == "auto":

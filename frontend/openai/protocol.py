@@ -5,11 +5,11 @@ Pure functions and msgspec Structs; nothing here touches the engine or the
 event loop, so all of it is unit-testable (tests/test_protocol.py). Requests
 are decoded with strict types (a string where a number belongs is a 400 naming
 the field); optional fields accept JSON null as "not given". Extra fields are
-ignored, as OpenAI clients send some we do not use (user, ...).
+ignored, as OpenAI clients send some we do not use (user, ...). Chat messages and
+their template are frontend/chat_utils.py's (shared with the offline LLM.chat).
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -209,136 +209,6 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     raise bad
 
 
-_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-def normalize_messages(messages: Any, content_format: str = "string") -> list[dict]:
-    """Chat messages as the template gets them. Text content parts are handed over as parts
-    ([{"type": "text", "text": ...}]) when the template iterates over them ("openai"), else
-    joined with newlines ("string"): vLLM's chat_template_content_format."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list of messages", 400, "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise APIError(f"messages[{i}] must be an object with 'role' and 'content'", 400, "messages")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise APIError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", 400, "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts, parts = [], []
-            for part in content:
-                if isinstance(part, str):
-                    part = {"type": "text", "text": part}
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind == "image_url":
-                    parts.append({"type": "image", "image_url": _image_url(part, i)})
-                    continue
-                if kind not in ("text", "input_text"):
-                    raise APIError(f"messages[{i}].content: content parts of type {kind!r} are not supported "
-                                   "(only 'text' and 'image_url')", 400, "messages")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise APIError(f"messages[{i}].content: a text part needs a string 'text'", 400, "messages")
-                texts.append(text)
-                parts.append({"type": "text", "text": text})
-            # with images always the parts, in order: the model's template puts an image
-            # placeholder at each image part
-            content = parts if content_format == "openai" or len(parts) > len(texts) else "\n".join(texts)
-        elif content is None:
-            if role != "assistant":
-                raise APIError(f"messages[{i}].content is required for role {role!r}", 400, "messages")
-        elif not isinstance(content, str):
-            raise APIError(f"messages[{i}].content must be a string or a list of text parts", 400, "messages")
-        msg = dict(m)
-        msg["content"] = content if content is not None else ""
-        if m.get("tool_calls") is not None:
-            if role != "assistant":
-                raise APIError(f"messages[{i}].tool_calls: only assistant messages carry tool calls", 400, "messages")
-            msg["tool_calls"] = _template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
-            raise APIError(f"messages[{i}].tool_call_id must be a string", 400, "messages")
-        out.append(msg)
-    return out
-
-
-def _template_tool_calls(calls: Any, where: str) -> list[dict]:
-    """An assistant message's tool_calls, checked, with arguments as objects: chat templates
-    (Qwen's, Llama's) write them out with tojson (vLLM parses them the same way)."""
-    if not isinstance(calls, list):
-        raise APIError(f"{where} must be a list of tool calls", 400, "messages")
-    out = []
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise APIError(f"{at} must be an object with 'id', 'type' and 'function'", 400, "messages")
-        if call.get("type", "function") != "function":
-            raise APIError(f"{at}.type must be 'function', got {call.get('type')!r}", 400, "messages")
-        fn = call.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(f"{at}.function must be an object with a non-empty string 'name'", 400, "messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-                raise APIError(f"{at}.function.arguments is not valid JSON: {e}", 400, "messages") from None
-        if not isinstance(args, dict):
-            raise APIError(f"{at}.function.arguments must be a JSON object", 400, "messages")
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise APIError(f"{at}.id must be a string", 400, "messages")
-        out.append({"id": call.get("id") or "", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def message_text(message: dict) -> str:
-    """A normalized message's content as one string (text parts joined with newlines)."""
-    content = message.get("content") or ""
-    return content if isinstance(content, str) else "\n".join(p["text"] for p in content if p["type"] == "text")
-
-
-def _image_url(part: dict, i: int) -> str:
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str) or not url:
-        raise APIError(f"messages[{i}].content: an image_url part needs image_url.url (a string)", 400, "messages")
-    return url
-
-
-def image_urls(messages: list[dict]) -> list[str]:
-    """The image URLs of normalized messages, in prompt order."""
-    return [p["image_url"] for m in messages if isinstance(m["content"], list)
-            for p in m["content"] if p["type"] == "image"]
-
-
-def detect_content_format(template: str | None) -> str:
-    """vLLM's "auto" chat_template_content_format: "openai" when the template loops over a message's
-    content (it expects a list of parts), else "string"."""
-    if not template:
-        return "string"
-    import jinja2
-    from jinja2 import nodes
-    try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return "string"
-
-    def is_content(node) -> bool:
-        return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
-                or (isinstance(node, nodes.Getattr) and node.attr == "content"))
-    aliases = {t.target.name for t in ast.find_all(nodes.Assign)
-               if isinstance(t.target, nodes.Name) and is_content(t.node)}
-    for loop in ast.find_all(nodes.For):
-        it = loop.iter
-        if isinstance(it, nodes.Filter):   # e.g. message['content'] | selectattr(...)
-            it = it.node
-        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
-            return "openai"
-    return "string"
-
-
 def check_stream_options(req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
@@ -440,77 +310,6 @@ def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
     opts = req.stream_options
     include = bool(req.stream and opts is not None and opts.include_usage)
     return include, include and bool(opts.continuous_usage_stats)
-
-
-def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len)."""
-    n = truncate_prompt_tokens
-    if n is None:
-        return ids
-    if n == -1:
-        n = max_model_len
-    if n < 0:
-        raise APIError(f"truncate_prompt_tokens must be -1 or non-negative, got {n}", 400, "truncate_prompt_tokens")
-    if n > max_model_len:
-        raise APIError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
-                       "Please select a smaller truncation size.", 400, "truncate_prompt_tokens")
-    return ids[-n:] if n else []   # (the whole prompt when it is shorter)
-
-
-# ------------------------------------------------------------------ tokenizer side (run off the event loop)
-
-def encode_prompts(tokenizer, prompts: list[str | list[int]], add_special_tokens: bool = True
-                   ) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append((p, tokenizer.encode(p, add_special_tokens=add_special_tokens)))
-        else:
-            out.append((None, p))
-    return out
-
-
-def template_options(*, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     tools: list | None = None, chat_template_kwargs: dict | None = None,
-                     chat_template: str | None = None) -> dict:
-    """apply_chat_template's keywords (besides the messages and tokenize=False), for the API
-    server and the offline LLM.chat alike; ValueError for a contradiction."""
-    if add_generation_prompt and continue_final_message:
-        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items()
-              if k not in ("tokenize", "conversation", "messages")}
-    kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-    if tools:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
-    return kwargs
-
-
-def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list | None = None,
-                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                chat_template: str | None = None) -> tuple[str, list[int]]:
-    """Apply the chat template (the model's, or `chat_template` when the server trusts the
-    request's); returns (prompt text, token ids)."""
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("This model has no chat template; use /v1/completions instead.", 400, "messages")
-    try:
-        kwargs = template_options(add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, tools=tools,
-                                  chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
-    except ValueError as e:
-        raise APIError(str(e), 400, "continue_final_message") from None
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except APIError:
-        raise
-    except Exception as e:  # jinja TemplateError (raise_exception in the template), bad messages, ...
-        raise APIError(f"Cannot apply the chat template: {e}", 400, "messages") from None
-    if not isinstance(text, str):  # some versions return a list for batched input
-        text = text[0]
-    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 # ------------------------------------------------------------------ responses

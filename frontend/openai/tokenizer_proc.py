@@ -33,7 +33,10 @@ import time
 
 import msgspec
 
-from frontend.openai.protocol import APIError, render_chat
+from frontend.chat_utils import render_chat
+from frontend.openai.protocol import APIError
+from frontend.processing import tokenize_prompt
+from ipc.validation import RequestError
 
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
@@ -47,7 +50,7 @@ class EncodeJob(msgspec.Struct, tag="encode", array_like=True):
 
 
 class ChatJob(msgspec.Struct, tag="chat", array_like=True):
-    """render_chat()'s arguments (frontend/openai/protocol.py)."""
+    """render_chat()'s arguments (frontend/chat_utils.py); the messages parsed already."""
     messages: list[dict]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -131,13 +134,13 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _run(tokenizer, job: EncodeJob | ChatJob) -> Ids | Failed:
     try:
-        if isinstance(job, EncodeJob):
-            return Ids([_int32(tokenizer.encode(t, add_special_tokens=job.add_special_tokens)) for t in job.texts])
+        if isinstance(job, EncodeJob):   # the API server's own path (frontend/processing.py), in this process
+            return Ids([_int32(tokenize_prompt(tokenizer, t, job.add_special_tokens)[1]) for t in job.texts])
         _, ids = render_chat(tokenizer, job.messages, **{f: getattr(job, f) for f in job.__struct_fields__
                                                            if f != "messages"})
         return Ids([_int32(ids)])
-    except APIError as e:
-        return Failed(e.message, e.status, e.param, e.type)
+    except RequestError as e:   # the client's mistake: the same 400 as in-process
+        return Failed(str(e), 400, e.param)
     except Exception as e:  # noqa: BLE001  (the API server logs it; the client gets a 500)
         return Failed(f"tokenization failed: {type(e).__name__}: {e}")
 
