@@ -386,6 +386,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 @functools.cache
 def _concurrent_launches() -> bool:
     return envs.LOOM_ATTENTION_STREAMS   # read once per process (at the first mixed batch)
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
