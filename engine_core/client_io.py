@@ -26,7 +26,6 @@ import collections
 import hmac
 import itertools
 import logging
-import os
 import queue
 import re
 import secrets
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ipc import envs
 from ipc.auth import (CLIENT_ROLE, ENGINE_ROLE, HANDSHAKE_FAILED, CurveClient, CurveServer, HandshakeWatch,
                       PeerGuard, auth_proof, derive_keys, new_keys)
 from ipc.handshake import HANDSHAKE_MAX_MSG_BYTES
@@ -57,10 +57,6 @@ _POLL_MS = 200                        # the input thread looks at attach deadlin
 ATTACH_CONNECT_TIMEOUT_S = 30.0      # an attached client whose sockets the engine cannot reach is dropped
 MAX_ATTACHED_CLIENTS = 256            # each costs three sockets (and their fds) in the engine
 MAX_UNCONNECTED_ATTACHES = 32         # ... which retry connecting until ATTACH_CONNECT_TIMEOUT_S
-# Outputs queued in the engine for an attached client that does not read them (beyond the
-# kernel's socket buffers): one message per step it has outputs in. At the bound the client
-# is dropped (its requests aborted), where an unbounded queue would grow the engine's memory.
-ATTACHED_OUTPUT_HWM = int(os.environ.get("LOOM_ATTACHED_OUTPUT_HWM", 10_000))
 _TCP_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
 
 
@@ -86,8 +82,13 @@ class _Watched:
 
 class ClientIO:
     def __init__(self, ready: EngineReady, inputs: queue.Queue, clients: list[tuple[str, str]],
-                 handshake_address: str | None = None, auth_key: str | None = None):
+                 handshake_address: str | None = None, auth_key: str | None = None, output_hwm: int | None = None):
         self.ctx = zmq.Context()
+        # Outputs queued in the engine for an attached client that does not read them (beyond the
+        # kernel's socket buffers): one message per step it has outputs in. At the bound the client
+        # is dropped (its requests aborted), where an unbounded queue would grow the engine's memory.
+        # (--attached-output-hwm; LOOM_ATTACHED_OUTPUT_HWM where no config gives it.)
+        self.output_hwm = output_hwm if output_hwm is not None else envs.LOOM_ATTACHED_OUTPUT_HWM
         self.ready = ready
         self.inputs = inputs
         self.static_clients = clients
@@ -207,7 +208,7 @@ class ClientIO:
         mon = sock.get_monitor_socket() if watch else None
         try:
             push = make_socket(self.ctx, zmq.PUSH, output_addr, bind=False, auth=auth,
-                               sndhwm=ATTACHED_OUTPUT_HWM if watch else 0)
+                               sndhwm=self.output_hwm if watch else 0)
         except BaseException:
             close_socket(sock, mon)
             raise
@@ -234,7 +235,7 @@ class ClientIO:
             idx = self._unread.get()
             mon = next((m for m, w in self._watched.items() if w.index == idx), None)
             if mon is not None:
-                self._drop(mon, f"does not read its outputs ({ATTACHED_OUTPUT_HWM} messages queued)")
+                self._drop(mon, f"does not read its outputs ({self.output_hwm} messages queued)")
 
     def _drop(self, mon: zmq.Socket, why: str) -> None:
         watched = self._watched.pop(mon)
@@ -317,7 +318,7 @@ class ClientIO:
     def _output_loop(self) -> None:
         enc = Encoder()
         socks: dict[int, zmq.Socket] = {}
-        attached: set[int] = set()   # their queues are bounded (ATTACHED_OUTPUT_HWM)
+        attached: set[int] = set()   # their queues are bounded (self.output_hwm)
         while True:
             item = self.outputs.get()
             if item is None:

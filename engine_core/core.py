@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import zmq
 
+from ipc import envs
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import ControlState, Deferred, PauseState
 from ipc.control import PAUSE_MODES, SLEEP_TAGS
@@ -76,11 +77,11 @@ class EngineCore:
         device's run of step N+1: with two, a batch-1 step cost the round trip plus the worker's
         launch in series (bench/RESULTS.md, session 8). On the CPU the worker computes a step as it
         launches it, and a third step would only compute tokens past a request's end: two.
-        LOOM_STEPS_IN_FLIGHT=N sets it (A/B runs; the CPU tests of the GPU's three)."""
+        --steps-in-flight N (or LOOM_STEPS_IN_FLIGHT=N) sets it (A/B runs; the CPU tests of the GPU's three)."""
         if not config.async_scheduling:
             return 1
-        if os.environ.get("LOOM_STEPS_IN_FLIGHT"):
-            return max(1, int(os.environ["LOOM_STEPS_IN_FLIGHT"]))
+        if config.steps_in_flight is not None:
+            return max(1, config.steps_in_flight)
         return 3 if self.executor.collective_rpc("device_type")[0] == "cuda" else 2
 
     # ------------------------------------------------------------ requests
@@ -422,7 +423,7 @@ class EngineCoreProc(EngineCore):
         self.num_added: dict[int, int] = {}   # ADDs taken in, by client: its requests not yet counted elsewhere
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
                             engine_index, config.model_name, scheduling_policy=config.scheduling_policy)
-        self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key)
+        self.io = ClientIO(ready, self.inputs, clients, handshake_address, auth_key, config.attached_output_hwm)
         self.io.start()
 
     def wake(self) -> None:
@@ -597,13 +598,13 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     watch_parent(death_pipe, remove_dirs=(ipc_dir,) if dp is None else (ipc_dir, os.path.dirname(ipc_dir)))
     child_signals()
     name = "engine" if dp is None else f"engine{dp.rank}"
-    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s")
     config = EngineConfig.from_dict(config_dict)
     config.data_parallel_rank = dp.rank if dp is not None else 0
     if dp is not None and config.device != "cpu" and config.data_parallel_size > 1:
         select_devices(dp.local_rank, config.tensor_parallel_size)   # before any worker starts
-    if os.environ.get("LOOM_DEBUG_DISABLE_GC") == "1":
+    if envs.LOOM_DEBUG_DISABLE_GC:
         import gc
         gc.disable()  # leak tests: finished requests must be freed by reference counting alone
     engine = None

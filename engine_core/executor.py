@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 from multiprocessing.connection import wait as wait_sentinels
 
+from ipc import envs
 from ipc.auth import HANDSHAKE_FAILED
 from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
@@ -248,7 +249,7 @@ class Nodes:
         self.world = config.tensor_parallel_size
         self.node_rank = config.node_rank
         self.addr, self.port = config.master_addr, config.master_port
-        self.auth_key = os.environ.get("LOOM_ENGINE_AUTH_KEY") or None
+        self.auth_key = envs.LOOM_ENGINE_AUTH_KEY or None
         if self.count > 1:
             check_network_security(self.addr, self.auth_key)
 

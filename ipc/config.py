@@ -8,6 +8,8 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from ipc import envs
+
 
 logger = logging.getLogger("loom.config")
 
@@ -99,6 +101,14 @@ class EngineConfig:
                                           "images (GiB)")
     profiler_dir: str | None = option(None, "directory of torch profiler traces (/start_profile, /stop_profile); "
                                       "default: $LOOM_TORCH_PROFILER_DIR")
+    steps_in_flight: int | None = option(None, "steps the engine keeps in flight with async scheduling "
+                                         "(None: $LOOM_STEPS_IN_FLIGHT, else 3 on GPU, 2 on CPU)")
+    attached_output_hwm: int | None = option(None, "outputs the engine queues for an attached client that does not "
+                                             "read them before it drops the client (None: "
+                                             "$LOOM_ATTACHED_OUTPUT_HWM, else 10000)")
+    weight_update_join_timeout_s: float | None = option(None, "seconds /init_weights_update_group waits for the "
+                                                        "trainer's group to form (None: "
+                                                        "$LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S, else 120)")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -153,11 +163,22 @@ class EngineConfig:
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf)
         if self.profiler_dir is None:
-            self.profiler_dir = os.environ.get("LOOM_TORCH_PROFILER_DIR") or None
+            self.profiler_dir = envs.LOOM_TORCH_PROFILER_DIR or None
+        self._resolve_env_defaults()
         self.check()
         check_device(self)
         check_tensor_parallel(self, text_cfg)
         return self
+
+    def _resolve_env_defaults(self) -> None:
+        """The flags that default to a LOOM_* variable: read here, in the process that resolves the
+        config, so that the value travels with it to the engine core and the workers (a flag wins)."""
+        if self.steps_in_flight is None:
+            self.steps_in_flight = envs.LOOM_STEPS_IN_FLIGHT
+        if self.attached_output_hwm is None:
+            self.attached_output_hwm = envs.LOOM_ATTACHED_OUTPUT_HWM
+        if self.weight_update_join_timeout_s is None:
+            self.weight_update_join_timeout_s = envs.LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S
 
     def _generation_defaults(self) -> dict:
         """--generation-config and --override-generation-config -> the sampling defaults in use."""
@@ -230,6 +251,12 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory-bytes must be at least 1, got {self.kv_cache_memory_bytes}")
         if self.mm_processor_cache_gb < 0:
             raise ConfigError(f"--mm-processor-cache-gb must be at least 0, got {self.mm_processor_cache_gb}")
+        if self.steps_in_flight is not None and self.steps_in_flight < 1:
+            raise ConfigError(f"--steps-in-flight must be at least 1, got {self.steps_in_flight}")
+        if self.attached_output_hwm < 1:
+            raise ConfigError(f"--attached-output-hwm must be at least 1, got {self.attached_output_hwm}")
+        if not self.weight_update_join_timeout_s > 0:
+            raise ConfigError(f"--weight-update-join-timeout-s must be above 0, got {self.weight_update_join_timeout_s}")
         if not self.log_stats_interval > 0:
             raise ConfigError(f"--log-stats-interval must be above 0, got {self.log_stats_interval}")
         if self.max_model_len < 1:

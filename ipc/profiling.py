@@ -11,13 +11,15 @@ import os
 import pstats
 import sys
 
+from ipc import envs
+
 
 _active: list = []   # (profile, path) of this process's profile while it runs
 
 
 @contextlib.contextmanager
 def maybe_profile(name: str):
-    out_dir = os.environ.get("LOOM_PROFILE_DIR")
+    out_dir = envs.LOOM_PROFILE_DIR
     if not out_dir:
         yield
         return
@@ -44,7 +46,7 @@ def step_stats_mode() -> str:
     """LOOM_STEP_STATS, the one place it is read: "" (off), "sync" (on, and every host wait on
     the device warns) or "on". It switches the workers' per-step stats (workers/step_stats.py)
     and the engine loop's (engine_core/loop_stats.py)."""
-    value = os.environ.get("LOOM_STEP_STATS", "")
+    value = envs.LOOM_STEP_STATS
     return "" if value in ("", "0") else "sync" if value == "sync" else "on"
 
 

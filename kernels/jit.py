@@ -12,11 +12,12 @@ all scalars or pointers read a few elements at a time, so nothing is lost.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ipc import envs
 
 _HAS_ALIGNMENT_FLAG = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
 
@@ -63,20 +64,27 @@ def sm_count(device: torch.device) -> int:
 # before it: a Qwen3-0.6B batch-1 decode graph 0.869 -> 0.812 ms (bench/RESULTS.md).
 # LOOM_PDL=0 turns it off (A/B runs).
 _PDL: dict[int, bool] = {}
-_pdl_enabled = os.environ.get("LOOM_PDL", "1") != "0"
+_pdl_enabled: bool | None = None   # None: LOOM_PDL, read at the first launch
+
+
+def _pdl_on() -> bool:
+    global _pdl_enabled
+    if _pdl_enabled is None:
+        _pdl_enabled = envs.LOOM_PDL
+    return _pdl_enabled
 
 
 def set_pdl(enabled: bool) -> bool:
     """Turn programmatic dependent launch on or off for later launches (and graph captures);
     returns the setting it replaces."""
     global _pdl_enabled
-    before, _pdl_enabled = _pdl_enabled, enabled
+    before, _pdl_enabled = _pdl_on(), enabled
     return before
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel on t's device launches with programmatic dependent launch."""
-    if not (_pdl_enabled and t.is_cuda):
+    if not (_pdl_on() and t.is_cuda):
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:

@@ -13,11 +13,13 @@ sequence i has queries q[query_start_loc[i]:query_start_loc[i+1]], which are the
 """
 from __future__ import annotations
 
-import os
+import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from ipc import envs
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -381,7 +383,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-CONCURRENT_LAUNCHES = os.environ.get("LOOM_ATTENTION_STREAMS", "1") != "0"
+@functools.cache
+def _concurrent_launches() -> bool:
+    return envs.LOOM_ATTENTION_STREAMS   # read once per process (at the first mixed batch)
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -393,7 +399,7 @@ def _beside(query: torch.Tensor):
     wave left SMs idle. Yields the context to launch the prompt tiles in: the side stream (which
     first waits for this stream's work, the KV-cache writes; this stream waits for it on exit),
     or a no-op where there is none (CPU, a graph capture, LOOM_ATTENTION_STREAMS=0)."""
-    if not (CONCURRENT_LAUNCHES and query.is_cuda) or torch.cuda.is_current_stream_capturing():
+    if not (query.is_cuda and _concurrent_launches()) or torch.cuda.is_current_stream_capturing():
         yield nullcontext()
         return
     main = torch.cuda.current_stream(query.device)

@@ -40,6 +40,8 @@ import _posixshmem
 import msgspec
 import numpy as np
 
+from ipc import envs
+
 _MAGIC = 0x45524F545347_4D4D  # "MMGSTORE"-ish tag
 _HEADER = struct.Struct("<QQI")
 _MAPPED_OFF = 64
@@ -52,7 +54,7 @@ RUN_ID_ENV = "LOOM_RUN_ID"
 def run_id() -> str:
     """This run's id: inherited from the parent's environment, or made here (and exported so
     that the processes started from here inherit it)."""
-    rid = os.environ.get(RUN_ID_ENV)
+    rid = envs.LOOM_RUN_ID
     if not rid:
         rid = os.environ[RUN_ID_ENV] = f"{os.getpid()}{secrets.token_hex(4)}"
     return rid

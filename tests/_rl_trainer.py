@@ -4,9 +4,9 @@
 
 (BACKEND gloo on the CPU by default; nccl with DEVICE such as cuda:1.)
 
-It builds its side of the group the way SGLang trainer clients do (TorchRL's
-_init_custom_process_group: TCP rendezvous with rank 0 hosting the store, a PrefixStore named after
-the group, torch's _new_process_group_helper), prints "ready", then for each line on stdin
+It builds its side of the group with ipc/process_group.py's init_custom_process_group, the helper
+SGLang ships and trainer clients copy (TCP rendezvous with rank 0 hosting the store, a PrefixStore
+named after the group), prints "ready", then for each line on stdin
 (JSON {"names", "dtypes", "shapes"}) broadcasts one tensor per name in order: the checkpoint's
 tensor, or zeros where the declared shape or name does not fit it. Prints "sent" after each.
 """
@@ -20,17 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
-
-def trainer_group(port: int, world_size: int, group_name: str, backend: str) -> dist.ProcessGroup:
-    timeout = timedelta(seconds=120)
-    store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+from ipc.process_group import init_custom_process_group
 
 
 def main() -> None:
@@ -40,7 +31,9 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     weights = load_file(os.path.join(ckpt, "model.safetensors"), device=str(device))
-    pg = trainer_group(port, world_size, group_name, backend)
+    pg = init_custom_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}",
+                                   timeout=timedelta(seconds=120), world_size=world_size, rank=0,
+                                   group_name=group_name)
     print("ready", flush=True)
     for line in sys.stdin:
         req = json.loads(line)

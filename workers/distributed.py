@@ -46,17 +46,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ipc import envs
+
 logger = logging.getLogger(__name__)
 
-ONE_SHOT_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES", 1 << 20))
-TWO_SHOT_MAX_BYTES = int(os.environ.get("LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES", 16 << 20))
-FUSED_NORM_MAX_BYTES = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES", 4 << 20))
-GATHER_MAX_BYTES = int(os.environ.get("LOOM_ONE_SHOT_GATHER_MAX_BYTES", 1 << 20))
-# programs of the fused all-reduce + norm, for A/B runs (0: one per SM; rows beyond loop in them)
-FUSED_NORM_PROGRAMS = int(os.environ.get("LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS", 0))
-# up to this many rows the fused all-reduce + norm pushes into the peers' inboxes without flags
-# (kernels/allreduce_norm.py's Lamport kernel); 0: always the flagged pull
-LAMPORT_MAX_ROWS = int(os.environ.get("LOOM_LAMPORT_ALLREDUCE_MAX_ROWS", 16))
+# The limits named above are ipc/envs.py's variables, read when SymmMemAllReduce.create builds the
+# buffers: ONE_SHOT_MAX_BYTES and TWO_SHOT_MAX_BYTES (LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES,
+# LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES), FUSED_NORM_MAX_BYTES (LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES),
+# GATHER_MAX_BYTES (LOOM_ONE_SHOT_GATHER_MAX_BYTES) and LAMPORT_MAX_ROWS (LOOM_LAMPORT_ALLREDUCE_MAX_ROWS:
+# up to this many rows the fused all-reduce + norm pushes into the peers' inboxes without flags;
+# 0: always the flagged pull).
+
 # the sharded sampler's chunk exchange holds at most 64 chunks per row (kernels/sampling.py)
 MAX_SHARDED_SAMPLING_RANKS = 16
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -293,33 +293,36 @@ class SymmMemAllReduce:
         self.one_shot_max, self.two_shot_max = one_shot_max, two_shot_max
         self.world_size = dist.get_world_size()
         self.fused: _FlaggedBuffers | None = None
+        # programs of the fused all-reduce + norm, for A/B runs (None: one per SM; rows beyond loop in them)
+        self.fused_programs = envs.LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS or None
 
     @classmethod
     def create(cls, group, device: torch.device, dtype: torch.dtype) -> "SymmMemAllReduce | None":
-        if max(ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES) <= 0 or \
-                os.environ.get("LOOM_DISABLE_ONE_SHOT_ALLREDUCE") == "1":
+        one_shot_max, two_shot_max = envs.LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES, envs.LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES
+        if max(one_shot_max, two_shot_max) <= 0 or envs.LOOM_DISABLE_ONE_SHOT_ALLREDUCE:
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
             if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
                 return None
-            two_shot_max = TWO_SHOT_MAX_BYTES if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out") else 0
+            two_shot_max = two_shot_max if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out") else 0
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8, a no-op after
                 symm_mem.enable_symm_mem_for_group(group.group_name)
-            numel = max(ONE_SHOT_MAX_BYTES, two_shot_max) // torch.empty(0, dtype=dtype).element_size()
+            numel = max(one_shot_max, two_shot_max) // torch.empty(0, dtype=dtype).element_size()
             buffer = symm_mem.empty(numel, dtype=dtype, device=device)
             if symm_mem.rendezvous(buffer, group.group_name) is None:
                 return None
-            op = cls(buffer, group.group_name, ONE_SHOT_MAX_BYTES, two_shot_max)
+            op = cls(buffer, group.group_name, one_shot_max, two_shot_max)
             op._probe(device, dtype)
         except Exception as e:  # no P2P, no NVLink, an old torch: NCCL does everything
             logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL for every all-reduce",
                            type(e).__name__, e)
             return None
-        if os.environ.get("LOOM_FUSED_ALLREDUCE_NORM", "1") != "0" and FUSED_NORM_MAX_BYTES > 0:  # 0: A/B runs
+        fused_max = envs.LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES
+        if envs.LOOM_FUSED_ALLREDUCE_NORM and fused_max > 0:  # 0: A/B runs
             try:
-                op.fused = _FlaggedBuffers.create(group.group_name, device, dtype, FUSED_NORM_MAX_BYTES,
-                                                  max(GATHER_MAX_BYTES, 0))
+                op.fused = _FlaggedBuffers.create(group.group_name, device, dtype, fused_max,
+                                                  max(envs.LOOM_ONE_SHOT_GATHER_MAX_BYTES, 0))
                 op._probe_fused(device, dtype)
             except Exception as e:  # e.g. a Triton without system-scope atomics: the unfused pair, NCCL's gather
                 logger.warning("fused all-reduce + RMSNorm and one-shot gather unavailable (%s: %s)",
@@ -399,7 +402,7 @@ class SymmMemAllReduce:
             part = f.local[pending.slot][:pending.rows * pending.cols].view(pending.rows, pending.cols)
             return f.lamport_kernel(part, f.inbox_ptrs[pending.slot], f.inbox_stride, f.rank, residual, weight, eps)
         return f.kernel(f.buf_ptrs[pending.slot], f.flag_ptrs, f.rank, pending.rows, residual, weight, eps,
-                        programs=FUSED_NORM_PROGRAMS or None)
+                        programs=self.fused_programs)
 
     def method(self, numel: int, dtype: torch.dtype) -> str | None:
         """"one_shot", "two_shot", or None when a contiguous tensor of this size goes to NCCL."""
@@ -471,7 +474,7 @@ class _FlaggedBuffers:
         bufs = symm_mem.empty(2 * numel + gather_numel, dtype=dtype, device=device)
         flags = symm_mem.empty(max_rows * world, dtype=torch.int32, device=device)
         flags.zero_()
-        lamport_rows = min(max(LAMPORT_MAX_ROWS, 0), max_rows)
+        lamport_rows = min(max(envs.LOOM_LAMPORT_ALLREDUCE_MAX_ROWS, 0), max_rows)
         inbox_stride = max(1, lamport_rows * MAX_COLS)
         inboxes = symm_mem.empty(2 * world * inbox_stride, dtype=INT_OF[elem], device=device)
         inboxes.fill_(sentinel(dtype))

@@ -4,13 +4,13 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ipc import envs
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
@@ -283,7 +283,7 @@ class ModelRunner:
         """Capture the decode graphs (workers/decode_graphs.py) and the piecewise graphs. On the
         CPU, LOOM_DECODE_GRAPHS_ON_CPU=1 runs the decode graphs' work uncaptured (tests)."""
         self.graphs = None
-        on_cpu = self.device.type == "cpu" and os.environ.get("LOOM_DECODE_GRAPHS_ON_CPU") == "1"
+        on_cpu = self.device.type == "cpu" and envs.LOOM_DECODE_GRAPHS_ON_CPU
         if self.config.enforce_eager or not (on_cpu or self.device.type == "cuda" and self.backend == "triton"):
             return
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config, self.device, self.backend,

@@ -16,12 +16,12 @@ token (every op between attentions works row by row).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ipc import envs
 from workers.attention import Attention, AttentionMetadata
 
 MIN_TOKENS = 16  # below, a decode graph or the GEMV paths; a step this small is padded to it
@@ -29,7 +29,7 @@ MIN_TOKENS = 16  # below, a decode graph or the GEMV paths; a step this small is
 
 def enabled() -> bool:
     """LOOM_PIECEWISE_GRAPHS=0 runs those steps eagerly (A/B measurements)."""
-    return os.environ.get("LOOM_PIECEWISE_GRAPHS", "1") != "0"
+    return envs.LOOM_PIECEWISE_GRAPHS
 
 
 def capture_sizes(max_tokens: int) -> list[int]:

@@ -24,6 +24,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ipc import envs
+from ipc.process_group import init_custom_process_group
 from ipc.tensor_handles import decode_handles, open_tensors, parse_dtype
 from workers.distributed import tp_rank
 from workers.model_loader import checkpoint_metadata, safetensors_files, iterate_safetensors
@@ -32,9 +34,6 @@ from workers.models.layers import RowParallelLinear, VocabParallelEmbedding
 logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT = timedelta(minutes=10)   # a trainer that joined but never sends fails the call after this
-# A trainer that never joins (a wrong address or port) fails init_weights_update_group after
-# this, not GROUP_TIMEOUT; meanwhile the engine keeps stepping (SGLang's scheduler waits).
-JOIN_TIMEOUT = timedelta(seconds=float(os.environ.get("LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S", 120)))
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -79,35 +78,37 @@ def check_checkpoint_dir(model_path: str, served_config) -> None:
 
 class GroupJoin:
     """A trainer's group being joined on a thread of its own: the join waits until the trainer
-    (rank 0) and every other rank are there, up to JOIN_TIMEOUT."""
+    (rank 0) and every other rank are there, up to `join_timeout` (--weight-update-join-timeout-s:
+    a trainer that never joins, a wrong address or port, fails init_weights_update_group after it,
+    not after GROUP_TIMEOUT; meanwhile the engine keeps stepping, as SGLang's scheduler waits)."""
 
     def __init__(self, group_name: str, backend: str, master_address: str, master_port: int, world_size: int,
-                 rank: int):
+                 rank: int, join_timeout: timedelta):
         self.backend, self.address, self.port = backend, master_address, master_port
-        self.world_size, self.rank = world_size, rank
+        self.world_size, self.rank, self.join_timeout = world_size, rank, join_timeout
         self.group: dist.ProcessGroup | None = None
         self.error: Exception | None = None
         self._abandoned = False
         self._lock = threading.Lock()
-        self._deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+        self._deadline = time.monotonic() + join_timeout.total_seconds()
         self._thread = threading.Thread(target=self._join, args=(group_name,), daemon=True,
                                         name=f"join-{group_name}")
         self._thread.start()
 
     def done(self) -> bool:
-        """Finished, or past JOIN_TIMEOUT: torch's store client may retry its connection after the
+        """Finished, or past join_timeout: torch's store client may retry its connection after the
         timeout (an address that does not answer took 288 s at 120), and the caller waits no longer."""
         with self._lock:
             if self._thread.is_alive() and time.monotonic() > self._deadline and not self._abandoned:
                 self._abandoned = True   # a group it forms after all is torn down (_join)
                 self.error = ValueError(f"the trainer's group at {self.address}:{self.port} did not form "
-                                        f"within {JOIN_TIMEOUT.total_seconds():g} s")
+                                        f"within {self.join_timeout.total_seconds():g} s")
             return self._abandoned or not self._thread.is_alive()
 
     def _join(self, group_name: str) -> None:
         try:
-            group = init_custom_process_group(self.backend, self.address, self.port, self.world_size, self.rank,
-                                              group_name)
+            group = join_trainer_group(self.backend, self.address, self.port, self.world_size, self.rank,
+                                       group_name, self.join_timeout)
             error = None
         except Exception as e:   # raised by the next call that names the group (group_ready)
             group, error = None, e
@@ -128,6 +129,8 @@ class WeightUpdater:
         self.expected = expected_shapes(runner.model, runner.weights_dir, runner.config.load_format)
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.joining: dict[str, GroupJoin] = {}   # groups still forming, by name
+        self.join_timeout = timedelta(seconds=runner.config.weight_update_join_timeout_s
+                                      or envs.LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S)
 
     @property
     def model(self):
@@ -203,7 +206,8 @@ class WeightUpdater:
         if not 0 < rank < world_size:
             raise ValueError(f"rank_offset {rank_offset} gives worker {self.rank} rank {rank}, outside "
                              f"1..{world_size - 1} of world_size {world_size} (the trainer is rank 0)")
-        self.joining[group_name] = GroupJoin(group_name, backend, master_address, master_port, world_size, rank)
+        self.joining[group_name] = GroupJoin(group_name, backend, master_address, master_port, world_size, rank,
+                                             self.join_timeout)
 
     def group_ready(self, group_name: str) -> bool:
         """Whether the group has formed (False: still joining); a failed join raises its error once."""
@@ -325,26 +329,17 @@ def merge_weight_rows(parts: list[dict], truncate_size: int) -> list:
     return [[x for piece in pieces for x in piece[i]] for i in range(len(pieces[0]))]
 
 
-def init_custom_process_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                              group_name: str) -> dist.ProcessGroup:
-    """A process group with a trainer, apart from (and without needing) any default group: TCP
-    rendezvous at the trainer's store, keys under `group_name`. This is what SGLang's
-    init_custom_process_group and the trainer-side clients (TorchRL, OpenRLHF, slime) do, so
-    both ends build the same group."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+def join_trainer_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                       group_name: str, join_timeout: timedelta) -> dist.ProcessGroup:
+    """This worker's side of a trainer's group: the same group the trainer builds with
+    ipc/process_group.py (TCP rendezvous at the trainer's store, keys under `group_name`)."""
     host = f"[{master_address}]" if ":" in master_address else master_address
     try:
-        store, rank, world_size = next(dist.rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
-                                                       timeout=JOIN_TIMEOUT))
-        store.set_timeout(JOIN_TIMEOUT)   # every rank joins within it (gloo connects them here)
-        pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
-                                          group_name=group_name, backend_options=None, timeout=GROUP_TIMEOUT)
+        return init_custom_process_group(backend, f"tcp://{host}:{master_port}", GROUP_TIMEOUT, world_size, rank,
+                                         group_name=group_name, join_timeout=join_timeout)
     except RuntimeError as e:   # DistStoreError (a timeout) is one; no trainer where the caller said (a 400)
         raise ValueError(f"the trainer's group at {host}:{master_port} did not form within "
-                           f"{JOIN_TIMEOUT.total_seconds():g} s: {str(e).splitlines()[0][:300]}") from None
-    store.set_timeout(GROUP_TIMEOUT)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+                           f"{join_timeout.total_seconds():g} s: {str(e).splitlines()[0][:300]}") from None
 
 
 def _safetensors_dtype(name: str) -> torch.dtype | str:

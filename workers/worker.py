@@ -10,6 +10,7 @@ import traceback
 
 import zmq
 
+from ipc import envs
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import child_signals, freeze_startup_heap, watch_parent
@@ -230,7 +231,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
                death_pipe) -> None:
     watch_parent(death_pipe)
     child_signals()
-    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
     from ipc.auth import ring_curve_client
     from shm.broadcast_ring import RemoteHandle, RingClosed, attach_reader

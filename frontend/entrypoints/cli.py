@@ -56,6 +56,8 @@ def _serve_parser(sub) -> None:
                    help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
+    p.add_argument("--log-level", type=str.lower, default=None, choices=("debug", "info", "warning", "error"),
+                   help="log level of every process of the server (None: $LOOM_LOG_LEVEL, else info)")
     p.add_argument("--enable-mfu-metrics", action="store_true",
                    help="export estimated FLOPs and memory traffic (vllm:estimated_*_per_gpu_total; "
                         "metrics/mfu.py)")
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
+            if args.log_level:   # exported: the engine core, workers and API servers inherit it
+                os.environ["LOOM_LOG_LEVEL"] = args.log_level.upper()
             from frontend.entrypoints.launcher import serve
             _exit_now(serve(args))
         if args.command == "demo-model":

@@ -22,6 +22,7 @@ from multiprocessing.connection import wait
 
 import zmq
 
+from ipc import envs
 from ipc.config import ConfigError, check_tokenizer_files
 from frontend.engine_client import local_address_towards
 from engine_core.core import check_handshake_security
@@ -75,7 +76,7 @@ def raise_open_file_limit(target: int = 65536) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """`loom serve`: check, start, supervise until a stop signal or a child's death, stop all."""
-    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format="%(asctime)s loom %(levelname)s %(message)s")
     try:
         config = engine_config_from_args(args).resolve()
@@ -118,7 +119,7 @@ def _check_args(args: argparse.Namespace, config) -> str | None:
         raise ConfigError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.engine_address and not re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d{1,5}", args.engine_address):
         raise ConfigError(f"--engine-address must be tcp://HOST:PORT, got {args.engine_address!r}")
-    auth_key = args.engine_auth_key or os.environ.get("LOOM_ENGINE_AUTH_KEY")
+    auth_key = args.engine_auth_key or envs.LOOM_ENGINE_AUTH_KEY
     if config.nnodes > 1:
         from engine_core.executor import check_network_security
         if auth_key:  # the workers' and the engine's sockets between nodes derive their CURVE keys from it

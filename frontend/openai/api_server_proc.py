@@ -15,7 +15,7 @@ import time
 
 from ipc.config import EngineConfig
 from ipc.procs import child_signals, watch_parent
-from ipc import profiling
+from ipc import envs, profiling
 from ipc.profiling import maybe_profile
 from metrics.multiproc import ENV as METRICS_DIR_ENV
 
@@ -65,7 +65,7 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
 
     watch_parent(death_pipe, on_drain=on_drain, remove_dirs=(os.environ.get(METRICS_DIR_ENV),))
     child_signals()
-    logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format=f"%(asctime)s api{client_index} %(levelname)s %(message)s")
     import uvloop
     from frontend.openai.api_server import serve

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ipc import envs
 from kernels.activation import silu_and_mul_ref
 from kernels.embedding import vocab_parallel_embedding
 from kernels.qk_rope_cache import qk_norm_rope_cache_ref
@@ -59,7 +59,7 @@ def use_triton_kernels() -> None:
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
                      silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
-    if os.environ.get("LOOM_GEMV", "1") != "0":
+    if envs.LOOM_GEMV:
         from kernels import gemv as gemv_kernel
         globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_DECODE_ROWS)
 

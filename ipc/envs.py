@@ -1,0 +1,131 @@
+"""Every LOOM_* environment variable, in one table: its name, default, parser and meaning.
+
+Read lazily, as vLLM's vllm/envs.py: `envs.LOOM_PDL` parses the environment at the moment of
+the access, never at import, so a test's monkeypatch.setenv (or a parent that exports a value
+before it starts its children) is seen by the next read. Product code reads LOOM_* variables
+through this module only (tests/test_envs.py greps the source for any other read).
+
+Switches accept the old spellings and the usual ones: "1"/"true"/"yes"/"on" and
+"0"/"false"/"no"/"off" (any case); an empty or unknown value leaves the default, as before
+(a default-on switch was off only for "0", a default-off one on only for "1").
+
+Four of them are also engine flags, which win over the variable (the variable stays the default
+source): LOOM_STEPS_IN_FLIGHT (--steps-in-flight), LOOM_ATTACHED_OUTPUT_HWM
+(--attached-output-hwm), LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S (--weight-update-join-timeout-s),
+all three EngineConfig fields resolved in the parent (ipc/config.py), and LOOM_LOG_LEVEL
+(`loom serve --log-level`, which exports it to every child process).
+
+Set by our code for the processes it starts (children inherit the environment):
+LOOM_RUN_ID (shm/object_store.run_id) and, across nodes, LOOM_ENGINE_AUTH_KEY
+(frontend/entrypoints/launcher.py, from --engine-auth-key); LOOM_LOG_LEVEL from --log-level.
+
+Test-only, read by the tests alone and not listed here: LOOM_TEST_* (opt-in test groups) and
+LOOM_KERNEL_TESTS_CHILD (tests/test_kernels.py's child process).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _switch(raw: str, default: bool) -> bool:
+    value = raw.strip().lower()
+    return True if value in _TRUE else False if value in _FALSE else default
+
+
+def _int(raw: str, default: int | None) -> int | None:
+    return int(raw) if raw.strip() else default
+
+
+def _float(raw: str, default: float) -> float:
+    return float(raw) if raw.strip() else default
+
+
+def _text(raw: str, default: str | None) -> str | None:
+    return raw or default
+
+
+def _log_level(raw: str, default: str) -> str:
+    return raw.strip().upper() or default
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    default: Any
+    parse: Callable[[str, Any], Any]   # (the variable's text, the default) -> its value
+    doc: str
+
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
+    # --- logging, security, run identity
+    "LOOM_LOG_LEVEL": EnvVar("INFO", _log_level, "log level of every process (DEBUG, INFO, WARNING, ERROR); "
+                             "`loom serve --log-level` sets it for the children"),
+    "LOOM_ENGINE_AUTH_KEY": EnvVar(None, _text, "the engine protocol's shared secret (as --engine-auth-key, "
+                                   "which wins); exported to the workers across nodes"),
+    "LOOM_RUN_ID": EnvVar(None, _text, "this run's id in shared-memory segment names; made and exported by "
+                          "the first process of a run (shm/object_store.run_id), inherited by its children"),
+    # --- engine loop (also flags)
+    "LOOM_STEPS_IN_FLIGHT": EnvVar(None, _int, "steps the engine keeps in flight with async scheduling "
+                                   "(unset: 3 on GPU, 2 on CPU); --steps-in-flight wins"),
+    "LOOM_ATTACHED_OUTPUT_HWM": EnvVar(10_000, _int, "outputs queued for an attached client that does not "
+                                       "read them before it is dropped; --attached-output-hwm wins"),
+    "LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S": EnvVar(120.0, _float, "seconds /init_weights_update_group waits for "
+                                                "the trainer's group to form; --weight-update-join-timeout-s wins"),
+    # --- profiling and statistics
+    "LOOM_TORCH_PROFILER_DIR": EnvVar(None, _text, "directory of torch profiler traces (as --profiler-dir, "
+                                      "which wins)"),
+    "LOOM_PROFILE_DIR": EnvVar(None, _text, "cProfile every process into DIR/<name>.prof (ipc/profiling.py)"),
+    "LOOM_STEP_STATS": EnvVar("", _text, "per-step host/device time in the workers and the engine loop: "
+                              "1 (on), sync (also warn at every host wait on the device), unset or 0 (off)"),
+    "LOOM_DEBUG_DISABLE_GC": EnvVar(False, _switch, "1: the engine core runs without the cyclic garbage "
+                                    "collector (leak tests)"),
+    # --- kernels and graphs (A/B switches)
+    "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
+    "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
+                                     "after the other, not on two streams"),
+    "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
+    "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
+                                    "piecewise CUDA graphs"),
+    "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
+                                        "uncaptured (tests of the graph path)"),
+    # --- tensor-parallel all-reduce (workers/distributed.py)
+    "LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES": EnvVar(1 << 20, _int, "largest all-reduce done one-shot over "
+                                                "symmetric memory"),
+    "LOOM_TWO_SHOT_ALLREDUCE_MAX_BYTES": EnvVar(16 << 20, _int, "largest all-reduce done two-shot (NCCL above)"),
+    "LOOM_DISABLE_ONE_SHOT_ALLREDUCE": EnvVar(False, _switch, "1: NCCL for every all-reduce"),
+    "LOOM_FUSED_ALLREDUCE_NORM": EnvVar(True, _switch, "0: no fused all-reduce + add + RMSNorm kernel"),
+    "LOOM_FUSED_ALLREDUCE_NORM_MAX_BYTES": EnvVar(4 << 20, _int, "largest all-reduce fused with the next "
+                                                  "RMSNorm (0: never)"),
+    "LOOM_FUSED_ALLREDUCE_NORM_PROGRAMS": EnvVar(0, _int, "programs of the fused all-reduce + norm "
+                                                 "(0: one per SM)"),
+    "LOOM_LAMPORT_ALLREDUCE_MAX_ROWS": EnvVar(16, _int, "up to this many rows the fused all-reduce + norm "
+                                              "pushes (Lamport) instead of pulling (0: never)"),
+    "LOOM_ONE_SHOT_GATHER_MAX_BYTES": EnvVar(1 << 20, _int, "largest per-rank logits the vocab-parallel "
+                                             "lm_head gathers with its own kernel (NCCL above)"),
+}
+
+
+def read(name: str) -> Any:
+    """The variable's value now: parsed from the environment, or its default when unset."""
+    var = ENVIRONMENT_VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw, var.default)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not valid: {var.doc}") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT_VARIABLES:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENVIRONMENT_VARIABLES])
