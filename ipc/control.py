@@ -2,7 +2,7 @@
 generating text (sleep, pause, weight updates, the profiler, ...).
 
 CONTROL_OPS below has one row per operation, and the rest is built from it:
-  - the engine core's dispatch (`EngineCore.control`): the calls clients may make, whether steps
+  - the engine core's dispatch (`EngineCore.control_call`): the calls clients may make, whether steps
     in flight are taken first, whether the engine must be paused; then the engine method of the
     operation's name runs;
   - the HTTP routes (frontend/openai/control_api.py registers them in one loop; a route's handler
@@ -121,13 +121,16 @@ class ControlOp:
     offline: bool = True         # the offline LLM has a method of this name
 
 
-_UPDATE = dict(needs_pause=True, engine_only=True, ranks=first)   # a weight update: its tensor count
+# a weight update: only while nothing steps, through the engine (which resets the prefix cache
+# after it), answered with the number of tensors loaded (the same on every rank)
+_UPDATE = dict(needs_pause=True, engine_only=True, ranks=first)
 
 CONTROL_OPS: dict[str, ControlOp] = {op.name: op for op in (
-    ControlOp("ping", (), (), drains=False, offline=False),
-    ControlOp("debug_info", (), (GET("/get_load"),), engines=summed),
+    # reads of state the engine core owns (engine_core/control.py) answer at once (drains=False)
+    ControlOp("ping", (), (), drains=False, offline=False),   # attached clients' liveness check
+    ControlOp("debug_info", (), (GET("/get_load"),), engines=summed),   # counts (leak tests, SGLang's load)
     ControlOp("reset_prefix_cache", (), (POST("/reset_prefix_cache"), POST("/flush_cache")), engines=all_ok),
-    # sleep and pause: state the engine core owns (engine_core/control.py)
+    # sleep and pause (the engine tracks what sleeps: its workers' sleep and wake_up are its alone)
     ControlOp("sleep", ("level",), (POST("/sleep"),), workers="sleep", engine_only=True, ranks=first),
     ControlOp("wake_up", ("tags",), (POST("/wake_up"),), workers="wake_up", engine_only=True, ranks=first),
     ControlOp("is_sleeping", (), (GET("/is_sleeping"),), drains=False, engines=any_true),
