@@ -24,7 +24,7 @@ import zmq
 from ipc import envs
 from ipc.config import ConfigError, EngineConfig
 from engine_core.control import ControlState, Deferred, PauseState
-from ipc.control import PAUSE_MODES, SLEEP_TAGS
+from ipc.control import CONTROL_OPS, PAUSE_MODES, SLEEP_TAGS
 from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, UTILITY_MALFORMED, ClientIO
 from ipc.data_parallel import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, PendingOutput
@@ -195,7 +195,27 @@ class EngineCore:
                 outs.setdefault(ci, []).extend(o)
         return outs
 
-    # ------------------------------------------------------------ utility calls
+    # ------------------------------------------------------------ control calls (ipc/control.py)
+
+    def control_call(self, name: str, args: list) -> Any:
+        """Run control operation `name` for a client, as its row in ipc/control.py says: only
+        operations declared there; steps in flight are taken first when it drains; refused while
+        requests step when it needs the engine paused. The engine method of its name does the rest
+        (its answer, or a Deferred one)."""
+        op = CONTROL_OPS.get(name)
+        if op is None:
+            raise ValueError(f"unknown utility method {name!r}")
+        if op.drains:   # control calls see (and workers finish) every step sent
+            for ci, outs in self.drain().items():
+                self.pending_outputs.setdefault(ci, []).extend(outs)
+        if op.needs_pause:
+            self._check_not_stepping()
+        return getattr(self, op.name)(*args)
+
+    def _on_workers(self, name: str, args: list) -> Any:
+        """Control operation `name`'s worker method on every worker; their answers merged as declared."""
+        op = CONTROL_OPS[name]
+        return op.ranks(self.executor.collective_rpc(op.workers, args))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -211,7 +231,7 @@ class EngineCore:
             if not self.config.enable_sleep_mode:
                 raise ValueError("sleep levels 1 and 2 need --enable-sleep-mode")
             self.scheduler.preempt_all()  # their KV is about to go; they recompute after wake-up
-            self.executor.collective_rpc("sleep", [level])
+            self._on_workers("sleep", [level])
             self.scheduler.reset_prefix_cache()
             # (not "scheduling": waking weights and kv_cache, as RL trainers do, ends the sleep)
             self.control.asleep.update(("weights", "kv_cache"))
@@ -230,7 +250,7 @@ class EngineCore:
         worker_tags = [t for t in ("weights", "kv_cache") if t in tags and t in self.control.asleep]
         loaded = 0
         if worker_tags:
-            loaded = self.executor.collective_rpc("wake_up", [worker_tags, weights_dir, load_format])[0]
+            loaded = self._on_workers("wake_up", [worker_tags, weights_dir, load_format])
         self.control.asleep.difference_update(tags)
         if not self.control.asleep:
             self.control.sleep_level = 0
@@ -281,18 +301,27 @@ class EngineCore:
 
     # ------------------------------------------------------------ weight updates (RL trainers)
 
-    def _check_weights_updatable(self) -> None:
+    def _check_not_stepping(self) -> None:
         """Weights change only while no request steps: paused (keep; or abort / wait once
-        drained) or asleep, and with the weights awake."""
+        drained) or asleep (control operations with needs_pause)."""
         c = self.control
-        if "weights" in c.asleep:
-            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before updating them")
         if c.can_step and c.admits_new:
             raise ValueError("the engine is running: pause it first (pause(mode='keep') or POST /pause?mode=keep), "
                              "update the weights, then resume")
         if c.can_step and self.scheduler.running:
             raise ValueError("requests are still running (pause(mode='wait') has not returned): wait for it, "
                              "or pause with mode='keep'")
+
+    def _check_weights_awake(self, doing: str = "updating") -> None:
+        if "weights" in self.control.asleep:   # (asleep, the parameters are empty)
+            raise ValueError(f"the weights are asleep: wake_up(tags=['weights']) before {doing} them")
+
+    def _update_weights(self, name: str, args: list, flush_cache: bool) -> int:
+        """A weight update on every worker; the tensors loaded."""
+        self._check_weights_awake()
+        n = self._on_workers(name, args)
+        self._weights_updated(flush_cache)
+        return n
 
     def _weights_updated(self, flush_cache: bool) -> None:
         """After new weights, the KV of running requests and the prefix cache are stale: running
@@ -309,30 +338,22 @@ class EngineCore:
             n = self._wake(["weights"], model_path, load_format)
             self._weights_updated(flush_cache)
             return n
-        self._check_weights_updatable()
-        n = self.executor.collective_rpc("update_weights_from_disk", [model_path, load_format])[0]
-        self._weights_updated(flush_cache)
-        return n
+        return self._update_weights("update_weights_from_disk", [model_path, load_format], flush_cache)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
-        self._check_weights_updatable()
-        n = self.executor.collective_rpc("update_weights_from_distributed", [names, dtypes, shapes, group_name])[0]
-        self._weights_updated(flush_cache)
-        return n
+        return self._update_weights("update_weights_from_distributed", [names, dtypes, shapes, group_name],
+                                    flush_cache)
 
     def update_weights_from_tensor(self, named_tensors: list, flush_cache: bool = True) -> int:
-        self._check_weights_updatable()
-        n = self.executor.collective_rpc("update_weights_from_tensor", [named_tensors])[0]
-        self._weights_updated(flush_cache)
-        return n
+        return self._update_weights("update_weights_from_tensor", [named_tensors], flush_cache)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> Deferred:
         """Answered once every worker is in the trainer's group. The join waits for the trainer (up
         to LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S), so it runs beside the loop, which keeps stepping."""
-        self.executor.collective_rpc("init_weights_update_group",
-                                     [master_address, master_port, rank_offset, world_size, group_name, backend])
+        self._on_workers("init_weights_update_group",
+                         [master_address, master_port, rank_offset, world_size, group_name, backend])
         return Deferred(self._poll_workers("weights_update_group_ready", [group_name]))
 
     def _poll_workers(self, method: str, args: list) -> Callable[[], bool]:
@@ -351,23 +372,20 @@ class EngineCore:
         return done
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self.executor.collective_rpc("destroy_weights_update_group", [group_name])
+        self._on_workers("destroy_weights_update_group", [group_name])
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        from workers.weight_update import merge_weight_rows
-        if "weights" in self.control.asleep:   # (the parameters are empty: it answered [])
-            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before reading them")
-        parts = self.executor.collective_rpc("get_weights_by_name", [name, truncate_size])
-        return merge_weight_rows(parts, truncate_size)
+        self._check_weights_awake("reading")   # (the parameters are empty: it answered [])
+        return self._on_workers("get_weights_by_name", [name, truncate_size])[:truncate_size]
 
     # ------------------------------------------------------------ profiler
 
     def start_profile(self, profile_prefix: str | None = None) -> list[str]:
         """Start the torch profiler in every worker; the trace names, by rank."""
-        return self.executor.collective_rpc("start_profile", [profile_prefix])
+        return self._on_workers("start_profile", [profile_prefix])
 
     def stop_profile(self) -> list[str]:
-        return self.executor.collective_rpc("stop_profile")
+        return self._on_workers("stop_profile", [])
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
@@ -387,13 +405,6 @@ class EngineCore:
                 "free_blocks": self.scheduler.kv.pool.num_free_blocks, "num_blocks": self.num_gpu_blocks,
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "output_tokens": sum(len(r.output_token_ids) for r in self.scheduler.requests.values())}
-
-    UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping", "collective_rpc", "debug_info", "sleep",
-                                 "wake_up", "is_sleeping", "pause", "resume", "is_paused",
-                                 "update_weights_from_disk", "update_weights_from_distributed",
-                                 "update_weights_from_tensor", "init_weights_update_group",
-                                 "destroy_weights_update_group", "get_weights_by_name", "start_profile",
-                                 "stop_profile"})
 
     shutting_down = False
 
@@ -547,12 +558,8 @@ class EngineCoreProc(EngineCore):
 
     def _run_utility(self, req: UtilityRequest) -> None:
         out = UtilityOutput(req.call_id)
-        for ci, outs in self.drain().items():  # control calls see (and workers finish) every step sent
-            self.pending_outputs.setdefault(ci, []).extend(outs)
         try:
-            if req.method not in self.UTILITY_METHODS:
-                raise ValueError(f"unknown utility method {req.method!r}")
-            result = getattr(self, req.method)(*req.args)
+            result = self.control_call(req.method, req.args)
             if isinstance(result, Deferred):
                 self._deferred.append((req.client_index, out, result))
                 return

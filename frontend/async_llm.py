@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator
 
 from frontend.engine_client import AsyncEngineCoreClient, EngineDeadError
 from ipc.config import EngineConfig
-from frontend.dp_router import DPRouter, check_rank, merge_results
+from ipc.control import merge_results
+from frontend.dp_router import DPRouter, check_rank
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
@@ -256,7 +257,8 @@ class AsyncLLM:
             await self.client.abort(ids, engine)
 
     async def call_utility(self, method: str, *args, timeout: float | None = None) -> Any:
-        """A control call on every engine core (data-parallel ranks), their answers merged as one."""
+        """Control operation `method` on every engine core (data-parallel ranks), their answers
+        merged as one as its row in ipc/control.py says."""
         return merge_results(method, await self.client.call_utility_all(method, *args, timeout=timeout))
 
     def close(self) -> None:

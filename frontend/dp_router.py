@@ -104,19 +104,3 @@ def check_rank(rank: Any, num_engines: int) -> int:
         raise ValueError(f"data-parallel rank must be an integer in [0, {num_engines}), got {rank!r}")
     return value
 
-
-def merge_results(method: str, results: list[Any]) -> Any:
-    """One answer from every engine's answer to a control call (by engine index).
-    With one engine it is that engine's answer, unchanged."""
-    if len(results) == 1:
-        return results[0]
-    if method in ("is_sleeping", "is_paused"):
-        return any(bool(r) for r in results)          # not fully awake / running while any engine is not
-    if method == "reset_prefix_cache":
-        return all(r is None or bool(r) for r in results)
-    if method == "collective_rpc":
-        return [x for r in results for x in r]       # every worker's result, engine by engine, rank by rank
-    if method == "debug_info":
-        total = {k: sum(r[k] for r in results) for k in results[0] if isinstance(results[0][k], (int, float))}
-        return {**total, "engines": results}
-    return results[0] if all(r == results[0] for r in results) else results

@@ -1,25 +1,29 @@
 """Which Worker methods may be called from outside the worker (collective RPC).
 
-A light module (no torch): the engine core and the API servers check method
-names here before anything reaches a worker.
+A light module (no torch): the engine core and the API servers check method names here before
+anything reaches a worker, without importing workers.worker. tests/test_control_table.py checks
+that these two lists hold every @remote method of workers.worker.Worker.
 """
 from __future__ import annotations
 
-# Remote methods that change state the engine core tracks (the KV cache, sleep state, the
-# process itself): only the engine calls them; to clients, the hint says what to use instead.
+from ipc.control import CONTROL_OPS
+
+# Remote methods that change state the engine core tracks (the KV cache, sleep state, the weights
+# and what was cached with them, the process itself): only the engine calls them; to clients, the
+# hint says what to use instead. Those of control operations: the operation's route.
 ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
-    "sleep": "use POST /sleep",
-    "wake_up": "use POST /wake_up",
+    **{op.workers: f"use {op.routes[0]}" for op in CONTROL_OPS.values() if op.engine_only},
     "initialize_cache": "the KV cache is the engine's",
     "determine_num_blocks": "the KV cache is the engine's",
     "shutdown": "use SIGTERM on `loom serve`",
-    # weights: the engine checks that nothing steps, then resets the prefix cache
-    "update_weights_from_disk": "use POST /update_weights_from_disk",
-    "update_weights_from_distributed": "use POST /update_weights_from_distributed",
-    "update_weights_from_tensor": "use POST /update_weights_from_tensor",
-    # it returns before the group forms; the engine answers once it has
-    "init_weights_update_group": "use POST /init_weights_update_group",
 }
+
+# Remote methods clients may call through collective_rpc (POST /collective_rpc, LLM.collective_rpc).
+CLIENT_WORKER_METHODS = frozenset({
+    "ping", "device_type", "get_pid", "memory_info", "step_stats", "all_reduce_info",
+    "weights_update_group_ready", "destroy_weights_update_group", "get_weights_by_name",
+    "start_profile", "stop_profile",
+})
 
 
 def remote(fn):
@@ -27,8 +31,3 @@ def remote(fn):
     fn._loom_remote = True
     return fn
 
-
-def is_remote(cls, name: str) -> bool:
-    """Whether `name` is a @remote method of `cls` that clients may call."""
-    return (not name.startswith("_") and name not in ENGINE_ONLY_WORKER_METHODS
-            and getattr(getattr(cls, name, None), "_loom_remote", False) is True)

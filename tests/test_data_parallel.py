@@ -15,7 +15,8 @@ import time
 import pytest
 import requests
 
-from frontend.dp_router import DPRouter, merge_results
+from frontend.dp_router import DPRouter
+from ipc.control import merge_results
 from ipc.messages import EngineLoad
 from ipc.sockets import free_tcp_port
 from tests.conftest import Server, child_pids, popen_serve, shm_entries

@@ -289,7 +289,7 @@ class WeightUpdater:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
         """This rank's part of the first `truncate_size` rows of a weight (checkpoint name), as
         float32 lists: {"dim": the dimension it is split on (None: whole), "start": where this
-        rank's part begins on it, "values"}; `merge_weight_rows` joins the ranks' parts."""
+        rank's part begins on it, "values"}; ipc/control.py's `merge_weight_rows` joins the ranks' parts."""
         if name not in self.expected:
             raise ValueError(f"{name!r} is not a weight of this model")
         if truncate_size < 0:  # here, so that /collective_rpc checks it too
@@ -314,19 +314,6 @@ class WeightUpdater:
             dim, start = 0, module.vocab_start
             t = t[:max(0, min(module.part, module.vocab_size - start))]
         return {"dim": dim, "start": start, "values": t[:truncate_size].float().cpu().tolist()}
-
-
-def merge_weight_rows(parts: list[dict], truncate_size: int) -> list:
-    """The first rows of a whole weight from the ranks' parts (get_weights_by_name): parts split
-    along dim 0 are stacked, along dim 1 joined row by row; ranks holding the same part (a
-    replicated KV head) count once."""
-    dim = parts[0]["dim"]
-    if dim is None:
-        return parts[0]["values"]
-    pieces = [v for _, v in sorted({p["start"]: p["values"] for p in parts}.items())]
-    if dim == 0:
-        return [row for piece in pieces for row in piece][:truncate_size]
-    return [[x for piece in pieces for x in piece[i]] for i in range(len(pieces[0]))]
 
 
 def join_trainer_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,

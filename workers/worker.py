@@ -63,6 +63,9 @@ class Worker:
             self._weights = WeightUpdater(self.runner, self.rank)
         return self._weights
 
+    # @remote: what the engine core (collective_rpc) may call. ipc/worker_methods.py lists them
+    # (engine-only or open to clients) for processes that do not import this module.
+
     @remote
     def ping(self) -> str:
         return "pong"

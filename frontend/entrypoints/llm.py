@@ -12,9 +12,10 @@ from typing import Sequence
 
 from frontend.engine_client import EngineCoreClient
 from ipc.config import EngineConfig
+from ipc.control import merge_results
 from engine_core.core import run_engine_core
 from ipc.data_parallel import DPRank
-from frontend.dp_router import DPRouter, merge_results
+from frontend.dp_router import DPRouter
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
@@ -285,37 +286,38 @@ class LLM:
         for engine, ids in by_engine.items():
             self.client.abort(ids, engine)
 
-    # ------------------------------------------------------------ control
+    # ------------------------------------------------------------ control (ipc/control.py declares each)
 
-    def _call(self, method: str, *args):
-        """On every engine core (data-parallel ranks), their answers merged as one."""
-        return merge_results(method, self.client.call_utility_all(method, *args))
+    def _control(self, name: str, *args):
+        """Control operation `name` on every engine core (data-parallel ranks), their answers
+        merged as one as its row in ipc/control.py says."""
+        return merge_results(name, self.client.call_utility_all(name, *args))
 
     def sleep(self, level: int = 1) -> None:
-        self._call("sleep", level)
+        self._control("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._call("wake_up", tags)
+        self._control("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return self._call("is_sleeping")
+        return self._control("is_sleeping")
 
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
         """abort: in-flight requests end with "abort"; wait: returns once they finish; keep: freeze them."""
-        self._call("pause", mode, clear_cache)
+        self._control("pause", mode, clear_cache)
 
     def resume(self) -> None:
-        self._call("resume")
+        self._control("resume")
 
     def is_paused(self) -> bool:
-        return self._call("is_paused")
+        return self._control("is_paused")
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None,
                        timeout: float | None = None):
-        return self._call("collective_rpc", method, args or [], kwargs or {}, timeout)
+        return self._control("collective_rpc", method, args or [], kwargs or {}, timeout)
 
     def reset_prefix_cache(self) -> bool:
-        return self._call("reset_prefix_cache")
+        return self._control("reset_prefix_cache")
 
     # ------------------------------------------------------------ weight updates (SGLang's names)
     # Allowed while paused (keep, or abort / wait once drained) or asleep with the weights awake.
@@ -324,23 +326,22 @@ class LLM:
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True) -> int:
         """Reload every weight from a checkpoint directory of the same architecture and shapes."""
-        return self.client.call_utility("update_weights_from_disk", model_path, load_format, flush_cache)
+        return self._control("update_weights_from_disk", model_path, load_format, flush_cache)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:
         """Join a trainer's process group (its rank 0 hosts the TCP store); worker w is rank_offset + w."""
-        self.client.call_utility("init_weights_update_group", master_address, master_port, rank_offset,
-                                 world_size, group_name, backend)
+        self._control("init_weights_update_group", master_address, master_port, rank_offset, world_size,
+                      group_name, backend)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True) -> int:
         """Receive one broadcast per name from the trainer's rank 0, in order."""
-        return self.client.call_utility("update_weights_from_distributed", names,
-                                        [str(d).removeprefix("torch.") for d in dtypes],
-                                        [list(s) for s in shapes], group_name, flush_cache)
+        return self._control("update_weights_from_distributed", names, [str(d).removeprefix("torch.") for d in dtypes],
+                             [list(s) for s in shapes], group_name, flush_cache)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self.client.call_utility("destroy_weights_update_group", group_name)
+        self._control("destroy_weights_update_group", group_name)
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> int:
         """New weights from this process's tensors (a dict or (name, tensor) pairs), handed over
@@ -348,24 +349,24 @@ class LLM:
         from ipc.tensor_handles import SharedTensors
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         with SharedTensors(items) as shared:
-            return self.client.call_utility("update_weights_from_tensor", shared.to_builtins(), flush_cache)
+            return self._control("update_weights_from_tensor", shared.to_builtins(), flush_cache)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a weight (checkpoint name), as float lists."""
-        return self.client.call_utility("get_weights_by_name", name, truncate_size)
+        return self._control("get_weights_by_name", name, truncate_size)
 
     # ------------------------------------------------------------ torch profiler (--profiler-dir)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
-        self.client.call_utility("start_profile", profile_prefix)
+        self._control("start_profile", profile_prefix)
 
     def stop_profile(self) -> None:
         """Stop the profiler; each worker writes {prefix}_dp{D}_tp{T}_rank{R}.*.pt.trace.json."""
-        self.client.call_utility("stop_profile")
+        self._control("stop_profile")
 
     def debug_info(self) -> dict:
         """Engine internals for tests: live requests, free blocks."""
-        return self._call("debug_info")
+        return self._control("debug_info")
 
     def shutdown(self) -> None:
         self._finalizer()

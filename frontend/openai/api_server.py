@@ -35,7 +35,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.openai.control_api import ControlAPI
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.openai.http_errors import OpenAIErrorRunner
@@ -45,7 +44,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, dumps, error_body, models_response, now,
                                parse_request, random_id, stream_usage)
-from frontend.openai.rl_api import rl_routes
+from frontend.openai.rl_api import control_routes
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -625,9 +624,7 @@ class OpenAIServer:
                   ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
-        if self.options.enable_control_endpoints:
-            routes += ControlAPI(self).routes()
-        routes += rl_routes(self)  # weight updates (control endpoints) and the profiler (frontend/openai/rl_api.py)
+        routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

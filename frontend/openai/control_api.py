@@ -1,9 +1,11 @@
 """The control endpoints of an API server (--enable-control-endpoints): POST /reset_prefix_cache,
 /sleep?level=, /wake_up?tags=, /pause?mode=&clear_cache=, /resume, /collective_rpc and GET
-/is_sleeping, /is_paused.
+/is_sleeping, /is_paused; frontend/openai/rl_api.py has the others.
 
-The engine core owns the state they change, so every API server answers the same. Engine-side
-ValueErrors are the caller's fault (400); any other failure is a 500.
+Routes come from the control operations' table (ipc/control.py), registered in one loop
+(`ControlAPI.routes`); a route's handler is the method named after its path, which checks the
+request and shapes the answer. The engine core owns the state they change, so every API server
+answers the same. Engine-side ValueErrors are the caller's fault (400); any other failure is a 500.
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ipc.control import PAUSE_MODES, SLEEP_TAGS
+from ipc.control import CONTROL_OPS, PAUSE_MODES, SLEEP_TAGS
 from frontend.errors import EngineDeadError
 from frontend.openai.protocol import APIError, dumps
-from ipc.worker_methods import ENGINE_ONLY_WORKER_METHODS, is_remote
+from ipc.worker_methods import CLIENT_WORKER_METHODS, ENGINE_ONLY_WORKER_METHODS
 
 # "ValueError: msg", or "RuntimeError: worker 0: ValueError: msg" from a worker
 _FAILURE = re.compile(r"^(?:(?:WorkerError|RuntimeError): worker \d+: )?(\w+): (.*)\Z", re.DOTALL)
@@ -60,12 +62,12 @@ class ControlAPI:
         self.llm = server.llm
 
     def routes(self) -> list[tuple[str, str, Any]]:
-        return [("POST", "/reset_prefix_cache", self.reset_prefix_cache),
-                ("POST", "/sleep", self.sleep), ("POST", "/wake_up", self.wake_up),
-                ("GET", "/is_sleeping", self.is_sleeping),
-                ("POST", "/pause", self.pause), ("POST", "/resume", self.resume),
-                ("GET", "/is_paused", self.is_paused),
-                ("POST", "/collective_rpc", self.collective_rpc)]
+        """(method, path, handler) of every control operation's routes this server serves: with
+        --enable-control-endpoints all of them; the profiler's also with --profiler-dir."""
+        control = bool(self.server.options.enable_control_endpoints)
+        served = {"control": control, "profiler": control or bool(getattr(self.server.config, "profiler_dir", None))}
+        return [(r.method, r.path, getattr(self, r.handler))
+                for op in CONTROL_OPS.values() for r in op.routes if served[r.gate]]
 
     async def _call(self, method: str, *args, param: str | None = None,
                     client_errors: tuple[str, ...] = ("ValueError",)):
@@ -129,8 +131,7 @@ class ControlAPI:
         if req.method in ENGINE_ONLY_WORKER_METHODS:
             raise APIError(f"method {req.method!r} is not allowed through collective_rpc: "
                            f"{ENGINE_ONLY_WORKER_METHODS[req.method]}", 400, "method")
-        from workers.worker import Worker  # light: the model runner is imported only when a Worker is built
-        if not is_remote(Worker, req.method):
+        if req.method not in CLIENT_WORKER_METHODS:
             raise APIError(f"method {req.method!r} is not callable on workers", 400, "method")
         if req.timeout is not None and not req.timeout > 0:
             raise APIError(f"'timeout' must be positive (seconds) or null; got {req.timeout}", 400, "timeout")

@@ -37,6 +37,8 @@ does), maps onto Loom's pause (also control endpoints):
 The profiler (POST /start_profile, POST /stop_profile; optional `profile_prefix` in a JSON body
 or the query) is served when --profiler-dir (or LOOM_TORCH_PROFILER_DIR) is set or the control
 endpoints are enabled.
+
+Which routes exist, and when each is served, is declared in ipc/control.py; `control_routes` registers them.
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def _result(success: bool, message: str, status: int = 200, error: APIError | No
 
 
 class RLControl(ControlAPI):
-    """Handlers of the endpoints above; engine calls and their error mapping are ControlAPI's."""
+    """Handlers of the endpoints above; engine calls, their error mapping and the routes are ControlAPI's."""
 
     async def _body(self, request: web.Request, cls, optional: bool = False):
         raw = await self.server.body(request)
@@ -233,21 +235,6 @@ class RLControl(ControlAPI):
         return web.Response(body=dumps({"status": "ok", "traces": names}), content_type="application/json")
 
 
-def rl_routes(server) -> list[tuple[str, str, Any]]:
-    """(method, path, handler) of the endpoints this server exposes (see the module docstring)."""
-    api = RLControl(server)
-    routes = []
-    if server.options.enable_control_endpoints:
-        routes += [("POST", "/update_weights_from_disk", api.update_weights_from_disk),
-                   ("POST", "/init_weights_update_group", api.init_weights_update_group),
-                   ("POST", "/update_weights_from_distributed", api.update_weights_from_distributed),
-                   ("POST", "/destroy_weights_update_group", api.destroy_weights_update_group),
-                   ("POST", "/update_weights_from_tensor", api.update_weights_from_tensor),
-                   ("GET", "/get_weights_by_name", api.get_weights_by_name),
-                   ("POST", "/get_weights_by_name", api.get_weights_by_name),
-                   ("POST", "/pause_generation", api.pause_generation),
-                   ("POST", "/continue_generation", api.continue_generation),
-                   ("POST", "/flush_cache", api.flush_cache), ("GET", "/get_load", api.get_load)]
-    if server.options.enable_control_endpoints or getattr(server.config, "profiler_dir", None):
-        routes += [("POST", "/start_profile", api.start_profile), ("POST", "/stop_profile", api.stop_profile)]
-    return routes
+def control_routes(server) -> list[tuple[str, str, Any]]:
+    """(method, path, handler) of every control endpoint this server exposes (ipc/control.py)."""
+    return RLControl(server).routes()
