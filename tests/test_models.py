@@ -329,3 +329,40 @@ def test_missing_checkpoint_and_bad_format(tmp_path):
         load_model(str(tmp_path), torch.float32, "cpu", load_format="pt")
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_registry_multimodal_flags_match_the_classes():
+    """The registry's `multimodal` flag (which lets the launcher skip importing text-only model
+    files) agrees with what each class declares."""
+    from workers.models.interfaces import supports_multimodal
+    from workers.models.registry import MODELS, model_class
+    for arch, entry in MODELS.items():
+        cls = model_class(arch)
+        assert cls.__name__ == arch
+        assert supports_multimodal(cls) == entry.multimodal, arch
+        assert all(hasattr(cls, a) for a in ("forward", "compute_logits", "hf_to_loom", "load_weights")), arch
+
+
+def test_no_model_type_branch_outside_the_models():
+    """The engine asks the model's declarations: outside workers/models/ and multimodal/ no code
+    reads a config's model_type (the demo-model builder writes one into a config.json)."""
+    import ast
+    from tests.conftest import ROOT
+    found = []
+    for pkg in ("engine_core", "frontend", "ipc", "workers", "kernels", "metrics", "shm", "multimodal"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            rel = os.path.relpath(dirpath, ROOT)
+            if rel.startswith(os.path.join("workers", "models")):
+                continue
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                tree = ast.parse(open(os.path.join(dirpath, f)).read())
+                for node in ast.walk(tree):
+                    reads = (isinstance(node, ast.Attribute) and node.attr == "model_type"
+                             and isinstance(node.ctx, ast.Load))
+                    reads |= isinstance(node, ast.Constant) and node.value == "model_type"
+                    if reads:
+                        found.append(f"{rel}/{f}")
+    # the only mentions: the demo builder writing its config, the processor hashing it into item keys
+    assert set(found) == {"frontend/tools/demo_model.py", "multimodal/processor.py"}, found
