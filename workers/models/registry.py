@@ -24,6 +24,7 @@ class ModelEntry(NamedTuple):
 MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("llama"),
     "MistralForCausalLM": ModelEntry("llama"),
+    "Olmo2ForCausalLM": ModelEntry("olmo2"),
     "Qwen2ForCausalLM": ModelEntry("qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3"),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
