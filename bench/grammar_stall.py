@@ -153,9 +153,10 @@ def main(argv=None) -> dict:
         sys.setswitchinterval(args.switch_interval)
     from bench.presets import write_preset
     from ipc.config import EngineConfig
+    from workers.models.registry import multimodal_info
 
     with tempfile.TemporaryDirectory(prefix="loom-grammar-stall-") as model_dir:
-        config = EngineConfig(model=write_preset(args.preset, model_dir), load_format="dummy").resolve()
+        config = EngineConfig(model=write_preset(args.preset, model_dir), load_format="dummy").resolve(multimodal_info)
         return measure(args, config)
 
 

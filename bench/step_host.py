@@ -83,12 +83,13 @@ def main(args: argparse.Namespace) -> int:
     from ipc.config import EngineConfig
     from ipc.messages import MsgType, SchedulerOutput, WorkerReply
     from workers.model_runner import ModelRunner
+    from workers.models.registry import multimodal_info
 
     with common.model_dir(args) as mdir:
         config = EngineConfig(model=mdir, load_format="dummy" if args.preset else "auto", device=args.device,
                               max_model_len=args.context + args.steps + 2 * args.profile_steps + 128,
                               max_num_seqs=max(args.batch, 8),
-                              enforce_eager=args.enforce_eager).resolve()
+                              enforce_eager=args.enforce_eager).resolve(multimodal_info)
         runner = ModelRunner(config)
         runner.initialize_cache(runner.determine_num_blocks())
     reqs = _Requests(args, config.block_size, runner.model.config.vocab_size)

@@ -23,6 +23,7 @@ from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
 from multimodal.processor import make_mm_processor
+from workers.models.registry import multimodal_info
 
 ENGINE_STALL_S = 5.0   # the engine beats every second (engine_core/core.py): this much silence is a stall
 ATTACH_TIMEOUT_S = 30.0   # for the engine at --engine-address (or a remote rank) to answer the handshake
@@ -94,7 +95,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config)
         self.tokenizer_source = config.tokenizer_dir   # for the API server's tokenizer process (the same files)
         self.token_texts = TokenTexts(self.tokenizer)
-        self.mm = make_mm_processor(config, client_index)   # None for a text-only model
+        self.mm = make_mm_processor(config, client_index, multimodal_info)   # None for a text-only model
         self.client = AsyncEngineCoreClient(input_address, output_address, client_index,
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
         self.router = DPRouter(config.data_parallel_size, config.block_size, client_index, config.max_num_seqs)

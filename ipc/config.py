@@ -7,6 +7,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 from ipc import envs
 
@@ -131,8 +132,12 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def resolve(self) -> "EngineConfig":
-        """Read the model's config.json, fill defaults and fail early on impossible sizes."""
+    def resolve(self, multimodal_info: Callable[[str], object | None] | None = None) -> "EngineConfig":
+        """Read the model's config.json, fill defaults and fail early on impossible sizes.
+
+        multimodal_info: model directory -> the model's MultiModalInfo (None: text-only), as
+        workers.models.registry.multimodal_info answers; the entry points pass it (ipc/ cannot
+        import the models). Without it the model is resolved as text-only."""
         self._check_option_types()
         path = os.path.join(self.model, "config.json")
         if not os.path.isfile(path):
@@ -161,7 +166,7 @@ class EngineConfig:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
         self.default_sampling_params = self._generation_defaults()
-        self._resolve_multimodal(hf)
+        self._resolve_multimodal(hf, multimodal_info(self.model) if multimodal_info else None)
         if self.profiler_dir is None:
             self.profiler_dir = envs.LOOM_TORCH_PROFILER_DIR or None
         self._resolve_env_defaults()
@@ -210,8 +215,8 @@ class EngineConfig:
                         "; --generation-config vllm ignores the model's" if self.generation_config == "auto" else "")
         return defaults
 
-    def _resolve_multimodal(self, hf: dict) -> None:
-        from multimodal.registry import max_item_tokens
+    def _resolve_multimodal(self, hf: dict, info) -> None:
+        """info: the model's MultiModalInfo, None for a text-only model."""
         limits = self.limit_mm_per_prompt
         try:
             if isinstance(limits, str):
@@ -224,7 +229,7 @@ class EngineConfig:
         for k, v in self.limit_mm_per_prompt.items():
             if v < 0 or (k != "image" and v > 0):
                 raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
-        self.mm_max_item_tokens = max_item_tokens(self.model, hf)
+        self.mm_max_item_tokens = info.max_item_tokens(self.model, hf) if info is not None else 0
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0
         else:

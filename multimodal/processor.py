@@ -4,6 +4,10 @@ count from the processed arrays), a content hash per item (pixels + processor kw
 the processed tensors in the shared-memory store (an item already there is only referenced:
 the store is the processor-output cache).
 
+What differs between models (the placeholder token, its count per image, the accepted
+mm_processor_kwargs, the arrays kept) is the model's own MultiModalInfo (multimodal/info.py),
+which the frontend passes in: nothing here names a model type.
+
 transformers 5 cannot build AutoProcessor for Qwen2.5-VL without torchvision (it also makes a
 video processor), so the image processor and the tokenizer are used directly; the prompt
 expansion is the processor's own rule (grid t*h*w / merge^2 copies of the image token)."""
@@ -16,14 +20,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from ipc.config import EngineConfig
 from ipc.messages import MultiModalItem
 from multimodal.media import MediaError, as_image, load_image_url
-from multimodal.registry import LLAVA_TYPES, QWEN_VL_TYPES, llava_image_tokens, max_pixels
+from multimodal.info import MultiModalInfo
 from shm.object_store import ObjectStoreWriter, StoreFull
 
 STORE_WAIT_S = 10.0   # a full store frees as running requests finish
@@ -51,24 +55,20 @@ class MMStats:
 
 
 class MultiModalProcessor:
-    def __init__(self, config: EngineConfig, store: ObjectStoreWriter | None):
+    def __init__(self, config: EngineConfig, store: ObjectStoreWriter | None, info: MultiModalInfo):
         with open(f"{config.model}/config.json") as f:
             self.hf = json.load(f)
         self.config = config
-        self.model_type = self.hf.get("model_type")
-        self.max_pixels = max_pixels(config.model, self.hf)  # the largest image mm_processor_kwargs may ask for
+        self.info = info
+        self.model_type = self.hf.get("model_type")   # part of each item's hash
+        self.max_pixels = info.max_pixels(config.model, self.hf)  # the largest image mm_processor_kwargs may ask for
         self.store = store
         self.stats = MMStats()
         self._lock = threading.Lock()
         self._image_processor = None
         self._lengths: OrderedDict[str, int] = OrderedDict()   # hash -> placeholder tokens (cache index)
         self._executor = None   # the API server's thread for decoding and processing images
-        if self.model_type in QWEN_VL_TYPES:
-            self.image_token_id = int(self.hf["image_token_id"])
-        elif self.model_type in LLAVA_TYPES:
-            self.image_token_id = int(self.hf.get("image_token_index", self.hf.get("image_token_id", 32000)))
-        else:
-            self.image_token_id = None
+        self.image_token_id = info.image_token_id(self.hf)
 
     @property
     def image_processor(self):
@@ -111,7 +111,7 @@ class MultiModalProcessor:
             return {}
         if not isinstance(kwargs, dict):
             raise MediaError("mm_processor_kwargs must be an object")
-        accepted = ("min_pixels", "max_pixels") if self.model_type in QWEN_VL_TYPES else ()
+        accepted = self.info.accepted_kwargs
         out = {}
         for key, value in kwargs.items():
             if key not in accepted:
@@ -134,53 +134,21 @@ class MultiModalProcessor:
         """(placeholder tokens, processed arrays) of one image; kwargs as check_kwargs returns them."""
         t0 = time.perf_counter()
         try:
-            out = self.image_processor(images=[img], return_tensors="np", **self._call_kwargs(kwargs))
+            call_kwargs = self.info.call_kwargs(kwargs, self.image_processor) if kwargs else {}
+            out = self.image_processor(images=[img], return_tensors="np", **call_kwargs)
         except Exception as e:
             raise MediaError(f"the image processor failed: {e}") from None
         self.stats.processing_secs += time.perf_counter() - t0
         self.stats.processed_items += 1
-        arrays = {"pixel_values": np.ascontiguousarray(out["pixel_values"], dtype=np.float32)}
-        if self.model_type in QWEN_VL_TYPES:
-            arrays["image_grid_thw"] = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1)
-        n = self._encoder_tokens(arrays)
+        arrays = self.info.arrays(out)
+        n = self.info.placeholder_tokens(self.hf, arrays)
+        if n is None:   # an array the encoder cannot take would fail the engine's step, not this request
+            raise MediaError(f"the image processor made arrays of shape {arrays['pixel_values'].shape}, which "
+                             "this model's vision encoder does not take")
         if n > self.config.mm_max_item_tokens:
             raise MediaError(f"the image makes {n} tokens; at most {self.config.mm_max_item_tokens} "
                              "are accepted (lower max_pixels)")
         return n, arrays
-
-    def _encoder_tokens(self, arrays: dict[str, np.ndarray]) -> int:
-        """The placeholder tokens of processed arrays, once they are checked to have the shapes
-        the model's vision encoder takes (its config.json, not the processor's defaults): an
-        array the encoder cannot take would fail the engine's step, not this request."""
-        vc = self.hf.get("vision_config") or {}
-        pixels = arrays["pixel_values"]
-        if self.model_type in QWEN_VL_TYPES:
-            grid = arrays["image_grid_thw"]
-            merge = int(vc.get("spatial_merge_size", 2))
-            dim = int(vc.get("in_channels", vc.get("in_chans", 3))) * int(vc.get("temporal_patch_size", 2)) \
-                * int(vc.get("patch_size", 14)) ** 2
-            ok = (grid.shape == (3,) and (grid >= 1).all() and grid[1] % merge == 0 and grid[2] % merge == 0
-                  and pixels.shape == (int(grid.prod()), dim))
-            n = int(grid.prod()) // (merge * merge) if ok else 0
-        else:
-            side = int(vc.get("image_size", pixels.shape[-1]))
-            ok = pixels.shape == (1, int(vc.get("num_channels", 3)), side, side)
-            n = llava_image_tokens(self.hf)
-        if not ok:
-            raise MediaError(f"the image processor made arrays of shape {pixels.shape}, which this model's "
-                             "vision encoder does not take")
-        return n
-
-    def _call_kwargs(self, kwargs: dict) -> dict:
-        """Checked kwargs as the processor call takes them: transformers 5 deprecates Qwen-VL's
-        min_pixels / max_pixels in the call and reads size = {"shortest_edge", "longest_edge"}."""
-        if not kwargs:
-            return {}
-        size = dict(self.image_processor.size)
-        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-            if key in kwargs:
-                size[edge] = kwargs[key]
-        return {"size": size}
 
     def _store_item(self, img, kwargs: dict) -> StoredImage:
         """The image in the store, processed only on a cache miss."""
@@ -305,16 +273,20 @@ class MultiModalProcessor:
             self.store.unref(it.store_addr)
 
 
-def make_mm_processor(config: EngineConfig, client_index: int) -> MultiModalProcessor | None:
+def make_mm_processor(config: EngineConfig, client_index: int,
+                      multimodal_info: Callable[[str], MultiModalInfo | None]) -> MultiModalProcessor | None:
     """The processor and the shared-memory store of one API server (or the offline LLM); None
-    for a text-only model or --language-model-only."""
+    for a text-only model or --language-model-only. multimodal_info: model directory -> the
+    model's declaration (workers.models.registry.multimodal_info), asked only for a model that
+    takes images."""
     if not config.mm_encoder_budget:
         return None
+    info = multimodal_info(config.model)
     from shm.object_store import segment_name
     tp = config.tensor_parallel_size
     store = ObjectStoreWriter(segment_name(client_index), int(config.mm_processor_cache_gb * (1 << 30)),
                               n_readers=config.data_parallel_size * tp, readers_per_request=tp)
-    return MultiModalProcessor(config, store)
+    return MultiModalProcessor(config, store, info)
 
 
 def mm_reject(config: EngineConfig, num_images: int):

@@ -36,9 +36,7 @@ LAYERS: dict[str, int] = {
 }
 EXACT: dict[str, int] = {"frontend": 2}
 # Imports that still point up, each with the work that removes it. Keep this empty.
-KNOWN: set[tuple[str, str]] = {
-    ("ipc.config", "multimodal.registry"),   # the model contract takes the multimodal facts (issue 43, item 5)
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def rank_of(module: str) -> int:

@@ -36,7 +36,8 @@ def make_config(arch: str, **overrides):
     cls = {"LlamaForCausalLM": transformers.LlamaConfig,
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
-           "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+           "Qwen3ForCausalLM": transformers.Qwen3Config,
+           "Olmo2ForCausalLM": transformers.Olmo2Config}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
@@ -167,6 +168,8 @@ CASES = {
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
     "mistral-head-dim": ("MistralForCausalLM", {"head_dim": 32}),
+    "olmo2": ("Olmo2ForCausalLM", {}),
+    "olmo2-mha": ("Olmo2ForCausalLM", {"num_key_value_heads": 4}),
 }
 
 
@@ -329,3 +332,55 @@ def test_missing_checkpoint_and_bad_format(tmp_path):
         load_model(str(tmp_path), torch.float32, "cpu", load_format="pt")
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_olmo2_greedy_matches_hf(model_factory):
+    """OLMo-2 (post-norms, q/k norms over the whole projection) through the whole engine:
+    greedy tokens equal HF's, in float32, prompts joining the batch while others decode."""
+    from tests.test_engine_parity import _prompts, check_parity
+    check_parity(model_factory("olmo2"), _prompts(300), block_size=4, max_num_seqs=2, max_model_len=128)
+
+
+def test_olmo2_tensor_parallel_matches_hf(model_factory):
+    """At TP=2 with one KV head (replicated on both ranks): the q/k norms add the ranks' sums of
+    squares, and the greedy tokens still equal HF's."""
+    from tests.test_engine_parity import _prompts, check_parity
+    check_parity(model_factory("olmo2", num_key_value_heads=1), _prompts(300, 3), tensor_parallel_size=2,
+                 block_size=4, max_num_seqs=2, max_model_len=128)
+
+
+def test_registry_multimodal_flags_match_the_classes():
+    """The registry's `multimodal` flag (which lets the launcher skip importing text-only model
+    files) agrees with what each class declares."""
+    from workers.models.interfaces import supports_multimodal
+    from workers.models.registry import MODELS, model_class
+    for arch, entry in MODELS.items():
+        cls = model_class(arch)
+        assert cls.__name__ == arch
+        assert supports_multimodal(cls) == entry.multimodal, arch
+        assert all(hasattr(cls, a) for a in ("forward", "compute_logits", "hf_to_loom", "load_weights")), arch
+
+
+def test_no_model_type_branch_outside_the_models():
+    """The engine asks the model's declarations: outside workers/models/ and multimodal/ no code
+    reads a config's model_type (the demo-model builder writes one into a config.json)."""
+    import ast
+    from tests.conftest import ROOT
+    found = []
+    for pkg in ("engine_core", "frontend", "ipc", "workers", "kernels", "metrics", "shm", "multimodal"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            rel = os.path.relpath(dirpath, ROOT)
+            if rel.startswith(os.path.join("workers", "models")):
+                continue
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                tree = ast.parse(open(os.path.join(dirpath, f)).read())
+                for node in ast.walk(tree):
+                    reads = (isinstance(node, ast.Attribute) and node.attr == "model_type"
+                             and isinstance(node.ctx, ast.Load))
+                    reads |= isinstance(node, ast.Constant) and node.value == "model_type"
+                    if reads:
+                        found.append(f"{rel}/{f}")
+    # the only mentions: the demo builder writing its config, the processor hashing it into item keys
+    assert set(found) == {"frontend/tools/demo_model.py", "multimodal/processor.py"}, found

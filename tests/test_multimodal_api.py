@@ -233,8 +233,9 @@ def test_images_past_the_context_stop_loading_at_once(vl_dir):
     from ipc.config import EngineConfig
     from multimodal.media import MediaError
     from multimodal.processor import make_mm_processor
-    config = EngineConfig(model=vl_dir, max_model_len=64, mm_processor_cache_gb=0.01).resolve()
-    mm = make_mm_processor(config, client_index=7)
+    from workers.models.registry import multimodal_info
+    config = EngineConfig(model=vl_dir, max_model_len=64, mm_processor_cache_gb=0.01).resolve(multimodal_info)
+    mm = make_mm_processor(config, 7, multimodal_info)
     try:
         prompt = [mm.image_token_id] * 3 + [11, 12]
         urls = [png_url(random_image(70, 588, 588))] + ["data:image/png;base64,not-an-image"] * 2
@@ -252,8 +253,9 @@ def test_a_request_cancelled_while_its_image_is_stored_gives_the_reference_back(
     import threading
     from ipc.config import EngineConfig
     from multimodal.processor import make_mm_processor
-    config = EngineConfig(model=vl_dir, max_model_len=512, mm_processor_cache_gb=0.01).resolve()
-    mm = make_mm_processor(config, client_index=8)
+    from workers.models.registry import multimodal_info
+    config = EngineConfig(model=vl_dir, max_model_len=512, mm_processor_cache_gb=0.01).resolve(multimodal_info)
+    mm = make_mm_processor(config, 8, multimodal_info)
     started, release = threading.Event(), threading.Event()
     store_image = mm.store_image
 

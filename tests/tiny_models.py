@@ -35,6 +35,7 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
 
 

@@ -169,10 +169,10 @@ def hf_llava_greedy(model_dir: str, prompt: str, images: list, max_new_tokens: i
     """(prompt ids with each <image> expanded to the model's image tokens, HF's greedy continuation)."""
     import json
     from transformers import AutoImageProcessor, AutoTokenizer
-    from multimodal.registry import llava_image_tokens
+    from workers.models.llava import LlavaImages
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
-        n = llava_image_tokens(json.load(f))
+        n = LlavaImages.image_tokens(json.load(f))
     image_id = tok.convert_tokens_to_ids("<image>")
     ids = []
     for t in tok.encode(prompt):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from workers.distributed import tp_rank, tp_size
+from workers.models.interfaces import supports_multimodal
 from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
 from workers.models.registry import get_model_class
 
@@ -56,7 +57,7 @@ def build_model(config, dtype: torch.dtype, device: torch.device | str,
     (the rotary cos/sin cache stays float32). language_model_only: a vision-language
     model without its vision tower."""
     cls = get_model_class(config)
-    kwargs = {"language_model_only": True} if language_model_only and getattr(cls, "is_multimodal", False) else {}
+    kwargs = {"language_model_only": True} if language_model_only and supports_multimodal(cls) else {}
     with torch.device(device), _default_dtype(dtype):
         model = cls(config, **kwargs)
     return model.eval().requires_grad_(False)

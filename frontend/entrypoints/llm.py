@@ -27,6 +27,7 @@ from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
+from workers.models.registry import multimodal_info
 from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
 
 
@@ -53,10 +54,10 @@ def longest_first(max_tokens: Sequence[int]) -> list[int]:
 class LLM:
     def __init__(self, model: str, **options):
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
-        self.config = EngineConfig(model=model, **options).resolve()
+        self.config = EngineConfig(model=model, **options).resolve(multimodal_info)
         self.tokenizer = load_tokenizer(self.config)
         self.token_texts = TokenTexts(self.tokenizer)
-        self.mm = make_mm_processor(self.config, client_index=0)  # its store, before any child starts
+        self.mm = make_mm_processor(self.config, 0, multimodal_info)  # its store, before any child starts
         self.ipc_dir = make_ipc_dir()
         in_addr = ipc_address(self.ipc_dir, "client0-input")
         out_addr = ipc_address(self.ipc_dir, "client0-output")

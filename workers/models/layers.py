@@ -1,4 +1,7 @@
-"""Layers shared by the decoder-only architectures (Llama, Mistral, Qwen2, Qwen3).
+"""The primitives every model is built from: the hot ops, RMSNorm, the rotary embedding, and
+the tensor-parallel linears and vocabulary embedding (each parameter with its weight loader).
+Models compose them into decoder layers in workers/models/blocks.py, or in their own file
+where their layer differs (workers/models/olmo2.py); docs/adding_a_model.md says how.
 
 Every hot op goes through one module-level name (`rms_norm`,
 `fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`): the plain-torch
@@ -19,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,6 @@ from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
-from workers.attention import Attention, AttentionMetadata
 from workers.distributed import (LogitsShard, PendingSum, all_reduce_written, linear_all_reduce, lm_head_logits,
                                  tp_rank, tp_size)
 
@@ -358,135 +359,3 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp == 1:
             return F.linear(hidden, self.weight)
         return lm_head_logits(hidden, self.weight, self.vocab_start, self.vocab_size, plain)
-
-
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused, after the layer's norm (fused into
-    gate_up at decode sizes, as the SiLU is into down)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, norm_slot=1)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp(norm(x + residual)), the new residual)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up, silu_mul=True), residual
-
-
-class SelfAttention(nn.Module):
-    """qkv projection -> [per-head q/k RMSNorm] -> rotary, KV-cache write -> paged attention -> o_proj."""
-
-    def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool):
-        super().__init__()
-        total_heads, total_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
-        self.head_dim = get_head_dim(config)
-        self.num_heads, self.num_kv_heads, kv_start = heads_of_rank(total_heads, total_kv_heads, tp_rank(), tp_size())
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        d = self.head_dim
-        shards = {"q": Shard(total_heads * d, tp_rank() * self.q_size, self.q_size, 0),
-                  "k": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size),
-                  "v": Shard(total_kv_heads * d, kv_start * d, self.kv_size, self.q_size + self.kv_size)}
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, qkv_bias)
-        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, o_bias, norm_slot=0)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary_emb  # shared instance
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                norm: RMSNorm, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention(norm(hidden + residual)), the new residual); the norm is fused into the qkv
-        projection at decode sizes (residual None: the first layer)."""
-        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
-                               *norms, mrope_section=self.rotary_emb.mrope_section)
-        return self.o_proj(self.attn(q, kv_cache, meta)), residual
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried between layers so the
-    add can be fused into the next norm."""
-
-    def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, mlp_bias: bool):
-        super().__init__()
-        self.self_attn = SelfAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, kv_cache, meta)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
-
-
-# ---------------------------------------------------------------- weight loading
-def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
-                         stacked_mapping: list[tuple[str, str, object]],
-                         ignore: callable = lambda name: False, partial: bool = False) -> set[str]:
-    """Hand each checkpoint tensor (or safetensors slice) to its parameter's weight loader,
-    which keeps this rank's shard, copied in place (param.data is never replaced, so captured
-    CUDA graphs stay valid).
-
-    stacked_mapping: (our_fused_name, checkpoint_name, shard_id) substring
-    rewrites, e.g. (".qkv_proj.", ".q_proj.", "q"). Raises ValueError on a
-    duplicate checkpoint name, a shape mismatch, checkpoint weights that map to
-    nothing, or (unless `partial`: a weight update of some tensors) parameters
-    (or shards of fused ones) left unloaded. Returns the set of checkpoint names loaded."""
-    params = dict(model.named_parameters())
-    loaded: dict[str, set] = {}
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for ckpt_name, tensor in weights:
-        if ckpt_name in seen:
-            raise ValueError(f"weight {ckpt_name!r} appears twice in the checkpoint")
-        seen.add(ckpt_name)
-        if ignore(ckpt_name):
-            continue
-        name, shard_id = ckpt_name, None
-        for fused, part, sid in stacked_mapping:
-            if part in ckpt_name:
-                name, shard_id = ckpt_name.replace(part, fused), sid
-                break
-        param = params.get(name)
-        if param is None:
-            unexpected.append(ckpt_name)
-            continue
-        try:
-            param.weight_loader(param, tensor, shard_id)
-        except ValueError as e:
-            raise ValueError(f"weight {ckpt_name!r}: {e}") from None
-        loaded.setdefault(name, set()).add(shard_id)
-
-    missing = []
-    for name, param in params.items() if not partial else ():
-        got = loaded.get(name, set())
-        missing += [name if s is None else f"{name}[{s}]" for s in param.shard_ids if s not in got]
-    if unexpected or missing:
-        msg = []
-        if unexpected:
-            msg.append(f"checkpoint weights with no matching parameter: {_short(unexpected)}")
-        if missing:
-            msg.append(f"parameters not loaded from the checkpoint: {_short(missing)}")
-        raise ValueError(f"{type(model).__name__}: " + "; ".join(msg))
-    return seen
-
-
-def _short(names: list[str], n: int = 10) -> str:
-    more = f" ... (+{len(names) - n} more)" if len(names) > n else ""
-    return ", ".join(sorted(names)[:n]) + more

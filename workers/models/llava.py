@@ -15,11 +15,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multimodal.info import MultiModalInfo
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard
 from workers.models.layers import KVCache, replicated
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+
+
+
+class LlavaImages(MultiModalInfo):
+    """A fixed-size tower: every image is resized to the tower's image_size and makes the same
+    number of placeholder tokens; no mm_processor_kwargs."""
+
+    def image_token_id(self, hf: dict) -> int:
+        return int(hf.get("image_token_index", hf.get("image_token_id", 32000)))
+
+    def max_item_tokens(self, model_dir: str, hf: dict) -> int:
+        return self.image_tokens(hf)
+
+    @staticmethod
+    def image_tokens(hf: dict) -> int:
+        """The tower's tokens (CLIP: a class token + the patches; SigLIP: the patches), less the
+        first under the "default" select strategy (as HF's LLaVA crops it)."""
+        vc = hf.get("vision_config") or {}
+        n = (int(vc.get("image_size", 336)) // int(vc.get("patch_size", 14))) ** 2
+        if vc.get("model_type", "clip_vision_model") != "siglip_vision_model":
+            n += 1
+        if hf.get("vision_feature_select_strategy", "default") == "default":
+            n -= 1
+        return n
+
+    def placeholder_tokens(self, hf: dict, arrays: dict[str, np.ndarray]) -> int | None:
+        vc = hf.get("vision_config") or {}
+        pixels = arrays["pixel_values"]
+        side = int(vc.get("image_size", pixels.shape[-1]))
+        ok = pixels.shape == (1, int(vc.get("num_channels", 3)), side, side)
+        return self.image_tokens(hf) if ok else None
+
 
 _TEXT_MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
 _ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "relu": F.relu,
@@ -86,7 +119,7 @@ class VisionTower(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    is_multimodal = True
+    multimodal = LlavaImages()
 
     def __init__(self, config, language_model_only: bool = False):
         super().__init__()
@@ -138,19 +171,19 @@ class LlavaForConditionalGeneration(nn.Module):
         vc = self.hf_config.vision_config
         return {"pixel_values": np.zeros((1, vc.num_channels, vc.image_size, vc.image_size), np.float32)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """`partial`: only some weights (a weight update), none required."""
-        def renamed():
-            for name, t in weights:
-                for old, new in _RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                yield name, t
+    def hf_to_loom(self, name: str) -> str:
+        """The Hub's names and transformers 5's alike: the first matching prefix of _RENAMES."""
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
+        """`partial`: only some weights (a weight update), none required. The language model's
+        weights go to its own load_weights (the tower's q/k/v stay unfused)."""
         params = dict(self.named_parameters())
         text_weights, seen = [], set()
-        for name, t in renamed():
+        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
             if name in seen:
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
             seen.add(name)

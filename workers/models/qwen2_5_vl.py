@@ -14,10 +14,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multimodal.info import MultiModalInfo, preprocessor_config
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard
-from workers.models.layers import KVCache, VocabParallelEmbedding, load_stacked_weights, replicated
-from workers.models.llama import STACKED_PARAMS, LlamaModel
+from workers.models.layers import KVCache, VocabParallelEmbedding, replicated
+from workers.models.llama import LlamaModel
+from workers.models.weights import STACKED_PARAMS, load_weights
+
+
+class Qwen2_5_VLImages(MultiModalInfo):
+    """Dynamic resolution: an image of t x h x w patches (its `image_grid_thw`) makes
+    t*h*w / merge^2 placeholder tokens, up to the processor's max_pixels, which a request's
+    mm_processor_kwargs may lower (vLLM's Qwen-VL clients send min_pixels / max_pixels)."""
+    accepted_kwargs = ("min_pixels", "max_pixels")
+
+    def image_token_id(self, hf: dict) -> int:
+        return int(hf["image_token_id"])
+
+    def max_pixels(self, model_dir: str, hf: dict) -> int:
+        pp = preprocessor_config(model_dir)
+        return int(pp.get("max_pixels") or (pp.get("size") or {}).get("longest_edge") or 12845056)
+
+    def max_item_tokens(self, model_dir: str, hf: dict) -> int:
+        pp = preprocessor_config(model_dir)
+        unit = int(pp.get("patch_size", 14)) * int(pp.get("merge_size", 2))
+        return self.max_pixels(model_dir, hf) // (unit * unit)
+
+    def call_kwargs(self, kwargs: dict, image_processor) -> dict:
+        """transformers 5 deprecates min_pixels / max_pixels in the call and reads
+        size = {"shortest_edge", "longest_edge"}."""
+        size = dict(image_processor.size)
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if key in kwargs:
+                size[edge] = kwargs[key]
+        return {"size": size}
+
+    def arrays(self, out) -> dict[str, np.ndarray]:
+        arrays = super().arrays(out)
+        arrays["image_grid_thw"] = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1)
+        return arrays
+
+    def placeholder_tokens(self, hf: dict, arrays: dict[str, np.ndarray]) -> int | None:
+        vc = hf.get("vision_config") or {}
+        grid, pixels = arrays["image_grid_thw"], arrays["pixel_values"]
+        merge = int(vc.get("spatial_merge_size", 2))
+        dim = int(vc.get("in_channels", vc.get("in_chans", 3))) * int(vc.get("temporal_patch_size", 2)) \
+            * int(vc.get("patch_size", 14)) ** 2
+        ok = (grid.shape == (3,) and (grid >= 1).all() and grid[1] % merge == 0 and grid[2] % merge == 0
+              and pixels.shape == (int(grid.prod()), dim))
+        return int(grid.prod()) // (merge * merge) if ok else None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,7 +245,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
     uses_mrope = True
-    is_multimodal = True
+    multimodal = Qwen2_5_VLImages()
+    stacked_params = STACKED_PARAMS
 
     def __init__(self, config, language_model_only: bool = False):
         super().__init__()
@@ -273,18 +319,19 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------ weights
 
+    def hf_to_loom(self, name: str) -> str | None:
+        """The Hub's names (`model.layers.*`, `visual.*`) and transformers 5's
+        (`model.language_model.*`, `model.visual.*`) alike; the vision MLP's gate/up keep apart
+        from the language model's fused gate_up_proj."""
+        name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+        if name.startswith("visual."):
+            if self.visual is None:
+                return None
+            name = name.replace(".mlp.gate_proj.", ".mlp.gate.").replace(".mlp.up_proj.", ".mlp.up.")
+        if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            return None
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
         """`partial`: only some weights (a weight update), none required."""
-        def renamed():
-            for name, t in weights:
-                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-                if name.startswith("visual."):
-                    name = name.replace(".mlp.gate_proj.", ".mlp.gate.").replace(".mlp.up_proj.", ".mlp.up.")
-                yield name, t
-
-        def ignore(name: str) -> bool:
-            if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                return True
-            return self.visual is None and name.startswith("visual.")
-
-        return load_stacked_weights(self, renamed(), STACKED_PARAMS, ignore, partial)
+        return load_weights(self, weights, partial)

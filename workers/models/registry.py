@@ -1,31 +1,60 @@
-"""Architecture name (config.architectures[0]) -> our model class."""
+"""Architecture name (config.json's `architectures[0]`) -> the model file that implements it.
+
+One line per architecture. The module is imported on first use only, so importing the registry
+stays cheap (no torch): the launcher asks it whether a checkpoint takes images, and imports a
+model file (and torch) only for one that does."""
 from __future__ import annotations
 
-from torch import nn
+import importlib
+import json
+import os
+from typing import TYPE_CHECKING, NamedTuple
 
-from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
-from workers.models.llava import LlavaForConditionalGeneration
-from workers.models.qwen2 import Qwen2ForCausalLM
-from workers.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from workers.models.qwen3 import Qwen3ForCausalLM
+if TYPE_CHECKING:
+    from torch import nn
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    from multimodal.info import MultiModalInfo
+
+
+class ModelEntry(NamedTuple):
+    module: str                # in workers/models/; the class is the module's attribute of the architecture's name
+    multimodal: bool = False   # the class declares `multimodal` (a MultiModalInfo); tests check they agree
+
+
+MODELS: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry("llama"),
+    "MistralForCausalLM": ModelEntry("llama"),
+    "Olmo2ForCausalLM": ModelEntry("olmo2"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3"),
+    "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
+    "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
 }
 
 
+def model_class(arch: str) -> type[nn.Module]:
+    """The class of an architecture name; ValueError for one we do not implement."""
+    entry = MODELS.get(arch)
+    if entry is None:
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(MODELS))})")
+    return getattr(importlib.import_module(f"workers.models.{entry.module}"), arch)
+
+
 def get_model_class(config) -> type[nn.Module]:
+    """The class for a transformers config (its `architectures[0]`)."""
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError("config has no `architectures` entry; cannot pick a model class "
-                         f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
-    cls = MODEL_REGISTRY.get(archs[0])
-    if cls is None:
-        raise ValueError(f"unsupported architecture {archs[0]!r} "
-                         f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
-    return cls
+                         f"(supported: {', '.join(sorted(MODELS))})")
+    return model_class(archs[0])
+
+
+def multimodal_info(model_dir: str) -> MultiModalInfo | None:
+    """The multimodal declaration of the checkpoint's model class; None for a text-only model
+    (whose file is not imported) or an architecture we do not implement (the workers report it)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    entry = MODELS.get(archs[0]) if archs else None
+    if entry is None or not entry.multimodal:
+        return None
+    return model_class(archs[0]).multimodal
