@@ -1,5 +1,9 @@
 """One step's host arrays to the device in one transfer per dtype, from pinned memory.
 
+The arrays travel in typed structures (workers/step_inputs.StepArrays, the sampler's
+SamplingArrays): slots dataclasses whose fields are numpy arrays on the host and torch
+tensors on the device, with the same names. upload() turns one into the other.
+
 A copy from pageable memory makes the host wait for the device's queue to
 drain, which would undo the overlap of step N+1's preparation with step N.
 Two pinned buffers alternate (Alternating, also the decode graphs' staging);
@@ -9,8 +13,47 @@ a later step.
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import numpy as np
 import torch
+
+# A field of a step's structures: a numpy array on the host, a torch tensor on the device.
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
+Struct = TypeVar("Struct")
+
+
+def _is_struct(value) -> bool:
+    """A nested structure of arrays (StepArrays holds the sampler's SamplingArrays)."""
+    return hasattr(type(value), "__dataclass_fields__")
+
+
+def map_arrays(struct: Struct, fn: Callable, skip: frozenset[str] = frozenset()) -> Struct:
+    """The same structure with fn applied to each array field (nested structures too), in field
+    order; None fields, and those named in `skip` (at any depth), become None."""
+    values = {}
+    for name in type(struct).__slots__:
+        value = getattr(struct, name)
+        if value is None or name in skip:
+            values[name] = None
+        elif _is_struct(value):
+            values[name] = map_arrays(value, fn, skip)
+        else:
+            values[name] = fn(value)
+    return type(struct)(**values)
+
+
+def _leaves(struct, skip: frozenset[str], out: list) -> list:
+    """The array fields of a structure (nested ones too), in map_arrays' order."""
+    for name in type(struct).__slots__:
+        value = getattr(struct, name)
+        if value is None or name in skip:
+            continue
+        if _is_struct(value):
+            _leaves(value, skip, out)
+        else:
+            out.append(value)
+    return out
 
 
 class Alternating:
@@ -41,13 +84,22 @@ class HostToDevice:
         self._buffers: dict[tuple[np.dtype, int], torch.Tensor] = {}
         self._turns = Alternating(device)
 
-    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def upload(self, host: Struct, skip: frozenset[str] = frozenset()) -> Struct:
+        """A structure of host arrays as the same structure of device tensors (the fields named
+        in `skip` left None); no copy at all when nothing is left to upload."""
+        tensors = iter(self(_leaves(host, skip, [])))
+        return map_arrays(host, lambda _: next(tensors), skip)
+
+    def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays on the device, in their order."""
         if not self.pinned:
-            return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        if not arrays:
+            return []
         parity = self._turns.turn()
-        out: dict[str, torch.Tensor] = {}
-        for dtype in {a.dtype for a in arrays.values()}:
-            group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
+        out: list = [None] * len(arrays)
+        for dtype in {a.dtype for a in arrays}:
+            group = [(k, a) for k, a in enumerate(arrays) if a.dtype == dtype]
             # every array starts 16-byte aligned, as a fresh tensor would: kernels then see
             # the same pointer alignment every step (no Triton recompiles)
             align = max(1, 16 // dtype.itemsize)
