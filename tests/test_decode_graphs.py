@@ -66,7 +66,7 @@ def test_staged_fields_read_back_through_the_graphs_device_views():
 
 def test_feed_indices_for_a_decode_graph_and_for_eager_steps():
     """Rows whose input is the token the previous step samples (still on the device): a decode
-    graph after a step its head sampled reads them itself (feed_src: the row in that step's
+    graph after a step its head sampled reads them itself (graph_feed_rows: the row in that step's
     tokens, -1 for none); any other step copies them (token index, row in the previous tokens)."""
     import numpy as np
     from workers.input_batch import CachedRequestState

@@ -1,8 +1,10 @@
 """One step's host arrays to the device in one transfer per dtype, from pinned memory.
 
 The arrays travel in typed structures (workers/step_inputs.StepArrays, the sampler's
-SamplingArrays): slots dataclasses whose fields are numpy arrays on the host and torch
-tensors on the device, with the same names. upload() turns one into the other.
+SamplingArrays): dataclasses whose fields are numpy arrays on the host and torch
+tensors on the device, with the same names. upload() turns one into the other. (Plain
+dataclasses, not slots ones: copying one's instance dict is the cheapest way to build the
+other, every step.)
 
 A copy from pageable memory makes the host wait for the device's queue to
 drain, which would undo the overlap of step N+1's preparation with step N.
@@ -21,38 +23,37 @@ import torch
 # A field of a step's structures: a numpy array on the host, a torch tensor on the device.
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
 Struct = TypeVar("Struct")
+_LEAF = (np.ndarray, torch.Tensor)
 
 
-def _is_struct(value) -> bool:
-    """A nested structure of arrays (StepArrays holds the sampler's SamplingArrays)."""
-    return hasattr(type(value), "__dataclass_fields__")
+def _shell(struct: Struct, skip: frozenset[str], leaves: list) -> Struct:
+    """A copy of a structure with its array fields None (nested structures copied alike), and,
+    appended to `leaves`, (the copy's field dict, field name, array) for each array field not
+    in `skip`. Copies the instance dict rather than calling __init__ with ~20 keyword
+    arguments: a step pays for this, and it costs a few dict operations."""
+    values = struct.__dict__.copy()
+    for name, value in values.items():   # (values change, keys do not)
+        if value is None:
+            continue
+        if name in skip:
+            values[name] = None
+        elif isinstance(value, _LEAF):
+            values[name] = None
+            leaves.append((values, name, value))
+        else:  # a nested structure (StepArrays holds the sampler's SamplingArrays)
+            values[name] = _shell(value, skip, leaves)
+    out = object.__new__(type(struct))
+    out.__dict__ = values
+    return out
 
 
 def map_arrays(struct: Struct, fn: Callable, skip: frozenset[str] = frozenset()) -> Struct:
-    """The same structure with fn applied to each array field (nested structures too), in field
-    order; None fields, and those named in `skip` (at any depth), become None."""
-    values = {}
-    for name in type(struct).__slots__:
-        value = getattr(struct, name)
-        if value is None or name in skip:
-            values[name] = None
-        elif _is_struct(value):
-            values[name] = map_arrays(value, fn, skip)
-        else:
-            values[name] = fn(value)
-    return type(struct)(**values)
-
-
-def _leaves(struct, skip: frozenset[str], out: list) -> list:
-    """The array fields of a structure (nested ones too), in map_arrays' order."""
-    for name in type(struct).__slots__:
-        value = getattr(struct, name)
-        if value is None or name in skip:
-            continue
-        if _is_struct(value):
-            _leaves(value, skip, out)
-        else:
-            out.append(value)
+    """The same structure with fn applied to each array field (nested structures too); None
+    fields, and those named in `skip` (at any depth), become None."""
+    leaves: list = []
+    out = _shell(struct, skip, leaves)
+    for values, name, value in leaves:
+        values[name] = fn(value)
     return out
 
 
@@ -87,8 +88,11 @@ class HostToDevice:
     def upload(self, host: Struct, skip: frozenset[str] = frozenset()) -> Struct:
         """A structure of host arrays as the same structure of device tensors (the fields named
         in `skip` left None); no copy at all when nothing is left to upload."""
-        tensors = iter(self(_leaves(host, skip, [])))
-        return map_arrays(host, lambda _: next(tensors), skip)
+        leaves: list = []
+        device = _shell(host, skip, leaves)
+        for (values, name, _), tensor in zip(leaves, self([array for _, _, array in leaves])):
+            values[name] = tensor
+        return device
 
     def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays on the device, in their order."""

@@ -98,7 +98,7 @@ def ban_bad_words(logits: torch.Tensor, recent: torch.Tensor, prefix: torch.Tens
     return logits.masked_fill(ban[:, :vocab], float("-inf"))
 
 
-@dataclass(slots=True)
+@dataclass
 class SamplingArrays(Generic[Array]):
     """The sampled rows' parameters, one entry per row: numpy arrays as host_params() builds
     them, torch tensors once they are on the device (HostToDevice.upload)."""

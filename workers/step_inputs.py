@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from workers.model_runner import PendingStep
 
 
-@dataclass(slots=True)
+@dataclass
 class StepArrays(Generic[Array]):
     """One step's arrays: T scheduled tokens of B requests (decodes first)."""
     input_ids: Array             # int64 [T]
