@@ -103,7 +103,7 @@ class HostToDevice:
         parity = self._turns.turn()
         out: list = [None] * len(arrays)
         for dtype in {a.dtype for a in arrays}:
-            group = [(k, a) for k, a in enumerate(arrays) if a.dtype == dtype]
+            group = [(i, a) for i, a in enumerate(arrays) if a.dtype == dtype]
             # every array starts 16-byte aligned, as a fresh tensor would: kernels then see
             # the same pointer alignment every step (no Triton recompiles)
             align = max(1, 16 // dtype.itemsize)
@@ -114,8 +114,8 @@ class HostToDevice:
             for (_, a), start in zip(group, starts):
                 flat[start:start + a.size] = a.reshape(-1)
             dev = host[:total].to(self.device, non_blocking=True)
-            for (k, a), start in zip(group, starts):
-                out[k] = dev[start:start + a.size].view(a.shape)
+            for (i, a), start in zip(group, starts):
+                out[i] = dev[start:start + a.size].view(a.shape)
         self._turns.copied()
         return out
 
