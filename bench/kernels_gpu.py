@@ -278,6 +278,7 @@ def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
     bf16 logits: checked against torch on the same logits, and the whole Sampler call timed with
     and without it (the difference is what logprobs cost the device per step)."""
     from ipc.sampling_params import SamplingParams
+    from workers.host_to_device import map_arrays
     from workers.sampler import Sampler, SamplingRow
     vocab = cfg["vocab"]
     for b in ((16,) if quick else (256, 128)):
@@ -286,7 +287,7 @@ def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         for n in (None, 5):
             rows = [SamplingRow(SamplingParams(temperature=0.6, logprobs=n), seed=i, output_index=7, slot=i)
                     for i in range(b)]
-            d = {k: torch.from_numpy(v).to(dev) for k, v in Sampler.host_params(rows).items()}
+            d = map_arrays(Sampler.host_params(rows), lambda a: torch.from_numpy(a).to(dev))
             tokens, topk, *_ = sampler(logits, rows, d)
             if n is not None:
                 ids, lps, ranks = topk

@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
           f"{f', top-k {args.top_k}' if args.top_k else ''}{f', top-p {args.top_p}' if args.top_p < 1 else ''}, "
           f"{runner.device}, "
-          f"{'decode graphs' if runner.graphs else 'eager'}: {args.steps} decode steps")
+          f"{'decode graphs' if runner.decode_graphs else 'eager'}: {args.steps} decode steps")
     print(f"  wall {ms(wall):.3f} ms per step; host {ms(host):.3f} ms ("
           + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.items()) + ")")
     if args.profile:

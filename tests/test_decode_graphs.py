@@ -37,45 +37,54 @@ def test_staged_fields_read_back_through_the_graphs_device_views():
     import numpy as np
     import torch
     from workers.decode_graphs import StagingLayout, write_staged
+    from workers.sampler import SamplingArrays
+    from workers.step_inputs import StepArrays
     for mrope in (False, True):
         layout = StagingLayout.build(4, mrope)
         buf = np.full(layout.table_offset + 4 * 4 * 16, 0x55, np.uint8)
         positions = np.array([[7, 9]] * 3) if mrope else np.array([7, 9])
-        host = {"input_ids": np.array([3, 4]), "positions": positions, "slot_mapping": np.array([70, 91]),
-                "seq_lens": np.array([8, 10], np.int32), "seq_order": np.array([1, 0], np.int32),
-                "temperature": np.array([0.5, 0.0], np.float32), "seeds": np.array([11, 12]),
-                "block_table": np.array([[5, 6, 0], [1, 2, 3]], np.int32)}
+        # the sampler's fields other than temperature and seeds: their padding values
+        sampling = SamplingArrays(temperature=np.array([0.5, 0.0], np.float32), top_k=np.zeros(2, np.int32),
+                                  top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32),
+                                  seeds=np.array([11, 12]), output_indices=np.zeros(2, np.int64),
+                                  slots=np.zeros(2, np.int64))
+        host = StepArrays(input_ids=np.array([3, 4]), positions=positions, slot_mapping=np.array([70, 91]),
+                          query_start_loc=np.array([0, 1, 2], np.int32), seq_lens=np.array([8, 10], np.int32),
+                          decode_order=np.array([1, 0], np.int32),
+                          block_table=np.array([[5, 6, 0], [1, 2, 3]], np.int32), sampling=sampling)
         rows, nbytes = write_staged(layout.views(buf), layout, host)
         dev = layout.views(torch.from_numpy(buf))
         assert rows == 2 and nbytes == layout.table_offset + 4 * 4 * 3
         assert dev["input_ids"].tolist() == [3, 4, 0, 0] and dev["slot_mapping"].tolist() == [70, 91, -1, -1]
         assert dev["positions"].tolist() == ([[7, 9, 0, 0]] * 3 if mrope else [7, 9, 0, 0])
-        assert dev["seq_lens"].tolist() == [8, 10, 1, 1] and dev["seq_order"].tolist() == [1, 0, 2, 3]
+        assert dev["seq_lens"].tolist() == [8, 10, 1, 1] and dev["decode_order"].tolist() == [1, 0, 2, 3]
         assert dev["temperature"].tolist() == [0.5, 0.0, 0.0, 0.0] and dev["top_p"].tolist() == [1.0] * 4
-        assert dev["feed_src"].tolist() == [-1] * 4 and dev["seeds"].tolist() == [11, 12, 0, 0]
+        assert dev["graph_feed_rows"].tolist() == [-1] * 4 and dev["seeds"].tolist() == [11, 12, 0, 0]
         assert dev["table_width"].tolist() == [3]
         assert dev["block_table"][:12].view(4, 3).tolist() == [[5, 6, 0], [1, 2, 3], [0, 0, 0], [0, 0, 0]]
 
 
 def test_feed_indices_for_a_decode_graph_and_for_eager_steps():
     """Rows whose input is the token the previous step samples (still on the device): a decode
-    graph after a step its head sampled reads them itself (feed_src: the row in that step's
+    graph after a step its head sampled reads them itself (graph_feed_rows: the row in that step's
     tokens, -1 for none); any other step copies them (token index, row in the previous tokens)."""
     import numpy as np
     from workers.input_batch import CachedRequestState
-    from workers.model_runner import ModelRunner, PendingStep
+    from workers.model_runner import PendingStep
+    from workers.step_inputs import feed_indices
     st = [CachedRequestState(f"r{i}", i, 4, 6, 5, 1, None, 0, []) for i in range(3)]
     # prev sampled r2 then r0 (rows 0, 1 of its tokens); r1 is mid-prompt there, not sampled
     prev = PendingStep(["r2", "r1", "r0"], [st[2], st[1], st[0]], np.array([0, 2]))
     start = np.array([6, 5, 6])  # r0 and r2 are at their last known token + 1: prev's token is their input
     qsl = np.array([0, 1, 2, 3])
-    eager = ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=False)
-    assert eager["feed_dst"].tolist() == [0, 2] and eager["feed_rows"].tolist() == [1, 0]
+    eager = feed_indices(prev, st, start, qsl, decode_graph=False)
+    assert eager.fed_token_index.tolist() == [0, 2] and eager.fed_from_rows.tolist() == [1, 0]
     prev.graph_sampled = True
-    assert ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=True)["feed_src"].tolist() == [1, -1, 0]
+    assert feed_indices(prev, st, start, qsl, decode_graph=True).graph_feed_rows.tolist() == [1, -1, 0]
     prev.graph_sampled = False  # a decode graph after an eagerly sampled step copies, as eager steps do
-    assert ModelRunner._feed_indices(prev, st, start, qsl, decode_graph=True).keys() == {"feed_dst", "feed_rows"}
-    assert ModelRunner._feed_indices(prev, st, np.array([5, 5, 5]), qsl, decode_graph=False) == {}
+    copied = feed_indices(prev, st, start, qsl, decode_graph=True)
+    assert copied.graph_feed_rows is None and copied.fed_token_index is not None and copied.fed_from_rows is not None
+    assert feed_indices(prev, st, np.array([5, 5, 5]), qsl, decode_graph=False) is None
 
 
 def test_which_rows_the_graph_head_samples():

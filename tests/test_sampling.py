@@ -9,6 +9,7 @@ from frontend import LLM, SamplingParams
 from ipc.sampling_params import SamplingParams as SP
 from tests.hf_oracle import hf_greedy, hf_logprobs
 from kernels.penalties import apply_penalties_ref
+from workers.host_to_device import map_arrays
 from workers.input_batch import InputBatch
 from workers.sampler import Sampler, SamplingRow
 
@@ -240,9 +241,10 @@ def test_penalties_adjust_logits_as_specified():
     batch.record_sampled(slots[:1], torch.tensor([5]))
     rows = [SamplingRow(params, 0, 4, int(slots[0]), (11,)), SamplingRow(SP(logit_bias={3: -1.0}), 0, 0,
                                                                           int(slots[1]), (11,))]
-    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
-    out = apply_penalties_ref(logits, dev["penalty_slots"], *batch.penalty_state(), dev["repetition"],
-                              dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"], dev["ban_ids"])
+    dev = map_arrays(Sampler.host_params(rows), torch.from_numpy)
+    out = apply_penalties_ref(logits, dev.penalty_slots, *batch.penalty_state(), dev.repetition_penalty,
+                              dev.presence_penalty, dev.frequency_penalty, dev.bias_ids, dev.bias_values,
+                              dev.banned_ids)
     expected = logits.clone()
     expected[0, 7] += 2.0
     for t in {1, 2, 3, 4, 5}:  # repetition: prompt and output tokens
@@ -388,7 +390,7 @@ def test_sampler_fails_a_bad_row_alone():
             SamplingRow(SamplingParams(temperature=0, logit_bias={-7: 1.0}), 0, 0),
             SamplingRow(SamplingParams(temperature=0, min_tokens=2), 0, 0, 1, (10 ** 6,))]
     logits = torch.randn(3, 50)
-    dev = {k: torch.from_numpy(v) for k, v in Sampler.host_params(rows).items()}
+    dev = map_arrays(Sampler.host_params(rows), torch.from_numpy)
     tokens, _, failed, _ = Sampler(use_triton=False)(logits, rows, dev)
     assert sorted(failed) == [1, 2] and "[-7]" in failed[1]
     assert tokens.tolist() == [3, int(logits[1].argmax()), int(logits[2].argmax())]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,19 +37,23 @@ from ipc.config import EngineConfig
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce_max
 from workers.host_to_device import Alternating
-from workers.sampler import sample_plain
+from workers.sampler import SamplingArrays, sample_plain
+from workers.step_inputs import DeviceInputs, HostInputs
 
 logger = logging.getLogger(__name__)
 
 # The staged fields (name, dtype, value in padding rows: None = the row's index), [rows]
 # each; positions are [3, rows] for M-RoPE. The block table follows them, packed
-# [B, table_width]. The sampler's per-row parameters travel here too.
+# [B, table_width]. Their names are StepArrays' (workers/step_inputs.py), the last seven
+# the sampler's per-row parameters (SamplingArrays), which travel here too.
 _FIELDS = (
     ("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
-    ("feed_src", np.int64, -1), ("seeds", np.int64, 0), ("out_positions", np.int64, 0), ("slots", np.int64, 0),
-    ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
-    ("seq_lens", np.int32, 1), ("seq_order", np.int32, None), ("top_k", np.int32, 0),
+    ("graph_feed_rows", np.int64, -1), ("seq_lens", np.int32, 1), ("decode_order", np.int32, None),
+    ("seeds", np.int64, 0), ("output_indices", np.int64, 0), ("slots", np.int64, 0),
+    ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0), ("top_k", np.int32, 0),
 )
+_STEP_FIELDS = tuple(name for name, _, _ in _FIELDS[:6])
+_SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:])
 STAGED = frozenset(name for name, _, _ in _FIELDS) | {"block_table"}
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
@@ -107,25 +112,36 @@ class StagingLayout:
         return out
 
 
-def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: dict[str, np.ndarray]
-                 ) -> tuple[int, int]:
+class Staged(NamedTuple):
+    rows: int      # the step's B
+    nbytes: int    # the bytes of the staging buffer to copy
+
+
+def _staged_value(host: HostInputs | None, i: int, name: str) -> np.ndarray | None:
+    if host is None:
+        return None
+    return getattr(host, name) if i < len(_STEP_FIELDS) else getattr(host.sampling, name, None)
+
+
+def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: HostInputs | None) -> Staged:
     """Write a step's fields into a staging buffer's views (layout.views of it): B rows from
-    `host` (a field it lacks takes its padding value), padding rows past B, the block table
-    [B, width] packed. Returns (B, the bytes to copy)."""
+    `host` (a field it lacks takes its padding value; None: idle inputs, all padding rows),
+    padding rows past B, the block table [B, width] packed."""
     bs = layout.rows
-    table = host.get("block_table", np.zeros((0, 1), np.int32))
+    table = np.zeros((0, 1), np.int32) if host is None else host.block_table
     rows, width = table.shape
-    for name, _, pad in _FIELDS:
+    for i, (name, _, pad) in enumerate(_FIELDS):
         v = views[name]
-        real = rows if name in host else 0  # a field the host lacks: padding values in every row
+        value = _staged_value(host, i, name)
+        real = rows if value is not None else 0  # a field the host lacks: padding values in every row
         if real:
-            v[..., :real] = host[name]
+            v[..., :real] = value
         v[..., real:] = np.arange(real, bs) if pad is None else pad
     views["table_width"][0] = width
     packed = views["block_table"][:bs * width].reshape(bs, width)
     packed[:rows] = table
     packed[rows:] = 0
-    return rows, layout.table_offset + 4 * bs * width
+    return Staged(rows, layout.table_offset + 4 * bs * width)
 
 
 class _Replay:
@@ -167,14 +183,15 @@ class DecodeGraphs:
         self._dev = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self.capturing) for _ in range(2)]
         self._turns = Alternating(device)
-        self._rows: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (size, B) -> the fields cut to B rows
+        # (size, B) -> the step's and the sampler's staged fields, cut to B rows
+        self._rows: dict[tuple[int, int], tuple[dict, dict]] = {}
         self._dev_views = {bs: lay.views(self._dev) for bs, lay in self.layouts.items()}
         self._host_views = [{bs: lay.views(h.numpy()) for bs, lay in self.layouts.items()}
                             for h in self._host]
         self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)          # the model's input tokens
         self.table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)       # the head graphs' samples
-        self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one token per row
         self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
         self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
         self._pool = None
@@ -184,18 +201,24 @@ class DecodeGraphs:
     def size_for(self, num_reqs: int) -> int | None:
         return self.graph_for[num_reqs] if 0 < num_reqs < len(self.graph_for) else None
 
-    def stage(self, bs: int, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def stage(self, bs: int, host: HostInputs | None, device: DeviceInputs | None = None) -> None:
         """Write a step's staged fields (host arrays of B rows; the block table [B, width]) for
-        the size-bs graph, padding rows past B, and copy them to the device in one transfer.
-        Returns the device views of the row fields (not the table), cut to B rows."""
+        the size-bs graph, padding rows past B (host None: idle inputs, all padding), and copy
+        them to the device in one transfer. Sets the device views of the row fields (not the
+        table), cut to B rows, on `device` (the step's other fields, uploaded apart)."""
         parity = self._turns.turn()
         rows, nbytes = write_staged(self._host_views[parity][bs], self.layouts[bs], host)
         self._dev[:nbytes].copy_(self._host[parity][:nbytes], non_blocking=True)
         self._turns.copied()
+        if device is None:
+            return
         if (bs, rows) not in self._rows:  # slicing 13 views anew cost ~25 us of every step
             dev = self._dev_views[bs]
-            self._rows[bs, rows] = {name: dev[name][..., :rows] for name, _, _ in _FIELDS}
-        return dict(self._rows[bs, rows])
+            self._rows[bs, rows] = ({name: dev[name][..., :rows] for name in _STEP_FIELDS},
+                                    {name: dev[name][..., :rows] for name in _SAMPLING_FIELDS})
+        step_fields, sampling_fields = self._rows[bs, rows]
+        vars(device).update(step_fields)   # (the fields by name: StepArrays' and SamplingArrays')
+        vars(device.sampling).update(sampling_fields)
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
         graph = self.model_graphs[bs]
@@ -235,30 +258,31 @@ class DecodeGraphs:
         """The model graph's work: the input kernel, then the forward on the static buffers."""
         from kernels.decode_inputs import decode_inputs
         v = self._dev_views[bs]
-        meta = AttentionMetadata(self._qsl[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"], 1,
-                                 self.max_model_len, self.backend, num_decodes=bs,
-                                 num_kv_splits=self.kv_splits(split_for), seq_order=v["seq_order"])
+        meta = AttentionMetadata(self._query_start_loc[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"],
+                                 1, self.max_model_len, self.backend, num_decodes=bs,
+                                 num_kv_splits=self.kv_splits(split_for), seq_order=v["decode_order"])
 
         def step():
             meta.sdpa_plan = None  # the CPU attention's per-step layout (never set under a capture)
-            decode_inputs(v["input_ids"], v["feed_src"], self.tokens, v["block_table"], v["table_width"],
+            decode_inputs(v["input_ids"], v["graph_feed_rows"], self.tokens, v["block_table"], v["table_width"],
                           self.ids[:bs], self.table[:bs])
             return self.model(self.ids[:bs], v["positions"], self.kv_caches, meta)
         return step
 
     def _capture_model(self, bs: int, split_for: int) -> None:
         """Capture the batch-bs model graph, its KV split as for a batch of split_for."""
-        self.stage(bs, {})  # idle inputs: all padding rows
+        self.stage(bs, None)  # idle inputs: all padding rows
         self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
 
     def _capture_head(self, bs: int) -> None:
         v = self._dev_views[bs]
+        params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
 
         def head():
             logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
             # as the eager sampler draws: the Triton kernels with the Triton backend
-            self.tokens[:bs].copy_(sample_plain(logits, v, use_triton=self.backend == "triton"))
-        self.stage(bs, {})
+            self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
+        self.stage(bs, None)
         self.head_graphs[bs] = self._capture(head)
 
     def _capture(self, fn) -> _Replay:
@@ -278,7 +302,7 @@ class DecodeGraphs:
         """Seconds per replay of the batch-bs model graph, on idle inputs (padding rows: no
         cache writes, one key of context each), so the time is that of its matmul shapes."""
         graph = self.model_graphs[bs]
-        self.stage(bs, {})
+        self.stage(bs, None)
         graph.replay()
         rounds = []
         for _ in range(3):  # the median of three rounds: one slow round does not decide

@@ -1,5 +1,11 @@
 """One step's host arrays to the device in one transfer per dtype, from pinned memory.
 
+The arrays travel in typed structures (workers/step_inputs.StepArrays, the sampler's
+SamplingArrays): dataclasses whose fields are numpy arrays on the host and torch
+tensors on the device, with the same names. upload() turns one into the other. (Plain
+dataclasses, not slots ones: copying one's instance dict is the cheapest way to build the
+other, every step.)
+
 A copy from pageable memory makes the host wait for the device's queue to
 drain, which would undo the overlap of step N+1's preparation with step N.
 Two pinned buffers alternate (Alternating, also the decode graphs' staging);
@@ -9,8 +15,46 @@ a later step.
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import numpy as np
 import torch
+
+# A field of a step's structures: a numpy array on the host, a torch tensor on the device.
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
+Struct = TypeVar("Struct")
+_LEAF = (np.ndarray, torch.Tensor)
+
+
+def _shell(struct: Struct, skip: frozenset[str], leaves: list) -> Struct:
+    """A copy of a structure with its array fields None (nested structures copied alike), and,
+    appended to `leaves`, (the copy's field dict, field name, array) for each array field not
+    in `skip`. Copies the instance dict rather than calling __init__ with ~20 keyword
+    arguments: a step pays for this, and it costs a few dict operations."""
+    values = struct.__dict__.copy()
+    for name, value in values.items():   # (values change, keys do not)
+        if value is None:
+            continue
+        if name in skip:
+            values[name] = None
+        elif isinstance(value, _LEAF):
+            values[name] = None
+            leaves.append((values, name, value))
+        else:  # a nested structure (StepArrays holds the sampler's SamplingArrays)
+            values[name] = _shell(value, skip, leaves)
+    out = object.__new__(type(struct))
+    out.__dict__ = values
+    return out
+
+
+def map_arrays(struct: Struct, fn: Callable, skip: frozenset[str] = frozenset()) -> Struct:
+    """The same structure with fn applied to each array field (nested structures too); None
+    fields, and those named in `skip` (at any depth), become None."""
+    leaves: list = []
+    out = _shell(struct, skip, leaves)
+    for values, name, value in leaves:
+        values[name] = fn(value)
+    return out
 
 
 class Alternating:
@@ -41,13 +85,25 @@ class HostToDevice:
         self._buffers: dict[tuple[np.dtype, int], torch.Tensor] = {}
         self._turns = Alternating(device)
 
-    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def upload(self, host: Struct, skip: frozenset[str] = frozenset()) -> Struct:
+        """A structure of host arrays as the same structure of device tensors (the fields named
+        in `skip` left None); no copy at all when nothing is left to upload."""
+        leaves: list = []
+        device = _shell(host, skip, leaves)
+        for (values, name, _), tensor in zip(leaves, self([array for _, _, array in leaves])):
+            values[name] = tensor
+        return device
+
+    def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays on the device, in their order."""
         if not self.pinned:
-            return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        if not arrays:
+            return []
         parity = self._turns.turn()
-        out: dict[str, torch.Tensor] = {}
-        for dtype in {a.dtype for a in arrays.values()}:
-            group = [(k, a) for k, a in arrays.items() if a.dtype == dtype]
+        out: list = [None] * len(arrays)
+        for dtype in {a.dtype for a in arrays}:
+            group = [(i, a) for i, a in enumerate(arrays) if a.dtype == dtype]
             # every array starts 16-byte aligned, as a fresh tensor would: kernels then see
             # the same pointer alignment every step (no Triton recompiles)
             align = max(1, 16 // dtype.itemsize)
@@ -58,8 +114,8 @@ class HostToDevice:
             for (_, a), start in zip(group, starts):
                 flat[start:start + a.size] = a.reshape(-1)
             dev = host[:total].to(self.device, non_blocking=True)
-            for (k, a), start in zip(group, starts):
-                out[k] = dev[start:start + a.size].view(a.shape)
+            for (i, a), start in zip(group, starts):
+                out[i] = dev[start:start + a.size].view(a.shape)
         self._turns.copied()
         return out
 

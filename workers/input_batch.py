@@ -120,15 +120,15 @@ class InputBatch:
             self.free_slots.append(st.slot)
 
     def mrope_positions(self, states: list[CachedRequestState], positions: np.ndarray,
-                        qsl: np.ndarray) -> np.ndarray:
-        """[3, T] M-RoPE positions of a step's flat tokens (index positions, qsl per request):
+                        query_start_loc: np.ndarray) -> np.ndarray:
+        """[3, T] M-RoPE positions of a step's flat tokens (index positions, query_start_loc per request):
         text-only requests repeat their index in all three rows; requests with images take
         their prompt's precomputed rows, and index + delta after the prompt."""
         out = np.broadcast_to(positions, (3, len(positions))).copy()
         for i, st in enumerate(states):
             if st.mrope_positions is None:
                 continue
-            a, b = int(qsl[i]), int(qsl[i + 1])
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
             p = positions[a:b]
             n = st.num_prompt_tokens
             out[:, a:b] = np.where(p < n, st.mrope_positions[:, np.minimum(p, n - 1)], p + st.mrope_delta)

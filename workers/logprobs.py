@@ -4,12 +4,13 @@ states, in one batch on the device).
 
 Prompt position p predicts prompt token p + 1, so a step computes the logprobs of the prompt
 positions it runs that still have a prompt token after them. Their rows and target tokens
-travel with the step's inputs (`prompt_logprob_rows`); the tensors stay on the device until the
+travel with the step's inputs (`prompt_logprob_rows`: StepArrays.prompt_logprob_rows and _targets); the tensors stay on the device until the
 step's copy-back, and `pack_prompt_logprobs` turns them into messages.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,31 +27,46 @@ class PromptLogprobSpans:
     tensors: tuple
 
 
-def prompt_logprob_spans(states, start: np.ndarray, n: np.ndarray) -> list[tuple[int, int, int]]:
-    """(request index, first position, positions) whose next prompt token's logprob this step
-    computes: position p predicts token p + 1, while that is still a prompt token."""
+class PromptSpan(NamedTuple):
+    """A request's prompt positions whose next prompt token's logprob a step computes."""
+    request: int          # its index in the step
+    first_position: int
+    count: int
+
+
+class PromptLogprobRows(NamedTuple):
+    rows: np.ndarray      # int64: the step's token rows of the spans' positions
+    targets: np.ndarray   # int64: the prompt token after each
+
+
+def prompt_logprob_spans(states, start: np.ndarray, num_scheduled: np.ndarray) -> list[PromptSpan]:
+    """The spans whose next prompt token's logprob this step computes: position p predicts
+    token p + 1, while that is still a prompt token."""
     spans = []
     for i, st in enumerate(states):
         if st.params.prompt_logprobs is not None and start[i] < st.num_prompt_tokens:
-            spans.append((i, int(start[i]), max(int(min(n[i], st.num_prompt_tokens - 1 - start[i])), 0)))
+            count = max(int(min(num_scheduled[i], st.num_prompt_tokens - 1 - start[i])), 0)
+            spans.append(PromptSpan(i, int(start[i]), count))
     return spans
 
 
-def prompt_logprob_rows(spans: list[tuple[int, int, int]], states, qsl: np.ndarray,
-                        token_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """The rows (into the step's tokens, qsl: each request's first) and the prompt tokens
-    (from the persistent batch's token_ids) of the step's prompt_logprob_spans."""
+def prompt_logprob_rows(spans: list[PromptSpan], states, query_start_loc: np.ndarray,
+                        token_ids: np.ndarray) -> PromptLogprobRows | None:
+    """The rows (into the step's tokens, query_start_loc: each request's first) and the prompt
+    tokens (from the persistent batch's token_ids) of the step's prompt_logprob_spans."""
     if not spans:
-        return {}
-    return {"plp_rows": np.concatenate([np.arange(qsl[i], qsl[i] + cnt, dtype=np.int64) for i, _, cnt in spans]),
-            "plp_targets": np.concatenate([token_ids[states[i].slot, lo + 1:lo + 1 + cnt] for i, lo, cnt in spans])}
+        return None
+    return PromptLogprobRows(
+        np.concatenate([np.arange(query_start_loc[i], query_start_loc[i] + cnt, dtype=np.int64)
+                        for i, _, cnt in spans]),
+        np.concatenate([token_ids[states[i].slot, lo + 1:lo + 1 + cnt] for i, lo, cnt in spans]))
 
 
 def prompt_logprobs(model, batch, hidden: torch.Tensor) -> PromptLogprobSpans | None:
     """The prompt logprobs of every request of the StepBatch that asks, in one batch on the
     device (no sync): the lm_head over its prompt_logprob_rows, a log-softmax, the targets'
     logprobs and ranks, and the top-N."""
-    spans = batch.plp_spans
+    spans = batch.prompt_logprob_spans
     if not spans:
         return None
     k = min(max(batch.states[i].params.prompt_logprobs for i, _, _ in spans), model.config.vocab_size)
@@ -61,8 +77,9 @@ def prompt_logprobs(model, batch, hidden: torch.Tensor) -> PromptLogprobSpans | 
         first += cnt
     if not first:
         return PromptLogprobSpans(out, ())
-    lp = torch.log_softmax(model.compute_logits(hidden.index_select(0, batch.dev["plp_rows"])).float(), dim=-1)
-    targets = batch.dev["plp_targets"]
+    rows = batch.device.prompt_logprob_rows
+    lp = torch.log_softmax(model.compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
+    targets = batch.device.prompt_logprob_targets
     tlp = lp.gather(1, targets.view(-1, 1))
     ranks = (lp > tlp).sum(-1) + 1
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])

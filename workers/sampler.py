@@ -11,12 +11,14 @@ same output whatever else is in the batch and however it was scheduled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, NamedTuple
 
 import numpy as np
 import torch
 
 from ipc.sampling_params import SamplingParams
 from workers.distributed import LogitsShard, all_gather
+from workers.host_to_device import Array
 
 
 ANY_TOKEN = -2   # in a bad word's padded prefix: before the word's start, matches any output
@@ -96,6 +98,50 @@ def ban_bad_words(logits: torch.Tensor, recent: torch.Tensor, prefix: torch.Tens
     return logits.masked_fill(ban[:, :vocab], float("-inf"))
 
 
+@dataclass
+class SamplingArrays(Generic[Array]):
+    """The sampled rows' parameters, one entry per row: numpy arrays as host_params() builds
+    them, torch tensors once they are on the device (HostToDevice.upload)."""
+    temperature: Array       # float32 (0: greedy)
+    top_k: Array             # int32 (0: off)
+    top_p: Array             # float32
+    min_p: Array             # float32
+    seeds: Array             # int64
+    output_indices: Array    # int64: which output token each row draws (its random stream's index)
+    slots: Array             # int64: each row's persistent-batch slot (penalty counts, last outputs)
+    # the adjustments, present only when some row adjusts its logits (SamplingRow.adjusts)
+    penalty_slots: Array | None = None    # int64: the slot whose counts a row reads (0 without penalties)
+    repetition_penalty: Array | None = None  # float32
+    presence_penalty: Array | None = None    # float32
+    frequency_penalty: Array | None = None   # float32
+    bias_ids: Array | None = None         # int32 [B, N], -1 padded: logit_bias keys
+    bias_values: Array | None = None      # float32 [B, N]
+    banned_ids: Array | None = None       # int32 [B, N], -1 padded: min_tokens' banned stop ids
+    allowed_ids: Array | None = None      # int64 [B, N], -1 padded: allowed_token_ids (some row has it)
+    bad_word_prefix: Array | None = None  # int64 [B, W, P] (some row has bad words): ban_bad_words'
+    bad_word_last: Array | None = None    # int64 [B, W]
+
+    @property
+    def adjusts(self) -> bool:
+        return self.penalty_slots is not None
+
+
+class TopLogprobs(NamedTuple):
+    """The sampled rows' logprobs: ids [B, 1 + N] (the sampled token, then the top N by logit),
+    their logprobs [B, 1 + N], the sampled token's rank [B]."""
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+class SampledTokens(NamedTuple):
+    """What the sampler returns for a step's sampled rows."""
+    tokens: torch.Tensor                 # int64 [B], on the device
+    top_logprobs: TopLogprobs | None     # where some row asks for logprobs
+    failed: dict[int, str]               # row -> error: parameters naming ids outside the vocabulary
+    masked: torch.Tensor | None          # bool [B]: rows left with no token to sample (or None)
+
+
 def _bad_word_batch(rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray]:
     """The rows' BadWords as one [B, W, P] prefix and [B, W] last array (ban_bad_words' inputs)."""
     words = [r.bad_words for r in rows if r.bad_words is not None]
@@ -127,16 +173,17 @@ def _temperature(t: float) -> float:
     return t if t <= 0.0 or t >= MIN_TEMPERATURE else MIN_TEMPERATURE
 
 
-def sample_plain(logits: torch.Tensor | LogitsShard, dev: dict[str, torch.Tensor], use_triton: bool) -> torch.Tensor:
+def sample_plain(logits: torch.Tensor | LogitsShard, params: SamplingArrays, use_triton: bool) -> torch.Tensor:
     """The tokens of rows that all sample plainly (Sampler.plain), from the whole logits or,
     under tensor parallelism, this rank's LogitsShard (every rank then draws the same tokens
     through two small exchanges): the decode graphs' head, and eager steps of such rows."""
     from kernels import sampling
     if isinstance(logits, LogitsShard):
-        args = (logits.logits, logits.vocab_start, logits.vocab_size, dev["temperature"], dev["min_p"],
-                dev["seeds"], dev["out_positions"], all_gather)
+        args = (logits.logits, logits.vocab_start, logits.vocab_size, params.temperature, params.min_p,
+                params.seeds, params.output_indices, all_gather)
         return sampling.sample_sharded(*args, world=logits.world) if use_triton else sampling.sample_sharded_ref(*args)
-    args = (logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"], dev["out_positions"])
+    args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seeds,
+            params.output_indices)
     return sampling.sample(*args, top_k_top_p=False) if use_triton else sampling.sample_ref(*args)
 
 
@@ -154,10 +201,10 @@ class Sampler:
                                  torch.zeros(shape, dtype=torch.uint8, device=logits.device))
         return self._empty_state
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], params: SamplingArrays) -> torch.Tensor:
         from kernels import sampling  # imported on first random draw: greedy-only runs never need it
-        args = (logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"],
-                dev["out_positions"])
+        args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seeds,
+                params.output_indices)
         if not self.use_triton:
             return sampling.sample_ref(*args)
         vocab = logits.shape[-1]
@@ -175,7 +222,7 @@ class Sampler:
                    and not r.adjusts for r in rows)
 
     @staticmethod
-    def host_params(rows: list[SamplingRow]) -> dict[str, np.ndarray]:
+    def host_params(rows: list[SamplingRow]) -> SamplingArrays[np.ndarray]:
         """Per-row parameters as host arrays (they travel to the device with the step's inputs).
         The adjustment inputs (penalties, logit_bias, min_tokens bans) only when a row needs them."""
         p = [r.params for r in rows]
@@ -183,39 +230,39 @@ class Sampler:
         f32 = lambda xs: np.fromiter(xs, dtype=np.float32, count=n)
         i32 = lambda xs: np.fromiter(xs, dtype=np.int32, count=n)
         i64 = lambda xs: np.fromiter(xs, dtype=np.int64, count=n)
-        host = {"temperature": f32(_temperature(x.temperature) for x in p),
-                "top_k": i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
-                "top_p": f32(x.top_p for x in p), "min_p": f32(x.min_p for x in p),
-                "seeds": i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
-                "out_positions": i64(r.output_index for r in rows), "slots": i64(r.slot for r in rows)}
+        host = SamplingArrays(temperature=f32(_temperature(x.temperature) for x in p),
+                              top_k=i32(min(max(x.top_k, 0), _INT32_MAX) for x in p),
+                              top_p=f32(x.top_p for x in p), min_p=f32(x.min_p for x in p),
+                              seeds=i64(r.seed & 0x7FFFFFFFFFFFFFFF for r in rows),
+                              output_indices=i64(r.output_index for r in rows), slots=i64(r.slot for r in rows))
         if any(r.adjusts for r in rows):
             bias = [x.logit_bias or {} for x in p]
             # only a row with penalties reads its slot's state (others read slot 0 with no effect)
-            host.update(penalty_slots=i64(r.slot if r.params.needs_penalties else 0 for r in rows),
-                        repetition=f32(x.repetition_penalty for x in p), presence=f32(x.presence_penalty for x in p),
-                        frequency=f32(x.frequency_penalty for x in p),
-                        bias_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in b] for b in bias], np.int32, -1),
-                        bias_vals=_padded([list(b.values()) for b in bias], np.float32, 0.0),
-                        ban_ids=_padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
-                                        np.int32, -1))
+            host.penalty_slots = i64(r.slot if r.params.needs_penalties else 0 for r in rows)
+            host.repetition_penalty = f32(x.repetition_penalty for x in p)
+            host.presence_penalty = f32(x.presence_penalty for x in p)
+            host.frequency_penalty = f32(x.frequency_penalty for x in p)
+            host.bias_ids = _padded([[t if 0 <= t <= _INT32_MAX else -1 for t in b] for b in bias], np.int32, -1)
+            host.bias_values = _padded([list(b.values()) for b in bias], np.float32, 0.0)
+            host.banned_ids = _padded([[t if 0 <= t <= _INT32_MAX else -1 for t in r.banned()] for r in rows],
+                                      np.int32, -1)
             if any(x.allowed_token_ids for x in p):  # (no per-id Python here: keep_allowed drops bad ids)
-                host["allow_ids"] = _padded([x.allowed_token_ids or () for x in p], np.int64, -1)
+                host.allowed_ids = _padded([x.allowed_token_ids or () for x in p], np.int64, -1)
             if any(r.bad_words for r in rows):
-                host["bad_prefix"], host["bad_last"] = _bad_word_batch(rows)
+                host.bad_word_prefix, host.bad_word_last = _bad_word_batch(rows)
         return host
 
-    def __call__(self, logits: torch.Tensor | LogitsShard, rows: list[SamplingRow], dev: dict[str, torch.Tensor],
-                 state: tuple[torch.Tensor, torch.Tensor] | None = None, recent: torch.Tensor | None = None):
-        """logits: [B, V] in the model's dtype (or float32); dev: host_params() on the device;
+    def __call__(self, logits: torch.Tensor | LogitsShard, rows: list[SamplingRow], params: SamplingArrays,
+                 state: tuple[torch.Tensor, torch.Tensor] | None = None, recent: torch.Tensor | None = None
+                 ) -> SampledTokens:
+        """logits: [B, V] in the model's dtype (or float32); params: host_params() on the device;
         state: the persistent batch's (output_counts, prompt_mask), [slots, V] each, needed
         when a row has penalties (None before any request had them); recent: its last outputs
-        per slot [slots, H], needed when a row has bad words. Returns (token_ids int64
-        [B] tensor, logprobs or None, {row: error} of rows whose parameters name token ids
-        outside the vocabulary: those requests fail alone, the batch goes on, the kernels
-        ignoring such ids, and None or a bool [B] tensor of rows that had no token left to
-        sample once adjusted: their token is meaningless and their request fails). logprobs:
-        (ids [B, 1 + N], the sampled token then the top N by logit; their logprobs [B, 1 + N];
-        the sampled token's rank [B]), N the most any row asks.
+        per slot [slots, H], needed when a row has bad words. Returns SampledTokens: the
+        token ids, TopLogprobs or None (N the most any row asks), {row: error} of rows whose
+        parameters name token ids outside the vocabulary (those requests fail alone, the batch
+        goes on, the kernels ignoring such ids), and None or a bool [B] tensor of rows that had
+        no token left to sample once adjusted (their token is meaningless and their request fails).
 
         Rounded bf16 logits convert to float32 exactly, so reading them as they are
         (argmax, the sampling kernel) equals reading a float32 copy; a float32 copy is
@@ -223,33 +270,33 @@ class Sampler:
 
         A LogitsShard (tensor parallelism) comes only for rows that all sample plainly."""
         if isinstance(logits, LogitsShard):
-            return sample_plain(logits, dev, self.use_triton), None, {}, None
+            return SampledTokens(sample_plain(logits, params, self.use_triton), None, {}, None)
         max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         # (dtype=: one kernel reads the logits as they are and writes float32, no float copy first)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if max_lp is not None else None
         raw_logits = logits
 
         failed, masked = {}, None
-        if "repetition" in dev:  # some row adjusts its logits
+        if params.adjusts:  # some row adjusts its logits
             failed = {i: why for i, r in enumerate(rows) if (why := r.bad_ids(logits.shape[-1]))}
             from kernels.penalties import apply_penalties
             counts, prompt_mask = state if state is not None else self._no_state(logits)
-            logits = apply_penalties(logits, dev["penalty_slots"], counts, prompt_mask, dev["repetition"],
-                                     dev["presence"], dev["frequency"], dev["bias_ids"], dev["bias_vals"],
-                                     dev["ban_ids"])
-            if "allow_ids" in dev:
-                logits = keep_allowed(logits, dev["allow_ids"])
-            if "bad_last" in dev:
-                logits = ban_bad_words(logits, recent.index_select(0, dev["slots"]), dev["bad_prefix"],
-                                       dev["bad_last"])
-            if "allow_ids" in dev:   # only an allow list can leave a row no token (with bans, bad
+            logits = apply_penalties(logits, params.penalty_slots, counts, prompt_mask, params.repetition_penalty,
+                                     params.presence_penalty, params.frequency_penalty, params.bias_ids,
+                                     params.bias_values, params.banned_ids)
+            if params.allowed_ids is not None:
+                logits = keep_allowed(logits, params.allowed_ids)
+            if params.bad_word_last is not None:
+                logits = ban_bad_words(logits, recent.index_select(0, params.slots), params.bad_word_prefix,
+                                       params.bad_word_last)
+            if params.allowed_ids is not None:   # only an allow list can leave a row no token (with bans, bad
                 # words or a grammar): flagged on the device, read with the tokens (no sync here)
                 masked = torch.isneginf(logits.amax(dim=-1))
 
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, rows, dev)
+            tokens = self._sample(logits, rows, params)
         topk = None
         if raw_logprobs is not None:
             sampled_lp = raw_logprobs.gather(1, tokens.view(-1, 1))
@@ -260,5 +307,5 @@ class Sampler:
             ids = tokens.view(-1, 1)
             if k:
                 ids = torch.cat((ids, raw_logits.topk(k, dim=-1).indices), dim=1)
-            topk = (ids, raw_logprobs.gather(1, ids), ranks)
-        return tokens, topk, failed, masked
+            topk = TopLogprobs(ids, raw_logprobs.gather(1, ids), ranks)
+        return SampledTokens(tokens, topk, failed, masked)

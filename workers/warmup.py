@@ -1,0 +1,164 @@
+"""Warm-up and CUDA graph capture, once the KV cache is allocated and before serving: the
+kernels run once per kind of batch (so that Triton compiles its variants now, not mid-run),
+then the decode graphs and the piecewise graphs are captured.
+
+Functions of the runner: they read its model, cache and helpers, and return the graphs,
+which the runner owns."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from ipc import envs
+from ipc.sampling_params import SamplingParams
+from workers.decode_graphs import DecodeGraphs
+from workers.distributed import tp_size
+from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
+from workers.sampler import SamplingRow
+from workers.step_inputs import StepArrays, attention_metadata, decode_order
+
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Query lengths of the warm-up batches, so that Triton compiles its variants now, not mid-run:
+# decodes, prefills whose longest query hits each attention tile size (1 to 128 rows, one tile
+# per sequence or several), and mixed batches (decodes first, then prefills).
+WARMUP_BATCHES = ([1], [1] * 5, [1] * 17, [2], [3], [5], [8], [12], [16], [24], [32], [48], [64], [100],
+                  [512], [1] * 3 + [37], [1] * 16 + [64])
+
+# The sampler's kinds of rows (plain, top-k, top-p / min-p, adjusted, all of them)
+_WARMUP_PARAMS = (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=20),
+                  SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+                  SamplingParams(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5,
+                                 logit_bias={1: 1.0}, min_tokens=2),
+                  SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1))
+
+
+class CapturedGraphs(NamedTuple):
+    decode: DecodeGraphs | None      # pure-decode steps' graphs
+    piecewise: PiecewiseGraphs | None  # the other steps' graphs
+
+
+def _warmup_batches(runner: ModelRunner) -> list[list[int]]:
+    """WARMUP_BATCHES, and a prompt joining as many decodes as take attention's shorter
+    decode tiles (kernels/paged_attention.py: enough programs per SM). Without it, the first
+    such mixed step of a run compiled that variant: 0.4 s, about 7% of the offline workload."""
+    from kernels.jit import sm_count
+    from kernels.paged_attention import LONG_TILE_PROGRAMS_PER_SM
+    many = -(-LONG_TILE_PROGRAMS_PER_SM * sm_count(runner.device) // runner.kv_spec.num_kv_heads) + 1
+    batches = list(WARMUP_BATCHES)
+    if many < runner.config.max_num_seqs:
+        batches.append([1] * many + [64])
+    return batches
+
+
+def _warmup_inputs(runner: ModelRunner, query_lens: list[int]) -> tuple[StepArrays, np.ndarray]:
+    """A batch of these query lengths, each after a little context, writing no KV."""
+    num_scheduled = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = num_scheduled + 4  # a little context before each query
+    total = int(num_scheduled.sum())
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+    if runner.uses_mrope:  # the rotary kernel's 3-row variant, as image prompts use it
+        positions = np.stack([positions] * 3)
+    host = StepArrays(
+        input_ids=np.zeros(total, np.int64), positions=positions, slot_mapping=np.full(total, -1, np.int64),
+        query_start_loc=np.concatenate([[0], np.cumsum(num_scheduled)]).astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=np.zeros((len(num_scheduled), -(-int(seq_lens.max()) // runner.block_size)), np.int32),
+        decode_order=decode_order(num_scheduled, seq_lens))
+    return host, num_scheduled
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner) -> None:
+    """Run the kernels once per kind of batch (with no cache writes) before serving."""
+    if runner.device.type != "cuda" or runner.backend != "triton":
+        return
+    t0 = time.perf_counter()
+    config, model, sampler = runner.config, runner.model, runner.sampler
+    limit = min(config.max_num_batched_tokens, config.max_model_len - 8)
+    for query_lens in _warmup_batches(runner):
+        query_lens = [min(q, limit) for q in query_lens[:config.max_num_seqs]]
+        host, num_scheduled = _warmup_inputs(runner, query_lens)
+        device = runner.h2d.upload(host)
+        meta = attention_metadata(host, device, num_scheduled, runner.backend)
+        hidden = model(device.input_ids, device.positions, runner.kv_caches, meta)
+        logits = model.compute_logits(hidden[-len(query_lens):])
+        # the plain rows' logits: this rank's shard at TP (its kernels and exchanges), else the same
+        plain_logits = model.compute_logits(hidden[-len(query_lens):], plain=True) if tp_size() > 1 else logits
+        for params in _WARMUP_PARAMS:
+            rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(query_lens)  # slot 0: the sampler's stand-in state
+            plain = sampler.plain(rows, model.config.vocab_size)
+            sampler(plain_logits if plain else logits, rows, runner.h2d.upload(sampler.host_params(rows)))
+    _warmup_split_kv(runner)
+    for rows in runner.logit_row_counts:  # the lm_head's shapes (ModelRunner._padded_rows)
+        model.compute_logits(torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=runner.device))
+    torch.cuda.synchronize()
+    logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
+
+
+def _warmup_split_kv(runner: ModelRunner) -> None:
+    """Attention over long contexts splits the KV: decodes 2, 4, ... ways, a short prompt
+    chunk in two. Compile each split count a batch of this --max-model-len can pick (graph
+    capture compiles the decode graphs' own)."""
+    from kernels.paged_attention import CHUNK_SPLIT_MIN_KEYS, MAX_KV_SPLITS, MIN_SPLIT_TOKENS
+    seq_len = runner.config.max_model_len
+    splits = 2
+    while splits <= min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS):
+        _attention_once(runner, 1, seq_len, splits)
+        splits *= 2
+    group = runner.model.config.num_attention_heads // tp_size() // runner.kv_spec.num_kv_heads
+    chunk = 2 * max(1, 64 // group) + 1  # three query tiles of the largest size: one program per SM or fewer
+    if seq_len >= CHUNK_SPLIT_MIN_KEYS and chunk < seq_len:
+        _attention_once(runner, chunk, seq_len, None)
+
+
+def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: int | None) -> None:
+    """Layer 0's attention for one sequence's last num_tokens of seq_len, its KV split
+    `splits` ways (None: as the kernel picks)."""
+    from kernels.paged_attention import paged_attention
+    device = runner.device
+    key_cache, value_cache = runner.kv_caches[0]
+    query_heads = runner.model.config.num_attention_heads // tp_size()  # this rank's query heads
+    q = torch.randn(num_tokens, query_heads, runner.kv_spec.head_dim, dtype=runner.dtype, device=device)
+    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    block_table = torch.zeros((1, runner.max_blocks_per_req), dtype=torch.int32, device=device)
+    paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0, num_tokens, seq_len,
+                    num_kv_splits=splits)
+
+
+# ------------------------------------------------------------ CUDA graphs
+
+def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
+    """The decode graphs (workers/decode_graphs.py) and the piecewise graphs. On the CPU,
+    LOOM_DECODE_GRAPHS_ON_CPU=1 runs the decode graphs' work uncaptured (tests). The runner
+    holds none while they are captured (it has just allocated the cache, or woken up)."""
+    device = runner.device
+    on_cpu = device.type == "cpu" and envs.LOOM_DECODE_GRAPHS_ON_CPU
+    if runner.config.enforce_eager or not (on_cpu or device.type == "cuda" and runner.backend == "triton"):
+        return CapturedGraphs(None, None)
+    decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, device, runner.backend,
+                          runner.kv_splits)
+    decode.capture()
+    return CapturedGraphs(decode, None if on_cpu else _capture_piecewise(runner))
+
+
+def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs | None:
+    """The graphs of every other step (prefill, mixed), in pieces around attention."""
+    if not piecewise_enabled():
+        return None
+    t0 = time.perf_counter()
+    graphs = PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
+                             runner.model.config.num_attention_heads // tp_size(), runner.device,
+                             runner.uses_mrope, runner.backend)
+    graphs.capture()
+    logger.info("captured piecewise CUDA graphs of %d to %d tokens (%d sizes) in %.1fs",
+                graphs.sizes[0], graphs.sizes[-1], len(graphs.sizes), time.perf_counter() - t0)
+    return graphs
