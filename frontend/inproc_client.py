@@ -45,6 +45,7 @@ class InprocClient:
                                  config.model_name, scheduling_policy=config.scheduling_policy)
         self._enc = Encoder()
         self._req_dec, self._out_dec = Decoder(EngineCoreRequest), Decoder(EngineCoreOutputs)
+        self._util_dec = Decoder(UtilityRequest)
         self._call_ids = itertools.count(1)
         self._pending: list[EngineCoreOutputs] = []   # outputs made while waiting for a utility reply
         self._published = (0, (0, False), (0, 0))     # the engine's (step, control, load) last reported
@@ -111,22 +112,29 @@ class InprocClient:
 
     def call_utility(self, method: str, *args, timeout: float | None = None, engine: int | None = None) -> Any:
         """Run an engine utility method through the engine core's own dispatch; its result.
-        A deferred reply (pause in wait mode) keeps the engine stepping until it is ready."""
+        The engine first takes one turn, as a running engine steps between a client's calls (a
+        caller polling debug_info() sees its requests move). A deferred reply (pause in wait
+        mode) keeps the engine stepping until it is ready."""
+        self._pend(self._turn())
         call_id = next(self._call_ids)
-        self.engine._run_utility(UtilityRequest(self.client_index, call_id, method, list(args)))
+        req = UtilityRequest(self.client_index, call_id, method, list(args))
+        self.engine._run_utility(self._util_dec.decode(self._enc.encode(MsgType.UTILITY.value, req)))
         deadline = None if timeout is None else time.monotonic() + timeout
         while (reply := self._take_reply(call_id)) is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"utility call {method} timed out")
-            outs = self._turn()
-            if outs is not None:
-                self._pending.append(outs)
-            else:
+            if not self._pend(self._turn()):
                 time.sleep(min(DEFERRED_POLL_S, _IDLE_S * 10))
         if reply.failure:
             raise RuntimeError(reply.failure)
         return self._out_dec.decode(self._enc.encode(MsgType.OUTPUTS.value, EngineCoreOutputs(
             utility_output=reply))).utility_output.result
+
+    def _pend(self, outs: EngineCoreOutputs | None) -> bool:
+        """Keep outputs made during a utility call for get_outputs."""
+        if outs is not None:
+            self._pending.append(outs)
+        return outs is not None
 
     def call_utility_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
         return [self.call_utility(method, *args, timeout=timeout)]
