@@ -10,6 +10,8 @@ from frontend import LLM, SamplingParams
 from frontend.entrypoints.llm import longest_first
 from tests.hf_oracle import hf_greedy
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 MAX_NEW = 12
 
 
