@@ -14,12 +14,14 @@ process would send.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Any
 
 from engine_core.core import DEFERRED_POLL_S, EngineCore
 from engine_core.uniproc_executor import UniprocExecutor
+from frontend.engine_client import EngineDeadError
 from ipc.config import EngineConfig
 from ipc.messages import (EngineCoreOutputs, EngineCoreRequest, EngineLoad, EngineReady, MsgType, UtilityOutput,
                           UtilityRequest)
@@ -33,8 +35,7 @@ class InprocClient:
 
     client_index = 0
     engine_indices = [0]
-    dead_reason: str | None = None
-    is_dead = False
+    dead_reason: str | None = None   # set by an exception out of a step: the engine's state is then unknown
 
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
@@ -54,9 +55,27 @@ class InprocClient:
     def wait_ready(self, timeout: float | None = None) -> EngineReady:
         return self.ready
 
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @contextlib.contextmanager
+    def _stepping(self):
+        """Around the engine's own work. What a step raises (a worker error, Ctrl-C in the middle of
+        it) ends the engine, as it ends the engine-core process: later calls raise EngineDeadError."""
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            yield
+        except BaseException as e:
+            self.dead_reason = f"the in-process engine failed: {type(e).__name__}: {e}"
+            raise
+
     # ------------------------------------------------------------ requests
 
     def add_request(self, req: EngineCoreRequest, engine: int | None = None) -> None:
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
         req.client_index = self.client_index
         self._num_added += 1
         error = self.engine.add_request(self._req_dec.decode(self._enc.encode(MsgType.ADD.value, req)))
@@ -64,6 +83,8 @@ class InprocClient:
             self.engine.pending_outputs.setdefault(self.client_index, []).append(error)
 
     def abort(self, request_ids: list[str], engine: int | None = None) -> None:
+        if self.is_dead:
+            return
         reqs = self.engine.scheduler.requests
         self.engine.abort_requests([rid for rid in request_ids if rid in reqs])
 
@@ -85,8 +106,9 @@ class InprocClient:
         """One turn of the engine's loop (EngineCoreProc.run_busy_loop, without the sockets): a step
         and its outputs, with the stats, timings and load, as _publish reports them to one client."""
         engine = self.engine
-        outputs = engine.step_with_pending().get(self.client_index, [])
-        engine._finish_deferred()
+        with self._stepping():
+            outputs = engine.step_with_pending().get(self.client_index, [])
+            engine._finish_deferred()
         sched = engine.scheduler
         state = (sched.step_id, (engine.control.sleep_level, engine.is_paused()),
                  (len(sched.waiting), len(sched.running)))
@@ -118,7 +140,9 @@ class InprocClient:
         self._pend(self._turn())
         call_id = next(self._call_ids)
         req = UtilityRequest(self.client_index, call_id, method, list(args))
-        self.engine._run_utility(self._util_dec.decode(self._enc.encode(MsgType.UTILITY.value, req)))
+        req = self._util_dec.decode(self._enc.encode(MsgType.UTILITY.value, req))
+        with self._stepping():   # (it first takes the steps in flight)
+            self.engine._run_utility(req)
         deadline = None if timeout is None else time.monotonic() + timeout
         while (reply := self._take_reply(call_id)) is None:
             if deadline is not None and time.monotonic() >= deadline:

@@ -1,6 +1,6 @@
 """The in-process mode (`LLM(..., multiprocess=False)`, LOOM_ENABLE_MULTIPROCESSING=0): the engine
 core and its one worker in the caller's process, with the process mode's tokens, stats and
-control calls, and no child process, socket directory or thread."""
+control calls, and no child process, socket or thread."""
 from __future__ import annotations
 
 import multiprocessing
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from frontend import LLM, SamplingParams
-from tests.conftest import child_pids, loom_ipc_dirs
+from tests.conftest import child_pids
 
 MAX_NEW = 10
 
@@ -61,12 +61,24 @@ def test_same_tokens_as_the_process_mode(model_factory, monkeypatch, name, optio
         assert inproc_stats.num_preemptions > 0 and process_stats.num_preemptions > 0
 
 
+def _sockets() -> set[str]:
+    """This process's open sockets (zmq's included), by inode."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:   # (the directory's own fd, closed by now)
+            pass
+    return {f for f in fds if f.startswith("socket:")}
+
+
 def test_no_child_process_socket_or_thread(model_factory):
     """Everything runs in the caller's thread: a breakpoint in the scheduler or the runner is hit
     from generate()."""
     from engine_core.scheduler import Scheduler
     from workers.model_runner import ModelRunner
-    children, dirs, threads = set(child_pids(os.getpid(), trackers=True)), loom_ipc_dirs(), threading.enumerate()
+    model_dir = model_factory("qwen3")   # (built first: its writer's progress bar starts a thread)
+    children, sockets, threads = set(child_pids(os.getpid(), trackers=True)), _sockets(), threading.enumerate()
     seen: set[str] = set()
 
     def calls_from(name, fn):
@@ -78,13 +90,13 @@ def test_no_child_process_socket_or_thread(model_factory):
     mp.setattr(Scheduler, "schedule", calls_from("schedule", Scheduler.schedule))
     mp.setattr(ModelRunner, "launch", calls_from("launch", ModelRunner.launch))
     try:
-        with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=64, block_size=4) as llm:
+        with LLM(model_dir, multiprocess=False, max_model_len=64, block_size=4) as llm:
             out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4),
                                use_tqdm=False)[0]
             assert len(out.outputs[0].token_ids) == 4
             assert multiprocessing.active_children() == []
             assert set(child_pids(os.getpid(), trackers=True)) <= children
-            assert loom_ipc_dirs() == dirs
+            assert _sockets() <= sockets and llm.ipc_dir is None
             assert threading.enumerate() == threads
     finally:
         mp.undo()
@@ -128,3 +140,20 @@ def test_sleep_wake_and_control_calls(model_factory):
             llm.collective_rpc("no_such_method")
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts, greedy, use_tqdm=False)
+
+
+def test_an_error_in_a_step_ends_the_engine(model_factory, monkeypatch):
+    """What a step raises reaches the caller, and ends the engine as it ends the engine-core
+    process: the state it left is unknown, so later calls say so."""
+    from frontend.engine_client import EngineDeadError
+    from workers.model_runner import ModelRunner
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=64, block_size=4) as llm:
+        def broken(self, so, prev=None):
+            raise RuntimeError("a broken kernel")
+        monkeypatch.setattr(ModelRunner, "launch", broken)
+        with pytest.raises(RuntimeError, match="a broken kernel"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+        monkeypatch.undo()
+        with pytest.raises(EngineDeadError, match="in-process engine failed: RuntimeError: a broken kernel"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
