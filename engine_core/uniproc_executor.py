@@ -6,10 +6,10 @@ the caller's thread (`LLM(..., multiprocess=False)`). It keeps the worker loop's
 tokens are then taken, so async scheduling keeps two steps in flight as in the process
 mode and the tokens are the same.
 
-What a worker sets for its whole process is set in the caller's, and stays after shutdown:
-torch's thread count (given back at shutdown) and the Triton kernels that attention_backend
-"triton" switches the model layers to (workers/models/layers.py use_triton_kernels), which a
-later in-process engine with the torch backend would then run too.
+What a worker sets for its whole process is set in the caller's: torch's thread count (given
+back at shutdown), and the Triton kernels that attention_backend "triton" switches the model
+layers to (workers/models/layers.py use_triton_kernels), which stay switched after shutdown: a
+later in-process engine with the torch backend would run them too.
 
 Each message goes through the wire's codec (ipc/serial.py) as it would through the
 ring: the worker then holds no reference into the scheduler's objects (which change
@@ -17,7 +17,6 @@ after a step is sent), and the engine gets the types a worker process would send
 """
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import Any
 
@@ -25,8 +24,6 @@ from engine_core.executor import Executor, PendingOutput
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.serial import Decoder, Encoder
-
-logger = logging.getLogger(__name__)
 
 
 class UniprocExecutor(Executor):
