@@ -27,7 +27,7 @@ from engine_core.control import ControlState, Deferred, PauseState
 from ipc.control import CONTROL_OPS, PAUSE_MODES, SLEEP_TAGS
 from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, UTILITY_MALFORMED, ClientIO
 from ipc.data_parallel import DPRank, register_with_head, select_devices
-from engine_core.executor import Executor, PendingOutput
+from engine_core.executor import Executor, MultiprocExecutor, PendingOutput
 from engine_core.loop_stats import LoopStats
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -52,11 +52,13 @@ _WAKE = b"wake"   # an input that only wakes the busy loop
 
 
 class EngineCore:
-    """Scheduling and execution, with no sockets: easy to drive from tests."""
+    """Scheduling, execution and utility calls, with no sockets: easy to drive from tests, and
+    driven in the caller's thread by the in-process client (frontend/inproc_client.py).
+    EngineCoreProc adds the process's part: client connections, the input queue, the busy loop."""
 
-    def __init__(self, config: EngineConfig, ipc_dir: str):
+    def __init__(self, config: EngineConfig, ipc_dir: str | None, executor_class: type[Executor] = MultiprocExecutor):
         self.config = config
-        self.executor = Executor(config, ipc_dir)
+        self.executor = executor_class(config, ipc_dir)
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         config.check_num_blocks(num_blocks)
         self.executor.collective_rpc("initialize_cache", [num_blocks])
@@ -68,6 +70,8 @@ class EngineCore:
         # steps sent to the workers, oldest first, each with its output still to come
         self.in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}  # made outside a step (aborts by pause)
+        self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []   # utility replies not yet ready
+        self.utility_outputs: list[UtilityOutput] = []   # replies for the in-process client (_send_utility)
         self.loop_stats = LoopStats()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
@@ -187,6 +191,14 @@ class EngineCore:
     def _sample_deferred(self, so: SchedulerOutput) -> None:
         self.executor.sample(self.scheduler.grammar_bitmask(so) or GrammarOutput([], None))
 
+    def step_with_pending(self) -> dict[int, list[EngineCoreOutput]]:
+        """One turn of the loop: a step if there is work, after the outputs made outside a step."""
+        by_client = self.step() if self.has_work() else {}
+        for ci, outs in self.pending_outputs.items():
+            by_client.setdefault(ci, [])[:0] = outs
+        self.pending_outputs = {}
+        return by_client
+
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
         """Take every step in flight (before control calls that touch the workers)."""
         outs: dict[int, list[EngineCoreOutput]] = {}
@@ -216,6 +228,34 @@ class EngineCore:
         """Control operation `name`'s worker method on every worker; their answers merged as declared."""
         op = CONTROL_OPS[name]
         return op.ranks(self.executor.collective_rpc(op.workers, args))
+
+    def _run_utility(self, req: UtilityRequest) -> None:
+        out = UtilityOutput(req.call_id)
+        try:
+            result = self.control_call(req.method, req.args)
+            if isinstance(result, Deferred):
+                self._deferred.append((req.client_index, out, result))
+                return
+            out.result = result
+        except Exception as e:
+            out.failure = f"{type(e).__name__}: {e}"
+        self._send_utility(req.client_index, out)
+
+    def _finish_deferred(self) -> None:
+        for item in list(self._deferred):
+            client_index, out, deferred = item
+            try:
+                if not deferred.done():
+                    continue
+                out.result = deferred.result
+            except Exception as e:
+                out.failure = f"{type(e).__name__}: {e}"
+            self._deferred.remove(item)
+            self._send_utility(client_index, out)
+
+    def _send_utility(self, client_index: int, out: UtilityOutput) -> None:
+        """A utility reply, kept for the in-process client (the process sends it to its client)."""
+        self.utility_outputs.append(out)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -429,7 +469,6 @@ class EngineCoreProc(EngineCore):
         # would run on unused and never register with a restarted head
         self.serves_a_head = serves_a_head
         self.inputs: queue.Queue = queue.Queue()
-        self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []
         self._published_step, self._published_control, self._published_load = 0, (0, False), (0, 0)
         self.num_added: dict[int, int] = {}   # ADDs taken in, by client: its requests not yet counted elsewhere
         ready = EngineReady(config.max_model_len, self.num_gpu_blocks, config.block_size,
@@ -457,10 +496,7 @@ class EngineCoreProc(EngineCore):
         while True:
             self._drain_inputs(block=not self.has_work() and not self.pending_outputs,
                                timeout=DEFERRED_POLL_S if self._deferred else HEARTBEAT_S)
-            by_client = self.step() if self.has_work() else {}
-            for ci, outs in self.pending_outputs.items():
-                by_client.setdefault(ci, [])[:0] = outs
-            self.pending_outputs = {}
+            by_client = self.step_with_pending()
             with self.loop_stats.phase("publish"):
                 self._publish(by_client)
             self._finish_deferred()  # after the outputs a deferred reply waited for have gone out
@@ -555,30 +591,6 @@ class EngineCoreProc(EngineCore):
         attached client cannot end another's request by naming its id."""
         reqs = self.scheduler.requests
         return [rid for rid in req_ids if rid in reqs and reqs[rid].client_index == client_index]
-
-    def _run_utility(self, req: UtilityRequest) -> None:
-        out = UtilityOutput(req.call_id)
-        try:
-            result = self.control_call(req.method, req.args)
-            if isinstance(result, Deferred):
-                self._deferred.append((req.client_index, out, result))
-                return
-            out.result = result
-        except Exception as e:
-            out.failure = f"{type(e).__name__}: {e}"
-        self._send_utility(req.client_index, out)
-
-    def _finish_deferred(self) -> None:
-        for item in list(self._deferred):
-            client_index, out, deferred = item
-            try:
-                if not deferred.done():
-                    continue
-                out.result = deferred.result
-            except Exception as e:
-                out.failure = f"{type(e).__name__}: {e}"
-            self._deferred.remove(item)
-            self._send_utility(client_index, out)
 
     def _send_utility(self, client_index: int, out: UtilityOutput) -> None:
         self.io.send(client_index, MsgType.OUTPUTS.value,

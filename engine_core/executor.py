@@ -1,11 +1,17 @@
 """Executor: the engine core's side of the workers.
 
-Starts one worker process per device, broadcasts each step through the
-shared-memory ring, and collects replies. A worker that dies or reports an
-error raises WorkerError within ~0.1 s, whatever the engine is waiting for.
+One interface (Executor: submit / sample / collect, collective_rpc, shutdown), so the
+engine core does not know which one runs:
+
+- MultiprocExecutor starts one worker process per device, broadcasts each step through
+  the shared-memory ring, and collects replies. A worker that dies or reports an error
+  raises WorkerError within ~0.1 s, whatever the engine is waiting for.
+- UniprocExecutor (engine_core/uniproc_executor.py) builds one worker in this process
+  and calls it directly: `LLM(..., multiprocess=False)`, for debugging and fast tests.
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import os
@@ -25,7 +31,7 @@ from ipc.sockets import ipc_address, make_socket
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 100
-# what the reply socket of other nodes' workers reports (Executor._watch_remote)
+# what the reply socket of other nodes' workers reports (MultiprocExecutor._watch_remote)
 REMOTE_WORKER_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
                         | zmq.EVENT_MONITOR_STOPPED)
 
@@ -45,7 +51,35 @@ class PendingOutput:
         return self._executor.collect()
 
 
-class Executor:
+class Executor(abc.ABC):
+    """The engine core's handle on its workers. Steps are answered in the order sent."""
+
+    @abc.abstractmethod
+    def submit(self, so: SchedulerOutput) -> PendingOutput:
+        """Send a step; its output comes from the returned handle (or collect()), in order."""
+
+    @abc.abstractmethod
+    def sample(self, grammar: GrammarOutput) -> None:
+        """Let the oldest step sent with defer_sample sample, with this bitmask."""
+
+    @abc.abstractmethod
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step not yet collected."""
+
+    @abc.abstractmethod
+    def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run a method on every worker; their results by rank. A method that fails on any
+        worker raises RuntimeError."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        ...
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per local rank, fed by the shared-memory broadcast ring."""
+
     def __init__(self, config: EngineConfig, ipc_dir: str, startup_timeout: float = 900.0):
         from shm.broadcast_ring import BroadcastRing
         from workers.worker import run_worker

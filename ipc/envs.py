@@ -69,6 +69,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_RUN_ID": EnvVar(None, _text, "this run's id in shared-memory segment names; made and exported by "
                           "the first process of a run (shm/object_store.run_id), inherited by its children"),
     # --- engine loop (also flags)
+    "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
+                                          "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "
+                                          "LLM(multiprocess=...) wins"),
     "LOOM_STEPS_IN_FLIGHT": EnvVar(None, _int, "steps the engine keeps in flight with async scheduling "
                                    "(unset: 3 on GPU, 2 on CPU); --steps-in-flight wins"),
     "LOOM_ATTACHED_OUTPUT_HWM": EnvVar(10_000, _int, "outputs queued for an attached client that does not "

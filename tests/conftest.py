@@ -68,6 +68,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def engine_in_process(request):
+    """A module that sets `ENGINE_IN_PROCESS = True` builds its LLMs in-process (the engine core and
+    its worker in the test process, LOOM_ENABLE_MULTIPROCESSING=0): for tests of outputs and
+    engine semantics, not of processes, sockets or /dev/shm. Module-scoped and autouse, so it is
+    set before any module-scoped LLM fixture; LLM(multiprocess=True) still gets the processes.
+    LOOM_ENABLE_MULTIPROCESSING set in the environment wins (=1: these modules in processes too)."""
+    if not getattr(request.module, "ENGINE_IN_PROCESS", False) or "LOOM_ENABLE_MULTIPROCESSING" in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOM_ENABLE_MULTIPROCESSING", "0")
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(arch, **overrides) -> a model dir, built once per distinct arguments."""

@@ -11,9 +11,11 @@ PROMPTS = [[11, 12, 13, 14], [50, 60, 70], [101, 102, 103, 104, 105, 106]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(model_factory):
-    engine = LLM(model_factory("qwen3"), max_model_len=128, block_size=4, enable_sleep_mode=True)
+@pytest.fixture(scope="module", params=[True, False], ids=["process", "inprocess"])
+def llm(model_factory, request):
+    """Each test in both modes: the engine-core process, and in-process (multiprocess=False)."""
+    engine = LLM(model_factory("qwen3"), multiprocess=request.param, max_model_len=128, block_size=4,
+                 enable_sleep_mode=True)
     yield engine
     engine.shutdown()
 

@@ -15,6 +15,8 @@ import pytest
 from frontend import LLM, SamplingParams
 from frontend.tools.demo_vision_model import COLOURS, SHAPES, build_demo_vision_model, draw_shape
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 # Fewer steps than the default (700): enough for colours (about 20 s), and CI time is tight.
 TEST_STEPS = 150
 

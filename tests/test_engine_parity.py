@@ -10,6 +10,8 @@ from frontend import LLM, SamplingParams
 from frontend.entrypoints.llm import longest_first
 from tests.hf_oracle import hf_greedy
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 MAX_NEW = 12
 
 
@@ -52,8 +54,10 @@ def test_llama3_rope_scaling(model_factory):
 def test_triton_path_matches_hf(model_factory):
     """The whole engine on the Triton kernels (run by the interpreter on CPU) still matches HF."""
     model_dir = model_factory("qwen3")
+    # in a process of its own: a worker's switch to the Triton kernels is process-wide (layers.py's
+    # use_triton_kernels), and would stay in this one for the in-process engines of later tests
     check_parity(model_dir, _prompts(300, 3), block_size=8, max_num_seqs=2, max_model_len=64,
-                 attention_backend="triton")
+                 attention_backend="triton", multiprocess=True)
 
 
 def test_sliding_window_model_is_capped_at_its_window(model_factory):

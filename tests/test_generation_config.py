@@ -13,6 +13,8 @@ from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
 from tests.conftest import Server
 
+ENGINE_IN_PROCESS = True   # the offline test checks outputs only (tests/conftest.py engine_in_process)
+
 # top_k 1 makes the default greedy whatever the temperature; top_p 1.0 equals transformers'
 # default, so it is not a recommendation (vLLM reads the file's diff against the defaults)
 GEN = {"temperature": 1.7, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0, "eos_token_id": 2}

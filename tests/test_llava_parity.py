@@ -9,6 +9,8 @@ import pytest
 from frontend import LLM, SamplingParams
 from tests.tiny_vl_models import hf_llava_greedy, make_tiny_llava, random_image
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 MAX_NEW = 10
 
 
@@ -44,7 +46,7 @@ def test_llava_siglip_feature_layer_list_hub_layout_tp2(tmp_path):
     w = load_file(f"{d}/model.safetensors")
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in w.items()},
               f"{d}/model.safetensors", metadata={"format": "pt"})
-    _check(d, CASES[:1] + CASES[2:], tensor_parallel_size=2)
+    _check(d, CASES[:1] + CASES[2:], tensor_parallel_size=2, multiprocess=True)   # (two ranks: processes)
 
 
 def test_language_model_only(tmp_path):

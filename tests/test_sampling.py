@@ -13,6 +13,8 @@ from workers.host_to_device import map_arrays
 from workers.input_batch import InputBatch
 from workers.sampler import Sampler, SamplingRow
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 PROMPT = [12, 40, 7, 99, 150, 3, 77, 23]
 
 

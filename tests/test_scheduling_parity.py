@@ -9,6 +9,8 @@ import pytest
 
 from frontend import LLM, SamplingParams
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 MAX_NEW = 10
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}}, "required": ["word", "n", "ok"]}

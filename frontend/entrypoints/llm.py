@@ -1,7 +1,9 @@
 """The offline API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
 
 It drives the same engine-core and worker processes as `loom serve`, and
-tokenizes and detokenizes in the calling process.
+tokenizes and detokenizes in the calling process. With multiprocess=False (or
+LOOM_ENABLE_MULTIPROCESSING=0) the engine core and its one worker run in the calling
+process instead (frontend/inproc_client.py): one thread, to step through in a debugger.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import weakref
 from typing import Sequence
 
 from frontend.engine_client import EngineCoreClient
+from frontend.inproc_client import InprocClient
+from ipc import envs
 from ipc.config import EngineConfig
 from ipc.control import merge_results
 from engine_core.core import run_engine_core
@@ -51,23 +55,46 @@ def longest_first(max_tokens: Sequence[int]) -> list[int]:
     return sorted(range(len(max_tokens)), key=lambda k: -max_tokens[k])
 
 
+def multiprocess_default() -> bool:
+    """LOOM_ENABLE_MULTIPROCESSING=0: the engine in the calling process (vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING); anything else, or unset, the engine-core process."""
+    return envs.LOOM_ENABLE_MULTIPROCESSING
+
+
 class LLM:
-    def __init__(self, model: str, **options):
-        """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...)."""
+    def __init__(self, model: str, multiprocess: bool | None = None, **options):
+        """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...).
+        multiprocess=False: the engine core and one worker in this process, stepped in the
+        caller's thread (default: LOOM_ENABLE_MULTIPROCESSING, else True)."""
         self.config = EngineConfig(model=model, **options).resolve(multimodal_info)
+        self.multiprocess = multiprocess_default() if multiprocess is None else multiprocess
+        if not self.multiprocess and (self.config.tensor_parallel_size > 1 or self.config.data_parallel_size > 1):
+            raise ValueError("multiprocess=False (LOOM_ENABLE_MULTIPROCESSING=0) runs one engine with one worker: "
+                             "it takes neither tensor_parallel_size > 1 nor data_parallel_size > 1")
         self.tokenizer = load_tokenizer(self.config)
         self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(self.config, 0, multimodal_info)  # its store, before any child starts
-        self.ipc_dir = make_ipc_dir()
-        in_addr = ipc_address(self.ipc_dir, "client0-input")
-        out_addr = ipc_address(self.ipc_dir, "client0-output")
         n = self.config.data_parallel_size
-        self.client = EngineCoreClient(in_addr, out_addr, client_index=0, num_engines=n)
-        self.engine_procs = [start_process(run_engine_core, f"loom-engine-core-{rank}" if n > 1 else "loom-engine-core",
-                                           (self.config.to_dict(), _engine_dir(self.ipc_dir, rank, n),
-                                            [(in_addr, out_addr)], None, None, DPRank(rank, rank) if n > 1 else None))
-                             for rank in range(n)]
-        self.client.engine_procs = self.engine_procs
+        if self.multiprocess:
+            self.ipc_dir = make_ipc_dir()
+            in_addr = ipc_address(self.ipc_dir, "client0-input")
+            out_addr = ipc_address(self.ipc_dir, "client0-output")
+            self.client = EngineCoreClient(in_addr, out_addr, client_index=0, num_engines=n)
+            self.engine_procs = [start_process(run_engine_core,
+                                               f"loom-engine-core-{rank}" if n > 1 else "loom-engine-core",
+                                               (self.config.to_dict(), _engine_dir(self.ipc_dir, rank, n),
+                                                [(in_addr, out_addr)], None, None,
+                                                DPRank(rank, rank) if n > 1 else None))
+                                 for rank in range(n)]
+            self.client.engine_procs = self.engine_procs
+        else:
+            self.ipc_dir, self.engine_procs = None, []
+            try:
+                self.client = InprocClient(self.config)
+            except BaseException:
+                if self.mm is not None:
+                    self.mm.store.close()
+                raise
         self._finalizer = weakref.finalize(self, _shutdown, self.engine_procs, self.client, self.ipc_dir,
                                            self.mm.store if self.mm else None)
         try:
@@ -416,10 +443,11 @@ def _engine_dir(ipc_dir: str, rank: int, n: int) -> str:
     return path
 
 
-def _shutdown(procs, client: EngineCoreClient, ipc_dir: str, store) -> None:
+def _shutdown(procs, client: EngineCoreClient | InprocClient, ipc_dir: str | None, store) -> None:
     stop_processes(procs, timeout=10)
     client.close()
-    remove_ipc_dir(ipc_dir)
+    if ipc_dir is not None:
+        remove_ipc_dir(ipc_dir)
     if store is not None:
         store.close()
 
