@@ -13,7 +13,7 @@ run() {  # run NAME TIMEOUT CMD...: full log to $OUT/NAME.log, the last lines to
   grep -v -P "^\s*$|it/s\]|WARNING (?!step stats|Triton)" "$OUT/$name.log" | tail -n "${TAIL:-8}"
 }
 for section in "$@"; do case $section in
-  gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+  gpu-tests) run gpu-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
   rl-gpu) run rl-gpu 300 python3 -m pytest -q -p no:cacheprovider tests/test_weight_update_gpu.py ;;
   kernels) run kernels 200 python3 -m bench.kernels_gpu ;;
   qwen3) run qwen3-throughput 200 $LOOM bench throughput --preset qwen3-0.6b ;;
