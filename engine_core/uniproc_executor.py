@@ -7,9 +7,10 @@ tokens are then taken, so async scheduling keeps two steps in flight as in the p
 mode and the tokens are the same.
 
 What a worker sets for its whole process is set in the caller's: torch's thread count (given
-back at shutdown), and the Triton kernels that attention_backend "triton" switches the model
-layers to (workers/models/layers.py use_triton_kernels), which stay switched after shutdown: a
-later in-process engine with the torch backend would run them too.
+back at shutdown), and which kernels the model layers run (workers/models/layers.py
+use_kernels: Triton or the torch references), chosen again by each engine as it starts, so
+engines one after the other each run their own; two in-process engines alive at once with
+different attention backends would share the later one's.
 
 Each message goes through the wire's codec (ipc/serial.py) as it would through the
 ring: the worker then holds no reference into the scheduler's objects (which change

@@ -54,10 +54,14 @@ def test_llama3_rope_scaling(model_factory):
 def test_triton_path_matches_hf(model_factory):
     """The whole engine on the Triton kernels (run by the interpreter on CPU) still matches HF."""
     model_dir = model_factory("qwen3")
-    # in a process of its own: a worker's switch to the Triton kernels is process-wide (layers.py's
-    # use_triton_kernels), and would stay in this one for the in-process engines of later tests
     check_parity(model_dir, _prompts(300, 3), block_size=8, max_num_seqs=2, max_model_len=64,
-                 attention_backend="triton", multiprocess=True)
+                 attention_backend="triton")
+    # the kernels are the process's choice (layers.use_kernels): the next in-process engine, on the
+    # torch backend, runs the references again
+    from workers.models import layers
+    from kernels.rms_norm import rms_norm_ref
+    check_parity(model_dir, _prompts(300, 1), block_size=8, max_model_len=64)
+    assert layers.rms_norm is rms_norm_ref and layers.gemv is None
 
 
 def test_sliding_window_model_is_capped_at_its_window(model_factory):

@@ -94,9 +94,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
                                 config.language_model_only)
-        if self.backend == "triton":
-            from workers.models.layers import use_triton_kernels
-            use_triton_kernels()
+        from workers.models.layers import use_kernels
+        use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
         self.kv_spec = KVCacheSpec(*model_kv_shape(self.model.config), config.block_size, self.dtype)
         self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend)

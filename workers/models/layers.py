@@ -53,6 +53,21 @@ gemv_max_rows = 0
 
 
 # ------------------------------------------------------------------ config helpers
+_TORCH_REFERENCES = dict(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
+                         qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul, gemv=None,
+                         gemv_max_rows=0)
+
+
+def use_kernels(backend: str) -> None:
+    """Route the ops above through the Triton kernels ("triton") or the torch references. The
+    choice is the process's: each model runner makes it when it starts, so an in-process engine
+    (engine_core/uniproc_executor.py) never inherits an earlier engine's."""
+    if backend == "triton":
+        use_triton_kernels()
+    else:
+        globals().update(_TORCH_REFERENCES)
+
+
 def use_triton_kernels() -> None:
     """The GPU path: route the ops above through the Triton kernels in kernels/."""
     from kernels import activation, qk_rope_cache
