@@ -123,6 +123,32 @@ def test_a_snapshot_with_only_bin_weights_loads(hub_cache, tiny_model_dir, tmp_p
         assert torch.equal(from_bin[name], t), name
 
 
+def test_only_weights_and_tokenizer_files_are_asked_for(hub_cache, tiny_model_dir, tmp_path, monkeypatch):
+    """snapshot_download's allow_patterns (seen through the real call, on the cache): safetensors,
+    configs and tokenizer files; the .bin files only for a revision without safetensors."""
+    import huggingface_hub
+    real, asked = huggingface_hub.snapshot_download, []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["allow_patterns"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
+    add_snapshot(hub_cache, "org/tiny", tiny_model_dir, REV_MAIN)
+    resolve_hub_model(EngineConfig(model="org/tiny"))
+    assert len(asked) == 1 and "*.safetensors" in asked[0] and "*.json" in asked[0]
+    assert not any(p.endswith((".bin", ".py", ".pt", ".h5", ".msgpack")) for p in asked[0]), asked
+    src = tmp_path / "bin-only"
+    shutil.copytree(tiny_model_dir, src)
+    os.rename(src / "model.safetensors", src / "pytorch_model.bin")
+    add_snapshot(hub_cache, "org/tiny-bin", str(src), REV_MAIN)
+    asked.clear()
+    resolve_hub_model(EngineConfig(model="org/tiny-bin", trust_remote_code=True))
+    assert len(asked) == 2 and "*.bin" in asked[1] and "*.safetensors" not in asked[1] and "*.py" in asked[1]
+    asked.clear()   # a tokenizer alone: no weights at all
+    resolve_hub_model(EngineConfig(model=tiny_model_dir, tokenizer="org/tiny"))
+    assert len(asked) == 1 and not any(p.endswith((".safetensors", ".bin")) for p in asked[0])
+
+
 def test_eos_from_the_tokenizer_when_the_configs_name_none(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
     d = tmp_path / "no-eos"
