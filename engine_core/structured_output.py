@@ -64,7 +64,8 @@ class StructuredOutputManager:
     def _make_compiler(self):
         import xgrammar as xgr
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_dir,
+                                                  trust_remote_code=self.config.trust_remote_code)
         self.vocab_size = max(self.config.vocab_size or 0, len(tokenizer))   # the model's (padded) vocabulary
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
         parser = self.config.reasoning_parser

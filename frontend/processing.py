@@ -15,7 +15,7 @@ from ipc.sampling_params import SamplingParams
 def load_tokenizer(config: EngineConfig):
     from transformers import AutoTokenizer   # (seconds to import: the tokenizer process imports this module first)
     check_tokenizer_files(config.tokenizer_dir)
-    return AutoTokenizer.from_pretrained(config.tokenizer_dir)
+    return AutoTokenizer.from_pretrained(config.tokenizer_dir, trust_remote_code=config.trust_remote_code)
 
 
 def _is_ids(value) -> bool:

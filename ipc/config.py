@@ -39,7 +39,15 @@ def option(default, help: str, choices: tuple | None = None, aliases: tuple[str,
 class EngineConfig:
     model: str
     served_model_name: str | None = option(None, "the model name clients send (default: the model directory)")
-    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
+    tokenizer: str | None = option(None, "tokenizer directory or Hugging Face Hub id (default: the model's)")
+    revision: str | None = option(None, "the Hub revision (branch, tag or commit) of a model given by id "
+                                  "(default: main)")
+    tokenizer_revision: str | None = option(None, "the Hub revision of the tokenizer (default: --revision "
+                                            "when the tokenizer is the model's)")
+    download_dir: str | None = option(None, "the Hub cache that model ids are downloaded to and read from "
+                                      "(default: huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub)")
+    trust_remote_code: bool = option(False, "let the tokenizer and image processor run the checkpoint's own "
+                                     "code (never the model's: its class comes from workers/models/)")
     dtype: str = option("auto", "weights and activations; auto: bfloat16 on GPU, float32 on CPU",
                         ("auto", "bfloat16", "float16", "float32", "half", "float"))
     device: str = option("auto", "where the workers run; auto: CUDA if available, else CPU", ("auto", "cpu", "cuda"))
@@ -164,7 +172,7 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's {limit}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
-        self.eos_token_ids = _eos_token_ids(self.model, text_cfg)
+        self.eos_token_ids = _eos_token_ids(self.model, text_cfg, self.tokenizer_dir, self.vocab_size)
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf, multimodal_info(self.model) if multimodal_info else None)
         if self.profiler_dir is None:
@@ -390,7 +398,10 @@ def attention_window(hf_cfg: dict) -> int | None:
     return int(window)
 
 
-def _eos_token_ids(model_dir: str, hf_cfg: dict) -> list[int]:
+def _eos_token_ids(model_dir: str, hf_cfg: dict, tokenizer_dir: str | None = None, vocab_size: int = 0) -> list[int]:
+    """generation_config.json's, config.json's and the tokenizer's EOS ids, merged as vLLM does
+    (the tokenizer's eos_token is always a stop token; the configs may add more). A tokenizer id
+    outside the model's vocabulary (a stand-in tokenizer) is left out: it can never be sampled."""
     ids: list[int] = []
     gen_path = os.path.join(model_dir, "generation_config.json")
     sources = [hf_cfg]
@@ -405,7 +416,45 @@ def _eos_token_ids(model_dir: str, hf_cfg: dict) -> list[int]:
                 raise ConfigError(f"eos_token_id must be token ids, got {eos!r} (in {model_dir})")
             if tok not in ids:
                 ids.append(tok)
+    tok = tokenizer_eos_token_id(tokenizer_dir) if tokenizer_dir and os.path.isdir(tokenizer_dir) else None
+    if tok is not None and tok not in ids and (not vocab_size or tok < vocab_size):
+        ids.append(tok)
     return ids
+
+
+def tokenizer_eos_token_id(tokenizer_dir: str) -> int | None:
+    """The id of the tokenizer's eos_token, read from its JSON files (the parent resolves the
+    config without importing transformers): tokenizer_config.json (or special_tokens_map.json)
+    names the token, its added_tokens_decoder or tokenizer.json gives the id."""
+    name = None
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(tokenizer_dir, file)
+        if name is None and os.path.isfile(path):
+            name = read_json_object(path).get("eos_token")
+    if isinstance(name, dict):   # an AddedToken: {"content": "</s>", ...}
+        name = name.get("content")
+    if not isinstance(name, str):
+        return None
+    config_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        for tok_id, tok in (read_json_object(config_path).get("added_tokens_decoder") or {}).items():
+            if isinstance(tok, dict) and tok.get("content") == name and str(tok_id).isdigit():
+                return int(tok_id)
+    tok_path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    tok_json = read_json_object(tok_path)
+    for tok in tok_json.get("added_tokens") or []:
+        if isinstance(tok, dict) and tok.get("content") == name and type(tok.get("id")) is int:
+            return tok["id"]
+    vocab = (tok_json.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and type(vocab.get(name)) is int:
+        return vocab[name]
+    if isinstance(vocab, list):   # Unigram: [[piece, score], ...]
+        for i, entry in enumerate(vocab):
+            if isinstance(entry, list) and entry and entry[0] == name:
+                return i
+    return None
 
 
 # a tokenizer directory holds at least one of these (transformers builds an empty tokenizer

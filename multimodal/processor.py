@@ -77,7 +77,8 @@ class MultiModalProcessor:
         with self._lock:
             if self._image_processor is None:
                 from transformers import AutoImageProcessor
-                self._image_processor = AutoImageProcessor.from_pretrained(self.config.model)
+                self._image_processor = AutoImageProcessor.from_pretrained(
+                    self.config.model, trust_remote_code=self.config.trust_remote_code)
             return self._image_processor
 
     async def off_loop(self, fn, *args):

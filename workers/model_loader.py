@@ -90,6 +90,39 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
+def pytorch_bin_files(model_dir: str) -> list[str]:
+    """The PyTorch checkpoint files (read only when there are no safetensors), natural-sorted:
+    the shards in pytorch_model.bin.index.json, else every pytorch_model*.bin."""
+    index = os.path.join(model_dir, "pytorch_model.bin.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted((os.path.join(model_dir, name) for name in set(weight_map.values())), key=natural_key)
+    return sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")), key=natural_key)
+
+
+def iterate_checkpoint(model_dir: str, device: torch.device | str) -> Iterator[tuple[str, object]]:
+    """(name, tensor or lazy slice) of every checkpoint tensor: the safetensors files, else
+    (vLLM's order) the PyTorch .bin files."""
+    try:
+        return iterate_safetensors(safetensors_files(model_dir), device)
+    except FileNotFoundError:
+        files = pytorch_bin_files(model_dir)
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin checkpoint in {model_dir!r} "
+                                    "(use load_format='dummy' for random weights)") from None
+        return iterate_pytorch_bin(files)
+
+
+def iterate_pytorch_bin(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of .bin files, memory-mapped; weights_only=True: a pickle
+    may hold tensors and plain containers only, never code to run."""
+    for path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()
+        del state
+
+
 def iterate_safetensors(files: list[str], device: torch.device | str) -> Iterator[tuple[str, object]]:
     """(name, lazy slice) of every tensor: the parameter's weight loader reads only its rank's
     rows or columns from the memory-mapped file."""
@@ -147,7 +180,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     mode with requires_grad off.
 
     load_format: "auto"/"safetensors" read the safetensors files (tensors go
-    straight to the device); "dummy" needs only config.json and fills
+    straight to the device), or the .bin files of a checkpoint without any; "dummy" needs only config.json and fills
     deterministic random weights."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
@@ -156,5 +189,5 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(iterate_safetensors(safetensors_files(model_dir), device))
+        model.load_weights(iterate_checkpoint(model_dir, device))
     return model

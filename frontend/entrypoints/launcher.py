@@ -29,6 +29,7 @@ from engine_core.core import check_handshake_security
 from frontend.entrypoints.dp_coordinator import DPCoordinator
 from frontend.entrypoints.args import engine_config_from_args
 from frontend.entrypoints.dp_layout import DPLayout
+from frontend.entrypoints.model_download import resolve_hub_model
 from ipc.procs import catch_stop_signals, request_drain, start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
@@ -80,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format="%(asctime)s loom %(levelname)s %(message)s")
     try:
-        config = engine_config_from_args(args).resolve(multimodal_info)
+        config = resolve_hub_model(engine_config_from_args(args)).resolve(multimodal_info)
         auth_key = _check_args(args, config)
         run_id()  # exported: every child names its shm segments with this run's id
         raise_open_file_limit()   # inherited by every child: each HTTP connection is a descriptor

@@ -16,6 +16,7 @@ from frontend.engine_client import EngineCoreClient
 from frontend.inproc_client import InprocClient
 from ipc import envs
 from ipc.config import EngineConfig
+from frontend.entrypoints.model_download import resolve_hub_model
 from ipc.control import merge_results
 from engine_core.core import run_engine_core
 from ipc.data_parallel import DPRank
@@ -66,7 +67,8 @@ class LLM:
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...).
         multiprocess=False: the engine core and one worker in this process, stepped in the
         caller's thread (default: LOOM_ENABLE_MULTIPROCESSING, else True)."""
-        self.config = EngineConfig(model=model, **options).resolve(multimodal_info)
+        # a Hub id becomes its snapshot's directory here, once: the processes started get that
+        self.config = resolve_hub_model(EngineConfig(model=model, **options)).resolve(multimodal_info)
         self.multiprocess = multiprocess_default() if multiprocess is None else multiprocess
         if not self.multiprocess and (self.config.tensor_parallel_size > 1 or self.config.data_parallel_size > 1):
             raise ValueError("multiprocess=False (LOOM_ENABLE_MULTIPROCESSING=0) runs one engine with one worker: "

@@ -119,10 +119,10 @@ class _Tokenizers:
     token strings), and large inputs while no tokenizer process can be had, run in a second
     thread. Each thread has its own tokenizer (a HF fast tokenizer is not safe to share)."""
 
-    def __init__(self, tokenizer, source: str | None):
+    def __init__(self, tokenizer, source: str | None, trust_remote_code: bool = False):
         self.small = (ThreadPoolExecutor(1, thread_name_prefix="loom-tokenize"), tokenizer)
         self.large = (ThreadPoolExecutor(1, thread_name_prefix="loom-tokenize-large"), copy.deepcopy(tokenizer))
-        self.process = TokenizerProcess(source) if source else None
+        self.process = TokenizerProcess(source, trust_remote_code) if source else None
 
     async def run(self, size: int, fn, *args, **kwargs):
         """fn(tokenizer, *args, **kwargs) in the thread for an input of `size` characters (or bytes)."""
@@ -170,7 +170,8 @@ class OpenAIServer:
         self.limits = Limits.of(self.config)
         self.model_name = self.config.model_name
         self.created = now()
-        self.tokenizers = _Tokenizers(self.tokenizer, getattr(llm, "tokenizer_source", None))
+        self.tokenizers = _Tokenizers(self.tokenizer, getattr(llm, "tokenizer_source", None),
+                                      self.config.trust_remote_code)
         self.handling = 0      # requests whose handler runs (shutdown waits for their last bytes)
         fmt = self.options.chat_template_content_format
         self.content_format = (detect_content_format(getattr(self.tokenizer, "chat_template", None))

@@ -190,12 +190,12 @@ def _close_inherited_descriptors() -> None:
             pass
 
 
-def main(path: str, parent: int) -> None:
+def main(path: str, parent: int, trust_remote_code: bool = False) -> None:
     _close_inherited_descriptors()
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is `loom serve`'s to handle; we die with our parent
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     inp, out = sys.stdin.fileno(), sys.stdout.fileno()
     _write_all(out, _frame(Ready()))
     while True:
@@ -217,8 +217,8 @@ class TokenizerProcess:
     """One lane: jobs run one at a time, in order. run() returns None when no tokenizer process
     can be had (the caller then tokenizes in-process)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, trust_remote_code: bool = False):
+        self.path, self.trust_remote_code = path, trust_remote_code
         self.proc: asyncio.subprocess.Process | None = None
         self._starting: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -285,6 +285,7 @@ class TokenizerProcess:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false")   # no thread pool to fork with
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "frontend.openai.tokenizer_proc", self.path, str(os.getpid()),
+                str(int(self.trust_remote_code)),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             if not isinstance(await self._read(proc), Ready):
                 raise RuntimeError("no READY")
@@ -338,4 +339,4 @@ class TokenizerProcess:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["1"])
