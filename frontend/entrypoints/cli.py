@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=None,
                       help="optimizer steps; None: the builder's DEFAULT_STEPS (200, frontend/tools/demo_model.py; "
                            "700 with --vision, frontend/tools/demo_vision_model.py)")
+    demo.add_argument("--seed", type=int, default=0, help="training seed")
     demo.add_argument("--vision", action="store_true",
                       help="build the vision demo instead: a tiny Qwen2.5-VL trained on generated pictures of "
                            "coloured shapes, that names the colour and shape (2-3 min on 2 CPU cores)")
@@ -101,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
             if args.vision:
                 from frontend.tools.demo_vision_model import build_demo_vision_model
-                build_demo_vision_model(args.dir, steps=args.steps)
+                build_demo_vision_model(args.dir, steps=args.steps, seed=args.seed)
             else:
                 from frontend.tools.demo_model import build_demo_model
-                build_demo_model(args.dir, steps=args.steps)
+                build_demo_model(args.dir, steps=args.steps, seed=args.seed)
             return 0
         if args.command == "bench":
             return args.func(args)

@@ -56,12 +56,6 @@ def longest_first(max_tokens: Sequence[int]) -> list[int]:
     return sorted(range(len(max_tokens)), key=lambda k: -max_tokens[k])
 
 
-def multiprocess_default() -> bool:
-    """LOOM_ENABLE_MULTIPROCESSING=0: the engine in the calling process (vLLM's
-    VLLM_ENABLE_V1_MULTIPROCESSING); anything else, or unset, the engine-core process."""
-    return envs.LOOM_ENABLE_MULTIPROCESSING
-
-
 class LLM:
     def __init__(self, model: str, multiprocess: bool | None = None, **options):
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...).
@@ -69,7 +63,7 @@ class LLM:
         caller's thread (default: LOOM_ENABLE_MULTIPROCESSING, else True)."""
         # a Hub id becomes its snapshot's directory here, once: the processes started get that
         self.config = resolve_hub_model(EngineConfig(model=model, **options)).resolve(multimodal_info)
-        self.multiprocess = multiprocess_default() if multiprocess is None else multiprocess
+        self.multiprocess = envs.LOOM_ENABLE_MULTIPROCESSING if multiprocess is None else multiprocess
         if not self.multiprocess and (self.config.tensor_parallel_size > 1 or self.config.data_parallel_size > 1):
             raise ValueError("multiprocess=False (LOOM_ENABLE_MULTIPROCESSING=0) runs one engine with one worker: "
                              "it takes neither tensor_parallel_size > 1 nor data_parallel_size > 1")

@@ -19,7 +19,7 @@ same arguments produce byte-identical ``model.safetensors``.
 
 Manual run::
 
-    python -m frontend.tools.demo_model OUT_DIR [--steps N] [--seed S]
+    loom demo-model OUT_DIR [--steps N] [--seed S]
 """
 
 from __future__ import annotations
@@ -400,19 +400,3 @@ def _save(model, hf_tok, out_dir: str, eot_id: int, im_end_id: int) -> None:
         path = os.path.join(out_dir, name)
         if os.path.isfile(path):
             os.chmod(path, 0o644)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description="Build the tiny Zen-of-Python Qwen3 demo model.")
-    p.add_argument("out_dir", help="the model directory to write")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {DEFAULT_STEPS})")
-    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    build_demo_model(args.out_dir, steps=args.steps, seed=args.seed)
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ algorithms make the build reproducible.
 
 Manual run::
 
-    python -m frontend.tools.demo_vision_model OUT_DIR [--steps N] [--seed S]
+    loom demo-model --vision OUT_DIR [--steps N] [--seed S]
 """
 from __future__ import annotations
 
@@ -198,18 +198,3 @@ def build_demo_vision_model(out_dir: str, steps: int | None = None, seed: int = 
     with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
         json.dump({"processor_class": "Qwen2_5_VLProcessor"}, f)
     logger.info("vision demo model written to %s in %.1fs", out_dir, time.monotonic() - t0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    p = argparse.ArgumentParser(description="Build the tiny coloured-shapes Qwen2.5-VL demo model.")
-    p.add_argument("out_dir", help="the model directory to write")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {DEFAULT_STEPS})")
-    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    build_demo_vision_model(args.out_dir, steps=args.steps, seed=args.seed)
-
-
-if __name__ == "__main__":
-    main()
