@@ -19,6 +19,8 @@ from ipc.sockets import free_tcp_port
 from tests.conftest import shm_entries
 from tests.hf_oracle import hf_greedy
 
+ENGINE_IN_PROCESS = True   # weights and outputs only: the engine in the test process (tests/conftest.py engine_in_process)
+
 PROMPTS = [[11, 12, 13, 14], [50, 60, 70], [101, 102, 103, 104, 105, 106]]
 LONG = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
@@ -288,7 +290,7 @@ def test_trainer_group_at_tensor_parallel_2(model_factory):
     def gen(llm):
         return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                use_tqdm=False)]
-    llm = LLM(a, tensor_parallel_size=2, max_model_len=64, block_size=4)
+    llm = LLM(a, tensor_parallel_size=2, max_model_len=64, block_size=4, multiprocess=True)   # two ranks: processes
     port = free_tcp_port()
     trainer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_rl_trainer.py"), str(port), "3",
                                 "tp_group", b], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
