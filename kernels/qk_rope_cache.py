@@ -28,10 +28,10 @@ def qk_norm_rope_cache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
                            cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
                            k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                           mrope_section: tuple[int, ...] | None = None) -> torch.Tensor:
+                           mrope_section: tuple[int, ...] | None = None, is_neox_style: bool = True) -> torch.Tensor:
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache, mrope_section)
+    q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache, mrope_section, is_neox_style)
     write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping)
     return q
 
@@ -125,14 +125,14 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                        cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
                        k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                       mrope_section: tuple[int, ...] | None = None) -> torch.Tensor:
+                       mrope_section: tuple[int, ...] | None = None, is_neox_style: bool = True) -> torch.Tensor:
     """Triton version of qk_norm_rope_cache_ref (same arguments, same results).
 
     q_weight / k_weight: the per-head RMSNorm weights [D] (both or neither).
     positions: [T], or [3, T] with mrope_section (M-RoPE)."""
-    if not runs_triton(_qk_norm_rope_cache_kernel, q):
+    if not is_neox_style or not runs_triton(_qk_norm_rope_cache_kernel, q):  # TODO(rope helper): GPT-J style
         return qk_norm_rope_cache_ref(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
-                                      q_weight, k_weight, eps, mrope_section)
+                                      q_weight, k_weight, eps, mrope_section, is_neox_style)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)

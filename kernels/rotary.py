@@ -65,13 +65,19 @@ def build_rope_cache(head_dim: int, max_position: int, base: float, rope_scaling
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
 
 
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True) -> torch.Tensor:
+    """NeoX style rotates the halves [x1 | x2] of the rotary dims; GPT-J style (GLM, Cohere)
+    rotates the interleaved pairs (x[2i], x[2i+1]), frequency i turning pair i."""
     half = cos.shape[-1]
     rot = 2 * half
     xf = x[..., :rot].float()
-    x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2).to(x.dtype)
     if rot < x.shape[-1]:
         out = torch.cat([out, x[..., rot:]], dim=-1)
     return out
@@ -92,9 +98,9 @@ def mrope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
 
 
 def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         cos_sin_cache: torch.Tensor, mrope_section: tuple[int, ...] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         cos_sin_cache: torch.Tensor, mrope_section: tuple[int, ...] | None = None,
+                         is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """positions int64 [T] (or [3, T] with mrope_section), query [T, Hq, D], key [T, Hkv, D]
     -> new (query, key)."""
     cos, sin = mrope_cos_sin(positions, cos_sin_cache, mrope_section)
-    return _rotate_ref(query, cos, sin), _rotate_ref(key, cos, sin)
+    return _rotate_ref(query, cos, sin, is_neox_style), _rotate_ref(key, cos, sin, is_neox_style)

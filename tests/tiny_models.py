@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -30,12 +31,20 @@ def make_tokenizer(out_dir: str, vocab_size: int = 320):
     return fast
 
 
-_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+class TinyArch(NamedTuple):
+    config: str            # the transformers config class
+    model: str             # the transformers model class (config.json's `architectures[0]`)
+    extra: dict            # config overrides that make the tiny model exercise the architecture
+    path: str = "loom"     # what serves it: Loom's own file ("loom") or the generic path ("transformers")
+
+
+# name -> the architecture's tiny model; tests/test_arch_parity.py checks each against HF
+ARCHS: dict[str, TinyArch] = {
+    "llama": TinyArch("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
 
 
@@ -44,7 +53,7 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **override
     import transformers
     os.makedirs(out_dir, exist_ok=True)
     tok = make_tokenizer(out_dir)
-    cfg_name, model_name, extra = _ARCHS[arch]
+    cfg_name, model_name, extra, _ = ARCHS[arch]
     kw = dict(vocab_size=len(tok) + 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               tie_word_embeddings=False, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),

@@ -37,10 +37,18 @@ class Attention(nn.Module):
     """Attention of this step's queries over the paged cache (which already holds
     this step's keys and values: see layers.qk_norm_rope_cache)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        """sliding_window: a query sees only the last `sliding_window` keys, its own included (HF's
+        convention); logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        # TODO(attention helper): the kernels take the window; until then the engine caps
+        # --max-model-len at it (ipc/config.py), where full attention is the same
+        if logits_soft_cap is not None:  # TODO(attention helper)
+            raise NotImplementedError("soft-capped attention is not implemented yet")
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from workers.distributed import LogitsShard, tp_rank, tp_size
 from workers.models import layers
 from workers.models.layers import (ColumnParallelLinear, KVCache, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                    Shard, VocabParallelEmbedding, get_head_dim, get_num_kv_heads, get_rope_params,
-                                   heads_of_rank, split_shards)
+                                   heads_of_rank, layer_sliding_window, split_shards)
 from workers.models.weights import STACKED_PARAMS, load_weights
 
 
@@ -52,7 +52,11 @@ class SelfAttention(nn.Module):
     and k otherwise projects with qkv_proj itself, then calls split_qkv and attend."""
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, o_norm_slot: int | None = 0):
+                 qk_norm: bool, o_norm_slot: int | None = 0, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None, scale: float | None = None):
+        """sliding_window: this layer's window (layers.layer_sliding_window), None: full attention;
+        logits_soft_cap: attention scores become cap * tanh(scores / cap) (Gemma 2);
+        scale: the score scale, head_dim ** -0.5 unless the model says otherwise."""
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
         self.head_dim = get_head_dim(config)
@@ -72,7 +76,9 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # shared instance
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale,
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 norm: RMSNorm, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,17 +102,19 @@ class SelfAttention(nn.Module):
         norms = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.per_head_qk_norm
                  else (None, None, 0.0))
         q = layers.qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
-                                      *norms, mrope_section=self.rotary_emb.mrope_section)
+                                      *norms, mrope_section=self.rotary_emb.mrope_section,
+                                      is_neox_style=self.rotary_emb.is_neox_style)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
 
 class DecoderLayer(nn.Module):
     """The pre-norm block (Llama, Mistral, Qwen2, Qwen3): x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int, *, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, mlp_bias: bool):
         super().__init__()
-        self.self_attn = SelfAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.self_attn = SelfAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+                                       sliding_window=layer_sliding_window(config, layer_idx))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -118,15 +126,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding -> layers -> final norm. `make_layer(config, rotary_emb)` builds one layer, a
-    module called as layer(positions, hidden, residual, kv_cache, meta) -> (hidden, residual)."""
+    """Embedding -> layers -> final norm. `make_layer(config, rotary_emb, layer_idx)` builds one
+    layer, a module called as layer(positions, hidden, residual, kv_cache, meta) -> (hidden, residual)."""
 
-    def __init__(self, config, make_layer: Callable[[object, RotaryEmbedding], nn.Module]):
+    def __init__(self, config, make_layer: Callable[[object, RotaryEmbedding, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(get_head_dim(config), config.max_position_embeddings,
                                           get_rope_params(config))
-        self.layers = nn.ModuleList(make_layer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(config, self.rotary_emb, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -128,6 +128,23 @@ def get_rope_params(config) -> dict:
     return out
 
 
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The sliding window layer `layer_idx` attends within, or None (full attention): from
+    `layer_types` where the config lists them (Gemma 2/3, newer Qwen2 and Mistral configs),
+    else Qwen2's `use_sliding_window` from layer `max_window_layers` on, else every layer
+    (Mistral's `sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if hasattr(config, "use_sliding_window"):
+        if not config.use_sliding_window or layer_idx < getattr(config, "max_window_layers", 0):
+            return None
+    return int(window)
+
+
 # ------------------------------------------------------------------------ layers
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -153,9 +170,10 @@ class RotaryEmbedding(nn.Module):
     rope_type: "default", "linear" or "llama3" (as HF's
     `_compute_llama3_parameters`). Other types raise NotImplementedError."""
 
-    def __init__(self, head_size: int, max_position: int, rope_params: dict):
+    def __init__(self, head_size: int, max_position: int, rope_params: dict, is_neox_style: bool = True):
         super().__init__()
         self.head_size = head_size
+        self.is_neox_style = is_neox_style  # False: GPT-J style, interleaved pairs (GLM, Cohere)
         factor = rope_params.get("partial_rotary_factor", 1.0) or 1.0
         self.rotary_dim = int(head_size * factor)
         self.rope_params = dict(rope_params)

@@ -16,7 +16,8 @@ from torch import nn
 from workers.attention import AttentionMetadata
 from workers.distributed import all_reduce, tp_rank, tp_size
 from workers.models.blocks import DecoderForCausalLM, DecoderModel, GatedMLP, SelfAttention
-from workers.models.layers import KVCache, RMSNorm, RotaryEmbedding, get_num_kv_heads, heads_of_rank
+from workers.models.layers import (KVCache, RMSNorm, RotaryEmbedding, get_num_kv_heads, heads_of_rank,
+                                   layer_sliding_window)
 
 
 def rms_norm_across_ranks(x: torch.Tensor, norm: RMSNorm, start: int) -> torch.Tensor:
@@ -34,10 +35,11 @@ def rms_norm_across_ranks(x: torch.Tensor, norm: RMSNorm, start: int) -> torch.T
 class Olmo2Attention(SelfAttention):
     """SelfAttention with q_norm / k_norm over the whole q / k projection instead of per head."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int):
         bias = bool(getattr(config, "attention_bias", False))
         # o_norm_slot None: the post-norm takes o_proj's sum as a tensor, not a deferred PendingSum
-        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False, o_norm_slot=None)
+        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False, o_norm_slot=None,
+                         sliding_window=layer_sliding_window(config, layer_idx))
         total_kv_heads = get_num_kv_heads(config)
         _, _, kv_start = heads_of_rank(config.num_attention_heads, total_kv_heads, tp_rank(), tp_size())
         self.q_start, self.k_start = tp_rank() * self.q_size, kv_start * self.head_dim
@@ -57,9 +59,9 @@ class Olmo2DecoderLayer(nn.Module):
     pre-norm layers': the output is hidden + residual, added where the next layer (or the
     model's final norm) reads it."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        self.self_attn = Olmo2Attention(config, rotary_emb)
+        self.self_attn = Olmo2Attention(config, rotary_emb, layer_idx)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, norm_slot=None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
