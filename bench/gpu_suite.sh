@@ -34,6 +34,10 @@ for section in "$@"; do case $section in
                  python3 -m ipc.profiling "$OUT/prof" 18 | cut -c1-150 > "$OUT/profile.txt"; head -c 6000 "$OUT/profile.txt" ;;
   qwen3-hf) run qwen3-vs-hf 300 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --compare-hf ;;
   llama8b) run llama8b-throughput 300 $LOOM bench throughput --preset llama-3.1-8b ;;
+  models) # issue 44: Mistral-7B and Gemma-2-9B shapes against Llama-3.1-8B scaled by parameter bytes
+          for p in llama-3.1-8b mistral-7b gemma-2-9b; do
+            run tput-$p 400 $LOOM bench throughput --preset $p --output-json "$OUT/tput-$p.json"; done
+          python3 -m bench.model_ratios "$OUT" ;;
   llama8b-latency) run llama8b-latency 200 $LOOM bench latency --preset llama-3.1-8b --iters 3 ;;
   serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
          $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 & pid=$!

@@ -79,6 +79,24 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-70b": {**_LLAMA3_COMMON, "head_dim": 128, "hidden_size": 8192, "intermediate_size": 28672,
                       "num_hidden_layers": 80, "num_attention_heads": 64, "rope_scaling": _llama3_rope(8.0),
                       "tie_word_embeddings": False, "transformers_version": "4.43.0.dev0"},
+    # Mistral-7B-v0.3 (v0.2 on: no sliding window)
+    "mistral-7b": {**_LLAMA3_COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                   "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128, "hidden_size": 4096,
+                   "intermediate_size": 14336, "num_hidden_layers": 32, "max_position_embeddings": 32768,
+                   "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                   "vocab_size": 32768, "transformers_version": "4.42.0.dev0"},
+    # Gemma-2-9B: sandwich norms, GeGLU, soft-capped attention and logits, local (4,096) and global
+    # layers alternating, head_dim 256, a 256k vocabulary tied to the embedding
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1,
+        "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 42,
+        "num_key_value_heads": 8, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000,
+    },
     # Qwen2.5-VL-7B-Instruct (the Hub's config.json layout; transformers 5 reads it into
     # text_config / vision_config): a 32-block ViT (windowed but for 4 full-attention blocks)
     # in front of a Qwen2-7B-shaped language model with M-RoPE.
@@ -118,6 +136,8 @@ _QWEN_VL_TEMPLATE = (
 _SPECIAL = {
     "qwen3": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"},
     "llama": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>"},
+    "mistral": {2: "</s>", 1: "<s>"},
+    "gemma2": {1: "<eos>", 2: "<bos>", 0: "<pad>", 106: "<start_of_turn>", 107: "<end_of_turn>"},
     "qwen2_5_vl": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
                    151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
                    151655: "<|image_pad|>", 151656: "<|video_pad|>"},
@@ -132,6 +152,8 @@ def num_params(cfg: dict) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
     if cfg["model_type"] == "qwen3":
         per_layer += 2 * d  # q_norm, k_norm
+    if cfg["model_type"] == "gemma2":
+        per_layer += 2 * h  # the pre-feedforward and post-feedforward norms
     vision = 0
     if "vision_config" in cfg:  # ViT blocks + patch embedding + merger, roughly
         vc = cfg["vision_config"]
@@ -176,7 +198,7 @@ def write_preset(name: str, out_dir: str) -> str:
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f, indent=2)
     tok = write_tokenizer(out_dir, cfg["vocab_size"], _SPECIAL[cfg["model_type"]], cfg["eos_token_id"],
-                          cfg["bos_token_id"] if cfg["model_type"] == "llama" else None)
+                          cfg["bos_token_id"] if cfg["model_type"] in ("llama", "mistral", "gemma2") else None)
     if "vision_config" in cfg:  # the image processor and a chat template that places images
         with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
             json.dump(_QWEN_VL_PREPROCESSOR, f, indent=2)
