@@ -33,7 +33,7 @@ _KERNELS = {
     "paged_attention": ["_paged_attention_kernel", "_split_kv_reduce_kernel"],
     "rms_norm": ["_rms_norm_kernel"],
     "rotary": [],
-    "activation": ["_silu_and_mul_kernel"],
+    "activation": ["_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
@@ -619,6 +619,18 @@ def test_silu_and_mul(dtype):
     out = act.silu_and_mul(x)
     assert out.shape == (5, 80) and out.dtype == dtype
     torch.testing.assert_close(out, act.silu_and_mul_ref(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype):
+    """GeGLU (Gemma): HF's gelu_pytorch_tanh on the gate, over a range that reaches both tails."""
+    g = _gen(6)
+    x = _randn(5, 2 * 80, dtype=dtype, g=g, scale=4.0)
+    x[0, :4] = torch.tensor([-30.0, -8.0, 8.0, 30.0], dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    out = act.gelu_tanh_and_mul(x)
+    assert out.shape == (5, 80) and out.dtype == dtype
+    torch.testing.assert_close(out, act.gelu_tanh_and_mul_ref(x), **tol)
 
 
 # --------------------------------------------------------------------------

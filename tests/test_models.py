@@ -37,13 +37,23 @@ def make_config(arch: str, **overrides):
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
-           "Olmo2ForCausalLM": transformers.Olmo2Config}[arch]
+           "Olmo2ForCausalLM": transformers.Olmo2Config,
+           "GemmaForCausalLM": transformers.GemmaConfig,
+           "Gemma2ForCausalLM": transformers.Gemma2Config,
+           "Gemma3ForCausalLM": transformers.Gemma3TextConfig}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
+    if arch.startswith("Gemma"):   # the tiny models' extras (tests/tiny_models.py)
+        base.update(_tiny_extra(arch))
     base.update(overrides)
     return cls(**base)
+
+
+def _tiny_extra(arch: str) -> dict:
+    from tests.tiny_models import ARCHS
+    return next(dict(a.extra) for a in ARCHS.values() if a.model == arch)
 
 
 def make_hf_model(config, seed: int = 0):
@@ -170,6 +180,13 @@ CASES = {
     "mistral-head-dim": ("MistralForCausalLM", {"head_dim": 32}),
     "olmo2": ("Olmo2ForCausalLM", {}),
     "olmo2-mha": ("Olmo2ForCausalLM", {"num_key_value_heads": 4}),
+    "gemma": ("GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2ForCausalLM", {}),
+    "gemma2-tied": ("Gemma2ForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
+    "gemma3": ("Gemma3ForCausalLM", {}),
+    "gemma3-local-rope": ("Gemma3ForCausalLM", {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
 }
 
 

@@ -45,6 +45,16 @@ ARCHS: dict[str, TinyArch] = {
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
     "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma": TinyArch("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # sliding layers 0 and 2, global 1 and 3; window above the prompts until the kernels take it
+    "gemma2": TinyArch("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 4, "query_pre_attn_scalar": 24, "sliding_window": 128,
+        "attn_logit_softcapping": None, "final_logit_softcapping": 5.0}),
+    "gemma3": TinyArch("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 4, "query_pre_attn_scalar": 24, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
 }
 
 

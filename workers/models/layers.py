@@ -4,7 +4,7 @@ Models compose them into decoder layers in workers/models/blocks.py, or in their
 where their layer differs (workers/models/olmo2.py); docs/adding_a_model.md says how.
 
 Every hot op goes through one module-level name (`rms_norm`,
-`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`): the plain-torch
+`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`, `gelu_tanh_and_mul`): the plain-torch
 reference from kernels/ by default, rebound to the Triton kernel by
 use_triton_kernels(). The layers look the name up at run time, so nothing else
 changes. On the Triton path, linears of decode-sized batches (up to
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipc import envs
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.embedding import vocab_parallel_embedding
 from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -48,13 +48,15 @@ rms_norm = rms_norm_ref
 fused_add_rms_norm = fused_add_rms_norm_ref
 qk_norm_rope_cache = qk_norm_rope_cache_ref  # per-head q/k norm, rotary, then the KV-cache write
 silu_and_mul = silu_and_mul_ref
+gelu_tanh_and_mul = gelu_tanh_and_mul_ref  # GeGLU (Gemma); no GEMV fusion
 gemv = None           # kernels.gemv.gemv on the Triton path (use_triton_kernels)
 gemv_max_rows = 0
 
 
 # ------------------------------------------------------------------ config helpers
 _TORCH_REFERENCES = dict(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
-                         qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul, gemv=None,
+                         qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul,
+                         gelu_tanh_and_mul=gelu_tanh_and_mul, gemv=None,
                          gemv_max_rows=0)
 
 
@@ -74,7 +76,8 @@ def use_triton_kernels() -> None:
     from kernels import rms_norm as triton_norm
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
-                     silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
+                     silu_and_mul=activation.silu_and_mul, gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
+                     qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
     if envs.LOOM_GEMV:
         from kernels import gemv as gemv_kernel
         globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_DECODE_ROWS)
@@ -102,17 +105,21 @@ def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tu
     return num_heads // size, 1, rank * num_kv_heads // size
 
 
-def get_rope_params(config) -> dict:
-    """The rope parameters as one flat dict with at least `rope_theta` and
+def get_rope_params(config, layer_type: str = "full_attention") -> dict:
+    """The rope parameters of a layer type ("full_attention", or "sliding_attention" where local
+    layers rotate otherwise: Gemma 3) as one flat dict with at least `rope_theta` and
     `rope_type`, from either layout:
 
     * transformers 5: `config.rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`
-      (possibly keyed per layer type; we take "full_attention");
+      (possibly keyed per layer type);
     * older configs: `config.rope_theta` plus `config.rope_scaling` (None, or a
-      dict with "rope_type" or the older "type")."""
+      dict with "rope_type" or the older "type"); Gemma 3's local layers: `rope_local_base_freq`
+      and no scaling."""
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        return {"rope_theta": float(config.rope_local_base_freq), "rope_type": "default"}
     out: dict = {}
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
@@ -161,6 +168,44 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x_normed * (1 + w) in float32 (HF's GemmaRMSNorm). The weight loader
+    stores 1 + w (added in float32, rounded once), so the norm kernels, the GEMV's fused norm
+    prologue and the all-reduce norm all serve it unchanged. Every write of the weight goes
+    through the loader: the checkpoint, weight updates (partial loads, workers/weight_update.py),
+    and the TP dummy weights; init_dummy_weights fills each RMSNorm with 1, which here is the
+    stored value of HF's initial w = 0 (scale 1 either way). In bf16 the stored 1 + w is rounded
+    to bf16 (HF keeps it in float32): a difference of at most half a bf16 ulp of the scale."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        _set_loader(self.weight, one_plus_loader, self.weight.shape)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm in float32 (mean-subtracted; `bias` optional: Cohere has none, StableLM has one),
+    rounded to the input's dtype once, with RMSNorm's calling convention (with `residual`:
+    x + residual is normed and (out, new_residual) returned)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.weight = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False))
+        self.bias = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        x = x + residual
+        return layer_norm(x, self.weight, self.bias, self.eps), x
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """F.layer_norm over the last dim of x (weight and bias of that size) in float32."""
+    return F.layer_norm(x.float(), weight.shape, weight.float(), None if bias is None else bias.float(),
+                        eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -222,6 +267,13 @@ def replicated_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     """Every rank holds the whole tensor (norms, row-parallel biases)."""
     _check_shape(loaded, param.shape)
     param.data.copy_(_narrow(loaded, 0, 0, param.shape[0]))
+
+
+@torch.no_grad()
+def one_plus_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Replicated, storing 1 + w (GemmaRMSNorm)."""
+    _check_shape(loaded, param.shape)
+    param.data.copy_(_narrow(loaded, 0, 0, param.shape[0]).float() + 1)
 
 
 def replicated(param: nn.Parameter) -> nn.Parameter:

@@ -22,6 +22,9 @@ class ModelEntry(NamedTuple):
 
 
 MODELS: dict[str, ModelEntry] = {
+    "GemmaForCausalLM": ModelEntry("gemma"),
+    "Gemma2ForCausalLM": ModelEntry("gemma2"),
+    "Gemma3ForCausalLM": ModelEntry("gemma3"),
     "LlamaForCausalLM": ModelEntry("llama"),
     "MistralForCausalLM": ModelEntry("llama"),
     "Olmo2ForCausalLM": ModelEntry("olmo2"),
