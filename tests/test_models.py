@@ -321,6 +321,31 @@ def test_dummy_load_needs_only_config(tmp_path):
     assert torch.isfinite(out).all()
 
 
+def test_gemma_norms_store_one_plus_w_in_every_load(tmp_path):
+    """Gemma's (1 + w) norms keep 1 + w: from the checkpoint, from a weight update (a partial
+    load), read back as w by name, and as dummy weights (1: HF's initial w = 0)."""
+    from workers.weight_update import WeightUpdater
+    cfg = make_config("Gemma3ForCausalLM")
+    hf = make_hf_model(cfg)
+    ours = load_model(save(hf, tmp_path / "ckpt"), torch.float32, "cpu")
+    for name in ("model.layers.0.pre_feedforward_layernorm.weight", "model.layers.1.self_attn.k_norm.weight",
+                 "model.norm.weight"):
+        torch.testing.assert_close(ours.get_parameter(name), 1 + hf.get_parameter(name))
+    name = "model.layers.0.post_feedforward_layernorm.weight"
+    w = torch.linspace(-0.5, 0.5, cfg.hidden_size)
+    ours.load_weights([(name, w)], partial=True)
+    torch.testing.assert_close(ours.get_parameter(name), 1 + w)
+    from types import SimpleNamespace
+    runner = SimpleNamespace(model=ours, weights_dir=str(tmp_path / "ckpt"),
+                             config=SimpleNamespace(load_format="auto", weight_update_join_timeout_s=1))
+    updater = WeightUpdater(runner, 0)
+    torch.testing.assert_close(torch.tensor(updater.get_weights_by_name(name, 4)["values"]), w[:4])
+    cfg.save_pretrained(str(tmp_path / "dummy"))
+    dummy = load_model(str(tmp_path / "dummy"), torch.float32, "cpu", load_format="dummy")
+    norms = [p for n, p in dummy.named_parameters() if "norm" in n]
+    assert len(norms) == cfg.num_hidden_layers * 6 + 1 and all(bool((p == 1).all()) for p in norms)
+
+
 def test_bf16_build(tmp_path):
     cfg = make_config("LlamaForCausalLM")
     cfg.save_pretrained(str(tmp_path))

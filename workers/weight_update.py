@@ -313,7 +313,8 @@ class WeightUpdater:
         elif isinstance(module, VocabParallelEmbedding):      # padding rows past the vocabulary dropped
             dim, start = 0, module.vocab_start
             t = t[:max(0, min(module.part, module.vocab_size - start))]
-        return {"dim": dim, "start": start, "values": t[:truncate_size].float().cpu().tolist()}
+        t = t[:truncate_size].float() - getattr(self.model.get_parameter(pname), "stored_offset", 0.0)
+        return {"dim": dim, "start": start, "values": t.cpu().tolist()}
 
 
 def join_trainer_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,

@@ -182,6 +182,7 @@ class GemmaRMSNorm(RMSNorm):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
         _set_loader(self.weight, one_plus_loader, self.weight.shape)
+        self.weight.stored_offset = 1.0   # stored = checkpoint + 1 (get_weights_by_name reads back w)
 
 
 class LayerNorm(nn.Module):
