@@ -40,13 +40,16 @@ def make_config(arch: str, **overrides):
            "Olmo2ForCausalLM": transformers.Olmo2Config,
            "GemmaForCausalLM": transformers.GemmaConfig,
            "Gemma2ForCausalLM": transformers.Gemma2Config,
-           "Gemma3ForCausalLM": transformers.Gemma3TextConfig}[arch]
+           "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+           "Phi3ForCausalLM": transformers.Phi3Config}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
     if arch.startswith("Gemma"):   # the tiny models' extras (tests/tiny_models.py)
         base.update(_tiny_extra(arch))
+    if arch == "Phi3ForCausalLM":   # its default special ids lie past the tiny vocabulary
+        base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
     base.update(overrides)
     return cls(**base)
 
@@ -187,6 +190,8 @@ CASES = {
     "gemma3-local-rope": ("Gemma3ForCausalLM", {"rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
+    "phi3": ("Phi3ForCausalLM", {}),
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "num_key_value_heads": 1}),
 }
 
 

@@ -55,6 +55,7 @@ ARCHS: dict[str, TinyArch] = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "phi3": TinyArch("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75}),
 }
 
 

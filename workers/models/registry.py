@@ -28,6 +28,7 @@ MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("llama"),
     "MistralForCausalLM": ModelEntry("llama"),
     "Olmo2ForCausalLM": ModelEntry("olmo2"),
+    "Phi3ForCausalLM": ModelEntry("phi3"),
     "Qwen2ForCausalLM": ModelEntry("qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3"),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
