@@ -41,14 +41,16 @@ def make_config(arch: str, **overrides):
            "GemmaForCausalLM": transformers.GemmaConfig,
            "Gemma2ForCausalLM": transformers.Gemma2Config,
            "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
-           "Phi3ForCausalLM": transformers.Phi3Config}[arch]
+           "Phi3ForCausalLM": transformers.Phi3Config,
+           "CohereForCausalLM": transformers.CohereConfig,
+           "Cohere2ForCausalLM": transformers.Cohere2Config}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
-    if arch.startswith("Gemma"):   # the tiny models' extras (tests/tiny_models.py)
+    if arch.startswith(("Gemma", "Cohere")):   # the tiny models' extras (tests/tiny_models.py)
         base.update(_tiny_extra(arch))
-    if arch == "Phi3ForCausalLM":   # its default special ids lie past the tiny vocabulary
+    if arch.startswith(("Phi3", "Cohere")):   # their default special ids lie past the tiny vocabulary
         base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
     base.update(overrides)
     return cls(**base)
@@ -192,6 +194,9 @@ CASES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
     "phi3": ("Phi3ForCausalLM", {}),
     "phi3-partial-rotary": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "num_key_value_heads": 1}),
+    "cohere": ("CohereForCausalLM", {}),
+    "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "attention_bias": True}),
+    "cohere2": ("Cohere2ForCausalLM", {}),
 }
 
 

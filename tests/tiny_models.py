@@ -56,6 +56,12 @@ ARCHS: dict[str, TinyArch] = {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
     "phi3": TinyArch("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75}),
+    "cohere": TinyArch("CohereConfig", "CohereForCausalLM", {"tie_word_embeddings": True, "logit_scale": 0.5,
+                                                             "use_qk_norm": True}),
+    # local layers 0, 1 and 3 (rotary), global layer 2 (no positions)
+    "cohere2": TinyArch("Cohere2Config", "Cohere2ForCausalLM", {
+        "tie_word_embeddings": True, "logit_scale": 0.5, "num_hidden_layers": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
 }
 
 

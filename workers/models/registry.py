@@ -22,6 +22,8 @@ class ModelEntry(NamedTuple):
 
 
 MODELS: dict[str, ModelEntry] = {
+    "CohereForCausalLM": ModelEntry("cohere"),
+    "Cohere2ForCausalLM": ModelEntry("cohere2"),
     "GemmaForCausalLM": ModelEntry("gemma"),
     "Gemma2ForCausalLM": ModelEntry("gemma2"),
     "Gemma3ForCausalLM": ModelEntry("gemma3"),
