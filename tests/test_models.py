@@ -43,14 +43,15 @@ def make_config(arch: str, **overrides):
            "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
            "Phi3ForCausalLM": transformers.Phi3Config,
            "CohereForCausalLM": transformers.CohereConfig,
-           "Cohere2ForCausalLM": transformers.Cohere2Config}[arch]
+           "Cohere2ForCausalLM": transformers.Cohere2Config,
+           "StableLmForCausalLM": transformers.StableLmConfig}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
     if arch.startswith(("Gemma", "Cohere")):   # the tiny models' extras (tests/tiny_models.py)
         base.update(_tiny_extra(arch))
-    if arch.startswith(("Phi3", "Cohere")):   # their default special ids lie past the tiny vocabulary
+    if arch.startswith(("Phi3", "Cohere", "StableLm")):   # their default special ids lie past the tiny vocabulary
         base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
     base.update(overrides)
     return cls(**base)
@@ -197,6 +198,9 @@ CASES = {
     "cohere": ("CohereForCausalLM", {}),
     "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "attention_bias": True}),
     "cohere2": ("Cohere2ForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {"use_qkv_bias": True}),
+    "stablelm-parallel-qk-norm": ("StableLmForCausalLM", {"use_parallel_residual": True, "qk_layernorm": True,
+                                                          "partial_rotary_factor": 0.5}),
 }
 
 

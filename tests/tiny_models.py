@@ -62,6 +62,7 @@ ARCHS: dict[str, TinyArch] = {
     "cohere2": TinyArch("Cohere2Config", "Cohere2ForCausalLM", {
         "tie_word_embeddings": True, "logit_scale": 0.5, "num_hidden_layers": 4, "sliding_window": 128,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
+    "stablelm": TinyArch("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True, "qk_layernorm": True}),
 }
 
 

@@ -9,33 +9,15 @@ embedding. Cohere2 (cohere2.py) keeps all of it. Weight names are HF's."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard, tp_rank, tp_size
 from workers.models.blocks import DecoderForCausalLM, DecoderModel, GatedMLP, SelfAttention
-from workers.models.layers import (KVCache, LayerNorm, RotaryEmbedding, Shard, _column_loader, _set_loader,
-                                   get_num_kv_heads, heads_of_rank, layer_sliding_window)
-
-
-class PerHeadLayerNorm(nn.Module):
-    """LayerNorm over each head of x [T, heads * head_dim], in float32, with one weight row per
-    head ([heads, head_dim], no bias). Under tensor parallelism a rank holds its heads' rows."""
-
-    def __init__(self, total_heads: int, first_head: int, heads: int, head_dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(heads, head_dim), requires_grad=False)
-        shards = {None: Shard(total_heads, first_head, heads, 0)}
-        _set_loader(self.weight, functools.partial(_column_loader, shards), (total_heads, head_dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.view(x.shape[0], *self.weight.shape).float()
-        return (F.layer_norm(h, h.shape[-1:], eps=self.eps) * self.weight.float()).to(x.dtype).view(x.shape)
+from workers.models.layers import (KVCache, LayerNorm, PerHeadLayerNorm, RotaryEmbedding, get_num_kv_heads,
+                                   heads_of_rank, layer_sliding_window)
 
 
 class CohereAttention(SelfAttention):

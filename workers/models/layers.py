@@ -203,6 +203,38 @@ class LayerNorm(nn.Module):
         return layer_norm(x, self.weight, self.bias, self.eps), x
 
 
+class PerHeadLayerNorm(nn.Module):
+    """LayerNorm over each head of x [T, heads * head_dim], in float32, with one weight row per
+    head (no bias): Cohere's and StableLM's q/k norms. Under tensor parallelism a rank holds its
+    heads' rows, from `first_head` on. The checkpoint holds the rows as one [total_heads,
+    head_dim] tensor (Cohere), or one tensor per head (StableLM's `norms.{h}`: `per_head_tensors`,
+    loaded with the head as shard id)."""
+
+    def __init__(self, total_heads: int, first_head: int, heads: int, head_dim: int, eps: float,
+                 per_head_tensors: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, head_dim), requires_grad=False)
+        _set_loader(self.weight, functools.partial(_per_head_loader, total_heads, first_head),
+                    (total_heads, head_dim), tuple(range(total_heads)) if per_head_tensors else (None,))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(x.shape[0], *self.weight.shape).float()
+        return (F.layer_norm(h, h.shape[-1:], eps=self.eps) * self.weight.float()).to(x.dtype).view(x.shape)
+
+
+@torch.no_grad()
+def _per_head_loader(total_heads: int, first_head: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+    heads, head_dim = param.shape
+    if shard_id is None:   # all heads' rows (dummy weights draw them so too)
+        _check_shape(loaded, (total_heads, head_dim))
+        param.data.copy_(_narrow(loaded, 0, first_head, heads))
+        return
+    _check_shape(loaded, (head_dim,))
+    if first_head <= shard_id < first_head + heads:   # another rank's head: not kept here
+        param.data[shard_id - first_head].copy_(_narrow(loaded, 0, 0, head_dim))
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """F.layer_norm over the last dim of x (weight and bias of that size) in float32."""
     return F.layer_norm(x.float(), weight.shape, weight.float(), None if bias is None else bias.float(),

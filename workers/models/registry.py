@@ -32,6 +32,7 @@ MODELS: dict[str, ModelEntry] = {
     "Olmo2ForCausalLM": ModelEntry("olmo2"),
     "Phi3ForCausalLM": ModelEntry("phi3"),
     "Qwen2ForCausalLM": ModelEntry("qwen2"),
+    "StableLmForCausalLM": ModelEntry("stablelm"),
     "Qwen3ForCausalLM": ModelEntry("qwen3"),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
     "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
