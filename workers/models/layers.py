@@ -171,13 +171,14 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm, x_normed * (1 + w) in float32 (HF's GemmaRMSNorm). The weight loader
-    stores 1 + w (added in float32, rounded once), so the norm kernels, the GEMV's fused norm
-    prologue and the all-reduce norm all serve it unchanged. Every write of the weight goes
-    through the loader: the checkpoint, weight updates (partial loads, workers/weight_update.py),
-    and the TP dummy weights; init_dummy_weights fills each RMSNorm with 1, which here is the
-    stored value of HF's initial w = 0 (scale 1 either way). In bf16 the stored 1 + w is rounded
-    to bf16 (HF keeps it in float32): a difference of at most half a bf16 ulp of the scale."""
+    """Gemma's RMSNorm, x_normed * (1 + w) (HF's GemmaRMSNorm). The weight loader stores 1 + w
+    (added in float32, rounded once), so that the norm kernels, the GEMV's fused norm prologue
+    and the all-reduce norm serve it unchanged, with no Gemma variant of each. Hence every write
+    of w must go through the loader: the checkpoint and weight updates (partial loads,
+    workers/weight_update.py) do; dummy weights (init_dummy_weights) set every norm's stored
+    weight to 1, which here is HF's initial w = 0 (a scale of 1, as for any RMSNorm); reading
+    back by name subtracts `stored_offset`. In bf16 this differs from HF, which scales in float32
+    and rounds once, by the rounding of 1 + w and of the normed x to bf16 (as Llama's norm does)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
