@@ -28,6 +28,10 @@ NUM_BLOCKS = 48
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+_YARN_MODEL = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+_LONGROPE_MODEL = {"rope_type": "longrope", "original_max_position_embeddings": 2,
+                   "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+
 
 def make_config(arch: str, **overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -164,6 +168,11 @@ CASES = {
     "llama": ("LlamaForCausalLM", {}),
     "llama3-rope": ("LlamaForCausalLM", {"rope_scaling": dict(LLAMA3_ROPE), "rope_theta": 500000.0}),
     "llama-biases": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    # past original_max_position_embeddings: the scenario's sequences (3 to 12 tokens) cross 8, and
+    # every HF forward is past 2 (HF's LongRoPE then uses the long factors, as our cache always does)
+    "llama-yarn": ("LlamaForCausalLM", {"rope_scaling": dict(_YARN_MODEL)}),
+    "llama-longrope": ("LlamaForCausalLM", {"rope_scaling": dict(_LONGROPE_MODEL)}),
+    "llama-dynamic": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
