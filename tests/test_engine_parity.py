@@ -52,6 +52,23 @@ def test_llama3_rope_scaling(model_factory):
     check_parity(model_dir, _prompts(300, 3), block_size=8, max_model_len=256)
 
 
+# YaRN and LongRoPE past original_max_position_embeddings (16): every prompt is longer, so that HF
+# uses the scaled (LongRoPE: long) frequencies from its first forward on, as our one cache does
+LONG_CONTEXT_ROPE = {
+    "yarn": (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 16)),
+    "longrope": (("rope_type", "longrope"), ("original_max_position_embeddings", 16),
+                 ("short_factor", (1.0,) * 8), ("long_factor", (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0))),
+}
+
+
+@pytest.mark.parametrize("rope", list(LONG_CONTEXT_ROPE))
+def test_long_context_rope_scaling(model_factory, rope):
+    model_dir = model_factory("llama", rope_scaling=LONG_CONTEXT_ROPE[rope])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 284) for _ in range(n)] for n in (17, 29, 40)]
+    check_parity(model_dir, prompts, block_size=8, max_num_seqs=2, max_model_len=128)
+
+
 def test_triton_path_matches_hf(model_factory):
     """The whole engine on the Triton kernels (run by the interpreter on CPU) still matches HF."""
     model_dir = model_factory("qwen3")

@@ -663,12 +663,17 @@ def test_rotary_reference_is_hf_rotate_half():
 # --------------------------------------------------------------------------
 # the fused attention prologue: q/k norm + rotary + KV-cache write
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,norm,rot_dim", [(torch.float32, True, 32), (torch.bfloat16, True, 32),
-                                                (torch.bfloat16, False, 32), (torch.float32, True, 16)])
-def test_qk_norm_rope_cache(dtype, norm, rot_dim):
+@pytest.mark.parametrize("dtype,norm,rot_dim,neox", [
+    (torch.float32, True, 32, True), (torch.bfloat16, True, 32, True), (torch.bfloat16, False, 32, True),
+    (torch.float32, True, 16, True),
+    # GPT-J style (interleaved pairs): Cohere (whole head), GLM (the first half of each head)
+    (torch.float32, True, 32, False), (torch.bfloat16, False, 32, False), (torch.float32, False, 16, False),
+    (torch.bfloat16, True, 16, False)])
+def test_qk_norm_rope_cache(dtype, norm, rot_dim, neox):
     g = _gen(6)
     T, hq, hkv, d, bs, nb = 7, 6, 2, 32, 4, 6  # GQA 3 (a head count that is not a power of 2)
-    cache = rot.build_rope_cache(rot_dim, 64, 10000.0, None).to(DEVICE)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # cos/sin scaled by mscale
+    cache = rot.build_rope_cache(rot_dim, 64, 10000.0, yarn if rot_dim < d else None).to(DEVICE)
     qkv = _randn(T, (hq + 2 * hkv) * d, dtype=dtype, g=g, scale=2.0)  # views of a fused projection
     q = qkv[:, :hq * d].view(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
@@ -681,8 +686,14 @@ def test_qk_norm_rope_cache(dtype, norm, rot_dim):
     kc, vc = _randn(nb, bs, hkv, d, dtype=dtype, g=g), _randn(nb, bs, hkv, d, dtype=dtype, g=g)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     before = qkv.clone()
-    out = qrc.qk_norm_rope_cache(pos, q, k, v, cache, kc, vc, slots, qw, kw, 1e-6)
-    ref = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref, vc_ref, slots, qw, kw, 1e-6)
+    out = qrc.qk_norm_rope_cache(pos, q, k, v, cache, kc, vc, slots, qw, kw, 1e-6, is_neox_style=neox)
+    ref = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref, vc_ref, slots, qw, kw, 1e-6, is_neox_style=neox)
+    other = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref.clone(), vc_ref.clone(), slots, qw, kw, 1e-6,
+                                       is_neox_style=not neox)
+    assert not torch.allclose(ref.float(), other.float(), atol=1e-2)  # the two styles differ here
+    if rot_dim < d:  # the dims past the rotary ones pass through (normed, when there is a norm)
+        rest = q[..., rot_dim:] if qw is None else qrc.rms_norm_ref(q, qw, 1e-6)[..., rot_dim:]
+        assert torch.equal(ref[..., rot_dim:], rest)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     assert out.shape == q.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, **tol)

@@ -29,6 +29,10 @@ NUM_BLOCKS = 48
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+_YARN_MODEL = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+_LONGROPE_MODEL = {"rope_type": "longrope", "original_max_position_embeddings": 2,
+                   "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+
 
 def make_config(arch: str, **overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -181,6 +185,11 @@ CASES = {
     "llama": ("LlamaForCausalLM", {}),
     "llama3-rope": ("LlamaForCausalLM", {"rope_scaling": dict(LLAMA3_ROPE), "rope_theta": 500000.0}),
     "llama-biases": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    # past original_max_position_embeddings: the scenario's sequences (3 to 12 tokens) cross 8, and
+    # every HF forward is past 2 (HF's LongRoPE then uses the long factors, as our cache always does)
+    "llama-yarn": ("LlamaForCausalLM", {"rope_scaling": dict(_YARN_MODEL)}),
+    "llama-longrope": ("LlamaForCausalLM", {"rope_scaling": dict(_LONGROPE_MODEL)}),
+    "llama-dynamic": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
@@ -302,6 +311,79 @@ def test_llama3_rope_cache_matches_hf():
     pos = torch.arange(256)[None]
     cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), pos)
     torch.testing.assert_close(rope.cos_sin_cache, torch.cat((cos[0, :, :8], sin[0, :, :8]), -1))
+
+
+# rope type -> (rope_scaling, rows of the cache): each cache row must be HF's cos/sin (times its
+# attention factor) at that position, from HF's rotary module run over all the rows at once
+# (so that HF's per-length choice, dynamic NTK's base and LongRoPE's factors, is made at that length)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+             "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 7.3, 9.9, 12.5], "factor": 4.0}
+ROPE_CACHE_CASES = {
+    "default": (None, 256),
+    "linear": ({"rope_type": "linear", "factor": 2.0}, 256),
+    "dynamic-within": ({"rope_type": "dynamic", "factor": 2.0}, 256),    # HF's default base up to max_pos
+    "dynamic-beyond": ({"rope_type": "dynamic", "factor": 2.0}, 400),    # the NTK base of 400 tokens
+    "yarn": (_YARN, 256),
+    "yarn-mscale": (dict(_YARN, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2, truncate=False), 256),
+    "yarn-attention-factor": (dict(_YARN, attention_factor=1.3), 256),
+    "yarn-partial": (dict(_YARN, partial_rotary_factor=0.5), 256),
+    "longrope-long": (_LONGROPE, 256),                                  # past the original 64: long factors
+    "longrope-short": (_LONGROPE, 64),
+    "longrope-no-factor": ({k: v for k, v in _LONGROPE.items() if k != "factor"}, 256),
+    "longrope-attention-factor": (dict(_LONGROPE, attention_factor=1.1), 256),
+    "llama3": (LLAMA3_ROPE, 256),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CACHE_CASES))
+def test_rope_cache_matches_hf(case):
+    scaling, rows = ROPE_CACHE_CASES[case]
+    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
+    scaling = {k: v for k, v in (scaling or {}).items() if k != "partial_rotary_factor"} or None
+    extra = {"partial_rotary_factor": partial} if partial != 1.0 else {}
+    cfg = make_config("LlamaForCausalLM", rope_scaling=scaling, rope_theta=1000.0, **extra)
+    params = get_rope_params(cfg)
+    rope = RotaryEmbedding(16, rows, params)
+    rot = int(16 * partial)
+    assert rope.rotary_dim == rot and rope.cos_sin_cache.shape == (rows, rot)
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), torch.arange(rows)[None])
+    assert cos.shape[-1] == rot
+    want = torch.cat((cos[0, :, :rot // 2], sin[0, :, :rot // 2]), -1)
+    # past max_position_embeddings HF computes the dynamic base in float32 (from a tensor length), we in float64
+    torch.testing.assert_close(rope.cos_sin_cache, want, atol=5e-5 if case == "dynamic-beyond" else 2e-6, rtol=0)
+    if scaling and scaling["rope_type"] in ("yarn", "longrope"):  # the attention factor is in the cache
+        assert hf_rope.attention_scaling != 1.0 and abs(float(rope.cos_sin_cache[0, 0]) - hf_rope.attention_scaling) < 1e-6
+
+
+def test_unknown_rope_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="'ntk-by-parts'.*default, linear, dynamic, yarn, longrope, llama3"):
+        RotaryEmbedding(16, 32, {"rope_type": "ntk-by-parts", "rope_theta": 1e4})
+
+
+def test_mrope_yarn_matches_hf_qwen2_5_vl():
+    """Qwen2.5-VL / Qwen3-VL configs with YaRN (rope_scaling type yarn plus mrope_section): the yarn
+    frequencies and attention factor, each section turned by its own row of the [3, T] positions."""
+    from kernels.rotary import mrope_cos_sin
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+    cfg = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "mrope_section": [2, 3, 3]}, rope_theta=1000.0)
+    params = get_rope_params(cfg)
+    assert params["rope_type"] == "yarn"
+    rope = RotaryEmbedding(16, 256, params)
+    assert rope.mrope_section == (2, 3, 3)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 256, (3, 20), generator=g)
+    hf_rope = Qwen2_5_VLRotaryEmbedding(cfg)
+    assert hf_rope.attention_scaling != 1.0
+    cos_hf, sin_hf = hf_rope(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    cos, sin = mrope_cos_sin(positions, rope.cos_sin_cache, rope.mrope_section)
+    torch.testing.assert_close(cos, cos_hf[0, :, :8], atol=2e-6, rtol=0)
+    torch.testing.assert_close(sin, sin_hf[0, :, :8], atol=2e-6, rtol=0)
 
 
 def test_rope_params_old_and_new_layouts():

@@ -132,6 +132,15 @@ def get_rope_params(config, layer_type: str = "full_attention") -> dict:
     out["rope_type"] = rope_type
     if getattr(config, "partial_rotary_factor", None) is not None and "partial_rotary_factor" not in out:
         out["partial_rotary_factor"] = config.partial_rotary_factor
+    # HF's reference lengths: the config's own (dynamic NTK; the factor when a config leaves it
+    # out) and the pretraining one, which Phi-3 keeps beside rope_scaling and HF prefers
+    if getattr(config, "max_position_embeddings", None):
+        out["max_position_embeddings"] = config.max_position_embeddings
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = getattr(config, "original_max_position_embeddings", None) or out.get(
+            "original_max_position_embeddings") or out.get("max_position_embeddings")
+        if original:
+            out["original_max_position_embeddings"] = original
     return out
 
 
@@ -246,8 +255,16 @@ class RotaryEmbedding(nn.Module):
     """Positions-based rotary embedding over a precomputed float32 cos/sin cache
     of `max_position` rows. One instance is shared by all layers of a model.
 
-    rope_type: "default", "linear" or "llama3" (as HF's
-    `_compute_llama3_parameters`). Other types raise NotImplementedError."""
+    rope_type: any of kernels.rotary.ROPE_TYPES (default, linear, dynamic, yarn, longrope,
+    llama3), as transformers computes them; an unknown type is a ValueError naming those, at
+    start-up. `partial_rotary_factor` rotates the first head_size * factor dims only.
+    max_position: the longest context served; the models pass the config's
+    max_position_embeddings, which the engine's --max-model-len never exceeds. It also picks
+    what HF picks per sequence length (vLLM's rule): LongRoPE's long factors when it exceeds
+    original_max_position_embeddings (Phi-3's long-context configs: HF's choice for every
+    prompt past the original context), and the dynamic-NTK base of a max_position-token
+    sequence when it exceeds the config's max_position_embeddings (else HF's own frequencies
+    at every length within it)."""
 
     def __init__(self, head_size: int, max_position: int, rope_params: dict, is_neox_style: bool = True):
         super().__init__()
