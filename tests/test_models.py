@@ -205,6 +205,8 @@ CASES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
     "phi3": ("Phi3ForCausalLM", {}),
     "phi3-partial-rotary": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "num_key_value_heads": 1}),
+    "phi3-window": ("Phi3ForCausalLM", {"sliding_window": 4}),
+    "phi3-longrope": ("Phi3ForCausalLM", {"rope_scaling": dict(_LONGROPE_MODEL), "original_max_position_embeddings": 2}),
     "cohere": ("CohereForCausalLM", {}),
     "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "attention_bias": True}),
     "cohere2": ("Cohere2ForCausalLM", {}),
