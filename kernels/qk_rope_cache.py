@@ -40,15 +40,22 @@ def qk_norm_rope_cache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
 def _norm_rope_store(x_ptr, stride_xh, o_ptr, stride_oh, n_heads, w_ptr, eps, cos, sin,
                      HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, NEOX: tl.constexpr):
     """Heads [n_heads, HEAD_DIM] at x_ptr -> normed (optionally) and rotated at o_ptr.
-    A head is [x1 | x2 | rest]: x1, x2 the two rotated halves, rest passed through."""
+    A head is [rotary dims | rest], rest passed through. The rotary dims are NEOX: [x1 | x2],
+    the two halves; else (GPT-J) interleaved pairs, x1 = the even dims and x2 = the odd ones."""
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (offs_h < n_heads) & (offs < HALF)
-    xp = x_ptr + offs_h * stride_xh + offs
-    x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NEOX:
+        i1 = offs
+        i2 = offs + HALF
+    else:
+        i1 = 2 * offs
+        i2 = 2 * offs + 1
+    xp = x_ptr + offs_h * stride_xh
+    x1 = tl.load(xp + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + i2, mask=mask, other=0.0).to(tl.float32)
     if REST > 0:
         offs_r = tl.arange(0, BLOCK_REST)[None, :]
         mask_r = (offs_h < n_heads) & (offs_r < REST)
@@ -60,17 +67,17 @@ def _norm_rope_store(x_ptr, stride_xh, o_ptr, stride_oh, n_heads, w_ptr, eps, co
             sq += tl.sum(xr * xr, 1)
         rstd = (1.0 / tl.sqrt(sq / HEAD_DIM + eps))[:, None]
         w_mask = offs < HALF
-        w1 = tl.load(w_ptr + offs, mask=w_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=w_mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + i1, mask=w_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + i2, mask=w_mask, other=0.0).to(tl.float32)
         # rounded as rms_norm: the normalised value to the dtype, then times the weight
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
         if REST > 0:
             wr = tl.load(w_ptr + 2 * HALF + offs_r, mask=offs_r < REST, other=0.0).to(tl.float32)
             xr = ((xr * rstd).to(dtype).to(tl.float32) * wr).to(dtype).to(tl.float32)
-    op = o_ptr + offs_h * stride_oh + offs
-    tl.store(op, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(op + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    op = o_ptr + offs_h * stride_oh
+    tl.store(op + i1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(op + i2, (x2 * cos + x1 * sin).to(dtype), mask=mask)
     if REST > 0:
         tl.store(o_ptr + offs_h * stride_oh + 2 * HALF + offs_r, xr.to(dtype), mask=mask_r)
 
@@ -84,12 +91,12 @@ def _qk_norm_rope_cache_kernel(
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-    SEC1: tl.constexpr, PDL: tl.constexpr,
+    SEC1: tl.constexpr, NEOX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, 0): token t's query heads. Program (t, 1): its key and value heads
     into the caches (nothing for a padding token). MROPE: positions are [3, T] (row stride
     stride_pos_row) and frequency j < SEC0 turns with row 0, j < SEC0 + SEC1 with row 1,
-    the rest with row 2."""
+    the rest with row 2. NEOX: NeoX-style rotary (halves), else GPT-J style (interleaved pairs)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -106,14 +113,14 @@ def _qk_norm_rope_cache_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs_row + HALF + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     if part == 0:
         _norm_rope_store(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_qot, HEAD_DIM, num_q_heads,
-                         qw_ptr, eps, cos, sin, HAS_NORM, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_HQ)
+                         qw_ptr, eps, cos, sin, HAS_NORM, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_HQ, NEOX)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
             _norm_rope_store(k_ptr + t * stride_kt, stride_kh, kc_ptr + cache_off, stride_ch, num_kv_heads,
                              kw_ptr, eps, cos, sin, HAS_NORM, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST,
-                             BLOCK_HKV)
+                             BLOCK_HKV, NEOX)
             offs_h = tl.arange(0, BLOCK_HKV)[:, None]
             offs_d = tl.arange(0, BLOCK_D)[None, :]
             mask = (offs_h < num_kv_heads) & (offs_d < HEAD_DIM)
@@ -129,8 +136,9 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     """Triton version of qk_norm_rope_cache_ref (same arguments, same results).
 
     q_weight / k_weight: the per-head RMSNorm weights [D] (both or neither).
-    positions: [T], or [3, T] with mrope_section (M-RoPE)."""
-    if not is_neox_style or not runs_triton(_qk_norm_rope_cache_kernel, q):  # TODO(rope helper): GPT-J style
+    positions: [T], or [3, T] with mrope_section (M-RoPE).
+    is_neox_style: False rotates interleaved pairs (GPT-J style: GLM, Cohere)."""
+    if not runs_triton(_qk_norm_rope_cache_kernel, q):
         return qk_norm_rope_cache_ref(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
                                       q_weight, k_weight, eps, mrope_section, is_neox_style)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -166,6 +174,6 @@ def qk_norm_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         REST=rest, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1],
-        MROPE=mrope, SEC0=sec[0], SEC1=sec[1], num_warps=4, **pdl_args(q),
+        MROPE=mrope, SEC0=sec[0], SEC1=sec[1], NEOX=is_neox_style, num_warps=4, **pdl_args(q),
     )
     return q_out

@@ -33,7 +33,7 @@ _KERNELS = {
     "paged_attention": ["_paged_attention_kernel", "_split_kv_reduce_kernel"],
     "rms_norm": ["_rms_norm_kernel"],
     "rotary": [],
-    "activation": ["_silu_and_mul_kernel"],
+    "activation": ["_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
@@ -278,6 +278,88 @@ def test_attention_decode_longest_first():
 
 def test_attention_bf16():
     _check_attention([5, 1, 3], [5, 40, 19], hq=4, hkv=1, d=32, bs=8, dtype=torch.bfloat16, splits=(1, 2))
+
+
+def _dense_attention(q, kc, vc, qsl, sl, bt, scale, window=None, cap=None):
+    """An independent oracle: each sequence's keys gathered whole, a [Q, S] mask from the
+    positions (HF's sliding window: p - window < k <= p), the soft cap before it."""
+    bs, hkv, d = kc.shape[1], kc.shape[2], kc.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for i in range(len(sl)):
+        lo, hi, n = int(qsl[i]), int(qsl[i + 1]), int(sl[i])
+        if hi == lo:
+            continue
+        slots = [int(bt[i, p // bs]) * bs + p % bs for p in range(n)]
+        k = kc.reshape(-1, hkv, d)[slots].float().cpu().repeat_interleave(q.shape[1] // hkv, 1)  # [S, Hq, D]
+        v = vc.reshape(-1, hkv, d)[slots].float().cpu().repeat_interleave(q.shape[1] // hkv, 1)
+        s = torch.einsum("qhd,shd->hqs", q[lo:hi].float().cpu(), k) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        q_pos, k_pos = torch.arange(n - (hi - lo), n)[:, None], torch.arange(n)[None, :]
+        seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
+        out[lo:hi] = torch.einsum("hqs,shd->qhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), v)
+    return out
+
+
+def _trim_before_windows(kc, vc, qsl, sl, bt, window):
+    """What a trimmed cache looks like: every block wholly before a sequence's first query's
+    window is freed, its block-table entry left pointing at a block of NaN. Returns the
+    caches (one NaN block more) and the trimmed table."""
+    bs = kc.shape[1]
+    nan_block = kc.shape[0]
+    kc = torch.cat([kc, torch.full_like(kc[:1], float("nan"))])
+    vc = torch.cat([vc, torch.full_like(vc[:1], float("nan"))])
+    bt = bt.clone()
+    for i in range(len(sl)):
+        first = max(0, int(sl[i]) - int(qsl[i + 1] - qsl[i]) - window + 1)
+        bt[i, :first // bs] = nan_block
+    return kc, vc, bt
+
+
+@pytest.mark.parametrize("window, cap", [(5, None), (16, None), (None, 4.0), (6, 2.5)])
+def test_attention_sliding_window_and_soft_cap(window, cap):
+    # windows shorter than, equal to (16: one context) and longer than (16: others) the contexts,
+    # a soft cap alone and with a window; over prefills, chunked prefill /
+    # prefix hits, decodes and an empty sequence, in one launch and in two (num_decodes), with
+    # split-KV; the blocks before each first query's window freed (NaN): nobody may read them.
+    # The reference equals a dense oracle, the Triton kernel and the CPU SDPA path equal it.
+    from kernels.sdpa_attention import paged_attention_sdpa
+    cases = [  # (q_lens, seq_lens, hq, hkv, d, bs, splits, num_decodes)
+        ([6, 1, 4, 0, 1, 16], [6, 21, 13, 9, 1, 30], 4, 2, 32, 4, (3,), 0),
+        ([1, 1, 1, 27, 9], [70, 5, 16, 40, 9], 6, 2, 16, 8, (None,), 3),   # multi-tile (group 3)
+    ]
+    for q_lens, seq_lens, hq, hkv, d, bs, splits, nd in cases:
+        q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, torch.float32, seed=4)
+        scale = d ** -0.5
+        want = _dense_attention(q, kc, vc, qsl, sl, bt, scale, window, cap)
+        if window is not None:
+            kc, vc, bt = _trim_before_windows(kc, vc, qsl, sl, bt, window)
+        ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, window, cap).float()
+        rows = torch.tensor([i for i, n in enumerate(q_lens) for _ in range(n)])
+        assert not ref.isnan().any()
+        torch.testing.assert_close(ref.cpu(), want, atol=2e-5, rtol=1e-5)
+        if window is not None and window >= max(seq_lens):   # a window wider than the context: full attention
+            torch.testing.assert_close(ref, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, None, cap).float())
+        for ns in splits:
+            out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns,
+                                     num_decodes=nd, sliding_window=window, logits_soft_cap=cap)
+            err = (out.float() - ref).abs().max().item()
+            assert err < 2e-5, f"splits={ns}: max err {err}"
+        if DEVICE == "cpu":
+            out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, scale, None, window, cap)
+            torch.testing.assert_close(out[rows].float(), ref[rows], atol=2e-5, rtol=1e-5)
+
+
+def test_attention_sliding_window_bf16_decode_split():
+    # bf16, long decodes split many ways over a short window (each split a few keys, some none)
+    q_lens, seq_lens = [1, 1, 1, 12], [300, 40, 7, 200]
+    q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, 8, 1, 32, 16, torch.bfloat16, seed=6)
+    kc, vc, bt = _trim_before_windows(kc, vc, qsl, sl, bt, 48)
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.2, 48, 30.0).float()
+    for ns in (None, 8):
+        out = pa.paged_attention(q, kc, vc, qsl, sl, bt, 0.2, 12, 300, num_kv_splits=ns, num_decodes=3,
+                                 sliding_window=48, logits_soft_cap=30.0)
+        torch.testing.assert_close(out.float(), ref, **BF16_TOL)
 
 
 # --------------------------------------------------------------------------
@@ -581,12 +663,17 @@ def test_rotary_reference_is_hf_rotate_half():
 # --------------------------------------------------------------------------
 # the fused attention prologue: q/k norm + rotary + KV-cache write
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,norm,rot_dim", [(torch.float32, True, 32), (torch.bfloat16, True, 32),
-                                                (torch.bfloat16, False, 32), (torch.float32, True, 16)])
-def test_qk_norm_rope_cache(dtype, norm, rot_dim):
+@pytest.mark.parametrize("dtype,norm,rot_dim,neox", [
+    (torch.float32, True, 32, True), (torch.bfloat16, True, 32, True), (torch.bfloat16, False, 32, True),
+    (torch.float32, True, 16, True),
+    # GPT-J style (interleaved pairs): Cohere (whole head), GLM (the first half of each head)
+    (torch.float32, True, 32, False), (torch.bfloat16, False, 32, False), (torch.float32, False, 16, False),
+    (torch.bfloat16, True, 16, False)])
+def test_qk_norm_rope_cache(dtype, norm, rot_dim, neox):
     g = _gen(6)
     T, hq, hkv, d, bs, nb = 7, 6, 2, 32, 4, 6  # GQA 3 (a head count that is not a power of 2)
-    cache = rot.build_rope_cache(rot_dim, 64, 10000.0, None).to(DEVICE)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # cos/sin scaled by mscale
+    cache = rot.build_rope_cache(rot_dim, 64, 10000.0, yarn if rot_dim < d else None).to(DEVICE)
     qkv = _randn(T, (hq + 2 * hkv) * d, dtype=dtype, g=g, scale=2.0)  # views of a fused projection
     q = qkv[:, :hq * d].view(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
@@ -599,8 +686,14 @@ def test_qk_norm_rope_cache(dtype, norm, rot_dim):
     kc, vc = _randn(nb, bs, hkv, d, dtype=dtype, g=g), _randn(nb, bs, hkv, d, dtype=dtype, g=g)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     before = qkv.clone()
-    out = qrc.qk_norm_rope_cache(pos, q, k, v, cache, kc, vc, slots, qw, kw, 1e-6)
-    ref = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref, vc_ref, slots, qw, kw, 1e-6)
+    out = qrc.qk_norm_rope_cache(pos, q, k, v, cache, kc, vc, slots, qw, kw, 1e-6, is_neox_style=neox)
+    ref = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref, vc_ref, slots, qw, kw, 1e-6, is_neox_style=neox)
+    other = qrc.qk_norm_rope_cache_ref(pos, q, k, v, cache, kc_ref.clone(), vc_ref.clone(), slots, qw, kw, 1e-6,
+                                       is_neox_style=not neox)
+    assert not torch.allclose(ref.float(), other.float(), atol=1e-2)  # the two styles differ here
+    if rot_dim < d:  # the dims past the rotary ones pass through (normed, when there is a norm)
+        rest = q[..., rot_dim:] if qw is None else qrc.rms_norm_ref(q, qw, 1e-6)[..., rot_dim:]
+        assert torch.equal(ref[..., rot_dim:], rest)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     assert out.shape == q.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, **tol)
@@ -619,6 +712,18 @@ def test_silu_and_mul(dtype):
     out = act.silu_and_mul(x)
     assert out.shape == (5, 80) and out.dtype == dtype
     torch.testing.assert_close(out, act.silu_and_mul_ref(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype):
+    """GeGLU (Gemma): HF's gelu_pytorch_tanh on the gate, over a range that reaches both tails."""
+    g = _gen(6)
+    x = _randn(5, 2 * 80, dtype=dtype, g=g, scale=4.0)
+    x[0, :4] = torch.tensor([-30.0, -8.0, 8.0, 30.0], dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    out = act.gelu_tanh_and_mul(x)
+    assert out.shape == (5, 80) and out.dtype == dtype
+    torch.testing.assert_close(out, act.gelu_tanh_and_mul_ref(x), **tol)
 
 
 # --------------------------------------------------------------------------

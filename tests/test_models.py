@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,6 +29,10 @@ NUM_BLOCKS = 48
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+_YARN_MODEL = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+_LONGROPE_MODEL = {"rope_type": "longrope", "original_max_position_embeddings": 2,
+                   "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+
 
 def make_config(arch: str, **overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -37,13 +42,29 @@ def make_config(arch: str, **overrides):
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
-           "Olmo2ForCausalLM": transformers.Olmo2Config}[arch]
+           "Olmo2ForCausalLM": transformers.Olmo2Config,
+           "GemmaForCausalLM": transformers.GemmaConfig,
+           "Gemma2ForCausalLM": transformers.Gemma2Config,
+           "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+           "Phi3ForCausalLM": transformers.Phi3Config,
+           "CohereForCausalLM": transformers.CohereConfig,
+           "Cohere2ForCausalLM": transformers.Cohere2Config,
+           "StableLmForCausalLM": transformers.StableLmConfig}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
+    if arch.startswith(("Gemma", "Cohere")):   # the tiny models' extras (tests/tiny_models.py)
+        base.update(_tiny_extra(arch))
+    if arch.startswith(("Phi3", "Cohere", "StableLm")):   # their default special ids lie past the tiny vocabulary
+        base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
     base.update(overrides)
     return cls(**base)
+
+
+def _tiny_extra(arch: str) -> dict:
+    from tests.tiny_models import ARCHS
+    return next(dict(a.extra) for a in ARCHS.values() if a.model == arch)
 
 
 def make_hf_model(config, seed: int = 0):
@@ -164,12 +185,38 @@ CASES = {
     "llama": ("LlamaForCausalLM", {}),
     "llama3-rope": ("LlamaForCausalLM", {"rope_scaling": dict(LLAMA3_ROPE), "rope_theta": 500000.0}),
     "llama-biases": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    # past original_max_position_embeddings: the scenario's sequences (3 to 12 tokens) cross 8, and
+    # every HF forward is past 2 (HF's LongRoPE then uses the long factors, as our cache always does)
+    "llama-yarn": ("LlamaForCausalLM", {"rope_scaling": dict(_YARN_MODEL)}),
+    "llama-longrope": ("LlamaForCausalLM", {"rope_scaling": dict(_LONGROPE_MODEL)}),
+    "llama-dynamic": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
     "mistral-head-dim": ("MistralForCausalLM", {"head_dim": 32}),
     "olmo2": ("Olmo2ForCausalLM", {}),
     "olmo2-mha": ("Olmo2ForCausalLM", {"num_key_value_heads": 4}),
+    "gemma": ("GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2ForCausalLM", {}),
+    "gemma2-tied": ("Gemma2ForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
+    "gemma3": ("Gemma3ForCausalLM", {}),
+    "gemma3-local-rope": ("Gemma3ForCausalLM", {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
+    "phi3": ("Phi3ForCausalLM", {}),
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "num_key_value_heads": 1}),
+    "phi3-window": ("Phi3ForCausalLM", {"sliding_window": 4}),
+    "phi3-longrope": ("Phi3ForCausalLM", {"rope_scaling": dict(_LONGROPE_MODEL), "original_max_position_embeddings": 2}),
+    "cohere": ("CohereForCausalLM", {}),
+    "cohere-qk-norm": ("CohereForCausalLM", {"use_qk_norm": True, "attention_bias": True}),
+    "cohere2": ("Cohere2ForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {"use_qkv_bias": True}),
+    "stablelm-parallel-qk-norm": ("StableLmForCausalLM", {"use_parallel_residual": True, "qk_layernorm": True,
+                                                          "partial_rotary_factor": 0.5}),
+    # sliding windows shorter than the prompts and chunks: every layer, and layer 1 of 2
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 4}),
+    "qwen2-window-layer1": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
+                                                 "max_window_layers": 1}),
 }
 
 
@@ -182,10 +229,11 @@ def test_matches_hf(case, tmp_path):
     run_scenario(ours, hf)
 
 
-@pytest.mark.parametrize("case", ["llama-biases", "qwen3"])
+@pytest.mark.parametrize("case", ["llama-biases", "qwen3", "gemma2"])
 def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     """The layers' decode path through kernels/gemv.py (norm fused into the qkv and gate/up
-    projections, SiLU into down): decode-sized steps take it, the prefills do not."""
+    projections, SiLU into down; GeGLU's gelu runs before down): decode-sized steps take it,
+    the prefills do not."""
     from kernels import gemv
     from workers.models import layers
     calls = []
@@ -195,7 +243,57 @@ def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     hf = make_hf_model(make_config(arch, **overrides))
     ours = load_model(save(hf, tmp_path), torch.float32, "cpu")
     run_scenario(ours, hf)
-    assert {"none", "rms_norm", "add_rms_norm", "silu_mul"} <= set(calls)
+    fused_act = set() if ours.model.layers[0].mlp.act == "gelu_tanh" else {"silu_mul"}
+    assert {"none", "rms_norm", "add_rms_norm"} | fused_act <= set(calls)
+    assert fused_act or "silu_mul" not in calls
+
+
+@pytest.mark.parametrize("window, cap", [(None, 2.0), (4, 2.0), (4, None)])
+def test_attention_module_window_and_soft_cap(window, cap):
+    """workers.attention.Attention with a window and a soft cap, on the CPU path (SDPA; by hand
+    where capped), against HF Gemma 2's eager attention with HF's sliding-window mask: a whole
+    prompt, a chunk after a cached prefix and a decode in one step, over a shuffled, NaN-padded
+    paged cache whose blocks before each window are freed (NaN too)."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from workers.attention import Attention
+    hq, hkv, d, scale = 4, 2, 16, 0.3
+    g = torch.Generator().manual_seed(0)
+    seqs = [(11, 11), (13, 5), (10, 1)]   # (context, queries) per sequence
+    keys = [torch.randn(n, hkv, d, generator=g) * 2 for n, _ in seqs]
+    values = [torch.randn(n, hkv, d, generator=g) for n, _ in seqs]
+    query = torch.randn(sum(q for _, q in seqs), hq, d, generator=g) * 2
+    kc, vc = torch.full((NUM_BLOCKS, BLOCK_SIZE, hkv, d), float("nan")), torch.full((NUM_BLOCKS, BLOCK_SIZE, hkv, d), float("nan"))
+    free = list(range(1, NUM_BLOCKS))
+    random.Random(2).shuffle(free)
+    tables = []
+    for (n, q_len), k, v in zip(seqs, keys, values):
+        blocks = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        for p in range(n):
+            kc[blocks[p // BLOCK_SIZE], p % BLOCK_SIZE], vc[blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p], v[p]
+        if window is not None:   # a trimmed cache: blocks wholly before the first query's window point at NaN
+            blocks[:max(0, n - q_len - window + 1) // BLOCK_SIZE] = [0] * (max(0, n - q_len - window + 1) // BLOCK_SIZE)
+        tables.append(blocks + [0] * (4 - len(blocks)))
+    qsl = [0]
+    for _, q_len in seqs:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
+                             block_table=torch.tensor(tables, dtype=torch.int32),
+                             slot_mapping=torch.zeros(0, dtype=torch.int64), max_query_len=11, max_seq_len=13)
+    got = Attention(hq, hkv, d, scale, sliding_window=window, logits_soft_cap=cap)(query, (kc, vc), meta)
+
+    class Module(nn.Module):
+        num_key_value_groups = hq // hkv
+    mask_fn = causal_mask_function if window is None else and_masks(causal_mask_function, sliding_window_overlay(window))
+    for i, ((n, q_len), k, v) in enumerate(zip(seqs, keys, values)):
+        allowed = mask_fn(0, 0, torch.arange(n - q_len, n)[:, None], torch.arange(n)[None, :])   # [Q, S]
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+        want, _ = eager_attention_forward(Module().eval(), query[qsl[i]:qsl[i + 1]].transpose(0, 1)[None],
+                                          k.transpose(0, 1)[None], v.transpose(0, 1)[None], bias,
+                                          scaling=scale, softcap=cap)
+        torch.testing.assert_close(got[qsl[i]:qsl[i + 1]], want[0].flatten(1), atol=1e-5, rtol=1e-5)
 
 
 def test_qwen2_has_qkv_bias_only(tmp_path):
@@ -215,6 +313,79 @@ def test_llama3_rope_cache_matches_hf():
     pos = torch.arange(256)[None]
     cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), pos)
     torch.testing.assert_close(rope.cos_sin_cache, torch.cat((cos[0, :, :8], sin[0, :, :8]), -1))
+
+
+# rope type -> (rope_scaling, rows of the cache): each cache row must be HF's cos/sin (times its
+# attention factor) at that position, from HF's rotary module run over all the rows at once
+# (so that HF's per-length choice, dynamic NTK's base and LongRoPE's factors, is made at that length)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+             "long_factor": [1.0, 1.4, 2.2, 3.5, 5.0, 7.3, 9.9, 12.5], "factor": 4.0}
+ROPE_CACHE_CASES = {
+    "default": (None, 256),
+    "linear": ({"rope_type": "linear", "factor": 2.0}, 256),
+    "dynamic-within": ({"rope_type": "dynamic", "factor": 2.0}, 256),    # HF's default base up to max_pos
+    "dynamic-beyond": ({"rope_type": "dynamic", "factor": 2.0}, 400),    # the NTK base of 400 tokens
+    "yarn": (_YARN, 256),
+    "yarn-mscale": (dict(_YARN, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2, truncate=False), 256),
+    "yarn-attention-factor": (dict(_YARN, attention_factor=1.3), 256),
+    "yarn-partial": (dict(_YARN, partial_rotary_factor=0.5), 256),
+    "longrope-long": (_LONGROPE, 256),                                  # past the original 64: long factors
+    "longrope-short": (_LONGROPE, 64),
+    "longrope-no-factor": ({k: v for k, v in _LONGROPE.items() if k != "factor"}, 256),
+    "longrope-attention-factor": (dict(_LONGROPE, attention_factor=1.1), 256),
+    "llama3": (LLAMA3_ROPE, 256),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CACHE_CASES))
+def test_rope_cache_matches_hf(case):
+    scaling, rows = ROPE_CACHE_CASES[case]
+    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
+    scaling = {k: v for k, v in (scaling or {}).items() if k != "partial_rotary_factor"} or None
+    extra = {"partial_rotary_factor": partial} if partial != 1.0 else {}
+    cfg = make_config("LlamaForCausalLM", rope_scaling=scaling, rope_theta=1000.0, **extra)
+    params = get_rope_params(cfg)
+    rope = RotaryEmbedding(16, rows, params)
+    rot = int(16 * partial)
+    assert rope.rotary_dim == rot and rope.cos_sin_cache.shape == (rows, rot)
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), torch.arange(rows)[None])
+    assert cos.shape[-1] == rot
+    want = torch.cat((cos[0, :, :rot // 2], sin[0, :, :rot // 2]), -1)
+    # past max_position_embeddings HF computes the dynamic base in float32 (from a tensor length), we in float64
+    torch.testing.assert_close(rope.cos_sin_cache, want, atol=5e-5 if case == "dynamic-beyond" else 2e-6, rtol=0)
+    if scaling and scaling["rope_type"] in ("yarn", "longrope"):  # the attention factor is in the cache
+        assert hf_rope.attention_scaling != 1.0 and abs(float(rope.cos_sin_cache[0, 0]) - hf_rope.attention_scaling) < 1e-6
+
+
+def test_unknown_rope_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="'ntk-by-parts'.*default, linear, dynamic, yarn, longrope, llama3"):
+        RotaryEmbedding(16, 32, {"rope_type": "ntk-by-parts", "rope_theta": 1e4})
+
+
+def test_mrope_yarn_matches_hf_qwen2_5_vl():
+    """Qwen2.5-VL / Qwen3-VL configs with YaRN (rope_scaling type yarn plus mrope_section): the yarn
+    frequencies and attention factor, each section turned by its own row of the [3, T] positions."""
+    from kernels.rotary import mrope_cos_sin
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+    cfg = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "mrope_section": [2, 3, 3]}, rope_theta=1000.0)
+    params = get_rope_params(cfg)
+    assert params["rope_type"] == "yarn"
+    rope = RotaryEmbedding(16, 256, params)
+    assert rope.mrope_section == (2, 3, 3)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 256, (3, 20), generator=g)
+    hf_rope = Qwen2_5_VLRotaryEmbedding(cfg)
+    assert hf_rope.attention_scaling != 1.0
+    cos_hf, sin_hf = hf_rope(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    cos, sin = mrope_cos_sin(positions, rope.cos_sin_cache, rope.mrope_section)
+    torch.testing.assert_close(cos, cos_hf[0, :, :8], atol=2e-6, rtol=0)
+    torch.testing.assert_close(sin, sin_hf[0, :, :8], atol=2e-6, rtol=0)
 
 
 def test_rope_params_old_and_new_layouts():
@@ -301,6 +472,45 @@ def test_dummy_load_needs_only_config(tmp_path):
             assert pa.abs().max() <= 1e-3 and pa.abs().max() > 0, na
     batch = PagedBatch(a, cfg.num_hidden_layers)
     (out,) = batch.step(a, [(0, [1, 2, 3])])
+    assert torch.isfinite(out).all()
+
+
+def test_gemma_norms_store_one_plus_w_in_every_load(tmp_path):
+    """Gemma's (1 + w) norms keep 1 + w: from the checkpoint, from a weight update (a partial
+    load), read back as w by name, and as dummy weights (1: HF's initial w = 0)."""
+    from workers.weight_update import WeightUpdater
+    cfg = make_config("Gemma3ForCausalLM")
+    hf = make_hf_model(cfg)
+    ours = load_model(save(hf, tmp_path / "ckpt"), torch.float32, "cpu")
+    for name in ("model.layers.0.pre_feedforward_layernorm.weight", "model.layers.1.self_attn.k_norm.weight",
+                 "model.norm.weight"):
+        torch.testing.assert_close(ours.get_parameter(name), 1 + hf.get_parameter(name))
+    name = "model.layers.0.post_feedforward_layernorm.weight"
+    w = torch.linspace(-0.5, 0.5, cfg.hidden_size)
+    ours.load_weights([(name, w)], partial=True)
+    torch.testing.assert_close(ours.get_parameter(name), 1 + w)
+    from types import SimpleNamespace
+    runner = SimpleNamespace(model=ours, weights_dir=str(tmp_path / "ckpt"),
+                             config=SimpleNamespace(load_format="auto", weight_update_join_timeout_s=1))
+    updater = WeightUpdater(runner, 0)
+    torch.testing.assert_close(torch.tensor(updater.get_weights_by_name(name, 4)["values"]), w[:4])
+    cfg.save_pretrained(str(tmp_path / "dummy"))
+    dummy = load_model(str(tmp_path / "dummy"), torch.float32, "cpu", load_format="dummy")
+    norms = [p for n, p in dummy.named_parameters() if "norm" in n]
+    assert len(norms) == cfg.num_hidden_layers * 6 + 1 and all(bool((p == 1).all()) for p in norms)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "cohere-qk-norm", "cohere2", "stablelm-parallel-qk-norm"])
+def test_dummy_weights_norms_are_one(case, tmp_path):
+    """Dummy weights need only the config for every architecture; every norm's weight (RMSNorm,
+    Gemma's stored 1 + w, LayerNorm, per-head LayerNorm) is 1, and a step is finite."""
+    arch, overrides = CASES[case]
+    cfg = make_config(arch, **overrides)
+    cfg.save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), torch.float32, "cpu", load_format="dummy")
+    norms = [(n, p) for n, p in model.named_parameters() if "norm" in n and n.endswith(".weight")]
+    assert norms and all(bool((p == 1).all()) for _, p in norms), [n for n, p in norms if not (p == 1).all()]
+    (out,) = PagedBatch(model, cfg.num_hidden_layers).step(model, [(0, [1, 2, 3])])
     assert torch.isfinite(out).all()
 
 

@@ -331,13 +331,14 @@ def test_trainer_group_at_tensor_parallel_2(model_factory):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_dummy_weights_expect_the_checkpoint_shapes(model_factory, tied):
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("qwen3", True), ("phi3", False), ("cohere", True)])
+def test_dummy_weights_expect_the_checkpoint_shapes(model_factory, arch, tied):
     """With --load-format dummy there is no checkpoint to list: the expected names and shapes come
-    from the model's parameters, fused ones split into their parts, and equal the checkpoint's."""
+    from the model's parameters, fused ones split into their parts (Phi-3's checkpoint fuses them
+    too), and equal the checkpoint's."""
     from workers.model_loader import load_model
     from workers.weight_update import expected_shapes
-    d = model_factory("qwen3", tie_word_embeddings=True) if tied else model_factory("qwen3")
+    d = model_factory(arch, tie_word_embeddings=True) if tied else model_factory(arch)
     model = load_model(d, torch.float32, "cpu", "dummy")
     assert expected_shapes(model, d, "dummy") == expected_shapes(model, d, "auto")
 

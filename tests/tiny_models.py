@@ -45,6 +45,25 @@ ARCHS: dict[str, TinyArch] = {
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
     "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma": TinyArch("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # sliding layers 0 and 2, global 1 and 3; windows shorter than the prompts and generations;
+    # soft caps low enough to bite
+    "gemma2": TinyArch("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 4, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
+    "gemma3": TinyArch("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 4, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "phi3": TinyArch("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "sliding_window": 12}),
+    "cohere": TinyArch("CohereConfig", "CohereForCausalLM", {"tie_word_embeddings": True, "logit_scale": 0.5,
+                                                             "use_qk_norm": True}),
+    # local layers 0, 1 and 3 (rotary), global layer 2 (no positions)
+    "cohere2": TinyArch("Cohere2Config", "Cohere2ForCausalLM", {
+        "tie_word_embeddings": True, "logit_scale": 0.5, "num_hidden_layers": 4, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
+    "stablelm": TinyArch("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True, "qk_layernorm": True}),
 }
 
 

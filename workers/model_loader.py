@@ -20,7 +20,7 @@ from torch import nn
 
 from workers.distributed import tp_rank, tp_size
 from workers.models.interfaces import supports_multimodal
-from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
+from workers.models.layers import LayerNorm, PerHeadLayerNorm, RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
 from workers.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -154,10 +154,10 @@ def checkpoint_metadata(files: list[str]) -> dict[str, tuple[tuple[int, ...], st
 def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -DUMMY_RANGE,
                        high: float = DUMMY_RANGE) -> None:
     """Deterministic random weights in place on the parameters' device:
-    uniform(low, high) everywhere, RMSNorm weights set to 1. Each tensor is drawn whole (its
+    uniform(low, high) everywhere, norm weights (RMSNorm, LayerNorm) set to 1. Each tensor is drawn whole (its
     TP=1 shape, in the same order) and handed to its weight loader, so a TP=N dummy model is
     the TP=1 dummy model sharded; drawn on the device, so nothing goes through the CPU."""
-    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm, PerHeadLayerNorm))}
     generators: dict[torch.device, torch.Generator] = {}
     for _, p in model.named_parameters():
         if id(p) in norm_params:

@@ -48,8 +48,8 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
         for pname, p in model.named_parameters():
             full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
             shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", {None: None})
-            if list(shards) == [None]:
-                out[pname] = full
+            if list(shards) == [None] or not any(fused in pname for fused, _, _ in model.stacked_params):
+                out[pname] = full   # unfused, or fused in the checkpoint too (Phi-3's qkv_proj)
                 continue
             for fused, part, sid in model.stacked_params:
                 if fused in pname and sid in shards:
@@ -313,7 +313,8 @@ class WeightUpdater:
         elif isinstance(module, VocabParallelEmbedding):      # padding rows past the vocabulary dropped
             dim, start = 0, module.vocab_start
             t = t[:max(0, min(module.part, module.vocab_size - start))]
-        return {"dim": dim, "start": start, "values": t[:truncate_size].float().cpu().tolist()}
+        t = t[:truncate_size].float() - getattr(self.model.get_parameter(pname), "stored_offset", 0.0)
+        return {"dim": dim, "start": start, "values": t.cpu().tolist()}
 
 
 def join_trainer_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,

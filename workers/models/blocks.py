@@ -25,24 +25,35 @@ from workers.models.weights import STACKED_PARAMS, load_weights
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused; after a pre-norm (forward_normed) the
-    norm is fused into gate_up at decode sizes, as the SiLU is into down."""
+    """down(act(gate(x)) * up(x)) with gate and up fused; after a pre-norm (forward_normed) the
+    norm is fused into gate_up at decode sizes, as the SiLU is into down.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, norm_slot: int | None = 1):
+    act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma's gelu_pytorch_tanh, not fused into the GEMV)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, norm_slot: int | None = 1,
+                 act: str = "silu"):
         super().__init__()
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"GatedMLP: unsupported activation {act!r} (silu, gelu_tanh)")
+        self.act = act
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, split_shards({0: intermediate_size, 1: intermediate_size}, tp_rank(), tp_size()), bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, norm_slot=norm_slot)
 
     def forward(self, x: torch.Tensor):
         """mlp(x), with no norm before it (a post-norm layer)."""
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
+        return self._down(self.gate_up_proj(x))
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), the new residual)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj(gate_up, silu_mul=True), residual
+        return self._down(gate_up), residual
+
+    def _down(self, gate_up: torch.Tensor):
+        if self.act == "silu":
+            return self.down_proj(gate_up, silu_mul=True)
+        return self.down_proj(layers.gelu_tanh_and_mul(gate_up))
 
 
 class SelfAttention(nn.Module):
@@ -127,15 +138,18 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding -> layers -> final norm. `make_layer(config, rotary_emb, layer_idx)` builds one
-    layer, a module called as layer(positions, hidden, residual, kv_cache, meta) -> (hidden, residual)."""
+    layer, a module called as layer(positions, hidden, residual, kv_cache, meta) -> (hidden, residual);
+    `make_norm(config)` the final norm (RMSNorm by default), called as RMSNorm is."""
 
-    def __init__(self, config, make_layer: Callable[[object, RotaryEmbedding, int], nn.Module]):
+    def __init__(self, config, make_layer: Callable[[object, RotaryEmbedding, int], nn.Module],
+                 make_norm: Callable[[object], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(get_head_dim(config), config.max_position_embeddings,
                                           get_rope_params(config))
         self.layers = nn.ModuleList(make_layer(config, self.rotary_emb, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (make_norm(config) if make_norm is not None
+                     else RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

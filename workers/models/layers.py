@@ -4,7 +4,7 @@ Models compose them into decoder layers in workers/models/blocks.py, or in their
 where their layer differs (workers/models/olmo2.py); docs/adding_a_model.md says how.
 
 Every hot op goes through one module-level name (`rms_norm`,
-`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`): the plain-torch
+`fused_add_rms_norm`, `qk_norm_rope_cache`, `silu_and_mul`, `gelu_tanh_and_mul`): the plain-torch
 reference from kernels/ by default, rebound to the Triton kernel by
 use_triton_kernels(). The layers look the name up at run time, so nothing else
 changes. On the Triton path, linears of decode-sized batches (up to
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipc import envs
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.embedding import vocab_parallel_embedding
 from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -48,13 +48,15 @@ rms_norm = rms_norm_ref
 fused_add_rms_norm = fused_add_rms_norm_ref
 qk_norm_rope_cache = qk_norm_rope_cache_ref  # per-head q/k norm, rotary, then the KV-cache write
 silu_and_mul = silu_and_mul_ref
+gelu_tanh_and_mul = gelu_tanh_and_mul_ref  # GeGLU (Gemma); no GEMV fusion
 gemv = None           # kernels.gemv.gemv on the Triton path (use_triton_kernels)
 gemv_max_rows = 0
 
 
 # ------------------------------------------------------------------ config helpers
 _TORCH_REFERENCES = dict(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
-                         qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul, gemv=None,
+                         qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul,
+                         gelu_tanh_and_mul=gelu_tanh_and_mul, gemv=None,
                          gemv_max_rows=0)
 
 
@@ -74,7 +76,8 @@ def use_triton_kernels() -> None:
     from kernels import rms_norm as triton_norm
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
-                     silu_and_mul=activation.silu_and_mul, qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
+                     silu_and_mul=activation.silu_and_mul, gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
+                     qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
     if envs.LOOM_GEMV:
         from kernels import gemv as gemv_kernel
         globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_DECODE_ROWS)
@@ -102,17 +105,21 @@ def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tu
     return num_heads // size, 1, rank * num_kv_heads // size
 
 
-def get_rope_params(config) -> dict:
-    """The rope parameters as one flat dict with at least `rope_theta` and
+def get_rope_params(config, layer_type: str = "full_attention") -> dict:
+    """The rope parameters of a layer type ("full_attention", or "sliding_attention" where local
+    layers rotate otherwise: Gemma 3) as one flat dict with at least `rope_theta` and
     `rope_type`, from either layout:
 
     * transformers 5: `config.rope_parameters = {"rope_theta": ..., "rope_type": ..., ...}`
-      (possibly keyed per layer type; we take "full_attention");
+      (possibly keyed per layer type);
     * older configs: `config.rope_theta` plus `config.rope_scaling` (None, or a
-      dict with "rope_type" or the older "type")."""
+      dict with "rope_type" or the older "type"); Gemma 3's local layers: `rope_local_base_freq`
+      and no scaling."""
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        return {"rope_theta": float(config.rope_local_base_freq), "rope_type": "default"}
     out: dict = {}
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
@@ -125,6 +132,15 @@ def get_rope_params(config) -> dict:
     out["rope_type"] = rope_type
     if getattr(config, "partial_rotary_factor", None) is not None and "partial_rotary_factor" not in out:
         out["partial_rotary_factor"] = config.partial_rotary_factor
+    # HF's reference lengths: the config's own (dynamic NTK; the factor when a config leaves it
+    # out) and the pretraining one, which Phi-3 keeps beside rope_scaling and HF prefers
+    if getattr(config, "max_position_embeddings", None):
+        out["max_position_embeddings"] = config.max_position_embeddings
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = getattr(config, "original_max_position_embeddings", None) or out.get(
+            "original_max_position_embeddings") or out.get("max_position_embeddings")
+        if original:
+            out["original_max_position_embeddings"] = original
     return out
 
 
@@ -163,12 +179,92 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x_normed * (1 + w) (HF's GemmaRMSNorm). The weight loader stores 1 + w
+    (added in float32, rounded once), so that the norm kernels, the GEMV's fused norm prologue
+    and the all-reduce norm serve it unchanged, with no Gemma variant of each. Hence every write
+    of w must go through the loader: the checkpoint and weight updates (partial loads,
+    workers/weight_update.py) do; dummy weights (init_dummy_weights) set every norm's stored
+    weight to 1, which here is HF's initial w = 0 (a scale of 1, as for any RMSNorm); reading
+    back by name subtracts `stored_offset`. In bf16 this differs from HF, which scales in float32
+    and rounds once, by the rounding of 1 + w and of the normed x to bf16 (as Llama's norm does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        _set_loader(self.weight, one_plus_loader, self.weight.shape)
+        self.weight.stored_offset = 1.0   # stored = checkpoint + 1 (get_weights_by_name reads back w)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm in float32 (mean-subtracted; `bias` optional: Cohere has none, StableLM has one),
+    rounded to the input's dtype once, with RMSNorm's calling convention (with `residual`:
+    x + residual is normed and (out, new_residual) returned)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.weight = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False))
+        self.bias = replicated(nn.Parameter(torch.empty(hidden_size), requires_grad=False)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        x = x + residual
+        return layer_norm(x, self.weight, self.bias, self.eps), x
+
+
+class PerHeadLayerNorm(nn.Module):
+    """LayerNorm over each head of x [T, heads * head_dim], in float32, with one weight row per
+    head (no bias): Cohere's and StableLM's q/k norms. Under tensor parallelism a rank holds its
+    heads' rows, from `first_head` on. The checkpoint holds the rows as one [total_heads,
+    head_dim] tensor (Cohere), or one tensor per head (StableLM's `norms.{h}`: `per_head_tensors`,
+    loaded with the head as shard id)."""
+
+    def __init__(self, total_heads: int, first_head: int, heads: int, head_dim: int, eps: float,
+                 per_head_tensors: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, head_dim), requires_grad=False)
+        _set_loader(self.weight, functools.partial(_per_head_loader, total_heads, first_head),
+                    (total_heads, head_dim), tuple(range(total_heads)) if per_head_tensors else (None,))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(x.shape[0], *self.weight.shape).float()
+        return (F.layer_norm(h, h.shape[-1:], eps=self.eps) * self.weight.float()).to(x.dtype).view(x.shape)
+
+
+@torch.no_grad()
+def _per_head_loader(total_heads: int, first_head: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+    heads, head_dim = param.shape
+    if shard_id is None:   # all heads' rows (dummy weights draw them so too)
+        _check_shape(loaded, (total_heads, head_dim))
+        param.data.copy_(_narrow(loaded, 0, first_head, heads))
+        return
+    _check_shape(loaded, (head_dim,))
+    if first_head <= shard_id < first_head + heads:   # another rank's head: not kept here
+        param.data[shard_id - first_head].copy_(_narrow(loaded, 0, 0, head_dim))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """F.layer_norm over the last dim of x (weight and bias of that size) in float32."""
+    return F.layer_norm(x.float(), weight.shape, weight.float(), None if bias is None else bias.float(),
+                        eps).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Positions-based rotary embedding over a precomputed float32 cos/sin cache
     of `max_position` rows. One instance is shared by all layers of a model.
 
-    rope_type: "default", "linear" or "llama3" (as HF's
-    `_compute_llama3_parameters`). Other types raise NotImplementedError."""
+    rope_type: any of kernels.rotary.ROPE_TYPES (default, linear, dynamic, yarn, longrope,
+    llama3), as transformers computes them; an unknown type is a ValueError naming those, at
+    start-up. `partial_rotary_factor` rotates the first head_size * factor dims only.
+    max_position: the longest context served; the models pass the config's
+    max_position_embeddings, which the engine's --max-model-len never exceeds. It also picks
+    what HF picks per sequence length (vLLM's rule): LongRoPE's long factors when it exceeds
+    original_max_position_embeddings (Phi-3's long-context configs: HF's choice for every
+    prompt past the original context), and the dynamic-NTK base of a max_position-token
+    sequence when it exceeds the config's max_position_embeddings (else HF's own frequencies
+    at every length within it)."""
 
     def __init__(self, head_size: int, max_position: int, rope_params: dict, is_neox_style: bool = True):
         super().__init__()
@@ -222,6 +318,13 @@ def replicated_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     """Every rank holds the whole tensor (norms, row-parallel biases)."""
     _check_shape(loaded, param.shape)
     param.data.copy_(_narrow(loaded, 0, 0, param.shape[0]))
+
+
+@torch.no_grad()
+def one_plus_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Replicated, storing 1 + w (GemmaRMSNorm)."""
+    _check_shape(loaded, param.shape)
+    param.data.copy_(_narrow(loaded, 0, 0, param.shape[0]).float() + 1)
 
 
 def replicated(param: nn.Parameter) -> nn.Parameter:

@@ -22,10 +22,17 @@ class ModelEntry(NamedTuple):
 
 
 MODELS: dict[str, ModelEntry] = {
+    "CohereForCausalLM": ModelEntry("cohere"),
+    "Cohere2ForCausalLM": ModelEntry("cohere2"),
+    "GemmaForCausalLM": ModelEntry("gemma"),
+    "Gemma2ForCausalLM": ModelEntry("gemma2"),
+    "Gemma3ForCausalLM": ModelEntry("gemma3"),
     "LlamaForCausalLM": ModelEntry("llama"),
     "MistralForCausalLM": ModelEntry("llama"),
     "Olmo2ForCausalLM": ModelEntry("olmo2"),
+    "Phi3ForCausalLM": ModelEntry("phi3"),
     "Qwen2ForCausalLM": ModelEntry("qwen2"),
+    "StableLmForCausalLM": ModelEntry("stablelm"),
     "Qwen3ForCausalLM": ModelEntry("qwen3"),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
     "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
