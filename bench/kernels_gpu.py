@@ -155,7 +155,11 @@ def _prologue(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
     cache = rotary.build_rope_cache(d, 32768, 500000.0, scaling, device=dev)
-    for t in ([128] if quick else [1, 256, 8192]):
+    # GPT-J style (interleaved pairs: GLM, Cohere) too, on the Llama shapes: the NEOX constexpr
+    # picks the addressing, the NeoX rows must not move
+    styles = [True] if qwen else [True, False]
+    for t, neox in [(t, neox) for t in ([128] if quick else [1, 256, 8192]) for neox in styles]:
+        name = model if neox else f"{model} gptj"
         qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=BF16, device=dev, generator=gen)
         q = qkv[:, :hq * d].view(t, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
@@ -168,15 +172,15 @@ def _prologue(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         kc, vc = (torch.randn(nb, bs, hkv, d, dtype=BF16, device=dev, generator=gen) for _ in range(2))
         kc2, vc2 = kc.clone(), vc.clone()
         args = (pos, q, k, v, cache)
-        out = qrc.qk_norm_rope_cache(*args, kc, vc, slots, qw, kw, 1e-6)
-        ref = qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6)
-        ctx.check(f"qk_norm_rope_cache {model} T={t} q", out, ref, atol=2e-2, rtol=1e-2)
-        ctx.check(f"qk_norm_rope_cache {model} T={t} k cache", kc, kc2, atol=2e-2, rtol=1e-2)
-        ctx.expect(f"qk_norm_rope_cache {model} T={t} v cache", torch.equal(vc, vc2))
+        out = qrc.qk_norm_rope_cache(*args, kc, vc, slots, qw, kw, 1e-6, is_neox_style=neox)
+        ref = qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6, is_neox_style=neox)
+        ctx.check(f"qk_norm_rope_cache {name} T={t} q", out, ref, atol=2e-2, rtol=1e-2)
+        ctx.check(f"qk_norm_rope_cache {name} T={t} k cache", kc, kc2, atol=2e-2, rtol=1e-2)
+        ctx.expect(f"qk_norm_rope_cache {name} T={t} v cache", torch.equal(vc, vc2))
         nbytes = 2 * qkv.numel() * 2 - 2 * t * hkv * d * 2 + t * d * 4  # read qkv, write q + k + v, cos/sin
-        ctx.bench("qk_norm_rope_cache", f"{model} T={t}", lambda: qrc.qk_norm_rope_cache(
-            *args, kc, vc, slots, qw, kw, 1e-6), nbytes,
-            ref_fn=lambda: qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6))
+        ctx.bench("qk_norm_rope_cache", f"{name} T={t}", lambda: qrc.qk_norm_rope_cache(
+            *args, kc, vc, slots, qw, kw, 1e-6, is_neox_style=neox), nbytes,
+            ref_fn=lambda: qrc.qk_norm_rope_cache_ref(*args, kc2, vc2, slots, qw, kw, 1e-6, is_neox_style=neox))
 
 
 def _silu(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):

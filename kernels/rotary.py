@@ -22,7 +22,8 @@ choice is made once from `max_position`, the longest context the cache serves:
   * longrope: the long factors when max_position > original_max_position_embeddings,
     else the short ones (HF's choice for any sequence that long);
   * dynamic: the NTK base of a sequence of max_position tokens when max_position
-    exceeds the config's max_position_embeddings (vLLM's fixed base), else the
+    exceeds the config's max_position_embeddings (as vLLM: one fixed base for the
+    longest context served, so shorter sequences differ from HF there), else the
     default frequencies, which is what HF uses for every sequence within it.
 """
 from __future__ import annotations
@@ -37,9 +38,9 @@ def _exponents(dim: int) -> torch.Tensor:
     return torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
 
 
-def _inv_freq(head_dim: int, base: float, device=None) -> torch.Tensor:
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
     # Same expression as transformers' default rope init.
-    return 1.0 / (base ** _exponents(head_dim).to(device))
+    return 1.0 / (base ** _exponents(dim))
 
 
 # Each rope type: (rotary dims, base, params, max_position) -> (inv_freq [dim // 2], attention factor).

@@ -360,6 +360,21 @@ def test_rope_cache_matches_hf(case):
         assert hf_rope.attention_scaling != 1.0 and abs(float(rope.cos_sin_cache[0, 0]) - hf_rope.attention_scaling) < 1e-6
 
 
+@pytest.mark.parametrize("rows", [256, 64])
+def test_phi3_longrope_partial_rotary_cache_matches_hf(rows):
+    """Phi-3's layout: original_max_position_embeddings beside rope_scaling (HF prefers it), no
+    `factor` (the ratio of the two lengths), partial rotary; long factors past the original 64."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    cfg = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        original_max_position_embeddings=64, partial_rotary_factor=0.5,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})
+    rope = RotaryEmbedding(16, rows, get_rope_params(cfg))
+    cos, sin = Phi3RotaryEmbedding(cfg)(torch.zeros(1), torch.arange(rows)[None])
+    assert rope.cos_sin_cache.shape == (rows, 8)
+    torch.testing.assert_close(rope.cos_sin_cache, torch.cat((cos[0, :, :4], sin[0, :, :4]), -1), atol=2e-6, rtol=0)
+
+
 def test_unknown_rope_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="'ntk-by-parts'.*default, linear, dynamic, yarn, longrope, llama3"):
         RotaryEmbedding(16, 32, {"rope_type": "ntk-by-parts", "rope_theta": 1e4})
