@@ -41,6 +41,10 @@ class TinyArch(NamedTuple):
 # name -> the architecture's tiny model; tests/test_arch_parity.py checks each against HF
 ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("LlamaConfig", "LlamaForCausalLM", {}),
+    "granite": TinyArch("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "glm": TinyArch("GlmConfig", "GlmForCausalLM", {"head_dim": 16}),
+    "glm4": TinyArch("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}),
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),

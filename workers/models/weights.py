@@ -73,7 +73,8 @@ def _load(model: nn.Module, weights: Iterable[tuple[str | None, str, object]],
             param.weight_loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"weight {ckpt_name!r}: {e}") from None
-        loaded.setdefault(name, set()).add(shard_id)
+        # a fused tensor as a whole (Phi-3's qkv_proj, gate_up_proj) fills every part
+        loaded.setdefault(name, set()).update(param.shard_ids if shard_id is None else (shard_id,))
 
     missing = []
     for name, param in params.items() if not partial else ():
