@@ -74,3 +74,57 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **override
                 p.normal_(0, 0.2 if "embed" not in name else 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def llama_to_internlm2(llama_dir: str, out_dir: str) -> str:
+    """InternLM2 (remote code, not in transformers) has no HF class to be the oracle: this writes
+    a Llama checkpoint's weights under InternLM2's names and packing, with InternLM2's config.json,
+    so that Loom's InternLM2 on out_dir must match HF Llama on llama_dir. The tokenizer files
+    are copied."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(llama_dir):
+        if f.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(os.path.join(llama_dir, f), out_dir)
+    with open(os.path.join(llama_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    sd = load_file(os.path.join(llama_dir, "model.safetensors"))
+    out = {}
+    for name, t in sd.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:   # [kv_heads, group q heads + k + v, head_dim, ...]
+            k, v = sd[name.replace("q_proj", "k_proj")], sd[name.replace("q_proj", "v_proj")]
+            rest = t.shape[1:]
+            t = torch.cat([t.reshape(kv_heads, heads // kv_heads, d, *rest), k.reshape(kv_heads, 1, d, *rest),
+                           v.reshape(kv_heads, 1, d, *rest)], 1).reshape(-1, *rest)
+        for ours, theirs in (("model.embed_tokens.", "model.tok_embeddings."), (".self_attn.q_proj.", ".attention.wqkv."),
+                             (".self_attn.o_proj.", ".attention.wo."), (".mlp.gate_proj.", ".feed_forward.w1."),
+                             (".mlp.up_proj.", ".feed_forward.w3."), (".mlp.down_proj.", ".feed_forward.w2."),
+                             (".input_layernorm.", ".attention_norm."),
+                             (".post_attention_layernorm.", ".ffn_norm."), ("lm_head.", "output.")):
+            name = name.replace(ours, theirs)
+        out[name] = t.contiguous()
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    # the fields of InternLM2's configuration_internlm2.py (as vLLM's internlm2.py reads them)
+    config = {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2",
+              "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config",
+                           "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"},
+              "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+              "intermediate_size": cfg["intermediate_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_act": "silu",
+              "max_position_embeddings": cfg["max_position_embeddings"], "initializer_range": 0.02,
+              "rms_norm_eps": cfg["rms_norm_eps"], "use_cache": True, "pad_token_id": cfg.get("pad_token_id"),
+              "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"), "pretraining_tp": 1,
+              "tie_word_embeddings": cfg.get("tie_word_embeddings", False), "bias": False,
+              "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_scaling": None,
+              "attn_implementation": "eager", "torch_dtype": "float32"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir

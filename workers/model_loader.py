@@ -21,7 +21,7 @@ from torch import nn
 from workers.distributed import tp_rank, tp_size
 from workers.models.interfaces import supports_multimodal
 from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
-from workers.models.registry import get_model_class
+from workers.models.registry import MODELS, get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
@@ -37,7 +37,16 @@ def model_kv_shape(config) -> tuple[int, int, int]:
 
 
 def load_config(model_dir: str):
-    from transformers import AutoConfig
+    """The checkpoint's transformers config. A model_type that transformers does not know (remote
+    code, e.g. InternLM2) but whose architecture Loom implements is read as a plain
+    PretrainedConfig of config.json's fields: no remote code runs (nor asks to)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or [None]
+    if raw.get("model_type") not in CONFIG_MAPPING and archs[0] in MODELS:
+        return PretrainedConfig.from_dict(raw)
     return AutoConfig.from_pretrained(model_dir)
 
 

@@ -32,6 +32,7 @@ MODELS: dict[str, ModelEntry] = {
     "GraniteForCausalLM": ModelEntry("granite"),
     "GlmForCausalLM": ModelEntry("glm"),
     "Glm4ForCausalLM": ModelEntry("glm4"),
+    "InternLM2ForCausalLM": ModelEntry("internlm2"),
 }
 
 
