@@ -45,6 +45,8 @@ ARCHS: dict[str, TinyArch] = {
         "embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5, "logits_scaling": 2.0}),
     "glm": TinyArch("GlmConfig", "GlmForCausalLM", {"head_dim": 16}),
     "glm4": TinyArch("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}),
+    "smollm3": TinyArch("SmolLM3Config", "SmolLM3ForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4,
+                                                                "no_rope_layer_interval": 2}),
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),

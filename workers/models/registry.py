@@ -33,6 +33,7 @@ MODELS: dict[str, ModelEntry] = {
     "GlmForCausalLM": ModelEntry("glm"),
     "Glm4ForCausalLM": ModelEntry("glm4"),
     "InternLM2ForCausalLM": ModelEntry("internlm2"),
+    "SmolLM3ForCausalLM": ModelEntry("smollm3"),
 }
 
 
