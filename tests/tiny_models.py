@@ -47,6 +47,20 @@ ARCHS: dict[str, TinyArch] = {
     "glm4": TinyArch("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}),
     "smollm3": TinyArch("SmolLM3Config", "SmolLM3ForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4,
                                                                 "no_rope_layer_interval": 2}),
+    # sliding layers 0 and 2, full 1 and 3; the window above the prompts until the kernels take it
+    "ministral": TinyArch("MinistralConfig", "MinistralForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
+    "seed_oss": TinyArch("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16, "attention_bias": True,
+                                                                  "attention_out_bias": True}),
+    "helium": TinyArch("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16, "attention_bias": True}),
+    # sliding layers 0, 1 and 3 with their own rope theta, full layer 2
+    "olmo3": TinyArch("Olmo3Config", "Olmo3ForCausalLM", {
+        "num_hidden_layers": 4, "sliding_window": 128,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "ernie4_5": TinyArch("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16, "use_bias": True}),
+    "arcee": TinyArch("ArceeConfig", "ArceeForCausalLM", {}),
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),

@@ -37,17 +37,18 @@ def model_kv_shape(config) -> tuple[int, int, int]:
 
 
 def load_config(model_dir: str):
-    """The checkpoint's transformers config. A model_type that transformers does not know (remote
-    code, e.g. InternLM2) but whose architecture Loom implements is read as a plain
-    PretrainedConfig of config.json's fields: no remote code runs (nor asks to)."""
+    """The checkpoint's transformers config. A config that transformers reads only through remote
+    code (InternLM2's) but whose architecture Loom implements is read as a plain PretrainedConfig
+    of config.json's fields: no remote code runs (nor is asked for)."""
     from transformers import AutoConfig, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    with open(os.path.join(model_dir, "config.json")) as f:
-        raw = json.load(f)
-    archs = raw.get("architectures") or [None]
-    if raw.get("model_type") not in CONFIG_MAPPING and archs[0] in MODELS:
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except ValueError:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        if (raw.get("architectures") or [None])[0] not in MODELS:
+            raise
         return PretrainedConfig.from_dict(raw)
-    return AutoConfig.from_pretrained(model_dir)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,12 @@ MODELS: dict[str, ModelEntry] = {
     "Glm4ForCausalLM": ModelEntry("glm4"),
     "InternLM2ForCausalLM": ModelEntry("internlm2"),
     "SmolLM3ForCausalLM": ModelEntry("smollm3"),
+    "MinistralForCausalLM": ModelEntry("ministral"),
+    "SeedOssForCausalLM": ModelEntry("seed_oss"),
+    "HeliumForCausalLM": ModelEntry("helium"),
+    "Olmo3ForCausalLM": ModelEntry("olmo3"),
+    "Ernie4_5ForCausalLM": ModelEntry("ernie4_5"),
+    "ArceeForCausalLM": ModelEntry("arcee"),
 }
 
 
