@@ -61,6 +61,9 @@ ARCHS: dict[str, TinyArch] = {
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
     "ernie4_5": TinyArch("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16, "use_bias": True}),
     "arcee": TinyArch("ArceeConfig", "ArceeForCausalLM", {}),
+    # local layers 0, 1 and 2 (rotary), global layer 3 (no positions)
+    "exaone4": TinyArch("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4,
+                                                                "sliding_window": 128}),
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),

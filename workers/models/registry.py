@@ -40,6 +40,7 @@ MODELS: dict[str, ModelEntry] = {
     "Olmo3ForCausalLM": ModelEntry("olmo3"),
     "Ernie4_5ForCausalLM": ModelEntry("ernie4_5"),
     "ArceeForCausalLM": ModelEntry("arcee"),
+    "Exaone4ForCausalLM": ModelEntry("exaone4"),
 }
 
 
