@@ -64,6 +64,15 @@ ARCHS: dict[str, TinyArch] = {
     # local layers 0, 1 and 2 (rotary), global layer 3 (no positions)
     "exaone4": TinyArch("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4,
                                                                 "sliding_window": 128}),
+    "hyperclovax": TinyArch("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {
+        "embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5, "logits_scaling": 0.5}),
+    # full layers 0 and 2, sliding 1 and 3; llama3 rope scaling
+    "cwm": TinyArch("CwmConfig", "CwmForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 128,
+                                                    "bos_token_id": 0,   # an int, the config insists
+                                                    "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
+                                                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                                                        "high_freq_factor": 4.0,
+                                                                        "original_max_position_embeddings": 64}}),
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),

@@ -49,8 +49,8 @@ class GraniteDecoderLayer(nn.Module):
 class GraniteModel(DecoderModel):
     """DecoderModel with the token embeddings times embedding_multiplier."""
 
-    def __init__(self, config):
-        super().__init__(config, GraniteDecoderLayer)
+    def __init__(self, config, make_layer=GraniteDecoderLayer):
+        super().__init__(config, make_layer)
         self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -60,17 +60,21 @@ class GraniteModel(DecoderModel):
         return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds)
 
 
+def map_logits(logits: torch.Tensor | LogitsShard, fn) -> torch.Tensor | LogitsShard:
+    """fn applied to the logits, or to a rank's LogitsShard's columns (fn acts on each logit alone)."""
+    if isinstance(logits, LogitsShard):
+        return dataclasses.replace(logits, logits=fn(logits.logits))
+    return fn(logits)
+
+
 class GraniteForCausalLM(DecoderForCausalLM):
+    model_class = GraniteModel
+
     def __init__(self, config):
-        super().__init__(config, GraniteModel)
+        super().__init__(config, self.model_class)
         self.logits_scaling = config.logits_scaling
 
     def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        """The lm_head's logits divided by logits_scaling (as HF, after the product); a rank's
-        LogitsShard is divided as it is: the scale applies to each logit alone."""
+        """The lm_head's logits divided by logits_scaling (as HF, after the product)."""
         logits = super().compute_logits(hidden, plain)
-        if self.logits_scaling == 1:
-            return logits
-        if isinstance(logits, LogitsShard):
-            return dataclasses.replace(logits, logits=logits.logits / self.logits_scaling)
-        return logits / self.logits_scaling
+        return logits if self.logits_scaling == 1 else map_logits(logits, lambda x: x / self.logits_scaling)

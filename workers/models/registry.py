@@ -41,6 +41,8 @@ MODELS: dict[str, ModelEntry] = {
     "Ernie4_5ForCausalLM": ModelEntry("ernie4_5"),
     "ArceeForCausalLM": ModelEntry("arcee"),
     "Exaone4ForCausalLM": ModelEntry("exaone4"),
+    "HyperCLOVAXForCausalLM": ModelEntry("hyperclovax"),
+    "CwmForCausalLM": ModelEntry("cwm"),
 }
 
 
