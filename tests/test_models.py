@@ -47,6 +47,7 @@ def make_config(arch: str, **overrides):
            "Exaone4ForCausalLM": transformers.Exaone4Config,
            "HyperCLOVAXForCausalLM": transformers.HyperCLOVAXConfig,
            "CwmForCausalLM": transformers.CwmConfig,
+           "Ministral3ForCausalLM": transformers.Ministral3Config,
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
@@ -195,6 +196,10 @@ CASES = {
     "hyperclovax-no-post-norm": ("HyperCLOVAXForCausalLM", {"use_post_norm": False, "residual_multiplier": 0.3}),
     "cwm": ("CwmForCausalLM", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 128,
                                "pad_token_id": None, "bos_token_id": 0, "eos_token_id": None}),
+    "ministral3": ("Ministral3ForCausalLM", {"head_dim": 16, "pad_token_id": None, "bos_token_id": None,
+                                             "eos_token_id": None, "rope_parameters": {
+                                                 "rope_type": "default", "rope_theta": 10000.0,
+                                                 "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 4}}),
     "ministral": ("MinistralForCausalLM", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 128,
                                            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "seed_oss": ("SeedOssForCausalLM", {"head_dim": 16, "attention_bias": True, "attention_out_bias": True,

@@ -64,6 +64,10 @@ ARCHS: dict[str, TinyArch] = {
     # local layers 0, 1 and 2 (rotary), global layer 3 (no positions)
     "exaone4": TinyArch("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4,
                                                                 "sliding_window": 128}),
+    # Llama 4's query temperature from position 16 on (YaRN, the released rope, is h44-rope's)
+    "ministral3": TinyArch("Ministral3Config", "Ministral3ForCausalLM", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": 16}}),
     "hyperclovax": TinyArch("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {
         "embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5, "logits_scaling": 0.5}),
     # full layers 0 and 2, sliding 1 and 3; llama3 rope scaling

@@ -43,6 +43,7 @@ MODELS: dict[str, ModelEntry] = {
     "Exaone4ForCausalLM": ModelEntry("exaone4"),
     "HyperCLOVAXForCausalLM": ModelEntry("hyperclovax"),
     "CwmForCausalLM": ModelEntry("cwm"),
+    "Ministral3ForCausalLM": ModelEntry("ministral3"),
 }
 
 
