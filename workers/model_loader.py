@@ -21,7 +21,7 @@ from torch import nn
 from workers.distributed import tp_rank, tp_size
 from workers.models.interfaces import supports_multimodal
 from workers.models.layers import RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
-from workers.models.registry import MODELS, get_model_class
+from workers.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
@@ -41,6 +41,8 @@ def load_config(model_dir: str):
     code (InternLM2's) but whose architecture Loom implements is read as a plain PretrainedConfig
     of config.json's fields: no remote code runs (nor is asked for)."""
     from transformers import AutoConfig, PretrainedConfig
+
+    from workers.models.registry import MODELS
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except ValueError:
