@@ -237,19 +237,6 @@ def test_matches_hf(case, tmp_path):
     run_scenario(ours, hf)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"tie_word_embeddings": True}])
-def test_internlm2_matches_hf_llama(tmp_path, overrides):
-    """InternLM2 is remote code (no transformers class): HF Llama's weights under InternLM2's
-    names and per-KV-group wqkv packing (tests/tiny_models.llama_to_internlm2) must give HF
-    Llama's logits."""
-    from tests.tiny_models import llama_to_internlm2
-    hf = make_hf_model(make_config("LlamaForCausalLM", **overrides))
-    ours = load_model(llama_to_internlm2(save(hf, tmp_path / "llama"), str(tmp_path / "internlm2")),
-                      torch.float32, "cpu")
-    assert type(ours).__name__ == "InternLM2ForCausalLM"
-    run_scenario(ours, hf)
-
-
 @pytest.mark.parametrize("case", ["llama-biases", "qwen3"])
 def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     """The layers' decode path through kernels/gemv.py (norm fused into the qkv and gate/up
@@ -415,6 +402,19 @@ def test_olmo2_tensor_parallel_matches_hf(model_factory):
     from tests.test_engine_parity import _prompts, check_parity
     check_parity(model_factory("olmo2", num_key_value_heads=1), _prompts(300, 3), tensor_parallel_size=2,
                  block_size=4, max_num_seqs=2, max_model_len=128)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"tie_word_embeddings": True}])
+def test_internlm2_matches_hf_llama(tmp_path, overrides):
+    """InternLM2 is remote code (no transformers class): HF Llama's weights under InternLM2's
+    names and per-KV-group wqkv packing (tests/tiny_models.llama_to_internlm2) must give HF
+    Llama's logits."""
+    from tests.tiny_models import llama_to_internlm2
+    hf = make_hf_model(make_config("LlamaForCausalLM", **overrides))
+    ours = load_model(llama_to_internlm2(save(hf, tmp_path / "llama"), str(tmp_path / "internlm2")),
+                      torch.float32, "cpu")
+    assert type(ours).__name__ == "InternLM2ForCausalLM"
+    run_scenario(ours, hf)
 
 
 def test_internlm2_tensor_parallel_greedy_matches_hf_llama(model_factory, tmp_path):
