@@ -39,6 +39,20 @@ def make_config(arch: str, **overrides):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=[arch])
     cls = {"LlamaForCausalLM": transformers.LlamaConfig,
+           "GraniteForCausalLM": transformers.GraniteConfig,
+           "GlmForCausalLM": transformers.GlmConfig,
+           "Glm4ForCausalLM": transformers.Glm4Config,
+           "SmolLM3ForCausalLM": transformers.SmolLM3Config,
+           "MinistralForCausalLM": transformers.MinistralConfig,
+           "SeedOssForCausalLM": transformers.SeedOssConfig,
+           "HeliumForCausalLM": transformers.HeliumConfig,
+           "Olmo3ForCausalLM": transformers.Olmo3Config,
+           "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
+           "ArceeForCausalLM": transformers.ArceeConfig,
+           "Exaone4ForCausalLM": transformers.Exaone4Config,
+           "HyperCLOVAXForCausalLM": transformers.HyperCLOVAXConfig,
+           "CwmForCausalLM": transformers.CwmConfig,
+           "Ministral3ForCausalLM": transformers.Ministral3Config,
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
@@ -193,6 +207,47 @@ CASES = {
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
+    "granite": ("GraniteForCausalLM", {"embedding_multiplier": 3.0, "attention_multiplier": 0.1,
+                                       "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "granite-biases": ("GraniteForCausalLM", {"attention_bias": True, "mlp_bias": True, "residual_multiplier": 0.3}),
+    "glm": ("GlmForCausalLM", {"head_dim": 16, "pad_token_id": None, "eos_token_id": None}),
+    "glm4": ("Glm4ForCausalLM", {"head_dim": 16, "pad_token_id": None, "eos_token_id": None}),
+    "glm4-mha-no-bias": ("Glm4ForCausalLM", {"head_dim": 16, "num_key_value_heads": 4, "attention_bias": False,
+                                             "pad_token_id": None, "eos_token_id": None}),
+    "smollm3": ("SmolLM3ForCausalLM", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "tie_word_embeddings": True,
+                                       "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    "smollm3-biases": ("SmolLM3ForCausalLM", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                                              "attention_bias": True, "mlp_bias": True, "pad_token_id": None,
+                                              "bos_token_id": None, "eos_token_id": None}),
+    "hyperclovax": ("HyperCLOVAXForCausalLM", {"embedding_multiplier": 3.0, "attention_multiplier": 0.1,
+                                               "residual_multiplier": 0.5, "logits_scaling": 0.5,
+                                               "attention_bias": True}),
+    "hyperclovax-no-post-norm": ("HyperCLOVAXForCausalLM", {"use_post_norm": False, "residual_multiplier": 0.3}),
+    "cwm": ("CwmForCausalLM", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 128,
+                               "pad_token_id": None, "bos_token_id": 0, "eos_token_id": None}),
+    "ministral3": ("Ministral3ForCausalLM", {"head_dim": 16, "pad_token_id": None, "bos_token_id": None,
+                                             "eos_token_id": None, "rope_parameters": {
+                                                 "rope_type": "default", "rope_theta": 10000.0,
+                                                 "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 4}}),
+    "ministral": ("MinistralForCausalLM", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 128,
+                                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "seed_oss": ("SeedOssForCausalLM", {"head_dim": 16, "attention_bias": True, "attention_out_bias": True,
+                                        "mlp_bias": True, "pad_token_id": None, "bos_token_id": None,
+                                        "eos_token_id": None}),
+    "helium": ("HeliumForCausalLM", {"head_dim": 16, "attention_bias": True, "mlp_bias": True, "pad_token_id": None,
+                                     "bos_token_id": None, "eos_token_id": None}),
+    "olmo3": ("Olmo3ForCausalLM", {"num_hidden_layers": 4, "sliding_window": 128, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "ernie4_5": ("Ernie4_5ForCausalLM", {"head_dim": 16, "use_bias": True, "pad_token_id": None, "bos_token_id": None,
+                                         "eos_token_id": None}),
+    "arcee": ("ArceeForCausalLM", {"attention_bias": True, "mlp_bias": True, "pad_token_id": None,
+                                   "bos_token_id": None, "eos_token_id": None}),
+    "exaone4": ("Exaone4ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 128,
+                                       "bos_token_id": None, "eos_token_id": None}),
+    "exaone4-global": ("Exaone4ForCausalLM", {"head_dim": 16, "sliding_window": None,
+                                              "layer_types": ["full_attention", "full_attention"],
+                                              "bos_token_id": None, "eos_token_id": None}),
     "mistral-head-dim": ("MistralForCausalLM", {"head_dim": 32}),
     "olmo2": ("Olmo2ForCausalLM", {}),
     "olmo2-mha": ("Olmo2ForCausalLM", {"num_key_value_heads": 4}),
@@ -572,6 +627,40 @@ def test_olmo2_tensor_parallel_matches_hf(model_factory):
     from tests.test_engine_parity import _prompts, check_parity
     check_parity(model_factory("olmo2", num_key_value_heads=1), _prompts(300, 3), tensor_parallel_size=2,
                  block_size=4, max_num_seqs=2, max_model_len=128)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"tie_word_embeddings": True}])
+def test_internlm2_matches_hf_llama(tmp_path, overrides):
+    """InternLM2 is remote code (no transformers class): HF Llama's weights under InternLM2's
+    names and per-KV-group wqkv packing (tests/tiny_models.llama_to_internlm2) must give HF
+    Llama's logits."""
+    from tests.tiny_models import llama_to_internlm2
+    hf = make_hf_model(make_config("LlamaForCausalLM", **overrides))
+    ours = load_model(llama_to_internlm2(save(hf, tmp_path / "llama"), str(tmp_path / "internlm2")),
+                      torch.float32, "cpu")
+    assert type(ours).__name__ == "InternLM2ForCausalLM"
+    run_scenario(ours, hf)
+
+
+def test_internlm2_tensor_parallel_greedy_matches_hf_llama(model_factory, tmp_path):
+    """InternLM2 through the whole engine at TP=2: greedy tokens equal HF Llama's on the same
+    weights (tests/tiny_models.llama_to_internlm2); each rank unpacks its own query heads from
+    wqkv, and the one KV head replicated on both."""
+    from frontend import LLM, SamplingParams
+    from tests.hf_oracle import hf_greedy
+    from tests.test_engine_parity import MAX_NEW, _prompts
+    from tests.tiny_models import llama_to_internlm2
+    llama_dir = model_factory("llama", num_key_value_heads=1)
+    prompts = _prompts(300, 3)
+    llm = LLM(llama_to_internlm2(llama_dir, str(tmp_path)), tensor_parallel_size=2, block_size=4, max_num_seqs=2,
+              max_model_len=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(llama_dir, p, MAX_NEW, llm.config.eos_token_ids)
+    finally:
+        llm.shutdown()
 
 
 def test_registry_multimodal_flags_match_the_classes():

@@ -37,8 +37,20 @@ def model_kv_shape(config) -> tuple[int, int, int]:
 
 
 def load_config(model_dir: str):
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_dir)
+    """The checkpoint's transformers config. A config that transformers reads only through remote
+    code (InternLM2's) but whose architecture Loom implements is read as a plain PretrainedConfig
+    of config.json's fields: no remote code runs (nor is asked for)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from workers.models.registry import MODELS
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except ValueError:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        if (raw.get("architectures") or [None])[0] not in MODELS:
+            raise
+        return PretrainedConfig.from_dict(raw)
 
 
 @contextlib.contextmanager

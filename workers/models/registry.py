@@ -36,6 +36,21 @@ MODELS: dict[str, ModelEntry] = {
     "Qwen3ForCausalLM": ModelEntry("qwen3"),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
     "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
+    "GraniteForCausalLM": ModelEntry("granite"),
+    "GlmForCausalLM": ModelEntry("glm"),
+    "Glm4ForCausalLM": ModelEntry("glm4"),
+    "InternLM2ForCausalLM": ModelEntry("internlm2"),
+    "SmolLM3ForCausalLM": ModelEntry("smollm3"),
+    "MinistralForCausalLM": ModelEntry("ministral"),
+    "SeedOssForCausalLM": ModelEntry("seed_oss"),
+    "HeliumForCausalLM": ModelEntry("helium"),
+    "Olmo3ForCausalLM": ModelEntry("olmo3"),
+    "Ernie4_5ForCausalLM": ModelEntry("ernie4_5"),
+    "ArceeForCausalLM": ModelEntry("arcee"),
+    "Exaone4ForCausalLM": ModelEntry("exaone4"),
+    "HyperCLOVAXForCausalLM": ModelEntry("hyperclovax"),
+    "CwmForCausalLM": ModelEntry("cwm"),
+    "Ministral3ForCausalLM": ModelEntry("ministral3"),
 }
 
 
