@@ -13,8 +13,7 @@ from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers.models.blocks import DecoderForCausalLM, DecoderModel, GatedMLP, SelfAttention
-from workers.models.layers import KVCache, RMSNorm, RotaryEmbedding, get_head_dim, layer_sliding_window
-from workers.models.smollm3 import NoRotary
+from workers.models.layers import KVCache, NoRotary, RMSNorm, RotaryEmbedding, get_head_dim, layer_sliding_window
 
 
 class Exaone4DecoderLayer(nn.Module):

@@ -284,6 +284,20 @@ class RotaryEmbedding(nn.Module):
 
 
 
+class NoRotary(nn.Module):
+    """A rotary embedding that does not rotate (NoPE layers: SmolLM3, EXAONE 4.0, Cohere2's global
+    layers): cos 1 and sin 0 at every position, so the fused rotary + KV-cache op
+    (qk_norm_rope_cache) passes q and k through unchanged (x * 1 + y * 0 is x exactly)."""
+    mrope_section = None
+    is_neox_style = True
+
+    def __init__(self, head_size: int, max_position: int):
+        super().__init__()
+        half = (max_position, head_size // 2)
+        cache = torch.cat([torch.ones(half, dtype=torch.float32), torch.zeros(half, dtype=torch.float32)], -1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+
 # ------------------------------------------------------------ tensor-parallel layers
 # Each parameter owns its weight loader (vLLM's convention): `param.weight_loader(param, loaded,
 # shard_id=None)` copies this rank's part of a checkpoint tensor into it. `loaded` is a tensor or
