@@ -45,6 +45,15 @@ ARCHS: dict[str, TinyArch] = {
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
     "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # the generic transformers path (workers/models/transformers.py): no native file
+    "gpt_neox": TinyArch("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}, "transformers"),
+    "starcoder2": TinyArch("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": None}, "transformers"),
+    "phi": TinyArch("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, "transformers"),
+    "gptj": TinyArch("GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 8}, "transformers"),
+    "gpt_bigcode": TinyArch("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"multi_query": True}, "transformers"),
+    "olmo": TinyArch("OlmoConfig", "OlmoForCausalLM", {}, "transformers"),
+    "persimmon": TinyArch("PersimmonConfig", "PersimmonForCausalLM", {}, "transformers"),
+    "nanochat": TinyArch("NanoChatConfig", "NanoChatForCausalLM", {}, "transformers"),
 }
 
 
