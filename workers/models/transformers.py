@@ -33,12 +33,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from kernels.kv_cache_write import write_kv_cache
 from kernels.paged_attention import write_kv_cache_ref
+from kernels.rms_norm import rms_norm_ref
 from workers.attention import Attention, AttentionMetadata
+from workers.models import layers
+from workers.models.layers import RMSNorm
 from workers.models.weights import load_weights
 
 ATTN_IMPLEMENTATION = "loom"
@@ -92,6 +96,58 @@ def _copy_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[...])
 
 
+class GemvLinear(nn.Module):
+    """nn.Linear (the same weight and bias Parameters) through Loom's linear path: the decode
+    GEMV (kernels/gemv.py) at decode-sized batches on the Triton path, else F.linear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = layers.gemv(x2, self.weight, self.bias)[0] if layers.use_gemv(x2) else F.linear(x2, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _rms_norm_like_loom(module: nn.Module, eps: float) -> bool:
+    """Whether an HF norm computes Loom's RMSNorm (Llama's: fp32 statistics, weight * x): checked
+    on a random input and weight, so Gemma's (1 + weight), a LayerNorm or a gated norm stay HF's."""
+    w = module.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.copy_(torch.rand_like(w) + 0.5)
+            x = torch.randn(3, w.shape[0], dtype=w.dtype, device=w.device)
+            ok = torch.allclose(module(x).float(), rms_norm_ref(x, w, eps).float(), rtol=1e-2, atol=1e-2)
+    except Exception:   # a norm with another signature (gated): HF's own
+        ok = False
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    return ok
+
+
+def _use_loom_layers(hf: nn.Module) -> None:
+    """Swap HF's RMSNorms that compute Loom's for layers.RMSNorm (one Triton kernel on the GPU
+    instead of seven torch ops) and its nn.Linears, the lm_head aside, for GemvLinear. The
+    Parameters are the same objects (names and loading unchanged); nothing else of HF's changes."""
+    lm_head = hf.get_output_embeddings()
+    for parent in list(hf.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child is not lm_head:
+                setattr(parent, name, GemvLinear(child))
+                continue
+            eps = getattr(child, "variance_epsilon", getattr(child, "eps", None))
+            w = getattr(child, "weight", None)
+            if ("RMSNorm" in type(child).__name__ and isinstance(eps, float) and isinstance(w, nn.Parameter)
+                    and w.dim() == 1 and not list(child.children()) and _rms_norm_like_loom(child, eps)):
+                norm = RMSNorm(w.shape[0], eps)
+                norm.weight = w
+                setattr(parent, name, norm)
+
+
 class TransformersForCausalLM(nn.Module):
     """An HF `*ForCausalLM` under Loom's model contract (workers/models/interfaces.py). Its
     children are the HF model's own (e.g. `model` and `lm_head`), so the parameter names are
@@ -104,6 +160,7 @@ class TransformersForCausalLM(nn.Module):
         # built under the device and default dtype the loader sets (workers/model_loader.py)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype(),
                                               attn_implementation=ATTN_IMPLEMENTATION)
+        _use_loom_layers(hf)
         for name, child in hf.named_children():
             self.add_module(name, child)
         # not children (their modules are registered above): the base model and the lm_head
