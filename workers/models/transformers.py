@@ -148,6 +148,18 @@ def _use_loom_layers(hf: nn.Module) -> None:
                 setattr(parent, name, norm)
 
 
+def _checkpoint_renamings(hf: nn.Module) -> list:
+    """The checkpoint names transformers renames on load (GPT-NeoX's embed_out -> lm_head, ...):
+    its WeightRenamings (transformers >= 5; a tensor-merging WeightConverter, such as fused MoE
+    experts, is not applied: such a checkpoint's names then match no parameter, and say so)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:   # transformers 4: checkpoints carry the modules' names
+        return []
+    return [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
+
+
 class TransformersForCausalLM(nn.Module):
     """An HF `*ForCausalLM` under Loom's model contract (workers/models/interfaces.py). Its
     children are the HF model's own (e.g. `model` and `lm_head`), so the parameter names are
@@ -187,10 +199,7 @@ class TransformersForCausalLM(nn.Module):
             p.weight_loader, p.full_shape, p.shard_ids = _copy_loader, tuple(p.shape), (None,)
         self._params = set(first.values())
         self._prefix = hf.base_model_prefix
-        # checkpoint names transformers renames on load (GPT-NeoX's embed_out -> lm_head, ...)
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-        self._renamings = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
+        self._renamings = _checkpoint_renamings(hf)
         self._buffers_named = {name for name, _ in self.named_buffers()}
         self.kv_cache_shape = self._probe_kv_shape()   # (workers/model_loader.py kv_cache_shape)
         for m in self.modules():   # norm weights start at 1 with dummy weights (workers/model_loader.py)
