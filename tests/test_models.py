@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from workers.attention import AttentionMetadata  # noqa: E402
-from workers.model_loader import load_model, model_kv_shape, safetensors_files  # noqa: E402
+from workers.model_loader import kv_cache_shape, load_model, model_kv_shape, safetensors_files  # noqa: E402
 from workers.models.layers import RotaryEmbedding, get_rope_params  # noqa: E402
 from workers.models.registry import get_model_class  # noqa: E402
 
@@ -37,7 +37,9 @@ def make_config(arch: str, **overrides):
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
-           "Olmo2ForCausalLM": transformers.Olmo2Config}[arch]
+           "Olmo2ForCausalLM": transformers.Olmo2Config,
+           "GPTNeoXForCausalLM": transformers.GPTNeoXConfig,            # the generic path's
+           "GPTBigCodeForCausalLM": transformers.GPTBigCodeConfig}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
@@ -70,8 +72,7 @@ class PagedBatch:
     builds AttentionMetadata for one step."""
 
     def __init__(self, model, num_layers: int):
-        cfg = model.config
-        _, kv_heads, head_dim = model_kv_shape(cfg)
+        _, kv_heads, head_dim = kv_cache_shape(model)
         # NaN-filled: reading a slot that was never written poisons the output.
         self.kv_caches = [(torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), float("nan")),
                            torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), float("nan")))
@@ -196,6 +197,24 @@ def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     ours = load_model(save(hf, tmp_path), torch.float32, "cpu")
     run_scenario(ours, hf)
     assert {"none", "rms_norm", "add_rms_norm", "silu_mul"} <= set(calls)
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt_neox", "gpt_bigcode"])
+def test_generic_path_matches_hf(case, tmp_path, monkeypatch):
+    """The generic transformers path (--model-impl transformers) through the same scenario, its
+    linears on the decode GEMV at decode-sized steps (randomized norms: Llama's RMSNorms run
+    Loom's kernel only where they compute the same)."""
+    from kernels import gemv
+    from workers.models import layers
+    calls = []
+    monkeypatch.setattr(layers, "gemv", lambda *a, **kw: calls.append(kw.get("prologue", "none")) or gemv.gemv(*a, **kw))
+    monkeypatch.setattr(layers, "gemv_max_rows", gemv.MAX_DECODE_ROWS)
+    arch = {"llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}[case]
+    hf = make_hf_model(make_config(arch))
+    ours = load_model(save(hf, tmp_path), torch.float32, "cpu", model_impl="transformers")
+    assert type(ours).__name__ == "TransformersForCausalLM"
+    run_scenario(ours, hf)
+    assert "none" in calls
 
 
 def test_qwen2_has_qkv_bias_only(tmp_path):
