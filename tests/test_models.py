@@ -334,8 +334,11 @@ def test_bf16_build(tmp_path):
 
 
 def test_registry_and_kv_shape():
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        get_model_class(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    gpt2 = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' has no native implementation"):
+        get_model_class(gpt2, "loom")
+    assert get_model_class(gpt2).__name__ == "TransformersForCausalLM"   # auto: the generic path
+    assert get_model_class(make_config("LlamaForCausalLM"), "transformers").__name__ == "TransformersForCausalLM"
     with pytest.raises(ValueError, match="architectures"):
         get_model_class(transformers.LlamaConfig())
     assert model_kv_shape(make_config("LlamaForCausalLM")) == (2, 2, 16)
