@@ -54,6 +54,13 @@ ARCHS: dict[str, TinyArch] = {
     "olmo": TinyArch("OlmoConfig", "OlmoForCausalLM", {}, "transformers"),
     "persimmon": TinyArch("PersimmonConfig", "PersimmonForCausalLM", {}, "transformers"),
     "nanochat": TinyArch("NanoChatConfig", "NanoChatForCausalLM", {}, "transformers"),
+    "apertus": TinyArch("ApertusConfig", "ApertusForCausalLM", {}, "transformers"),
+    "hunyuan_dense": TinyArch("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}, "transformers"),
+    "cwm": TinyArch("CwmConfig", "CwmForCausalLM", {"sliding_window": 256, "bos_token_id": 0,
+                                                    "layer_types": ["full_attention", "sliding_attention"]},
+                    "transformers"),
+    "exaone4": TinyArch("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 256, "sliding_window_pattern": 4},
+                        "transformers"),
 }
 
 
