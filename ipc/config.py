@@ -187,9 +187,9 @@ class EngineConfig:
         self._resolve_env_defaults()
         self.check()
         check_device(self)
-        check_tensor_parallel(self, text_cfg)
-        if check_architecture is not None:
+        if check_architecture is not None:   # first: the generic path refuses TP > 1 before its sizes are read
             check_architecture(self)
+        check_tensor_parallel(self, text_cfg)
         return self
 
     def _resolve_env_defaults(self) -> None:
