@@ -120,3 +120,22 @@ def test_dummy_weights_and_learned_kv_shape(model_factory):
     real = load_model(model_dir, torch.float32, "cpu", model_impl="transformers")
     assert set(dict(real.named_parameters())) == set(dict(a.named_parameters()))
     assert os.path.isfile(os.path.join(model_dir, "model.safetensors"))
+
+
+def test_weight_update_names_are_the_checkpoints(model_factory):
+    """A trainer sends HF's names: a dummy generic model (its gated MLPs fused, FusedGatedMLP)
+    expects exactly the checkpoint's tensors, and loading them all as an update (partial) gives
+    the model loaded from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from workers.model_loader import load_model
+    from workers.weight_update import expected_shapes
+    model_dir = model_factory("llama")
+    dummy = load_model(model_dir, torch.float32, "cpu", "dummy", model_impl="transformers")
+    real = load_model(model_dir, torch.float32, "cpu", model_impl="transformers")
+    ckpt = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert type(dummy.model.layers[0].mlp).__name__ == "FusedGatedMLP"
+    assert expected_shapes(dummy, model_dir, "dummy") == {n: tuple(t.shape) for n, t in ckpt.items()}
+    assert dummy.load_weights(list(ckpt.items()), partial=True) == set(ckpt)
+    for (name, p), (_, q) in zip(dummy.named_parameters(), real.named_parameters()):
+        assert torch.equal(p, q), name

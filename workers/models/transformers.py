@@ -42,7 +42,7 @@ from kernels.paged_attention import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from workers.attention import Attention, AttentionMetadata
 from workers.models import layers
-from workers.models.layers import RMSNorm
+from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, split_shards
 from workers.models.weights import load_weights
 
 ATTN_IMPLEMENTATION = "loom"
@@ -129,6 +129,64 @@ def _rms_norm_like_loom(module: nn.Module, eps: float) -> bool:
     return ok
 
 
+class FusedGatedMLP(nn.Module):
+    """An HF gated MLP, down(silu(gate(x)) * up(x)), as Loom's: gate and up fused into one
+    projection (the checkpoint's gate_proj / up_proj load into it as shards, GATE_UP_PARTS), the
+    SiLU-and-multiply one kernel (fused into down's GEMV at decode sizes). 5 kernels -> 3."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        inter, hidden = gate.weight.shape
+        self.hidden_size = hidden
+        self.gate_up_proj = ColumnParallelLinear(hidden, split_shards({0: inter, 1: inter}, 0, 1), gate.bias is not None)
+        self.down_proj = RowParallelLinear(inter, hidden, down.bias is not None, norm_slot=None)
+        with torch.no_grad():   # HF's initial values: the check below compares the two on them
+            self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
+            if gate.bias is not None:
+                self.gate_up_proj.bias.copy_(torch.cat([gate.bias, up.bias]))
+            self.down_proj.weight.copy_(down.weight)
+            if down.bias is not None:
+                self.down_proj.bias.copy_(down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(self.gate_up_proj(x.reshape(-1, self.hidden_size)), silu_mul=True)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# (fused parameter, checkpoint part, shard id) of FusedGatedMLP, for weights.load_weights
+GATE_UP_PARTS = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
+
+
+def _fuse_gated_mlps(hf: nn.Module) -> bool:
+    """Replace every module whose children are exactly gate_proj, up_proj, down_proj (nn.Linear)
+    and act_fn by a FusedGatedMLP, where each computes the same on a random input (a GELU or
+    another form stays HF's); all or none, as the checkpoint-name rewrite applies to all."""
+    mlps = [(parent, name, child) for parent in hf.modules() for name, child in parent.named_children()
+            if {n for n, _ in child.named_children()} == {"gate_proj", "up_proj", "down_proj", "act_fn"}
+            and all(type(getattr(child, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))]
+    if not mlps or any(".gate_proj." in n or ".up_proj." in n for n, _ in hf.named_parameters()
+                       if not any(n.startswith(f"{m}.") for m in _names_of(hf, [c for _, _, c in mlps]))):
+        return False
+    fused = []
+    for parent, name, mlp in mlps:
+        new = FusedGatedMLP(mlp)
+        w = mlp.gate_proj.weight
+        x = torch.randn(3, new.hidden_size, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            if not torch.allclose(new(x).float(), mlp(x).float(), rtol=1e-2, atol=1e-3):
+                return False
+        fused.append((parent, name, new))
+    for parent, name, new in fused:
+        setattr(parent, name, new)
+    return True
+
+
+def _names_of(root: nn.Module, modules: list) -> list[str]:
+    ids = {id(m) for m in modules}
+    return [n for n, m in root.named_modules() if id(m) in ids]
+
+
 def _use_loom_layers(hf: nn.Module) -> None:
     """Swap HF's RMSNorms that compute Loom's for layers.RMSNorm (one Triton kernel on the GPU
     instead of seven torch ops) and its nn.Linears, the lm_head aside, for GemvLinear. The
@@ -164,7 +222,7 @@ class TransformersForCausalLM(nn.Module):
     """An HF `*ForCausalLM` under Loom's model contract (workers/models/interfaces.py). Its
     children are the HF model's own (e.g. `model` and `lm_head`), so the parameter names are
     the checkpoint's."""
-    stacked_params: ClassVar[list] = []   # nothing fused: HF's projections stay as they are
+    stacked_params: ClassVar[list] = []   # per instance: GATE_UP_PARTS where the MLPs are fused
 
     def __init__(self, config):
         super().__init__()
@@ -172,6 +230,8 @@ class TransformersForCausalLM(nn.Module):
         # built under the device and default dtype the loader sets (workers/model_loader.py)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype(),
                                               attn_implementation=ATTN_IMPLEMENTATION)
+        # gated MLPs fused as Loom's where they compute the same (their gate/up load as shards)
+        self.stacked_params = GATE_UP_PARTS if _fuse_gated_mlps(hf) else []
         _use_loom_layers(hf)
         for name, child in hf.named_children():
             self.add_module(name, child)
@@ -196,7 +256,8 @@ class TransformersForCausalLM(nn.Module):
                 self._aliases[name] = first[id(p)]
                 continue
             first[id(p)] = name
-            p.weight_loader, p.full_shape, p.shard_ids = _copy_loader, tuple(p.shape), (None,)
+            if not hasattr(p, "weight_loader"):   # (a FusedGatedMLP's parameters have Loom's)
+                p.weight_loader, p.full_shape, p.shard_ids = _copy_loader, tuple(p.shape), (None,)
         self._params = set(first.values())
         self._prefix = hf.base_model_prefix
         self._renamings = _checkpoint_renamings(hf)
