@@ -21,10 +21,11 @@ attention goes through its own workers.attention.Attention (`module.loom_attn`),
 piecewise CUDA graphs split there as in a native model (workers/piecewise_graphs.py).
 
 Speed: an HF module that computes what a Loom layer computes runs as that layer (checked on
-random inputs at start-up; Parameters shared, names unchanged but for the fused gate_up): HF's RMSNorms as layers.RMSNorm (one
-Triton kernel), gated MLPs down(silu(gate(x)) * up(x)) as FusedGatedMLP (one gate_up matmul,
-one fused SiLU-and-multiply), the other nn.Linears as GemvLinear (the decode GEMV). The rotary,
-the residual adds and the q/k/v projections stay HF's own ops.
+random inputs at start-up; Parameters shared, names unchanged but for the fused gate_up):
+RMSNorms as layers.RMSNorm (one Triton kernel), gated MLPs down(silu(gate(x)) * up(x)) as
+FusedGatedMLP (one gate_up matmul, one fused SiLU-and-multiply), the other nn.Linears as
+GemvLinear (the decode GEMV). The rotary, the residual adds and the q/k/v projections stay
+HF's own ops.
 
 Served: the final-logit soft cap (`final_logit_softcapping`, Gemma 2 style), Cohere's
 `logit_scale` (logits * scale) and Granite's `logits_scaling` (logits / scaling); a model
