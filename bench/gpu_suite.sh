@@ -39,6 +39,33 @@ for section in "$@"; do case $section in
             run tput-$p 400 $LOOM bench throughput --preset $p --output-json "$OUT/tput-$p.json"; done
           python3 -m bench.model_ratios "$OUT" ;;
   llama8b-latency) run llama8b-latency 200 $LOOM bench latency --preset llama-3.1-8b --iters 3 ;;
+  generic) # issue 44: the generic transformers path vs the native one on Llama-3.1-8B shapes (dummy weights):
+           # offline throughput (the standard workload) and batch-1 TPOT, each pair in this one call
+           for impl in loom transformers; do
+             run llama8b-$impl-throughput 400 $LOOM bench throughput --preset llama-3.1-8b --model-impl $impl \
+               --output-json "$OUT/generic-$impl-throughput.json"
+             run llama8b-$impl-latency 300 $LOOM bench latency --preset llama-3.1-8b --iters 3 --model-impl $impl \
+               --output-json "$OUT/generic-$impl-latency.json"
+           done
+           python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def read(name):
+    try:
+        with open(f"{out}/generic-{name}.json") as f:
+            return json.load(f)
+    except OSError:
+        return None
+tp = {i: read(f"{i}-throughput") for i in ("loom", "transformers")}
+lat = {i: read(f"{i}-latency") for i in ("loom", "transformers")}
+if all(tp.values()):
+    n, g = tp["loom"]["output_tok_per_s"], tp["transformers"]["output_tok_per_s"]
+    print(f"generic/native output tok/s: {g:.0f} / {n:.0f} = {g / n:.3f} (target >= 0.90)")
+if all(lat.values()):
+    n, g = lat["loom"]["runs"][0]["tpot_ms"], lat["transformers"]["runs"][0]["tpot_ms"]
+    print(f"generic/native batch-1 TPOT: {g:.3f} / {n:.3f} ms = {g / n:.3f} (target <= 1.15)")
+PY
+           ;;
   serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
          $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 & pid=$!
          for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done

@@ -53,6 +53,10 @@ class EngineConfig:
     device: str = option("auto", "where the workers run; auto: CUDA if available, else CPU", ("auto", "cpu", "cuda"))
     load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from "
                               "config.json alone (benchmarks)", ("auto", "safetensors", "dummy"))
+    model_impl: str = option("auto", "which implementation runs the model: loom (Loom's own file for the "
+                             "architecture), transformers (the generic path: the transformers model with Loom's "
+                             "paged attention, for any decoder-only *ForCausalLM), auto (loom where the "
+                             "architecture has a file, else transformers)", ("auto", "loom", "transformers"))
     seed: int = option(0, "seed of the workers' random state (dummy weights)")
     max_model_len: int | None = option(None, "longest sequence (prompt + output); default: the model's")
     max_num_seqs: int = option(256, "most requests in one step")
@@ -140,12 +144,15 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def resolve(self, multimodal_info: Callable[[str], object | None] | None = None) -> "EngineConfig":
+    def resolve(self, multimodal_info: Callable[[str], object | None] | None = None,
+                check_architecture: Callable[["EngineConfig"], None] | None = None) -> "EngineConfig":
         """Read the model's config.json, fill defaults and fail early on impossible sizes.
 
         multimodal_info: model directory -> the model's MultiModalInfo (None: text-only), as
         workers.models.registry.multimodal_info answers; the entry points pass it (ipc/ cannot
-        import the models). Without it the model is resolved as text-only."""
+        import the models). Without it the model is resolved as text-only.
+        check_architecture: raises ConfigError when no implementation serves the model under
+        --model-impl (workers.models.registry.check_architecture); without it the workers do."""
         self._check_option_types()
         path = os.path.join(self.model, "config.json")
         if not os.path.isfile(path):
@@ -176,6 +183,8 @@ class EngineConfig:
         self._resolve_env_defaults()
         self.check()
         check_device(self)
+        if check_architecture is not None:   # first: the generic path refuses TP > 1 before its sizes are read
+            check_architecture(self)
         check_tensor_parallel(self, text_cfg)
         return self
 

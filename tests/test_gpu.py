@@ -123,6 +123,29 @@ def test_piecewise_graphs_match_eager(bf16_model, monkeypatch):
     assert res[False] == res[True]
 
 
+def test_generic_path_graphs_match_eager_and_native(bf16_model, monkeypatch):
+    """The generic transformers path (--model-impl transformers) under the decode and piecewise
+    CUDA graphs: in fp32 the native path's tokens, and its graphs the eager steps' tokens."""
+    monkeypatch.setenv("LOOM_STEP_STATS", "1")
+    prompts = [list(range(7 + i, 7 + i + n)) for i, n in enumerate([5, 37, 90, 130, 17, 3])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    res, stats = {}, {}
+    for impl, eager in (("transformers", True), ("transformers", False), ("loom", False)):
+        llm = LLM(bf16_model, max_model_len=512, dtype="float32", max_num_batched_tokens=200, max_num_seqs=64,
+                  enforce_eager=eager, model_impl=impl)
+        try:
+            res[impl, eager] = [o.outputs[0].token_ids for o in
+                                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            stats[impl, eager] = llm.collective_rpc("step_stats")[0]
+        finally:
+            llm.shutdown()
+    print(f"generic path graphs: {stats['transformers', False]}")
+    assert stats["transformers", False]["piecewise"]["steps"] >= 2 and "eager" not in stats["transformers", False]
+    assert res["transformers", False] == res["transformers", True]
+    for a, b in zip(res["transformers", False], res["loom", False]):
+        assert _first_divergence(a, b) >= 16, (a, b)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_releases_device_memory(bf16_model, level):
     llm = LLM(bf16_model, max_model_len=256, enable_sleep_mode=True, gpu_memory_utilization=0.3)

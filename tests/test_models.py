@@ -17,7 +17,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from workers.attention import AttentionMetadata  # noqa: E402
-from workers.model_loader import load_model, model_kv_shape, safetensors_files  # noqa: E402
+from workers.model_loader import kv_cache_shape, load_model, model_kv_shape, safetensors_files  # noqa: E402
 from workers.models.layers import RotaryEmbedding, get_rope_params  # noqa: E402
 from workers.models.registry import get_model_class  # noqa: E402
 
@@ -63,7 +63,9 @@ def make_config(arch: str, **overrides):
            "Phi3ForCausalLM": transformers.Phi3Config,
            "CohereForCausalLM": transformers.CohereConfig,
            "Cohere2ForCausalLM": transformers.Cohere2Config,
-           "StableLmForCausalLM": transformers.StableLmConfig}[arch]
+           "StableLmForCausalLM": transformers.StableLmConfig,
+           "GPTNeoXForCausalLM": transformers.GPTNeoXConfig,            # the generic path's
+           "GPTBigCodeForCausalLM": transformers.GPTBigCodeConfig}[arch]
     if arch == "Qwen3ForCausalLM":
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
@@ -105,8 +107,7 @@ class PagedBatch:
     builds AttentionMetadata for one step."""
 
     def __init__(self, model, num_layers: int):
-        cfg = model.config
-        _, kv_heads, head_dim = model_kv_shape(cfg)
+        _, kv_heads, head_dim = kv_cache_shape(model)
         # NaN-filled: reading a slot that was never written poisons the output.
         self.kv_caches = [(torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), float("nan")),
                            torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim), float("nan")))
@@ -349,6 +350,24 @@ def test_attention_module_window_and_soft_cap(window, cap):
                                           k.transpose(0, 1)[None], v.transpose(0, 1)[None], bias,
                                           scaling=scale, softcap=cap)
         torch.testing.assert_close(got[qsl[i]:qsl[i + 1]], want[0].flatten(1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt_neox", "gpt_bigcode"])
+def test_generic_path_matches_hf(case, tmp_path, monkeypatch):
+    """The generic transformers path (--model-impl transformers) through the same scenario, its
+    linears on the decode GEMV at decode-sized steps (randomized norms: Llama's RMSNorms run
+    Loom's kernel only where they compute the same)."""
+    from kernels import gemv
+    from workers.models import layers
+    calls = []
+    monkeypatch.setattr(layers, "gemv", lambda *a, **kw: calls.append(kw.get("prologue", "none")) or gemv.gemv(*a, **kw))
+    monkeypatch.setattr(layers, "gemv_max_rows", gemv.MAX_DECODE_ROWS)
+    arch = {"llama": "LlamaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}[case]
+    hf = make_hf_model(make_config(arch))
+    ours = load_model(save(hf, tmp_path), torch.float32, "cpu", model_impl="transformers")
+    assert type(ours).__name__ == "TransformersForCausalLM"
+    run_scenario(ours, hf)
+    assert "none" in calls
 
 
 def test_qwen2_has_qkv_bias_only(tmp_path):
@@ -595,8 +614,11 @@ def test_bf16_build(tmp_path):
 
 
 def test_registry_and_kv_shape():
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        get_model_class(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    gpt2 = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' has no native implementation"):
+        get_model_class(gpt2, "loom")
+    assert get_model_class(gpt2).__name__ == "TransformersForCausalLM"   # auto: the generic path
+    assert get_model_class(make_config("LlamaForCausalLM"), "transformers").__name__ == "TransformersForCausalLM"
     with pytest.raises(ValueError, match="architectures"):
         get_model_class(transformers.LlamaConfig())
     assert model_kv_shape(make_config("LlamaForCausalLM")) == (2, 2, 16)

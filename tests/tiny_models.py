@@ -100,6 +100,17 @@ ARCHS: dict[str, TinyArch] = {
         "tie_word_embeddings": True, "logit_scale": 0.5, "num_hidden_layers": 4, "sliding_window": 8,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
     "stablelm": TinyArch("StableLmConfig", "StableLmForCausalLM", {"use_qkv_bias": True, "qk_layernorm": True}),
+    # the generic transformers path (workers/models/transformers.py): no native file
+    "gpt_neox": TinyArch("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}, "transformers"),
+    "starcoder2": TinyArch("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": None}, "transformers"),
+    "phi": TinyArch("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, "transformers"),
+    "gptj": TinyArch("GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 8}, "transformers"),
+    "gpt_bigcode": TinyArch("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"multi_query": True}, "transformers"),
+    "olmo": TinyArch("OlmoConfig", "OlmoForCausalLM", {}, "transformers"),
+    "persimmon": TinyArch("PersimmonConfig", "PersimmonForCausalLM", {}, "transformers"),
+    "nanochat": TinyArch("NanoChatConfig", "NanoChatForCausalLM", {}, "transformers"),
+    "apertus": TinyArch("ApertusConfig", "ApertusForCausalLM", {}, "transformers"),
+    "hunyuan_dense": TinyArch("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}, "transformers"),
 }
 
 

@@ -1,7 +1,7 @@
 """Build one of our model classes from a HF model directory and fill its weights.
 
     model = load_model(model_dir, torch.bfloat16, "cuda")
-    num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
+    num_layers, num_kv_heads, head_dim = kv_cache_shape(model)
 
 The model is constructed directly on the target device in the target dtype
 (parameters are created empty, then filled), so nothing goes through the CPU.
@@ -36,6 +36,13 @@ def model_kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, get_head_dim(config)
 
 
+def kv_cache_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of this rank's KV cache: what the model declares
+    (`model.kv_cache_shape`: the generic path, which learns it from its attention modules),
+    else model_kv_shape of its config."""
+    return getattr(model, "kv_cache_shape", None) or model_kv_shape(model.config)
+
+
 def load_config(model_dir: str):
     """The checkpoint's transformers config. A config that transformers reads only through remote
     code (InternLM2's) but whose architecture Loom implements is read as a plain PretrainedConfig
@@ -64,11 +71,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device | str,
-                language_model_only: bool = False) -> nn.Module:
+                language_model_only: bool = False, model_impl: str = "auto") -> nn.Module:
     """Our model for `config`, parameters uninitialized, on device in dtype
     (the rotary cos/sin cache stays float32). language_model_only: a vision-language
-    model without its vision tower."""
-    cls = get_model_class(config)
+    model without its vision tower. model_impl: --model-impl (workers/models/registry.py)."""
+    cls = get_model_class(config, model_impl)
     kwargs = {"language_model_only": True} if language_model_only and supports_multimodal(cls) else {}
     with torch.device(device), _default_dtype(dtype):
         model = cls(config, **kwargs)
@@ -168,12 +175,13 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
     """Deterministic random weights in place on the parameters' device:
     uniform(low, high) everywhere, norm weights (RMSNorm, LayerNorm) set to 1. Each tensor is drawn whole (its
     TP=1 shape, in the same order) and handed to its weight loader, so a TP=N dummy model is
-    the TP=1 dummy model sharded; drawn on the device, so nothing goes through the CPU."""
+    the TP=1 dummy model sharded; drawn on the device, so nothing goes through the CPU. A
+    parameter may name its own constant (`param.dummy_value`: the generic path's norms)."""
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm, PerHeadLayerNorm))}
     generators: dict[torch.device, torch.Generator] = {}
     for _, p in model.named_parameters():
-        if id(p) in norm_params:
-            p.fill_(1.0)
+        if id(p) in norm_params or getattr(p, "dummy_value", None) is not None:
+            p.fill_(getattr(p, "dummy_value", 1.0))
             continue
         g = generators.get(p.device)
         if g is None:
@@ -187,7 +195,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", language_model_only: bool = False) -> nn.Module:
+               load_format: str = "auto", language_model_only: bool = False, model_impl: str = "auto") -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
@@ -197,7 +205,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
-    model = build_model(config, dtype, device, language_model_only)
+    model = build_model(config, dtype, device, language_model_only, model_impl)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

@@ -82,7 +82,7 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
-        from workers.model_loader import load_model, model_kv_shape
+        from workers.model_loader import kv_cache_shape, load_model
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
@@ -93,11 +93,11 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                                config.language_model_only)
+                                config.language_model_only, config.model_impl)
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
-        self.kv_spec = KVCacheSpec(*model_kv_shape(self.model.config), config.block_size, self.dtype)
+        self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size, self.dtype)
         self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend)
         self.sampler = Sampler(use_triton=self.backend == "triton")
         self.h2d = HostToDevice(self.device)

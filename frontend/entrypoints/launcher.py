@@ -34,7 +34,7 @@ from ipc.procs import catch_stop_signals, request_drain, start_process, stop_pro
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
-from workers.models.registry import multimodal_info
+from workers.models.registry import check_architecture, multimodal_info
 
 logger = logging.getLogger("loom")
 _POLL_S = 0.1
@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format="%(asctime)s loom %(levelname)s %(message)s")
     try:
-        config = resolve_hub_model(engine_config_from_args(args)).resolve(multimodal_info)
+        config = resolve_hub_model(engine_config_from_args(args)).resolve(multimodal_info, check_architecture)
         auth_key = _check_args(args, config)
         run_id()  # exported: every child names its shm segments with this run's id
         raise_open_file_limit()   # inherited by every child: each HTTP connection is a descriptor

@@ -32,7 +32,7 @@ from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.media import MediaError
 from multimodal.processor import make_mm_processor
-from workers.models.registry import multimodal_info
+from workers.models.registry import check_architecture, multimodal_info
 from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
 
 
@@ -62,7 +62,8 @@ class LLM:
         multiprocess=False: the engine core and one worker in this process, stepped in the
         caller's thread (default: LOOM_ENABLE_MULTIPROCESSING, else True)."""
         # a Hub id becomes its snapshot's directory here, once: the processes started get that
-        self.config = resolve_hub_model(EngineConfig(model=model, **options)).resolve(multimodal_info)
+        self.config = resolve_hub_model(EngineConfig(model=model, **options)).resolve(multimodal_info,
+                                                                                      check_architecture)
         self.multiprocess = envs.LOOM_ENABLE_MULTIPROCESSING if multiprocess is None else multiprocess
         if not self.multiprocess and (self.config.tensor_parallel_size > 1 or self.config.data_parallel_size > 1):
             raise ValueError("multiprocess=False (LOOM_ENABLE_MULTIPROCESSING=0) runs one engine with one worker: "

@@ -1,6 +1,9 @@
 """Architecture name (config.json's `architectures[0]`) -> the model file that implements it.
 
-One line per architecture. The module is imported on first use only, so importing the registry
+One line per architecture. Any other decoder-only `*ForCausalLM` that transformers implements
+is served by the generic path (workers/models/transformers.py); `--model-impl` chooses:
+auto (the native file where there is one, else the generic path), loom (native only) or
+transformers (always the generic path). The module is imported on first use only, so importing the registry
 stays cheap (no torch): the launcher asks it whether a checkpoint takes images, and imports a
 model file (and torch) only for one that does."""
 from __future__ import annotations
@@ -54,20 +57,90 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
+MODEL_IMPLS = ("auto", "loom", "transformers")
+# model types whose state is not all attention (recurrent, hybrid), in case a class claims the
+# attention interface anyway
+_STATEFUL_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "jamba", "falcon_h1", "falcon_mamba", "zamba",
+                                   "zamba2", "bamba", "lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid",
+                                   "qwen3_next", "recurrent_gemma", "xlstm", "minimax", "plamo2"})
+
+
 def model_class(arch: str) -> type[nn.Module]:
-    """The class of an architecture name; ValueError for one we do not implement."""
+    """The native class of an architecture name; ValueError for one we do not implement."""
     entry = MODELS.get(arch)
     if entry is None:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(MODELS))})")
     return getattr(importlib.import_module(f"workers.models.{entry.module}"), arch)
 
 
-def get_model_class(config) -> type[nn.Module]:
-    """The class for a transformers config (its `architectures[0]`)."""
+def uses_generic_path(arch: str, impl: str = "auto") -> bool:
+    """Whether `--model-impl impl` serves `arch` through the generic transformers path; ValueError
+    for an impl we do not know, or `loom` for an architecture without a native file."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {impl!r}")
+    if impl == "loom" and arch not in MODELS:
+        raise ValueError(f"architecture {arch!r} has no native implementation (native: {', '.join(sorted(MODELS))}); "
+                         "--model-impl transformers (or auto) serves it through transformers")
+    return impl == "transformers" or arch not in MODELS
+
+
+def generic_path_refusal(hf_config: dict) -> str | None:
+    """Why the generic path cannot serve a checkpoint (its config.json, as a dict), or None.
+    Imports transformers' model mapping (and the model's class, for its attention support)."""
+    arch = (hf_config.get("architectures") or [None])[0]
+    if arch is None:
+        return "config.json names no architecture"
+    entry = MODELS.get(arch)
+    if (entry is not None and entry.multimodal) or "text_config" in hf_config or "vision_config" in hf_config:
+        return f"{arch} is multimodal (the generic path serves text-only decoders)"
+    if hf_config.get("is_encoder_decoder"):
+        return f"{arch} is an encoder-decoder (the generic path serves decoder-only models)"
+    if hf_config.get("model_type") in _STATEFUL_MODEL_TYPES:
+        return f"{arch} keeps recurrent state (Loom's KV cache holds attention keys and values only)"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return f"transformers knows no causal LM {arch!r}"
+    import transformers
+    cls = getattr(transformers, arch, None)
+    if cls is None or not getattr(cls, "_supports_attention_backend", False):
+        return (f"{arch}'s attention does not go through transformers' attention interface "
+                "(_supports_attention_backend is False)")
+    return None
+
+
+def check_architecture(config) -> None:
+    """Start-up check of an EngineConfig (before any worker starts): the architecture is served
+    by the chosen --model-impl. ConfigError (one line) otherwise; TP > 1 on the generic path too."""
+    from ipc.config import ConfigError, read_json_object
+    hf = read_json_object(os.path.join(config.model, "config.json"))
+    arch = (hf.get("architectures") or [None])[0]
+    if arch is None:
+        raise ConfigError(f"{config.model}/config.json names no architecture (`architectures`)")
+    try:
+        generic = uses_generic_path(arch, config.model_impl)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not generic:
+        return
+    why = generic_path_refusal(hf)
+    if why is not None:
+        native = f"; natively served: {', '.join(sorted(MODELS))}" if arch not in MODELS else ""
+        raise ConfigError(f"unsupported architecture: {why}{native}")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the generic transformers path "
+                          f"serving {arch} runs on one GPU only"
+                          + (" (--model-impl auto or loom splits it natively)" if arch in MODELS else ""))
+
+
+def get_model_class(config, impl: str = "auto") -> type[nn.Module]:
+    """The class for a transformers config (its `architectures[0]`) under `--model-impl impl`."""
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError("config has no `architectures` entry; cannot pick a model class "
                          f"(supported: {', '.join(sorted(MODELS))})")
+    if uses_generic_path(archs[0], impl):
+        from workers.models.transformers import TransformersForCausalLM
+        return TransformersForCausalLM
     return model_class(archs[0])
 
 
