@@ -1,6 +1,7 @@
 """Sliding-window KV trimming (--sliding-window-kv-trim): a model whose every attention layer is
 local with window W frees each request's blocks behind the window (engine_core/kv_cache_manager.py).
-The block arithmetic and the scheduler in-process; which models qualify, from the model's layers."""
+The block arithmetic and the scheduler in-process; which models qualify, from the model's layers;
+and greedy parity with HF through the whole engine (in-process), trimmed or not."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,8 @@ from engine_core.request import RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.config import ConfigError, EngineConfig
 from tests.test_scheduler import cfg, fake_step, req
+
+ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
 
 
 def _held(kv: KVCacheManager, rid: str) -> list[int]:
@@ -127,3 +130,43 @@ def test_which_models_trim(model_factory, arch, overrides, window):
     from workers.model_loader import load_model
     model = load_model(model_factory(arch, **overrides), torch.float32, "cpu")
     assert model_sliding_window(model) == window
+
+
+def _windowed_kernels() -> bool:
+    import inspect
+
+    from kernels.sdpa_attention import paged_attention_sdpa
+    return "sliding_window" in inspect.signature(paged_attention_sdpa).parameters
+
+
+@pytest.mark.skipif(not _windowed_kernels(), reason="needs the windowed attention kernels (branch h44-attn)")
+def test_greedy_parity_with_hf_trimmed_or_not(model_factory):
+    """A tiny Mistral with window 8 (block 4), prompts several windows long, two sharing a
+    28-token prefix (hits, some behind the window), chunks of 16 tokens, 16 tokens decoded
+    past the window. 8 blocks hold one whole request (24 blocks at --max-model-len 96) only
+    trimmed, and not three at once: preemptions. Kept whole (more blocks): the same tokens."""
+    import random
+
+    from frontend import LLM, SamplingParams
+    from tests.hf_oracle import hf_greedy
+    model_dir = model_factory("mistral", sliding_window=8)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 280) for _ in range(28)]
+    prompts = [prefix + [rng.randrange(3, 280) for _ in range(n)] for n in (13, 6)]
+    prompts += [[rng.randrange(3, 280) for _ in range(n)] for n in (45, 5)]
+
+    def run(**options):
+        with LLM(model_dir, block_size=4, max_model_len=96, max_num_seqs=3, max_num_batched_tokens=16,
+                 **options) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs], llm.stats, llm.config.eos_token_ids
+    trimmed, stats, eos = run()
+    assert stats.prefix_cache_hits > 0
+    assert trimmed == [hf_greedy(model_dir, p, 16, eos) for p in prompts]
+    preempted, stats, _ = run(num_gpu_blocks_override=8)
+    assert preempted == trimmed and stats.num_preemptions > 0
+    whole, stats, _ = run(sliding_window_kv_trim=False)
+    assert whole == trimmed and stats.prefix_cache_hits > 0
+    with pytest.raises(ConfigError, match="needs 24 blocks"):   # kept whole, 8 blocks are too few
+        run(sliding_window_kv_trim=False, num_gpu_blocks_override=8)
