@@ -68,6 +68,8 @@ class KVCacheManager:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(req.block_hashes[:max_blocks])
         hits = []
         for h in req.block_hashes[:max_blocks]:
             block = self.pool.lookup(h)
@@ -75,6 +77,20 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def _window_hits(self, hashes: list[bytes]) -> list[KVBlock | None]:
+        """The longest cached prefix when blocks are trimmed to the window (vLLM's sliding-window
+        hit): only the blocks that the next query's window covers must be cached, those before
+        them may have been evicted (None). Searched from the end for that many cached in a row,
+        or a cached run from the start."""
+        need = max(cdiv(self.sliding_window - 1, self.block_size), 1)
+        found = [self.pool.lookup(h) for h in hashes]
+        run = 0
+        for i in range(len(found) - 1, -1, -1):
+            run = run + 1 if found[i] is not None else 0
+            if run == need:
+                return found[:i + need]
+        return found[:run]   # fewer than `need` blocks in all: those from the start, if cached
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:

@@ -71,6 +71,31 @@ def test_trimmed_blocks_stay_in_the_prefix_cache_and_hits_behind_the_window_are_
     assert all(h.ref_cnt == 0 for h in hits[:6])
 
 
+def test_a_hit_needs_only_the_window_cached():
+    """Blocks behind the window may be evicted: a prompt still hits up to the end of a run of
+    cached blocks as long as the window (7 keys: 2 blocks) before its next query."""
+    kv = KVCacheManager(12, 4, enable_caching=True, sliding_window=8)
+    prompt = list(range(1, 33))
+    a = req("a", prompt)
+    for c in range(0, 32, 8):
+        a.num_computed_tokens = c
+        kv.allocate_slots(a, 8)
+        kv.cache_blocks(a, c + 8)
+    kv.free(a)
+    taken = []
+    while any(kv.pool.lookup(h) for h in a.block_hashes[:3]):   # the LRU evicts the oldest first
+        taken += kv.pool.take_new(1)
+    b = req("b", prompt + [99])
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 8 and hits[:3] == [None] * 3 and all(hits[3:])
+    assert kv.allocate_slots(b, 1, hits) is not None and _held(kv, "b") == [6, 7, 8]
+    kv.free(b)
+    kv.pool.free(taken)
+    while kv.pool.lookup(a.block_hashes[7]):   # the window's last block evicted: no hit of 8 blocks
+        kv.pool.take_new(1)
+    assert len(kv.get_computed_blocks(req("c", prompt + [99]))) < 8
+
+
 def _run(s: Scheduler, requests) -> None:
     for r in requests:
         s.add_request(r)
