@@ -164,10 +164,6 @@ class EngineConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: {e}") from None
         limit = f"max_position_embeddings {self.model_max_len}"
-        window = attention_window(text_cfg)
-        if window is not None and window < self.model_max_len:
-            # Sliding-window attention is not implemented; within the window it equals full attention.
-            self.model_max_len, limit = window, f"sliding_window {window} (sliding-window attention is not supported)"
         if self.max_model_len is None:
             self.max_model_len = self.model_max_len
         if self.max_logprobs == -1:   # vLLM's "no limit": the whole vocabulary
@@ -393,24 +389,6 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
         where = "this node" if config.nnodes > 1 else "this machine"
         raise ConfigError(f"--tensor-parallel-size {tp} needs {need} GPUs on {where}, but only {have} "
                           f"{'is' if have == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
-
-
-def attention_window(hf_cfg: dict) -> int | None:
-    """The sliding window some layers of this model attend within, or None (full attention).
-    Mistral sets `sliding_window` for every layer; Qwen2 only with `use_sliding_window`, from
-    layer `max_window_layers` on; newer configs list `layer_types`."""
-    window = hf_cfg.get("sliding_window")
-    if not window:
-        return None
-    layer_types = hf_cfg.get("layer_types")
-    if layer_types:
-        return int(window) if "sliding_attention" in layer_types else None
-    if "use_sliding_window" in hf_cfg:
-        if not hf_cfg["use_sliding_window"]:
-            return None
-        if hf_cfg.get("max_window_layers", 0) >= hf_cfg.get("num_hidden_layers", 0):
-            return None
-    return int(window)
 
 
 def _eos_token_ids(model_dir: str, hf_cfg: dict, tokenizer_dir: str | None = None, vocab_size: int = 0) -> list[int]:

@@ -37,8 +37,13 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                        block_table: torch.Tensor, scale: float, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged caches. Returns [T, Hq, D].
+
+    sliding_window: a query at position p sees keys p - sliding_window < k <= p (HF's
+    convention), and no block before its window's is read (a trimmed cache may have freed
+    them). logits_soft_cap: scores = cap * tanh(scores / cap), after the scale, before the mask.
 
     Pure torch: the oracle for the Triton kernel and the CPU path of the model
     runner. Sequences with one query (decode) go in one batched product, the
@@ -47,34 +52,48 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, decode)
+        _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, decode,
+                    sliding_window, logits_soft_cap)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
-            _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i)
+            _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i,
+                          sliding_window, logits_soft_cap)
     return out
 
 
-def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int):
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping: cap * tanh(scores / cap) (None: unchanged)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """Sequence i's queries, which are the last q_len of its seq_len tokens."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     q_lo, q_hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
     q_len, seq_len = q_hi - q_lo, int(seq_lens[i])
-    blocks = block_table[i, :(seq_len + block_size - 1) // block_size].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, Hkv, D]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    # the first key any query sees (its first query's window), from the start of its block
+    first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size * block_size
+    blocks = block_table[i, first // block_size:(seq_len + block_size - 1) // block_size].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len - first].float()  # [S, Hkv, D]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len - first].float()
     q = query[q_lo:q_hi].float().view(q_len, num_kv_heads, -1, head_dim)  # [Q, Hkv, group, D]
-    scores = torch.einsum("qkgd,skd->kgqs", q, k) * scale
+    scores = soft_cap(torch.einsum("qkgd,skd->kgqs", q, k) * scale, logits_soft_cap)
     # query j sits at absolute position seq_len - q_len + j; it sees keys <= that.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    k_pos = torch.arange(seq_len, device=query.device)
-    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    k_pos = torch.arange(first, seq_len, device=query.device)
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if sliding_window is not None:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out[q_lo:q_hi] = torch.einsum("kgqs,skd->qkgd", probs, v).flatten(1, 2).to(query.dtype)
 
 
 def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                rows: list[int]):
-    """The sequences `rows`, each with one query that sees all its tokens, padded to the longest."""
+                rows: list[int], sliding_window: int | None = None, logits_soft_cap: float | None = None):
+    """The sequences `rows`, each with one query that sees all its tokens (the last
+    sliding_window of them), padded to the longest."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     idx = torch.tensor(rows, device=query.device)
     lens = seq_lens[idx].long()                                   # [B]
@@ -84,8 +103,12 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
     v = value_cache[blocks].flatten(1, 2)[:, :max_len].float()
     tok = query_start_loc[idx].long()
     q = query[tok].float().view(len(rows), num_kv_heads, -1, head_dim)   # [B, Hkv, group, D]
-    scores = torch.einsum("bkgd,bskd->bkgs", q, k) * scale
-    pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]   # [B, S]
+    pos = torch.arange(max_len, device=query.device)[None, :]
+    pad = pos >= lens[:, None]   # [B, S]
+    if sliding_window is not None:   # (blocks before the window are read but get no weight)
+        pad |= pos <= lens[:, None] - 1 - sliding_window
+        k.masked_fill_(pad[:, :, None, None], 0.0)   # a trimmed cache's freed blocks may hold anything
+    scores = soft_cap(torch.einsum("bkgd,bskd->bkgs", q, k) * scale, logits_soft_cap)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)   # unwritten slots may hold NaN, and 0 * NaN is NaN
     probs = torch.softmax(scores, dim=-1)
@@ -105,13 +128,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt"),
+@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window"),
           pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr,
-    qk_scale, num_seqs, num_q_heads, part_tok_base,
+    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -121,9 +144,16 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
-    (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split."""
+    (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
+
+    HAS_WINDOW: a row at position p sees keys p - window < k <= p, and the KV loop starts at
+    the tile's first query's window, so no key before it is read (a trimmed cache's block
+    table holds freed blocks there). HAS_SOFTCAP: qk_scale is scale / cap and soft_cap is
+    cap * log2(e), scores = soft_cap * tanh(q.k * qk_scale). Without either, full attention
+    compiles as it always has."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,7 +209,17 @@ def _paged_attention_kernel(
 
     # keys this tile can see: [0, kv_end) (causal w.r.t. the tile's last query)
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
-    if NUM_SPLITS > 1:
+    if HAS_WINDOW:
+        # ... from the window of the tile's first query on: [kv_start, kv_end)
+        kv_start = tl.maximum(ctx_len + tile * BLOCK_Q - window + 1, 0)
+        if NUM_SPLITS > 1:
+            chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = kv_start + split * chunk
+            kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+        else:
+            kv_lo = kv_start
+            kv_hi = kv_end
+    elif NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = split * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
@@ -208,7 +248,11 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * qk_scale
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): -1 and 1 at the extremes, never NaN
+            s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * soft_cap
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -317,8 +361,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, num_kv_splits: int | None = None,
                     num_decodes: int = 0, seq_order: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref.
+                    out: torch.Tensor | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref
+    (sliding_window and logits_soft_cap too).
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
     [num_blocks, block_size, Hkv, D], query_start_loc int32 [B+1], seq_lens
@@ -345,7 +391,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out (optional, [T, Hq, D], last dim contiguous): written in place and returned, as a piecewise
     CUDA graph needs attention's output at a fixed address."""
     if not runs_triton(_paged_attention_kernel, query):
-        ref = paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
+        ref = paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
+                                  sliding_window, logits_soft_cap)
         return ref if out is None else out.copy_(ref)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kd = key_cache.shape
@@ -368,18 +415,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     max_query_len = max(1, int(max_query_len))
     nd = int(num_decodes)
     kv = (key_cache, value_cache)
+    variant = _Variant(scale, sliding_window, logits_soft_cap)
+    if sliding_window is not None:   # the split-KV heuristics see the keys a query reads
+        max_seq_len = min(max_seq_len, sliding_window + max_query_len - 1)
     if 0 < nd < num_seqs and max_query_len > 1:
         decodes = _Launch(query_start_loc[:nd + 1], seq_lens[:nd], block_table[:nd], 1, 0, nd, seq_order)
         prefills = _Launch(query_start_loc[nd:], seq_lens[nd:], block_table[nd:], max_query_len, nd, num_tokens)
         with _beside(query) as side:
             with side:
-                _attention_launch(query, kv, out, prefills, scale, max_seq_len, num_kv_splits)
-            _attention_launch(query, kv, out, decodes, scale, max_seq_len, num_kv_splits)
+                _attention_launch(query, kv, out, prefills, variant, max_seq_len, num_kv_splits)
+            _attention_launch(query, kv, out, decodes, variant, max_seq_len, num_kv_splits)
     else:
         pure_decode = max_query_len == 1 or nd == num_seqs
         batch = _Launch(query_start_loc, seq_lens, block_table, max_query_len, 0, num_tokens,
                         seq_order if pure_decode else None)
-        _attention_launch(query, kv, out, batch, scale, max_seq_len, num_kv_splits)
+        _attention_launch(query, kv, out, batch, variant, max_seq_len, num_kv_splits)
     return out
 
 
@@ -411,6 +461,23 @@ def _beside(query: torch.Tensor):
         yield torch.cuda.stream(side)
     finally:
         main.wait_stream(side)
+
+
+@dataclass(slots=True, frozen=True)
+class _Variant:
+    """What one layer's attention computes: its scale, window and soft cap."""
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    def kernel_args(self) -> tuple[float, int, float, dict]:
+        """(qk_scale, window, soft_cap, constexpr flags), in the kernel's log2 domain."""
+        log2e = 1.4426950408889634
+        cap, window = self.logits_soft_cap, self.sliding_window
+        flags = dict(HAS_WINDOW=window is not None, HAS_SOFTCAP=cap is not None)
+        if cap is None:
+            return float(self.scale) * log2e, window or 0, 0.0, flags
+        return float(self.scale) / cap, window or 0, float(cap) * log2e, flags
 
 
 @dataclass(slots=True)
@@ -458,7 +525,7 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
 
 
 def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
-                      launch: _Launch, scale: float, max_seq_len: int, num_kv_splits: int | None) -> None:
+                      launch: _Launch, variant: _Variant, max_seq_len: int, num_kv_splits: int | None) -> None:
     """One kernel launch (two with split-KV) over the sequences of `launch`."""
     key_cache, value_cache = kv
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -498,11 +565,12 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
     else:
         part_acc = part_ml = out  # unused
     pdl = pdl_args(query)
+    qk_scale, window, soft_cap, flags = variant.kernel_args()
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
         launch.seq_order if ordered else launch.seq_lens,
-        float(scale) * 1.4426950408889634, num_seqs, num_q_heads, launch.tok_lo,
+        qk_scale, num_seqs, num_q_heads, launch.tok_lo, window, soft_cap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -510,7 +578,7 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags,
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split

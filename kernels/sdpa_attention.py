@@ -10,91 +10,170 @@ copied. On CPU, SDPA runs one fused kernel where the reference
 
 What every layer of a step shares (which rows decode, where their keys are, the
 padding mask) is an `SdpaPlan`, built once per step (the model runner puts it in
-the attention metadata), not once per layer.
+the attention metadata), not once per layer; a sliding window's layout is built
+by the first layer with that window and kept on the plan for the others.
+
+A soft-capped layer (Gemma 2) cannot go through SDPA, which has no hook between the
+scores and the softmax: it runs scores, cap, mask, softmax by hand on the same layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_attention import soft_cap
+
+
+@dataclass
+class DecodeLayout:
+    """Where the decode rows' keys are, for one window (or none).
+
+    Each decode row's keys are gathered, one index_select per cache, from the cache
+    viewed as [slots * Hkv, D] straight into [rows, Hkv, S, D] (S = the most keys a row
+    sees), the layout SDPA reads. A position a row does not see gathers the row's first
+    visible key instead (written, so finite: an unwritten slot may hold NaN, and NaN * 0
+    is NaN) and the additive mask gives it no weight. With a window, a row gathers only
+    its last `window` positions: a trimmed cache has freed the blocks before them."""
+    tok: torch.Tensor     # [R]: each decode row's query token
+    gather: torch.Tensor  # [R * Hkv * S]: rows of the cache viewed as [slots * Hkv, D]
+    bias: torch.Tensor    # [R, 1, 1, S]: 0 where the row sees the key, -inf elsewhere
+    width: int            # S
+
+
+@dataclass
+class PrefillLayout:
+    """One sequence with several queries: its keys from the first one any query sees."""
+    seq: int
+    q_len: int
+    slots: torch.Tensor             # [S]: cache slots of its keys
+    mask: torch.Tensor | None       # [Q, S] bool (True: seen), None: plain causal (q_len == S)
+
 
 @dataclass
 class SdpaPlan:
-    """The step's attention layout, the same for every layer.
-
-    Decodes: each decode row's keys are gathered, one index_select per cache, from
-    the cache viewed as [slots * Hkv, D] straight into [rows, Hkv, S, D] (S = the
-    longest row), the layout SDPA reads. A position past a row's length gathers the
-    row's first token instead (written, so finite: an unwritten slot may hold NaN,
-    and NaN * 0 is NaN) and the additive mask gives it no weight."""
+    """The step's attention layout, the same for every layer (per window)."""
     qsl: list[int]
     lens: list[int]
-    decode_tok: torch.Tensor | None     # [R]: each decode row's query token
-    decode_gather: torch.Tensor | None  # [R * Hkv * S]: rows of the cache viewed as [slots * Hkv, D]
-    decode_bias: torch.Tensor | None    # [R, 1, 1, S]: 0 within the row's length, -inf past it
-    max_len: int
-    prefills: list[tuple[int, int, torch.Tensor]]  # (first query token, query tokens, cache slots) per sequence
+    block_table: torch.Tensor
+    block_size: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    # window (None: full attention) -> layouts, built by the first layer that needs them
+    decodes: dict[int | None, DecodeLayout | None] = field(default_factory=dict)
+    prefills: dict[int | None, list[PrefillLayout]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
               block_size: int, num_kv_heads: int, dtype: torch.dtype) -> "SdpaPlan":
-        qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-        dev = block_table.device
+        return cls(query_start_loc.tolist(), seq_lens.tolist(), block_table, block_size, num_kv_heads, dtype)
+
+    def decode_layout(self, window: int | None) -> DecodeLayout | None:
+        if window not in self.decodes:
+            self.decodes[window] = self._decode_layout(window)
+        return self.decodes[window]
+
+    def prefill_layouts(self, window: int | None) -> list[PrefillLayout]:
+        if window not in self.prefills:
+            self.prefills[window] = self._prefill_layouts(window)
+        return self.prefills[window]
+
+    def _first_key(self, seq_len: int, q_len: int, window: int | None) -> int:
+        """The first key position any of a sequence's queries sees."""
+        return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+    def _slots(self, i: int, pos: torch.Tensor) -> torch.Tensor:
+        return self.block_table[i].long().index_select(0, pos // self.block_size) * self.block_size \
+            + pos % self.block_size
+
+    def _decode_layout(self, window: int | None) -> DecodeLayout | None:
+        qsl, lens, dev = self.qsl, self.lens, self.block_table.device
         decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        tok = gather = bias = None
-        max_len = 0
-        if decode:
-            idx = torch.tensor(decode, device=dev)
-            row_lens = seq_lens.long().index_select(0, idx)
-            max_len = max(lens[i] for i in decode)
-            pos = torch.arange(max_len, device=dev)
-            valid = pos[None, :] < row_lens[:, None]                                  # [R, S]
-            pos = torch.where(valid, pos[None, :], 0)
-            slots = block_table.index_select(0, idx).long().gather(1, pos // block_size) * block_size + pos % block_size
-            heads = torch.arange(num_kv_heads, device=dev)
-            gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()  # [R, Hkv, S]
-            bias = torch.zeros(valid.shape, dtype=dtype, device=dev).masked_fill_(~valid, float("-inf"))[:, None, None]
-            tok = torch.tensor([qsl[i] for i in decode], device=dev)
-        prefills = []
-        for i, seq_len in enumerate(lens):
-            if qsl[i + 1] - qsl[i] > 1:
-                pos = torch.arange(seq_len, device=dev)
-                slots = block_table[i].long().index_select(0, pos // block_size) * block_size + pos % block_size
-                prefills.append((i, qsl[i + 1] - qsl[i], slots))
-        return cls(qsl, lens, tok, gather, bias, max_len, prefills)
+        if not decode:
+            return None
+        idx = torch.tensor(decode, device=dev)
+        row_lens = torch.tensor([lens[i] for i in decode], device=dev)
+        first = torch.tensor([self._first_key(lens[i], 1, window) for i in decode], device=dev)
+        width = int((row_lens - first).max())
+        pos = first[:, None] + torch.arange(width, device=dev)[None, :]             # [R, S]
+        valid = pos < row_lens[:, None]
+        pos = torch.where(valid, pos, first[:, None])
+        slots = (self.block_table.index_select(0, idx).long().gather(1, pos // self.block_size) * self.block_size
+                 + pos % self.block_size)
+        heads = torch.arange(self.num_kv_heads, device=dev)
+        gather = (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).flatten()  # [R, Hkv, S]
+        bias = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(~valid, float("-inf"))
+        tok = torch.tensor([qsl[i] for i in decode], device=dev)
+        return DecodeLayout(tok, gather, bias[:, None, None], width)
+
+    def _prefill_layouts(self, window: int | None) -> list[PrefillLayout]:
+        dev = self.block_table.device
+        out = []
+        for i, seq_len in enumerate(self.lens):
+            q_len = self.qsl[i + 1] - self.qsl[i]
+            if q_len <= 1:
+                continue
+            first = self._first_key(seq_len, q_len, window)
+            k_pos = torch.arange(first, seq_len, device=dev)
+            mask = None
+            if q_len != seq_len - first:  # queries at seq_len - q_len ... seq_len - 1 see keys up to theirs
+                q_pos = k_pos[seq_len - q_len - first:, None]
+                mask = k_pos[None, :] <= q_pos
+                if window is not None:
+                    mask &= k_pos[None, :] > q_pos - window
+            elif window is not None and q_len > window:  # a whole prompt longer than the window
+                mask = (k_pos[None, :] <= k_pos[:, None]) & (k_pos[None, :] > k_pos[:, None] - window)
+            out.append(PrefillLayout(i, q_len, self._slots(i, k_pos), mask))
+        return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            cap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ mask]) v over [..., H, L, D] (GQA: k, v have fewer heads).
+    mask: bool (True: seen) or additive; None: causal. A soft cap goes by hand: SDPA has no
+    hook between the scores and the softmax."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                         scale: float, plan: SdpaPlan | None = None) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D]. `plan`: the step's SdpaPlan (built here when None)."""
+                         scale: float, plan: SdpaPlan | None = None, sliding_window: int | None = None,
+                         logits_soft_cap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D]. `plan`: the step's SdpaPlan (built here when None).
+    sliding_window, logits_soft_cap: as paged_attention_ref's."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if plan is None:
         plan = SdpaPlan.build(query_start_loc, seq_lens, block_table, block_size, num_kv_heads, query.dtype)
     out = torch.empty_like(query)
     keys, values = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
-    if plan.decode_tok is not None:
-        rows = plan.decode_tok.shape[0]
-        k = keys.index_select(0, plan.decode_gather).view(rows, num_kv_heads, plan.max_len, head_dim)
-        v = values.index_select(0, plan.decode_gather).view(rows, num_kv_heads, plan.max_len, head_dim)
-        q = query.index_select(0, plan.decode_tok).unsqueeze(2)                 # [R, Hq, 1, D]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_bias.to(q.dtype),
-                                           scale=scale, enable_gqa=True)
-        out.index_copy_(0, plan.decode_tok, o.squeeze(2))
+    dec = plan.decode_layout(sliding_window)
+    if dec is not None:
+        rows = dec.tok.shape[0]
+        k = keys.index_select(0, dec.gather).view(rows, num_kv_heads, dec.width, head_dim)
+        v = values.index_select(0, dec.gather).view(rows, num_kv_heads, dec.width, head_dim)
+        q = query.index_select(0, dec.tok).unsqueeze(2)                 # [R, Hq, 1, D]
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), dec.bias.to(q.dtype), scale, logits_soft_cap)
+        out.index_copy_(0, dec.tok, o.squeeze(2))
     cache_rows = key_cache.view(-1, num_kv_heads, head_dim)
     vcache_rows = value_cache.view(-1, num_kv_heads, head_dim)
-    for i, q_len, slots in plan.prefills:
-        seq_len, q_lo = plan.lens[i], plan.qsl[i]
-        k = cache_rows.index_select(0, slots).transpose(0, 1)                    # [Hkv, S, D]
-        v = vcache_rows.index_select(0, slots).transpose(0, 1)
-        q = query[q_lo:q_lo + q_len].transpose(0, 1)                              # [Hq, Q, D]
-        mask = None
-        if q_len != seq_len:  # queries at positions seq_len - q_len ... seq_len - 1 see keys up to theirs
-            pos = torch.arange(seq_len, device=query.device)
-            mask = pos[None, :] <= pos[seq_len - q_len:, None]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                                           is_causal=mask is None, enable_gqa=True)
-        out[q_lo:q_lo + q_len] = o.transpose(0, 1)
+    for p in plan.prefill_layouts(sliding_window):
+        q_lo = plan.qsl[p.seq]
+        k = cache_rows.index_select(0, p.slots).transpose(0, 1)                    # [Hkv, S, D]
+        v = vcache_rows.index_select(0, p.slots).transpose(0, 1)
+        q = query[q_lo:q_lo + p.q_len].transpose(0, 1)                              # [Hq, Q, D]
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask, scale, logits_soft_cap)
+        out[q_lo:q_lo + p.q_len] = o.transpose(0, 1)
     return out

@@ -14,24 +14,18 @@ def _model_dir(tmp_path, **cfg) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("cfg, limit", [
-    ({"sliding_window": 1024}, 1024),                                    # Mistral v0.1: every layer
-    ({"sliding_window": None}, 4096),                                    # Mistral v0.2+
-    ({"sliding_window": 1024, "use_sliding_window": False}, 4096),       # Qwen2 default
-    ({"sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 28,
-      "num_hidden_layers": 28}, 4096),                                   # Qwen2: no layer past max_window_layers
-    ({"sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 20,
-      "num_hidden_layers": 28}, 1024),
-    ({"sliding_window": 1024, "layer_types": ["full_attention"] * 4}, 4096),
-    ({"sliding_window": 1024, "layer_types": ["full_attention", "sliding_attention"]}, 1024),
-    ({"sliding_window": 8192}, 4096),                                    # wider than the model's context
+@pytest.mark.parametrize("cfg", [
+    {"sliding_window": 1024},                                            # Mistral v0.1: every layer
+    {"sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 20, "num_hidden_layers": 28},
+    {"sliding_window": 1024, "layer_types": ["full_attention", "sliding_attention"]},
+    {"sliding_window": None},
 ])
-def test_max_model_len_capped_at_the_sliding_window(tmp_path, cfg, limit):
-    assert EngineConfig(model=_model_dir(tmp_path, **cfg)).resolve().max_model_len == limit
+def test_max_model_len_is_the_models_context_whatever_the_window(tmp_path, cfg):
+    # sliding-window attention runs in the kernels: the window no longer caps --max-model-len
+    assert EngineConfig(model=_model_dir(tmp_path, **cfg)).resolve().max_model_len == 4096
+    assert EngineConfig(model=_model_dir(tmp_path, **cfg), max_model_len=4096).resolve().max_model_len == 4096
 
 
-def test_max_model_len_beyond_the_window_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="sliding_window 1024"):
-        EngineConfig(model=_model_dir(tmp_path, sliding_window=1024), max_model_len=2048).resolve()
+def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="max_position_embeddings 4096"):
-        EngineConfig(model=_model_dir(tmp_path), max_model_len=8192).resolve()
+        EngineConfig(model=_model_dir(tmp_path, sliding_window=1024), max_model_len=8192).resolve()

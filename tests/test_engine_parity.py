@@ -9,6 +9,7 @@ import pytest
 from frontend import LLM, SamplingParams
 from frontend.entrypoints.llm import longest_first
 from tests.hf_oracle import hf_greedy
+from tests.tiny_models import make_tiny_model
 
 ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
 
@@ -64,12 +65,46 @@ def test_triton_path_matches_hf(model_factory):
     assert layers.rms_norm is rms_norm_ref and layers.gemv is None
 
 
-def test_sliding_window_model_is_capped_at_its_window(model_factory):
-    """Sliding-window attention is not implemented, so --max-model-len is capped at the window,
-    where HF's sliding-window attention (Mistral) equals full attention: still token-exact."""
-    model_dir = model_factory("mistral", sliding_window=48)
-    llm = check_parity(model_dir, _prompts(300, 4), block_size=4, max_num_seqs=2)
-    assert llm.config.max_model_len == 48
+# window 8: every layer local (Mistral), interleaved by max_window_layers (Qwen2: layer 0 global,
+# layer 1 local) and by layer_types (the other way round)
+SLIDING = {
+    "mistral_all_local": ("mistral", dict(sliding_window=8)),
+    "qwen2_max_window_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen2_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_window_matches_hf(tmp_path, name):
+    """Prompts longer than the window (up to 33 + 12 tokens over a window of 8), chunked into
+    8-token steps, three of them sharing a cached 21-token prefix, in a KV cache so small that
+    requests are preempted: HF's greedy tokens, every one."""
+    arch, overrides = SLIDING[name]
+    model_dir = make_tiny_model(str(tmp_path), arch, **overrides)   # (a list: not a model_factory key)
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 284) for _ in range(21)]
+    prompts = [shared + [rng.randrange(3, 284) for _ in range(k)] for k in (1, 5, 11)]
+    prompts += [[rng.randrange(3, 284) for _ in range(k)] for k in (19, 33, 7)]
+    llm = check_parity(model_dir, prompts, block_size=4, max_model_len=64, max_num_batched_tokens=8,
+                       max_num_seqs=4, num_gpu_blocks_override=20, enable_prefix_caching=True)
+    assert llm.stats.prefix_cache_hits > 0 and llm.stats.num_preemptions > 0
+
+
+def test_layer_sliding_window():
+    """Per-layer windows from the config, as HF's modelling reads them."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from workers.models.layers import layer_sliding_window
+    windows = lambda cfg: [layer_sliding_window(cfg, i) for i in range(cfg.num_hidden_layers)]  # noqa: E731
+    assert windows(MistralConfig(num_hidden_layers=2, sliding_window=16)) == [16, 16]
+    assert windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    assert windows(Qwen2Config(num_hidden_layers=3, sliding_window=16)) == [None] * 3   # use_sliding_window off
+    assert windows(Qwen2Config(num_hidden_layers=3, sliding_window=16, use_sliding_window=True,
+                               max_window_layers=1)) == [None, 16, 16]
+    assert windows(Qwen2Config(num_hidden_layers=3, sliding_window=16, use_sliding_window=True,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])) \
+        == [16, None, 16]
 
 
 def test_longest_first_order():

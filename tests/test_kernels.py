@@ -280,6 +280,88 @@ def test_attention_bf16():
     _check_attention([5, 1, 3], [5, 40, 19], hq=4, hkv=1, d=32, bs=8, dtype=torch.bfloat16, splits=(1, 2))
 
 
+def _dense_attention(q, kc, vc, qsl, sl, bt, scale, window=None, cap=None):
+    """An independent oracle: each sequence's keys gathered whole, a [Q, S] mask from the
+    positions (HF's sliding window: p - window < k <= p), the soft cap before it."""
+    bs, hkv, d = kc.shape[1], kc.shape[2], kc.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for i in range(len(sl)):
+        lo, hi, n = int(qsl[i]), int(qsl[i + 1]), int(sl[i])
+        if hi == lo:
+            continue
+        slots = [int(bt[i, p // bs]) * bs + p % bs for p in range(n)]
+        k = kc.reshape(-1, hkv, d)[slots].float().cpu().repeat_interleave(q.shape[1] // hkv, 1)  # [S, Hq, D]
+        v = vc.reshape(-1, hkv, d)[slots].float().cpu().repeat_interleave(q.shape[1] // hkv, 1)
+        s = torch.einsum("qhd,shd->hqs", q[lo:hi].float().cpu(), k) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        q_pos, k_pos = torch.arange(n - (hi - lo), n)[:, None], torch.arange(n)[None, :]
+        seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
+        out[lo:hi] = torch.einsum("hqs,shd->qhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), v)
+    return out
+
+
+def _trim_before_windows(kc, vc, qsl, sl, bt, window):
+    """What a trimmed cache looks like: every block wholly before a sequence's first query's
+    window is freed, its block-table entry left pointing at a block of NaN. Returns the
+    caches (one NaN block more) and the trimmed table."""
+    bs = kc.shape[1]
+    nan_block = kc.shape[0]
+    kc = torch.cat([kc, torch.full_like(kc[:1], float("nan"))])
+    vc = torch.cat([vc, torch.full_like(vc[:1], float("nan"))])
+    bt = bt.clone()
+    for i in range(len(sl)):
+        first = max(0, int(sl[i]) - int(qsl[i + 1] - qsl[i]) - window + 1)
+        bt[i, :first // bs] = nan_block
+    return kc, vc, bt
+
+
+@pytest.mark.parametrize("window, cap", [(5, None), (16, None), (None, 4.0), (6, 2.5)])
+def test_attention_sliding_window_and_soft_cap(window, cap):
+    # windows shorter than, equal to (16: one context) and longer than (16: others) the contexts,
+    # a soft cap alone and with a window; over prefills, chunked prefill /
+    # prefix hits, decodes and an empty sequence, in one launch and in two (num_decodes), with
+    # split-KV; the blocks before each first query's window freed (NaN): nobody may read them.
+    # The reference equals a dense oracle, the Triton kernel and the CPU SDPA path equal it.
+    from kernels.sdpa_attention import paged_attention_sdpa
+    cases = [  # (q_lens, seq_lens, hq, hkv, d, bs, splits, num_decodes)
+        ([6, 1, 4, 0, 1, 16], [6, 21, 13, 9, 1, 30], 4, 2, 32, 4, (3,), 0),
+        ([1, 1, 1, 27, 9], [70, 5, 16, 40, 9], 6, 2, 16, 8, (None,), 3),   # multi-tile (group 3)
+    ]
+    for q_lens, seq_lens, hq, hkv, d, bs, splits, nd in cases:
+        q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, torch.float32, seed=4)
+        scale = d ** -0.5
+        want = _dense_attention(q, kc, vc, qsl, sl, bt, scale, window, cap)
+        if window is not None:
+            kc, vc, bt = _trim_before_windows(kc, vc, qsl, sl, bt, window)
+        ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, window, cap).float()
+        rows = torch.tensor([i for i, n in enumerate(q_lens) for _ in range(n)])
+        assert not ref.isnan().any()
+        torch.testing.assert_close(ref.cpu(), want, atol=2e-5, rtol=1e-5)
+        if window is not None and window >= max(seq_lens):   # a window wider than the context: full attention
+            torch.testing.assert_close(ref, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, None, cap).float())
+        for ns in splits:
+            out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns,
+                                     num_decodes=nd, sliding_window=window, logits_soft_cap=cap)
+            err = (out.float() - ref).abs().max().item()
+            assert err < 2e-5, f"splits={ns}: max err {err}"
+        if DEVICE == "cpu":
+            out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, scale, None, window, cap)
+            torch.testing.assert_close(out[rows].float(), ref[rows], atol=2e-5, rtol=1e-5)
+
+
+def test_attention_sliding_window_bf16_decode_split():
+    # bf16, long decodes split many ways over a short window (each split a few keys, some none)
+    q_lens, seq_lens = [1, 1, 1, 12], [300, 40, 7, 200]
+    q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, 8, 1, 32, 16, torch.bfloat16, seed=6)
+    kc, vc, bt = _trim_before_windows(kc, vc, qsl, sl, bt, 48)
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.2, 48, 30.0).float()
+    for ns in (None, 8):
+        out = pa.paged_attention(q, kc, vc, qsl, sl, bt, 0.2, 12, 300, num_kv_splits=ns, num_decodes=3,
+                                 sliding_window=48, logits_soft_cap=30.0)
+        torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
 # --------------------------------------------------------------------------
 # RMSNorm
 # --------------------------------------------------------------------------

@@ -44,11 +44,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
-        # TODO(attention helper): the kernels take the window; until then the engine caps
-        # --max-model-len at it (ipc/config.py), where full attention is the same
-        if logits_soft_cap is not None:  # TODO(attention helper)
-            raise NotImplementedError("soft-capped attention is not implemented yet")
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,17 +59,19 @@ class Attention(nn.Module):
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits,
-                                  seq_order=meta.seq_order, out=out)
+                                  seq_order=meta.seq_order, out=out, sliding_window=self.sliding_window,
+                                  logits_soft_cap=self.logits_soft_cap)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
             if meta.sdpa_plan is None:  # once per step: every layer shares it
                 meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,
                                                 key_cache.shape[1], key_cache.shape[2], q.dtype)
             res = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                       meta.block_table, self.scale, meta.sdpa_plan)
+                                       meta.block_table, self.scale, meta.sdpa_plan, self.sliding_window,
+                                       self.logits_soft_cap)
             out = res if out is None else out.copy_(res.view_as(out))
         else:
             res = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                      meta.block_table, self.scale)
+                                      meta.block_table, self.scale, self.sliding_window, self.logits_soft_cap)
             out = res if out is None else out.copy_(res)
         return out.reshape(t, self.num_heads * self.head_dim)
 

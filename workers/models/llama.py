@@ -39,5 +39,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama-shaped; `head_dim` may be explicit in the config (handled by
-    `get_head_dim`). Sliding-window attention is not implemented: the engine caps
-    --max-model-len at `sliding_window`, where full attention is the same."""
+    `get_head_dim`); `sliding_window` (every layer) through layers.layer_sliding_window."""

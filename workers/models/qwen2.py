@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5: Llama with biases on q, k and v (none on o_proj).
 
-Sliding layers (`use_sliding_window`) are not implemented: the engine caps
---max-model-len at the window, where full attention is the same."""
+Sliding layers (`use_sliding_window` from `max_window_layers` on, or `layer_types`)
+come from layers.layer_sliding_window, as in every DecoderModel."""
 from __future__ import annotations
 
 from workers.models.llama import LlamaForCausalLM
