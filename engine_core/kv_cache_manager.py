@@ -9,7 +9,9 @@ in the prefix cache as evictable, as a finished request's blocks do) and its
 place in the request's list holds None; the workers keep the freed id in their
 block tables, where the windowed attention kernels never read it. A request
 then holds about (W + chunk) / block_size blocks, not its whole context. A
-model with global layers keeps every block (they read them): window None."""
+model with global layers keeps every block (they read them): window None
+(vLLM's hybrid allocator, a block pool per group of layers, would trim its
+local layers' blocks too; not built here)."""
 from __future__ import annotations
 
 import hashlib
