@@ -152,9 +152,6 @@ class KVCacheManager:
         """For the workers' block table; a trimmed block's place gets block 0, never read."""
         return [0 if b is None else b.block_id for b in self.req_blocks.get(req_id, [])]
 
-    def num_held_blocks(self, req_id: str) -> int:
-        return sum(1 for b in self.req_blocks.get(req_id, []) if b is not None)
-
     def free(self, req: Request) -> None:
         self.num_cached_blocks.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
