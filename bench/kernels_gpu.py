@@ -120,6 +120,16 @@ def _attention(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
         if splits > 1:
             ctx.bench("paged_attention split=1", f"{model} {label}",
                       lambda: pa.paged_attention(*args, num_kv_splits=1), kv_bytes + q_bytes, flops)
+        # Gemma 2's local layers: a window (4,096; 256 in --quick) and a soft cap of 50
+        win = 256 if quick else 4096
+        local = dict(num_decodes=nd, sliding_window=win, logits_soft_cap=50.0)
+        ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, win, 50.0)
+        ctx.check(f"paged_attention {model} {label} window {win} cap 50", pa.paged_attention(*args, **local), ref,
+                  atol=1.5e-2, rtol=2e-2)
+        seen = [min(s, win + ql - 1) for ql, s in zip(q_lens, seq_lens)]   # keys a sequence's queries read
+        ctx.bench(f"paged_attention window {win} cap 50", f"{model} {label}", lambda: pa.paged_attention(*args, **local),
+                  sum(seen) * hkv * d * 2 * 2 + q_bytes,
+                  sum(4 * ql * min(s - ql / 2, win) * hq * d for ql, s in zip(q_lens, seq_lens)))
         del q, kc, vc
 
 

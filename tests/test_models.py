@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,6 +171,10 @@ CASES = {
     "mistral-head-dim": ("MistralForCausalLM", {"head_dim": 32}),
     "olmo2": ("Olmo2ForCausalLM", {}),
     "olmo2-mha": ("Olmo2ForCausalLM", {"num_key_value_heads": 4}),
+    # sliding windows shorter than the prompts and chunks: every layer, and layer 1 of 2
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 4}),
+    "qwen2-window-layer1": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
+                                                 "max_window_layers": 1}),
 }
 
 
@@ -196,6 +201,54 @@ def test_decode_gemv_path_matches_hf(case, tmp_path, monkeypatch):
     ours = load_model(save(hf, tmp_path), torch.float32, "cpu")
     run_scenario(ours, hf)
     assert {"none", "rms_norm", "add_rms_norm", "silu_mul"} <= set(calls)
+
+
+@pytest.mark.parametrize("window, cap", [(None, 2.0), (4, 2.0), (4, None)])
+def test_attention_module_window_and_soft_cap(window, cap):
+    """workers.attention.Attention with a window and a soft cap, on the CPU path (SDPA; by hand
+    where capped), against HF Gemma 2's eager attention with HF's sliding-window mask: a whole
+    prompt, a chunk after a cached prefix and a decode in one step, over a shuffled, NaN-padded
+    paged cache whose blocks before each window are freed (NaN too)."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from workers.attention import Attention
+    hq, hkv, d, scale = 4, 2, 16, 0.3
+    g = torch.Generator().manual_seed(0)
+    seqs = [(11, 11), (13, 5), (10, 1)]   # (context, queries) per sequence
+    keys = [torch.randn(n, hkv, d, generator=g) * 2 for n, _ in seqs]
+    values = [torch.randn(n, hkv, d, generator=g) for n, _ in seqs]
+    query = torch.randn(sum(q for _, q in seqs), hq, d, generator=g) * 2
+    kc, vc = torch.full((NUM_BLOCKS, BLOCK_SIZE, hkv, d), float("nan")), torch.full((NUM_BLOCKS, BLOCK_SIZE, hkv, d), float("nan"))
+    free = list(range(1, NUM_BLOCKS))
+    random.Random(2).shuffle(free)
+    tables = []
+    for (n, q_len), k, v in zip(seqs, keys, values):
+        blocks = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        for p in range(n):
+            kc[blocks[p // BLOCK_SIZE], p % BLOCK_SIZE], vc[blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p], v[p]
+        if window is not None:   # a trimmed cache: blocks wholly before the first query's window point at NaN
+            blocks[:max(0, n - q_len - window + 1) // BLOCK_SIZE] = [0] * (max(0, n - q_len - window + 1) // BLOCK_SIZE)
+        tables.append(blocks + [0] * (4 - len(blocks)))
+    qsl = [0]
+    for _, q_len in seqs:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
+                             block_table=torch.tensor(tables, dtype=torch.int32),
+                             slot_mapping=torch.zeros(0, dtype=torch.int64), max_query_len=11, max_seq_len=13)
+    got = Attention(hq, hkv, d, scale, sliding_window=window, logits_soft_cap=cap)(query, (kc, vc), meta)
+
+    class Module(nn.Module):
+        num_key_value_groups = hq // hkv
+    mask_fn = causal_mask_function if window is None else and_masks(causal_mask_function, sliding_window_overlay(window))
+    for i, ((n, q_len), k, v) in enumerate(zip(seqs, keys, values)):
+        allowed = mask_fn(0, 0, torch.arange(n - q_len, n)[:, None], torch.arange(n)[None, :])   # [Q, S]
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+        want, _ = eager_attention_forward(Module().eval(), query[qsl[i]:qsl[i + 1]].transpose(0, 1)[None],
+                                          k.transpose(0, 1)[None], v.transpose(0, 1)[None], bias,
+                                          scaling=scale, softcap=cap)
+        torch.testing.assert_close(got[qsl[i]:qsl[i + 1]], want[0].flatten(1), atol=1e-5, rtol=1e-5)
 
 
 def test_qwen2_has_qkv_bias_only(tmp_path):
