@@ -64,7 +64,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = option(None, "a fixed number of KV-cache blocks instead of the profiled one")
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and KV cache")
     kv_cache_memory_bytes: int | None = option(None, "CPU: bytes of KV cache (default: room for --max-num-seqs "
-                                               "full requests, at most 2 GiB)")
+                                               "full requests, as --sliding-window-kv-trim holds them, at most 2 GiB)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
     sliding_window_kv_trim: bool = option(True, "when every attention layer of the model is local with one "
                                           "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "

@@ -157,6 +157,24 @@ def test_which_models_trim(model_factory, arch, overrides, window):
     assert model_sliding_window(model) == window
 
 
+def test_the_cpu_kv_budget_counts_trimmed_requests(model_factory):
+    """CPU, no --kv-cache-memory-bytes: room for --max-num-seqs requests as they are held."""
+    import torch
+
+    from workers.kv_cache_memory import KVCacheMemory, KVCacheSpec
+    from workers.model_loader import load_model, model_kv_shape
+    model_dir = model_factory("mistral", sliding_window=8)
+    model = load_model(model_dir, torch.float32, "cpu")
+    spec = KVCacheSpec(*model_kv_shape(model.config), 4, torch.float32)
+
+    def num_blocks(**kw):
+        config = EngineConfig(model=model_dir, max_model_len=96, max_num_seqs=3, max_num_batched_tokens=16,
+                              block_size=4, **kw)
+        return KVCacheMemory(model, config, torch.device("cpu"), spec, "torch").determine_num_blocks()
+    assert num_blocks() == 3 * 7          # 7 + 16 keys and queries: 6 blocks, one more misaligned
+    assert num_blocks(sliding_window_kv_trim=False) == 3 * 24
+
+
 def test_greedy_parity_with_hf_trimmed_or_not(model_factory):
     """A tiny Mistral with window 8 (block 4), prompts several windows long, two sharing a
     28-token prefix (hits, some behind the window), chunks of 16 tokens, 16 tokens decoded
