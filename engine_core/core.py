@@ -60,10 +60,13 @@ class EngineCore:
         self.config = config
         self.executor = executor_class(config, ipc_dir)
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-        config.check_num_blocks(num_blocks)
+        # --sliding-window-kv-trim: the window of the model's layers, when every one is local with one
+        kv_window = self.executor.collective_rpc("kv_sliding_window")[0] if config.sliding_window_kv_trim else None
+        config.check_num_blocks(num_blocks, kv_window)
         self.executor.collective_rpc("initialize_cache", [num_blocks])
         self.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()))
+        self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()),
+                                   kv_window)
         self.limits = Limits.of(config)
         self.control = ControlState()
         self.max_in_flight = self._steps_ahead(config)

@@ -1,5 +1,17 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups, and
-the block arithmetic (a request of n tokens needs ceil(n / block_size) blocks)."""
+the block arithmetic (a request of n tokens needs ceil(n / block_size) blocks).
+
+Sliding-window trimming (vLLM's SlidingWindowManager, for a model whose every
+attention layer is local with one window W): a query at position p sees keys
+p - W < k <= p, so once a request's next query is at position c, a block whose
+every slot lies before c - W + 1 is never read again. It is freed (and stays
+in the prefix cache as evictable, as a finished request's blocks do) and its
+place in the request's list holds None; the workers keep the freed id in their
+block tables, where the windowed attention kernels never read it. A request
+then holds about (W + chunk) / block_size blocks, not its whole context. A
+model with global layers keeps every block (they read them): window None
+(vLLM's hybrid allocator, a block pool per group of layers, would trim its
+local layers' blocks too; not built here)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,11 +35,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None):
+        """sliding_window: the window of every attention layer, to trim blocks to (None: keep all)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, list[KVBlock | None]] = {}   # None: a block trimmed behind the window
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of a request already published
 
     @property
@@ -56,6 +70,8 @@ class KVCacheManager:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(req.block_hashes[:max_blocks])
         hits = []
         for h in req.block_hashes[:max_blocks]:
             block = self.pool.lookup(h)
@@ -64,25 +80,58 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def _window_hits(self, hashes: list[bytes]) -> list[KVBlock | None]:
+        """The longest cached prefix when blocks are trimmed to the window (vLLM's sliding-window
+        hit): only the blocks that the next query's window covers must be cached, those before
+        them may have been evicted (None). Searched from the end for that many cached in a row,
+        or a cached run from the start."""
+        need = max(cdiv(self.sliding_window - 1, self.block_size), 1)
+        found = [self.pool.lookup(h) for h in hashes]
+        run = 0
+        for i in range(len(found) - 1, -1, -1):
+            run = run + 1 if found[i] is not None else 0
+            if run == need:
+                return found[:i + need]
+        return found[:run]   # fewer than `need` blocks in all: those from the start, if cached
+
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
         """Make room for num_new_tokens more tokens; None if the pool is short.
 
-        computed_blocks are prefix-cache hits for a request not yet running."""
+        computed_blocks are prefix-cache hits for a request not yet running. Blocks behind the
+        window of the first new token are freed first (hits there are not taken at all), so
+        that the room asked for is the trimmed count."""
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
-        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
+        first_needed = self._first_needed_block(num_computed)
+        self._trim(held, first_needed)
+        hits = [b if len(held) + i >= first_needed else None for i, b in enumerate(computed_blocks)]
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(hits)
         # Hits that sit in the free queue stop being free once touched.
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        revived = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
         if need + revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
+        self.pool.touch([b for b in hits if b is not None])
         new_blocks = self.pool.take_new(max(need, 0))
         blocks = self.req_blocks.setdefault(req.request_id, held)
-        blocks.extend(computed_blocks)
+        blocks.extend(hits)
         blocks.extend(new_blocks)
         return new_blocks
+
+    def _first_needed_block(self, next_pos: int) -> int:
+        """The first block a query at next_pos or later can see (0 without trimming): the first
+        of a chunk's queries still sees the W - 1 keys before it."""
+        if self.sliding_window is None:
+            return 0
+        return max(next_pos - self.sliding_window + 1, 0) // self.block_size
+
+    def _trim(self, blocks: list[KVBlock | None], first_needed: int) -> None:
+        """Free a running request's blocks before first_needed (oldest first: evicted first)."""
+        gone = [b for b in blocks[:first_needed] if b is not None]
+        if gone:
+            self.pool.free(gone)
+            blocks[:first_needed] = [None] * min(first_needed, len(blocks))
 
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Publish the hashes of blocks that are full once num_computed_tokens are in the cache."""
@@ -95,17 +144,19 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
         for i in range(done, num_full):
-            self.pool.cache(blocks[i], req.block_hashes[i])
+            if blocks[i] is not None:   # (a trimmed block was published before it was trimmed)
+                self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = max(done, num_full)
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req_id, [])]
+        """For the workers' block table; a trimmed block's place gets block 0, never read."""
+        return [0 if b is None else b.block_id for b in self.req_blocks.get(req_id, [])]
 
     def free(self, req: Request) -> None:
         self.num_cached_blocks.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free([b for b in reversed(blocks) if b is not None])
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

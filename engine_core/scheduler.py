@@ -41,10 +41,12 @@ def _priority_order(req: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, structured: StructuredOutputManager | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int, structured: StructuredOutputManager | None = None,
+                 kv_window: int | None = None):
+        """kv_window: the sliding window every request's KV blocks are trimmed to (None: keep all)."""
         self.config = config
         self.structured = structured or StructuredOutputManager(config)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.by_priority = config.scheduling_policy == "priority"

@@ -68,8 +68,12 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = option(None, "a fixed number of KV-cache blocks instead of the profiled one")
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and KV cache")
     kv_cache_memory_bytes: int | None = option(None, "CPU: bytes of KV cache (default: room for --max-num-seqs "
-                                               "full requests, at most 2 GiB)")
+                                               "full requests, as --sliding-window-kv-trim holds them, at most 2 GiB)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    sliding_window_kv_trim: bool = option(True, "when every attention layer of the model is local with one "
+                                          "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "
+                                          "free each request's KV blocks that fall behind the window; a model "
+                                          "with global layers keeps all its blocks (they need them)")
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option("auto", "auto: Triton on GPU, torch on CPU", ("auto", "torch", "triton"))
     async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
@@ -328,15 +332,26 @@ class EngineConfig:
                 want = f"one of {', '.join(map(str, choices))}" if choices else f"an {kind}" if kind == "int" else f"a {kind}"
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")
 
-    def check_num_blocks(self, num_blocks: int) -> None:
-        """A request of max_model_len tokens must fit in the KV cache, or it could never run."""
-        need = -(-self.max_model_len // self.block_size)
+    def check_num_blocks(self, num_blocks: int, kv_window: int | None = None) -> None:
+        """A request of max_model_len tokens must fit in the KV cache, or it could never run.
+        kv_window: the window its blocks are trimmed to (engine_core/kv_cache_manager.py), if any."""
+        need = max_blocks_held(self.max_model_len, self.block_size, kv_window, self.max_num_batched_tokens)
         if num_blocks < need:
             raise ConfigError(
                 f"the KV cache has {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def max_blocks_held(max_model_len: int, block_size: int, kv_window: int | None, max_chunk: int) -> int:
+    """The most KV blocks one request holds at once: its whole context, or with its blocks trimmed
+    to a window W, a chunk of up to max_chunk queries and the W - 1 keys before the first one
+    (spanning one block more when they start inside a block)."""
+    whole = -(-max_model_len // block_size)
+    if kv_window is None:
+        return whole
+    return min(whole, -(-(kv_window - 1 + max_chunk) // block_size) + 1)
 
 
 def check_device(config: EngineConfig) -> None:

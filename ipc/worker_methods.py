@@ -20,7 +20,7 @@ ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
 
 # Remote methods clients may call through collective_rpc (POST /collective_rpc, LLM.collective_rpc).
 CLIENT_WORKER_METHODS = frozenset({
-    "ping", "device_type", "get_pid", "memory_info", "step_stats", "all_reduce_info",
+    "ping", "device_type", "kv_sliding_window", "get_pid", "memory_info", "step_stats", "all_reduce_info",
     "weights_update_group_ready", "destroy_weights_update_group", "get_weights_by_name",
     "start_profile", "stop_profile",
 })

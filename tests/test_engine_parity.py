@@ -103,8 +103,10 @@ def test_sliding_window_matches_hf(tmp_path, name):
     shared = [rng.randrange(3, 284) for _ in range(21)]
     prompts = [shared + [rng.randrange(3, 284) for _ in range(k)] for k in (1, 5, 11)]
     prompts += [[rng.randrange(3, 284) for _ in range(k)] for k in (19, 33, 7)]
+    # every layer local: its blocks are trimmed to the window (at most 5 a request), so fewer preempt
+    blocks = 10 if name == "mistral_all_local" else 20
     llm = check_parity(model_dir, prompts, block_size=4, max_model_len=64, max_num_batched_tokens=8,
-                       max_num_seqs=4, num_gpu_blocks_override=20, enable_prefix_caching=True)
+                       max_num_seqs=4, num_gpu_blocks_override=blocks, enable_prefix_caching=True)
     assert llm.stats.prefix_cache_hits > 0 and llm.stats.num_preemptions > 0
 
 

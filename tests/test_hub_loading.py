@@ -172,3 +172,34 @@ def test_served_model_name_without_a_model_is_one_line(capsys):
         main(["serve", "--served-model-name", "x"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1 and "required: model" in lines[0], lines
+
+
+def test_a_warm_cache_resolves_without_the_network(hub_cache, tiny_model_dir, monkeypatch):
+    """HF_HUB_OFFLINE=1 and the id in the cache: resolved with no connection opened (the cost of
+    an id over a folder is huggingface_hub's import and a look at the cache: bench/RESULTS.md)."""
+    import socket
+    snap = add_snapshot(hub_cache, "org/tiny", tiny_model_dir, REV_MAIN)
+
+    opened = []
+
+    def no_network(*args, **kwargs):
+        opened.append(args)   # (recorded: huggingface_hub would catch an error and use the cache)
+        raise OSError("no network in this test")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert resolve_hub_model(EngineConfig(model="org/tiny")).model == snap
+    assert opened == []
+
+
+def test_a_warm_cache_serves_when_the_hub_cannot_be_reached(tmp_path, tiny_model_dir):
+    """Online (no HF_HUB_OFFLINE) but the Hub unreachable: huggingface_hub falls back to the cache."""
+    home = tmp_path / "hf-home"
+    snap = add_snapshot(str(home / "hub"), "org/tiny", tiny_model_dir, REV_MAIN)
+    code = ("from frontend.entrypoints.model_download import resolve_hub_model\n"
+            "from ipc.config import EngineConfig\n"
+            "print(resolve_hub_model(EngineConfig(model='org/tiny')).model)")
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
+    env.pop("HF_HUB_CACHE", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == snap, r.stderr

@@ -74,3 +74,10 @@ class Attention(nn.Module):
                                       meta.block_table, self.scale, self.sliding_window, self.logits_soft_cap)
             out = res if out is None else out.copy_(res)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+
+def model_sliding_window(model: nn.Module) -> int | None:
+    """The window every Attention layer of `model` attends within, when they all share one;
+    None when any layer is global (it reads every block), the windows differ, or there is none."""
+    windows = {m.sliding_window for m in model.modules() if isinstance(m, Attention)}
+    return windows.pop() if len(windows) == 1 else None

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from ipc.config import EngineConfig
-from workers.attention import AttentionMetadata
+from ipc.config import EngineConfig, max_blocks_held
+from workers.attention import AttentionMetadata, model_sliding_window
 
 
 class KVCacheSpec(NamedTuple):
@@ -48,9 +48,10 @@ class KVCacheMemory:
         if self.device.type == "cuda":
             return self._profile_num_blocks()
         budget = cfg.kv_cache_memory_bytes
-        if budget is None:
-            full = cfg.max_num_seqs * self.max_blocks_per_req * self.spec.block_bytes()
-            budget = min(full, 2 << 30)
+        if budget is None:   # room for max_num_seqs requests as long as they can be (held trimmed)
+            window = model_sliding_window(self.model) if cfg.sliding_window_kv_trim else None
+            per_req = max_blocks_held(cfg.max_model_len, self.spec.block_size, window, cfg.max_num_batched_tokens)
+            budget = min(cfg.max_num_seqs * per_req * self.spec.block_bytes(), 2 << 30)
         return max(budget // self.spec.block_bytes(), 1)
 
     @torch.inference_mode()

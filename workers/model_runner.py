@@ -132,6 +132,12 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         return self.memory.determine_num_blocks()
 
+    def kv_sliding_window(self) -> int | None:
+        """The window of every attention layer, when they share one: the engine core may trim
+        each request's KV blocks to it (--sliding-window-kv-trim)."""
+        from workers.attention import model_sliding_window
+        return model_sliding_window(self.model)
+
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; with the weights awake, warm up and capture the graphs."""
         self.memory.allocate(num_blocks)

@@ -79,6 +79,10 @@ class Worker:
         return self.runner.determine_num_blocks()
 
     @remote
+    def kv_sliding_window(self) -> int | None:
+        return self.runner.kv_sliding_window()
+
+    @remote
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)
 
