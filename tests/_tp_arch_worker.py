@@ -77,7 +77,7 @@ def main() -> None:
                 report(job["name"], traceback.format_exc())
                 sys.exit(1)
             report(job["name"], error)
-            print(f"rank {rank}: {job['name']} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+            print(f"rank {rank}: {job['name']} in {time.perf_counter() - start:.2f} s (cpu {time.process_time():.2f} s)", file=sys.stderr, flush=True)
     distributed.destroy_distributed()
 
 

@@ -65,7 +65,10 @@ class WorkerPair:
         self.store = serve_rendezvous("127.0.0.1", 0, timeout_s=120)
         self.results = [os.path.join(tmp, f"results-{attempt}-rank{r}.jsonl") for r in range(WORLD)]
         self.log = os.path.join(tmp, f"workers-{attempt}.log")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Not interpreted: the layers take their torch references on the CPU (the Triton kernels
+        # are checked against them in tests/test_kernels.py), which keeps a case at ~0.1 s of CPU
+        # (the interpreted vocab-parallel embedding alone tripled that).
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         with open(self.log, "wb") as log:
             self.procs = [subprocess.Popen([sys.executable, "-m", "tests._tp_arch_worker", str(r), str(WORLD),
                                             str(self.store.port), self.results[r]],
