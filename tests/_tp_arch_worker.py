@@ -3,12 +3,12 @@
     python -m tests._tp_arch_worker RANK WORLD_SIZE STORE_PORT RESULTS_FILE
 
 It joins the group as the workers do (workers/distributed.init_distributed, on the test's
-TCPStore), then for each line on stdin (JSON {"name", "model_dir", "hf_dir"}) loads the model
+TCPStore), then for each line on stdin (JSON {"name", "model_dir"}) loads the model
 sharded (workers/model_loader.load_model under the group) and runs tests/test_models.py's
 scenario: a varlen prefill, decode steps and a chunked prefill over a NaN-filled paged KV cache.
-Every rank runs the same steps (the collectives pair up); rank 0 then compares its logits with
-HF transformers' on hf_dir (fp32), and every other rank checks that it got rank 0's logits
-bit for bit. One JSON line per architecture goes to RESULTS_FILE: {"name", "rank", "error"}
+Every rank runs the same steps (the collectives pair up); rank 0 then compares its logits
+with HF transformers' on the same checkpoint (fp32), and every other rank checks that it got
+rank 0's logits bit for bit. One JSON line per architecture goes to RESULTS_FILE: {"name", "rank", "error"}
 (error None: passed). An exception leaves the group out of step: the rank writes it and exits 1,
 and the test starts a fresh pair for the architectures left.
 """
@@ -27,11 +27,11 @@ from workers import distributed
 from workers.model_loader import load_model
 
 
-def first_mismatch(outs: list, hf_dir: str) -> str | None:
+def first_mismatch(outs: list, model_dir: str) -> str | None:
     """The first output whose logits differ from HF's (None: all equal within ATOL). HF runs
     once per sequence: a causal model's logits of a prefix are the first rows of the whole's."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     refs: dict[tuple[int, ...], torch.Tensor] = {}
     for tokens in sorted({tuple(t) for _, t, _ in outs}, key=len, reverse=True):
         if not any(seq[:len(tokens)] == tokens for seq in refs):
@@ -55,7 +55,7 @@ def run_arch(job: dict, rank: int) -> str | None:
     if rank != 0:
         return None if torch.equal(flat, theirs) else f"rank {rank}'s logits differ from rank 0's"
     try:   # no collective past this point: an error here leaves the group in step
-        return first_mismatch(outs, job["hf_dir"])
+        return first_mismatch(outs, job["model_dir"])
     except Exception:
         return f"the HF comparison raised:\n{traceback.format_exc()}"
 

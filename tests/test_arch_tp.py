@@ -137,7 +137,7 @@ def tp_results(tmp_path_factory) -> dict[str, str | None]:
                 if name not in dirs:
                     arch, overrides = CASES[name]
                     dirs[name] = build_checkpoint(os.path.join(tmp, name), arch, overrides)
-                pair.send({"name": name, "model_dir": dirs[name], "hf_dir": dirs[name]})
+                pair.send({"name": name, "model_dir": dirs[name]})
             pair.finish(deadline)
         finally:
             pair.kill()
