@@ -170,30 +170,40 @@ def check_prefill(ours, hf, prompts: list[list[int]], batch: "PagedBatch | None"
 
 def run_scenario(ours, hf, seed: int = 0) -> None:
     """Prefill 3 prompts in one step, 3 decode steps, then a 4th prompt in two
-    chunks, each chunk batched with decodes of the others."""
+    chunks, each chunk batched with decodes of the others: every logit equals HF's."""
+    for out, tokens, rows in scenario_logits(ours, seed):
+        ref = hf_logits(hf, tokens)[rows]
+        torch.testing.assert_close(out[-1], ref[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def scenario_logits(ours, seed: int = 0):
+    """run_scenario's steps on `ours` alone (tests/test_arch_tp.py runs them on every rank of a
+    group): yields (our logits of `rows` of the sequence `tokens`) for every sequence of every step."""
     rng = random.Random(seed)
-    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 9, 3)]
-    batch = check_prefill(ours, hf, seqs)
+    vocab = ours.config.vocab_size
+    batch = PagedBatch(ours, ours.config.num_hidden_layers)
+    seqs = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 9, 3)]
+    for seq, out in zip(seqs, batch.step(ours, list(enumerate(seqs)))):
+        yield out, list(seq), slice(None)
 
     def decode_all(extra=()):
-        new = [rng.randrange(VOCAB) for _ in seqs]
+        new = [rng.randrange(vocab) for _ in seqs]
         for seq, tok in zip(seqs, new):
             seq.append(tok)
         outs = batch.step(ours, [(i, [tok]) for i, tok in enumerate(new)] + list(extra))
         for seq, out in zip(seqs, outs):
-            assert out.shape == (1, VOCAB)
-            torch.testing.assert_close(out[0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
-        return outs[len(seqs):]
+            assert out.shape == (1, vocab)
+        return [(out, list(seq), slice(-1, None)) for seq, out in zip(seqs, outs)], outs[len(seqs):]
 
     for _ in range(3):
-        decode_all()
+        yield from decode_all()[0]
 
-    long_prompt = [rng.randrange(VOCAB) for _ in range(11)]
-    ref = hf_logits(hf, long_prompt)
-    (first,) = decode_all([(3, long_prompt[:6])])
-    torch.testing.assert_close(first, ref[:6], atol=ATOL, rtol=0)
-    (second,) = decode_all([(3, long_prompt[6:])])
-    torch.testing.assert_close(second, ref[6:], atol=ATOL, rtol=0)
+    long_prompt = [rng.randrange(vocab) for _ in range(11)]
+    for rows in (slice(0, 6), slice(6, 11)):
+        decodes, (chunk,) = decode_all([(3, long_prompt[rows])])
+        yield from decodes
+        yield chunk, long_prompt, rows
 
 
 CASES = {
