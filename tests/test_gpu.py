@@ -146,6 +146,25 @@ def test_generic_path_graphs_match_eager_and_native(bf16_model, monkeypatch):
         assert _first_divergence(a, b) >= 16, (a, b)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "cohere2", "glm4", "stablelm", "granite", "gpt_neox"])
+def test_fp32_triton_new_architectures_match_hf(model_factory, name):
+    """Issue 44's architectures on the GPU path (Triton kernels, decode and piecewise CUDA graphs),
+    fp32: sliding windows shorter than the prompts, soft caps, GeGLU, GPT-J and partial rotary,
+    LayerNorms, the generic path. Greedy tokens equal HF's on CUDA."""
+    from tests.tiny_models import ARCHS
+    model_dir = model_factory(name)
+    prompts = [list(range(11, 51)), [50, 60, 70], list(range(100, 130))]
+    ref = _hf_greedy_cuda(model_dir, torch.float32, prompts, 32)
+    impl = {"model_impl": "transformers"} if ARCHS[name].path == "transformers" else {}
+    llm = LLM(model_dir, max_model_len=256, dtype="float32", **impl)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_releases_device_memory(bf16_model, level):
     llm = LLM(bf16_model, max_model_len=256, enable_sleep_mode=True, gpu_memory_utilization=0.3)

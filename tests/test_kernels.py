@@ -43,6 +43,7 @@ _KERNELS = {
     "decode_inputs": ["_decode_inputs_kernel"],
     "embedding": ["_vocab_parallel_embedding_kernel"],
     "all_gather": ["_all_gather_kernel"],
+    "rotary_apply": ["_apply_rotary_kernel"],
 }
 
 
@@ -1153,3 +1154,21 @@ def test_gpu_real_shapes():
 
     failures = kernels_gpu.check_all(quick=True)
     assert not failures, failures
+
+
+@pytest.mark.parametrize("rot", [32, 16])
+def test_apply_rotary_matches_hf(rot):
+    """kernels/rotary_apply.py (the generic path's rotary, interpreted here) against HF's own
+    apply_rotary_pos_emb: Llama's (full rotary) and GPT-NeoX's (partial)."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama
+    torch.manual_seed(0)
+    q = torch.randn(1, 5, 6, 32, device=DEVICE).transpose(1, 2)   # HF's [1, H, T, D] view
+    k = torch.randn(1, 2, 5, 32, device=DEVICE)
+    cos, sin = torch.randn(1, 5, rot, device=DEVICE), torch.randn(1, 5, rot, device=DEVICE)
+    got = _mods["rotary_apply"].apply_rotary(q, k, cos, sin)
+    for ref in ((llama,) if rot == 32 else ()) + (neox,):
+        want = ref(q, k, cos, sin)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert got[0].transpose(1, 2).is_contiguous()   # laid out [1, T, H, D] for the attention kernel

@@ -24,8 +24,9 @@ Speed: an HF module that computes what a Loom layer computes runs as that layer 
 random inputs at start-up; Parameters shared, names unchanged but for the fused gate_up):
 RMSNorms as layers.RMSNorm (one Triton kernel), gated MLPs down(silu(gate(x)) * up(x)) as
 FusedGatedMLP (one gate_up matmul, one fused SiLU-and-multiply), the other nn.Linears as
-GemvLinear (the decode GEMV). The rotary, the residual adds and the q/k/v projections stay
-HF's own ops.
+GemvLinear (the decode GEMV), and on the GPU the modeling module's `apply_rotary_pos_emb` as
+one kernel (kernels/rotary_apply.py). The residual adds and the q/k/v projections stay HF's own
+ops.
 
 Served: the final-logit soft cap (`final_logit_softcapping`, Gemma 2 style), Cohere's
 `logit_scale` (logits * scale) and Granite's `logits_scaling` (logits / scaling); a model
@@ -45,6 +46,7 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from kernels.kv_cache_write import write_kv_cache
+from kernels.rotary_apply import apply_rotary
 from kernels.paged_attention import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from workers.attention import Attention, AttentionMetadata
@@ -213,6 +215,45 @@ def _use_loom_layers(hf: nn.Module) -> None:
                 setattr(parent, name, norm)
 
 
+def _rotary_matches(original, partial: bool, device: torch.device) -> bool:
+    """Whether an HF `apply_rotary_pos_emb(q, k, cos, sin)` computes kernels/rotary_apply.py's
+    (NeoX style; `partial`: with cos narrower than the head, the rest passed through), on
+    random fp32 inputs on the device."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(1, h, 5, 64, generator=g, device=device) for h in (4, 2))
+    cos, sin = (torch.randn(1, 5, 32 if partial else 64, generator=g, device=device) for _ in range(2))
+    try:
+        ref = original(q, k, cos, sin)
+    except Exception:   # another signature, or no partial rotary
+        return False
+    ours = apply_rotary(q, k, cos, sin)
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(ref, ours))
+
+
+def _use_fused_rotary(hf: nn.Module, device: torch.device) -> None:
+    """Route the attention modules' `apply_rotary_pos_emb` (a function of their modeling module)
+    through one kernel where it computes the same: at decode sizes HF's ten elementwise launches
+    per layer cost more than the math. Only on the GPU; the modeling module's function is
+    replaced for the process (the worker), falling back to HF's for any other call shape."""
+    if device.type != "cuda":
+        return
+    import sys
+    for name in {type(m).__module__ for m in hf.modules() if isinstance(getattr(m, "layer_idx", None), int)}:
+        mod = sys.modules.get(name)
+        original = getattr(mod, "apply_rotary_pos_emb", None)
+        if original is None or hasattr(original, "loom_original") or not _rotary_matches(original, False, device):
+            continue
+        partial_ok = _rotary_matches(original, True, device)
+
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, _original=original, _partial=partial_ok, **kwargs):
+            if (args or kwargs or not q.is_cuda or q.dim() != 4 or cos.dim() != 3 or q.shape[0] != 1
+                    or (cos.shape[-1] != q.shape[-1] and not _partial)):
+                return _original(q, k, cos, sin, *args, **kwargs)
+            return apply_rotary(q, k, cos, sin)
+        apply_rotary_pos_emb.loom_original = original
+        mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
 def _checkpoint_renamings(hf: nn.Module) -> list:
     """The checkpoint names transformers renames on load (GPT-NeoX's embed_out -> lm_head, ...):
     its WeightRenamings (transformers >= 5; a tensor-merging WeightConverter, such as fused MoE
@@ -240,6 +281,7 @@ class TransformersForCausalLM(nn.Module):
         # gated MLPs fused as Loom's where they compute the same (their gate/up load as shards)
         self.stacked_params = GATE_UP_PARTS if _fuse_gated_mlps(hf) else []
         _use_loom_layers(hf)
+        _use_fused_rotary(hf, next(hf.parameters()).device)
         for name, child in hf.named_children():
             self.add_module(name, child)
         # not children (their modules are registered above): the base model and the lm_head
