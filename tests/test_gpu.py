@@ -24,15 +24,19 @@ def bf16_model(model_factory):
                          num_key_value_heads=2, num_hidden_layers=4)
 
 
-def _hf_greedy_cuda(model_dir: str, dtype, prompts, n: int) -> list[list[int]]:
+def _hf_greedy_cuda(model_dir: str, dtype, prompts, n: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """HF's greedy tokens on CUDA: n of them (EOS suppressed, for engines run with ignore_eos),
+    or up to the first EOS (`stop_at_eos`: compare with an engine that stops there; suppressing
+    EOS changes the argmax wherever EOS would have won)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            out.append(hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   attention_mask=torch.ones_like(ids))[0, len(p):].tolist())
+            least = {} if stop_at_eos else {"min_new_tokens": n}
+            out.append(hf.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                                   **least)[0, len(p):].tolist())
     del hf
     torch.cuda.empty_cache()
     return out
@@ -154,12 +158,12 @@ def test_fp32_triton_new_architectures_match_hf(model_factory, name):
     from tests.tiny_models import ARCHS
     model_dir = model_factory(name)
     prompts = [list(range(11, 51)), [50, 60, 70], list(range(100, 130))]
-    ref = _hf_greedy_cuda(model_dir, torch.float32, prompts, 32)
+    ref = _hf_greedy_cuda(model_dir, torch.float32, prompts, 32, stop_at_eos=True)
     impl = {"model_impl": "transformers"} if ARCHS[name].path == "transformers" else {}
     llm = LLM(model_dir, max_model_len=256, dtype="float32", **impl)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == ref
