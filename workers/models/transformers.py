@@ -220,8 +220,10 @@ def _rotary_matches(original, partial: bool, device: torch.device) -> bool:
     (NeoX style; `partial`: with cos narrower than the head, the rest passed through), on
     random fp32 inputs on the device."""
     g = torch.Generator(device=device).manual_seed(0)
-    q, k = (torch.randn(1, h, 5, 64, generator=g, device=device) for h in (4, 2))
-    cos, sin = (torch.randn(1, 5, 32 if partial else 64, generator=g, device=device) for _ in range(2))
+    # float32 whatever the default dtype the model is built under (bf16 would round HF's ops apart)
+    q, k = (torch.randn(1, h, 5, 64, generator=g, device=device, dtype=torch.float32) for h in (4, 2))
+    cos, sin = (torch.randn(1, 5, 32 if partial else 64, generator=g, device=device, dtype=torch.float32)
+                for _ in range(2))
     try:
         ref = original(q, k, cos, sin)
     except Exception:   # another signature, or no partial rotary
