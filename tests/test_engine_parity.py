@@ -22,17 +22,18 @@ def _prompts(vocab: int, n: int = 5, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab - 16) for _ in range(k)] for k in lengths]
 
 
-def check_parity(model_dir: str, prompts: list[list[int]], **options) -> LLM:
+def check_parity(model_dir: str, prompts: list[list[int]], max_new: int = MAX_NEW, **options) -> LLM:
+    """Greedy tokens of an engine built with `options` equal HF's, up to max_new or EOS."""
     llm = LLM(model_dir, **options)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
         eos = llm.config.eos_token_ids
         for p, o in zip(prompts, outs):
-            ref = hf_greedy(model_dir, p, MAX_NEW, eos)
-            assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens diverged"
+            ref = hf_greedy(model_dir, p, max_new, eos)
+            assert o.outputs[0].token_ids == ref, f"{model_dir}: prompt of {len(p)} tokens diverged"
             assert o.prompt_token_ids == p
-            assert o.outputs[0].finish_reason == ("stop" if len(ref) < MAX_NEW else "length")
+            assert o.outputs[0].finish_reason == ("stop" if len(ref) < max_new else "length")
     finally:
         llm.shutdown()
     return llm
