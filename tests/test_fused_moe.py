@@ -46,3 +46,31 @@ def test_select_experts(scoring, renormalize):
         torch.testing.assert_close(weights.sum(-1), torch.ones(5))
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_loaders_shard_the_intermediate_dim(rank):
+    """At TP=2 each rank keeps its half of every expert's gate, up (w13 rows) and down (w2
+    columns), from per-expert checkpoint tensors and from the whole stacked tensor (dummy
+    weights) alike."""
+    from torch import nn
+
+    from workers.models.moe import _w2_loader, _w13_loader
+    e, h, i, half = 3, 4, 6, 3
+    g = torch.Generator().manual_seed(1)
+    gate, up, down = torch.randn(e, i, h, generator=g), torch.randn(e, i, h, generator=g), torch.randn(e, h, i, generator=g)
+    rows = slice(rank * half, (rank + 1) * half)
+    want13 = torch.cat([gate[:, rows], up[:, rows]], dim=1)
+    want2 = down[:, :, rows]
+    whole13, whole2 = nn.Parameter(torch.zeros(e, 2 * half, h)), nn.Parameter(torch.zeros(e, h, half))
+    _w13_loader(e, half, rank, 2, whole13, torch.cat([gate, up], dim=1))
+    _w2_loader(e, half, rank, 2, whole2, down)
+    parts13, parts2 = nn.Parameter(torch.zeros(e, 2 * half, h)), nn.Parameter(torch.zeros(e, h, half))
+    for x in range(e):
+        _w13_loader(e, half, rank, 2, parts13, gate[x], (x, 0))
+        _w13_loader(e, half, rank, 2, parts13, up[x], (x, 1))
+        _w2_loader(e, half, rank, 2, parts2, down[x], x)
+    for got in (whole13, parts13):
+        assert torch.equal(got.data, want13)
+    for got in (whole2, parts2):
+        assert torch.equal(got.data, want2)

@@ -22,28 +22,30 @@ from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
 
 @torch.no_grad()
-def _w13_loader(num_experts: int, part: int, rank: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+def _w13_loader(num_experts: int, part: int, rank: int, size: int, param: nn.Parameter, loaded,
+                shard_id=None) -> None:
     """shard_id (e, j): expert e's gate (j 0) or up (j 1) [I, H], this rank's rows; None: the
     whole stacked [E, 2I, H] (dummy weights)."""
     if shard_id is None:
         for e in range(num_experts):
             for j in (0, 1):
-                _w13_loader(num_experts, part, rank, param, loaded[e].narrow(0, j * part * tp_size(),
-                                                                             part * tp_size()), (e, j))
+                _w13_loader(num_experts, part, rank, size, param,
+                            _narrow(loaded, 0, e, 1)[0].narrow(0, j * part * size, part * size), (e, j))
         return
     e, j = shard_id
-    _check_shape(loaded, (part * tp_size(), param.shape[2]))
+    _check_shape(loaded, (part * size, param.shape[2]))
     param.data[e].narrow(0, j * part, part).copy_(_narrow(loaded, 0, rank * part, part))
 
 
 @torch.no_grad()
-def _w2_loader(num_experts: int, part: int, rank: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+def _w2_loader(num_experts: int, part: int, rank: int, size: int, param: nn.Parameter, loaded,
+               shard_id=None) -> None:
     """shard_id e: expert e's down [H, I], this rank's columns; None: the whole [E, H, I]."""
     if shard_id is None:
         for e in range(num_experts):
-            _w2_loader(num_experts, part, rank, param, loaded[e], e)
+            _w2_loader(num_experts, part, rank, size, param, _narrow(loaded, 0, e, 1)[0], e)
         return
-    _check_shape(loaded, (param.shape[1], part * tp_size()))
+    _check_shape(loaded, (param.shape[1], part * size))
     param.data[shard_id].copy_(_narrow(loaded, 1, rank * part, part))
 
 
@@ -73,11 +75,11 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.scoring = num_experts, top_k, renormalize, scoring
         part = intermediate_size // tp_size()
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * part, hidden_size), requires_grad=False)
-        _set_loader(self.w13_weight, functools.partial(_w13_loader, num_experts, part, tp_rank()),
+        _set_loader(self.w13_weight, functools.partial(_w13_loader, num_experts, part, tp_rank(), tp_size()),
                     (num_experts, 2 * intermediate_size, hidden_size),
                     tuple((e, j) for e in range(num_experts) for j in (0, 1)))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, part), requires_grad=False)
-        _set_loader(self.w2_weight, functools.partial(_w2_loader, num_experts, part, tp_rank()),
+        _set_loader(self.w2_weight, functools.partial(_w2_loader, num_experts, part, tp_rank(), tp_size()),
                     (num_experts, hidden_size, intermediate_size), tuple(range(num_experts)))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
