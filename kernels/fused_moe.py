@@ -53,3 +53,20 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         y = F.linear(F.silu(gate) * up, w2[e])
         out.index_add_(0, tokens, y.float() * flat_w[pick, None])
     return out.to(hidden.dtype)
+
+
+def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_ref's result with no host sync, for CUDA-graph capture until the Triton kernel
+    lands: every expert runs on every token, weighted by its routing weight (0 where the token
+    did not choose it). E / k times the routed FLOPs, so only for the small decode batches that
+    graphs capture; the weights are each read once, as the routed path reads them."""
+    t, h = hidden.shape
+    # dense[t, e]: the routing weight of expert e for token t (0: not chosen)
+    dense = torch.zeros((t, w13.shape[0]), dtype=torch.float32, device=hidden.device)
+    dense.scatter_add_(1, topk_ids, topk_weights.float())
+    out = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
+    for e in range(w13.shape[0]):
+        gate, up = F.linear(hidden, w13[e]).chunk(2, dim=-1)
+        out += F.linear(F.silu(gate) * up, w2[e]).float() * dense[:, e:e + 1]
+    return out.to(hidden.dtype)

@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from kernels.fused_moe import fused_moe_ref, select_experts
+from kernels.fused_moe import fused_moe_dense_ref, fused_moe_ref, select_experts
 from workers.distributed import all_reduce, tp_rank, tp_size
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
@@ -84,7 +84,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
-        out = fused_moe_ref(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        # the routed reference reads which experts were chosen (a host sync): under CUDA-graph
+        # capture the dense, sync-free one runs instead (until the Triton kernel lands)
+        moe = fused_moe_dense_ref if torch.cuda.is_current_stream_capturing() else fused_moe_ref
+        out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids)
         return all_reduce(out) if reduce else out
 
 
