@@ -86,7 +86,8 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
         # the routed reference reads which experts were chosen (a host sync): under CUDA-graph
         # capture the dense, sync-free one runs instead (until the Triton kernel lands)
-        moe = fused_moe_dense_ref if torch.cuda.is_current_stream_capturing() else fused_moe_ref
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        moe = fused_moe_dense_ref if capturing else fused_moe_ref
         out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids)
         return all_reduce(out) if reduce else out
 
