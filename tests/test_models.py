@@ -56,6 +56,9 @@ def make_config(arch: str, **overrides):
            "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
+           "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+           "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+           "MixtralForCausalLM": transformers.MixtralConfig,
            "Olmo2ForCausalLM": transformers.Olmo2Config,
            "GemmaForCausalLM": transformers.GemmaConfig,
            "Gemma2ForCausalLM": transformers.Gemma2Config,
@@ -70,7 +73,7 @@ def make_config(arch: str, **overrides):
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
-    if arch.startswith(("Gemma", "Cohere")):   # the tiny models' extras (tests/tiny_models.py)
+    if arch.startswith(("Gemma", "Cohere", "Qwen3Moe", "Qwen2Moe", "Mixtral")):   # the tiny models' extras (tests/tiny_models.py)
         base.update(_tiny_extra(arch))
     if arch.startswith(("Phi3", "Cohere", "StableLm")):   # their default special ids lie past the tiny vocabulary
         base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
@@ -283,6 +286,10 @@ CASES = {
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 4}),
     "qwen2-window-layer1": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4,
                                                  "max_window_layers": 1}),
+    # mixture of experts (the tiny models' configs: a dense layer, a shared expert in qwen2_moe)
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {}),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {}),
+    "mixtral": ("MixtralForCausalLM", {}),
 }
 
 
@@ -555,6 +562,19 @@ def test_duplicate_unexpected_and_missing_weights():
         _fresh(cfg).load_weights([(k, v[:-1] if k == "model.norm.weight" else v) for k, v in sd])
     # HF's rotary buffer is ignored.
     _fresh(cfg).load_weights(sd + [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))])
+
+
+def test_dummy_moe_weights_are_the_whole_drawn_tensor(tmp_path):
+    """Dummy weights reach the stacked experts through their loaders (shard id None: the whole
+    [E, 2I, H] / [E, H, I] tensor), every expert filled, and the model steps."""
+    cfg = make_config("Qwen2MoeForCausalLM")
+    cfg.save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), torch.float32, "cpu", load_format="dummy")
+    experts = model.model.layers[1].mlp.experts
+    for p in (experts.w13_weight, experts.w2_weight):
+        assert tuple(p.shape) == p.full_shape and bool((p != 0).all())
+    (out,) = PagedBatch(model, cfg.num_hidden_layers).step(model, [(0, [1, 2, 3])])
+    assert bool(out.isfinite().all())
 
 
 def test_dummy_load_needs_only_config(tmp_path):

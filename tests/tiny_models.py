@@ -80,6 +80,16 @@ ARCHS: dict[str, TinyArch] = {
     "qwen2": TinyArch("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": TinyArch("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": TinyArch("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    # mixture of experts: layer 1 of qwen3_moe is dense (mlp_only_layers), layer 0 of qwen2_moe too (sparse step 2)
+    "qwen3_moe": TinyArch("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": TinyArch("MixtralConfig", "MixtralForCausalLM", {
+        "head_dim": 16, "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 32}),
+    "qwen2_moe": TinyArch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "norm_topk_prob": False}),
     "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
     "gemma": TinyArch("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     # sliding layers 0 and 2, global 1 and 3; windows shorter than the prompts and generations;
@@ -132,7 +142,7 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **override
     # Random init is small; scale up so greedy continuations are not all the same token.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 or "experts" in name:  # (transformers 5 holds experts as [E, ., .])
                 p.normal_(0, 0.2 if "embed" not in name else 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

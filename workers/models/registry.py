@@ -54,6 +54,9 @@ MODELS: dict[str, ModelEntry] = {
     "HyperCLOVAXForCausalLM": ModelEntry("hyperclovax"),
     "CwmForCausalLM": ModelEntry("cwm"),
     "Ministral3ForCausalLM": ModelEntry("ministral3"),
+    "MixtralForCausalLM": ModelEntry("mixtral"),
+    "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe"),
 }
 
 
