@@ -28,47 +28,40 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    """act(gate) * up, act SiLU or (GELU) GELU-tanh: a constexpr, so each compiles to its own."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = (a / (1.0 + tl.exp(-a))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (silu * b).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    # 0.5 * a * (1 + tanh(y)) == a * sigmoid(2y), y = sqrt(2/pi) * (a + 0.044715 a^3): no tanh
-    # needed, and no cancellation in 1 + tanh(y) where y is very negative
-    y2 = 1.5957691216057308 * (a + 0.044715 * a * a * a)
-    gelu = (a / (1.0 + tl.exp(-y2))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (gelu * b).to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:
+        # 0.5 * a * (1 + tanh(y)) == a * sigmoid(2y), y = sqrt(2/pi) * (a + 0.044715 a^3): no tanh
+        # needed, and no cancellation in 1 + tanh(y) where y is very negative
+        act = a / (1.0 + tl.exp(-1.5957691216057308 * (a + 0.044715 * a * a * a)))
+    else:
+        act = a / (1.0 + tl.exp(-a))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, (act * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (last dim contiguous) -> new [..., I] in x.dtype."""
-    if not runs_triton(_silu_and_mul_kernel, x):
+    if not runs_triton(_act_and_mul_kernel, x):
         return silu_and_mul_ref(x)
-    return _launch(_silu_and_mul_kernel, x)
+    return _launch(x, gelu=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (last dim contiguous) -> new [..., I] in x.dtype."""
-    if not runs_triton(_gelu_tanh_and_mul_kernel, x):
+    if not runs_triton(_act_and_mul_kernel, x):
         return gelu_tanh_and_mul_ref(x)
-    return _launch(_gelu_tanh_and_mul_kernel, x)
+    return _launch(x, gelu=True)
 
 
-def _launch(kernel, x: torch.Tensor) -> torch.Tensor:
+def _launch(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     i = two_i // 2
@@ -80,7 +73,7 @@ def _launch(kernel, x: torch.Tensor) -> torch.Tensor:
     if n_rows == 0 or i == 0:
         return out
     block = min(2048, triton.next_power_of_2(i))
-    kernel[(n_rows, triton.cdiv(i, block))](
-        x2, out, x2.stride(0), i, BLOCK=block, num_warps=4 if block >= 1024 else 2, **pdl_args(x),
+    _act_and_mul_kernel[(n_rows, triton.cdiv(i, block))](
+        x2, out, x2.stride(0), i, GELU=gelu, BLOCK=block, num_warps=4 if block >= 1024 else 2, **pdl_args(x),
     )
     return out

@@ -33,7 +33,7 @@ _KERNELS = {
     "paged_attention": ["_paged_attention_kernel", "_split_kv_reduce_kernel"],
     "rms_norm": ["_rms_norm_kernel"],
     "rotary": [],
-    "activation": ["_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel"],
+    "activation": ["_act_and_mul_kernel"],
     "sampling": ["_sample_kernel"],
     "qk_rope_cache": ["_qk_norm_rope_cache_kernel"],
     "penalties": ["_penalties_kernel"],
