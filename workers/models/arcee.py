@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.attention import AttentionMetadata
 from workers.distributed import tp_rank, tp_size
-from workers.models.blocks import DecoderForCausalLM, DecoderModel, SelfAttention
+from workers.models.blocks import DecoderForCausalLM, DecoderLayer, DecoderModel, SelfAttention
 from workers.models.weights import STACKED_PARAMS
-from workers.models.layers import (ColumnParallelLinear, KVCache, RMSNorm, RotaryEmbedding, RowParallelLinear,
+from workers.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                    layer_sliding_window, split_shards)
 
 
@@ -30,22 +29,17 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(torch.relu(up).square()), residual
 
 
-class ArceeDecoderLayer(nn.Module):
+class ArceeDecoderLayer(DecoderLayer):
     """The pre-norm block with the ReLU² MLP."""
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int):
-        super().__init__()
+        nn.Module.__init__(self)   # DecoderLayer's forward, with this layer's own modules
         bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = SelfAttention(config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False,
                                        sliding_window=layer_sliding_window(config, layer_idx))
         self.mlp = ReluSquaredMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, kv_cache, meta)
-        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class ArceeForCausalLM(DecoderForCausalLM):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.models.blocks import DecoderForCausalLM, DecoderModel, GatedMLP, SelfAttention
+from workers.models.blocks import DecoderForCausalLM, DecoderLayer, DecoderModel, GatedMLP, SelfAttention
 from workers.models.layers import KVCache, RMSNorm, RotaryEmbedding, get_rope_params, layer_sliding_window
 
 
@@ -35,20 +35,15 @@ class Ministral3Attention(SelfAttention):
         return self.attend(positions, q, k, v, kv_cache, meta), residual
 
 
-class Ministral3DecoderLayer(nn.Module):
+class Ministral3DecoderLayer(DecoderLayer):
     """The pre-norm block (blocks.DecoderLayer's) around Ministral3Attention."""
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int):
-        super().__init__()
+        nn.Module.__init__(self)   # DecoderLayer's forward, with this layer's own modules
         self.self_attn = Ministral3Attention(config, rotary_emb, layer_idx)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, kv_cache, meta)
-        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class Ministral3ForCausalLM(DecoderForCausalLM):
