@@ -23,10 +23,10 @@ piecewise CUDA graphs split there as in a native model (workers/piecewise_graphs
 Speed: an HF module that computes what a Loom layer computes runs as that layer (checked on
 random inputs at start-up; Parameters shared, names unchanged but for the fused gate_up):
 RMSNorms as layers.RMSNorm (one Triton kernel), gated MLPs down(silu(gate(x)) * up(x)) as
-FusedGatedMLP (one gate_up matmul, one fused SiLU-and-multiply), the other nn.Linears as
-GemvLinear (the decode GEMV), and on the GPU the modeling module's `apply_rotary_pos_emb` as
-one kernel (kernels/rotary_apply.py). The residual adds and the q/k/v projections stay HF's own
-ops.
+FusedGatedMLP (one gate_up matmul, one fused SiLU-and-multiply), q_proj/k_proj/v_proj as views
+of one fused qkv_proj (FusedQKVPart), the other nn.Linears as GemvLinear (the decode GEMV), and
+on the GPU the modeling module's `apply_rotary_pos_emb` as one kernel (kernels/rotary_apply.py).
+The residual adds stay HF's own ops.
 
 Served: the final-logit soft cap (`final_logit_softcapping`, Gemma 2 style), Cohere's
 `logit_scale` (logits * scale) and Granite's `logits_scaling` (logits / scaling); a model
@@ -51,7 +51,7 @@ from kernels.paged_attention import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from workers.attention import Attention, AttentionMetadata
 from workers.models import layers
-from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, split_shards
+from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard, split_shards
 from workers.models.weights import load_weights
 
 ATTN_IMPLEMENTATION = "loom"
@@ -191,6 +191,69 @@ def _fuse_gated_mlps(hf: nn.Module) -> bool:
     return True
 
 
+class _QKVResult:
+    """The fused projection's last input and its q, k, v parts, until all three are served."""
+    __slots__ = ("x", "parts", "served")
+
+    def __init__(self):
+        self.x, self.parts, self.served = None, None, 0
+
+
+class FusedQKVPart(nn.Module):
+    """q_proj, k_proj or v_proj of an HF attention module, served from one fused qkv_proj
+    (registered on the attention module, `ColumnParallelLinear` with shards q, k, v): the first
+    of the three called with an input runs the one matmul, the other two take their slices of
+    it. An input the fused result was not computed from (an HF module that projects q, k and v
+    from different tensors) runs the matmul again: always exact, one GEMM instead of three in
+    the usual case."""
+
+    def __init__(self, fused: ColumnParallelLinear, index: int, sizes: list[int], result: _QKVResult):
+        super().__init__()
+        self.__dict__["_fused"] = fused   # not a child: its parameters are the attention module's
+        self.index, self.sizes, self.result = index, sizes, result
+        self.in_features, self.out_features = fused.in_features, sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.result
+        if r.x is not x:
+            r.x, r.served = x, 0
+            r.parts = self._fused(x.reshape(-1, x.shape[-1])).split(self.sizes, dim=-1)
+        out = r.parts[self.index]
+        r.served += 1
+        if r.served == 3:   # all three served: hold no activation past the layer
+            r.x = r.parts = None
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+QKV_PARTS = [(".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v")]
+
+
+def _fuse_qkv(hf: nn.Module) -> bool:
+    """Give every attention module whose q_proj, k_proj and v_proj are nn.Linears of one input
+    size (and alike in bias) one fused qkv_proj, the three becoming FusedQKVPart views of it; all
+    or none, as the checkpoint-name rewrite (QKV_PARTS) applies to every name."""
+    attns = [m for m in hf.modules() if isinstance(getattr(m, "layer_idx", None), int)
+             and all(type(getattr(m, n, None)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))]
+    projs = [[getattr(m, n) for n in ("q_proj", "k_proj", "v_proj")] for m in attns]
+    if not attns or any(len({p.in_features for p in ps}) != 1 or len({p.bias is None for p in ps}) != 1
+                        for ps in projs):
+        return False
+    fused_names = {f"{n}." for n in _names_of(hf, attns)}
+    if any(any(f".{p}." in n for p in ("q_proj", "k_proj", "v_proj")) and not any(n.startswith(f) for f in fused_names)
+           for n, _ in hf.named_parameters()):
+        return False   # a q/k/v projection elsewhere would be renamed too
+    for attn, (q, k, v) in zip(attns, projs):
+        sizes = [q.out_features, k.out_features, v.out_features]
+        shards = {"q": Shard(sizes[0], 0, sizes[0], 0), "k": Shard(sizes[1], 0, sizes[1], sizes[0]),
+                  "v": Shard(sizes[2], 0, sizes[2], sizes[0] + sizes[1])}
+        fused = ColumnParallelLinear(q.in_features, shards, q.bias is not None)
+        attn.qkv_proj = fused
+        result = _QKVResult()
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            setattr(attn, name, FusedQKVPart(fused, i, sizes, result))
+    return True
+
+
 def _names_of(root: nn.Module, modules: list) -> list[str]:
     ids = {id(m) for m in modules}
     return [n for n, m in root.named_modules() if id(m) in ids]
@@ -282,6 +345,8 @@ class TransformersForCausalLM(nn.Module):
                                               attn_implementation=ATTN_IMPLEMENTATION)
         # gated MLPs fused as Loom's where they compute the same (their gate/up load as shards)
         self.stacked_params = GATE_UP_PARTS if _fuse_gated_mlps(hf) else []
+        # and q, k, v as one projection where the attention modules have the three
+        self.stacked_params = self.stacked_params + (QKV_PARTS if _fuse_qkv(hf) else [])
         _use_loom_layers(hf)
         _use_fused_rotary(hf, next(hf.parameters()).device)
         for name, child in hf.named_children():
