@@ -25,7 +25,7 @@ from ipc import envs
 from ipc.auth import HANDSHAKE_FAILED
 from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
-from ipc.procs import catch_stop_signals, start_process, stop_processes
+from ipc.procs import catch_stop_signals, coordinate_stops_here, start_process, stop_processes
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import ipc_address, make_socket
 
@@ -332,10 +332,11 @@ def serve_secondary_node(config: EngineConfig) -> int:
     nodes = Nodes(config)
     first = nodes.node_rank * nodes.local
     rdv = Rendezvous(nodes.addr, nodes.port, nodes.world)
+    coordinate_stops_here()   # the workers' SIGTERMs come here (ipc/procs.py child_signals)
+    stop = catch_stop_signals()
     procs = [start_process(run_worker, f"loom-worker-{rank}",
                            (rank, rank - first, config.to_dict(), nodes.remote_handle(), nodes.reply_address, rdv))
              for rank in range(first, first + nodes.local)]
-    stop = catch_stop_signals()
     logger.info("node %d: workers %d..%d started; node 0 at %s", nodes.node_rank, first,
                 first + nodes.local - 1, nodes.addr)
     code = 0

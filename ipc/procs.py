@@ -48,6 +48,15 @@ def _main_module_hidden():
 
 
 DRAIN = b"drain"   # parent -> child on the death pipe: finish in-flight work, then exit
+STOP = b"stop"     # parent -> child on the death pipe: exit now (stop_processes: the end of a stop)
+
+# `loom serve`'s (or a headless node's) pid, for its children: a SIGTERM one of them gets while
+# its parent lives is passed there, and that process coordinates the stop (the drain first).
+SERVE_PID_ENV = "LOOM_SERVE_PID"
+
+_stop_requested = threading.Event()   # in a child: its parent sent STOP
+_parent_pid: int | None = None        # in a child: the parent it started under (child_signals)
+_exiting = False
 
 
 def freeze_startup_heap() -> None:
@@ -62,10 +71,19 @@ def freeze_startup_heap() -> None:
 
 def request_drain(proc: BaseProcess) -> None:
     """In the parent: ask a child started by start_process to drain (see watch_parent's on_drain)."""
+    _tell(proc, DRAIN)
+
+
+def _tell(proc: BaseProcess, message: bytes) -> None:
     try:
-        proc._loom_death_writer.send_bytes(DRAIN)
+        proc._loom_death_writer.send_bytes(message)
     except (OSError, AttributeError):
         pass
+
+
+def coordinate_stops_here() -> None:
+    """In `loom serve` (or a headless node): the SIGTERMs its children get are passed here."""
+    os.environ[SERVE_PID_ENV] = str(os.getpid())
 
 
 def watch_parent(death_pipe: Connection, on_death=None, on_drain=None, remove_dirs: tuple = ()) -> None:
@@ -75,8 +93,12 @@ def watch_parent(death_pipe: Connection, on_death=None, on_drain=None, remove_di
     def _watch():
         try:
             while True:
-                if death_pipe.recv_bytes() == DRAIN and on_drain is not None:
+                message = death_pipe.recv_bytes()
+                if message == DRAIN and on_drain is not None:
                     on_drain()
+                elif message == STOP:   # the parent's SIGTERM may have come first and been passed on
+                    _stop_requested.set()
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
         except (EOFError, OSError):
             pass
         for path in remove_dirs:
@@ -92,20 +114,50 @@ def watch_parent(death_pipe: Connection, on_death=None, on_drain=None, remove_di
 
 
 def child_signals() -> None:
-    """Children leave Ctrl-C to the parent (it stops them in order); SIGTERM exits at once
-    (SystemExit in the main thread: each process's entry point cleans up and tells its peers)."""
+    """Children leave Ctrl-C and SIGTERM to the parent, which stops them in order: a SIGTERM sent
+    to the whole process group (systemd's KillMode=control-group, `kill -TERM -- -PGID`) must
+    not cut the streams that `loom serve`'s drain is finishing. While the parent lives, a
+    SIGTERM is passed to `loom serve` (SERVE_PID_ENV; it drains, then stops everyone); it exits
+    (SystemExit in the main thread: the entry point cleans up and tells its peers) once the
+    parent said STOP, or at once when the parent is gone."""
+    global _parent_pid
+    _parent_pid = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(0)
+def sigterm_exits() -> bool:
+    """In a child, on SIGTERM: True to exit now (the parent said STOP, or the child is orphaned);
+    else the signal is passed to the process that coordinates the stop, and False."""
+    if _stop_requested.is_set() or os.getppid() != _parent_pid:
+        return True
+    serve_pid = os.environ.get(SERVE_PID_ENV)
+    if serve_pid and int(serve_pid) != os.getpid():
+        try:
+            os.kill(int(serve_pid), signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            return True   # no one to coordinate the stop
+    return False
+
+
+def stop_requested() -> bool:
+    """In a child: whether its parent sent STOP (the end of an orderly stop)."""
+    return _stop_requested.is_set()
+
+
+def _on_sigterm(signum, frame):
+    global _exiting
+    if not _exiting and sigterm_exits():
+        _exiting = True   # once: a second SIGTERM must not cut the cleanup short
+        raise SystemExit(0)
 
 
 def stop_processes(procs: list[BaseProcess], timeout: float = 5.0) -> None:
-    """SIGTERM, wait, then SIGKILL what is left."""
+    """STOP (and SIGTERM, for a child that does not read its death pipe), wait, then SIGKILL what
+    is left."""
     for p in procs:
         if p.is_alive():
+            _tell(p, STOP)
             p.terminate()
     for p in procs:
         p.join(timeout)

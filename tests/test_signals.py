@@ -1,6 +1,6 @@
-"""Signals and health of a real `loom serve`: SIGTERM to any child during 50 streams ends
-`loom serve` non-zero at once and every stream with an error event (no hangs, no truncated
-bodies); SIGTERM to `loom serve` drains (--shutdown-timeout); /health follows the engine's
+"""Signals and health of a real `loom serve`: SIGTERM to the process group, to one child or to
+`loom serve` drains (--shutdown-timeout): streams finish, or end with an error event after the
+grace (no hangs, no truncated bodies); /health follows the engine's
 heartbeat (SIGSTOP); a SIGKILLed `loom serve` leaves nothing behind (its API server's tokenizer
 process included)."""
 from __future__ import annotations
@@ -68,24 +68,46 @@ async def _during_streams(url: str, act, max_tokens: int = 480, extra=None, time
     return result, outcomes
 
 
-@pytest.mark.parametrize("victim", ["api_server", "engine", "worker"])
-def test_sigterm_to_a_child_ends_loom_serve(tiny_model_dir, start_server, victim):
-    server = start_server(tiny_model_dir, "--max-model-len", "512")
+def test_sigterm_to_the_process_group_drains(tiny_model_dir, start_server):
+    """systemd's KillMode=control-group, `kill -TERM -- -PGID`: every process gets SIGTERM at once.
+    The children leave the stop to `loom serve`, whose drain lets all 50 streams finish: exit 0."""
+    server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "60")
+
+    async def act(session):
+        t0 = time.monotonic()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        while server.proc.poll() is None and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0
+
+    took, outcomes = asyncio.run(_during_streams(server.url, act, max_tokens=200, timeout=90))
+    print(f"SIGTERM to the group: loom serve exited {took:.2f}s later, outcomes {set(outcomes)}")
+    assert outcomes == ["finished"] * STREAMS, outcomes
+    assert server.proc.returncode == 0
+
+
+@pytest.mark.parametrize("victim", ["worker", "api_server"])
+def test_sigterm_to_a_child_stops_loom_serve_with_its_drain(tiny_model_dir, start_server, victim):
+    """A SIGTERM to one child means "the server is stopping": it is passed to `loom serve`, which
+    drains: streams longer than --shutdown-timeout end with an error event and [DONE] after the
+    grace, not before, and the exit code is 0. (A child that really dies still ends `loom serve`
+    within a second: tests/test_lifecycle.py.)"""
+    server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "1.5")
     pid = _procs(server)[victim]
 
     async def act(session):
         t0 = time.monotonic()
         os.kill(pid, signal.SIGTERM)
-        while server.proc.poll() is None and time.monotonic() - t0 < 10:
+        while server.proc.poll() is None and time.monotonic() - t0 < 20:
             await asyncio.sleep(0.02)
         return time.monotonic() - t0
 
     took, outcomes = asyncio.run(_during_streams(server.url, act))
-    assert server.proc.returncode not in (0, None), server.proc.returncode
-    print(f"{victim}: loom serve exited {took:.3f}s after SIGTERM")
-    assert took < 1.0, f"loom serve took {took:.2f}s to exit after SIGTERM to the {victim}"
+    print(f"SIGTERM to the {victim}: loom serve exited {took:.2f}s later")
+    assert server.proc.returncode == 0
+    assert 1.5 <= took < 10, took
     assert all(o in ("error", "finished") for o in outcomes), outcomes   # no hang, no truncated body
-    assert outcomes.count("error") > STREAMS // 2, outcomes
+    assert "error" in outcomes, outcomes
 
 
 def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, start_server):

@@ -30,7 +30,7 @@ from frontend.entrypoints.dp_coordinator import DPCoordinator
 from frontend.entrypoints.args import engine_config_from_args
 from frontend.entrypoints.dp_layout import DPLayout
 from frontend.entrypoints.model_download import resolve_hub_model
-from ipc.procs import catch_stop_signals, request_drain, start_process, stop_processes
+from ipc.procs import catch_stop_signals, coordinate_stops_here, request_drain, start_process, stop_processes
 from shm.object_store import run_id
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from metrics.multiproc import make_multiproc_dir, remove_multiproc_dir
@@ -85,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         auth_key = _check_args(args, config)
         run_id()  # exported: every child names its shm segments with this run's id
         raise_open_file_limit()   # inherited by every child: each HTTP connection is a descriptor
+        coordinate_stops_here()   # a child's SIGTERM comes here (ipc/procs.py child_signals)
         if config.nnodes > 1 and config.node_rank > 0:  # a secondary node: only workers (TP over nodes)
             from engine_core.executor import serve_secondary_node
             return serve_secondary_node(config)
@@ -93,11 +94,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"loom serve: {e}", file=sys.stderr)
         return 2
     launch = _Launch(args, config, dp, auth_key)
+    stop = catch_stop_signals()   # before any child starts: a SIGTERM during start-up stops at once
     code = 2
     try:
         if not launch.start():
             return 2  # the reason is printed
-        code = launch.supervise()
+        code = launch.supervise(stop)
     finally:
         launch.stop(clean=code == 0)
     logger.info("stopped (exit code %d)", code)
@@ -205,12 +207,11 @@ class _Launch:
         self.listen.close()  # the API servers hold it now
         self.listen = None
 
-    def supervise(self) -> int:
+    def supervise(self, stop) -> int:
         """Wait for Ctrl-C / SIGTERM (0: the API servers drain first) or a child's death (1; 2 for a
         configuration mistake it found)."""
         engines, servers = self.engines, self.servers
         children = engines + servers
-        stop = catch_stop_signals()
         while not stop.is_set():
             wait([p.sentinel for p in children], timeout=_POLL_S)
             dead = [p for p in children if not p.is_alive()]

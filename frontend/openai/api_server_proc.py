@@ -14,7 +14,7 @@ import signal
 import time
 
 from ipc.config import EngineConfig
-from ipc.procs import child_signals, watch_parent
+from ipc.procs import child_signals, sigterm_exits, stop_requested, watch_parent
 from ipc import envs, profiling
 from ipc.profiling import maybe_profile
 from metrics.multiproc import ENV as METRICS_DIR_ENV
@@ -78,7 +78,9 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
         llm = AsyncLLM(EngineConfig.from_dict(config_dict), input_address, output_address, client_index)
         loop = asyncio.get_running_loop()
         server: list = [None]   # the OpenAIServer, once serve() built it
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(_shut_down(llm, server[0], 0.0, 1, "SIGTERM")))
+        # (child_signals' rule: while `loom serve` lives its SIGTERM is passed there, which drains us)
+        loop.add_signal_handler(signal.SIGTERM, lambda: sigterm_exits() and loop.create_task(
+            _shut_down(llm, server[0], 0.0, 0 if stop_requested() else 1, "SIGTERM")))
         loop_box[:] = [loop, llm, server]
         try:
             remote = []

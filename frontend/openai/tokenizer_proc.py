@@ -193,7 +193,10 @@ def _close_inherited_descriptors() -> None:
 def main(path: str, parent: int, trust_remote_code: bool = False) -> None:
     _close_inherited_descriptors()
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is `loom serve`'s to handle; we die with our parent
+    # Ctrl-C and SIGTERM are `loom serve`'s to handle (a SIGTERM to the process group must not cut
+    # a drain short); we die with our parent (SIGKILL), or when the API server kills us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     inp, out = sys.stdin.fileno(), sys.stdout.fileno()
