@@ -44,7 +44,8 @@ class Request:
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "priority", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
-                 "grammar", "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "__weakref__")
+                 "grammar", "prompt_logprobs_sent", "prompt_logprobs_seen", "mm_items", "group", "fair_key",
+                 "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
         self.request_id = req.request_id
@@ -65,6 +66,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.arrival_time = time.monotonic()
         self.priority = req.priority
+        self.group = (req.client_index, req.group_id or req.request_id)   # engine_core/fairness.py
+        self.fair_key = 0.0               # its place in the fcfs queue (FairShare.key_arrival)
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self.num_preemptions = 0

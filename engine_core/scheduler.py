@@ -6,7 +6,8 @@ blocks run out, the newest running request is preempted (its blocks freed, to
 be recomputed) and returns to the front of the queue. Under
 --scheduling-policy priority (vLLM's), both the queue and the running list are
 ordered by each request's (priority, arrival): the running requests are served
-in that order, and preemption takes the last of them.
+in that order, and preemption takes the last of them. Under fcfs, the requests of one HTTP
+request share one fair share of the queue and the batch (engine_core/fairness.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ipc.config import EngineConfig
 from engine_core.encoder_cache_manager import EncoderCacheManager, EncoderFit
+from engine_core.fairness import FairShare
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.structured_output import StructuredOutputManager
@@ -40,6 +42,10 @@ def _priority_order(req: Request) -> tuple[int, float]:
     return req.priority, req.arrival_time
 
 
+def _fair_order(req: Request) -> float:
+    return req.fair_key
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, structured: StructuredOutputManager | None = None,
                  kv_window: int | None = None):
@@ -50,6 +56,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.by_priority = config.scheduling_policy == "priority"
+        self.fair = FairShare(config.max_num_seqs)
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []   # to tell workers at the next step
         self.step_id = 0
@@ -68,14 +75,20 @@ class Scheduler:
         self._enqueue(req, front=False)
 
     def _enqueue(self, req: Request, front: bool) -> None:
-        """Into the waiting queue: in (priority, arrival) order under the priority policy, else at
-        the back, or at the front (a preempted request)."""
+        """Into the waiting queue: in (priority, arrival) order under the priority policy, else in
+        fair order (engine_core/fairness.py), or at the front (a preempted request)."""
         if self.by_priority:
             bisect.insort(self.waiting, req, key=_priority_order)
         elif front:
+            if self.waiting:   # (the queue stays sorted by key)
+                req.fair_key = min(req.fair_key, self.waiting[0].fair_key)
             self.waiting.appendleft(req)
         else:
-            self.waiting.append(req)
+            self.fair.key_arrival(req)
+            if not self.waiting or req.fair_key >= self.waiting[-1].fair_key:
+                self.waiting.append(req)
+            else:
+                bisect.insort(self.waiting, req, key=_fair_order)
 
     def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
         """End requests from outside (abort); returns those that were still alive."""
@@ -166,12 +179,16 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests, oldest (or just preempted) first, while blocks and budget last. One
-        whose grammar is still compiling keeps its place; the others go past it."""
-        compiling: list[Request] = []
+        whose grammar is still compiling, or whose group holds its share of the batch
+        (engine_core/fairness.py), keeps its place; the others go past it."""
+        passed: list[Request] = []
+        counts = None if self.by_priority else self.fair.running_counts(self.running)
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.structured.ready(req):
-                compiling.append(self.waiting.popleft())
+            if not self.structured.ready(req) or self.fair.at_cap(req, counts):
+                passed.append(self.waiting.popleft())
+                if len(passed) > self.config.max_num_seqs:
+                    break   # (bounded work per step: a fan-out's queued rest all wait alike)
                 continue
             if req.grammar is not None and req.grammar.error is not None:
                 self._fail_waiting(req, req.grammar.error)
@@ -193,7 +210,10 @@ class Scheduler:
             if req.mm_items:
                 self._commit_encoder(req, fit, plan)
             self._admit(req, num_hit, n, plan)
-        self.waiting.extendleft(reversed(compiling))
+            if not self.by_priority:
+                self.fair.admitted(req)
+                counts = self.fair.running_counts(self.running)
+        self.waiting.extendleft(reversed(passed))
 
     def _admit(self, req: Request, num_hit: int, n: int, plan: _StepPlan) -> None:
         """A waiting request joins the batch with its first n uncached tokens."""

@@ -183,13 +183,15 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        mm_items: list | None = None, data_parallel_rank: int | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, group_id: str = "") -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
         mm_items: the prompt's images, already in this server's store (one reference, taken over
         here: every engine request holds one, given back by the engine when it ends).
         data_parallel_rank pins the request to that engine core; else the router picks one.
-        priority: its place under --scheduling-policy priority (lower runs first)."""
+        priority: its place under --scheduling-policy priority (lower runs first).
+        group_id: the HTTP request's id when it is one of its several prompts: the engine shares
+        its batch slots fairly between groups (engine_core/fairness.py)."""
         if self.is_dead:
             if mm_items:
                 self.mm.unref(mm_items)
@@ -205,7 +207,7 @@ class AsyncLLM:
             raise
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time(),
-                               priority)
+                               priority, group_id)
         if any(ecr.request_id in self._requests for ecr in ecrs):
             # (vLLM's words) registering it again would hand the running request's outputs to this one
             if mm_items:

@@ -96,22 +96,24 @@ def tokenize_bad_words(tokenizer, params: SamplingParams) -> SamplingParams:
 
 
 def engine_requests(request_id: str, token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: list[int], arrival_time: float, priority: int = 0) -> list[EngineCoreRequest]:
-    """One engine request per choice; choice i of a seeded request uses seed + i. Stop strings
+                    eos_token_ids: list[int], arrival_time: float, priority: int = 0,
+                    group_id: str = "") -> list[EngineCoreRequest]:
+    """One engine request per choice; choice i of a seeded request uses seed + i. The choices
+    share a fairness group (engine_core/fairness.py): `group_id`, or else the request id. Stop strings
     and bad-words strings stay with the client (its detokenizer stops; the words travel as
     token ids): n copies of up to 4 MB of them would only be encoded, sent and decoded."""
     engine_params = msgspec.structs.replace(params, stop=[], bad_words=[]) if params.stop or params.bad_words \
         else params
     if params.n == 1:
         return [EngineCoreRequest(request_id, token_ids, engine_params, eos_token_ids, arrival_time,
-                                  priority=priority)]
+                                  priority=priority, group_id=group_id)]
     reqs = []
     for i in range(params.n):
         p = msgspec.structs.replace(engine_params, n=1)
         if params.seed is not None:  # wrapped into int64, where seeds travel (2**63 - 1 + 1 -> -2**63)
             p.seed = (params.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
         reqs.append(EngineCoreRequest(f"{request_id}-{i}", token_ids, p, eos_token_ids, arrival_time,
-                                      priority=priority))
+                                      priority=priority, group_id=group_id or request_id))
     return reqs
 
 

@@ -56,6 +56,8 @@ class EngineCoreRequest(_Msg):
     client_index: int = 0
     mm_items: list[MultiModalItem] = []    # sorted by offset
     priority: int = 0                      # with --scheduling-policy priority: lower runs first
+    group_id: str = ""                     # the HTTP request it came with (its n choices, its
+                                           # prompts): the unit of fairness; "": its own
 
 
 class Logprobs(_Msg):

@@ -271,6 +271,39 @@ def test_huge_requests_do_not_delay_a_small_one(server):
     assert worst < 2.0, f"a small request waited {worst:.2f}s behind huge ones"
 
 
+def test_a_fan_out_does_not_make_another_user_wait(server):
+    """Issue 54: while one request of 1,024 prompts x 200 tokens runs (256 is past this server's --max-model-len), another user's 8-token
+    greedy completion finishes within 2 s (the engine shares its batch fairly between HTTP
+    requests: engine_core/fairness.py; first come, first served made it wait 58 s)."""
+    import asyncio
+
+    import aiohttp
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def fan_out():
+                async with session.post(server.url + "/v1/completions", json={
+                        "prompt": ["Beautiful is"] * 1024, "max_tokens": 200, "ignore_eos": True}) as r:
+                    return r.status
+            big = asyncio.create_task(fan_out())
+            await asyncio.sleep(1.5)   # its prompts fill the queue and the batch
+            t0 = time.monotonic()
+            async with session.post(server.url + "/v1/completions", json={
+                    "prompt": [11, 12, 13, 14], "max_tokens": 8, "temperature": 0, "ignore_eos": True}) as r:
+                body = await r.json()
+            took = time.monotonic() - t0
+            assert not big.done(), "the fan-out ended before the small request was sent"
+            big.cancel()   # the client goes: its 1,024 requests are aborted
+            return r.status, body, took
+
+    status, body, took = asyncio.run(main())
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 8
+    print(f"an 8-token completion beside a 1,024-prompt fan-out: {took:.2f}s")
+    assert took < 2.0, f"an 8-token completion waited {took:.2f}s behind another request's 1,024 prompts"
+    _greedy(server)   # still serving
+
+
 def test_tokenization_for_a_gone_client_is_skipped():
     """Queued tokenization of clients that have gone never runs (in-process, scripted engine)."""
     from tests.test_api_server import FakeLLM

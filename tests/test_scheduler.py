@@ -218,3 +218,47 @@ def test_rows_of_steps_before_a_preemption_are_ignored_after_readmission():
     assert a.output_token_ids == []
     s.update_from_output(ModelRunnerOutput(["a"], [9]), so3.step_id)
     assert a.output_token_ids == [9]
+
+
+def _grouped(rid: str, group: str, max_tokens: int = 50, client: int = 0) -> Request:
+    return Request(EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), [0], client_index=client,
+                                     group_id=group), 256, 0)
+
+
+def test_a_fan_out_leaves_room_for_another_request():
+    """Issue 54: one HTTP request's 64 prompts take at most 30 of 32 batch slots, and a later
+    single-prompt request joins at the very next step instead of after the whole fan-out."""
+    s = Scheduler(cfg(max_num_seqs=32, max_num_batched_tokens=256), 1024)
+    for i in range(64):
+        s.add_request(_grouped(f"a-{i}", "A"))
+    for _ in range(3):
+        fake_step(s)
+    assert len(s.running) == 30
+    s.add_request(_grouped("b", ""))
+    so, _ = fake_step(s)
+    assert [n.req_id for n in so.new_requests] == ["b"]
+    # the same group id from another client (API server) is another group
+    s.add_request(_grouped("c", "A", client=1))
+    so, _ = fake_step(s)
+    assert [n.req_id for n in so.new_requests] == ["c"]
+
+
+def test_fan_outs_take_turns_and_single_requests_stay_first_come_first_served():
+    s = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=256), 1024)
+    for i in range(8):
+        s.add_request(_grouped(f"a-{i}", "A", max_tokens=1))
+    for i in range(8):
+        s.add_request(_grouped(f"c-{i}", "C", max_tokens=1))
+    order = []
+    while s.waiting or s.running:
+        so, _ = fake_step(s)
+        order += [n.req_id for n in so.new_requests]
+    assert order[:8] == ["a-0", "c-0", "a-1", "c-1", "a-2", "c-2", "a-3", "c-3"], order
+    s2 = Scheduler(cfg(max_num_seqs=2, max_num_batched_tokens=256), 1024)
+    for i in range(6):
+        s2.add_request(_grouped(f"r{i}", "", max_tokens=1))
+    order = []
+    while s2.waiting or s2.running:
+        so, _ = fake_step(s2)
+        order += [n.req_id for n in so.new_requests]
+    assert order == [f"r{i}" for i in range(6)]

@@ -555,6 +555,8 @@ class OpenAIServer:
             extra["mm_items"] = mm_items   # a chat's images (one prompt)
         if ctx.req.priority:
             extra["priority"] = ctx.req.priority
+        if len(ctx.prompts) > 1:   # its prompts share one fair share of the engine's batch
+            extra["group_id"] = ctx.rid
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         stream = merge(gens)
