@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from frontend.processing import encode_bounded
 from ipc.validation import RequestError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -209,10 +210,11 @@ def _template_kwargs(add_generation_prompt: bool, continue_final_message: bool, 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                chat_template: str | None = None) -> tuple[str, list[int]]:
+                chat_template: str | None = None, limit: int | None = None) -> tuple[str, list[int]]:
     """Apply the chat template (the model's, or `chat_template`) to parsed messages
     (parse_chat_messages); returns (prompt text, token ids). The template writes the special
-    tokens it wants, so the text is encoded without the tokenizer's own (vLLM's default)."""
+    tokens it wants, so the text is encoded without the tokenizer's own (vLLM's default).
+    `limit`: a prompt surely longer is refused before it is tokenized in full (encode_bounded)."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("This model has no chat template; use /v1/completions instead.", "messages")
     kwargs = _template_kwargs(add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
@@ -223,4 +225,4 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         raise RequestError(f"Cannot apply the chat template: {e}", "messages") from None
     if not isinstance(text, str):  # some versions return a list for batched input
         text = text[0]
-    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text, encode_bounded(tokenizer, text, add_special_tokens, limit)

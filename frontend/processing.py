@@ -22,11 +22,38 @@ def _is_ids(value) -> bool:
     return isinstance(value, (list, tuple)) and all(type(t) is int for t in value)   # (not bools)
 
 
-def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+# A prompt of more than this many characters per token of its limit is probed before it is
+# tokenized in full (encode_bounded); English runs at about 4.
+_PROBE_CHARS_PER_TOKEN = 8
+# At a cut before a space the prefix's pre-tokens are the whole text's, so its token count exceeds
+# the whole text's by at most the last pre-token's few tokens; this much, to be safe.
+_CUT_SLACK_TOKENS = 16
+
+
+def encode_bounded(tokenizer, text: str, add_special_tokens: bool, limit: int | None) -> list[int]:
+    """tokenizer.encode(text), except that a text which surely has more than `limit` tokens (None:
+    no limit) is refused before it is tokenized in full: an 8 MiB prompt took 25 s of the
+    large-input lane only to be refused as longer than the context. A prefix of
+    _PROBE_CHARS_PER_TOKEN characters per token, cut before a space, is tokenized first; past
+    limit + _CUT_SLACK_TOKENS tokens, the whole cannot fit. A text that passes is tokenized in full."""
+    probe = (limit + _CUT_SLACK_TOKENS) * _PROBE_CHARS_PER_TOKEN if limit is not None else len(text)
+    if len(text) > probe:
+        cut = text.rfind(" ", probe // 2, probe)
+        n = len(tokenizer.encode(text[:cut if cut > 0 else probe], add_special_tokens=add_special_tokens))
+        if n > limit + _CUT_SLACK_TOKENS:
+            raise RequestError(f"This model's maximum context length is {limit + 1} tokens. However, your "
+                               f"prompt has more than {n - _CUT_SLACK_TOKENS} tokens (its first {probe:,} "
+                               f"characters have {n}).", "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True,
+                    limit: int | None = None) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of one prompt: a string, a list of token ids, or
     {"prompt_token_ids": [...]} / {"prompt": str}. The one way a prompt becomes token ids, for
     LLM.generate, the API server (/v1/completions, /tokenize) and its tokenizer process; a chat
-    becomes its prompt text in frontend/chat_utils.py's render_chat."""
+    becomes its prompt text in frontend/chat_utils.py's render_chat. `limit`: the most tokens a
+    prompt that can run may have (encode_bounded; None: any)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             if not _is_ids(prompt["prompt_token_ids"]):
@@ -34,15 +61,16 @@ def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True) -> tuple
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return prompt, encode_bounded(tokenizer, prompt, add_special_tokens, limit)
     if _is_ids(prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
 
 
-def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True,
+                     limit: int | None = None) -> list[tuple[str | None, list[int]]]:
     """tokenize_prompt() of each prompt of a batch."""
-    return [tokenize_prompt(tokenizer, p, add_special_tokens) for p in prompts]
+    return [tokenize_prompt(tokenizer, p, add_special_tokens, limit) for p in prompts]
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:

@@ -16,7 +16,7 @@ all three EngineConfig fields resolved in the parent (ipc/config.py), and LOOM_L
 (`loom serve --log-level`, which exports it to every child process).
 
 Set by our code for the processes it starts (children inherit the environment):
-LOOM_RUN_ID (shm/object_store.run_id) and, across nodes, LOOM_ENGINE_AUTH_KEY
+LOOM_RUN_ID (shm/object_store.run_id), LOOM_SERVE_PID (ipc/procs.py) and, across nodes, LOOM_ENGINE_AUTH_KEY
 (frontend/entrypoints/launcher.py, from --engine-auth-key); LOOM_LOG_LEVEL from --log-level.
 
 Test-only, read by the tests alone and not listed here: LOOM_TEST_* (opt-in test groups) and
@@ -68,6 +68,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                    "which wins); exported to the workers across nodes"),
     "LOOM_RUN_ID": EnvVar(None, _text, "this run's id in shared-memory segment names; made and exported by "
                           "the first process of a run (shm/object_store.run_id), inherited by its children"),
+    "LOOM_SERVE_PID": EnvVar(None, _int, "the pid of `loom serve` (or a headless node), exported to its "
+                             "children: a SIGTERM a child gets while its parent lives is passed there, which "
+                             "drains and stops everyone (ipc/procs.py child_signals)"),
+    "LOOM_CHAT_TEMPLATE_TIMEOUT_S": EnvVar(5.0, _float, "seconds a request's own chat template "
+                                           "(--trust-request-chat-template) may take to render, in the tokenizer "
+                                           "process, before the request gets a 400"),
     # --- engine loop (also flags)
     "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
                                           "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "

@@ -17,6 +17,8 @@ import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from ipc import envs
+
 logger = logging.getLogger(__name__)
 _ctx = mp.get_context("spawn")
 
@@ -131,10 +133,10 @@ def sigterm_exits() -> bool:
     else the signal is passed to the process that coordinates the stop, and False."""
     if _stop_requested.is_set() or os.getppid() != _parent_pid:
         return True
-    serve_pid = os.environ.get(SERVE_PID_ENV)
-    if serve_pid and int(serve_pid) != os.getpid():
+    serve_pid = envs.LOOM_SERVE_PID
+    if serve_pid and serve_pid != os.getpid():
         try:
-            os.kill(int(serve_pid), signal.SIGTERM)
+            os.kill(serve_pid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             return True   # no one to coordinate the stop
     return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import openai
 import pytest
@@ -312,3 +313,70 @@ def test_vllm_request_metrics(server):
     line = next(x for x in text.splitlines() if x.startswith("vllm:request_max_num_generation_tokens_sum"))
     assert float(line.rsplit(" ", 1)[1]) >= 3
     assert not math.isnan(float(line.rsplit(" ", 1)[1]))
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized_in_full(server):
+    """Issue 54: an 8 MiB prompt is refused within 1 s (its probe prefix already passes
+    --max-model-len), while another user's 100 kB input in the same large-input lane answers in
+    its normal time."""
+    import threading
+
+    mid = "lorem ipsum dolor sit amet " * 4000   # ~108 kB: the large-input lane (tokenizer process)
+    t0 = time.monotonic()
+    assert _post(server, "/tokenize", {"prompt": mid}).status_code == 200   # (starts the process)
+    t0 = time.monotonic()
+    assert _post(server, "/tokenize", {"prompt": mid}).status_code == 200
+    normal = time.monotonic() - t0
+    huge = "lorem ipsum dolor sit amet " * (8 * 1024 * 1024 // 27 - 64)
+    result = {}
+
+    def other_user():
+        time.sleep(0.1)
+        t = time.monotonic()
+        result["status"] = _post(server, "/tokenize", {"prompt": mid}).status_code
+        result["took"] = time.monotonic() - t
+
+    th = threading.Thread(target=other_user)
+    th.start()
+    t0 = time.monotonic()
+    r = _post(server, "/v1/completions", {"prompt": huge, "max_tokens": 1})
+    refused_in = time.monotonic() - t0
+    th.join(60)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+    print(f"8 MiB prompt refused in {refused_in:.2f}s; a 108 kB /tokenize took {result['took']:.2f}s "
+          f"(alone {normal:.2f}s)")
+    assert refused_in < 1.0
+    assert result["status"] == 200 and result["took"] < normal + 1.0
+
+
+def test_a_request_template_that_loops_is_cut_at_its_budget(server):
+    """Issue 54: a trusted request template with nested loops renders in the tokenizer process
+    and is stopped at LOOM_CHAT_TEMPLATE_TIMEOUT_S (a 400); a small /tokenize meanwhile answers
+    within 0.5 s, and the next template request works."""
+    import threading
+
+    loops = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x"
+             "{% endfor %}{% endfor %}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    result = {}
+
+    def looping():
+        t = time.monotonic()
+        result["r"] = _post(server, "/tokenize", {"messages": msgs, "chat_template": loops})
+        result["took"] = time.monotonic() - t
+
+    th = threading.Thread(target=looping)
+    th.start()
+    time.sleep(0.5)
+    worst = 0.0
+    for _ in range(5):
+        t0 = time.monotonic()
+        assert _post(server, "/tokenize", {"prompt": "hello there"}).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+    th.join(60)
+    r = result["r"]
+    assert r.status_code == 400 and "did not render within" in r.json()["error"]["message"], r.text
+    assert result["took"] < 5.0 + 15.0   # the budget (+ the tokenizer process's start, if first)
+    assert worst < 0.5, f"a small /tokenize took {worst:.2f}s beside a looping template"
+    ok = _post(server, "/tokenize", {"messages": msgs, "chat_template": "{{ messages[0]['content'] }}"})
+    assert ok.status_code == 200 and ok.json()["count"] >= 1, ok.text

@@ -48,7 +48,10 @@ def _serve_parser(sub) -> None:
                    help="largest HTTP request body accepted; a larger one gets a 413 (default: %(default)s = 8 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow requests to supply their own chat template (chat_template, or "
-                        "chat_template_kwargs.chat_template); refused with a 400 otherwise")
+                        "chat_template_kwargs.chat_template); refused with a 400 otherwise. A template is "
+                        "code its caller wrote: it renders in the killable tokenizer process, for at most "
+                        "LOOM_CHAT_TEMPLATE_TIMEOUT_S (5 s) per request, and holds the large-input lane "
+                        "meanwhile; enable it only for callers you trust")
     p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                    help="how message content parts reach the chat template: joined into one string, or as "
                         "OpenAI's list of parts; auto: detected from the template (default: %(default)s)")

@@ -48,6 +48,7 @@ from frontend.openai.rl_api import control_routes
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
+from ipc import envs
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.openai.chat_output import ChatOutput, ToolUse
@@ -130,25 +131,35 @@ class _Tokenizers:
         return await asyncio.get_running_loop().run_in_executor(
             executor, functools.partial(fn, tokenizer, *args, **kwargs))
 
-    async def encode(self, size: int, prompts: list, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
-        """tokenize_prompts() (frontend/processing.py) of a request body of `size` bytes."""
+    async def encode(self, size: int, prompts: list, add_special_tokens: bool,
+                     limit: int | None = None) -> list[tuple[str | None, list[int]]]:
+        """tokenize_prompts() (frontend/processing.py) of a request body of `size` bytes; `limit`:
+        the most tokens a prompt that can run has (a longer one is refused early)."""
         texts = [p for p in prompts if isinstance(p, str)]
         if size > _SMALL_INPUT_CHARS and texts and self.process is not None:
-            ids = await self.process.run(EncodeJob(texts, add_special_tokens))
+            ids = await self.process.run(EncodeJob(texts, add_special_tokens, limit))
             if ids is not None:
                 it = iter(ids)
                 return [(p, next(it)) if isinstance(p, str) else (None, p) for p in prompts]
         try:
-            return await self.run(size, tokenize_prompts, prompts, add_special_tokens)
+            return await self.run(size, tokenize_prompts, prompts, add_special_tokens, limit)
         except RequestError as e:
             raise value_error(e) from None
 
     async def chat(self, size: int, messages: list[dict], **kwargs) -> list[int]:
-        """render_chat()'s token ids (frontend/chat_utils.py), for a request body of `size` bytes."""
-        if size > _SMALL_INPUT_CHARS and self.process is not None:
-            ids = await self.process.run(ChatJob(messages, **kwargs))
+        """render_chat()'s token ids (frontend/chat_utils.py), for a request body of `size` bytes.
+        A request's own chat template renders in the tokenizer process whatever its size, within
+        LOOM_CHAT_TEMPLATE_TIMEOUT_S: its loops can run for ever, and only a process can be stopped."""
+        own_template = (kwargs.get("chat_template") is not None
+                        or "chat_template" in (kwargs.get("chat_template_kwargs") or {}))
+        if (size > _SMALL_INPUT_CHARS or own_template) and self.process is not None:
+            budget = envs.LOOM_CHAT_TEMPLATE_TIMEOUT_S if own_template else None
+            ids = await self.process.run(ChatJob(messages, **kwargs), budget)
             if ids is not None:
                 return ids[0]
+        if own_template:
+            raise APIError("A request's own chat template renders in the tokenizer process, which cannot be "
+                           "started now; retry later.", 503)
         try:
             return (await self.run(size, render_chat, messages, **kwargs))[1]
         except RequestError as e:
@@ -211,6 +222,11 @@ class OpenAIServer:
         except RequestError as e:
             raise value_error(e) from None
         return params
+
+    def _prompt_limit(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """The most prompt tokens that can run (check_prompt), so that a longer prompt is refused
+        before it is tokenized in full; None when the request truncates its prompt."""
+        return None if req.truncate_prompt_tokens is not None else self.config.max_model_len - 1
 
     def _truncate(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         try:
@@ -396,7 +412,8 @@ class OpenAIServer:
                            "choices per request", 400, "n")
         self.check_alive()
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        encoded = await self.tokenizers.encode(request.content_length or 0, prompts, add_special)
+        encoded = await self.tokenizers.encode(request.content_length or 0, prompts, add_special,
+                                               self._prompt_limit(req))
         encoded = [Prompt(text, self._truncate(ids, req)) for text, ids in encoded]
         for i, p in enumerate(encoded):
             self._check_prompt(p.token_ids, params, i if len(encoded) > 1 else None)
@@ -436,7 +453,7 @@ class OpenAIServer:
             continue_final_message=bool(req.continue_final_message),
             tools=req.tools if req.tool_choice != "none" else None,
             chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
-            add_special_tokens=bool(req.add_special_tokens))
+            add_special_tokens=bool(req.add_special_tokens), limit=self._prompt_limit(req))
         ids = self._truncate(ids, req)
         ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
         try:

@@ -47,6 +47,7 @@ _CANCEL_TIMEOUT_S = 5.0    # no answer to Cancel in this time: the process is re
 class EncodeJob(msgspec.Struct, tag="encode", array_like=True):
     texts: list[str]
     add_special_tokens: bool = True
+    limit: int | None = None   # a text surely longer is refused before it is tokenized in full
 
 
 class ChatJob(msgspec.Struct, tag="chat", array_like=True):
@@ -58,6 +59,7 @@ class ChatJob(msgspec.Struct, tag="chat", array_like=True):
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     chat_template: str | None = None
+    limit: int | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -135,7 +137,8 @@ def _write_all(fd: int, data: bytes) -> None:
 def _run(tokenizer, job: EncodeJob | ChatJob) -> Ids | Failed:
     try:
         if isinstance(job, EncodeJob):   # the API server's own path (frontend/processing.py), in this process
-            return Ids([_int32(tokenize_prompt(tokenizer, t, job.add_special_tokens)[1]) for t in job.texts])
+            return Ids([_int32(tokenize_prompt(tokenizer, t, job.add_special_tokens, job.limit)[1])
+                        for t in job.texts])
         _, ids = render_chat(tokenizer, job.messages, **{f: getattr(job, f) for f in job.__struct_fields__
                                                            if f != "messages"})
         return Ids([_int32(ids)])
@@ -229,9 +232,11 @@ class TokenizerProcess:
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
 
-    async def run(self, job: EncodeJob | ChatJob) -> list[list[int]] | None:
+    async def run(self, job: EncodeJob | ChatJob, budget: float | None = None) -> list[list[int]] | None:
         """The token ids per text (one list for a ChatJob); a Failed reply raises its APIError.
-        Cancelling the caller cancels the job: its child is killed and the lane is free at once."""
+        Cancelling the caller cancels the job: its child is killed and the lane is free at once.
+        `budget`: seconds the job may run (once the process is up); past it, it is killed and the
+        request gets a 400 (a request's own chat template: its loops are the caller's)."""
         await self._lock.acquire()
         try:
             proc = await self._ready()
@@ -243,13 +248,13 @@ class TokenizerProcess:
             return None
         exchange = self._spawn(self._exchange(proc, job))   # releases the lock once the reply is in
         try:
-            reply = await asyncio.shield(exchange)
+            reply = await asyncio.wait_for(asyncio.shield(exchange), budget)
+        except asyncio.TimeoutError:
+            self._cancel(proc, exchange)
+            raise APIError(f"The chat template did not render within {budget:g} s; it was stopped.", 400,
+                           "chat_template") from None
         except asyncio.CancelledError:
-            if not exchange.done() and proc.returncode is None:
-                try:
-                    proc.stdin.write(_frame(Cancel()))
-                except (ConnectionError, RuntimeError):
-                    pass   # the process is gone: _exchange sees it
+            self._cancel(proc, exchange)
             raise
         if reply is None:   # the process died under the job
             raise APIError("The tokenizer process died; please retry.", 503)
@@ -259,6 +264,15 @@ class TokenizerProcess:
                 raise APIError("Internal server error (see the server log)", 500)
             raise APIError(reply.message, reply.status, reply.param, reply.error_type)
         return [_ids(raw) for raw in reply.ids]
+
+    @staticmethod
+    def _cancel(proc, exchange: asyncio.Task) -> None:
+        """Kill the running job's child (the process answers Failed "cancelled", freeing the lane)."""
+        if not exchange.done() and proc.returncode is None:
+            try:
+                proc.stdin.write(_frame(Cancel()))
+            except (ConnectionError, RuntimeError):
+                pass   # the process is gone: _exchange sees it
 
     async def _exchange(self, proc, job) -> Ids | Failed | None:
         try:
