@@ -56,7 +56,9 @@ _FINAL_LINGER_MS = 200
 _POLL_MS = 200                        # the input thread looks at attach deadlines this often
 ATTACH_CONNECT_TIMEOUT_S = 30.0      # an attached client whose sockets the engine cannot reach is dropped
 MAX_ATTACHED_CLIENTS = 256            # each costs three sockets (and their fds) in the engine
-MAX_UNCONNECTED_ATTACHES = 32         # ... which retry connecting until ATTACH_CONNECT_TIMEOUT_S
+MAX_UNCONNECTED_ATTACHES = 32         # ... which retry connecting until ATTACH_CONNECT_TIMEOUT_S;
+                                      # the last of them only for a peer on the engine's own host
+MAX_UNCONNECTED_PER_PEER = 8          # ... of them from one peer (its address, as the handshake saw it)
 _TCP_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})")
 
 
@@ -77,6 +79,7 @@ class _Watched:
     index: int
     dealer: zmq.Socket
     deadline: float          # dropped if its connection is not up by then
+    peer: str = ""           # the handshake's peer address ("": local, ipc://)
     connected: bool = False
 
 
@@ -196,14 +199,19 @@ class ClientIO:
                 watched.connected = True
             elif event == zmq.EVENT_DISCONNECTED and watched.connected:
                 self._drop(sock, "disconnected")
+            elif event == zmq.EVENT_CONNECT_RETRIED and not watched.connected:
+                # nothing listens where it said (refused): dropped now, not after the timeout,
+                # so that a flood of such attaches cannot hold the unconnected slots
+                self._drop(sock, "refused the engine's connection")
         else:
             self._on_client_message(sock, self._by_sock[sock])
 
-    def _connect(self, input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"") -> EngineReady:
+    def _connect(self, input_addr: str, output_addr: str, watch: bool, client_public: bytes = b"",
+                 peer: str = "") -> EngineReady:
         """Connect to a client's two sockets; raises (registering nothing) if either address is bad."""
         auth = CurveClient(self.keys, client_public) if client_public else None
         # attached clients may go away; local ones are watched by their parent
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED if watch else 0
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED if watch else 0
         sock = make_socket(self.ctx, zmq.DEALER, input_addr, bind=False, auth=auth, monitor=events)
         mon = sock.get_monitor_socket() if watch else None
         try:
@@ -221,7 +229,7 @@ class ClientIO:
         self._by_sock[sock] = idx
         self.live.add(idx)
         if mon is not None:
-            self._watched[mon] = _Watched(idx, sock, time.monotonic() + ATTACH_CONNECT_TIMEOUT_S)
+            self._watched[mon] = _Watched(idx, sock, time.monotonic() + ATTACH_CONNECT_TIMEOUT_S, peer)
             self._poller.register(mon, zmq.POLLIN)
         return ready
 
@@ -293,25 +301,32 @@ class ClientIO:
             if self.auth_key is not None and not hmac.compare_digest(
                     req.auth_proof.encode(), auth_proof(self.auth_key, nonce).encode()):
                 raise PermissionError("wrong engine auth key")
-            self._check_room()
+            peer = _peer_address(frames[0])
+            self._check_room(peer)
             for addr in (req.input_address, req.output_address):
                 check_attach_address(addr)
                 if addr.startswith("tcp://") and len(req.client_public_key) != 40:
                     raise ValueError("tcp:// addresses need the client's CURVE public key (40 z85 bytes)")
-            ready = self._connect(req.input_address, req.output_address, True, req.client_public_key)
+            ready = self._connect(req.input_address, req.output_address, True, req.client_public_key, peer)
         except Exception as e:  # noqa: BLE001  (a bad handshake fails alone)
             logger.warning("refused a client: %s", e)
             sock.send_multipart([identity, *enc.encode(MsgType.REFUSED.value, str(e)[:500])])
             return
         sock.send_multipart([identity, *enc.encode(MsgType.READY.value, ready)])
 
-    def _check_room(self) -> None:
-        """Attaches are bounded, so that a key holder's flood (of addresses no one listens on,
-        say) cannot take the engine's file descriptors."""
+    def _check_room(self, peer: str) -> None:
+        """Attaches are bounded, so that a key holder's flood (of addresses that never answer,
+        say) cannot take the engine's file descriptors, nor keep other clients out: unconnected
+        ones per peer, and in all but for one slot that only the engine's own host can take (an
+        API server restarting beside the engine). Those whose address refuses are dropped at once."""
         if len(self._watched) >= MAX_ATTACHED_CLIENTS:
             raise RuntimeError(f"the engine has {MAX_ATTACHED_CLIENTS} attached clients already")
-        if sum(not w.connected for w in self._watched.values()) >= MAX_UNCONNECTED_ATTACHES:
-            raise RuntimeError(f"{MAX_UNCONNECTED_ATTACHES} attached clients are not connected yet: try again later")
+        unconnected = [w.peer for w in self._watched.values() if not w.connected]
+        if unconnected.count(peer) >= MAX_UNCONNECTED_PER_PEER:
+            raise RuntimeError(f"{MAX_UNCONNECTED_PER_PEER} of this peer's attached clients are not connected yet: "
+                               "try again later")
+        if len(unconnected) >= MAX_UNCONNECTED_ATTACHES - (0 if _on_this_host(peer) else 1):
+            raise RuntimeError(f"{len(unconnected)} attached clients are not connected yet: try again later")
 
     # ------------------------------------------------------------ output thread
 
@@ -349,6 +364,18 @@ class ClientIO:
                             logger.warning("client %d: output socket has no connection; message dropped", idx)
         for sock in socks.values():   # a moment to deliver ENGINE_DEAD; a client that is gone gets none
             sock.close(linger=_FINAL_LINGER_MS)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The handshake peer's address (TCP); "" where there is none (ipc://, the engine's host)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
+def _on_this_host(peer: str) -> bool:
+    return peer in ("", "::1") or peer.startswith("127.")
 
 
 def _id_to_answer(frames, kind: bytes) -> str | int | None:

@@ -212,26 +212,63 @@ def test_handshake_bounds(engine_io, monkeypatch):
     _roundtrip(io, inputs, client, "after-bounds")
 
 
-def test_attaches_to_addresses_no_one_listens_on_are_bounded(engine_io, monkeypatch):
-    """Each ATTACH whose sockets never connect holds three engine sockets that retry for
-    ATTACH_CONNECT_TIMEOUT_S: past MAX_UNCONNECTED_ATTACHES a key holder's next one is refused
-    (it was unbounded), and the attached client keeps working."""
+def test_attaches_whose_sockets_never_connect_are_bounded_per_peer(engine_io, monkeypatch):
+    """Each ATTACH whose sockets never connect (a listener that never answers: the TCP connect
+    succeeds, ZMQ's handshake never does) holds three engine sockets that retry for
+    ATTACH_CONNECT_TIMEOUT_S: past MAX_UNCONNECTED_PER_PEER one peer's next is refused, and the
+    attached client keeps working."""
+    import socket as pysocket
+
     address, io, inputs, key, client, ctx = engine_io
     from ipc.auth import auth_proof
-    monkeypatch.setattr(client_io, "MAX_UNCONNECTED_ATTACHES", 2)
+    monkeypatch.setattr(client_io, "MAX_UNCONNECTED_PER_PEER", 2)
+    silent = pysocket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)   # never accepted, never answered
+    port = silent.getsockname()[1]
     sock = _handshake_dealer(ctx, address, key)
     try:
         replies = []
         for i in range(3):
             hello = _hello(sock)
-            req = AttachRequest(f"ipc:///nowhere/in{i}", f"ipc:///nowhere/out{i}",
-                                auth_proof(key, hello.nonce) if key else "")
+            req = AttachRequest(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}",
+                                auth_proof(key, hello.nonce) if key else "", b"0" * 40)
             replies.append(_ask(sock, _frames(MsgType.ATTACH, req)))
         assert [r[0] for r in replies] == [MsgType.READY.value] * 2 + [MsgType.REFUSED.value]
-        assert b"not connected yet" in replies[2][1]
+        assert b"this peer's" in replies[2][1]
     finally:
         sock.close(linger=0)
+        silent.close()   # now their connections are refused: dropped at once
+    _wait_until_connected(io)
     _roundtrip(io, inputs, client, "after-unconnected-attaches")
+
+
+def test_an_attach_flood_to_refusing_addresses_keeps_no_one_out(engine_io):
+    """Issue 54: 40 attaches to addresses where nothing listens are dropped as their connects are
+    refused (not after 30 s), so a legitimate EngineCoreClient.attach succeeds within 2 s."""
+    address, io, inputs, key, client, ctx = engine_io
+    from ipc.auth import auth_proof
+    sock = _handshake_dealer(ctx, address, key)
+    try:
+        for i in range(40):
+            hello = _hello(sock)
+            req = AttachRequest(f"ipc:///nowhere/in{i}", f"ipc:///nowhere/out{i}",
+                                auth_proof(key, hello.nonce) if key else "")
+            _ask(sock, _frames(MsgType.ATTACH, req))
+    finally:
+        sock.close(linger=0)
+    t0 = time.monotonic()
+    other = EngineCoreClient.attach(address, key, timeout=2)
+    try:
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        other.close()
+    deadline = time.monotonic() + 10
+    while other.client_index in io.live:   # its going reaches the engine (and `inputs`) first
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _wait_until_connected(io)
+    _roundtrip(io, inputs, client, "after-flood")
 
 
 def test_no_key_gets_nothing_from_a_keyed_engine(engine_io):
