@@ -92,6 +92,9 @@ class EngineConfig:
                               "next port); with --nnodes > 1 (one node picks a free port)")
     data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
                                      "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
+    enable_expert_parallel: bool = option(False, "MoE layers place whole experts on the tensor-parallel "
+                                          "ranks (contiguous blocks, uneven counts allowed) instead of a slice "
+                                          "of every expert on each; attention stays tensor-parallel")
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
