@@ -388,8 +388,16 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
     if kv_heads < tp and tp % kv_heads:
         raise ConfigError(f"the model's {kv_heads} KV heads cannot be replicated evenly over "
                           f"--tensor-parallel-size {tp} ranks (it must be a multiple of {kv_heads})")
+    # the experts' own width (Qwen-MoE's moe_intermediate_size; Mixtral's and gpt-oss's experts
+    # are intermediate_size wide, and they have no dense MLP): whole experts need no split under EP
+    expert_inter = int(hf_cfg.get("moe_intermediate_size") or 0)
+    if hf_cfg.get("num_local_experts") and not expert_inter:
+        expert_inter, inter = inter, 0
     if inter % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's intermediate size {inter}")
+    if expert_inter % tp and not config.enable_expert_parallel:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's expert intermediate size "
+                          f"{expert_inter} (--enable-expert-parallel places whole experts on the ranks instead)")
     if config.device == "cpu":
         return
     import torch

@@ -165,3 +165,25 @@ def test_structured_output_with_and_without_async_scheduling(moe):
     assert outs[True] == outs[False]
     assert all(re.fullmatch(regex, t) for t in outs[True][:3]), outs[True]
     assert outs[True][3] in ("cat", "dog")
+
+
+def test_expert_parallel_engine(moe):
+    """LLM(tensor_parallel_size=2, enable_expert_parallel=True): two gloo worker processes, each
+    holding half of the experts whole; greedy output equals HF's, sleep level 2 reloads each rank's
+    own experts, and an expert's tensors read back whole by name from the rank that holds them."""
+    model_dir, prompts, ref = moe
+    llm = LLM(model_dir, max_model_len=64, block_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
+              enable_sleep_mode=True, multiprocess=True)
+    try:
+        info = llm.collective_rpc("all_reduce_info")
+        assert [(i["rank"], i["expert_parallel"]) for i in info] == [(0, True), (1, True)]
+        assert _gen(llm, prompts) == ref
+        llm.sleep(2)
+        llm.wake_up()
+        assert _gen(llm, prompts[:3]) == ref[:3]
+        want = load_file(os.path.join(model_dir, "model.safetensors"))
+        for name in ("model.layers.0.mlp.experts.1.up_proj.weight",       # on rank 0 (experts 0-3)
+                     "model.layers.2.mlp.experts.6.down_proj.weight"):    # on rank 1 (experts 4-7)
+            assert torch.equal(torch.tensor(llm.get_weights_by_name(name, 1000)), want[name])
+    finally:
+        llm.shutdown()

@@ -154,7 +154,7 @@ def destroy_distributed() -> None:
 
 def describe() -> dict:
     symm = _state.symm
-    return {"rank": _state.rank, "size": _state.size,
+    return {"rank": _state.rank, "size": _state.size, "expert_parallel": _state.expert_parallel,
             "backend": dist.get_backend(_state.group) if _state.group is not None else None,
             "one_shot": symm is not None, "one_shot_max_bytes": symm.one_shot_max if symm else 0,
             "two_shot_max_bytes": symm.two_shot_max if symm else 0,
