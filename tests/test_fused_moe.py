@@ -142,3 +142,27 @@ def test_other_ranks_experts_contribute_nothing(t):
                                    rtol=1e-5, atol=1e-5)
         total += part
     torch.testing.assert_close(total, naive_moe(hidden, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank,size,expert_parallel,experts", [(0, 1, False, (0, 5)), (1, 2, False, (0, 5)),
+                                                               (1, 2, True, (3, 5)), (0, 3, True, (0, 2))])
+def test_expert_bias_loaders_follow_the_placement(rank, size, expert_parallel, experts, monkeypatch):
+    """FusedMoE.add_biases (gpt-oss): under TP each rank keeps its intermediate half of every
+    expert's gate/up bias and the whole down bias; under EP its experts' whole biases."""
+    from workers import distributed
+    from workers.models.moe import FusedMoE
+    monkeypatch.setattr(distributed, "_state", distributed.TPState(rank=rank, size=size,
+                                                                   expert_parallel=expert_parallel))
+    e, h, i = 5, 4, 6
+    moe = FusedMoE(e, 2, h, i, renormalize=True)
+    moe.add_biases()
+    g = torch.Generator().manual_seed(3)
+    b13, b2 = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
+    moe.w13_bias.weight_loader(moe.w13_bias, b13)
+    moe.w2_bias.weight_loader(moe.w2_bias, b2)
+    held = slice(*experts)
+    i_rank, part = (0, i) if expert_parallel else (rank, i // size)
+    cols = [c for j in (0, 1) for c in range(j * i + i_rank * part, j * i + (i_rank + 1) * part)]
+    assert torch.equal(moe.w13_bias.data, b13[held][:, cols])
+    assert torch.equal(moe.w2_bias.data, b2[held])
+    assert moe.w13_weight.shape == (experts[1] - experts[0], 2 * part, h)

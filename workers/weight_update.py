@@ -312,7 +312,7 @@ class WeightUpdater:
             raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
         module = self.model.get_submodule(pname.rsplit(".", 1)[0])
         dim, start = None, 0
-        if isinstance(module, FusedMoE):                       # one expert's part of a stacked tensor
+        if isinstance(module, FusedMoE) and sid is not None:   # one expert's part of a stacked tensor
             held = module.checkpoint_part(pname, sid)
             if held is None:   # the expert is another rank's (expert parallelism)
                 return {"dim": None, "start": 0, "values": None}

@@ -92,6 +92,23 @@ def _w2_loader(experts: ExpertPlacement, part: int, rank: int, size: int, param:
         param.data[here].copy_(_narrow(loaded, 1, rank * part, part))
 
 
+@torch.no_grad()
+def _w13_bias_loader(experts: ExpertPlacement, part: int, rank: int, size: int, param: nn.Parameter, loaded,
+                     shard_id=None) -> None:
+    """The whole [E, 2I] gate/up bias (gate first): this rank's experts, their rows of each half."""
+    _check_shape(loaded, (experts.num_experts, 2 * part * size))
+    mine = _narrow(loaded, 0, experts.first, experts.count)
+    for j in (0, 1):
+        param.data.narrow(1, j * part, part).copy_(_narrow(mine, 1, j * part * size + rank * part, part))
+
+
+@torch.no_grad()
+def _w2_bias_loader(experts: ExpertPlacement, param: nn.Parameter, loaded, shard_id=None) -> None:
+    """The whole [E, H] down bias: this rank's experts (whole rows: the bias follows the sum)."""
+    _check_shape(loaded, (experts.num_experts, param.shape[1]))
+    param.data.copy_(_narrow(loaded, 0, experts.first, experts.count))
+
+
 def expert_params(prefix: str, num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                   ) -> list[tuple[str, str, object]]:
     """Stacked-parameter rewrites for the experts under `prefix` (".mlp.experts."): the
@@ -135,6 +152,19 @@ class FusedMoE(nn.Module):
         # global expert id -> local (-1: another rank's), None without expert parallelism
         self.expert_map = (self.placement.expert_map().to(self.w13_weight.device)
                            if self.placement.count < num_experts else None)
+
+    def add_biases(self) -> None:
+        """Expert biases (gpt-oss): w13_bias [local E, 2I / TP] (gate first) and w2_bias [local E, H],
+        loaded from whole [E, 2I] / [E, H] tensors. The down bias joins the routed sum on
+        i_rank 0 only (under TP the ranks' sums are partial, so it must be added once; under EP
+        every rank adds its own experts' biases, each expert being on one rank)."""
+        part, local = self.w2_weight.shape[2], self.placement.count
+        self.w13_bias = nn.Parameter(torch.empty(local, 2 * part), requires_grad=False)
+        _set_loader(self.w13_bias, functools.partial(_w13_bias_loader, self.placement, part, self.i_rank,
+                                                     self.i_size), (self.num_experts, 2 * self.intermediate_size))
+        self.w2_bias = nn.Parameter(torch.empty(local, self.w2_weight.shape[1]), requires_grad=False)
+        _set_loader(self.w2_bias, functools.partial(_w2_bias_loader, self.placement),
+                    (self.num_experts, self.w2_weight.shape[1]))
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts as indices into this rank's weights, -1 where another rank holds
