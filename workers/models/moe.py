@@ -150,14 +150,15 @@ class FusedMoE(nn.Module):
                     (num_experts, hidden_size, intermediate_size), tuple(range(num_experts)))
         self.w2_weight.part_shape = (hidden_size, intermediate_size)
         # global expert id -> local (-1: another rank's), None without expert parallelism
-        self.expert_map = (self.placement.expert_map().to(self.w13_weight.device)
-                           if self.placement.count < num_experts else None)
+        self.register_buffer("expert_map", self.placement.expert_map().to(self.w13_weight.device)
+                             if self.placement.count < num_experts else None, persistent=False)
 
     def add_biases(self) -> None:
         """Expert biases (gpt-oss): w13_bias [local E, 2I / TP] (gate first) and w2_bias [local E, H],
         loaded from whole [E, 2I] / [E, H] tensors. The down bias joins the routed sum on
         i_rank 0 only (under TP the ranks' sums are partial, so it must be added once; under EP
-        every rank adds its own experts' biases, each expert being on one rank)."""
+        every rank adds its own experts' biases, each expert being on one rank): forward passes
+        w2_bias only where self.i_rank == 0."""
         part, local = self.w2_weight.shape[2], self.placement.count
         self.w13_bias = nn.Parameter(torch.empty(local, 2 * part), requires_grad=False)
         _set_loader(self.w13_bias, functools.partial(_w13_bias_loader, self.placement, part, self.i_rank,
