@@ -395,6 +395,10 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
         expert_inter, inter = inter, 0
     if inter % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's intermediate size {inter}")
+    shared = int(hf_cfg.get("shared_expert_intermediate_size") or 0)   # tensor-parallel under EP too
+    if shared % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's shared expert intermediate "
+                          f"size {shared}")
     if expert_inter % tp and not config.enable_expert_parallel:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's expert intermediate size "
                           f"{expert_inter} (--enable-expert-parallel places whole experts on the ranks instead)")

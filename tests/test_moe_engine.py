@@ -167,6 +167,7 @@ def test_structured_output_with_and_without_async_scheduling(moe):
     assert outs[True][3] in ("cat", "dog")
 
 
+@pytest.mark.slow   # two worker processes
 def test_expert_parallel_engine(moe):
     """LLM(tensor_parallel_size=2, enable_expert_parallel=True): two gloo worker processes, each
     holding half of the experts whole; greedy output equals HF's, sleep level 2 reloads each rank's

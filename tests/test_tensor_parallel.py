@@ -129,6 +129,17 @@ def test_experts_that_do_not_split_need_expert_parallelism(tmp_path, arch, sizes
     EngineConfig(model=str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, device="cpu").resolve()
 
 
+def test_shared_expert_must_split(tmp_path):
+    """Qwen2-MoE's shared expert is tensor-parallel under EP too: its width must split."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 8, "vocab_size": 100,
+                   "num_key_value_heads": 4, "intermediate_size": 128, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 30}, f)
+    for ep in (False, True):
+        with pytest.raises(ConfigError, match="shared expert intermediate size 30"):
+            EngineConfig(model=str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=ep, device="cpu").resolve()
+
+
 def test_one_kv_head_replicates_and_tp_must_divide_over_nodes(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "vocab_size": 100,
