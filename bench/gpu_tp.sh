@@ -6,6 +6,8 @@
 # 2. targets: python -m bench.tp_targets (Llama-3.1-8B TP=2 TPOT, Llama-3.1-70B TP=2 TPOT and
 #    offline tok/s, Qwen3-8B offline TP=2 vs TP=1), dummy weights, bf16.
 # 0. allreduce: python -m bench.allreduce_tp (NCCL eager/graphed vs the one-shot path, 8 KiB-4 MiB).
+# moe-parallel (not in the default list): tests/test_gpu_moe_parallel.py, MoE at TP=2 and EP=2
+#    (--enable-expert-parallel) fp32 == HF with CUDA graphs, EP=2 vs TP=2 in bf16 (~2-3 minutes).
 # SECTIONS="allreduce", "tests" or "targets" runs one part; TARGETS="llama8b-tp2 ..." picks target rows.
 # As with bench/gpu_suite.sh, install the .whl/ wheels (pyzmq, msgspec) into .site on the image first.
 set -u
@@ -26,5 +28,9 @@ for section in ${SECTIONS:-allreduce tests targets}; do case $section in
            timeout 330 python3 -m bench.tp_targets ${TARGETS:+--only $TARGETS} --output-json "$OUT/tp-targets.json" \
              > "$OUT/tp-targets.log" 2>&1
            echo "(exit $?)"; grep -v -P "^\s*$|it/s\]" "$OUT/tp-targets.log" | tail -n 24 ;;
+  moe-parallel) echo "=== tests/test_gpu_moe_parallel.py (MoE TP=2 and EP=2)"
+                timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu_moe_parallel.py \
+                  > "$OUT/gpu-moe-parallel.log" 2>&1; echo "(exit $?)"
+                grep -E "divergence|passed|failed|Error|assert" "$OUT/gpu-moe-parallel.log" | tail -20 ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

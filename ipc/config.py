@@ -92,6 +92,9 @@ class EngineConfig:
                               "next port); with --nnodes > 1 (one node picks a free port)")
     data_parallel_size: int = option(1, "engine cores (replicas of the model, each with its own workers and "
                                      "GPUs) that share the requests; DP x TP GPUs in all", aliases=("-dp",))
+    enable_expert_parallel: bool = option(False, "MoE layers place whole experts on the tensor-parallel "
+                                          "ranks (contiguous blocks, uneven counts allowed) instead of a slice "
+                                          "of every expert on each; attention stays tensor-parallel")
     enable_sleep_mode: bool = option(False, "allow sleep levels 1 and 2 (weights offloaded / discarded)")
     max_logprobs: int = option(20, "largest logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     generation_config: str = option("auto", "request sampling defaults: auto: the model's generation_config.json; "
@@ -385,8 +388,20 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
     if kv_heads < tp and tp % kv_heads:
         raise ConfigError(f"the model's {kv_heads} KV heads cannot be replicated evenly over "
                           f"--tensor-parallel-size {tp} ranks (it must be a multiple of {kv_heads})")
+    # the experts' own width (Qwen-MoE's moe_intermediate_size; Mixtral's and gpt-oss's experts
+    # are intermediate_size wide, and they have no dense MLP): whole experts need no split under EP
+    expert_inter = int(hf_cfg.get("moe_intermediate_size") or 0)
+    if hf_cfg.get("num_local_experts") and not expert_inter:
+        expert_inter, inter = inter, 0
     if inter % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's intermediate size {inter}")
+    shared = int(hf_cfg.get("shared_expert_intermediate_size") or 0)   # tensor-parallel under EP too
+    if shared % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's shared expert intermediate "
+                          f"size {shared}")
+    if expert_inter % tp and not config.enable_expert_parallel:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's expert intermediate size "
+                          f"{expert_inter} (--enable-expert-parallel places whole experts on the ranks instead)")
     if config.device == "cpu":
         return
     import torch

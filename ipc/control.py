@@ -70,7 +70,8 @@ def merge_weight_rows(parts: list[dict]) -> list:
     """The first rows of a whole weight from the ranks' parts (get_weights_by_name; each part is
     at most truncate_size rows): parts split along dim 0 are stacked (the caller cuts the rows to
     truncate_size), along dim 1 joined row by row; ranks holding the same part (a replicated KV
-    head) count once."""
+    head) count once, ranks holding none (values None: an expert placed on another rank) not at all."""
+    parts = [p for p in parts if p["values"] is not None]
     dim = parts[0]["dim"]
     if dim is None:
         return parts[0]["values"]

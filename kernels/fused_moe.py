@@ -3,7 +3,8 @@
     out[t] = sum over j < k of  w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t, j]
 
 with every expert's gate and up stacked as w13 [E, 2I, H] (gate rows first) and its down as
-w2 [E, H, I] (vLLM's layout). This slice has the torch reference only: a per-expert gather of
+w2 [E, H, I] (vLLM's layout). An id of -1 names an expert that another rank holds (expert
+parallelism, workers/models/moe.py): it contributes nothing here. This slice has the torch reference only: a per-expert gather of
 the tokens routed to it, one matmul pair, and a scatter-add back. The Triton grouped-GEMM kernel
 (tokens sorted and padded per expert into blocks, activation and top-k sum fused) and its
 per-shape tuning are the next step of issue 45; the reference stays as its oracle."""
@@ -46,6 +47,8 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     flat_w = topk_weights.reshape(-1).float()
     token_of = torch.arange(t, device=hidden.device).repeat_interleave(topk_ids.shape[1])
     for e in flat_ids.unique().tolist():
+        if e < 0:   # an expert on another rank (expert parallelism): nothing here
+            continue
         pick = (flat_ids == e).nonzero(as_tuple=True)[0]
         tokens = token_of[pick]
         x = hidden[tokens]
@@ -64,7 +67,8 @@ def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     t, h = hidden.shape
     # dense[t, e]: the routing weight of expert e for token t (0: not chosen)
     dense = torch.zeros((t, w13.shape[0]), dtype=torch.float32, device=hidden.device)
-    dense.scatter_add_(1, topk_ids, topk_weights.float())
+    here = topk_ids >= 0   # -1: an expert on another rank (expert parallelism), weight 0 here
+    dense.scatter_add_(1, topk_ids.clamp(min=0), topk_weights.float() * here)
     out = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
     for e in range(w13.shape[0]):
         gate, up = F.linear(hidden, w13[e]).chunk(2, dim=-1)

@@ -7,6 +7,8 @@ The tiny models split: 4 query and 2 KV heads (one per rank), an intermediate si
 vocabulary of 337 (padded to 338, the last rank's padding row unused). Extra cases replicate one
 KV head on both ranks (with the row-parallel biases that must be added once) and tie the lm_head
 to the embedding. Every norm weight and bias is random, so that a rank's share of them is tested.
+The MoE architectures run again with --enable-expert-parallel (whole experts per rank, an uneven
+split too), and with their experts updated by checkpoint name (a weight update) under TP and EP.
 
 One pair of worker processes (tests/_tp_arch_worker.py) runs every case in turn, fed while the
 next checkpoint is built; each parametrized test asserts its own case's result.
@@ -36,7 +38,17 @@ CASES.update({
     "llama-kv1-biases": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
     # the lm_head is the (vocabulary-parallel) embedding
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    # --enable-expert-parallel: whole experts per rank (Qwen2-MoE's shared expert stays tensor-parallel)
+    "qwen3_moe-ep": ("qwen3_moe", {}),
+    "mixtral-ep": ("mixtral", {}),
+    "qwen2_moe-ep": ("qwen2_moe", {}),
+    "qwen3_moe-ep-uneven": ("qwen3_moe", {"num_experts": 5}),   # 3 experts on rank 0, 2 on rank 1
+    # expert weights updated by their checkpoint names (experts.{e}.gate_proj...) land in the stacked ones
+    "qwen3_moe-update-experts": ("qwen3_moe", {}),
+    "qwen3_moe-ep-update-experts": ("qwen3_moe", {}),
 })
+EXPERT_PARALLEL = {name for name in CASES if "-ep" in name}
+UPDATED = {name for name in CASES if name.endswith("-update-experts")}   # loaded from another seed, then updated
 
 
 def build_checkpoint(out_dir: str, arch: str, overrides: dict, seed: int = 0) -> str:
@@ -53,6 +65,23 @@ def build_checkpoint(out_dir: str, arch: str, overrides: dict, seed: int = 0) ->
                 t.uniform_(0.5, 1.5, generator=g)
             else:
                 t.normal_(0.0, 0.1, generator=g)
+    save_file(weights, path, metadata={"format": "pt"})
+    return out_dir
+
+
+def other_experts(model_dir: str, out_dir: str, seed: int = 1) -> str:
+    """model_dir's checkpoint with other random expert weights: updating its experts to
+    model_dir's must give model_dir's model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, out_dir)
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in weights.items():
+        if ".experts." in name:
+            t.normal_(0.0, 0.2, generator=g)
     save_file(weights, path, metadata={"format": "pt"})
     return out_dir
 
@@ -134,10 +163,16 @@ def tp_results(tmp_path_factory) -> dict[str, str | None]:
         pair = WorkerPair(tmp, attempt)
         try:
             for name in left:   # the ranks start up and run a case while the next checkpoint is built
+                arch, overrides = CASES[name]
                 if name not in dirs:
-                    arch, overrides = CASES[name]
                     dirs[name] = build_checkpoint(os.path.join(tmp, name), arch, overrides)
-                pair.send({"name": name, "model_dir": dirs[name]})
+                job = {"name": name, "model_dir": dirs[name], "expert_parallel": name in EXPERT_PARALLEL}
+                if name in UPDATED:
+                    base = f"{name}-base"
+                    if base not in dirs:
+                        dirs[base] = other_experts(dirs[name], os.path.join(tmp, base))
+                    job["base_dir"] = dirs[base]
+                pair.send(job)
             pair.finish(deadline)
         finally:
             pair.kill()

@@ -116,6 +116,30 @@ def test_model_that_does_not_split_is_refused(tmp_path, heads, kv_heads, inter, 
     EngineConfig(model=str(tmp_path), tensor_parallel_size=1, device="cpu").resolve()
 
 
+@pytest.mark.parametrize("arch,sizes", [("Qwen3MoeForCausalLM", {"intermediate_size": 128, "moe_intermediate_size": 30}),
+                                        ("MixtralForCausalLM", {"intermediate_size": 30, "num_local_experts": 8})])
+def test_experts_that_do_not_split_need_expert_parallelism(tmp_path, arch, sizes):
+    """An expert width the ranks do not divide is refused under TP, and served under EP (whole
+    experts per rank)."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": [arch], "num_attention_heads": 8, "vocab_size": 100, "num_key_value_heads": 4,
+                   **sizes}, f)
+    with pytest.raises(ConfigError, match="expert intermediate size 30 .*--enable-expert-parallel"):
+        EngineConfig(model=str(tmp_path), tensor_parallel_size=4, device="cpu").resolve()
+    EngineConfig(model=str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, device="cpu").resolve()
+
+
+def test_shared_expert_must_split(tmp_path):
+    """Qwen2-MoE's shared expert is tensor-parallel under EP too: its width must split."""
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 8, "vocab_size": 100,
+                   "num_key_value_heads": 4, "intermediate_size": 128, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 30}, f)
+    for ep in (False, True):
+        with pytest.raises(ConfigError, match="shared expert intermediate size 30"):
+            EngineConfig(model=str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=ep, device="cpu").resolve()
+
+
 def test_one_kv_head_replicates_and_tp_must_divide_over_nodes(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "vocab_size": 100,

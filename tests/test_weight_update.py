@@ -331,7 +331,8 @@ def test_trainer_group_at_tensor_parallel_2(model_factory):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("qwen3", True), ("phi3", False), ("cohere", True)])
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("qwen3", True), ("phi3", False), ("cohere", True),
+                                       ("qwen3_moe", False), ("mixtral", False), ("qwen2_moe", False)])
 def test_dummy_weights_expect_the_checkpoint_shapes(model_factory, arch, tied):
     """With --load-format dummy there is no checkpoint to list: the expected names and shapes come
     from the model's parameters, fused ones split into their parts (Phi-3's checkpoint fuses them

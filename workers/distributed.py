@@ -7,7 +7,10 @@ nodes) and every rank connects to it.
 
 The layers ask `tp_rank()` / `tp_size()` when they are built (1 and 0 when the process is not
 a rank of a group, e.g. a model built by a test), and call `linear_all_reduce`,
-`all_reduce_written` (the embedding) and `lm_head_logits`.
+`all_reduce_written` (the embedding) and `lm_head_logits`. With --enable-expert-parallel the
+MoE layers ask `ep_rank()` / `ep_size()` instead: the tensor-parallel ranks are reused as
+expert-parallel ones (vLLM's EP within one replica), so attention stays sharded by heads while
+whole experts are placed on ranks, and the same group's all-reduce sums their partial outputs.
 
 All-reduce on CUDA, by size (bf16, 2xH200, CUDA-graph replays: `python -m bench.allreduce_tp`):
 - up to ONE_SHOT_MAX_BYTES (1 MiB) a one-shot all-reduce over peer-to-peer memory (torch
@@ -76,6 +79,7 @@ class TPState:
     size: int = 1
     group: object = None
     symm: "SymmMemAllReduce | None" = None
+    expert_parallel: bool = False   # --enable-expert-parallel: the MoE layers place whole experts on ranks
 
 
 _state = TPState()
@@ -89,6 +93,23 @@ def tp_size() -> int:
     return _state.size
 
 
+def ep_rank() -> int:
+    """This rank's place among the ranks that the experts are spread over (0 without EP)."""
+    return _state.rank if _state.expert_parallel else 0
+
+
+def ep_size() -> int:
+    """Ranks the experts of a MoE layer are spread over: the tensor-parallel ranks with
+    --enable-expert-parallel, else 1 (every rank holds every expert, a slice of each)."""
+    return _state.size if _state.expert_parallel else 1
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether the MoE layers built from now on place whole experts on ranks (init_distributed
+    sets it from --enable-expert-parallel; a test switches it between models)."""
+    _state.expert_parallel = enabled
+
+
 def serve_rendezvous(host: str, port: int, timeout_s: float = 900.0):
     """The engine core's side: a TCPStore the ranks connect to (port 0: a free one, bound here,
     so no other process can take it between picking and binding). Keep the object alive."""
@@ -96,8 +117,9 @@ def serve_rendezvous(host: str, port: int, timeout_s: float = 900.0):
 
 
 def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: torch.dtype,
-                     timeout_s: float = 900.0) -> None:
+                     timeout_s: float = 900.0, expert_parallel: bool = False) -> None:
     """Join the group as `rank` (NCCL on CUDA, gloo on CPU); dtype: that of the activations."""
+    set_expert_parallel(expert_parallel)
     if rdv.world_size == 1:
         return
     if rdv.host in _LOOPBACK:
@@ -132,7 +154,7 @@ def destroy_distributed() -> None:
 
 def describe() -> dict:
     symm = _state.symm
-    return {"rank": _state.rank, "size": _state.size,
+    return {"rank": _state.rank, "size": _state.size, "expert_parallel": _state.expert_parallel,
             "backend": dist.get_backend(_state.group) if _state.group is not None else None,
             "one_shot": symm is not None, "one_shot_max_bytes": symm.one_shot_max if symm else 0,
             "two_shot_max_bytes": symm.two_shot_max if symm else 0,

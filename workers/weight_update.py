@@ -30,6 +30,7 @@ from ipc.tensor_handles import decode_handles, open_tensors, parse_dtype
 from workers.distributed import tp_rank
 from workers.model_loader import checkpoint_metadata, safetensors_files, iterate_safetensors
 from workers.models.layers import RowParallelLinear, VocabParallelEmbedding
+from workers.models.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
     else:
         for pname, p in model.named_parameters():
             full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
+            part_shape = getattr(p, "part_shape", None)   # stacked from parts of one shape (MoE experts)
+            if part_shape is not None:
+                out.update((pname.replace(fused, part), part_shape) for fused, part, sid in model.stacked_params
+                           if fused in pname and sid in p.shard_ids)
+                continue
             shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", {None: None})
             if list(shards) == [None] or not any(fused in pname for fused, _, _ in model.stacked_params):
                 out[pname] = full   # unfused, or fused in the checkpoint too (Phi-3's qkv_proj)
@@ -289,7 +295,8 @@ class WeightUpdater:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
         """This rank's part of the first `truncate_size` rows of a weight (checkpoint name), as
         float32 lists: {"dim": the dimension it is split on (None: whole), "start": where this
-        rank's part begins on it, "values"}; ipc/control.py's `merge_weight_rows` joins the ranks' parts."""
+        rank's part begins on it, "values"}; ipc/control.py's `merge_weight_rows` joins the ranks' parts.
+        values None: this rank holds none of it (an expert of another rank)."""
         if name not in self.expected:
             raise ValueError(f"{name!r} is not a weight of this model")
         if truncate_size < 0:  # here, so that /collective_rpc checks it too
@@ -305,7 +312,12 @@ class WeightUpdater:
             raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
         module = self.model.get_submodule(pname.rsplit(".", 1)[0])
         dim, start = None, 0
-        if sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
+        if isinstance(module, FusedMoE) and sid is not None:   # one expert's part of a stacked tensor
+            held = module.checkpoint_part(pname, sid)
+            if held is None:   # the expert is another rank's (expert parallelism)
+                return {"dim": None, "start": 0, "values": None}
+            t, dim, start = held
+        elif sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
             shard = module.shards[sid]
             t, dim, start = t.narrow(0, shard.offset, shard.size), 0, shard.start
         elif isinstance(module, RowParallelLinear) and t.dim() == 2:

@@ -47,7 +47,8 @@ class Worker:
             if device.type == "cuda":
                 import torch
                 torch.cuda.set_device(device)
-            init_distributed(rank, rendezvous, device, resolve_dtype(config, device))
+            init_distributed(rank, rendezvous, device, resolve_dtype(config, device),
+                             expert_parallel=config.enable_expert_parallel)
         if resolve_device(config, local_rank).type == "cpu":
             import torch
             torch.set_num_threads(cpu_threads(config.tensor_parallel_size // max(config.nnodes, 1)))

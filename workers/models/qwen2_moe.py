@@ -8,9 +8,12 @@ expert, with q/k norms."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import AttentionMetadata
+from workers.distributed import all_reduce, tp_size
+from workers.models import layers
 from workers.models.blocks import DecoderForCausalLM, DecoderModel, GatedMLP, SelfAttention
 from workers.models.layers import KVCache, RMSNorm, RotaryEmbedding, layer_sliding_window
 from workers.models.moe import FusedMoE, Router, expert_params
@@ -35,10 +38,16 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         self.shared_expert_gate = Router(config.hidden_size, 1) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return self.experts(x, self.gate(x))
+        scale = torch.sigmoid(self.shared_expert_gate(x))
+        if tp_size() == 1:
+            return self.experts(x, self.gate(x)) + scale * self.shared_expert(x)
+        # the shared expert is tensor-parallel under TP and EP alike: its partial sum (scaled per
+        # token by the replicated gate) joins the experts' before the layer's one all-reduce
+        shared = self.shared_expert
+        partial = F.linear(layers.silu_and_mul(shared.gate_up_proj(x)), shared.down_proj.weight)
+        return all_reduce(self.experts(x, self.gate(x), reduce=False) + scale * partial)
 
 
 class Qwen2MoeDecoderLayer(nn.Module):
