@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref, select_experts
 from workers.distributed import all_reduce, tp_rank, tp_size
+from workers.models import layers
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
 
@@ -90,10 +91,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
-        # the routed reference reads which experts were chosen (a host sync): under CUDA-graph
-        # capture the dense, sync-free one runs instead (until the Triton kernel lands)
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-        moe = fused_moe_dense_ref if capturing else fused_moe_ref
+        # layers.fused_moe: the Triton kernel on the Triton path (sync-free: graphs capture it),
+        # the routed reference otherwise; that one reads which experts were chosen (a host
+        # sync), so a CUDA-graph capture on the reference path runs the dense, sync-free one
+        moe = layers.fused_moe
+        if moe is fused_moe_ref and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            moe = fused_moe_dense_ref
         out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
                   w2_bias=self.w2_bias, activation=self.activation)
         return all_reduce(out) if reduce else out
