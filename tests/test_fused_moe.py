@@ -265,3 +265,19 @@ def test_shipped_configs_parse():
         assert path.name.startswith("E=") and ",device_name=" in path.name and ",dtype=" in path.name
         for cfg in fm.load_configs(path.name).values():
             assert cfg.BLOCK_SIZE_M in (16, 32, 64, 128, 256) and cfg.BLOCK_SIZE_N >= 32
+
+
+def test_tuner_search_space_is_pruned_and_fits():
+    """bench/tune_moe.py's candidates: ~40 at most per token count, each within shared memory,
+    the default among them; 16-row blocks for a few tokens per expert, 64+ for many."""
+    from bench.tune_moe import BATCH_SIZES, MODEL_SHAPES, SMEM_BYTES, search_space
+    for shape in MODEL_SHAPES.values():
+        for m in BATCH_SIZES:
+            space = search_space(m, shape)
+            assert 8 <= len(space) <= 45 and len(set(space)) == len(space)
+            assert fm.default_config(m, shape.num_experts, shape.top_k) in space
+            assert all((c.BLOCK_SIZE_M + c.BLOCK_SIZE_N) * c.BLOCK_SIZE_K * 2 * c.num_stages <= SMEM_BYTES
+                       for c in space)
+    q = MODEL_SHAPES["qwen3-30b-a3b"]
+    assert {c.BLOCK_SIZE_M for c in search_space(1, q)} <= {16, 32}
+    assert min(c.BLOCK_SIZE_M for c in search_space(8192, q)) >= 64   # prefill: no 16-row blocks
