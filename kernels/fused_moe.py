@@ -57,6 +57,58 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
+@triton.jit
+def _fused_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                       K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                       RENORMALIZE: tl.constexpr):
+    """One token: scores in fp32 (softmax over the experts or per-expert sigmoid), then TOP_K
+    rounds of (max, its lowest index), descending as torch.topk returns them."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(mask, scores, -1.0)   # below every real score
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((K_POW2,), dtype=tl.float32)
+    top_i = tl.zeros((K_POW2,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
+        scores = tl.where(offs == idx, -2.0, scores)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in one kernel (vLLM's fused_topk): a decode layer's routing is one launch
+    instead of five (cast, softmax, topk, sum, divide). select_experts where Triton does not run."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"select_experts: unknown scoring {scoring!r} (softmax, sigmoid)")
+    if not runs_triton(_fused_topk_kernel, router_logits):
+        return select_experts(router_logits, top_k, renormalize, scoring)
+    t, e = router_logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
+    if t:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        block_e = triton.next_power_of_2(e)
+        _fused_topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                                 K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                                 SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
+                                 num_warps=1 if block_e <= 128 else 2)
+    return weights, ids
+
+
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: unknown activation {activation!r} ({', '.join(ACTIVATIONS)})")

@@ -281,3 +281,17 @@ def test_tuner_search_space_is_pruned_and_fits():
     q = MODEL_SHAPES["qwen3-30b-a3b"]
     assert {c.BLOCK_SIZE_M for c in search_space(1, q)} <= {16, 32}
     assert min(c.BLOCK_SIZE_M for c in search_space(8192, q)) >= 64   # prefill: no 16-row blocks
+
+
+@needs_triton
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_fused_topk_matches_select_experts(scoring, renormalize):
+    """The one-kernel routing picks the reference's experts in its order, with its weights,
+    for a power-of-two and an odd expert count (and no tokens)."""
+    for t, e, k in ((5, 8, 2), (9, 60, 4), (0, 8, 2)):
+        logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e)).to(DEV)
+        want_w, want_ids = select_experts(logits, k, renormalize, scoring)
+        w, ids = fm.fused_topk(logits, k, renormalize, scoring)
+        assert ids.dtype == want_ids.dtype and torch.equal(ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)

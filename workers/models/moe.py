@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref, select_experts
+from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref
 from workers.distributed import all_reduce, tp_rank, tp_size
 from workers.models import layers
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
@@ -90,7 +90,7 @@ class FusedMoE(nn.Module):
                     (num_experts, hidden_size, intermediate_size), tuple(range(num_experts)))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
+        weights, ids = layers.select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
         # layers.fused_moe: the Triton kernel on the Triton path (sync-free: graphs capture it),
         # the routed reference otherwise; that one reads which experts were chosen (a host
         # sync), so a CUDA-graph capture on the reference path runs the dense, sync-free one
