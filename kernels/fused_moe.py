@@ -449,6 +449,7 @@ def load_configs(file_name: str) -> dict[int, MoeTileConfig] | None:
     return {int(m): MoeTileConfig(**cfg) for m, cfg in json.loads(path.read_text()).items()}
 
 
+@functools.lru_cache(maxsize=4096)  # every MoE layer of every step asks: answer from a dict
 def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int, dtype: torch.dtype,
                device: torch.device) -> MoeTileConfig:
     """The tuned config of the nearest token count for this GPU and shape, else the default."""
