@@ -371,8 +371,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     buckets = triton.next_power_of_2(num_experts + 1)
     shape = dict(NUM_EXPERTS=num_experts, BUCKETS_POW2=buckets)
     if numel <= ALIGN_MAX_PAIRS_ONE_PROGRAM:
+        # a decode batch's few pairs in one narrow step ([16, E] one-hots, not [64, E])
+        chunk = min(_ALIGN_CHUNK, max(16, triton.next_power_of_2(numel)))
         _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, numel, max_padded, **shape,
-                                BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=_ALIGN_FILL, num_warps=4)
+                                BLOCK_M=block_m, CHUNK=chunk, FILL=_ALIGN_FILL, num_warps=4)
         return sorted_ids, expert_ids, num_post
     chunks = triton.cdiv(numel, _ALIGN_CHUNK)
     counts = torch.empty((chunks, buckets), dtype=torch.int32, device=dev)
