@@ -97,10 +97,8 @@ class FusedMoE(nn.Module):
         moe = layers.fused_moe
         if moe is fused_moe_ref and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             moe = fused_moe_dense_ref
-        # w2's bias once: the ranks' partial sums are added (each holds a slice of every expert)
-        w2_bias = self.w2_bias if tp_rank() == 0 else None
         out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
-                  w2_bias=w2_bias, activation=self.activation)
+                  w2_bias=self.w2_bias, activation=self.activation)
         return all_reduce(out) if reduce else out
 
 
