@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.fused_moe import fused_moe_dense_ref, fused_moe_ref, select_experts
+from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref
 from workers.distributed import all_reduce, ep_rank, ep_size, tp_rank, tp_size
+from workers.models import layers
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
 
@@ -128,8 +129,14 @@ class FusedMoE(nn.Module):
     over the ranks unless `reduce` is False (a caller that adds more partial sums first)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, scoring: str = "softmax"):
+                 renormalize: bool, scoring: str = "softmax", activation: str = "silu"):
         super().__init__()
+        check_activation(activation)
+        self.activation = activation
+        # expert biases [E, 2I] / [E, H] (gate rows first, kernels/fused_moe.py): None, or
+        # parameters that add_biases registers (gpt-oss)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
         self.num_experts, self.top_k, self.renormalize, self.scoring = num_experts, top_k, renormalize, scoring
         # expert parallelism: whole experts per rank; else every expert, its intermediate dim split
         self.placement = ExpertPlacement.of_rank(num_experts, ep_rank(), ep_size())
@@ -188,13 +195,17 @@ class FusedMoE(nn.Module):
         return self.w2_weight[here], dim, start
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
+        weights, ids = layers.select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
         ids = self.local_ids(ids)
-        # the routed reference reads which experts were chosen (a host sync): under CUDA-graph
-        # capture the dense, sync-free one runs instead (until the Triton kernel lands)
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-        moe = fused_moe_dense_ref if capturing else fused_moe_ref
-        out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        # layers.fused_moe: the Triton kernel on the Triton path (sync-free: graphs capture it),
+        # the routed reference otherwise; that one reads which experts were chosen (a host
+        # sync), so a CUDA-graph capture on the reference path runs the dense, sync-free one
+        moe = layers.fused_moe
+        if moe is fused_moe_ref and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            moe = fused_moe_dense_ref
+        # the down bias once per token's sum: on i_rank 0 (add_biases)
+        out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+                  w2_bias=self.w2_bias if self.i_rank == 0 else None, activation=self.activation)
         return all_reduce(out) if reduce else out
 
 
