@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from kernels.fused_moe import fused_moe_dense_ref, fused_moe_ref, select_experts
+from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref, select_experts
 from workers.distributed import all_reduce, tp_rank, tp_size
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
@@ -68,8 +68,14 @@ class FusedMoE(nn.Module):
     over the ranks unless `reduce` is False (a caller that adds more partial sums first)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, scoring: str = "softmax"):
+                 renormalize: bool, scoring: str = "softmax", activation: str = "silu"):
         super().__init__()
+        check_activation(activation)
+        self.activation = activation
+        # expert biases [E, 2I] / [E, H] (gate rows first, kernels/fused_moe.py): None, or
+        # parameters that a model with biased experts (gpt-oss) registers under these names
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
         if intermediate_size % tp_size():
             raise ValueError(f"FusedMoE: intermediate size {intermediate_size} not divisible by TP {tp_size()}")
         self.num_experts, self.top_k, self.renormalize, self.scoring = num_experts, top_k, renormalize, scoring
@@ -88,7 +94,8 @@ class FusedMoE(nn.Module):
         # capture the dense, sync-free one runs instead (until the Triton kernel lands)
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         moe = fused_moe_dense_ref if capturing else fused_moe_ref
-        out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+                  w2_bias=self.w2_bias, activation=self.activation)
         return all_reduce(out) if reduce else out
 
 
