@@ -94,8 +94,11 @@ class FusedMoE(nn.Module):
         # capture the dense, sync-free one runs instead (until the Triton kernel lands)
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         moe = fused_moe_dense_ref if capturing else fused_moe_ref
+        # each rank's routed sum is partial (its share of the intermediate dim): the down bias
+        # joins one rank's only, so that the all-reduce adds it once
+        w2_bias = self.w2_bias if tp_rank() == 0 else None
         out = moe(hidden, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
-                  w2_bias=self.w2_bias, activation=self.activation)
+                  w2_bias=w2_bias, activation=self.activation)
         return all_reduce(out) if reduce else out
 
 
