@@ -47,6 +47,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.flatten(-2)
 
 
+def quant_method(config) -> str | None:
+    """config.json's `quantization_config.quant_method` (a dict, or transformers' config object)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+
+
 @torch.no_grad()
 def _head_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     """One value per query head [total heads]: this rank's heads (its q heads' range)."""
@@ -125,6 +133,9 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssForCausalLM(DecoderForCausalLM):
     def __init__(self, config):
+        method = quant_method(config)
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"gpt-oss: unsupported quantization {method!r} (a bf16 or an MXFP4 checkpoint)")
         super().__init__(config, lambda config: DecoderModel(config, GptOssDecoderLayer))
 
     def hf_to_loom(self, name: str) -> str | None:
