@@ -106,3 +106,11 @@ def test_unsupported_quantization_is_refused(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="awq"):
         load_model(src, torch.float32, "cpu", load_format="dummy")
+
+
+def test_bench_preset_shape():
+    # gpt-oss-20b's published size (20.9 B with bf16 experts), alternating layer types
+    from bench.presets import PRESETS, num_params
+    cfg = PRESETS["gpt-oss-20b"]
+    assert round(num_params(cfg) / 1e9, 1) == 20.9
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(cfg["layer_types"]) == 24
