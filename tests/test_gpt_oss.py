@@ -114,3 +114,140 @@ def test_bench_preset_shape():
     cfg = PRESETS["gpt-oss-20b"]
     assert round(num_params(cfg) / 1e9, 1) == 20.9
     assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"] and len(cfg["layer_types"]) == 24
+
+
+# ------------------------------------------------------------ harmony (frontend/openai/harmony.py)
+# openai-harmony loads the o200k vocabulary at first use (downloading it when not cached; nothing
+# can be downloaded here): the tests of what needs it run only where TIKTOKEN_ENCODINGS_BASE holds
+# o200k_base.tiktoken, the others build harmony's messages and parse them without it.
+
+def _encoding_or_skip():
+    from frontend.openai import harmony
+    try:
+        return harmony.encoding()
+    except harmony.HarmonyUnavailable as e:
+        pytest.skip(f"no o200k vocabulary offline (TIKTOKEN_ENCODINGS_BASE unset or empty): {e}")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_harmony_messages_from_a_chat():
+    from openai_harmony import Role
+
+    from frontend.openai.harmony import harmony_messages
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Rome?"}]},
+            {"role": "assistant", "reasoning_content": "Needs the tool.",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "21 degrees."}]
+    msgs = harmony_messages(chat, TOOLS, "high", today="2026-11-28")
+    system, dev, user, analysis, call, result, final = msgs
+    assert system.author.role == Role.SYSTEM
+    assert system.content[0].reasoning_effort.value == "High"
+    assert system.content[0].conversation_start_date == "2026-11-28"
+    assert dev.author.role == Role.DEVELOPER and dev.content[0].instructions == "Be brief."
+    [tool] = dev.content[0].tools["functions"].tools
+    assert tool.name == "get_weather" and tool.parameters["properties"] == {"city": {"type": "string"}}
+    assert user.author.role == Role.USER and user.content[0].text == "Weather in Rome?"
+    assert (analysis.channel, analysis.content[0].text) == ("analysis", "Needs the tool.")
+    assert (call.channel, call.recipient, call.content_type) == ("commentary", "functions.get_weather", "json")
+    assert call.content[0].text == '{"city": "Rome"}'
+    assert result.author.role == Role.TOOL and result.author.name == "functions.get_weather"
+    assert (result.channel, result.recipient, result.content[0].text) == ("commentary", "assistant", '{"temp": 21}')
+    assert (final.channel, final.content[0].text) == ("final", "21 degrees.")
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        harmony_messages(chat, None, "extreme")
+    with pytest.raises(ValueError, match="role"):
+        harmony_messages([{"role": "narrator", "content": "x"}])
+
+
+def test_harmony_output_channels():
+    from openai_harmony import Message, Role
+
+    from frontend.openai.harmony import output_fields
+    out = [Message.from_role_and_content(Role.ASSISTANT, "Think. ").with_channel("analysis"),
+           Message.from_role_and_content(Role.ASSISTANT, "More.").with_channel("analysis"),
+           Message.from_role_and_content(Role.ASSISTANT, "Let me check.").with_channel("commentary"),
+           Message.from_role_and_content(Role.ASSISTANT, '{"city": "Rome"}').with_channel("commentary")
+           .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+           Message.from_role_and_content(Role.ASSISTANT, "not json").with_channel("commentary")
+           .with_recipient("functions.echo")]
+    reasoning, content, calls = output_fields(out)
+    assert reasoning == "Think. More." and content == "Let me check."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("echo", "not json")]
+    final = [Message.from_role_and_content(Role.ASSISTANT, "Hi!").with_channel("final")]
+    assert output_fields(final) == (None, "Hi!", [])
+
+
+def test_harmony_chat_without_the_vocabulary_is_a_clear_500(tmp_path, monkeypatch):
+    # a gpt-oss server (--reasoning-parser openai_gptoss) offline, no o200k vocabulary: a chat gets
+    # a 500 saying what is missing; the server keeps serving (a completion after it)
+    from frontend.openai import harmony
+    from tests.conftest import run_fake
+    from tests.test_tool_parsers import _ScriptedLLM
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))   # empty: fails at once, offline
+    monkeypatch.setattr(harmony, "_ENCODING", None)
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json={
+                "model": "fake", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            chat = r.status, await r.json()
+        async with session.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                                "max_tokens": 4}) as r:
+            completion = r.status, await r.json()
+        return chat, completion
+
+    (status, body), (c_status, c_body) = run_fake(_ScriptedLLM(reasoning_parser="openai_gptoss"), scenario)
+    assert status == 500 and "o200k_base" in body["error"]["message"]
+    assert "TIKTOKEN_ENCODINGS_BASE" in body["error"]["message"]
+    assert c_status == 200 and c_body["choices"][0]["text"]
+
+
+def test_harmony_chat_through_the_api_server():
+    # with the vocabulary: the prompt is harmony's rendering, the output's channels become
+    # reasoning_content, content and tool_calls, whole and streamed alike
+    enc = _encoding_or_skip()
+    from openai_harmony import Message, Role
+
+    from frontend.openai.harmony import render_prompt
+    from tests.conftest import run_fake
+    from tests.test_tool_parsers import _ScriptedLLM
+    out = (enc.render(Message.from_role_and_content(Role.ASSISTANT, "User wants weather.").with_channel("analysis"))
+           + enc.render(Message.from_role_and_content(Role.ASSISTANT, '{"city": "Rome"}').with_channel("commentary")
+                        .with_recipient("functions.get_weather").with_content_type("json"))[:-1]
+           + [enc.encode("<|call|>", allowed_special="all")[0]])
+    chat = [{"role": "user", "content": "Weather in Rome?"}]
+    prompts = []
+
+    class HarmonyLLM(_ScriptedLLM):
+        async def generate(self, prompt_token_ids, params, request_id):
+            from frontend.outputs import CompletionOutput, RequestOutput
+            prompts.append(list(prompt_token_ids))
+            for i, t in enumerate(out):
+                last = i == len(out) - 1
+                yield RequestOutput(request_id, None, prompt_token_ids, [CompletionOutput(
+                    0, enc.decode([t]), [t], "stop" if last else None)], finished=last)
+
+    body = {"model": "fake", "messages": chat, "tools": TOOLS}
+
+    async def scenario(session, url, llm):
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            deltas = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        return whole, deltas
+
+    whole, deltas = run_fake(HarmonyLLM(reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
+                                        tool_call_parser="gpt_oss", vocab_size=201088), scenario)
+    assert prompts[0] == render_prompt(chat, TOOLS)
+    msg = whole["choices"][0]["message"]
+    assert msg["reasoning_content"] == "User wants weather."
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    streamed = "".join(c["delta"].get("reasoning_content") or "" for d in deltas for c in d["choices"])
+    calls = [t["function"] for d in deltas for c in d["choices"] for t in c["delta"].get("tool_calls") or []]
+    assert streamed == msg["reasoning_content"] and calls == [c["function"] for c in msg["tool_calls"]]
