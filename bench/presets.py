@@ -1,5 +1,6 @@
 """Real model shapes for benchmarks: the config.json of Qwen3-0.6B, Llama-3.2-1B,
-Llama-3.1-8B, Llama-3.1-70B and Qwen3-8B (values as published on the Hugging Face Hub), plus
+Llama-3.1-8B, Llama-3.1-70B, Qwen3-8B and the mixtures of experts Qwen3-30B-A3B and
+Mixtral-8x7B (values as published on the Hugging Face Hub), plus
 a stand-in tokenizer, written into a directory that `LLM(..., load_format="dummy")`
 and `loom serve DIR --load-format dummy` can load. Speed does not depend on the
 weights' values, so no checkpoint is needed.
@@ -97,6 +98,21 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000,
     },
+    # Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts (moe_intermediate_size 768), top-8
+    # with renormalised weights; 30.5 B parameters, 3.3 B active per token
+    "qwen3-30b-a3b": {**_QWEN3_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                      "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "max_window_layers": 48,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8,
+                      "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False},
+    # Mixtral-8x7B-v0.1: 32 layers of 8 experts (intermediate 14336), top-2; 46.7 B parameters
+    "mixtral-8x7b": {**_LLAMA3_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                     "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128, "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "max_position_embeddings": 32768,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
+                     "router_aux_loss_coef": 0.02, "rope_theta": 1000000.0, "sliding_window": None,
+                     "tie_word_embeddings": False, "vocab_size": 32000, "transformers_version": "4.36.0.dev0"},
     # Qwen2.5-VL-7B-Instruct (the Hub's config.json layout; transformers 5 reads it into
     # text_config / vision_config): a 32-block ViT (windowed but for 4 full-attention blocks)
     # in front of a Qwen2-7B-shaped language model with M-RoPE.
@@ -150,8 +166,10 @@ _QWEN_VL_TEMPLATE = (
 # special tokens at their real ids; the first listed eos is the model's eos_token
 _SPECIAL = {
     "qwen3": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"},
+    "qwen3_moe": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"},
     "llama": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128009: "<|eot_id|>"},
     "mistral": {2: "</s>", 1: "<s>"},
+    "mixtral": {2: "</s>", 1: "<s>"},
     "gemma2": {1: "<eos>", 2: "<bos>", 0: "<pad>", 106: "<start_of_turn>", 107: "<end_of_turn>"},
     "qwen2_5_vl": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
                    151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
@@ -168,8 +186,12 @@ def num_params(cfg: dict) -> int:
     h, i, n, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    if cfg["model_type"] == "qwen3":
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    mlp = 3 * h * i
+    if experts:  # every layer a mixture (the presets have no dense layers): the experts and the router
+        mlp = experts * 3 * h * (cfg.get("moe_intermediate_size") or i) + h * experts
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
+    if cfg["model_type"] in ("qwen3", "qwen3_moe"):
         per_layer += 2 * d  # q_norm, k_norm
     if cfg["model_type"] == "gemma2":
         per_layer += 2 * h  # the pre-feedforward and post-feedforward norms
@@ -219,7 +241,7 @@ def write_preset(name: str, out_dir: str) -> str:
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f, indent=2)
     tok = write_tokenizer(out_dir, cfg["vocab_size"], _SPECIAL[cfg["model_type"]], cfg["eos_token_id"],
-                          cfg["bos_token_id"] if cfg["model_type"] in ("llama", "mistral", "gemma2") else None)
+                          cfg["bos_token_id"] if cfg["model_type"] in ("llama", "mistral", "mixtral", "gemma2") else None)
     if "vision_config" in cfg:  # the image processor and a chat template that places images
         with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
             json.dump(_QWEN_VL_PREPROCESSOR, f, indent=2)

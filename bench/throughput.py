@@ -18,6 +18,11 @@ temperature first, and prints each mode's throughput as a ratio to plain:
 run gets, so one GPU times one engine's share (DP=N's time is about the slowest
 shard's, the engines being independent).
 
+The HBM floor: the time the plain run's engine steps would take if each only read its bytes
+at the H200's copy rate (4.3 TB/s): every step's weights (a MoE model's shared weights and the
+expected distinct experts its tokens choose, E·(1 - (1 - k/E)^T) per layer), KV cache and
+embedding rows, as metrics/mfu.py counts them; printed beside the run as a fraction of it.
+
 --profiler-dir DIR traces the plain run with the torch profiler and prints the
 GPU time per engine step by kernel, CUDA-graph replays included (the traced
 run is slower than an untraced one).
@@ -149,6 +154,11 @@ def main(args: argparse.Namespace) -> int:
         finally:
             llm.shutdown()
         result = report(args, wl, runs, opts, startup)
+        floor = hbm_floor_s(runs.steps, common.read_model_config(mdir), opts, len(runs.engines))
+        result.update(hbm_floor_s=floor, hbm_floor_fraction=floor / result["elapsed_s"])
+        print(f"HBM floor: {floor:.2f} s for the {len(runs.steps)} steps' weights, KV and embedding reads at "
+              f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s: the run took {result['elapsed_s']:.2f} s "
+              f"({100 * result['hbm_floor_fraction']:.0f}% of the floor's speed)")
         if args.compare_hf:
             result.update(compare_hf(args, wl, mdir, opts, result["output_tok_per_s"]))
         common.write_json(args.output_json, result)
@@ -174,6 +184,22 @@ def load_workload(args: argparse.Namespace, vocab: int | None, max_model_len: in
     return wl
 
 
+HBM_BYTES_PER_S = 4.3e12  # device-to-device copy rate measured on the H200 (docs/performance.md)
+
+
+def hbm_floor_s(steps: list, model_config: dict, opts: dict, num_engines: int) -> float:
+    """Seconds the logged engine steps would take reading only their bytes at HBM_BYTES_PER_S,
+    per GPU (the data-parallel engines' steps split evenly over their GPUs)."""
+    from types import SimpleNamespace
+
+    from metrics.mfu import MfuEstimator, ModelShape, dtype_bytes
+    engine = SimpleNamespace(dtype=opts.get("dtype") or "auto", device=opts.get("device") or "auto")
+    est = MfuEstimator(ModelShape.from_hf_config(model_config, dtype_bytes(engine),
+                                                 opts.get("tensor_parallel_size") or 1))
+    read = sum(est.from_stats(s).read_bytes for _, s in steps)
+    return read / HBM_BYTES_PER_S / max(num_engines, 1)
+
+
 @dataclass
 class Runs:
     """What timed_runs measured; "plain" is the timed run of the workload as given."""
@@ -182,6 +208,7 @@ class Runs:
     engines: list[dict]      # engine_report of the plain run
     preemptions: int
     structured: dict | None  # bench/structured.py's report, with --structured-output
+    steps: list              # (timestamp, SchedulerStats) of every engine step of the plain run
 
     @property
     def plain(self) -> tuple[float, list]:
@@ -197,10 +224,12 @@ def timed_runs(llm, wl, args: argparse.Namespace, vocab: int | None, profiler_di
         llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True),
                      use_tqdm=False)
     modes = ["plain"] + [m for m in dict.fromkeys(args.sampling) if m != "plain"]
-    by_name, client_cpu, engines = {}, 0.0, []
+    by_name, client_cpu, engines, steps = {}, 0.0, [], []
     for mode in modes:
         for name, prompts, params in sampling_runs(mode, wl, args.temperature):
             before = engine_snapshot(llm.stats)
+            if name == "plain":
+                llm.stats.step_log = steps = []
             traced = name == "plain" and profiler_dir
             if traced:
                 llm.start_profile("throughput")
@@ -210,6 +239,7 @@ def timed_runs(llm, wl, args: argparse.Namespace, vocab: int | None, profiler_di
             if traced:
                 llm.stop_profile()
             if name == "plain":
+                llm.stats.step_log = None
                 client_cpu = time.process_time() - cpu0
                 engines = engine_report(before, engine_snapshot(llm.stats), t0)
     structured = None
@@ -219,7 +249,7 @@ def timed_runs(llm, wl, args: argparse.Namespace, vocab: int | None, profiler_di
         output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
                                                     "output_tok_per_s": output_tokens / elapsed})
-    return Runs(by_name, client_cpu, engines, llm.stats.num_preemptions, structured)
+    return Runs(by_name, client_cpu, engines, llm.stats.num_preemptions, structured, steps)
 
 
 def report(args: argparse.Namespace, wl, runs: Runs, opts: dict, startup: float) -> dict:

@@ -20,8 +20,17 @@ experts were chosen: a host sync), fused_moe_dense_ref runs every expert on ever
 (sync-free). The Triton grouped-GEMM kernel is their fast equal."""
 from __future__ import annotations
 
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.jit import runs_triton, step_jit
 
 # gpt-oss's clamped SwiGLU constants (its config's swiglu_alpha / swiglu_limit, fixed in vLLM too)
 SWIGLUOAI_ALPHA = 1.702
@@ -45,6 +54,58 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@triton.jit
+def _fused_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                       K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                       RENORMALIZE: tl.constexpr):
+    """One token: scores in fp32 (softmax over the experts or per-expert sigmoid), then TOP_K
+    rounds of (max, its lowest index), descending as torch.topk returns them."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(mask, scores, -1.0)   # below every real score
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((K_POW2,), dtype=tl.float32)
+    top_i = tl.zeros((K_POW2,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
+        scores = tl.where(offs == idx, -2.0, scores)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in one kernel (vLLM's fused_topk): a decode layer's routing is one launch
+    instead of five (cast, softmax, topk, sum, divide). select_experts where Triton does not run."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"select_experts: unknown scoring {scoring!r} (softmax, sigmoid)")
+    if not runs_triton(_fused_topk_kernel, router_logits):
+        return select_experts(router_logits, top_k, renormalize, scoring)
+    t, e = router_logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
+    if t:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        block_e = triton.next_power_of_2(e)
+        _fused_topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                                 K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                                 SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
+                                 num_warps=1 if block_e <= 128 else 2)
     return weights, ids
 
 
@@ -85,7 +146,8 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     optional biases w13_bias [E, 2I], w2_bias [E, H]; activation "silu" or "swigluoai".
     The routed sum is accumulated in float32 and returned in hidden's dtype. An expert that
     no token chose costs nothing; the loop reads which experts were chosen (a host sync: the
-    reference is for correctness, not for CUDA graphs)."""
+    reference is for correctness, not for CUDA graphs). An id of -1 (an expert that is not on
+    this rank, under expert parallelism) adds nothing, in every implementation here."""
     check_activation(activation)
     t, h = hidden.shape
     out = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
@@ -95,6 +157,8 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     flat_w = topk_weights.reshape(-1).float()
     token_of = torch.arange(t, device=hidden.device).repeat_interleave(topk_ids.shape[1])
     for e in flat_ids.unique().tolist():
+        if e < 0:  # an expert on another rank (expert parallelism): adds nothing here
+            continue
         pick = (flat_ids == e).nonzero(as_tuple=True)[0]
         tokens = token_of[pick]
         y = _expert_mlp(hidden[tokens], w13, w2, e, w13_bias, w2_bias, activation)
@@ -112,8 +176,340 @@ def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     t, h = hidden.shape
     # dense[t, e]: the routing weight of expert e for token t (0: not chosen)
     dense = torch.zeros((t, w13.shape[0]), dtype=torch.float32, device=hidden.device)
-    dense.scatter_add_(1, topk_ids, topk_weights.float())
+    mine = topk_ids >= 0  # id -1: an expert on another rank
+    dense.scatter_add_(1, topk_ids.clamp(min=0), topk_weights.float() * mine)
     out = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
     for e in range(w13.shape[0]):
         out += _expert_mlp(hidden, w13, w2, e, w13_bias, w2_bias, activation).float() * dense[:, e:e + 1]
     return out.to(hidden.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+# vLLM's design (vllm/model_executor/layers/fused_moe/fused_moe.py):
+#
+# 1. moe_align_block_size: the T*k (token, choice) pairs, numbered i = t*k + j, are sorted by
+#    expert and each expert's run is padded to a multiple of BLOCK_SIZE_M with the sentinel T*k,
+#    so every BLOCK_SIZE_M block of `sorted_token_ids` belongs to one expert (`expert_ids`).
+#    The buffers are sized for the worst case (every non-empty expert padded by BLOCK_SIZE_M - 1)
+#    and the real length `num_tokens_post_padded` stays on the device: no host sync, so a CUDA
+#    graph captures it, and the grid's blocks past the real length return at once.
+# 2. One grouped GEMM for gate/up with the activation fused: a program's tile is
+#    BLOCK_SIZE_N // 2 gate columns and the same up columns (w13 rows n and I + n), so its
+#    registers are those of a BLOCK_SIZE_N tile of an unfused GEMM and vLLM's tile sizes carry
+#    over; it writes act(gate, up) [T*k, I] directly.
+# 3. One grouped GEMM for down, with the bias and the routing weight applied in its epilogue,
+#    into [T*k, H] in the model dtype; then the top-k sum, out = cache.view(T, k, H).sum(1)
+#    (fp32 accumulation, one rounding). The sum stays a reduction after the GEMM, as in vLLM
+#    (moe_sum), rather than fp32 atomics in the epilogue: atomics would make the result depend
+#    on the order programs finish (no run-to-run or graph-to-eager bit equality) and need a
+#    zeroed fp32 output; the extra pass over [T, k, H] is ~1/E of the weight bytes at decode.
+#
+# A choice with expert id -1 (an expert that is not on this rank, under expert parallelism)
+# adds nothing: its pairs are sorted into an extra bucket whose blocks have expert id -1, which
+# the gate/up GEMM skips and the down GEMM writes as zeros.
+
+# moe_align_block_size runs as one Triton program up to this many pairs (decode: one launch
+# instead of a dozen torch ops in every layer of a CUDA graph), and as sync-free torch ops
+# (a stable sort) above it, where the single program's serial passes would cost more.
+ALIGN_MAX_PAIRS_ONE_PROGRAM = 2048
+_ALIGN_CHUNK = 64
+
+
+def max_num_tokens_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of sorted_token_ids: every non-empty bucket (the experts and the -1
+    bucket) padded by block_m - 1, rounded up to whole blocks."""
+    worst = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+@step_jit(ints=("numel", "max_padded"))
+def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, max_padded,
+                      NUM_EXPERTS: tl.constexpr, BUCKETS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """One program: counts per bucket (experts 0..E-1, bucket E for id -1), padded run starts,
+    the expert of every block, then each pair's slot (its bucket's start + its rank among the
+    bucket's earlier pairs: a stable sort, as the torch path's)."""
+    buckets = tl.arange(0, BUCKETS_POW2)
+    counts = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=BUCKETS_POW2).to(tl.int32)
+        ids = tl.where(ids < 0, NUM_EXPERTS, ids)
+        counts += tl.sum((ids[:, None] == buckets[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_post_ptr, tl.sum(padded, axis=0))
+    # block b's expert: the number of runs that end at or before its first slot
+    for b0 in range(0, max_padded // BLOCK_M, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(owner >= NUM_EXPERTS, -1, owner),
+                 mask=blocks < max_padded // BLOCK_M)
+    for p0 in range(0, max_padded, CHUNK):
+        slots = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + slots, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=slots < max_padded)
+    tl.debug_barrier()  # the padding fill above lands before the pairs below overwrite it
+    seen = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=BUCKETS_POW2).to(tl.int32)
+        ids = tl.where(ids < 0, NUM_EXPERTS, ids)
+        onehot = (ids[:, None] == buckets[None, :]).to(tl.int32)
+        # slot of pair i = start of its bucket + pairs of the bucket before this chunk + before i in it
+        slot = tl.sum(onehot * (starts[None, :] + seen[None, :] + tl.cumsum(onehot, axis=0) - 1), axis=1)
+        tl.store(sorted_ptr + slot, offs, mask=offs < numel)
+        seen += tl.sum(onehot, axis=0)
+
+
+def _moe_align_torch(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same result as _moe_align_kernel from sync-free torch ops (no .item(), no nonzero,
+    no bincount: its output size would depend on the data)."""
+    dev, numel = flat.device, flat.numel()
+    ids = torch.where(flat < 0, num_experts, flat).long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(ids, stable=True)
+    sorted_e = ids[order]
+    rank = torch.arange(numel, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, (ends - padded)[sorted_e] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    owner = torch.searchsorted(ends, block_starts, right=True)
+    expert_ids = torch.where(owner >= num_experts, -1, owner).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_token_ids [P] int32, expert_ids [P / block_m] int32,
+    num_tokens_post_padded [1] int32), P = max_num_tokens_padded(T*k, E, block_m).
+    sorted_token_ids lists the pairs i = t*k + j expert by expert (id -1 last), each expert's
+    run padded with T*k to whole blocks; slots past num_tokens_post_padded are padding too,
+    and their blocks' expert id is -1."""
+    flat = topk_ids.reshape(-1)
+    numel = flat.numel()
+    max_padded = max_num_tokens_padded(numel, num_experts, block_m)
+    if numel > ALIGN_MAX_PAIRS_ONE_PROGRAM or not runs_triton(_moe_align_kernel, flat):
+        return _moe_align_torch(flat, num_experts, block_m, max_padded)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
+    num_post = torch.empty(1, dtype=torch.int32, device=flat.device)
+    _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, numel, max_padded, NUM_EXPERTS=num_experts,
+                            BUCKETS_POW2=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+                            CHUNK=_ALIGN_CHUNK, num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
+@step_jit(ints=("EM", "num_valid"))
+def _fused_moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+                           num_post_ptr, N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+                           stride_bias_e,
+                           A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr,
+                           BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                           GROUP_SIZE_M: tl.constexpr):
+    """C[pair] = epilogue(A[pair // A_ROW_DIV] @ B[expert]^T) for the pairs of one BLOCK_SIZE_M
+    block of sorted_ids (one expert) and one tile of N. B [E, N', K] with K contiguous (w13 or
+    w2). GATED (gate/up): N = I output columns, the tile's up columns sit N rows below its gate
+    columns in B, and the epilogue is the activation (ACTIVATION 0 SwiGLU, 1 swigluoai).
+    DOT_PRECISION "ieee" for fp32 inputs: full precision (not TF32), as the reference.
+    An expert id of -1: GATED skips the block, else it is written as zeros."""
+    TILE_N: tl.constexpr = BLOCK_SIZE_N // 2 if GATED else BLOCK_SIZE_N
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, TILE_N)
+    # grouped ordering: GROUP_SIZE_M row blocks share their B tiles in L2
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    offs_pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+    pair_mask = offs_pair < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_cn = pid_n * TILE_N + tl.arange(0, TILE_N)
+    c_ptrs = c_ptr + offs_pair[:, None] * stride_cm + offs_cn[None, :]
+    c_mask = pair_mask[:, None] & (offs_cn[None, :] < N)
+    if expert == -1:
+        if not GATED:
+            tl.store(c_ptrs, tl.zeros((BLOCK_SIZE_M, TILE_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+    # B's rows wrap modulo N (in range, so the loads need no N mask; the store masks them)
+    offs_bn = (pid_n * TILE_N + tl.arange(0, TILE_N).to(tl.int64)) % N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + (offs_pair[:, None] // A_ROW_DIV) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_SIZE_M, TILE_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_SIZE_M, TILE_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kb * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + N * stride_bn)
+            else:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_up = tl.dot(a, b_up, acc=acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_SIZE_K
+        b_ptrs += BLOCK_SIZE_K
+    out_ty = c_ptr.dtype.element_ty
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert * stride_bias_e + offs_bn
+        acc += tl.load(bias_ptrs).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptrs + N).to(tl.float32)[None, :]
+    if GATED:
+        # the reference's roundings: gate and up in the model dtype (its matmul's output), and
+        # SiLU's result rounded before the product (kernels/activation.py)
+        gate = acc.to(out_ty).to(tl.float32)
+        up = acc_up.to(out_ty).to(tl.float32)
+        if ACTIVATION == 0:
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+            acc = act * up
+        else:
+            gate = tl.minimum(gate, 7.0)                    # SWIGLUOAI_LIMIT
+            up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))   # SWIGLUOAI_ALPHA
+    if MUL_ROUTED_WEIGHT:
+        acc = acc.to(out_ty).to(tl.float32)  # the reference rounds the expert's output, then weights it
+        acc = acc * tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptrs, acc.to(out_ty), mask=c_mask)
+
+
+# ----------------------------------------------------------------------------- tile configs
+CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    """One tile configuration of both grouped GEMMs (vLLM's JSON keys). BLOCK_SIZE_N is the
+    tile's width in the GEMM's output columns before the activation (gate/up: half gate,
+    half up), so a tile of either GEMM holds BLOCK_SIZE_M x BLOCK_SIZE_N accumulators."""
+    BLOCK_SIZE_M: int
+    BLOCK_SIZE_N: int
+    BLOCK_SIZE_K: int
+    GROUP_SIZE_M: int
+    num_warps: int
+    num_stages: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# Untuned shapes. Decode-sized batches (a few tokens per expert) are weight-bandwidth bound:
+# 16-row blocks waste the least on padding and narrow tiles spread the weights over every SM.
+# Prefill-sized ones are compute bound: 64 x 128 tiles reuse each loaded tile across more
+# rows, and grouped ordering keeps an expert's weight tiles in L2 across its row blocks.
+DECODE_CONFIG = MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
+                              num_warps=4, num_stages=3)
+PREFILL_CONFIG = MoeTileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
+                               num_warps=4, num_stages=3)
+DECODE_TOKENS_PER_EXPERT = 16
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:
+    """The untuned choice by the mean tokens per expert (T * k / E)."""
+    return DECODE_CONFIG if num_tokens * top_k <= DECODE_TOKENS_PER_EXPERT * num_experts else PREFILL_CONFIG
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def device_name(device: torch.device) -> str:
+    """vLLM's spelling of the GPU in config file names: "NVIDIA_H200"."""
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, intermediate: int, dtype: torch.dtype, device: str) -> str:
+    """vLLM's key (E experts, N the intermediate size per rank), with the dtype always named."""
+    return f"E={num_experts},N={intermediate},device_name={device},dtype={dtype_name(dtype)}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs(file_name: str) -> dict[int, MoeTileConfig] | None:
+    """A tuned file: token count -> config (bench/tune_moe.py writes them), or None."""
+    path = CONFIG_DIR / file_name
+    if not path.exists():
+        return None
+    return {int(m): MoeTileConfig(**cfg) for m, cfg in json.loads(path.read_text()).items()}
+
+
+def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int, dtype: torch.dtype,
+               device: torch.device) -> MoeTileConfig:
+    """The tuned config of the nearest token count for this GPU and shape, else the default."""
+    if device.type == "cuda":
+        tuned = load_configs(config_file_name(num_experts, intermediate, dtype, device_name(device)))
+        if tuned:
+            return nearest_config(tuned, num_tokens)
+    return default_config(num_tokens, num_experts, top_k)
+
+
+def nearest_config(tuned: dict[int, MoeTileConfig], num_tokens: int) -> MoeTileConfig:
+    """The config of the tuned token count nearest num_tokens (the smaller one on a tie)."""
+    return tuned[min(sorted(tuned), key=lambda m: abs(m - num_tokens))]
+
+
+# ----------------------------------------------------------------------------- entry point
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: str = "silu", config: MoeTileConfig | None = None) -> torch.Tensor:
+    """fused_moe_ref's result from the Triton kernels (its torch reference where Triton does not
+    run). No host sync: CUDA graphs capture it. config: a tile config (tuning), else the tuned
+    or default one for T tokens."""
+    check_activation(activation)
+    if not runs_triton(_fused_moe_gemm_kernel, hidden):
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
+                             activation=activation)
+    t, h = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    k = topk_ids.shape[1]
+    if t == 0:
+        return hidden.new_zeros((0, h))
+    cfg = config or get_config(t, num_experts, two_i // 2, k, hidden.dtype, hidden.device)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.BLOCK_SIZE_M, num_experts)
+    routing = (sorted_ids, expert_ids, num_post, t * k)
+    act = torch.empty((t * k, two_i // 2), dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden.contiguous(), w13, act, w13_bias, None, routing, cfg, a_row_div=k, activation=activation)
+    out = torch.empty((t * k, h), dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(act, w2, out, w2_bias, topk_weights.reshape(-1).float().contiguous(), routing, cfg,
+                  a_row_div=1, activation=None)
+    return out.view(t, k, h).sum(dim=1)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+                  topk_weights: torch.Tensor | None, routing: tuple, cfg: MoeTileConfig, *, a_row_div: int,
+                  activation: str | None) -> None:
+    """One launch of _fused_moe_gemm_kernel: gate/up with `activation` fused (b = w13), or down
+    with the routing weights (b = w2, activation None)."""
+    sorted_ids, expert_ids, num_post, num_valid = routing
+    assert b.stride(2) == 1 and a.stride(1) == 1, "fused_moe: K must be contiguous"
+    gated = activation is not None
+    n, kdim = (b.shape[1] // 2 if gated else b.shape[1]), b.shape[2]
+    tile_n = cfg.BLOCK_SIZE_N // 2 if gated else cfg.BLOCK_SIZE_N
+    em = sorted_ids.numel()
+    grid = (triton.cdiv(em, cfg.BLOCK_SIZE_M) * triton.cdiv(n, tile_n),)
+    _fused_moe_gemm_kernel[grid](
+        a, b, c, b if bias is None else bias, c if topk_weights is None else topk_weights, sorted_ids, expert_ids,
+        num_post, n, kdim, em, num_valid, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        0 if bias is None else bias.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=ACTIVATIONS.index(activation or "silu"),
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        EVEN_K=kdim % cfg.BLOCK_SIZE_K == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

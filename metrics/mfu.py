@@ -33,8 +33,21 @@ Bytes read:
 
 Bytes written: the new KV entries, b·L·2·k·d·T.
 
+Mixture of experts (Qwen3-MoE / Qwen2-MoE `num_experts`, Mixtral / gpt-oss `num_local_experts`):
+a MoE layer's MLP counts the experts a token runs, not all of them,
+
+    E experts, k num_experts_per_tok, Ie moe_intermediate_size (Mixtral, gpt-oss: intermediate_size),
+    Is shared_expert_intermediate_size (Qwen2-MoE; 0 elsewhere)
+    FLOPs       2·T·(k·3·H·Ie + H·E + 3·H·Is)      the chosen experts, the router, the shared expert
+    weights     b·(E_read·3·H·Ie + H·E + 3·H·Is),  E_read = E·(1 - (1 - k/E)^T)
+
+E_read is the expected number of distinct experts T tokens choose when each picks k of E
+uniformly: the expert weights a step must read (T = 1 reads k experts, a large batch all E).
+The MoE layers are those not in `mlp_only_layers` whose index + 1 is a multiple of
+`decoder_sparse_step` (Qwen's rules; every layer for Mixtral and gpt-oss); the others are dense.
+
 Each total is divided by tp (per GPU). Not counted: norms, rotary embedding,
-softmax, sampling, and activations passed between kernels; MoE, sliding-window
+softmax, sampling, activations passed between kernels, biases; sliding-window
 and quantized weights are not modelled.
 """
 from __future__ import annotations
@@ -57,16 +70,31 @@ class ModelShape:
     vocab_size: int
     dtype_bytes: int
     tp: int = 1
+    # mixture of experts (num_experts 0: a dense model)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_moe_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, hf: dict, dtype_bytes: int, tp: int = 1) -> "ModelShape":
         c = hf.get("text_config", hf)
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        return cls(num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+        layers = int(c["num_hidden_layers"])
+        experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+        moe = {}
+        if experts:
+            step, dense = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
+            moe = dict(num_experts=experts, top_k=int(c["num_experts_per_tok"]),
+                       moe_intermediate_size=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+                       shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
+                       num_moe_layers=sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0))
+        return cls(num_layers=layers, hidden_size=hidden, num_heads=heads,
                    num_kv_heads=int(c.get("num_key_value_heads") or heads),
                    head_dim=int(c.get("head_dim") or hidden // heads),
                    intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
-                   dtype_bytes=dtype_bytes, tp=tp)
+                   dtype_bytes=dtype_bytes, tp=tp, **moe)
 
     @classmethod
     def from_engine_config(cls, config) -> "ModelShape":
@@ -94,25 +122,46 @@ class StepCost:
     write_bytes: float = 0.0
 
 
+def expected_experts_read(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """E·(1 - (1 - k/E)^T): distinct experts that T tokens choosing k of E uniformly touch."""
+    if num_experts <= 0 or num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
 class MfuEstimator:
     def __init__(self, shape: ModelShape):
         self.s = s = shape
-        qkv = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        out = s.num_heads * s.head_dim * s.hidden_size
-        mlp = 3 * s.hidden_size * s.intermediate_size
-        self._layer_matmul_params = qkv + out + mlp
-        self._weight_params = s.num_layers * self._layer_matmul_params + s.vocab_size * s.hidden_size
+        h = s.hidden_size
+        qkv = h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        out = s.num_heads * s.head_dim * h
+        dense_layers = s.num_layers - s.num_moe_layers
+        # every layer's attention, the dense layers' MLPs; a MoE layer's router and shared expert
+        always = (s.num_layers * (qkv + out) + dense_layers * 3 * h * s.intermediate_size
+                  + s.num_moe_layers * (h * s.num_experts + 3 * h * s.shared_expert_intermediate_size))
+        self._expert_params = 3 * h * s.moe_intermediate_size    # one expert of one layer
+        self._params_per_token = always + s.num_moe_layers * s.top_k * self._expert_params
+        self._always_read = always + s.vocab_size * h
         self._kv_elems_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim
+
+    def weight_params_read(self, num_tokens: int) -> float:
+        """Weight elements a step of num_tokens tokens reads: all of a dense model's, a MoE
+        model's shared ones and the expected distinct experts of each MoE layer."""
+        if num_tokens <= 0:
+            return 0.0
+        s = self.s
+        experts = expected_experts_read(s.num_experts, s.top_k, num_tokens)
+        return self._always_read + s.num_moe_layers * experts * self._expert_params
 
     def step(self, num_tokens: int, num_qk_pairs: int, num_kv_tokens_read: int,
              num_sampled: int) -> StepCost:
         s = self.s
         if num_tokens <= 0 and num_sampled <= 0:
             return StepCost()
-        flops = (s.num_layers * (2 * num_tokens * self._layer_matmul_params
-                                 + 4 * num_qk_pairs * s.num_heads * s.head_dim)
+        flops = (2 * num_tokens * self._params_per_token
+                 + s.num_layers * 4 * num_qk_pairs * s.num_heads * s.head_dim
                  + 2 * num_sampled * s.hidden_size * s.vocab_size)
-        read = s.dtype_bytes * ((self._weight_params if num_tokens > 0 else 0)
+        read = s.dtype_bytes * (self.weight_params_read(num_tokens)
                                 + self._kv_elems_per_token * num_kv_tokens_read
                                 + num_tokens * s.hidden_size)
         write = s.dtype_bytes * self._kv_elems_per_token * num_tokens

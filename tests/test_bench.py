@@ -63,6 +63,8 @@ def test_preset_loads(tmp_path):
     assert all(tok.decode([i]) for i in (5, 300, 100000, 128255))   # every id decodes to text
     assert round(num_params(PRESETS["qwen3-0.6b"]) / 1e6) == 596
     assert round(num_params(PRESETS["llama-3.1-8b"]) / 1e6) == 8030
+    assert round(num_params(PRESETS["qwen3-30b-a3b"]) / 1e8) == 305   # the mixtures: all experts counted
+    assert round(num_params(PRESETS["mixtral-8x7b"]) / 1e8) == 467
 
 
 def test_one_tp_rank_as_a_model(tmp_path):
@@ -94,6 +96,7 @@ def test_bench_throughput_tiny(model_factory, tmp_path):
     assert list(prof.glob("throughput_*rank0*.json")) and "no kernels in" in r.stdout
     res = json.loads(out.read_text())
     assert res["num_requests"] == 2 and res["shard"] == [1, 2]   # requests 1 and 3 of 4
+    assert 0 < res["hbm_floor_s"] and "HBM floor" in r.stdout
     modes = res["sampling"]
     assert set(modes) == {"plain", "topp", "penalties", "logprobs", "n4sep", "n4seed"}
     assert modes["n4seed"]["baseline"] == "n4sep" and modes["topp"]["baseline"] == "plain"
@@ -246,3 +249,21 @@ def test_trace_steps_counts_a_step_with_its_head_graph_as_one():
            op("h2d", 92), op("model", 3), op("d2h", 93), op("h2d", 94), op("model", 5)]
     steps = split_steps(ops, graph_launches={1, 2, 3, 5})
     assert [[o["name"] for o in s] for s in steps] == [["model", "model", "head", "d2h", "h2d"], ["model", "d2h", "h2d"]]
+
+
+def test_moe_presets_are_hf_configs():
+    """The MoE presets read as their transformers configs with the published shapes, and name
+    architectures Loom registers."""
+    import transformers
+
+    from bench.presets import PRESETS
+    from workers.models.registry import MODELS
+    q = transformers.Qwen3MoeConfig(**PRESETS["qwen3-30b-a3b"])
+    assert (q.num_hidden_layers, q.hidden_size, q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size,
+            q.num_attention_heads, q.num_key_value_heads, q.head_dim, q.vocab_size) == \
+        (48, 2048, 128, 8, 768, 32, 4, 128, 151936)
+    m = transformers.MixtralConfig(**PRESETS["mixtral-8x7b"])
+    assert (m.num_hidden_layers, m.hidden_size, m.num_local_experts, m.num_experts_per_tok,
+            m.intermediate_size) == (32, 4096, 8, 2, 14336)
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        assert PRESETS[name]["architectures"][0] in MODELS

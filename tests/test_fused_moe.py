@@ -156,3 +156,142 @@ def test_swigluoai_matches_transformers_gpt_oss_experts():
                         w13_bias=deinterleave_gate_up(experts.gate_up_proj_bias.data, dim=1),
                         w2_bias=experts.down_proj_bias.data, activation="swigluoai")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+# Under TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU) the kernels run on CPU tensors;
+# small shapes and 16-row blocks keep these to a few seconds.
+from kernels import fused_moe as fm  # noqa: E402
+from kernels.jit import is_interpreted  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or is_interpreted(fm._fused_moe_gemm_kernel)),
+                                  reason="Triton runs neither on a GPU nor in the interpreter here")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = fm.MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+
+
+def check_alignment(topk_ids, block_m, num_experts, sorted_ids, expert_ids, num_post):
+    """Every pair once, in its expert's run (stable order), runs padded to whole blocks."""
+    flat = topk_ids.reshape(-1).cpu()
+    numel, sorted_ids, expert_ids = flat.numel(), sorted_ids.cpu(), expert_ids.cpu()
+    assert sorted_ids.numel() == fm.max_num_tokens_padded(numel, num_experts, block_m)
+    total = int(num_post)
+    assert total % block_m == 0 and (sorted_ids[total:] == numel).all()
+    real = sorted_ids[sorted_ids < numel]
+    assert sorted(real.tolist()) == list(range(numel))
+    blocks = sorted_ids[:total].view(-1, block_m)
+    for b, row in enumerate(blocks):
+        pairs = row[row < numel]
+        want = flat[pairs.long()]
+        want = torch.where(want < 0, -1, want)
+        assert (want == expert_ids[b]).all()
+        assert torch.equal(pairs, pairs.sort().values)
+    assert (expert_ids[total // block_m:] == -1).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [0, 1, 3, 40])
+@pytest.mark.parametrize("block_m", [16, 4])
+def test_moe_align_block_size(t, block_m):
+    """The one-program Triton kernel and the torch path agree exactly (a stable sort), with
+    ids of -1 (another rank's experts) in their own bucket."""
+    e, k = 6, 3
+    g = torch.Generator().manual_seed(t * 7 + block_m)
+    ids = torch.stack([torch.randperm(e + 1, generator=g)[:k] - 1 for _ in range(t)]) if t else torch.zeros(0, k)
+    ids = ids.to(torch.int64).to(DEV)
+    got = fm.moe_align_block_size(ids, block_m, e)
+    check_alignment(ids, block_m, e, *got)
+    want = fm._moe_align_torch(ids.reshape(-1), e, block_m, got[0].numel())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+ROUTINGS = [(0, "random"), (1, "random"), (1, "one_expert"), (13, "random"), (21, "one_expert"),
+            (21, "skip_expert"), (40, "skip_expert")]
+
+
+@needs_triton
+@pytest.mark.parametrize("t,routing", ROUTINGS)
+def test_fused_moe_triton_matches_reference(t, routing):
+    """fp32 (the kernel's dot in IEEE precision) over random routings and token counts: 0, 1,
+    an expert with no token, every token on one expert."""
+    hidden, w13, w2, _, _, weights, ids = moe_problem(t, 6, 2, 32, 16, seed=t, routing=routing, scale=0.25)
+    args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+    got = fm.fused_moe(*args, config=SMALL)
+    assert got.shape == (t, 32)
+    torch.testing.assert_close(got.cpu(), fused_moe_ref(*args).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_fused_moe_triton_biases_activation_and_other_ranks(activation, monkeypatch):
+    """Biases, gpt-oss's activation, a K that the tile does not divide (H 40, I 24), ids of -1
+    (adding nothing), and the torch alignment path that large batches take."""
+    hidden, w13, w2, b13, b2, weights, ids = moe_problem(9, 5, 3, 40, 24, seed=11, bias=True, scale=0.5)
+    ids[::3, 1] = -1
+    args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+    kw = dict(w13_bias=b13.to(DEV), w2_bias=b2.to(DEV), activation=activation)
+    want = fused_moe_ref(*args, **kw).cpu()
+    torch.testing.assert_close(fm.fused_moe(*args, **kw, config=SMALL).cpu(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(fm, "ALIGN_MAX_PAIRS_ONE_PROGRAM", 0)
+    torch.testing.assert_close(fm.fused_moe(*args, **kw, config=SMALL).cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_moe_dense_ref(*args, **kw).cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_tuned_configs_load_by_nearest_token_count(tmp_path, monkeypatch):
+    """A tuned file (vLLM's key and JSON) is read by the nearest token count; an untuned shape
+    gets the decode default for a few tokens per expert and the prefill default above."""
+    import json
+    cfgs = {"1": SMALL.to_json(), "64": fm.PREFILL_CONFIG.to_json()}
+    name = fm.config_file_name(8, 32, torch.bfloat16, "NVIDIA_H200")
+    assert name == "E=8,N=32,device_name=NVIDIA_H200,dtype=bf16.json"
+    (tmp_path / name).write_text(json.dumps(cfgs))
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    fm.load_configs.cache_clear()
+    try:
+        tuned = fm.load_configs(name)
+        assert fm.nearest_config(tuned, 1) == SMALL and fm.nearest_config(tuned, 30) == SMALL
+        assert fm.nearest_config(tuned, 40) == fm.PREFILL_CONFIG and fm.nearest_config(tuned, 9000) == fm.PREFILL_CONFIG
+        assert fm.load_configs("E=9,N=32,device_name=NVIDIA_H200,dtype=bf16.json") is None
+    finally:
+        fm.load_configs.cache_clear()
+    assert fm.default_config(1, 128, 8) == fm.DECODE_CONFIG
+    assert fm.default_config(8192, 128, 8) == fm.PREFILL_CONFIG
+
+
+def test_shipped_configs_parse():
+    """Every shipped tuned file names its shape and holds valid configs."""
+    for path in fm.CONFIG_DIR.glob("*.json"):
+        assert path.name.startswith("E=") and ",device_name=" in path.name and ",dtype=" in path.name
+        for cfg in fm.load_configs(path.name).values():
+            assert cfg.BLOCK_SIZE_M in (16, 32, 64, 128, 256) and cfg.BLOCK_SIZE_N >= 32
+
+
+def test_tuner_search_space_is_pruned_and_fits():
+    """bench/tune_moe.py's candidates: ~40 at most per token count, each within shared memory,
+    the default among them; 16-row blocks for a few tokens per expert, 64+ for many."""
+    from bench.tune_moe import BATCH_SIZES, MODEL_SHAPES, SMEM_BYTES, search_space
+    for shape in MODEL_SHAPES.values():
+        for m in BATCH_SIZES:
+            space = search_space(m, shape)
+            assert 8 <= len(space) <= 45 and len(set(space)) == len(space)
+            assert fm.default_config(m, shape.num_experts, shape.top_k) in space
+            assert all((c.BLOCK_SIZE_M + c.BLOCK_SIZE_N) * c.BLOCK_SIZE_K * 2 * c.num_stages <= SMEM_BYTES
+                       for c in space)
+    q = MODEL_SHAPES["qwen3-30b-a3b"]
+    assert {c.BLOCK_SIZE_M for c in search_space(1, q)} <= {16, 32}
+    assert min(c.BLOCK_SIZE_M for c in search_space(8192, q)) >= 64   # prefill: no 16-row blocks
+
+
+@needs_triton
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_fused_topk_matches_select_experts(scoring, renormalize):
+    """The one-kernel routing picks the reference's experts in its order, with its weights,
+    for a power-of-two and an odd expert count (and no tokens)."""
+    for t, e, k in ((5, 8, 2), (9, 60, 4), (0, 8, 2)):
+        logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e)).to(DEV)
+        want_w, want_ids = select_experts(logits, k, renormalize, scoring)
+        w, ids = fm.fused_topk(logits, k, renormalize, scoring)
+        assert ids.dtype == want_ids.dtype and torch.equal(ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)

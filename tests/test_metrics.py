@@ -466,3 +466,27 @@ def test_multiproc_dir_removed_at_exit(served):
     assert len(dirs) == 1 and any(f.endswith(".db") for f in os.listdir(tmp / dirs[0]))
     assert server.stop() == 0
     assert not [n for n in os.listdir(tmp) if n.startswith("loom-metrics-")]
+
+
+def test_mfu_counts_active_experts():
+    """A MoE layer counts the k experts each token runs (FLOPs) and the expected distinct experts
+    the step's tokens touch (bytes); mlp_only_layers / decoder_sparse_step keep dense layers."""
+    from metrics.mfu import expected_experts_read
+    hf = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+          "num_hidden_layers": 3, "intermediate_size": 16, "vocab_size": 10, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 6, "mlp_only_layers": [1]}
+    shape = ModelShape.from_hf_config(hf, 2)
+    assert (shape.num_moe_layers, shape.top_k, shape.moe_intermediate_size) == (2, 2, 6)
+    est = MfuEstimator(shape)
+    attn = 8 * 16 + 8 * 8                     # QKV + O per layer
+    dense_mlp, expert, router = 3 * 8 * 16, 3 * 8 * 6, 8 * 4
+    cost = est.step(1, 1, 1, 0)
+    assert cost.flops == 2 * (3 * attn + dense_mlp + 2 * (router + 2 * expert)) + 3 * 4 * 1 * 2 * 4
+    # one token reads exactly its k=2 experts per MoE layer; many tokens read all 4
+    assert expected_experts_read(4, 2, 1) == 2 and abs(expected_experts_read(4, 2, 50) - 4) < 1e-9
+    base = 3 * attn + dense_mlp + 2 * router + 10 * 8
+    assert est.weight_params_read(1) == base + 2 * 2 * expert
+    assert abs(est.weight_params_read(10_000) - (base + 2 * 4 * expert)) < 1e-6
+    mixtral = ModelShape.from_hf_config({**hf, "num_experts": None, "num_local_experts": 4, "mlp_only_layers": None,
+                                         "moe_intermediate_size": None}, 2)
+    assert (mixtral.num_moe_layers, mixtral.moe_intermediate_size) == (3, 16)

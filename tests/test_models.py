@@ -753,3 +753,21 @@ def test_no_model_type_branch_outside_the_models():
                         found.append(f"{rel}/{f}")
     # the only mentions: the demo builder writing its config, the processor hashing it into item keys
     assert set(found) == {"frontend/tools/demo_model.py", "multimodal/processor.py"}, found
+
+
+def test_fused_moe_triton_path_matches_hf(tmp_path, monkeypatch):
+    """The MoE layers through kernels/fused_moe.py's Triton kernels (layers.fused_moe and
+    layers.select_experts on the Triton path; in the interpreter on CPU): prefills, decodes and
+    chunks equal HF."""
+    from kernels import fused_moe as fm
+    from kernels.jit import is_interpreted
+    from workers.models import layers
+    if not is_interpreted(fm._fused_moe_gemm_kernel):
+        pytest.skip("the Triton interpreter is not active in this process")
+    calls = []
+    monkeypatch.setattr(layers, "fused_moe", lambda *a, **kw: calls.append(a[0].shape[0]) or fm.fused_moe(*a, **kw))
+    monkeypatch.setattr(layers, "select_experts", fm.fused_topk)
+    hf = make_hf_model(make_config("Qwen3MoeForCausalLM"))
+    ours = load_model(save(hf, tmp_path), torch.float32, "cpu")
+    run_scenario(ours, hf)
+    assert calls and min(calls) <= 3 < max(calls)   # decode steps and prefills both took it

@@ -30,6 +30,7 @@ from torch import nn
 from ipc import envs
 from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.embedding import vocab_parallel_embedding
+from kernels.fused_moe import fused_moe_ref, select_experts
 from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
@@ -51,13 +52,15 @@ silu_and_mul = silu_and_mul_ref
 gelu_tanh_and_mul = gelu_tanh_and_mul_ref  # GeGLU (Gemma); no GEMV fusion
 gemv = None           # kernels.gemv.gemv on the Triton path (use_triton_kernels)
 gemv_max_rows = 0
+fused_moe = fused_moe_ref            # the routed experts (workers/models/moe.py)
+select_experts = select_experts      # their router's top-k (kernels.fused_moe.fused_topk on Triton)
 
 
 # ------------------------------------------------------------------ config helpers
 _TORCH_REFERENCES = dict(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
                          qk_norm_rope_cache=qk_norm_rope_cache, silu_and_mul=silu_and_mul,
                          gelu_tanh_and_mul=gelu_tanh_and_mul, gemv=None,
-                         gemv_max_rows=0)
+                         gemv_max_rows=0, fused_moe=fused_moe_ref, select_experts=select_experts)
 
 
 def use_kernels(backend: str) -> None:
@@ -73,11 +76,13 @@ def use_kernels(backend: str) -> None:
 def use_triton_kernels() -> None:
     """The GPU path: route the ops above through the Triton kernels in kernels/."""
     from kernels import activation, qk_rope_cache
+    from kernels import fused_moe as triton_moe
     from kernels import rms_norm as triton_norm
 
     globals().update(rms_norm=triton_norm.rms_norm, fused_add_rms_norm=triton_norm.fused_add_rms_norm,
                      silu_and_mul=activation.silu_and_mul, gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
-                     qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache)
+                     qk_norm_rope_cache=qk_rope_cache.qk_norm_rope_cache, fused_moe=triton_moe.fused_moe,
+                     select_experts=triton_moe.fused_topk)
     if envs.LOOM_GEMV:
         from kernels import gemv as gemv_kernel
         globals().update(gemv=gemv_kernel.gemv, gemv_max_rows=gemv_kernel.MAX_DECODE_ROWS)

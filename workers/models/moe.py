@@ -16,8 +16,9 @@ import functools
 import torch
 from torch import nn
 
-from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref, select_experts
+from kernels.fused_moe import check_activation, fused_moe_dense_ref, fused_moe_ref
 from workers.distributed import all_reduce, tp_rank, tp_size
+from workers.models import layers
 from workers.models.layers import _check_shape, _narrow, _set_loader, replicated
 
 
@@ -89,11 +90,13 @@ class FusedMoE(nn.Module):
                     (num_experts, hidden_size, intermediate_size), tuple(range(num_experts)))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
-        # the routed reference reads which experts were chosen (a host sync): under CUDA-graph
-        # capture the dense, sync-free one runs instead (until the Triton kernel lands)
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-        moe = fused_moe_dense_ref if capturing else fused_moe_ref
+        weights, ids = layers.select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
+        # layers.fused_moe: the Triton kernel on the Triton path (sync-free: graphs capture it),
+        # the routed reference otherwise; that one reads which experts were chosen (a host
+        # sync), so a CUDA-graph capture on the reference path runs the dense, sync-free one
+        moe = layers.fused_moe
+        if moe is fused_moe_ref and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            moe = fused_moe_dense_ref
         # each rank's routed sum is partial (its share of the intermediate dim): the down bias
         # joins one rank's only, so that the all-reduce adds it once
         w2_bias = self.w2_bias if tp_rank() == 0 else None
