@@ -195,8 +195,6 @@ def num_params(cfg: dict) -> int:
         per_layer += 2 * d  # q_norm, k_norm
     if cfg["model_type"] == "gemma2":
         per_layer += 2 * h  # the pre-feedforward and post-feedforward norms
-    if cfg.get("num_local_experts"):  # routed experts: E gated MLPs and a router for the one MLP
-        per_layer += (cfg["num_local_experts"] - 1) * 3 * h * i + cfg["num_local_experts"] * h
     vision = 0
     if "vision_config" in cfg:  # ViT blocks + patch embedding + merger, roughly
         vc = cfg["vision_config"]
