@@ -12,7 +12,6 @@ here at load to the model's dtype (no W4A16 kernel yet), in the [E, out, in] lay
 stored in. Both become FusedMoE's [gate; up] stacked w13 and w2 (workers/models/moe.py)."""
 from __future__ import annotations
 
-import functools
 from typing import Iterable, Iterator
 
 import torch
@@ -63,15 +62,6 @@ def _head_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     param.data.copy_(_narrow(loaded, 0, tp_rank() * heads, heads))
 
 
-@torch.no_grad()
-def _w13_bias_loader(part: int, param: nn.Parameter, loaded, shard_id=None) -> None:
-    """[E, 2I], gate first: this rank's part of the gate's and of the up's biases."""
-    full = part * tp_size()
-    _check_shape(loaded, (param.shape[0], 2 * full))
-    for j in (0, 1):
-        param.data[:, j * part:(j + 1) * part].copy_(_narrow(loaded, 1, j * full + tp_rank() * part, part))
-
-
 class GptOssAttention(SelfAttention):
     """SelfAttention (fused qkv with biases, o_proj with a bias, the layer's window) whose
     attention has the sinks: this rank's heads' [num_heads] logits, HF's `self_attn.sinks`."""
@@ -106,11 +96,7 @@ class GptOssMLP(nn.Module):
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.router = GptOssRouter(h, e)
         self.experts = FusedMoE(e, config.num_experts_per_tok, h, i, renormalize=True, activation="swigluoai")
-        part = self.experts.w2_weight.shape[2]
-        self.experts.w13_bias = nn.Parameter(torch.empty(e, 2 * part), requires_grad=False)
-        _set_loader(self.experts.w13_bias, functools.partial(_w13_bias_loader, part), (e, 2 * i))
-        # every rank holds the down bias; FusedMoE adds it on one rank only (the ranks' sums add up)
-        self.experts.w2_bias = replicated(nn.Parameter(torch.empty(e, h), requires_grad=False))
+        self.experts.add_biases()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))

@@ -50,6 +50,14 @@ def _w2_loader(num_experts: int, part: int, rank: int, size: int, param: nn.Para
     param.data[shard_id].copy_(_narrow(loaded, 1, rank * part, part))
 
 
+@torch.no_grad()
+def _w13_bias_loader(part: int, rank: int, size: int, param: nn.Parameter, loaded, shard_id=None) -> None:
+    """The whole [E, 2I] gate/up bias (gate first): this rank's rows of each half."""
+    _check_shape(loaded, (param.shape[0], 2 * part * size))
+    for j in (0, 1):
+        param.data.narrow(1, j * part, part).copy_(_narrow(loaded, 1, j * part * size + rank * part, part))
+
+
 def expert_params(prefix: str, num_experts: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                   ) -> list[tuple[str, str, object]]:
     """Stacked-parameter rewrites for the experts under `prefix` (".mlp.experts."): the
@@ -74,7 +82,7 @@ class FusedMoE(nn.Module):
         check_activation(activation)
         self.activation = activation
         # expert biases [E, 2I] / [E, H] (gate rows first, kernels/fused_moe.py): None, or
-        # parameters that a model with biased experts (gpt-oss) registers under these names
+        # parameters (add_biases: gpt-oss)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if intermediate_size % tp_size():
@@ -88,6 +96,17 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, part), requires_grad=False)
         _set_loader(self.w2_weight, functools.partial(_w2_loader, num_experts, part, tp_rank(), tp_size()),
                     (num_experts, hidden_size, intermediate_size), tuple(range(num_experts)))
+
+    def add_biases(self) -> None:
+        """Expert biases (gpt-oss): w13_bias [E, 2I / TP] (gate first, this rank's part of each
+        half) and w2_bias [E, H] (every rank holds it), loaded from whole [E, 2I] / [E, H]
+        tensors. Under TP the ranks' routed sums are partial, so forward adds the down bias on
+        rank 0 only (the all-reduce then adds it once)."""
+        e, part, h = self.num_experts, self.w2_weight.shape[2], self.w2_weight.shape[1]
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * part), requires_grad=False)
+        _set_loader(self.w13_bias, functools.partial(_w13_bias_loader, part, tp_rank(), tp_size()),
+                    (e, 2 * part * tp_size()))
+        self.w2_bias = replicated(nn.Parameter(torch.empty(e, h), requires_grad=False))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = layers.select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
