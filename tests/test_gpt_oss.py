@@ -217,14 +217,20 @@ def test_harmony_chat_through_the_api_server():
     from frontend.openai.harmony import render_prompt
     from tests.conftest import run_fake
     from tests.test_tool_parsers import _ScriptedLLM
-    out = (enc.render(Message.from_role_and_content(Role.ASSISTANT, "User wants weather.").with_channel("analysis"))
+    channel, call_end = (enc.encode(t, allowed_special="all")[0] for t in ("<|channel|>", "<|call|>"))
+    analysis = enc.render(Message.from_role_and_content(Role.ASSISTANT, "User wants weather.").with_channel("analysis"))
+    # the prompt ends with "<|start|>assistant": the output starts at the first message's channel
+    out = (analysis[analysis.index(channel):]
            + enc.render(Message.from_role_and_content(Role.ASSISTANT, '{"city": "Rome"}').with_channel("commentary")
-                        .with_recipient("functions.get_weather").with_content_type("json"))[:-1]
-           + [enc.encode("<|call|>", allowed_special="all")[0]])
+                        .with_recipient("functions.get_weather").with_content_type("json"))[:-1] + [call_end])
     chat = [{"role": "user", "content": "Weather in Rome?"}]
     prompts = []
 
     class HarmonyLLM(_ScriptedLLM):
+        def __init__(self, **config):
+            super().__init__(**config)
+            self.config.vocab_size = 201088   # o200k_harmony's ids
+
         async def generate(self, prompt_token_ids, params, request_id):
             from frontend.outputs import CompletionOutput, RequestOutput
             prompts.append(list(prompt_token_ids))
@@ -243,11 +249,28 @@ def test_harmony_chat_through_the_api_server():
         return whole, deltas
 
     whole, deltas = run_fake(HarmonyLLM(reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
-                                        tool_call_parser="gpt_oss", vocab_size=201088), scenario)
+                                        tool_call_parser="gpt_oss"), scenario)
     assert prompts[0] == render_prompt(chat, TOOLS)
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
     msg = whole["choices"][0]["message"]
     assert msg["reasoning_content"] == "User wants weather."
     assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     streamed = "".join(c["delta"].get("reasoning_content") or "" for d in deltas for c in d["choices"])
     calls = [t["function"] for d in deltas for c in d["choices"] for t in c["delta"].get("tool_calls") or []]
     assert streamed == msg["reasoning_content"] and calls == [c["function"] for c in msg["tool_calls"]]
+
+
+def test_harmony_output_without_its_end_token():
+    # the engine stops on <|return|> and may leave it out, max_tokens may cut the answer: the
+    # last message counts with what it has
+    enc = _encoding_or_skip()
+    from openai_harmony import Message, Role
+
+    from frontend.openai.harmony import parse_output
+    channel = enc.encode("<|channel|>", allowed_special="all")[0]
+    analysis = enc.render(Message.from_role_and_content(Role.ASSISTANT, "Easy.").with_channel("analysis"))
+    final = enc.render(Message.from_role_and_content(Role.ASSISTANT, "It is sunny.").with_channel("final"))
+    out = analysis[analysis.index(channel):] + final
+    assert parse_output(out) == ("Easy.", "It is sunny.", [])
+    assert parse_output(out[:-1]) == ("Easy.", "It is sunny.", [])
+    assert parse_output(out[:-3])[0] == "Easy."

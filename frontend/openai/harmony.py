@@ -185,15 +185,33 @@ class HarmonyOutput:
             out["content"] = "".join(content)
         return out
 
+    def messages(self) -> list:
+        """Every message of the output, the parser told it ended. The last may have no end
+        token (the engine stopped on it and left it out, or max_tokens cut the output short):
+        it counts with what it has, as vLLM's harmony parsing keeps it."""
+        from openai_harmony import Message, Role, StreamState
+        partial = None
+        if self.parser.state == StreamState.CONTENT and self.parser.current_content:
+            partial = Message.from_role_and_content(self.parser.current_role or Role.ASSISTANT,
+                                                    self.parser.current_content)
+            partial.channel, partial.recipient = self.parser.current_channel, self.parser.current_recipient
+        done = len(self.parser.messages)
+        try:
+            self.parser.process_eos()
+        except Exception:   # an output cut inside a header: what was whole stands
+            pass
+        messages = self.parser.messages
+        if partial is not None and len(messages) == done:   # (process_eos did not close it)
+            messages.append(partial)
+        return messages
+
     def finish(self) -> list[ToolCall]:
-        """The calls of the whole output (the parser told the output ended)."""
-        self.parser.process_eos()
-        return output_fields(self.parser.messages)[2]
+        """The calls of the whole output."""
+        return output_fields(self.messages())[2]
 
 
 def parse_output(token_ids) -> tuple[str | None, str | None, list[ToolCall]]:
-    """A whole output's token ids -> (reasoning_content, content, tool calls). An output cut
-    short (max_tokens) keeps what it has (not strict)."""
-    from openai_harmony import Role
-    return output_fields(encoding().parse_messages_from_completion_tokens(list(token_ids), Role.ASSISTANT,
-                                                                          strict=False))
+    """A whole output's token ids -> (reasoning_content, content, tool calls)."""
+    out = HarmonyOutput()
+    out.add(token_ids)
+    return output_fields(out.messages())
