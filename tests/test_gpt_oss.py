@@ -28,13 +28,16 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exp + 127).to(torch.uint8)
 
 
-def test_dequantize_mxfp4_matches_transformers():
-    # every nibble, scales from tiny to large: ours keeps [E, out, in]; transformers' helper
-    # (the oracle) returns the transpose, HF's [E, in, out]
+def test_dequantize_mxfp4_matches_transformers(monkeypatch):
+    # every nibble, every scale byte, unpacked a few rows at a time: ours keeps [E, out, in];
+    # transformers' helper (the oracle) returns the transpose, HF's [E, in, out]
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from workers.models import gpt_oss
+    monkeypatch.setattr(gpt_oss, "DEQUANT_ROWS", 5)
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (3, 8, 4), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (3, 8, 4), generator=g, dtype=torch.uint8)
     for dtype in (torch.float32, torch.bfloat16):
         ours = dequantize_mxfp4(blocks, scales, dtype)
         assert ours.shape == (3, 8, 128) and ours.dtype == dtype

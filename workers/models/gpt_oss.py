@@ -29,6 +29,7 @@ from workers.models.moe import FusedMoE
 # shares one E8M0 scale byte, 2 ** (scale - 127)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32
+DEQUANT_ROWS = 1 << 20   # blocks unpacked at a time: bounds the temporaries (a 120b layer is 1 GB packed)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -38,11 +39,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
     out = torch.empty((*blocks.shape[:-1], MXFP4_BLOCK), dtype=dtype, device=blocks.device)
-    out[..., 0::2] = lut[(blocks & 0x0F).long()]
-    out[..., 1::2] = lut[(blocks >> 4).long()]
-    out = torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1)).to(dtype)
+    rows_b, rows_s, rows_o = blocks.reshape(-1, MXFP4_BLOCK // 2), scales.reshape(-1), out.view(-1, MXFP4_BLOCK)
+    for lo in range(0, rows_b.shape[0], DEQUANT_ROWS):
+        b, o = rows_b[lo:lo + DEQUANT_ROWS].to(torch.uint8), rows_o[lo:lo + DEQUANT_ROWS]
+        o[:, 0::2] = lut[(b & 0x0F).int()]
+        o[:, 1::2] = lut[(b >> 4).int()]
+        o.copy_(torch.ldexp(o, rows_s[lo:lo + DEQUANT_ROWS].to(torch.int32).sub(127).unsqueeze(-1)))
     return out.flatten(-2)
 
 
@@ -67,7 +70,8 @@ class GptOssAttention(SelfAttention):
     attention has the sinks: this rank's heads' [num_heads] logits, HF's `self_attn.sinks`."""
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, layer_idx: int):
-        super().__init__(config, rotary_emb, qkv_bias=True, o_bias=True, qk_norm=False,
+        bias = bool(getattr(config, "attention_bias", True))
+        super().__init__(config, rotary_emb, qkv_bias=bias, o_bias=bias, qk_norm=False,
                          sliding_window=layer_sliding_window(config, layer_idx))
         sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         _set_loader(sinks, _head_loader, (config.num_attention_heads,))
