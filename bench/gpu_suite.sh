@@ -149,9 +149,9 @@ PY
                  # layers, sinks, biased experts) through Triton and CUDA graphs vs HF
                  run gpt-oss-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gpt_oss.py ;;
   gpt-oss) # issue 45: gpt-oss-20b shapes (bf16 experts, dummy weights): 200 random 1,024/128 prompts, batch-1 TPOT
-           run gpt-oss-20b-throughput 240 $LOOM bench throughput --preset gpt-oss-20b --num-prompts 200 \
+           run gpt-oss-20b-throughput 220 $LOOM bench throughput --preset gpt-oss-20b --num-prompts 200 \
              --input-len 1024 --output-len 128 --output-json "$OUT/gpt-oss-throughput.json"
-           run gpt-oss-20b-latency 150 $LOOM bench latency --preset gpt-oss-20b --iters 3 \
+           run gpt-oss-20b-latency 170 $LOOM bench latency --preset gpt-oss-20b --iters 3 \
              --output-json "$OUT/gpt-oss-latency.json"
            python3 - "$OUT" <<'PY'
 import json, sys

@@ -189,7 +189,8 @@ def test_harmony_output_channels():
 
 def test_harmony_chat_without_the_vocabulary_is_a_clear_500(tmp_path, monkeypatch):
     # a gpt-oss server (--reasoning-parser openai_gptoss) offline, no o200k vocabulary: a chat gets
-    # a 500 saying what is missing; the server keeps serving (a completion after it)
+    # a 500 saying what is missing; the server keeps serving (a completion after it). A constrained
+    # chat is a 400 (a grammar from the first token leaves no channels to parse)
     from frontend.openai import harmony
     from tests.conftest import run_fake
     from tests.test_tool_parsers import _ScriptedLLM
@@ -200,14 +201,19 @@ def test_harmony_chat_without_the_vocabulary_is_a_clear_500(tmp_path, monkeypatc
         async with session.post(url + "/v1/chat/completions", json={
                 "model": "fake", "messages": [{"role": "user", "content": "hi"}]}) as r:
             chat = r.status, await r.json()
+        async with session.post(url + "/v1/chat/completions", json={
+                "model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"}}) as r:
+            constrained = r.status, await r.json()
         async with session.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi",
                                                                 "max_tokens": 4}) as r:
             completion = r.status, await r.json()
-        return chat, completion
+        return chat, constrained, completion
 
-    (status, body), (c_status, c_body) = run_fake(_ScriptedLLM(reasoning_parser="openai_gptoss"), scenario)
+    (status, body), (k_status, k_body), (c_status, c_body) = run_fake(_ScriptedLLM(reasoning_parser="openai_gptoss"), scenario)
     assert status == 500 and "o200k_base" in body["error"]["message"]
     assert "TIKTOKEN_ENCODINGS_BASE" in body["error"]["message"]
+    assert k_status == 400 and k_body["error"]["param"] == "response_format"
     assert c_status == 200 and c_body["choices"][0]["text"]
 
 

@@ -433,6 +433,10 @@ class OpenAIServer:
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = self._messages(req)
         tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
+        if self.harmony and constraint is not None:   # a grammar from the first token has no channels to parse
+            raise APIError("a gpt-oss (harmony) chat cannot be constrained yet: tool_choice 'required' or a named "
+                           "tool, response_format and structured_outputs are not supported with it", 400,
+                           "tool_choice" if tools.mode in ("required", "named") else "response_format")
         params = await self._tokenize_bad_words(build_sampling_params(
             req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
         self.check_alive()
