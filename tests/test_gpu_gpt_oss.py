@@ -11,7 +11,7 @@ from frontend import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 HQ, HKV, D, BLOCK = 64, 8, 64, 16   # gpt-oss-20b at TP=1: 64 query heads, 8 KV heads of 64
-BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+BF16_TOL = dict(atol=2e-2, rtol=3e-2)   # (tests/test_kernels.py's)
 
 
 def _batch(q_lens: list[int], seq_lens: list[int], seed: int = 0):
