@@ -93,9 +93,10 @@ PY
         --result-file "$OUT/vl-serve.json" --disable-tqdm
       kill -INT $pid; wait $pid
       grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
-  moe|moe-kernel|moe-qwen3|moe-mixtral) # issue 45: the fused-MoE kernel alone (decode vs its HBM floor,
-      # prefill vs the bf16 matmul peak, tuned vs default at 512 tokens), then Qwen3-30B-A3B offline
-      # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT
+  moe|moe-kernel|moe-qwen3|moe-mixtral|moe-std) # issue 45: the fused-MoE kernel alone (decode vs its HBM
+      # floor, prefill vs the bf16 matmul peak, tuned vs default at 512 tokens), then Qwen3-30B-A3B offline
+      # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT;
+      # moe-std alone: Qwen3-30B-A3B on the standard offline workload against its HBM floor
       case $section in moe|moe-kernel)
         TAIL=14 run moe-kernel 150 python3 -m bench.moe_kernel --model-shape qwen3-30b-a3b --output-json "$OUT/moe-kernel.json" ;; esac
       case $section in moe|moe-qwen3)
@@ -106,6 +107,9 @@ PY
       case $section in moe|moe-mixtral)
         TAIL=4 run moe-mixtral-latency 180 $LOOM bench latency --preset mixtral-8x7b --iters 3 \
           --output-json "$OUT/moe-mixtral-latency.json" ;; esac
+      case $section in moe-std)
+        TAIL=10 run moe-qwen3-std 300 $LOOM bench throughput --preset qwen3-30b-a3b \
+          --output-json "$OUT/moe-qwen3-std.json" ;; esac
       python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -126,17 +130,20 @@ t = read("moe-qwen3-throughput")
 if t:
     rows.append(("Qwen3-30B-A3B 1024/128 x1000 total tok/s", f"{t['total_tok_per_s']:.0f}", ">=32000",
                  t["total_tok_per_s"] >= 32000))
-    rows.append(("  its HBM floor / elapsed", f"{100 * t['hbm_floor_fraction']:.0f}%", "(>=70% std wl)",
-                 t["hbm_floor_fraction"] >= 0.70))
+    rows.append(("  its HBM floor / elapsed (no target)", f"{100 * t['hbm_floor_fraction']:.0f}%", "-", True))
+std = read("moe-qwen3-std")
+if std:
+    rows.append(("Qwen3-30B-A3B standard workload: HBM floor / elapsed", f"{100 * std['hbm_floor_fraction']:.0f}%",
+                 ">=70%", std["hbm_floor_fraction"] >= 0.70))
 for name, label, target in (("moe-qwen3-latency", "Qwen3-30B-A3B batch-1 TPOT ms", 2.2),
                             ("moe-mixtral-latency", "Mixtral-8x7B batch-1 TPOT ms", 7.0)):
     lat = read(name)
     if lat:
         tpot = lat["runs"][0]["tpot_ms"]
         rows.append((label, f"{tpot:.3f}", f"<={target}", tpot <= target))
-print(f"\n{'MoE (issue 45)':48s} {'measured':>10s} {'target':>14s}")
+print(f"\n{'MoE (issue 45)':54s} {'measured':>10s} {'target':>8s}")
 for name, got, want, ok in rows:
-    print(f"{name:48s} {got:>10s} {want:>14s} {'ok' if ok else 'MISS'}")
+    print(f"{name:54s} {got:>10s} {want:>8s} {'ok' if ok else 'MISS'}")
 PY
       ;;
   moe-tune) # issue 45: write the H200 tile configs (kernels/fused_moe_configs/), ~2-4 min per shape

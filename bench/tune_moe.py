@@ -8,8 +8,9 @@ tiles where a few tokens reach each expert, 64/128-row blocks and wide tiles whe
 tiles whose pipeline stages overflow shared memory are skipped), checks the fastest against
 the default config's output, and writes kernels/fused_moe_configs/E=..,N=..,device_name=..,
 dtype=bf16.json: token count -> config, keyed by this GPU's name (the kernel then picks the
-nearest token count). One model shape takes about 2-4 minutes on an H200, most of it Triton
-compiling each config's two kernels once.
+nearest token count). Triton compiles each config's two kernels once; --compile-workers
+processes compile them all first, in parallel, into Triton's disk cache, so the sweep itself
+loads them (one model shape: a few minutes on an H200).
 
 Each time is one call's share of a CUDA graph that runs the MoE once per routing, over
 `reps` different random routings (softmax top-k of random logits), so that a small batch
@@ -18,7 +19,10 @@ reads other experts each call rather than the last call's from L2.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 
@@ -124,6 +128,42 @@ class MoeCase:
         return start.elapsed_time(end) * 1e3 / iters / reps
 
 
+def _compile(job: tuple[MoeShape, int, list[fm.MoeTileConfig]]) -> int:
+    """In a worker process: run every config once on uninitialised weights of the real shape
+    (the kernels specialise on the shape, not the values), at one token (the one-program
+    alignment) and at 64 (the chunked one), which leaves their binaries in Triton's cache."""
+    shape, intermediate, configs = job
+    e, h, k = shape.num_experts, shape.hidden, shape.top_k
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w13, w2 = torch.empty(e, 2 * intermediate, h, **bf), torch.empty(e, h, intermediate, **bf)
+    b13 = torch.empty(e, 2 * intermediate, **bf) if shape.bias else None
+    b2 = torch.empty(e, h, **bf) if shape.bias else None
+    for m in (1, 64):
+        w, ids = fm.select_experts(torch.randn(m, e, device="cuda"), k, True)
+        for cfg in configs:
+            try:
+                fm.fused_moe(torch.randn(m, h, **bf), w13, w2, w, ids, w13_bias=b13, w2_bias=b2,
+                             activation=shape.activation, config=cfg)
+            except Exception:  # noqa: BLE001 (the sweep reports a config that does not build)
+                pass
+    torch.cuda.synchronize()
+    return len(configs)
+
+
+def precompile(shape: MoeShape, intermediate: int, configs: list[fm.MoeTileConfig], workers: int) -> None:
+    """Compile the configs' kernels in `workers` processes at once (Triton compiles one kernel at
+    a time per process, ~1-2 s each: ~100 of them per model shape)."""
+    if workers <= 0 or not configs:
+        return
+    jobs = [(shape, intermediate, configs[i::workers]) for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            list(pool.map(_compile, [j for j in jobs if j[2]]))
+    except Exception as e:  # noqa: BLE001 (the sweep then compiles as it goes)
+        print(f"precompile failed ({type(e).__name__}: {e}); compiling during the sweep", flush=True)
+
+
 def reps_for(num_tokens: int) -> int:
     """Routings per graph: enough calls to hide launch gaps at a few tokens, few at many."""
     return 16 if num_tokens <= 64 else 4 if num_tokens <= 1024 else 2
@@ -166,6 +206,8 @@ def main() -> int:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=BATCH_SIZES, help="token counts to tune")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each rank's intermediate slice)")
     ap.add_argument("--out-dir", default=str(fm.CONFIG_DIR), help="where to write the JSON file")
+    ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes compiling the configs before the sweep (0: compile as it goes)")
     args = ap.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
     intermediate = shape.intermediate // args.tp
@@ -174,8 +216,11 @@ def main() -> int:
     print(f"tuning {args.model_shape} (E={shape.num_experts}, H={shape.hidden}, I={intermediate}, "
           f"top-{shape.top_k}, {shape.activation}) on {device}", flush=True)
     t0 = time.perf_counter()
-    results = tune(shape, intermediate, sorted(set(args.batch_sizes)))
-    import os
+    sizes = sorted(set(args.batch_sizes))
+    configs = list(dict.fromkeys(c for m in sizes for c in search_space(m, shape)))
+    precompile(shape, intermediate, configs, args.compile_workers)
+    print(f"{len(configs)} configs compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    results = tune(shape, intermediate, sizes)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, name)
     with open(path, "w") as f:

@@ -208,11 +208,13 @@ def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 # adds nothing: its pairs are sorted into an extra bucket whose blocks have expert id -1, which
 # the gate/up GEMM skips and the down GEMM writes as zeros.
 
-# moe_align_block_size runs as one Triton program up to this many pairs (decode: one launch
-# instead of a dozen torch ops in every layer of a CUDA graph), and as sync-free torch ops
-# (a stable sort) above it, where the single program's serial passes would cost more.
-ALIGN_MAX_PAIRS_ONE_PROGRAM = 2048
-_ALIGN_CHUNK = 64
+# moe_align_block_size runs as one Triton program up to this many pairs (decode: one launch in
+# every layer of a CUDA graph), and above it as three launches over 64-pair chunks (count per
+# chunk, prefix per expert over the chunks, scatter), where one program's serial passes would
+# cost more. Both give the stable order of moe_align_block_size_ref (torch ops, the oracle).
+ALIGN_MAX_PAIRS_ONE_PROGRAM = 256
+_ALIGN_CHUNK = 64      # pairs per loop step / per program
+_ALIGN_FILL = 1024     # padding slots per store
 
 
 def max_num_tokens_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -222,51 +224,119 @@ def max_num_tokens_padded(num_pairs: int, num_experts: int, block_m: int) -> int
     return triton.cdiv(worst, block_m) * block_m
 
 
+@triton.jit
+def _load_buckets(ids_ptr, offs, numel, NUM_EXPERTS: tl.constexpr, BUCKETS_POW2: tl.constexpr):
+    """The pairs' buckets (expert id; NUM_EXPERTS for id -1) as a one-hot [len(offs), BUCKETS_POW2]
+    (all zero past numel)."""
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=BUCKETS_POW2).to(tl.int32)
+    ids = tl.where(ids < 0, NUM_EXPERTS, ids)
+    return (ids[:, None] == tl.arange(0, BUCKETS_POW2)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _padded_runs(counts, BLOCK_M: tl.constexpr):
+    """Per-bucket pair counts -> (start, end) of each bucket's run padded to whole blocks."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    return ends - padded, ends
+
+
+@triton.jit
+def _store_block_experts(expert_ids_ptr, ends, first, num_blocks, step, NUM_EXPERTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """expert_ids[b] for b = first, first + step, ... (CHUNK at a time): the number of runs that
+    end at or before the block's first slot, -1 for the id -1 bucket and past the last run."""
+    for b0 in range(first, num_blocks, step):
+        blocks = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(owner >= NUM_EXPERTS, -1, owner), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _fill_padding(sorted_ptr, first, max_padded, step, numel, FILL: tl.constexpr):
+    for p0 in range(first, max_padded, step):
+        slots = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, tl.zeros((FILL,), dtype=tl.int32) + numel, mask=slots < max_padded)
+
+
 @step_jit(ints=("numel", "max_padded"))
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, max_padded,
                       NUM_EXPERTS: tl.constexpr, BUCKETS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr, FILL: tl.constexpr):
     """One program: counts per bucket (experts 0..E-1, bucket E for id -1), padded run starts,
     the expert of every block, then each pair's slot (its bucket's start + its rank among the
-    bucket's earlier pairs: a stable sort, as the torch path's)."""
-    buckets = tl.arange(0, BUCKETS_POW2)
+    bucket's earlier pairs: a stable sort)."""
     counts = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
     for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=BUCKETS_POW2).to(tl.int32)
-        ids = tl.where(ids < 0, NUM_EXPERTS, ids)
-        counts += tl.sum((ids[:, None] == buckets[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(num_post_ptr, tl.sum(padded, axis=0))
-    # block b's expert: the number of runs that end at or before its first slot
-    for b0 in range(0, max_padded // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + blocks, tl.where(owner >= NUM_EXPERTS, -1, owner),
-                 mask=blocks < max_padded // BLOCK_M)
-    for p0 in range(0, max_padded, CHUNK):
-        slots = p0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + slots, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=slots < max_padded)
+        counts += tl.sum(_load_buckets(ids_ptr, start + tl.arange(0, CHUNK), numel, NUM_EXPERTS, BUCKETS_POW2),
+                         axis=0)
+    starts, ends = _padded_runs(counts, BLOCK_M)
+    tl.store(num_post_ptr, tl.sum(ends - starts, axis=0))
+    _store_block_experts(expert_ids_ptr, ends, 0, max_padded // BLOCK_M, CHUNK, NUM_EXPERTS, BLOCK_M, CHUNK)
+    _fill_padding(sorted_ptr, 0, max_padded, FILL, numel, FILL)
     tl.debug_barrier()  # the padding fill above lands before the pairs below overwrite it
     seen = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
     for start in range(0, numel, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=BUCKETS_POW2).to(tl.int32)
-        ids = tl.where(ids < 0, NUM_EXPERTS, ids)
-        onehot = (ids[:, None] == buckets[None, :]).to(tl.int32)
+        onehot = _load_buckets(ids_ptr, offs, numel, NUM_EXPERTS, BUCKETS_POW2)
         # slot of pair i = start of its bucket + pairs of the bucket before this chunk + before i in it
         slot = tl.sum(onehot * (starts[None, :] + seen[None, :] + tl.cumsum(onehot, axis=0) - 1), axis=1)
         tl.store(sorted_ptr + slot, offs, mask=offs < numel)
         seen += tl.sum(onehot, axis=0)
 
 
-def _moe_align_torch(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same result as _moe_align_kernel from sync-free torch ops (no .item(), no nonzero,
-    no bincount: its output size would depend on the data)."""
+@step_jit(ints=("numel", "max_padded"))
+def _moe_align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, max_padded, NUM_EXPERTS: tl.constexpr,
+                            BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """Program c: chunk c's pairs per bucket -> counts[c, :]; and its share of the padding fill
+    (done before the scatter kernel writes the pairs)."""
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    onehot = _load_buckets(ids_ptr, pid * CHUNK + tl.arange(0, CHUNK), numel, NUM_EXPERTS, BUCKETS_POW2)
+    tl.store(counts_ptr + pid * BUCKETS_POW2 + tl.arange(0, BUCKETS_POW2), tl.sum(onehot, axis=0))
+    _fill_padding(sorted_ptr, pid * FILL, max_padded, n_prog * FILL, numel, FILL)
+
+
+@step_jit(ints=("num_chunks",))
+def _moe_align_scan_kernel(counts_ptr, offsets_ptr, totals_ptr, num_chunks, BUCKETS_POW2: tl.constexpr,
+                           SCAN: tl.constexpr):
+    """Program e: bucket e's exclusive prefix sum over the chunks -> offsets[c, e]; its total."""
+    e = tl.program_id(0)
+    running = tl.zeros((SCAN,), dtype=tl.int32)   # the count before this block of chunks, broadcast
+    for c0 in range(0, num_chunks, SCAN):
+        chunks = c0 + tl.arange(0, SCAN)
+        x = tl.load(counts_ptr + chunks * BUCKETS_POW2 + e, mask=chunks < num_chunks, other=0)
+        tl.store(offsets_ptr + chunks * BUCKETS_POW2 + e, running + tl.cumsum(x, axis=0) - x,
+                 mask=chunks < num_chunks)
+        running += tl.sum(x, axis=0)
+    tl.store(totals_ptr + e, tl.max(running, axis=0))
+
+
+@step_jit(ints=("numel", "max_padded"))
+def _moe_align_scatter_kernel(ids_ptr, offsets_ptr, totals_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                              numel, max_padded, NUM_EXPERTS: tl.constexpr, BUCKETS_POW2: tl.constexpr,
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: the padded runs from the totals, its share of expert_ids, and chunk c's slots
+    (bucket start + the bucket's pairs in earlier chunks + before it in this one)."""
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    buckets = tl.arange(0, BUCKETS_POW2)
+    starts, ends = _padded_runs(tl.load(totals_ptr + buckets), BLOCK_M)
+    if pid == 0:
+        tl.store(num_post_ptr, tl.sum(ends - starts, axis=0))
+    _store_block_experts(expert_ids_ptr, ends, pid * CHUNK, max_padded // BLOCK_M, n_prog * CHUNK, NUM_EXPERTS,
+                         BLOCK_M, CHUNK)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    onehot = _load_buckets(ids_ptr, offs, numel, NUM_EXPERTS, BUCKETS_POW2)
+    before = tl.load(offsets_ptr + pid * BUCKETS_POW2 + buckets)
+    slot = tl.sum(onehot * (starts[None, :] + before[None, :] + tl.cumsum(onehot, axis=0) - 1), axis=1)
+    tl.store(sorted_ptr + slot, offs, mask=offs < numel)
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align_block_size from torch ops (a stable sort), the kernels' oracle."""
+    flat = topk_ids.reshape(-1)
     dev, numel = flat.device, flat.numel()
+    max_padded = max_num_tokens_padded(numel, num_experts, block_m)
     ids = torch.where(flat < 0, num_experts, flat).long()
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, ids, torch.ones_like(ids))
@@ -287,20 +357,35 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_token_ids [P] int32, expert_ids [P / block_m] int32,
     num_tokens_post_padded [1] int32), P = max_num_tokens_padded(T*k, E, block_m).
-    sorted_token_ids lists the pairs i = t*k + j expert by expert (id -1 last), each expert's
-    run padded with T*k to whole blocks; slots past num_tokens_post_padded are padding too,
-    and their blocks' expert id is -1."""
+    sorted_token_ids lists the pairs i = t*k + j expert by expert (id -1 last), in pair order
+    within an expert, each expert's run padded with T*k to whole blocks; slots past
+    num_tokens_post_padded are padding too, and their blocks' expert id is -1."""
     flat = topk_ids.reshape(-1)
-    numel = flat.numel()
+    numel, dev = flat.numel(), flat.device
+    if not runs_triton(_moe_align_kernel, flat):
+        return moe_align_block_size_ref(topk_ids, block_m, num_experts)
     max_padded = max_num_tokens_padded(numel, num_experts, block_m)
-    if numel > ALIGN_MAX_PAIRS_ONE_PROGRAM or not runs_triton(_moe_align_kernel, flat):
-        return _moe_align_torch(flat, num_experts, block_m, max_padded)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
-    num_post = torch.empty(1, dtype=torch.int32, device=flat.device)
-    _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, numel, max_padded, NUM_EXPERTS=num_experts,
-                            BUCKETS_POW2=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
-                            CHUNK=_ALIGN_CHUNK, num_warps=4)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    buckets = triton.next_power_of_2(num_experts + 1)
+    shape = dict(NUM_EXPERTS=num_experts, BUCKETS_POW2=buckets)
+    if numel <= ALIGN_MAX_PAIRS_ONE_PROGRAM:
+        # a decode batch's few pairs in one narrow step ([16, E] one-hots, not [64, E])
+        chunk = min(_ALIGN_CHUNK, max(16, triton.next_power_of_2(numel)))
+        _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, numel, max_padded, **shape,
+                                BLOCK_M=block_m, CHUNK=chunk, FILL=_ALIGN_FILL, num_warps=4)
+        return sorted_ids, expert_ids, num_post
+    chunks = triton.cdiv(numel, _ALIGN_CHUNK)
+    counts = torch.empty((chunks, buckets), dtype=torch.int32, device=dev)
+    offsets = torch.empty_like(counts)
+    totals = torch.empty(buckets, dtype=torch.int32, device=dev)
+    _moe_align_count_kernel[(chunks,)](flat, counts, sorted_ids, numel, max_padded, **shape, CHUNK=_ALIGN_CHUNK,
+                                       FILL=_ALIGN_FILL, num_warps=4)
+    _moe_align_scan_kernel[(buckets,)](counts, offsets, totals, chunks, BUCKETS_POW2=buckets,
+                                       SCAN=min(1024, triton.next_power_of_2(chunks)), num_warps=4)
+    _moe_align_scatter_kernel[(chunks,)](flat, offsets, totals, sorted_ids, expert_ids, num_post, numel, max_padded,
+                                         **shape, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=4)
     return sorted_ids, expert_ids, num_post
 
 
@@ -449,6 +534,7 @@ def load_configs(file_name: str) -> dict[int, MoeTileConfig] | None:
     return {int(m): MoeTileConfig(**cfg) for m, cfg in json.loads(path.read_text()).items()}
 
 
+@functools.lru_cache(maxsize=4096)  # every MoE layer of every step asks: answer from a dict
 def get_config(num_tokens: int, num_experts: int, intermediate: int, top_k: int, dtype: torch.dtype,
                device: torch.device) -> MoeTileConfig:
     """The tuned config of the nearest token count for this GPU and shape, else the default."""

@@ -190,18 +190,20 @@ def check_alignment(topk_ids, block_m, num_experts, sorted_ids, expert_ids, num_
 
 
 @needs_triton
-@pytest.mark.parametrize("t", [0, 1, 3, 40])
+@pytest.mark.parametrize("t", [0, 1, 3, 40, 90])
 @pytest.mark.parametrize("block_m", [16, 4])
 def test_moe_align_block_size(t, block_m):
-    """The one-program Triton kernel and the torch path agree exactly (a stable sort), with
-    ids of -1 (another rank's experts) in their own bucket."""
+    """The Triton kernels (one program up to ALIGN_MAX_PAIRS_ONE_PROGRAM pairs: 40 x 3; three
+    launches over 64-pair chunks above: 90 x 3) equal the torch reference exactly (a stable
+    sort), with ids of -1 (another rank's experts) in their own bucket."""
     e, k = 6, 3
     g = torch.Generator().manual_seed(t * 7 + block_m)
     ids = torch.stack([torch.randperm(e + 1, generator=g)[:k] - 1 for _ in range(t)]) if t else torch.zeros(0, k)
     ids = ids.to(torch.int64).to(DEV)
+    assert (t * k > fm.ALIGN_MAX_PAIRS_ONE_PROGRAM) == (t == 90)
     got = fm.moe_align_block_size(ids, block_m, e)
     check_alignment(ids, block_m, e, *got)
-    want = fm._moe_align_torch(ids.reshape(-1), e, block_m, got[0].numel())
+    want = fm.moe_align_block_size_ref(ids, block_m, e)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -226,7 +228,7 @@ def test_fused_moe_triton_matches_reference(t, routing):
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 def test_fused_moe_triton_biases_activation_and_other_ranks(activation, monkeypatch):
     """Biases, gpt-oss's activation, a K that the tile does not divide (H 40, I 24), ids of -1
-    (adding nothing), and the torch alignment path that large batches take."""
+    (adding nothing), and the chunked alignment kernels that large batches take."""
     hidden, w13, w2, b13, b2, weights, ids = moe_problem(9, 5, 3, 40, 24, seed=11, bias=True, scale=0.5)
     ids[::3, 1] = -1
     args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]

@@ -58,7 +58,7 @@ def test_kernel_biases_and_activation_bf16(activation):
 @pytest.mark.parametrize("t", [8, 600])
 def test_kernel_in_a_cuda_graph_equals_eager(t):
     """Captured once, replayed on new tokens and a new routing: bit-equal to an eager call. 8
-    tokens align in the one-program Triton kernel, 600 (4800 pairs) in the torch ops."""
+    tokens align in the one-program Triton kernel, 600 (4800 pairs) in the three chunked ones."""
     hidden, w13, w2, _, _, weights, ids = _layer(t, seed=1)
     assert (t * K > fm.ALIGN_MAX_PAIRS_ONE_PROGRAM) == (t == 600)
     fm.fused_moe(hidden, w13, w2, weights, ids)   # compile outside the capture
