@@ -152,6 +152,40 @@ PY
       done
       cp "$OUT"/fused_moe_configs/*.json kernels/fused_moe_configs/ 2>/dev/null; ls kernels/fused_moe_configs ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
+  gpt-oss-tests) # issue 45: the sink attention kernel in bf16 at gpt-oss-20b's shapes; the tiny gpt-oss (sliding
+                 # layers, sinks, biased experts) through Triton and CUDA graphs vs HF
+                 run gpt-oss-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gpt_oss.py ;;
+  gpt-oss) # issue 45: gpt-oss-20b shapes (bf16 experts, dummy weights): 200 random 1,024/128 prompts, batch-1 TPOT
+           run gpt-oss-20b-throughput 220 $LOOM bench throughput --preset gpt-oss-20b --num-prompts 200 \
+             --input-len 1024 --output-len 128 --output-json "$OUT/gpt-oss-throughput.json"
+           run gpt-oss-20b-latency 170 $LOOM bench latency --preset gpt-oss-20b --iters 3 \
+             --output-json "$OUT/gpt-oss-latency.json"
+           python3 - "$OUT" <<'PY'
+import json, sys
+from bench.presets import PRESETS
+out, cfg = sys.argv[1], PRESETS["gpt-oss-20b"]
+h, i, e, k, n = (cfg[x] for x in ("hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok",
+                                  "num_hidden_layers"))
+q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+# what one decode token reads (bf16): attention, the router, k experts per layer, the lm_head
+active = n * (h * (q + 2 * kv) + q * h + h * e + k * 3 * h * i) + cfg["vocab_size"] * h
+floor_ms = 2 * active / 4.8e12 * 1e3   # H200 HBM3e 4.8 TB/s
+def read(name):
+    try:
+        with open(f"{out}/gpt-oss-{name}.json") as f:
+            return json.load(f)
+    except OSError:
+        return None
+tp, lat = read("throughput"), read("latency")
+print(f"{'gpt-oss-20b (dummy, bf16)':<40} {'measured':>12} {'reference':>22}")
+if tp:
+    print(f"{'offline 200 x 1,024/128 total tok/s':<40} {tp['total_tok_per_s']:>12.0f} {'(no target yet)':>22}")
+    print(f"{'offline 200 x 1,024/128 output tok/s':<40} {tp['output_tok_per_s']:>12.0f} {'':>22}")
+if lat:
+    tpot = lat["runs"][0]["tpot_ms"]
+    print(f"{'batch-1 TPOT ms':<40} {tpot:>12.3f} {f'HBM floor {floor_ms:.2f} ms':>22}")
+PY
+           ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -132,6 +132,21 @@ PRESETS: dict[str, dict] = {
                           "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
                           "temporal_patch_size": 2},
     },
+    # gpt-oss-20b (the Hub's config.json, its experts bf16 rather than MXFP4 for --load-format
+    # dummy): 24 layers, sliding-window (128) and full alternating, attention sinks, 64 query and 8
+    # KV heads of 64, 32 experts top-4 with biases and the clamped SwiGLU, YaRN to 131,072
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "bos_token_id": 199998, "eos_token_id": 200002, "pad_token_id": 199999,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.55.0", "use_cache": True, "vocab_size": 201088,
+    },
 }
 
 # what the Qwen2-VL image processor needs (Qwen2.5-VL-7B-Instruct's preprocessor_config.json)
@@ -159,6 +174,10 @@ _SPECIAL = {
     "qwen2_5_vl": {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
                    151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
                    151655: "<|image_pad|>", 151656: "<|video_pad|>"},
+    # the harmony format's tokens (o200k_harmony)
+    "gpt_oss": {200002: "<|return|>", 199998: "<|startoftext|>", 199999: "<|endoftext|>", 200003: "<|constrain|>",
+                200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>",
+                200012: "<|call|>"},
 }
 
 

@@ -104,11 +104,11 @@ class EngineConfig:
         None, "JSON object of sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty), e.g. "
         "'{\"temperature\": 0.5}', merged over --generation-config's (alone with vllm)")
     reasoning_parser: str | None = option(None, "split the model's thinking (<think>...</think>) into "
-                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1"))
+                                          "reasoning_content; a grammar applies after it", ("qwen3", "deepseek_r1", "openai_gptoss"))
     enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
                                            "(needs --tool-call-parser)")
     tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
-                                          ("hermes", "llama3_json"))
+                                          ("hermes", "llama3_json", "gpt_oss"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "

@@ -38,12 +38,14 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged caches. Returns [T, Hq, D].
 
     sliding_window: a query at position p sees keys p - sliding_window < k <= p (HF's
     convention), and no block before its window's is read (a trimmed cache may have freed
     them). logits_soft_cap: scores = cap * tanh(scores / cap), after the scale, before the mask.
+    sinks [Hq] (gpt-oss): each head's learned logit joins the softmax's denominator as one more
+    key with no value (HF's `sinks`: the probabilities of the real keys sum to less than 1).
 
     Pure torch: the oracle for the Triton kernel and the CPU path of the model
     runner. Sequences with one query (decode) go in one batched product, the
@@ -53,12 +55,22 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, decode,
-                    sliding_window, logits_soft_cap)
+                    sliding_window, logits_soft_cap, sinks)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i,
-                          sliding_window, logits_soft_cap)
+                          sliding_window, logits_soft_cap, sinks)
     return out
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores, each row's sink (broadcast to scores[..., :1]) one
+    more logit in it whose probability is dropped (HF gpt-oss: softmax(cat(scores, sink))[:-1]).
+    A row that sees no key gives all its weight to the sink: zeros, where plain softmax is NaN."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -67,7 +79,8 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int,
-                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                  sinks: torch.Tensor | None = None):
     """Sequence i's queries, which are the last q_len of its seq_len tokens."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     q_lo, q_hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
@@ -86,12 +99,13 @@ def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens,
     if sliding_window is not None:
         hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
     scores.masked_fill_(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv_heads, -1, 1, 1))
     out[q_lo:q_hi] = torch.einsum("kgqs,skd->qkgd", probs, v).flatten(1, 2).to(query.dtype)
 
 
 def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                rows: list[int], sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                rows: list[int], sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None):
     """The sequences `rows`, each with one query that sees all its tokens (the last
     sliding_window of them), padded to the longest."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -111,7 +125,7 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
     scores = soft_cap(torch.einsum("bkgd,bskd->bkgs", q, k) * scale, logits_soft_cap)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     v.masked_fill_(pad[:, :, None, None], 0.0)   # unwritten slots may hold NaN, and 0 * NaN is NaN
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv_heads, -1, 1))
     out[tok] = torch.einsum("bkgs,bskd->bkgd", probs, v).flatten(1, 2).to(query.dtype)
 
 
@@ -129,11 +143,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window"),
-          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr"))
+          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, sinks_ptr,
     qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -144,7 +158,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
@@ -152,8 +166,10 @@ def _paged_attention_kernel(
     HAS_WINDOW: a row at position p sees keys p - window < k <= p, and the KV loop starts at
     the tile's first query's window, so no key before it is read (a trimmed cache's block
     table holds freed blocks there). HAS_SOFTCAP: qk_scale is scale / cap and soft_cap is
-    cap * log2(e), scores = soft_cap * tanh(q.k * qk_scale). Without either, full attention
-    compiles as it always has."""
+    cap * log2(e), scores = soft_cap * tanh(q.k * qk_scale). HAS_SINKS: each query head's
+    sink logit (sinks_ptr [Hq], natural log) joins the softmax's denominator once: unsplit, it
+    starts the running max and sum (a key of weight exp(sink) and no value); split, the
+    reduce adds it to the splits' merge. Without any, full attention compiles as it always has."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -227,8 +243,12 @@ def _paged_attention_kernel(
         kv_lo = kv_end * 0
         kv_hi = kv_end
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_head = kc_ptr + kvh.to(tl.int64) * stride_kh
@@ -286,9 +306,9 @@ def _paged_attention_kernel(
 
 @step_jit(ints=("tok_base",))
 def _split_kv_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_q_heads, tok_base,
+    part_acc_ptr, part_ml_ptr, out_ptr, sinks_ptr, stride_ot, stride_oh, num_q_heads, tok_base,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)  # token - tok_base
@@ -300,9 +320,15 @@ def _split_kv_reduce_kernel(
     row = (t * num_q_heads + h) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l_ = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)
+    if HAS_SINKS:   # the head's sink joins the merged denominator once (log2 domain, as m)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(tl.max(m, 0), sink)
+    else:
+        m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)  # empty splits carry m = -1e30 -> weight 0
     total = tl.sum(w * l_, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_max)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
@@ -362,9 +388,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     max_seq_len: int, num_kv_splits: int | None = None,
                     num_decodes: int = 0, seq_order: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref
-    (sliding_window and logits_soft_cap too).
+    (sliding_window, logits_soft_cap and sinks [Hq] too).
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
     [num_blocks, block_size, Hkv, D], query_start_loc int32 [B+1], seq_lens
@@ -392,7 +418,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     CUDA graph needs attention's output at a fixed address."""
     if not runs_triton(_paged_attention_kernel, query):
         ref = paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                                  sliding_window, logits_soft_cap)
+                                  sliding_window, logits_soft_cap, sinks)
         return ref if out is None else out.copy_(ref)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kd = key_cache.shape
@@ -415,7 +441,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     max_query_len = max(1, int(max_query_len))
     nd = int(num_decodes)
     kv = (key_cache, value_cache)
-    variant = _Variant(scale, sliding_window, logits_soft_cap)
+    if sinks is not None:
+        assert sinks.shape == (num_q_heads,) and sinks.is_contiguous(), "sinks: one logit per query head"
+    variant = _Variant(scale, sliding_window, logits_soft_cap, sinks)
     if sliding_window is not None:   # the split-KV heuristics see the keys a query reads
         max_seq_len = min(max_seq_len, sliding_window + max_query_len - 1)
     if 0 < nd < num_seqs and max_query_len > 1:
@@ -465,16 +493,17 @@ def _beside(query: torch.Tensor):
 
 @dataclass(slots=True, frozen=True)
 class _Variant:
-    """What one layer's attention computes: its scale, window and soft cap."""
+    """What one layer's attention computes: its scale, window, soft cap and sinks."""
     scale: float
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def kernel_args(self) -> tuple[float, int, float, dict]:
         """(qk_scale, window, soft_cap, constexpr flags), in the kernel's log2 domain."""
         log2e = 1.4426950408889634
         cap, window = self.logits_soft_cap, self.sliding_window
-        flags = dict(HAS_WINDOW=window is not None, HAS_SOFTCAP=cap is not None)
+        flags = dict(HAS_WINDOW=window is not None, HAS_SOFTCAP=cap is not None, HAS_SINKS=self.sinks is not None)
         if cap is None:
             return float(self.scale) * log2e, window or 0, 0.0, flags
         return float(self.scale) / cap, window or 0, float(cap) * log2e, flags
@@ -566,10 +595,11 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
         part_acc = part_ml = out  # unused
     pdl = pdl_args(query)
     qk_scale, window, soft_cap, flags = variant.kernel_args()
+    sinks = variant.sinks if variant.sinks is not None else launch.seq_lens  # (unread without HAS_SINKS)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
-        launch.seq_order if ordered else launch.seq_lens,
+        launch.seq_order if ordered else launch.seq_lens, sinks,
         qk_scale, num_seqs, num_q_heads, launch.tok_lo, window, soft_cap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -583,7 +613,7 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_q_heads, launch.tok_lo,
+            part_acc, part_ml, out, sinks, out.stride(0), out.stride(1), num_q_heads, launch.tok_lo,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, HAS_SINKS=flags["HAS_SINKS"], **pdl,
         )

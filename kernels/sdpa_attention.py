@@ -13,8 +13,9 @@ padding mask) is an `SdpaPlan`, built once per step (the model runner puts it in
 the attention metadata), not once per layer; a sliding window's layout is built
 by the first layer with that window and kept on the plan for the others.
 
-A soft-capped layer (Gemma 2) cannot go through SDPA, which has no hook between the
-scores and the softmax: it runs scores, cap, mask, softmax by hand on the same layout.
+A soft-capped layer (Gemma 2) or one with attention sinks (gpt-oss) cannot go through SDPA,
+which has no hook between the scores and the softmax: it runs scores, cap, mask, softmax (the
+sink in its denominator) by hand on the same layout.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import soft_cap
+from kernels.paged_attention import soft_cap, softmax_with_sinks
 
 
 @dataclass
@@ -129,11 +130,11 @@ class SdpaPlan:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            cap: float | None) -> torch.Tensor:
+            cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ mask]) v over [..., H, L, D] (GQA: k, v have fewer heads).
-    mask: bool (True: seen) or additive; None: causal. A soft cap goes by hand: SDPA has no
-    hook between the scores and the softmax."""
-    if cap is None:
+    mask: bool (True: seen) or additive; None: causal. A soft cap or sinks [H] go by hand: SDPA
+    has no hook between the scores and the softmax."""
+    if cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
                                               enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
@@ -145,15 +146,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1))
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                          scale: float, plan: SdpaPlan | None = None, sliding_window: int | None = None,
-                         logits_soft_cap: float | None = None) -> torch.Tensor:
+                         logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]. `plan`: the step's SdpaPlan (built here when None).
-    sliding_window, logits_soft_cap: as paged_attention_ref's."""
+    sliding_window, logits_soft_cap, sinks: as paged_attention_ref's."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     if plan is None:
         plan = SdpaPlan.build(query_start_loc, seq_lens, block_table, block_size, num_kv_heads, query.dtype)
@@ -165,7 +167,7 @@ def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         k = keys.index_select(0, dec.gather).view(rows, num_kv_heads, dec.width, head_dim)
         v = values.index_select(0, dec.gather).view(rows, num_kv_heads, dec.width, head_dim)
         q = query.index_select(0, dec.tok).unsqueeze(2)                 # [R, Hq, 1, D]
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), dec.bias.to(q.dtype), scale, logits_soft_cap)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), dec.bias.to(q.dtype), scale, logits_soft_cap, sinks)
         out.index_copy_(0, dec.tok, o.squeeze(2))
     cache_rows = key_cache.view(-1, num_kv_heads, head_dim)
     vcache_rows = value_cache.view(-1, num_kv_heads, head_dim)
@@ -174,6 +176,6 @@ def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         k = cache_rows.index_select(0, p.slots).transpose(0, 1)                    # [Hkv, S, D]
         v = vcache_rows.index_select(0, p.slots).transpose(0, 1)
         q = query[q_lo:q_lo + p.q_len].transpose(0, 1)                              # [Hq, Q, D]
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask, scale, logits_soft_cap)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask, scale, logits_soft_cap, sinks)
         out[q_lo:q_lo + p.q_len] = o.transpose(0, 1)
     return out

@@ -281,9 +281,10 @@ def test_attention_bf16():
     _check_attention([5, 1, 3], [5, 40, 19], hq=4, hkv=1, d=32, bs=8, dtype=torch.bfloat16, splits=(1, 2))
 
 
-def _dense_attention(q, kc, vc, qsl, sl, bt, scale, window=None, cap=None):
+def _dense_attention(q, kc, vc, qsl, sl, bt, scale, window=None, cap=None, sinks=None):
     """An independent oracle: each sequence's keys gathered whole, a [Q, S] mask from the
-    positions (HF's sliding window: p - window < k <= p), the soft cap before it."""
+    positions (HF's sliding window: p - window < k <= p), the soft cap before it; sinks [Hq]:
+    exp(sink) added to each head's softmax denominator."""
     bs, hkv, d = kc.shape[1], kc.shape[2], kc.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float32)
     for i in range(len(sl)):
@@ -298,7 +299,15 @@ def _dense_attention(q, kc, vc, qsl, sl, bt, scale, window=None, cap=None):
             s = cap * torch.tanh(s / cap)
         q_pos, k_pos = torch.arange(n - (hi - lo), n)[:, None], torch.arange(n)[None, :]
         seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window is not None else True)
-        out[lo:hi] = torch.einsum("hqs,shd->qhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), v)
+        s = s.masked_fill(~seen, float("-inf"))
+        if sinks is None:
+            p = torch.softmax(s, -1)
+        else:   # exp(s - m) / (sum exp(s - m) + exp(sink - m)), m the row's max over keys and sink
+            sink = sinks.float().cpu()[:, None, None]
+            m = torch.maximum(s.amax(-1, keepdim=True), sink)
+            e = torch.exp(s - m)
+            p = e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))
+        out[lo:hi] = torch.einsum("hqs,shd->qhd", p, v)
     return out
 
 
@@ -348,6 +357,39 @@ def test_attention_sliding_window_and_soft_cap(window, cap):
             assert err < 2e-5, f"splits={ns}: max err {err}"
         if DEVICE == "cpu":
             out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, scale, None, window, cap)
+            torch.testing.assert_close(out[rows].float(), ref[rows], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_sinks(window):
+    # gpt-oss's per-head sink logit in the softmax denominator, with full and sliding-window
+    # layers: the reference equals a dense oracle; the Triton kernel (unsplit, split-KV: the sink
+    # joins the merge once, and two launches) and the CPU SDPA path equal the reference
+    from kernels.sdpa_attention import paged_attention_sdpa
+    cases = [  # (q_lens, seq_lens, hq, hkv, d, bs, splits, num_decodes)
+        ([6, 1, 4, 0, 1, 16], [6, 21, 13, 9, 1, 30], 4, 2, 32, 4, (1, 3), 0),
+        ([1, 1, 1, 27, 9], [70, 5, 16, 40, 9], 6, 2, 16, 8, (None, 4), 3),
+    ]
+    for q_lens, seq_lens, hq, hkv, d, bs, splits, nd in cases:
+        q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, hq, hkv, d, bs, torch.float32, seed=5)
+        sinks = torch.randn(hq, generator=_gen(7)).mul_(2.0).to(DEVICE)
+        sinks[0] = 6.0   # a sink that outweighs the keys
+        scale = d ** -0.5
+        want = _dense_attention(q, kc, vc, qsl, sl, bt, scale, window, None, sinks)
+        if window is not None:
+            kc, vc, bt = _trim_before_windows(kc, vc, qsl, sl, bt, window)
+        ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, window, None, sinks).float()
+        rows = torch.tensor([i for i, n in enumerate(q_lens) for _ in range(n)])
+        torch.testing.assert_close(ref[rows].cpu(), want[rows], atol=2e-5, rtol=1e-5)
+        plain = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, window).float()
+        assert (plain[rows] - ref[rows]).abs().max() > 1e-2   # the sinks change the output
+        for ns in splits:
+            out = pa.paged_attention(q, kc, vc, qsl, sl, bt, scale, max(q_lens), max(seq_lens), num_kv_splits=ns,
+                                     num_decodes=nd, sliding_window=window, sinks=sinks)
+            err = (out[rows].float() - ref[rows]).abs().max().item()
+            assert err < 2e-5, f"splits={ns}: max err {err}"
+        if DEVICE == "cpu":
+            out = paged_attention_sdpa(q, kc, vc, qsl, sl, bt, scale, None, window, None, sinks)
             torch.testing.assert_close(out[rows].float(), ref[rows], atol=2e-5, rtol=1e-5)
 
 

@@ -59,6 +59,7 @@ def make_config(arch: str, **overrides):
            "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
            "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
            "MixtralForCausalLM": transformers.MixtralConfig,
+           "GptOssForCausalLM": transformers.GptOssConfig,
            "Olmo2ForCausalLM": transformers.Olmo2Config,
            "GemmaForCausalLM": transformers.GemmaConfig,
            "Gemma2ForCausalLM": transformers.Gemma2Config,
@@ -73,7 +74,7 @@ def make_config(arch: str, **overrides):
         base["head_dim"] = 16
     if arch == "MistralForCausalLM":
         base["sliding_window"] = None
-    if arch.startswith(("Gemma", "Cohere", "Qwen3Moe", "Qwen2Moe", "Mixtral")):   # the tiny models' extras (tests/tiny_models.py)
+    if arch.startswith(("Gemma", "Cohere", "Qwen3Moe", "Qwen2Moe", "Mixtral", "GptOss")):   # the tiny models' extras (tests/tiny_models.py)
         base.update(_tiny_extra(arch))
     if arch.startswith(("Phi3", "Cohere", "StableLm")):   # their default special ids lie past the tiny vocabulary
         base.update(pad_token_id=None, eos_token_id=None, bos_token_id=None)
@@ -290,6 +291,8 @@ CASES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", {}),
     "qwen2_moe": ("Qwen2MoeForCausalLM", {}),
     "mixtral": ("MixtralForCausalLM", {}),
+    # sinks on both layers, layer 0's window (8) shorter than the longer prompts
+    "gpt_oss": ("GptOssForCausalLM", {}),
 }
 
 

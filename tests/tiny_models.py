@@ -90,6 +90,11 @@ ARCHS: dict[str, TinyArch] = {
     "qwen2_moe": TinyArch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "norm_topk_prob": False}),
+    # sliding layer 0 (a window shorter than the prompts and generations) and full layer 1, both
+    # with sinks; YaRN rope, biased experts with the clamped SwiGLU, a biased router
+    "gpt_oss": TinyArch("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 32}),
     "olmo2": TinyArch("Olmo2Config", "Olmo2ForCausalLM", {}),
     "gemma": TinyArch("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     # sliding layers 0 and 2, global 1 and 3; windows shorter than the prompts and generations;

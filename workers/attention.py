@@ -38,14 +38,20 @@ class Attention(nn.Module):
     this step's keys and values: see layers.qk_norm_rope_cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: nn.Parameter | None = None):
         """sliding_window: a query sees only the last `sliding_window` keys, its own included (HF's
-        convention); logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax."""
+        convention); logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax;
+        sinks [num_heads] (gpt-oss): each head's learned logit joins the softmax's denominator (a
+        parameter the model loads: this module owns it, so it is read at call time)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"Attention: sinks of shape {tuple(sinks.shape)}, expected ({num_heads},)")
+        self.sinks = sinks
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,18 +66,19 @@ class Attention(nn.Module):
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits,
                                   seq_order=meta.seq_order, out=out, sliding_window=self.sliding_window,
-                                  logits_soft_cap=self.logits_soft_cap)
+                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
             if meta.sdpa_plan is None:  # once per step: every layer shares it
                 meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,
                                                 key_cache.shape[1], key_cache.shape[2], q.dtype)
             res = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, self.scale, meta.sdpa_plan, self.sliding_window,
-                                       self.logits_soft_cap)
+                                       self.logits_soft_cap, self.sinks)
             out = res if out is None else out.copy_(res.view_as(out))
         else:
             res = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                      meta.block_table, self.scale, self.sliding_window, self.logits_soft_cap)
+                                      meta.block_table, self.scale, self.sliding_window, self.logits_soft_cap,
+                                      self.sinks)
             out = res if out is None else out.copy_(res)
         return out.reshape(t, self.num_heads * self.head_dim)
 

@@ -107,13 +107,14 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
     """Attention over long contexts splits the KV: decodes 2, 4, ... ways, a short prompt
     chunk in two. Compile each split count a batch of this --max-model-len can pick (graph
     capture compiles the decode graphs' own), for each kind of attention layer the model has
-    (full, sliding-window, soft-capped: each a kernel variant of its own)."""
+    (full, sliding-window, soft-capped, with sinks: each a kernel variant of its own)."""
     from kernels.paged_attention import CHUNK_SPLIT_MIN_KEYS, MAX_KV_SPLITS, MIN_SPLIT_TOKENS
     from workers.attention import Attention
     seq_len = runner.config.max_model_len
     group = runner.model.config.num_attention_heads // tp_size() // runner.kv_spec.num_kv_heads
     chunk = 2 * max(1, 64 // group) + 1  # three query tiles of the largest size: one program per SM or fewer
-    kinds = {(m.sliding_window, m.logits_soft_cap) for m in runner.model.modules() if isinstance(m, Attention)}
+    kinds = {(m.sliding_window, m.logits_soft_cap, m.sinks is not None)
+             for m in runner.model.modules() if isinstance(m, Attention)}
     for kind in sorted(kinds, key=str):
         splits = 2
         while splits <= min(MAX_KV_SPLITS, seq_len // MIN_SPLIT_TOKENS):
@@ -124,9 +125,10 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
 
 
 def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: int | None,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> None:
     """Attention over layer 0's cache for one sequence's last num_tokens of seq_len, its KV
-    split `splits` ways (None: as the kernel picks), with this window and soft cap."""
+    split `splits` ways (None: as the kernel picks), with this window and soft cap (and sinks)."""
     from kernels.paged_attention import paged_attention
     device = runner.device
     key_cache, value_cache = runner.kv_caches[0]
@@ -135,8 +137,10 @@ def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: 
     query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
     block_table = torch.zeros((1, runner.max_blocks_per_req), dtype=torch.int32, device=device)
+    sink_logits = torch.zeros(query_heads, dtype=runner.dtype, device=device) if sinks else None
     paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0, num_tokens, seq_len,
-                    num_kv_splits=splits, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                    num_kv_splits=splits, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    sinks=sink_logits)
 
 
 # ------------------------------------------------------------ CUDA graphs

@@ -53,6 +53,7 @@ from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.openai.chat_output import ChatOutput, ToolUse
 from frontend.openai.constraints import check_constraint, check_tools, request_constraint, tool_use
+from frontend.openai.harmony import HarmonyUnavailable, is_harmony_model, render_prompt
 from frontend.openai.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_after_prompt
 from ipc.grammar import prompt_thinking
 from ipc.sampling_params import StructuredOutputsParams
@@ -189,6 +190,12 @@ class OpenAIServer:
                                if fmt == "auto" else fmt)
         parser = getattr(self.config, "reasoning_parser", None)
         self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
+        # gpt-oss speaks harmony: prompts rendered and outputs parsed by openai-harmony, not by the
+        # chat template and the text parsers (frontend/openai/harmony.py)
+        self.harmony = (is_harmony_model(getattr(self.config, "model", "")) or parser == "openai_gptoss"
+                        or getattr(self.config, "tool_call_parser", None) == "gpt_oss")
+        if self.harmony:
+            self.reasoning_parser = None
         self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
         # Counted in the API server, which does not track the engine a request ran on: with one
         # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
@@ -443,17 +450,24 @@ class OpenAIServer:
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = self._messages(req)
         tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
+        if self.harmony and constraint is not None:   # a grammar from the first token has no channels to parse
+            raise APIError("a gpt-oss (harmony) chat cannot be constrained yet: tool_choice 'required' or a named "
+                           "tool, response_format and structured_outputs are not supported with it", 400,
+                           "tool_choice" if tools.mode in ("required", "named") else "response_format")
         params = await self._tokenize_bad_words(build_sampling_params(
             req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-        ids = await self.tokenizers.chat(
-            request.content_length or 0, messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=bool(req.continue_final_message),
-            tools=req.tools if req.tool_choice != "none" else None,
-            chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
-            add_special_tokens=bool(req.add_special_tokens), limit=self._prompt_limit(req))
+        if self.harmony:
+            ids = self._harmony_prompt(messages, req)
+        else:
+            ids = await self.tokenizers.chat(
+                request.content_length or 0, messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(req.continue_final_message),
+                tools=req.tools if req.tool_choice != "none" else None,
+                chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
+                add_special_tokens=bool(req.add_special_tokens), limit=self._prompt_limit(req))
         ids = self._truncate(ids, req)
         ids, mm_items = await self._images(messages, ids, req.mm_processor_kwargs)
         try:
@@ -475,8 +489,18 @@ class OpenAIServer:
                                 prompt_tokens_details=self.options.enable_prompt_tokens_details,
                                 echo_texts=echo_texts, role=role, tools=tools,
                                 reasoning=self._reasoning_for(ids, constraint is not None),
-                                on_tool_parse=self._count_tool_parse)
+                                on_tool_parse=self._count_tool_parse, harmony=self.harmony)
         return await self._generate(ctx, mm_items)
+
+    def _harmony_prompt(self, messages: list[dict], req: ChatCompletionRequest) -> list[int]:
+        """A gpt-oss chat's prompt, rendered by openai-harmony: 400 for what harmony cannot say
+        (a role, a reasoning effort), 500 when its vocabulary cannot be loaded (offline)."""
+        try:
+            return render_prompt(messages, req.tools if req.tool_choice != "none" else None, req.reasoning_effort)
+        except HarmonyUnavailable as e:
+            raise APIError(str(e), 500) from None
+        except ValueError as e:
+            raise APIError(str(e), 400, "messages") from None
 
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
         """Load a chat's images (http(s) fetched here; decoding and the HF processor off the

@@ -4,13 +4,16 @@ whole (`message()`) or as stream deltas (`add()` per piece of text, then `finish
 How tools are used (`ToolUse.mode`): "none" (text only), "auto" (the model's own tool-call
 syntax, read by a tool parser), "required" (the grammar made the content a JSON array of
 {"name", "parameters"}), "named" (the grammar made the content the named tool's arguments).
-With a reasoning parser, only what follows the thinking is content.
+With a reasoning parser, only what follows the thinking is content. A harmony model's (gpt-oss)
+output is parsed from its token ids instead (frontend/openai/harmony.py): its channels are
+special tokens, which the text does not keep.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from frontend.openai.harmony import HarmonyOutput, parse_output
 from frontend.openai.reasoning import ReasoningParser
 from frontend.openai.tool_parsers import ToolCall, ToolParser, parsed_call
 
@@ -23,10 +26,12 @@ class ToolUse:
 
 
 class ChatOutput:
-    def __init__(self, tools: ToolUse, reasoning: ReasoningParser | None):
+    def __init__(self, tools: ToolUse, reasoning: ReasoningParser | None, harmony: bool = False):
         self.tools = tools
         self.reasoning = reasoning
         self.text = ""
+        self.token_ids: list[int] = []   # (read by the harmony path only)
+        self.harmony = HarmonyOutput() if harmony else None
         self._sent_reasoning = 0
         self._sent_content = 0
         self._named: ToolCall | None = None    # the named call, streamed as argument deltas
@@ -41,6 +46,8 @@ class ChatOutput:
     # ------------------------------------------------------------ whole
 
     def message(self) -> dict:
+        if self.harmony is not None:
+            return self._harmony_message()
         reasoning, content = self._parts(final=True)
         msg: dict = {"role": "assistant", "content": content}
         if reasoning:
@@ -48,6 +55,16 @@ class ChatOutput:
         self.tool_calls = self._calls(content)
         if self.tool_calls:
             msg["content"] = self._content_outside_calls(content)
+            msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return msg
+
+    def _harmony_message(self) -> dict:
+        reasoning, content, calls = parse_output(self.token_ids)
+        msg: dict = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        self.tool_calls = calls if self.tools.mode == "auto" else []
+        if self.tool_calls:
             msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
         return msg
 
@@ -71,13 +88,20 @@ class ChatOutput:
 
     # ------------------------------------------------------------ streamed
 
-    def add(self, text: str) -> dict:
-        """The delta fields (reasoning_content, content, tool_calls) that `text` makes sendable."""
+    def add(self, text: str, token_ids=()) -> dict:
+        """The delta fields (reasoning_content, content, tool_calls) that `text` (its token ids)
+        makes sendable."""
         self.text += text
+        if self.harmony is not None:
+            self.token_ids.extend(token_ids)
+            return self.harmony.add(token_ids)
         return self._delta(final=False)
 
     def finish(self) -> dict:
         """The last delta: what was held back, and the tool calls parsed from the whole output."""
+        if self.harmony is not None:
+            self.tool_calls = self.harmony.finish() if self.tools.mode == "auto" else []
+            return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.tool_calls)]} if self.tool_calls else {}
         delta = self._delta(final=True)
         _, content = self._parts(final=True, streamed=True)
         mode = self.tools.mode

@@ -129,6 +129,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     mm_processor_kwargs: dict[str, Any] | None = None   # vLLM's: e.g. {"max_pixels": 200704}
+    reasoning_effort: str | None = None   # OpenAI's low | medium | high: a harmony model's (gpt-oss) system message
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -77,12 +77,13 @@ class GenerationContext:
     tools: ToolUse | None = None      # chat: how the request uses its tools
     reasoning: Any = None             # chat: the --reasoning-parser (frontend/reasoning)
     on_tool_parse: Any = None         # callable(ChatOutput, streaming): counts tool-parser invocations
+    harmony: bool = False             # chat: a gpt-oss output, parsed by channel (frontend/openai/harmony.py)
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
         if self.chat:
             for c in self.choices:
-                c.output = ChatOutput(self.tools or ToolUse(), self.reasoning)
+                c.output = ChatOutput(self.tools or ToolUse(), self.reasoning, self.harmony)
 
     @property
     def n(self) -> int:
@@ -195,7 +196,7 @@ class GenerationContext:
             check_choice(st)
             if not self.req.stream:
                 continue   # the message is made whole in chat_body
-            delta = self._chat_output_delta(st, c.text)
+            delta = self._chat_output_delta(st, c.text, c.token_ids)
             if not delta and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
                 continue
             res.append((c.index, chat_chunk_choice(
@@ -203,10 +204,10 @@ class GenerationContext:
                 token_ids=list(c.token_ids) if self.return_token_ids else None), st))
         return res
 
-    def _chat_output_delta(self, st: Choice, text: str) -> dict:
+    def _chat_output_delta(self, st: Choice, text: str, token_ids=()) -> dict:
         """The delta fields (reasoning_content, content, tool_calls) this text makes sendable."""
         out = st.output
-        delta = out.add(text)
+        delta = out.add(text, token_ids)
         if out.tools.mode == "auto" and self.on_tool_parse is not None:
             self.on_tool_parse(out, True)
         if st.finish_reason is not None:
@@ -220,6 +221,7 @@ class GenerationContext:
         for k, c in enumerate(self.choices):
             check_choice(c)
             c.output.text = "".join(c.text)
+            c.output.token_ids = list(c.token_ids)
             message = c.output.message()
             message["role"] = self.role
             if echo and isinstance(message["content"], str):

@@ -57,6 +57,7 @@ MODELS: dict[str, ModelEntry] = {
     "MixtralForCausalLM": ModelEntry("mixtral"),
     "Qwen2MoeForCausalLM": ModelEntry("qwen2_moe"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe"),
+    "GptOssForCausalLM": ModelEntry("gpt_oss"),
 }
 
 

@@ -56,6 +56,17 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     unclosed_is_reasoning = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (vLLM's openai_gptoss): the thinking is harmony's analysis channel, whose markers
+    are special tokens the text drops; it is parsed from the token ids by openai-harmony
+    (frontend/openai/harmony.py), and selecting this parser turns that path on. On the text
+    alone there is no thinking to find: all of it is content."""
+    harmony = True
+
+    def split(self, text: str, final: bool, streamed: bool = False) -> tuple[str | None, str | None]:
+        return None, text
+
+
 def reasoning_after_prompt(parser: ReasoningParser | None, prompt_thinking: str | None) -> ReasoningParser | None:
     """The parser of an output whose prompt left its thinking `prompt_thinking`: "open" (the
     template opened <think>, as Qwen3-*-Thinking-2507's do): the output starts inside it, so
@@ -66,4 +77,5 @@ def reasoning_after_prompt(parser: ReasoningParser | None, prompt_thinking: str 
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3ReasoningParser,
-                                                       "deepseek_r1": DeepSeekR1ReasoningParser}
+                                                       "deepseek_r1": DeepSeekR1ReasoningParser,
+                                                       "openai_gptoss": GptOssReasoningParser}
