@@ -156,3 +156,110 @@ def test_qk_norm_rope_cache_fp8_kernel_matches_ref(triton_mode, dtype, norm, neo
         assert _same_codes(caches[0], caches[2])
     else:  # the interpreter's fp32 -> bf16 rounding may differ by an ulp: a code more apart at most
         assert _same_codes(caches[0], caches[2], steps=2)
+
+
+# --------------------------------------------------------------------------
+# the engine with an FP8 cache (in-process LLM, the CPU's SDPA path)
+# --------------------------------------------------------------------------
+def _greedy(llm, prompts, n: int) -> list[list[int]]:
+    from frontend import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _runner(llm):
+    return llm.client.engine.executor.runner
+
+
+def _attention_layers(model):
+    from workers.attention import Attention
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+ZEN = ["Beautiful is better than", "Errors should", "There should be one--", "Now is better than"]
+
+
+def test_demo_model_greedy_fp8_equals_full_precision(demo_model_dir):
+    """The issue's proof: FP8 KV keeps the demo model's greedy output for 32 tokens, with the
+    scales at 1.0 and with --calculate-kv-scales (from the first batch)."""
+    from frontend import LLM
+    common = dict(multiprocess=False, max_model_len=128, max_num_seqs=4, block_size=8)
+    with LLM(demo_model_dir, **common) as llm:
+        want = _greedy(llm, ZEN, 32)
+    for extra in ({}, {"calculate_kv_scales": True}):
+        with LLM(demo_model_dir, kv_cache_dtype="fp8", **common, **extra) as llm:
+            runner = _runner(llm)
+            assert all(k.dtype == FP8 and v.dtype == FP8 for k, v in runner.kv_caches)
+            assert _greedy(llm, ZEN, 32) == want, extra
+            scales = [float(a.k_scale) for a in _attention_layers(runner.model)]
+            if extra:   # calculated: the first batch's amax over 200, one per layer
+                assert all(s != 1.0 and s > 0 for s in scales) and len(set(scales)) == len(scales)
+            else:
+                assert scales == [1.0] * len(scales)
+
+
+def test_fp8_doubles_the_blocks_and_reports_its_dtype(model_factory):
+    from prometheus_client import CollectorRegistry
+
+    from frontend import LLM
+    from metrics.registry import Builder
+    from metrics.stat_logger import PrometheusStatLogger
+    model = model_factory("qwen3")
+    blocks = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        with LLM(model, multiprocess=False, dtype="bfloat16", kv_cache_dtype=kv_dtype, max_model_len=64,
+                 block_size=4, kv_cache_memory_bytes=1 << 20) as llm:
+            blocks[kv_dtype] = llm.num_gpu_blocks
+            info = PrometheusStatLogger(llm.config, 0, llm.num_gpu_blocks,
+                                        builder=Builder(CollectorRegistry()))._cache_info()
+            assert info["cache_dtype"] == kv_dtype and info["num_gpu_blocks"] == str(llm.num_gpu_blocks)
+            assert _greedy(llm, [{"prompt_token_ids": [5, 6, 7]}], 4)[0]
+    assert blocks["fp8_e4m3"] == 2 * blocks["auto"]
+
+
+def test_fp8_prefix_caching_and_chunked_prefill(model_factory):
+    """Prompts sharing a prefix, their prefill chunked 8 tokens at a time and the prefix's blocks
+    reused, give what one unchunked, uncached prefill over the same FP8 cache gives."""
+    from frontend import LLM
+    model = model_factory("qwen3")
+    prefix = list(range(3, 43))
+    prompts = [{"prompt_token_ids": prefix + [50 + i, 60 + i, 70 + i]} for i in range(3)]
+    common = dict(multiprocess=False, kv_cache_dtype="fp8", max_model_len=96, block_size=4, max_num_seqs=4)
+    with LLM(model, enable_prefix_caching=False, **common) as llm:
+        want = _greedy(llm, prompts, 8)
+    with LLM(model, enable_prefix_caching=True, max_num_batched_tokens=8, **common) as llm:
+        first = _greedy(llm, prompts[:1], 8)
+        rest = _greedy(llm, prompts[1:], 8)
+        assert llm.stats.prefix_cache_hits >= 2 * 40 // 4 * 4   # the 40-token prefix, in whole blocks
+    assert first + rest == want
+
+
+def test_checkpoint_kv_scales_are_loaded(model_factory, tmp_path):
+    """vLLM's names for a checkpoint's scales land on the layers' k_scale / v_scale; a query scale
+    is dropped; an unknown tensor still fails the load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workers.model_loader import load_model
+    src = Path(model_factory("qwen3"))
+    dst = tmp_path / "scaled"
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.25),
+                    "model.layers.0.self_attn.v_scale": torch.tensor([0.5]),
+                    "model.layers.1.self_attn.k_proj.output_scale": torch.tensor([0.125]),
+                    "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([0.0625, 0.03]),
+                    "model.layers.1.self_attn.q_proj.output_scale": torch.tensor([3.0])})
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    model = load_model(str(dst), torch.float32, "cpu")
+    layers = _attention_layers(model)
+    assert [(float(a.k_scale), float(a.v_scale)) for a in layers[:2]] == [(0.25, 0.5), (0.125, 0.0625)]
+    assert all(float(a.k_scale) == 1.0 for a in layers[2:])
+    tensors["model.layers.0.self_attn.kv_scale"] = torch.tensor(2.0)
+    tensors.pop("model.layers.0.self_attn.k_scale")
+    tensors["model.layers.0.self_attn.unknown_scale_thing"] = torch.tensor(2.0)
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unknown_scale_thing"):
+        load_model(str(dst), torch.float32, "cpu")
