@@ -263,3 +263,31 @@ def test_checkpoint_kv_scales_are_loaded(model_factory, tmp_path):
     save_file(tensors, files[0], metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unknown_scale_thing"):
         load_model(str(dst), torch.float32, "cpu")
+
+
+def test_fp8_decode_graph_path_calculated_scales_and_sleep_wake(model_factory, monkeypatch):
+    """The decode graphs' path (run uncaptured on the CPU) over an FP8 cache with calculated
+    scales gives the eager engine's tokens; the first step calculates the scales, later ones keep
+    them; sleep (levels 1 and 2) and wake-up reallocate the FP8 cache and keep the scales."""
+    from frontend import LLM
+    model = model_factory("qwen3")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    opts = dict(multiprocess=False, kv_cache_dtype="fp8", calculate_kv_scales=True, max_model_len=64,
+                block_size=4, max_num_seqs=4, enable_sleep_mode=True)
+    with LLM(model, enforce_eager=True, **opts) as llm:
+        want = _greedy(llm, prompts, 8)
+        eager_scales = [float(a.k_scale) for a in _attention_layers(_runner(llm).model)]
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    with LLM(model, **opts) as llm:
+        runner = _runner(llm)
+        assert runner.decode_graphs is not None
+        assert _greedy(llm, prompts, 8) == want
+        scales = [float(a.k_scale) for a in _attention_layers(runner.model)]
+        assert scales == eager_scales and all(s != 1.0 for s in scales)
+        assert _greedy(llm, prompts[:1], 8) == want[:1]   # a later first step does not recalculate
+        for level in (1, 2):
+            llm.sleep(level=level)
+            llm.wake_up()
+            assert all(k.dtype == FP8 for k, _ in runner.kv_caches)
+            assert [float(a.k_scale) for a in _attention_layers(runner.model)] == scales
+            assert _greedy(llm, prompts, 8) == want
