@@ -144,11 +144,13 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(mdir, **opts)
         startup = time.perf_counter() - t0
         print(f"engine up in {startup:.1f} s ({llm.num_gpu_blocks} KV blocks)", flush=True)
+        num_gpu_blocks = llm.num_gpu_blocks
         try:
             runs = timed_runs(llm, wl, args, vocab, opts.get("profiler_dir"))
         finally:
             llm.shutdown()
         result = report(args, wl, runs, opts, startup)
+        result["num_gpu_blocks"] = num_gpu_blocks
         if args.compare_hf:
             result.update(compare_hf(args, wl, mdir, opts, result["output_tok_per_s"]))
         common.write_json(args.output_json, result)
