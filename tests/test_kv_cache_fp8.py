@@ -291,3 +291,15 @@ def test_fp8_decode_graph_path_calculated_scales_and_sleep_wake(model_factory, m
             assert all(k.dtype == FP8 for k, _ in runner.kv_caches)
             assert [float(a.k_scale) for a in _attention_layers(runner.model)] == scales
             assert _greedy(llm, prompts, 8) == want
+
+
+def test_mfu_counts_fp8_kv_bytes():
+    """--enable-mfu-metrics: an FP8 cache's reads and writes are one byte an element."""
+    from metrics.mfu import MfuEstimator, ModelShape
+    shape = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=10, dtype_bytes=2)
+    bf16 = MfuEstimator(shape).step(3, 6, 3, 1)
+    fp8 = MfuEstimator(ModelShape(**{**shape.__dict__, "kv_dtype_bytes": 1})).step(3, 6, 3, 1)
+    kv = 2 * 2 * 1 * 4 * 3   # layers x (k, v) x heads x head size x tokens
+    assert bf16.write_bytes == 2 * kv and fp8.write_bytes == kv
+    assert bf16.read_bytes - fp8.read_bytes == kv and fp8.flops == bf16.flops
