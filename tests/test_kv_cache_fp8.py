@@ -303,3 +303,16 @@ def test_mfu_counts_fp8_kv_bytes():
     kv = 2 * 2 * 1 * 4 * 3   # layers x (k, v) x heads x head size x tokens
     assert bf16.write_bytes == 2 * kv and fp8.write_bytes == kv
     assert bf16.read_bytes - fp8.read_bytes == kv and fp8.flops == bf16.flops
+
+
+@pytest.mark.slow   # three processes: ~10 s on an idle 2-core box
+def test_fp8_tensor_parallel_equals_one_rank(model_factory):
+    """TP=2 (two gloo worker processes, one KV head each) over FP8 caches gives TP=1's tokens."""
+    from frontend import LLM
+    model = model_factory("qwen3")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (6, 19)]
+    opts = dict(kv_cache_dtype="fp8", max_model_len=64, block_size=4, max_num_seqs=2)
+    with LLM(model, multiprocess=False, **opts) as llm:
+        want = _greedy(llm, prompts, 8)
+    with LLM(model, tensor_parallel_size=2, **opts) as llm:
+        assert _greedy(llm, prompts, 8) == want
