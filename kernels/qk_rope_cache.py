@@ -47,12 +47,12 @@ def qk_norm_rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @triton.jit
-def _to_cache(x, dtype, o_dtype, scale_ptr, FP8: tl.constexpr):
-    """x (fp32) as the output stores it: rounded to the model's dtype, then (an FP8 cache) divided
-    by the scale in fp32 and saturated to e4m3's range, as kernels/kv_quant.py's reference."""
-    x = x.to(dtype)
+def _to_cache(x, x_ptr, o_ptr, scale_ptr, FP8: tl.constexpr):
+    """x (fp32) as o_ptr stores it: rounded to the model's dtype (x_ptr's), then (an FP8 cache)
+    divided by the scale in fp32 and saturated to e4m3's range, as kernels/kv_quant.py's reference."""
+    x = x.to(x_ptr.dtype.element_ty)
     if FP8:
-        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0).to(o_dtype)
+        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0).to(o_ptr.dtype.element_ty)
     return x
 
 
@@ -82,7 +82,6 @@ def _norm_rope_store(x_ptr, stride_xh, o_ptr, stride_oh, n_heads, w_ptr, eps, co
         mask_r = (offs_h < n_heads) & (offs_r < REST)
         xr = tl.load(x_ptr + offs_h * stride_xh + 2 * HALF + offs_r, mask=mask_r, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty   # the model's: the rounding of the unfused kernels
-    o_dtype = o_ptr.dtype.element_ty
     if HAS_NORM:
         sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
         if REST > 0:
@@ -98,10 +97,10 @@ def _norm_rope_store(x_ptr, stride_xh, o_ptr, stride_oh, n_heads, w_ptr, eps, co
             wr = tl.load(w_ptr + 2 * HALF + offs_r, mask=offs_r < REST, other=0.0).to(tl.float32)
             xr = ((xr * rstd).to(dtype).to(tl.float32) * wr).to(dtype).to(tl.float32)
     op = o_ptr + offs_h * stride_oh
-    tl.store(op + i1, _to_cache(x1 * cos - x2 * sin, dtype, o_dtype, scale_ptr, FP8), mask=mask)
-    tl.store(op + i2, _to_cache(x2 * cos + x1 * sin, dtype, o_dtype, scale_ptr, FP8), mask=mask)
+    tl.store(op + i1, _to_cache(x1 * cos - x2 * sin, x_ptr, o_ptr, scale_ptr, FP8), mask=mask)
+    tl.store(op + i2, _to_cache(x2 * cos + x1 * sin, x_ptr, o_ptr, scale_ptr, FP8), mask=mask)
     if REST > 0:
-        tl.store(o_ptr + offs_h * stride_oh + 2 * HALF + offs_r, _to_cache(xr, dtype, o_dtype, scale_ptr, FP8),
+        tl.store(o_ptr + offs_h * stride_oh + 2 * HALF + offs_r, _to_cache(xr, x_ptr, o_ptr, scale_ptr, FP8),
                  mask=mask_r)
 
 
