@@ -35,6 +35,15 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
+def check_device(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """The Triton kernels convert to and from e4m3 with the instructions of compute capability 8.9
+    (Ada) and later: an older GPU fails at start-up in one line, not inside a kernel's compile."""
+    if cache_dtype == FP8_DTYPE and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, "
+                         f"Blackwell); {name} is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+
+
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x (any float dtype) -> e4m3 codes of x / scale, saturated (scale None: 1.0). The division
     is in fp32 of x as it is (the model dtype's value), as the kernels do it."""

@@ -18,11 +18,11 @@ import torch
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
+from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
 from workers.input_batch import CachedRequestState, InputBatch
-from kernels.kv_quant import kv_cache_torch_dtype
 from workers.kv_cache_memory import KVCacheMemory, KVCacheSpec
 from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, prompt_logprob_rows,
                               prompt_logprob_spans, prompt_logprobs)
@@ -100,6 +100,7 @@ class ModelRunner:
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
         self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
+        check_kv_cache_device(self.kv_spec.dtype, self.device)
         self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend, self.dtype)
         # --calculate-kv-scales with an FP8 cache: the first step with tokens sets every layer's scales
         self.kv_scales_pending = config.calculate_kv_scales and config.kv_cache_dtype != "auto"
