@@ -104,7 +104,7 @@ PY
             --output-json "$OUT/kv-auto-9000.json"
           TAIL=3 run kv-fp8-18000 150 $LOOM bench throughput $KV_ARGS --kv-cache-dtype fp8 --num-gpu-blocks-override 18000 \
             --output-json "$OUT/kv-fp8-18000.json"
-          TAIL=14 run kv-needle 120 python3 -m bench.needle --output-json "$OUT/kv-needle.json"
+          TAIL=15 run kv-needle 150 python3 -m bench.needle --time --output-json "$OUT/kv-needle.json"
           python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -131,6 +131,10 @@ n = read("kv-needle")
 if n:
     print(f"needle retrieval at {n['context']} keys: " + ", ".join(f"{k} {v:.1f}%" for k, v in n["needle"].items())
           + f"; fp8 - bf16 = {n['needle']['fp8'] - n['needle']['bf16']:+.1f} points (target within 2)")
+    t = n.get("decode_times") or {}
+    if t:
+        print(f"decode attention 16 x 16,384 keys: fp8 {t['fp8 us']:.0f} us / bf16 {t['bf16 us']:.0f} us = "
+              f"{t['fp8 us'] / t['bf16 us']:.2f} (vLLM measured 0.54 of the per-token decode slope)")
 PY
           ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
