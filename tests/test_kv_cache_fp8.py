@@ -312,3 +312,18 @@ def test_fp8_tensor_parallel_equals_one_rank(model_factory):
         want = _greedy(llm, prompts, 8)
     with LLM(model, tensor_parallel_size=2, **opts) as llm:
         assert _greedy(llm, prompts, 8) == want
+
+
+def test_fp8_generic_path_equals_native(model_factory):
+    """The generic transformers path writes the FP8 cache through kernels/kv_cache_write.py's
+    reference and calculates its scales from the HF module's rotated keys: the native path's tokens."""
+    from frontend import LLM
+    model = model_factory("llama")
+    prompts = [{"prompt_token_ids": list(range(3, 20))}, {"prompt_token_ids": [5, 6]}]
+    outs = []
+    for impl in ("loom", "transformers"):
+        with LLM(model, multiprocess=False, model_impl=impl, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                 max_model_len=64, block_size=4) as llm:
+            outs.append(_greedy(llm, prompts, 8))
+            assert all(float(a.k_scale) != 1.0 for a in _attention_layers(_runner(llm).model))
+    assert outs[0] == outs[1]
