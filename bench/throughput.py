@@ -149,6 +149,7 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(mdir, **opts)
         startup = time.perf_counter() - t0
         print(f"engine up in {startup:.1f} s ({llm.num_gpu_blocks} KV blocks)", flush=True)
+        num_gpu_blocks = llm.num_gpu_blocks
         try:
             runs = timed_runs(llm, wl, args, vocab, opts.get("profiler_dir"))
         finally:
@@ -159,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"HBM floor: {floor:.2f} s for the {len(runs.steps)} steps' weights, KV and embedding reads at "
               f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s: the run took {result['elapsed_s']:.2f} s "
               f"({100 * result['hbm_floor_fraction']:.0f}% of the floor's speed)")
+        result["num_gpu_blocks"] = num_gpu_blocks
         if args.compare_hf:
             result.update(compare_hf(args, wl, mdir, opts, result["output_tok_per_s"]))
         common.write_json(args.output_json, result)

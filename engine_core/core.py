@@ -76,7 +76,8 @@ class EngineCore:
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []   # utility replies not yet ready
         self.utility_outputs: list[UtilityOutput] = []   # replies for the in-process client (_send_utility)
         self.loop_stats = LoopStats()
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+        logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
+                    config.kv_cache_dtype)
 
     def _steps_ahead(self, config: EngineConfig) -> int:
         """Steps kept in flight. On a GPU with async scheduling three, so that this loop's round

@@ -69,6 +69,12 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and KV cache")
     kv_cache_memory_bytes: int | None = option(None, "CPU: bytes of KV cache (default: room for --max-num-seqs "
                                                "full requests, as --sliding-window-kv-trim holds them, at most 2 GiB)")
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model's dtype), fp8 / fp8_e4m3 (float8 e4m3 "
+                                 "with a per-layer scale for keys and one for values: twice the blocks in the "
+                                 "same memory)", ("auto", "fp8", "fp8_e4m3"))
+    calculate_kv_scales: bool = option(False, "with --kv-cache-dtype fp8: compute each layer's k/v scales from "
+                                       "the first batch (its amax over 200 / 100, as vLLM) instead of the "
+                                       "checkpoint's k_scale / v_scale or 1.0")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
     sliding_window_kv_trim: bool = option(True, "when every attention layer of the model is local with one "
                                           "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "

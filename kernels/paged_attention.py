@@ -16,30 +16,39 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ipc import envs
+from kernels.kv_quant import FP8_DTYPE, as_bytes, dequantize_ref, fp8_scales, to_cache_dtype
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T].
 
-    Slots < 0 are padding and are skipped."""
+    Slots < 0 are padding and are skipped. An FP8 cache stores key / k_scale and value / v_scale
+    as e4m3, saturated (kernels/kv_quant.py)."""
     num_blocks, block_size, h, d = key_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key_cache.view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping.long(), key.to(key_cache.dtype))
-    value_cache.view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping.long(), value.to(value_cache.dtype))
+    for x, cache, x_scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        as_bytes(cache).view(num_blocks * block_size, h, d).index_copy_(
+            0, slot_mapping.long(), as_bytes(to_cache_dtype(x, cache, x_scale)))
 
 
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged caches. Returns [T, Hq, D].
+
+    k_scale, v_scale: an FP8 cache's per-tensor scales (fp32 [1] tensors; None: 1.0): keys and
+    values are read as code * scale, in fp32.
 
     sliding_window: a query at position p sees keys p - sliding_window < k <= p (HF's
     convention), and no block before its window's is read (a trimmed cache may have freed
@@ -55,11 +64,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, decode,
-                    sliding_window, logits_soft_cap, sinks)
+                    sliding_window, logits_soft_cap, sinks, k_scale, v_scale)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i,
-                          sliding_window, logits_soft_cap, sinks)
+                          sliding_window, logits_soft_cap, sinks, k_scale, v_scale)
     return out
 
 
@@ -80,7 +89,8 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, i: int,
                   sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                  sinks: torch.Tensor | None = None):
+                  sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None):
     """Sequence i's queries, which are the last q_len of its seq_len tokens."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     q_lo, q_hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
@@ -88,8 +98,8 @@ def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens,
     # the first key any query sees (its first query's window), from the start of its block
     first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size * block_size
     blocks = block_table[i, first // block_size:(seq_len + block_size - 1) // block_size].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len - first].float()  # [S, Hkv, D]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len - first].float()
+    k = dequantize_ref(key_cache[blocks].flatten(0, 1)[:seq_len - first], k_scale)  # [S, Hkv, D]
+    v = dequantize_ref(value_cache[blocks].flatten(0, 1)[:seq_len - first], v_scale)
     q = query[q_lo:q_hi].float().view(q_len, num_kv_heads, -1, head_dim)  # [Q, Hkv, group, D]
     scores = soft_cap(torch.einsum("qkgd,skd->kgqs", q, k) * scale, logits_soft_cap)
     # query j sits at absolute position seq_len - q_len + j; it sees keys <= that.
@@ -105,7 +115,8 @@ def _sequence_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens,
 
 def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
                 rows: list[int], sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                sinks: torch.Tensor | None = None):
+                sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None):
     """The sequences `rows`, each with one query that sees all its tokens (the last
     sliding_window of them), padded to the longest."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -113,8 +124,8 @@ def _decode_ref(out, query, key_cache, value_cache, query_start_loc, seq_lens, b
     lens = seq_lens[idx].long()                                   # [B]
     max_len = int(lens.max())
     blocks = block_table[idx, :(max_len + block_size - 1) // block_size].long().clamp(0, num_blocks - 1)
-    k = key_cache[blocks].flatten(1, 2)[:, :max_len].float()      # [B, S, Hkv, D]; past a length: masked
-    v = value_cache[blocks].flatten(1, 2)[:, :max_len].float()
+    k = dequantize_ref(key_cache[blocks].flatten(1, 2)[:, :max_len], k_scale)  # [B, S, Hkv, D]; past a length: masked
+    v = dequantize_ref(value_cache[blocks].flatten(1, 2)[:, :max_len], v_scale)
     tok = query_start_loc[idx].long()
     q = query[tok].float().view(len(rows), num_kv_heads, -1, head_dim)   # [B, Hkv, group, D]
     pos = torch.arange(max_len, device=query.device)[None, :]
@@ -148,6 +159,7 @@ def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, sinks_ptr,
+    k_scale_ptr, v_scale_ptr,
     qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -159,6 +171,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
@@ -169,7 +182,16 @@ def _paged_attention_kernel(
     cap * log2(e), scores = soft_cap * tanh(q.k * qk_scale). HAS_SINKS: each query head's
     sink logit (sinks_ptr [Hq], natural log) joins the softmax's denominator once: unsplit, it
     starts the running max and sum (a key of weight exp(sink) and no value); split, the
-    reduce adds it to the splits' merge. Without any, full attention compiles as it always has."""
+    reduce adds it to the splits' merge. Without any, full attention compiles as it always has.
+
+    KV_FP8: the caches hold e4m3 codes of key / k_scale and value / v_scale. A tile's codes are
+    widened to the query's dtype (exact: every e4m3 value is a bf16/fp16 value) and multiply in
+    its MMA with an fp32 accumulator; k_scale folds into qk_scale and v_scale into the output,
+    both exact as scores and output are linear in them. Two-level accumulation, as vLLM's fix
+    for FP8 attention's long-context accuracy (vllm-project/flash-attention#104): each tile's
+    P @ V comes out of the MMA as an fp32 partial and is added into a separate fp32 running
+    accumulator (acc * alpha + pv), never accumulated across tiles in an FP8 MMA's
+    reduced-precision accumulator (the fault on Hopper that cost 128k needle retrieval)."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -222,6 +244,8 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:  # the interpreter's tl.dot mishandles bf16/fp16 operands
         q = q.to(tl.float32)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # keys this tile can see: [0, kv_end) (causal w.r.t. the tile's last query)
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
@@ -261,6 +285,8 @@ def _paged_attention_kernel(
         in_blk = offs_n % BLOCK_SIZE
         k = tl.load(k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
         if IEEE:
@@ -280,6 +306,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if KV_FP8:  # (p then goes to the query's dtype, never to e4m3)
+            v = v.to(q_ptr.dtype.element_ty)
         if DOT_F32:
             p = p.to(v.dtype)
             v = v.to(tl.float32)
@@ -290,6 +318,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -388,9 +418,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     max_seq_len: int, num_kv_splits: int | None = None,
                     num_decodes: int = 0, seq_order: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen causal paged attention (Triton). Same semantics as paged_attention_ref
-    (sliding_window, logits_soft_cap and sinks [Hq] too).
+    (sliding_window, logits_soft_cap, sinks [Hq], and an FP8 cache's k_scale / v_scale too: fp32
+    device tensors, read by the kernel, so a CUDA graph replays with their current values).
 
     query [T, Hq, D] (last dim contiguous; token/head strides free), caches
     [num_blocks, block_size, Hkv, D], query_start_loc int32 [B+1], seq_lens
@@ -418,13 +450,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     CUDA graph needs attention's output at a fixed address."""
     if not runs_triton(_paged_attention_kernel, query):
         ref = paged_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                                  sliding_window, logits_soft_cap, sinks)
+                                  sliding_window, logits_soft_cap, sinks, k_scale, v_scale)
         return ref if out is None else out.copy_(ref)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kd = key_cache.shape
     assert kd == head_dim and value_cache.shape == key_cache.shape
     assert num_q_heads % num_kv_heads == 0
-    assert key_cache.dtype == value_cache.dtype == query.dtype, "query and caches must share a dtype"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, FP8_DTYPE), \
+        "the caches hold the query's dtype or FP8"
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -440,7 +473,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_table = block_table.contiguous()
     max_query_len = max(1, int(max_query_len))
     nd = int(num_decodes)
-    kv = (key_cache, value_cache)
+    kv = _KVCaches.of(key_cache, value_cache, k_scale, v_scale)
     if sinks is not None:
         assert sinks.shape == (num_q_heads,) and sinks.is_contiguous(), "sinks: one logit per query head"
     variant = _Variant(scale, sliding_window, logits_soft_cap, sinks)
@@ -509,6 +542,25 @@ class _Variant:
         return float(self.scale) / cap, window or 0, float(cap) * log2e, flags
 
 
+class _KVCaches(NamedTuple):
+    """The caches one launch reads, with an FP8 cache's scales (else unused pointers)."""
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @classmethod
+    def of(cls, key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None) -> "_KVCaches":
+        if key.dtype != FP8_DTYPE:
+            return cls(key, value, key, key)
+        return cls(key, value, *fp8_scales(key.device, k_scale, v_scale))
+
+    @property
+    def fp8(self) -> bool:
+        return self.key.dtype == FP8_DTYPE
+
+
 @dataclass(slots=True)
 class _Launch:
     """The sequences of one kernel launch: query_start_loc holds absolute token indices, and
@@ -553,10 +605,10 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     return dict(block_m=query_rows(group, max_query_len), block_n=block_n, num_warps=4, num_stages=stages)
 
 
-def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
+def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
                       launch: _Launch, variant: _Variant, max_seq_len: int, num_kv_splits: int | None) -> None:
     """One kernel launch (two with split-KV) over the sequences of `launch`."""
-    key_cache, value_cache = kv
+    key_cache, value_cache = kv.key, kv.value
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -600,6 +652,7 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
         query, key_cache, value_cache, out, part_acc, part_ml,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
         launch.seq_order if ordered else launch.seq_lens, sinks,
+        kv.k_scale, kv.v_scale,
         qk_scale, num_seqs, num_q_heads, launch.tok_lo, window, soft_cap,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -608,7 +661,7 @@ def _attention_launch(query: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags, KV_FP8=kv.fp8,
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split

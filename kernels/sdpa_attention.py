@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import FP8_DTYPE
 from kernels.paged_attention import soft_cap, softmax_with_sinks
 
 
@@ -153,10 +154,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                          scale: float, plan: SdpaPlan | None = None, sliding_window: int | None = None,
-                         logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]. `plan`: the step's SdpaPlan (built here when None).
-    sliding_window, logits_soft_cap, sinks: as paged_attention_ref's."""
+    sliding_window, logits_soft_cap, sinks, k_scale, v_scale: as paged_attention_ref's. An FP8
+    cache's codes are widened to the query's dtype (exact); k_scale folds into the score scale
+    and v_scale into the output (exact: both are linear), read on the host (this is the CPU path)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
+    out_scale = None
+    if key_cache.dtype == FP8_DTYPE:
+        scale = scale * (1.0 if k_scale is None else float(k_scale))
+        out_scale = None if v_scale is None else float(v_scale)
     if plan is None:
         plan = SdpaPlan.build(query_start_loc, seq_lens, block_table, block_size, num_kv_heads, query.dtype)
     out = torch.empty_like(query)
@@ -168,6 +176,8 @@ def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         v = values.index_select(0, dec.gather).view(rows, num_kv_heads, dec.width, head_dim)
         q = query.index_select(0, dec.tok).unsqueeze(2)                 # [R, Hq, 1, D]
         o = _attend(q, k.to(q.dtype), v.to(q.dtype), dec.bias.to(q.dtype), scale, logits_soft_cap, sinks)
+        if out_scale is not None:
+            o = o * out_scale
         out.index_copy_(0, dec.tok, o.squeeze(2))
     cache_rows = key_cache.view(-1, num_kv_heads, head_dim)
     vcache_rows = value_cache.view(-1, num_kv_heads, head_dim)
@@ -177,5 +187,7 @@ def paged_attention_sdpa(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         v = vcache_rows.index_select(0, p.slots).transpose(0, 1)
         q = query[q_lo:q_lo + p.q_len].transpose(0, 1)                              # [Hq, Q, D]
         o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask, scale, logits_soft_cap, sinks)
+        if out_scale is not None:
+            o = o * out_scale
         out[q_lo:q_lo + p.q_len] = o.transpose(0, 1)
     return out

@@ -52,6 +52,7 @@ and quantized weights are not modelled.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_moe_layers: int = 0
+    kv_dtype_bytes: int | None = None   # the KV cache's element (1: --kv-cache-dtype fp8); None: dtype_bytes
 
     @classmethod
     def from_hf_config(cls, hf: dict, dtype_bytes: int, tp: int = 1) -> "ModelShape":
@@ -100,7 +102,10 @@ class ModelShape:
     def from_engine_config(cls, config) -> "ModelShape":
         with open(os.path.join(config.model, "config.json")) as f:
             hf = json.load(f)
-        return cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
+        shape = cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
+        if getattr(config, "kv_cache_dtype", "auto") != "auto":   # fp8 / fp8_e4m3
+            shape = dataclasses.replace(shape, kv_dtype_bytes=1)
+        return shape
 
 
 def dtype_bytes(config) -> int:
@@ -161,10 +166,10 @@ class MfuEstimator:
         flops = (2 * num_tokens * self._params_per_token
                  + s.num_layers * 4 * num_qk_pairs * s.num_heads * s.head_dim
                  + 2 * num_sampled * s.hidden_size * s.vocab_size)
-        read = s.dtype_bytes * (self.weight_params_read(num_tokens)
-                                + self._kv_elems_per_token * num_kv_tokens_read
-                                + num_tokens * s.hidden_size)
-        write = s.dtype_bytes * self._kv_elems_per_token * num_tokens
+        kv_bytes = s.kv_dtype_bytes or s.dtype_bytes
+        read = (s.dtype_bytes * (self.weight_params_read(num_tokens) + num_tokens * s.hidden_size)
+                + kv_bytes * self._kv_elems_per_token * num_kv_tokens_read)
+        write = kv_bytes * self._kv_elems_per_token * num_tokens
         return StepCost(flops / s.tp, read / s.tp, write / s.tp)
 
     def from_stats(self, stats) -> StepCost:

@@ -196,7 +196,7 @@ class PrometheusStatLogger:
 
     def _cache_info(self) -> dict[str, str]:
         c = self.config
-        return {"block_size": str(c.block_size), "cache_dtype": "auto",
+        return {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
                 "enable_prefix_caching": str(c.enable_prefix_caching),
                 "gpu_memory_utilization": str(c.gpu_memory_utilization),
                 "num_gpu_blocks": str(self.num_gpu_blocks), "num_gpu_blocks_override": str(c.num_gpu_blocks_override),

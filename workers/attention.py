@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels.kv_quant import kv_scales_from_amax
 from kernels.paged_attention import paged_attention_ref
 from kernels.sdpa_attention import SdpaPlan, paged_attention_sdpa
 
@@ -31,6 +32,8 @@ class AttentionMetadata:
     # while a piecewise CUDA graph is captured: called in attention's place, it ends the graph's
     # current piece and returns the buffer attention will write at replay (workers/piecewise_graphs.py)
     graph_split: Callable | None = None
+    # --calculate-kv-scales: this step (the first with tokens, run eagerly) sets each layer's scales
+    calculate_kv_scales: bool = False
 
 
 class Attention(nn.Module):
@@ -52,6 +55,18 @@ class Attention(nn.Module):
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
             raise ValueError(f"Attention: sinks of shape {tuple(sinks.shape)}, expected ({num_heads},)")
         self.sinks = sinks
+        # an FP8 cache's per-tensor scales (kernels/kv_quant.py): device tensors, which kernels
+        # read (so CUDA graphs replay with the loaded or calculated values); not in the state
+        # dict, so sleep, wake-up and weight updates leave them as they are
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+
+    def calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """--calculate-kv-scales: the scales from this batch's keys (as the cache gets them:
+        normed and rotated) and values, in place, on the device."""
+        k_scale, v_scale = kv_scales_from_amax(k.abs().amax(), v.abs().amax())
+        self.k_scale.copy_(k_scale.reshape(1))
+        self.v_scale.copy_(v_scale.reshape(1))
 
     def forward(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,19 +81,20 @@ class Attention(nn.Module):
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,
                                   num_decodes=meta.num_decodes, num_kv_splits=meta.num_kv_splits,
                                   seq_order=meta.seq_order, out=out, sliding_window=self.sliding_window,
-                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         elif q.device.type == "cpu":  # torch's fused CPU attention kernels
             if meta.sdpa_plan is None:  # once per step: every layer shares it
                 meta.sdpa_plan = SdpaPlan.build(meta.query_start_loc, meta.seq_lens, meta.block_table,
                                                 key_cache.shape[1], key_cache.shape[2], q.dtype)
             res = paged_attention_sdpa(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_table, self.scale, meta.sdpa_plan, self.sliding_window,
-                                       self.logits_soft_cap, self.sinks)
+                                       self.logits_soft_cap, self.sinks, self.k_scale, self.v_scale)
             out = res if out is None else out.copy_(res.view_as(out))
         else:
             res = paged_attention_ref(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                       meta.block_table, self.scale, self.sliding_window, self.logits_soft_cap,
-                                      self.sinks)
+                                      self.sinks, self.k_scale, self.v_scale)
             out = res if out is None else out.copy_(res)
         return out.reshape(t, self.num_heads * self.head_dim)
 

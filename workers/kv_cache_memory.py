@@ -4,6 +4,7 @@ restored), and what memory is held."""
 from __future__ import annotations
 
 import gc
+import logging
 from typing import NamedTuple
 
 import torch
@@ -11,9 +12,12 @@ import torch
 from ipc.config import EngineConfig, max_blocks_held
 from workers.attention import AttentionMetadata, model_sliding_window
 
+logger = logging.getLogger(__name__)
+
 
 class KVCacheSpec(NamedTuple):
-    """The shape of one layer's KV cache block, on this rank."""
+    """The shape of one layer's KV cache block, on this rank. dtype: the cache's (the model's, or
+    float8_e4m3fn with --kv-cache-dtype fp8: half the bytes, twice the blocks)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -30,8 +34,10 @@ class KVCacheMemory:
     """Owns the KV cache (one (keys, values) pair per layer) and the weights' storage while
     they sleep. The model belongs to the runner; sleep and wake-up swap its tensors' data."""
 
-    def __init__(self, model, config: EngineConfig, device: torch.device, spec: KVCacheSpec, backend: str):
+    def __init__(self, model, config: EngineConfig, device: torch.device, spec: KVCacheSpec, backend: str,
+                 model_dtype: torch.dtype | None = None):
         self.model, self.config, self.device, self.spec, self.backend = model, config, device, spec, backend
+        self.model_dtype = model_dtype or spec.dtype   # the weights' (sleep level 2 reloads them in it), not the cache's
         self.max_blocks_per_req = -(-config.max_model_len // spec.block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -90,6 +96,9 @@ class KVCacheMemory:
         self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype, device=self.device),
                            torch.zeros(shape, dtype=spec.dtype, device=self.device))
                           for _ in range(spec.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens, %s (%s), %.2f GiB", num_blocks, spec.block_size,
+                    str(spec.dtype).removeprefix("torch."), self.config.kv_cache_dtype,
+                    num_blocks * spec.block_bytes() / 2 ** 30)
 
     # ------------------------------------------------------------ sleep / wake
 
@@ -127,7 +136,7 @@ class KVCacheMemory:
                 check_checkpoint_dir(weights_dir, self.model.config)
             torch.manual_seed(self.config.seed)
             weights_dir = weights_dir or self.weights_dir
-            fresh = load_model(weights_dir, self.spec.dtype, self.device, load_format or self.config.load_format,
+            fresh = load_model(weights_dir, self.model_dtype, self.device, load_format or self.config.load_format,
                                self.config.language_model_only, self.config.model_impl)
             for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                         fresh.state_dict(keep_vars=True).items()):

@@ -18,6 +18,7 @@ import torch
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
+from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
@@ -97,8 +98,12 @@ class ModelRunner:
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
-        self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size, self.dtype)
-        self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend)
+        self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
+                                   kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
+        check_kv_cache_device(self.kv_spec.dtype, self.device)
+        self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend, self.dtype)
+        # --calculate-kv-scales with an FP8 cache: the first step with tokens sets every layer's scales
+        self.kv_scales_pending = config.calculate_kv_scales and config.kv_cache_dtype != "auto"
         self.sampler = Sampler(use_triton=self.backend == "triton")
         self.h2d = HostToDevice(self.device)
         self.block_size = config.block_size
@@ -232,7 +237,8 @@ class ModelRunner:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
-        graph_size = self._decode_graph_size(num_scheduled, bool(mm))
+        calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
+        graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
         every_row_samples = len(sample_rows) == len(num_scheduled)
         # whether the sampled rows all sample plainly, asked only where it matters (it walks every
         # row): a decode graph's head samples such a step, and under TP its logits may stay sharded
@@ -256,8 +262,10 @@ class ModelRunner:
         attention = attention_metadata(host, device, num_scheduled, self.backend) if graph_size is None else None
         embeds = self.mm.embeddings(mm, device.input_ids) if mm else None
         self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
+        if calibrate:
+            attention.calculate_kv_scales, self.kv_scales_pending = True, False
         piecewise_size = None
-        if graph_size is None and embeds is None and self.piecewise_graphs is not None:
+        if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
                          stats_token, embeds, piecewise_size, graph_samples, plain, spans)

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from kernels.qk_rope_cache import qk_norm_rope_ref
 from workers.attention import Attention, AttentionMetadata
 from workers.distributed import LogitsShard, tp_rank, tp_size
 from workers.models import layers
@@ -112,9 +113,12 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.per_head_qk_norm
                  else (None, None, 0.0))
+        rope = dict(mrope_section=self.rotary_emb.mrope_section, is_neox_style=self.rotary_emb.is_neox_style)
+        if meta.calculate_kv_scales:   # once, eagerly: the keys as the cache gets them, unfused
+            self.attn.calculate_kv_scales(qk_norm_rope_ref(positions, q, k, self.rotary_emb.cos_sin_cache,
+                                                           *norms, **rope)[1], v)
         q = layers.qk_norm_rope_cache(positions, q, k, v, self.rotary_emb.cos_sin_cache, *kv_cache, meta.slot_mapping,
-                                      *norms, mrope_section=self.rotary_emb.mrope_section,
-                                      is_neox_style=self.rotary_emb.is_neox_style)
+                                      *norms, **rope, k_scale=self.attn.k_scale, v_scale=self.attn.v_scale)
         return self.o_proj(self.attn(q, kv_cache, meta))
 
 

@@ -82,12 +82,14 @@ def loom_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if attn is None:  # the first call (start-up's profiling run): the layer's own head counts and scale
         attn = module.loom_attn = Attention(query.shape[1], key.shape[1], query.shape[-1],
                                             query.shape[-1] ** -0.5 if scaling is None else scaling,
-                                            sliding_window=sliding_window, logits_soft_cap=softcap)
+                                            sliding_window=sliding_window, logits_soft_cap=softcap).to(query.device)
     kv_cache = step.kv_caches[module.layer_idx]
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
     meta = step.meta
     write = write_kv_cache if meta.backend == "triton" else write_kv_cache_ref
-    write(k, v, *kv_cache, meta.slot_mapping)
+    if meta.calculate_kv_scales:
+        attn.calculate_kv_scales(k, v)
+    write(k, v, *kv_cache, meta.slot_mapping, attn.k_scale, attn.v_scale)
     out = attn(q, kv_cache, meta)   # [T, Hq * D]
     return out.view(1, q.shape[0], q.shape[1], q.shape[2]), None
 

@@ -9,6 +9,8 @@ from typing import Iterable
 
 from torch import nn
 
+from workers.models.kv_scales import KVScaleLoader
+
 # (our fused parameter, checkpoint part, shard id): the decoder blocks' fused projections
 STACKED_PARAMS = [
     (".qkv_proj.", ".q_proj.", "q"),
@@ -23,9 +25,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]], partia
     """Load HF-named tensors (or safetensors slices) through the model's declarations:
     `model.hf_to_loom` renames (None: skipped), `model.stacked_params` routes fused parts.
     `partial`: only some tensors (a weight update). Errors as load_stacked_weights'."""
+    kv_scales = KVScaleLoader(model)   # an FP8 checkpoint's k_scale / v_scale go to the attention layers
+
     def renamed():
         for name, tensor in weights:
-            yield model.hf_to_loom(name), name, tensor
+            if not kv_scales.take(name, tensor):
+                yield model.hf_to_loom(name), name, tensor
 
     return _load(model, renamed(), model.stacked_params, partial)
 
