@@ -437,7 +437,8 @@ class OpenAIServer:
         return await self._generate(ctx, mm_items)
 
     async def prepare_chat(self, request: web.Request, req: ChatCompletionRequest,
-                           rid_prefix: str = "chatcmpl") -> tuple[GenerationContext, list]:
+                           rid_prefix: str = "chatcmpl", request_type: str = "chat_completions"
+                           ) -> tuple[GenerationContext, list]:
         """A chat request, checked, templated and tokenized, its images stored: the context of its
         generation and its multimodal items. /v1/responses and /v1/messages translate into a
         ChatCompletionRequest and come through here too (frontend/openai/serving_responses.py,
@@ -479,7 +480,7 @@ class OpenAIServer:
                                 prompt_tokens_details=self.options.enable_prompt_tokens_details,
                                 echo_texts=echo_texts, role=role, tools=tools,
                                 reasoning=self._reasoning_for(ids, constraint is not None),
-                                on_tool_parse=self._count_tool_parse)
+                                on_tool_parse=functools.partial(self._count_tool_parse, request_type=request_type))
         return ctx, mm_items
 
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
@@ -528,7 +529,7 @@ class OpenAIServer:
             constraint = tool_constraint
         return tools, constraint
 
-    def _count_tool_parse(self, output: ChatOutput, streaming: bool) -> None:
+    def _count_tool_parse(self, output: ChatOutput, streaming: bool, request_type: str = "chat_completions") -> None:
         """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
         if output.tools.mode != "auto":
             return
@@ -536,7 +537,7 @@ class OpenAIServer:
                                               != output.text)
         self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
                                             "streaming" if streaming else "non_streaming",
-                                            "tool_call" if called else "no_tool_call", "chat_completions").inc()
+                                            "tool_call" if called else "no_tool_call", request_type).inc()
 
     def _messages(self, req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
         """The request's messages, parsed for the chat template (frontend/chat_utils.py)."""

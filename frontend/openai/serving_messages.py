@@ -26,7 +26,7 @@ class MessagesAPI:
         server = self.server
         req: MessagesRequest = await server.body(request, MessagesRequest)
         chat_req = translate(anthropic.chat_request(req), ChatCompletionRequest)
-        ctx, mm_items = await server.prepare_chat(request, chat_req, "msg")
+        ctx, mm_items = await server.prepare_chat(request, chat_req, "msg", "other")
         rid = anthropic.message_id(ctx.rid)
         prompt_tokens = len(ctx.prompts[0].token_ids)
         stream = server.start(ctx, mm_items)
@@ -64,7 +64,7 @@ class MessagesAPI:
         server = self.server
         req: CountTokensRequest = await server.body(request, CountTokensRequest)
         chat_req = translate(anthropic.chat_request(req), ChatCompletionRequest)
-        ctx, mm_items = await server.prepare_chat(request, chat_req, "msg")
+        ctx, mm_items = await server.prepare_chat(request, chat_req, "msg", "other")
         if mm_items:   # counted, never run: the store's references go back
             server.llm.mm.unref(mm_items)
         return web.Response(body=dumps({"input_tokens": len(ctx.prompts[0].token_ids)}),

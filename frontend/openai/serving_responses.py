@@ -66,7 +66,7 @@ class ResponsesAPI:
             history = prev.conversation + output_messages(prev.response["output"])
         conversation = history + input_messages(req.input)
         chat_req = translate(chat_request(req, conversation), ChatCompletionRequest)
-        ctx, mm_items = await server.prepare_chat(request, chat_req, "resp")
+        ctx, mm_items = await server.prepare_chat(request, chat_req, "resp", "responses")
         response = skeleton("resp_" + ctx.rid.split("-", 1)[1], req, server.model_name, "in_progress")
         if req.background:
             entry = StoredResponse(response, conversation)
