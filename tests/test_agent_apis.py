@@ -154,6 +154,9 @@ def test_responses_function_call_round_trip(oai, model):
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert deltas == done.arguments == call.arguments and done.name == "get_weather"
     assert strip_ids(events[-1].response.model_dump()["output"]) == strip_ids(r.model_dump()["output"])
+    with oai.responses.stream(**kw) as s:   # the client's own accumulation of the events
+        [acc] = s.get_final_response().output
+    assert (acc.type, acc.name, acc.arguments, acc.status) == ("function_call", call.name, call.arguments, "completed")
 
     follow = [{"role": "user", "content": "What is the weather in Rome?"},
               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},

@@ -73,7 +73,11 @@ class ResponsesAPI:
             response["status"] = "queued"
             entry.task = asyncio.create_task(self._background(entry, ctx, mm_items))
             self.store.put(entry)
-            return _json(response)
+            body = dumps(response)
+            # one turn of the loop: the task takes its first step (a task cancelled before it would
+            # never run its cleanup, and its images would stay in the store)
+            await asyncio.sleep(0)
+            return web.Response(body=body, content_type="application/json")
         stream = server.start(ctx, mm_items)
         try:
             first = await first_output(stream)
@@ -156,6 +160,9 @@ class ResponsesAPI:
         if task is not None:
             task.cancel()
             await asyncio.wait([task])
+            if entry.response["status"] in ("queued", "in_progress"):   # (cancelled before its first step)
+                entry.response["status"] = "cancelled"
+            entry.task = None
         return _json(entry.response)
 
     def close(self) -> None:
