@@ -9,7 +9,9 @@ One server for the module: the tiny random model with a Qwen-like chat template 
 calls and results; the thinking opened by enable_thinking, else closed in the prompt), the hermes
 tool parser, the qwen3 reasoning parser and an API key (the anthropic client sends it as
 x-api-key). The random model writes garbage unless a grammar holds it (from the first token
-when the prompt closed the thinking), so tool calls are asked for by name or as required."""
+when the prompt closed the thinking), so tool calls are asked for by name or as required.
+What a random model never writes (thinking, then text, then a hermes tool call; an engine that
+breaks mid-stream) comes from a scripted engine under the real API server, in-process."""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,8 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import running_server
+from tests.conftest import run_fake, running_server
+from tests.test_tool_parsers import _ScriptedLLM
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
@@ -404,9 +407,6 @@ def test_messages_errors_in_anthropics_shape(claude, model, server):
 def _scripted_answers(path: str, body: dict) -> tuple[dict, list[dict]]:
     """`body` through the API server over a scripted engine (its output: thinking, text, then a
     hermes tool call), whole and streamed (the stream's events, in order)."""
-    from tests.conftest import run_fake
-    from tests.test_tool_parsers import _ScriptedLLM
-
     async def scenario(session, url, llm):
         async with session.post(url + path, json=body) as r:
             assert r.status == 200, await r.text()
@@ -471,3 +471,90 @@ def test_messages_thinking_text_and_auto_tool_use_blocks():
             b["input"] = json.loads(b["partial"])
         del b["partial"]
     assert strip_ids(blocks) == strip_ids(whole["content"])
+
+
+class _FailingLLM(_ScriptedLLM):
+    """A scripted engine whose stream breaks after a few tokens (mid-stream errors)."""
+
+    async def generate(self, prompt_token_ids, params, request_id):
+        n = 0
+        async for out in super().generate(prompt_token_ids, params, request_id):
+            yield out
+            n += 1
+            if n == 3:
+                raise RuntimeError("the engine broke")
+
+
+def test_a_mid_stream_error_is_each_apis_own_error_event():
+    async def scenario(session, url, llm):
+        got = {}
+        for path, body in (("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "x"}]}),
+                           ("/v1/responses", {"input": "x"})):
+            async with session.post(url + path, json={**body, "stream": True}) as r:
+                got[path] = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        async with session.post(url + "/v1/messages", json={"max_tokens": 5, "messages": [
+                {"role": "user", "content": "x"}]}) as r:
+            got["whole"] = (r.status, await r.json())
+        return got
+
+    got = run_fake(_FailingLLM(), scenario)
+    last = got["/v1/messages"][-1]
+    assert last["type"] == "error" and last["error"]["type"] == "api_error"
+    assert [e["type"] for e in got["/v1/messages"][:2]] == ["message_start", "ping"]
+    last = got["/v1/responses"][-1]
+    assert last["type"] == "error" and last["code"] == "500" and last["message"]
+    assert got["/v1/responses"][0]["type"] == "response.created"
+    status, body = got["whole"]
+    assert status == 500 and body["type"] == "error" and body["error"]["type"] == "api_error"
+
+
+# ======================================================================= the translations alone
+
+def test_responses_items_become_chat_messages():
+    from frontend.openai.responses import input_messages, output_items, output_messages
+    msgs = input_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "reasoning", "summary": []},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]}])
+    assert msgs[0] == {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "image_url", "image_url": {"url": "u"}}]}
+    # the assistant's text and both of its calls: one turn, as the chat's
+    assert msgs[1]["role"] == "assistant" and [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2"]
+    assert msgs[2:] == [{"role": "tool", "tool_call_id": "c1", "content": "one"},
+                        {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+    # an answer's items continue the conversation
+    items = output_items({"reasoning_content": "r", "content": "t", "tool_calls": [
+        {"id": "chatcmpl-tool-9", "function": {"name": "f", "arguments": "{}"}}]})
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"] and items[2]["call_id"] == "call_9"
+    assert output_messages(items) == [{"role": "assistant", "content": [{"type": "text", "text": "t"}], "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert [i["type"] for i in output_items({"content": ""})] == ["message"]   # an empty answer: one empty message
+
+
+def test_anthropic_blocks_become_chat_messages():
+    from frontend.openai.anthropic import chat_messages, chat_request, MessagesRequest, stop_reason
+    msgs = chat_messages([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
+                                          {"type": "text", "text": "let me see"},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "42"}]}, {"type": "text", "text": "thanks"}]}], [{"type": "text", "text": "sys"}])
+    assert msgs == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "let me see", "tool_calls": [
+                        {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                    {"role": "tool", "tool_call_id": "t1", "content": "42"},   # the results first,
+                    {"role": "user", "content": "thanks"}]                     # then the rest of the turn
+    req = MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": "x"}], tool_choice={"type": "any"},
+                          tools=[{"name": "f", "input_schema": {"type": "object"}}], stop_sequences=["END"],
+                          thinking={"type": "disabled"})
+    body = chat_request(req)
+    assert body["tool_choice"] == "required" and body["stop"] == ["END"] and body["max_tokens"] == 5
+    assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["add_generation_prompt"]
+    assert stop_reason("stop", "END", False) == ("stop_sequence", "END")
+    assert stop_reason("stop", 7, False) == ("end_turn", None)   # a stop token, not a string
+    assert stop_reason("length", None, True) == ("max_tokens", None)
