@@ -237,6 +237,9 @@ def test_responses_bad_input_is_a_400_and_the_server_keeps_serving(oai, model, s
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(model=model, **kw)
         assert e.value.status_code == 400 and e.value.body["message"], kw
+    with pytest.raises(openai.BadRequestError) as e:   # named as the client spells it
+        oai.responses.create(model=model, input="x", max_output_tokens=100_000)
+    assert e.value.body["param"] == "max_output_tokens" and "max_output_tokens" in e.value.body["message"]
     r = requests.post(server.url + "/v1/responses", data=b"{", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
     assert oai.responses.create(model=model, input=ASK, max_output_tokens=2).status == "incomplete"

@@ -187,10 +187,10 @@ class OpenAIServer:
         parser = getattr(self.config, "reasoning_parser", None)
         self.reasoning_parser = REASONING_PARSERS[parser]() if parser else None
         self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
-        # Counted in the API server, which does not track the engine a request ran on: with one
-        # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
         self.responses = ResponsesAPI(self)    # /v1/responses and its store
         self.messages = MessagesAPI(self)      # /v1/messages (Anthropic's)
+        # Counted in the API server, which does not track the engine a request ran on: with one
+        # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
         self.tool_parser_engine = "0" if getattr(self.config, "data_parallel_size", 1) == 1 else "all"
         self.tool_parser_invocations = Builder().counter(
             "vllm:tool_call_parser_invocations", "Total number of ToolParser invocations. Non-streaming increments "

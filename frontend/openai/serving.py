@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from frontend.errors import EngineDeadError, engine_dead_message
@@ -391,7 +392,6 @@ async def chat_answer(ctx: GenerationContext, stream, first) -> dict:
 def translate(body: dict, cls: type):
     """A request of another API, translated (as JSON), as the struct the chat path takes; a
     mistyped field is a 400 naming it."""
-    import msgspec
     try:
         return msgspec.convert(body, cls)
     except msgspec.ValidationError as e:

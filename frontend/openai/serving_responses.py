@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import re
 
 from aiohttp import web
 
@@ -27,6 +28,18 @@ logger = logging.getLogger("loom.api")
 
 def _json(obj, status: int = 200) -> web.Response:
     return web.Response(body=dumps(obj), status=status, content_type="application/json")
+
+
+# the chat request's fields that a Responses request spells otherwise
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def _as_responses_error(e: APIError) -> APIError:
+    """An error of the chat path, naming the field as the client sent it."""
+    name = _FIELD_NAMES.get(e.param or "")
+    if name is None:
+        return e
+    return APIError(re.sub(rf"\b{re.escape(e.param)}\b", name, e.message), e.status, name, e.type)
 
 
 class ResponsesAPI:
@@ -66,7 +79,10 @@ class ResponsesAPI:
             history = prev.conversation + output_messages(prev.response["output"])
         conversation = history + input_messages(req.input)
         chat_req = translate(chat_request(req, conversation), ChatCompletionRequest)
-        ctx, mm_items = await server.prepare_chat(request, chat_req, "resp", "responses")
+        try:
+            ctx, mm_items = await server.prepare_chat(request, chat_req, "resp", "responses")
+        except APIError as e:
+            raise _as_responses_error(e) from None
         response = skeleton("resp_" + ctx.rid.split("-", 1)[1], req, server.model_name, "in_progress")
         if req.background:
             entry = StoredResponse(response, conversation)
