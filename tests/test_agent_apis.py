@@ -552,6 +552,11 @@ def test_anthropic_blocks_become_chat_messages():
                         {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
                     {"role": "tool", "tool_call_id": "t1", "content": "42"},   # the results first,
                     {"role": "user", "content": "thanks"}]                     # then the rest of the turn
+    [tool] = chat_messages([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": [
+        {"type": "text", "text": "a picture:"},
+        {"type": "image", "source": {"type": "url", "url": "http://x/p.png"}}]}]}], None)
+    assert tool == {"role": "tool", "tool_call_id": "t2", "content": [
+        {"type": "text", "text": "a picture:"}, {"type": "image_url", "image_url": {"url": "http://x/p.png"}}]}
     req = MessagesRequest(max_tokens=5, messages=[{"role": "user", "content": "x"}], tool_choice={"type": "any"},
                           tools=[{"name": "f", "input_schema": {"type": "object"}}], stop_sequences=["END"],
                           thinking={"type": "disabled"})

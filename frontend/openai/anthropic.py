@@ -107,6 +107,25 @@ def _image(block: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _tool_result(content: Any, where: str) -> str | list[dict]:
+    """A tool_result's content: a string, or text and image blocks (a tool that read a picture),
+    as the tool message's content parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of text and image blocks")
+    parts = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "image":
+            parts.append(_image(b, f"{where}[{j}]"))
+        elif kind == "text" and isinstance(b.get("text"), str):
+            parts.append({"type": "text", "text": b["text"]})
+        else:
+            raise _bad(f"{where}[{j}]: a tool result holds text and image blocks, got {kind!r}")
+    return parts if any(p["type"] != "text" for p in parts) else "\n".join(p["text"] for p in parts)
+
+
 def chat_messages(messages: Any, system: Any) -> list[dict]:
     """Anthropic's system and messages as OpenAI chat messages."""
     if not isinstance(messages, list) or not messages:
@@ -146,7 +165,7 @@ def chat_messages(messages: Any, system: Any) -> list[dict]:
                 if not isinstance(b.get("tool_use_id"), str):
                     raise _bad(f"{at}: a tool_result block needs its 'tool_use_id'")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _text_of(b.get("content") or "", f"{at}.content")})
+                            "content": _tool_result(b.get("content") or "", f"{at}.content")})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue   # an earlier turn's thinking: templates drop it from the history
             else:
