@@ -566,3 +566,20 @@ def test_anthropic_blocks_become_chat_messages():
     assert stop_reason("stop", "END", False) == ("stop_sequence", "END")
     assert stop_reason("stop", 7, False) == ("end_turn", None)   # a stop token, not a string
     assert stop_reason("length", None, True) == ("max_tokens", None)
+
+
+def test_response_store_is_a_bounded_lru():
+    from frontend.openai.response_store import ResponseStore, StoredResponse
+    store = ResponseStore(size=3, max_bytes=10_000)
+    put = lambda rid, text="": store.put(StoredResponse({"id": rid, "text": text}, [{"role": "user", "content": ""}]))
+    for rid in "abc":
+        put(rid)
+    assert store.get("a") is not None   # used: the least recently used is now b
+    put("d")
+    assert store.get("b") is None and [r for r in "acd" if store.get(r)] == ["a", "c", "d"]
+    put("e", "x" * 9_950)               # over the bytes: the old ones go, the newest stays
+    assert len(store) == 1 and store.get("e") is not None and store.nbytes > 9_950
+    put("f", "x" * 20_000)              # bigger than the whole store: kept alone
+    assert len(store) == 1 and store.get("f") is not None
+    store.pop("f")
+    assert store.nbytes == 0 and len(store) == 0

@@ -1,8 +1,8 @@
 """The Responses API's store (`store: true`): responses by id, for GET /v1/responses/{id},
-previous_response_id and cancel. In memory, bounded: the least recently used response goes when
-the store is full (--responses-store-size is not a flag yet: RESPONSES_STORE_SIZE). Each API-server
-process has its own store, as vLLM's: with --api-server-count > 1, a follow-up request must reach
-the process that answered the first (one connection, or a single API server).
+previous_response_id and cancel. In memory, bounded (RESPONSES_STORE_SIZE responses and
+RESPONSES_STORE_BYTES of their JSON): the least recently used go when the store is full. Each
+API-server process has its own store, as vLLM's: with --api-server-count > 1, a follow-up request
+must reach the process that answered the first (one connection, or a single API server).
 
 Each entry keeps the conversation that led to the response (its chat messages, without the
 instructions, which OpenAI does not carry over) so that a request naming it as
@@ -14,7 +14,10 @@ import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 
-RESPONSES_STORE_SIZE = 1024
+import msgspec
+
+RESPONSES_STORE_SIZE = 1024               # responses
+RESPONSES_STORE_BYTES = 256 * 1024 * 1024   # their JSON (conversations with images can be large)
 
 
 @dataclass
@@ -22,19 +25,27 @@ class StoredResponse:
     response: dict               # the response object, as GET answers it
     conversation: list[dict]     # chat messages before its output (no instructions)
     task: asyncio.Task | None = None   # a background response's generation, while it runs
+    nbytes: int = 0                    # its size in the store (JSON), set when stored
 
 
 class ResponseStore:
-    def __init__(self, size: int = RESPONSES_STORE_SIZE):
+    def __init__(self, size: int = RESPONSES_STORE_SIZE, max_bytes: int = RESPONSES_STORE_BYTES):
         self.size = size
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, entry: StoredResponse) -> None:
+        """Store (or replace) a response; the least recently used go while the store is over its
+        count or its bytes (the newest stays, whatever its size)."""
         rid = entry.response["id"]
+        self.pop(rid)
+        entry.nbytes = len(msgspec.json.encode(entry.conversation)) + len(msgspec.json.encode(entry.response))
         self._entries[rid] = entry
-        self._entries.move_to_end(rid)
-        while len(self._entries) > self.size:
+        self.nbytes += entry.nbytes
+        while len(self._entries) > 1 and (len(self._entries) > self.size or self.nbytes > self.max_bytes):
             _, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
             if old.task is not None and not old.task.done():   # evicted while it runs: nobody can read it
                 old.task.cancel()
 
@@ -45,7 +56,10 @@ class ResponseStore:
         return entry
 
     def pop(self, rid: str) -> StoredResponse | None:
-        return self._entries.pop(rid, None)
+        entry = self._entries.pop(rid, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+        return entry
 
     def running(self) -> list[asyncio.Task]:
         """The tasks of the background responses still generating."""
