@@ -311,3 +311,33 @@ def test_image_decoding_as_transformers_and_vllm():
     assert load_data_url(url).getpixel((0, 0)) == (255, 255, 255)
     with pytest.raises(MediaError, match="pixels"):
         decode_image(encoded(Image.new("1", (20000, 20000))))
+
+
+def test_anthropic_and_responses_images_are_the_chat_images(client, server, media_dir):
+    """/v1/messages image blocks (base64 and URL) and /v1/responses input_image parts go through
+    the chat's image path: the same answer and prompt tokens as the chat request; the token
+    count counts the image's tokens."""
+    import anthropic
+    img = random_image(33, 80, 60)
+    url = png_url(img)
+    full = chat(client, image_message(url))
+    data = url.split(",", 1)[1]
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+              {"type": "text", "text": "Describe it."}]
+    m = claude.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": blocks}],
+                               extra_body={"temperature": 0})
+    assert m.content[0].text == full.choices[0].message.content
+    assert m.usage.input_tokens == full.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model=model, messages=[{"role": "user", "content": blocks}])
+    assert counted.input_tokens == full.usage.prompt_tokens
+    local = f"file://{media_dir}/ok.png"
+    by_url = claude.messages.create(model=model, max_tokens=8, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": local}},
+                                     {"type": "text", "text": "Describe it."}]}])
+    assert by_url.content[0].text == chat(client, image_message(local)).choices[0].message.content
+    r = client.responses.create(model=model, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                     {"type": "input_text", "text": "Describe it."}]}])
+    assert r.output_text == full.choices[0].message.content and r.usage.input_tokens == full.usage.prompt_tokens

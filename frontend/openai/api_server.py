@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP server (aiohttp on uvloop), one per API-server process.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), POST /invocations
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), POST /v1/responses
+(and GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel: frontend/openai/serving_responses.py),
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's: serving_messages.py), POST /invocations
 (SageMaker: either of those by the body's shape), GET /v1/models, GET /health, GET /metrics
 (Prometheus), GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (with
 --enable-tokenizer-info-endpoint), and the control endpoints of frontend/openai/control_api.py (with
@@ -37,6 +39,7 @@ from aiohttp import web
 
 from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
+from frontend.openai import anthropic
 from frontend.openai.http_errors import OpenAIErrorRunner
 from frontend.chat_utils import detect_content_format, image_urls, message_text, parse_chat_messages, render_chat
 from frontend.processing import tokenize_bad_words, tokenize_prompts, truncate_prompt
@@ -45,6 +48,8 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
                                check_stream_options, completion_prompts, dumps, error_body, models_response, now,
                                parse_request, random_id, stream_usage)
 from frontend.openai.rl_api import control_routes
+from frontend.openai.serving_messages import MessagesAPI
+from frontend.openai.serving_responses import ResponsesAPI
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -110,7 +115,10 @@ def _answer_body(ctx: GenerationContext, collected: list) -> bytes:
     return dumps(ctx.chat_body() if ctx.chat else ctx.completion_body())
 
 
-def _error_response(e: APIError, headers: dict | None = None) -> web.Response:
+def _error_response(e: APIError, headers: dict | None = None, path: str = "") -> web.Response:
+    """In OpenAI's shape, or in Anthropic's on its paths (/v1/messages...)."""
+    if path.startswith(anthropic.ANTHROPIC_PATH):
+        return _json(anthropic.error_body(e.message, e.status), e.status, headers)
     return _json(e.body(), e.status, headers)
 
 
@@ -197,6 +205,8 @@ class OpenAIServer:
         if self.harmony:
             self.reasoning_parser = None
         self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
+        self.responses = ResponsesAPI(self)    # /v1/responses and its store
+        self.messages = MessagesAPI(self)      # /v1/messages (Anthropic's)
         # Counted in the API server, which does not track the engine a request ran on: with one
         # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
         self.tool_parser_engine = "0" if getattr(self.config, "data_parallel_size", 1) == 1 else "all"
@@ -271,16 +281,18 @@ class OpenAIServer:
         try:
             if self.options.api_key is not None and request.path not in _OPEN_PATHS:
                 auth = request.headers.get("Authorization", "")
-                token = auth[7:] if auth[:7].lower() == "bearer " else ""
+                # Anthropic's clients send the key as x-api-key
+                token = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
                 # (aiohttp keeps a header's non-UTF-8 bytes as surrogate escapes)
                 if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self.options.api_key.encode()):
-                    raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                    raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
+                                   "'x-api-key: <key>').", 401,
                                    type="AuthenticationError")
             if getattr(self.llm, "draining", False) and request.path != "/metrics":
                 raise APIError("The server is shutting down.", 503)
             return await handler(request)
         except APIError as e:
-            return _error_response(e)
+            return _error_response(e, path=request.path)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -290,15 +302,15 @@ class OpenAIServer:
                 msg = f"Not found: {request.method} {request.path}"
             elif e.status == 405:
                 msg = f"Method {request.method} is not allowed on {request.path}"
-            return _error_response(APIError(msg, e.status), headers)
+            return _error_response(APIError(msg, e.status), headers, request.path)
         except EngineDeadError as e:
-            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503))
+            return _error_response(APIError(engine_dead_message(e or self.llm.dead_reason), 503), path=request.path)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001
             # the details (and the traceback) go to the log only: an error body never shows code or paths
             logger.exception("error handling %s %s", request.method, request.path)
-            return _error_response(APIError("Internal server error (see the server log)", 500))
+            return _error_response(APIError("Internal server error (see the server log)", 500), path=request.path)
 
     async def body(self, request: web.Request, cls=None):
         """The request body as `cls` (None: the bytes), bounded by --max-request-body-bytes."""
@@ -445,6 +457,16 @@ class OpenAIServer:
         return await self._chat_completions(request, await self.body(request, ChatCompletionRequest))
 
     async def _chat_completions(self, request: web.Request, req: ChatCompletionRequest) -> web.StreamResponse:
+        ctx, mm_items = await self.prepare_chat(request, req)
+        return await self._generate(ctx, mm_items)
+
+    async def prepare_chat(self, request: web.Request, req: ChatCompletionRequest,
+                           rid_prefix: str = "chatcmpl", request_type: str = "chat_completions"
+                           ) -> tuple[GenerationContext, list]:
+        """A chat request, checked, templated and tokenized, its images stored: the context of its
+        generation and its multimodal items. /v1/responses and /v1/messages translate into a
+        ChatCompletionRequest and come through here too (frontend/openai/serving_responses.py,
+        serving_messages.py): one chat path."""
         self._check_model(req.model)
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
@@ -483,14 +505,15 @@ class OpenAIServer:
         if req.echo:
             echo_texts = [message_text(messages[-1]) if messages[-1]["role"] == role else ""]
         include_usage, continuous = stream_usage(req)
-        ctx = GenerationContext(request=request, req=req, chat=True, rid=random_id("chatcmpl"), created=now(),
+        ctx = GenerationContext(request=request, req=req, chat=True, rid=random_id(rid_prefix), created=now(),
                                 model=self.model_name, params=params, prompts=[Prompt(None, ids)],
                                 include_usage=include_usage, continuous_usage=continuous,
                                 prompt_tokens_details=self.options.enable_prompt_tokens_details,
                                 echo_texts=echo_texts, role=role, tools=tools,
                                 reasoning=self._reasoning_for(ids, constraint is not None),
-                                on_tool_parse=self._count_tool_parse, harmony=self.harmony)
-        return await self._generate(ctx, mm_items)
+                                on_tool_parse=functools.partial(self._count_tool_parse, request_type=request_type),
+                                harmony=self.harmony)
+        return ctx, mm_items
 
     def _harmony_prompt(self, messages: list[dict], req: ChatCompletionRequest) -> list[int]:
         """A gpt-oss chat's prompt, rendered by openai-harmony: 400 for what harmony cannot say
@@ -548,7 +571,7 @@ class OpenAIServer:
             constraint = tool_constraint
         return tools, constraint
 
-    def _count_tool_parse(self, output: ChatOutput, streaming: bool) -> None:
+    def _count_tool_parse(self, output: ChatOutput, streaming: bool, request_type: str = "chat_completions") -> None:
         """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
         if output.tools.mode != "auto":
             return
@@ -556,7 +579,7 @@ class OpenAIServer:
                                               != output.text)
         self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
                                             "streaming" if streaming else "non_streaming",
-                                            "tool_call" if called else "no_tool_call", "chat_completions").inc()
+                                            "tool_call" if called else "no_tool_call", request_type).inc()
 
     def _messages(self, req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
         """The request's messages, parsed for the chat template (frontend/chat_utils.py)."""
@@ -585,7 +608,8 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(f"{DP_RANK_HEADER}: {e}", 400) from None
 
-    async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
+    def start(self, ctx: GenerationContext, mm_items: list | None = None):
+        """The engine's outputs of every prompt of `ctx`, merged: (prompt index, RequestOutput)."""
         try:
             extra = self._dp_rank(ctx.request)
         except APIError:
@@ -600,7 +624,10 @@ class OpenAIServer:
             extra["group_id"] = ctx.rid
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
-        stream = merge(gens)
+        return merge(gens)
+
+    async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
+        stream = self.start(ctx, mm_items)
         try:
             first = await first_output(stream)
             if not ctx.req.stream:
@@ -666,10 +693,12 @@ class OpenAIServer:
                   ("GET", "/health", self.health), ("GET", "/metrics", self.metrics),
                   ("GET", "/version", self.version),
                   ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
+        routes += self.responses.routes() + self.messages.routes()
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
-        add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
+        add = {"GET": app.router.add_get, "POST": app.router.add_post,  # add_get also answers HEAD
+               "DELETE": app.router.add_delete}
         for method, path, handler in routes:
             add[method](path, handler)
         app.on_response_prepare.append(self._add_server_index)  # X-Loom-Server-Index on every response
@@ -678,6 +707,7 @@ class OpenAIServer:
         return app
 
     async def _on_cleanup(self, app) -> None:
+        self.responses.close()
         self.tokenizers.shutdown()
 
 

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from frontend.errors import EngineDeadError, engine_dead_message
@@ -344,10 +345,16 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: bytes = b"") -> web.StreamResponse:
-    """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and [DONE] with the
-    end of the body in one write; an error becomes an error event instead of `final()`'s. A dead
-    client (write fails) ends it: the caller's finally closes the stream, which aborts."""
+def openai_error_event(message: str, status: int, param: str | None = None) -> bytes:
+    return sse(error_body(message, status, param))
+
+
+async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: bytes = b"",
+                   error_event=openai_error_event, done: bytes = SSE_DONE) -> web.StreamResponse:
+    """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and `done` with the
+    end of the body in one write; an error becomes `error_event(message, status, param)` instead of
+    `final()`'s (each API its own shape). A dead client (write fails) ends it: the caller's finally
+    closes the stream, which aborts."""
     try:
         if begin:
             await resp.write(begin)
@@ -358,19 +365,41 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: 
         logger.debug("client went away mid-stream")
         return resp
     except EngineDeadError as e:
-        tail = sse(error_body(engine_dead_message(e), 503))
+        tail = error_event(engine_dead_message(e), 503)
     except APIError as e:
-        tail = sse(error_body(e.message, e.status, e.param))
+        tail = error_event(e.message, e.status, e.param)
     except ValueError as e:
         err = value_error(e)
-        tail = sse(error_body(err.message, 400, err.param))
+        tail = error_event(err.message, 400, err.param)
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:  # noqa: BLE001
         logger.exception("error while streaming")
-        tail = sse(error_body("Internal server error (see the server log)", 500))
+        tail = error_event("Internal server error (see the server log)", 500)
     try:
-        await resp.write_eof(tail + SSE_DONE)
+        await resp.write_eof(tail + done)
     except ConnectionResetError:
         pass
     return resp
+
+
+async def chat_answer(ctx: GenerationContext, stream, first) -> dict:
+    """A chat's whole answer, the body /v1/chat/completions sends: what /v1/responses and
+    /v1/messages translate into their own shapes."""
+    async for _, out in outputs(first, stream):
+        ctx.chat_delta(out)
+    return ctx.chat_body()
+
+
+def translate(body: dict, cls: type):
+    """A request of another API, translated (as JSON), as the struct the chat path takes; a
+    mistyped field is a 400 naming it."""
+    try:
+        return msgspec.convert(body, cls)
+    except msgspec.ValidationError as e:
+        raise APIError(f"Invalid request: {e}", 400) from None
+
+
+def chat_deltas(ctx: GenerationContext, out) -> list[dict]:
+    """The stream deltas (reasoning_content, content, tool_calls) of one output of a chat."""
+    return [choice["delta"] for _, choice, _ in ctx.chat_delta(out)]
