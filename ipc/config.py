@@ -53,6 +53,12 @@ class EngineConfig:
     device: str = option("auto", "where the workers run; auto: CUDA if available, else CPU", ("auto", "cpu", "cuda"))
     load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from "
                               "config.json alone (benchmarks)", ("auto", "safetensors", "dummy"))
+    quantization: str | None = option(None, "weight quantization (vLLM's --quantization): fp8 quantizes a float "
+                                      "checkpoint online (per-channel e4m3 weights, per-token activations); "
+                                      "gptq, awq, compressed-tensors and fp8 checkpoints are detected from "
+                                      "config.json's quantization_config (None/auto: the checkpoint's); with "
+                                      "--load-format dummy, random weights in the format's layout",
+                                      ("auto", "fp8", "gptq", "awq", "compressed-tensors"), aliases=("-q",))
     model_impl: str = option("auto", "which implementation runs the model: loom (Loom's own file for the "
                              "architecture), transformers (the generic path: the transformers model with Loom's "
                              "paged attention, for any decoder-only *ForCausalLM), auto (loom where the "

@@ -46,6 +46,8 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
         out = {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
     else:
         for pname, p in model.named_parameters():
+            if getattr(p, "shard_ids", None) == ():   # computed, not a checkpoint's (online FP8 scales)
+                continue
             full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
             shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shards", {None: None})
             if list(shards) == [None] or not any(fused in pname for fused, _, _ in model.stacked_params):

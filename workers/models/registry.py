@@ -119,6 +119,11 @@ def check_architecture(config) -> None:
     arch = (hf.get("architectures") or [None])[0]
     if arch is None:
         raise ConfigError(f"{config.model}/config.json names no architecture (`architectures`)")
+    from workers.quantization import QuantizationError, get_quantization_config
+    try:   # a format Loom does not serve fails here, in one line
+        get_quantization_config(hf, getattr(config, "quantization", None), getattr(config, "load_format", "auto"))
+    except QuantizationError as e:
+        raise ConfigError(str(e)) from None
     try:
         generic = uses_generic_path(arch, config.model_impl)
     except ValueError as e:

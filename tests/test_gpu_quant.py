@@ -1,0 +1,39 @@
+"""The quantized-linear kernels against their torch references at Llama-3.1-8B's shapes (H200)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+# Llama-3.1-8B's linears (N, K): qkv, o, gate_up, down
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.float(), b.float(), dim=-1).min().item()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_fp8_gemv(n, k, rows):
+    from kernels import fp8_linear as q
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w, s = q.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    assert _cos(q.fp8_gemv(x, w, s), q.fp8_linear_ref(x.float(), w, s)) > 0.9999
+    w, s = q.quantize_blocks(torch.randn(n, k, device="cuda") * 0.02)
+    assert _cos(q.fp8_gemv(x, w, s, None, 128), q.fp8_linear_ref(x.float(), w, s, None, 128)) > 0.9999
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [16, 300, 2048])
+def test_fp8_gemms(n, k, rows):
+    """_scaled_mm (per-channel, per-token activations) and the block GEMM: within FP8's
+    activation rounding of the weight-only reference."""
+    from kernels import fp8_linear as q
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w, s = q.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    assert _cos(q.scaled_mm_per_channel(x, w, s), q.fp8_linear_ref(x.float(), w, s)) > 0.999
+    w, s = q.quantize_blocks(torch.randn(n, k, device="cuda") * 0.02)
+    assert _cos(q.block_fp8_gemm(x, w, s, None, 128), q.fp8_linear_ref(x.float(), w, s, None, 128)) > 0.999
