@@ -37,3 +37,20 @@ def test_fp8_gemms(n, k, rows):
     assert _cos(q.scaled_mm_per_channel(x, w, s), q.fp8_linear_ref(x.float(), w, s)) > 0.999
     w, s = q.quantize_blocks(torch.randn(n, k, device="cuda") * 0.02)
     assert _cos(q.block_fp8_gemm(x, w, s, None, 128), q.fp8_linear_ref(x.float(), w, s, None, 128)) > 0.999
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 8, 300])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16(n, k, rows, act_order):
+    """The dequantizing GEMV (decode rows) and GEMM, group 128, against dequantize-and-matmul."""
+    from kernels import w4a16 as q
+    group = 128
+    qweight = q.pack_k(torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32))
+    scales = (torch.rand(k // group, n, device="cuda") * 0.002).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda").to(torch.bfloat16)
+    g_idx = (torch.randperm(k, device="cuda") // group).to(torch.int32) if act_order else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    fn = q.w4a16_gemv if rows <= q.MAX_GEMV_ROWS else q.w4a16_gemm
+    ref = q.w4a16_ref(x.float(), qweight, scales, zeros, g_idx, group)
+    assert _cos(fn(x, qweight, scales, zeros, g_idx, group), ref) > 0.9999

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_online_fp8_weight_update_through_the_engine(model_factory):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("quantization", ["fp8"])
+@pytest.mark.parametrize("quantization", ["fp8", "w4a16-g128"])
 def test_demo_model_quantized_recites_the_zen(demo_model_dir, quantization, tmp_path):
     """The trained demo model, quantized, gives the unquantized model's 16 greedy tokens."""
     from frontend import LLM, SamplingParams
@@ -170,9 +171,201 @@ def test_demo_model_quantized_recites_the_zen(demo_model_dir, quantization, tmp_
 
 
 def demo_variant(demo_dir: str, quantization: str, tmp_path) -> tuple[str, dict]:
+    """(model dir, LLM keywords): online FP8 of the demo checkpoint, or a GPTQ W4A16 group-128
+    checkpoint written from it."""
     if quantization == "fp8":
         return demo_dir, {"quantization": "fp8"}
-    raise AssertionError(quantization)
+    quant_dir, _ = quantize_checkpoint(demo_dir, tmp_path, gptq(128, sym=True, desc_act=False), {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True})
+    return quant_dir, {}
+
+
+
+# ------------------------------------------------------------------ pre-quantized formats, written here
+def fp8_serialized(strategy: str, static_input: bool = False, scale_name: str = "weight_scale", block: int = 16):
+    """FP8 e4m3 weights: one scale per tensor ([1]), per output channel ([N, 1]) or per block x
+    block tile (the float32 `scale_inv` of Qwen3-FP8/DeepSeek, [N/block, K/block])."""
+    def fmt(name, w):
+        wf = w.float()
+        if strategy == "block":
+            n, k = wf.shape
+            tiles = wf.view(n // block, block, k // block, block)
+            scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+            q = (tiles / scale[:, None, :, None]).to(FP8)
+            deq = (q.float() * scale[:, None, :, None]).view(n, k)
+            return {"weight": q.view(n, k), scale_name: scale}, deq
+        scale = wf.abs().amax(dim=1, keepdim=True) / 448.0 if strategy == "channel" else wf.abs().amax().view(1, 1) / 448
+        q = (wf / scale).to(FP8)
+        out = {"weight": q, scale_name: scale if strategy == "channel" else scale.view(1)}
+        if static_input:
+            out["input_scale"] = torch.tensor([0.02 + 0.01 * (hash(name) % 3)])
+        return out, q.float() * scale
+    return fmt
+
+
+def ct_config(weights: dict, input_activations: dict | None, fmt: str) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=QuantizationArgs(**input_activations) if input_activations else None)
+    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
+                             quantization_status="compressed")
+    return cfg.model_dump(mode="json")
+
+
+def ct_w4a16(group: int, symmetric: bool):
+    """compressed-tensors' own quantize and pack (pack-quantized: weight_packed [N, K/8], weight_scale
+    [N, G], weight_zero_point [N/8, G] when asymmetric, weight_shape)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, group_size=group, strategy="group")
+
+    def fmt(name, w):
+        n, k = w.shape
+        wg = w.float().view(n, k // group, group)
+        scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+        q = quantize(w.float(), scale, zp, args, dtype=torch.int8)
+        out = {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale,
+               "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+        if not symmetric:
+            out["weight_zero_point"] = pack_to_int32(zp.to(torch.int8), 4, packed_dim=0)
+        return out, dequantize(q, scale, zp, args)
+    return fmt
+
+
+def _round_groups(wt: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
+    """GPTQ/AWQ's round-to-nearest grid over W^T [K, N] with each k in group g_idx[k]: (q [K, N]
+    in 0..15, scales [G, N] as fp16, zeros [G, N])."""
+    scales, zeros = [], []
+    for j in range(groups):
+        rows = wt[g_idx == j]
+        lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+        if sym:
+            s, z = torch.maximum(hi, -lo) * 2 / 15, torch.full_like(hi, 8.0)
+        else:
+            s = (hi - lo) / 15
+            z = torch.round(-lo / s).clamp(1, 15)   # >= 1: GPTQ v1 stores zero - 1
+        scales.append(s.half().float())
+        zeros.append(z)
+    s, z = torch.stack(scales), torch.stack(zeros)
+    q = torch.clamp(torch.round(wt / s[g_idx]) + z[g_idx], 0, 15).to(torch.int32)
+    return q, s, z.to(torch.int32)
+
+
+def _pack(q: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """8 nibbles per int32 along `dim`: nibble i holds element 8j + order[i]."""
+    q = q.to(torch.int32).movedim(dim, -1)
+    words = torch.zeros(*q.shape[:-1], q.shape[-1] // 8, dtype=torch.int32)
+    for i, src in enumerate(order):
+        words |= (q[..., src::8] & 0xF) << (4 * i)
+    return words.movedim(-1, dim)
+
+
+def gptq(group: int, sym: bool, desc_act: bool):
+    """AutoGPTQ's layout: qweight [K/8, N] (packed along K), qzeros [G, N/8] holding zero - 1,
+    scales [G, N] fp16, g_idx [K] (act-order: the groups follow a permutation of the columns)."""
+    def fmt(name, w):
+        wt = w.float().t()
+        k = wt.shape[0]
+        # the permutation follows the input's Hessian: one per input, shared by q/k/v and gate/up
+        layer, proj = name.split(".")[2], name.split(".")[-2]
+        inputs = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+        gen = torch.Generator().manual_seed(int(layer) * 10 + inputs[proj])
+        perm = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+        q, s, z = _round_groups(wt, g_idx, k // group, sym)
+        out = {"qweight": _pack(q, 0), "qzeros": _pack(z - 1, 1), "scales": s.half(), "g_idx": g_idx}
+        return out, ((q - z[g_idx]) * s[g_idx]).t()
+    return fmt
+
+
+def awq(group: int):
+    """AutoAWQ's GEMM layout: qweight [K, N/8] and qzeros [G, N/8] packed along N in the order
+    0, 2, 4, 6, 1, 3, 5, 7; scales [G, N] fp16."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def fmt(name, w):
+        wt = w.float().t()
+        g_idx = (torch.arange(wt.shape[0]) // group).to(torch.int32)
+        q, s, z = _round_groups(wt, g_idx, wt.shape[0] // group, sym=False)
+        out = {"qweight": _pack(q, 1, order), "qzeros": _pack(z, 1, order), "scales": s.half()}
+        return out, ((q - z[g_idx]) * s[g_idx]).t()
+    return fmt
+
+
+# name -> (format writer, quantization_config, weight-only)
+FORMATS = {
+    "ct-fp8-dynamic": (fp8_serialized("channel"), ct_config(
+        dict(num_bits=8, type="float", strategy="channel"),
+        dict(num_bits=8, type="float", strategy="token", dynamic=True), "float-quantized"), True),
+    "ct-fp8-static": (fp8_serialized("tensor", static_input=True), ct_config(
+        dict(num_bits=8, type="float", strategy="tensor"),
+        dict(num_bits=8, type="float", strategy="tensor", dynamic=False), "float-quantized"), False),
+    "ct-fp8-block": (fp8_serialized("block"), ct_config(
+        dict(num_bits=8, type="float", strategy="block", block_structure=[16, 16]),
+        dict(num_bits=8, type="float", strategy="group", group_size=16, dynamic=True), "float-quantized"), True),
+    "fp8-block": (fp8_serialized("block", scale_name="weight_scale_inv"), {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 16]}, True),
+    "fp8-per-tensor": (fp8_serialized("tensor"), {"quant_method": "fp8", "activation_scheme": "dynamic"}, True),
+    "ct-w4a16-g64": (ct_w4a16(64, True), ct_config(
+        dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True), None, "pack-quantized"), True),
+    "ct-w4a16-g32-asym": (ct_w4a16(32, False), ct_config(
+        dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False), None, "pack-quantized"),
+        True),
+    "gptq-g32": (gptq(32, sym=True, desc_act=False), {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}, True),
+    "gptq-g32-desc-act-asym": (gptq(32, sym=False, desc_act=True), {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False}, True),
+    "awq-g32": (awq(32), {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                          "version": "gemm"}, True),
+}
+
+
+@pytest.fixture(scope="module")
+def format_dirs(model_factory, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """format -> (its checkpoint, the dequantized dense one), from one tiny Llama (with biases)."""
+    src = model_factory("llama", attention_bias=True)
+    out = {}
+    for name, (fmt, qcfg, _) in FORMATS.items():
+        out[name] = quantize_checkpoint(src, tmp_path_factory.mktemp(name), fmt, qcfg)
+    return out
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_checkpoint_format_matches_dequantized(format_dirs, name):
+    from workers.model_loader import load_model
+    quant_dir, ref_dir = format_dirs[name]
+    model = load_model(quant_dir, torch.float32, "cpu")
+    assert model.quant_config is not None
+    weight_only = FORMATS[name][2]   # else the static activation scale rounds x to e4m3's 3 mantissa bits too
+    assert_matches_dequantized(model, ref_dir, cos_min=0.999 if weight_only else 0.95, same_tokens=weight_only)
+
+
+# exact against HF (weight-only), and groups that split: o_proj's 64 inputs are 32 per rank
+# (one of each layout: per-shard scalar scales, blocks, packed zero points, act-order, AWQ's order)
+TP_FORMATS = ["ct-fp8-dynamic", "fp8-per-tensor", "fp8-block", "ct-w4a16-g32-asym", "gptq-g32-desc-act-asym", "awq-g32"]
+
+
+def test_tp2_equals_tp1_for_each_format(format_dirs, tmp_path):
+    """Each format sharded over two gloo ranks (column-parallel: output rows of the packed weights,
+    scales and zero points; row-parallel: input rows and their groups) gives HF's logits on the
+    dequantized weights, as TP=1 does (tests/test_arch_tp.py's workers, with hf_dir as the oracle)."""
+    from tests.test_arch_tp import WorkerPair
+    pair = WorkerPair(str(tmp_path), 0)
+    try:
+        for name in TP_FORMATS:
+            quant_dir, ref_dir = format_dirs[name]
+            pair.send({"name": name, "model_dir": quant_dir, "hf_dir": ref_dir})
+        pair.finish(time.monotonic() + 240)
+    finally:
+        pair.kill()
+    reports = {(r["name"], r["rank"]): r["error"] for r in pair.reports()}
+    for name in TP_FORMATS:
+        for rank in (0, 1):
+            assert (name, rank) in reports, f"{name}: no result from rank {rank}\n{pair.log_tail()}"
+            assert reports[name, rank] is None, f"{name} rank {rank}: {reports[name, rank]}"
 
 
 # ------------------------------------------------------------------ kernels (CPU: interpreted Triton)
@@ -224,3 +417,22 @@ def test_quantization_flag_checks(model_factory):
         get_quantization_config({}, "gptq")
     with pytest.raises(QuantizationError, match="does not match"):
         get_quantization_config({"quantization_config": {"quant_method": "awq"}}, "fp8")
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (128, False), (64, True)])
+def test_w4a16_kernels_match_reference(group, act_order):
+    """The dequantizing GEMV (1 and 3 rows) and GEMM (20 rows) against dequantize-and-matmul."""
+    from kernels import w4a16 as k
+    g = torch.Generator().manual_seed(group)
+    kdim, n = 256, 48
+    q = torch.randint(0, 16, (kdim, n), generator=g, dtype=torch.int32)
+    qweight = k.pack_k(q)
+    assert torch.equal(k.unpack_k(qweight), q)
+    scales = torch.rand(kdim // group, n, generator=g) * 0.1
+    zeros = torch.randint(0, 16, (kdim // group, n), generator=g).float()
+    g_idx = (torch.randperm(kdim, generator=g) // group).to(torch.int32) if act_order else None
+    bias = torch.randn(n, generator=g)
+    for rows, fn in ((1, k.w4a16_gemv), (3, k.w4a16_gemv), (20, k.w4a16_gemm)):
+        x = torch.randn(rows, kdim, generator=g)
+        torch.testing.assert_close(fn(x, qweight, scales, zeros, g_idx, group, bias),
+                                   k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias), atol=1e-4, rtol=1e-4)

@@ -109,7 +109,7 @@ def install_linear_methods(model: nn.Module, qcfg: QuantizationConfig | None, de
         methods = [None if vision else qcfg.linear_method(n_, module) for n_ in names]
         if any(m is None for m in methods) and not all(m is None for m in methods):
             raise QuantizationError(f"{name}: the config quantizes some of {names} and not the others")
-        module.quant_device = torch.device(device)
+        module.quant_device, module.quant_dtype = torch.device(device), module.weight.dtype
         if methods[0] is None:
             _materialize_dense(module, device)
             continue

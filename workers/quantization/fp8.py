@@ -130,20 +130,22 @@ class Fp8BlockLinearMethod(LinearMethod):
     """fp8 weight [N, K] with a float32 `weight_scale_inv` per block x block tile."""
     weight_dtype = "fp8_e4m3"
 
-    def __init__(self, block: tuple[int, int]):
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv"):
         if block[0] != block[1]:
-            raise QuantizationError(f"fp8 weight_block_size {list(block)}: only square blocks are supported")
+            raise QuantizationError(f"unsupported quantization_config: fp8 weight_block_size {list(block)} "
+                                    f"(only square blocks)")
         self.block = block[0]
+        self.scale_name = scale_name   # compressed-tensors names it weight_scale
 
     def create_weights(self, layer: nn.Module) -> None:
         device = layer.quant_device
         layer.weight = quant_param(layer, QuantDims(0), k.FP8, device)
-        layer.weight_scale_inv = quant_param(layer, QuantDims(0, self.block, self.block), torch.float32, device)
+        setattr(layer, self.scale_name, quant_param(layer, QuantDims(0, self.block, self.block), torch.float32, device))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        w, scale = layer.weight, layer.weight_scale_inv
+        w, scale = layer.weight, getattr(layer, self.scale_name)
         if not x.is_cuda:
             y = k.fp8_linear_ref(x, w, scale, bias, self.block)
         elif x.shape[0] <= k.MAX_GEMV_ROWS:
@@ -156,7 +158,7 @@ class Fp8BlockLinearMethod(LinearMethod):
 
     def dense_to_checkpoint(self, layer, weight, shard_id=None):
         q, s = k.quantize_blocks(weight, self.block)
-        return {"weight": q, "weight_scale_inv": s}
+        return {"weight": q, self.scale_name: s}
 
 
 class Fp8Config(QuantizationConfig):
