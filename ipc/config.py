@@ -350,6 +350,19 @@ class EngineConfig:
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
 
 
+def weight_quantization(config: EngineConfig) -> str | None:
+    """The weights' quantization method as vLLM names it (--quantization, else config.json's
+    quantization_config.quant_method; None: unquantized), for /v1/models."""
+    if config.quantization not in (None, "auto"):
+        return config.quantization
+    try:
+        hf = read_json_object(os.path.join(config.model, "config.json"))
+    except (ConfigError, OSError):
+        return None
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    return str(qc.get("quant_method")) if isinstance(qc, dict) and qc.get("quant_method") else None
+
+
 def max_blocks_held(max_model_len: int, block_size: int, kv_window: int | None, max_chunk: int) -> int:
     """The most KV blocks one request holds at once: its whole context, or with its blocks trimmed
     to a window W, a chunk of up to max_chunk queries and the W - 1 keys before the first one

@@ -105,6 +105,28 @@ def test_online_fp8_dummy_weights_are_fp8(model_factory):
     assert torch.isfinite(next(scenario_logits(model))[0]).all()
 
 
+@pytest.mark.parametrize("quantization", ["gptq", "awq", "fp8-block"])
+def test_dummy_weights_in_each_formats_layout(model_factory, tmp_path, quantization):
+    """--load-format dummy with --quantization gptq/awq (their default group 128), or a config.json
+    naming block-wise FP8 (the bench's qwen3-8b-fp8 preset): the format's parameters, drawn dense
+    and quantized, give finite logits; TP=1's draw order makes a TP=N dummy model TP=1's split."""
+    from workers.model_loader import load_model
+    src = model_factory("qwen3", hidden_size=128, intermediate_size=256, head_dim=32)
+    kw = {"quantization": quantization}
+    if quantization == "fp8-block":
+        src = write_variant(src, str(tmp_path / "block"), load_file(os.path.join(src, "model.safetensors")),
+                            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+        kw = {}
+    model = load_model(src, torch.float32, "cpu", load_format="dummy", **kw)
+    down = model.model.layers[0].mlp.down_proj
+    if quantization == "fp8-block":
+        assert down.weight.dtype == FP8 and down.weight_scale_inv.shape == (1, 2)
+    else:
+        assert down.qweight.dtype == torch.int32 and down.qweight.shape == (256 // 8, 128)
+        assert down.scales.shape == (2, 128)
+    assert torch.isfinite(next(scenario_logits(model))[0]).all()
+
+
 def test_weight_update_requantizes_bf16_on_arrival(model_factory):
     """bf16 tensors loaded into an online-FP8 model (a weight update: load_weights partial) give
     the very fp8 weights and scales a fresh load of those tensors gives."""
@@ -436,3 +458,15 @@ def test_w4a16_kernels_match_reference(group, act_order):
         x = torch.randn(rows, kdim, generator=g)
         torch.testing.assert_close(fn(x, qweight, scales, zeros, g_idx, group, bias),
                                    k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_models_card_names_the_quantization(format_dirs, model_factory):
+    """/v1/models' card carries the weights' method (vLLM's --quantization name; None: unquantized)."""
+    from frontend.openai.protocol import models_response
+    from ipc.config import EngineConfig, weight_quantization
+    quant_dir, dense_dir = format_dirs["awq-g32"]
+    assert weight_quantization(EngineConfig(model=quant_dir)) == "awq"
+    assert weight_quantization(EngineConfig(model=format_dirs["ct-w4a16-g64"][0])) == "compressed-tensors"
+    assert weight_quantization(EngineConfig(model=dense_dir)) is None
+    assert weight_quantization(EngineConfig(model=dense_dir, quantization="fp8")) == "fp8"
+    assert models_response("m", quant_dir, 64, quantization="awq")["data"][0]["quantization"] == "awq"

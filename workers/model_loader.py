@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import re
 from typing import Iterator
@@ -25,6 +26,7 @@ from workers.models.registry import get_model_class
 from workers.quantization import (dense_weights_on_meta, get_quantization_config, init_dummy_quantized,
                                   install_linear_methods, process_weights_after_loading)
 
+logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
 DUMMY_RANGE = 1e-3
@@ -221,7 +223,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     qcfg = get_quantization_config(_raw_config(model_dir), quantization, load_format)
     with dense_weights_on_meta(qcfg):
         model = build_model(config, dtype, device, language_model_only, model_impl)
-    install_linear_methods(model, qcfg, device)
+    quantized = install_linear_methods(model, qcfg, device)
+    if qcfg is not None:
+        logger.info("weights: %s on %d linear layers", qcfg.description, quantized)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
