@@ -150,7 +150,8 @@ def scaled_mm_per_channel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     """cuBLASLt's FP8 GEMM with rowwise scales: x quantized per token (or by the static input
     scale), w fp8 [N, K] with scale [N]; out in x's dtype (bf16: rowwise scaling needs it)."""
     xq, xs = quantize_per_token(x, input_scale)
-    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)   # (rowwise scaling takes no bias on every torch build)
 
 
 # --------------------------------------------------------------------------- block-scaled GEMM

@@ -113,13 +113,46 @@ def w4a16_gemv(x: torch.Tensor, qweight, scales, zeros, g_idx, group: int, bias=
     n = qweight.shape[1]
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n = 64
+    block_n = 32 if n <= 8192 else 64   # Llama-3.1-8B's o/down (N 4096): 128 programs, one per SM
     _w4a16_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, bias if bias is not None else scales, y,
         m, n, k, x.stride(0), y.stride(0), GROUP=group, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_KW=_block_kw(group, g_idx is not None),
         num_warps=4)
     return y
+
+
+# --------------------------------------------------------------------------- dequantize
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
+                       BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [N, K] (row-major, the activation dtype) from the packed layout, one [8 * BLOCK_KW, BLOCK_N] tile."""
+    rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < K // 8)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(q_ptr + rows[:, None] * N + offs_n[None, :], mask=ok, other=0)
+    for i in tl.static_range(8):
+        kk = rows * 8 + i
+        if HAS_GIDX:
+            g = tl.load(g_ptr + kk, mask=rows < K // 8, other=0)
+        else:
+            g = kk // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s
+        tl.store(out_ptr + offs_n.to(tl.int64)[None, :] * K + kk[:, None], w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_to(qweight, scales, zeros, g_idx, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in dtype (a prefill-sized batch then runs cuBLAS on it)."""
+    if not runs_triton(_dequantize_kernel, qweight):
+        return dequantize(qweight, scales, zeros, g_idx, group).t().to(dtype)
+    kw, n = qweight.shape
+    out = torch.empty((n, kw * 8), dtype=dtype, device=qweight.device)
+    _dequantize_kernel[(triton.cdiv(kw, 16), triton.cdiv(n, 64))](
+        qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, kw * 8, GROUP=group,
+        HAS_GIDX=g_idx is not None, BLOCK_KW=16, BLOCK_N=64, num_warps=4)
+    return out
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -157,10 +190,16 @@ def _w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+DEQUANTIZE_ROWS = 1024   # from here on the weight is dequantized whole and cuBLAS multiplies: the
+                         # dequantization is a few percent of a prefill GEMM's time at these sizes
+
+
 def w4a16_gemm(x: torch.Tensor, qweight, scales, zeros, g_idx, group: int, bias=None) -> torch.Tensor:
     """x [M, K] -> y [M, N] in x's dtype (any M; the GEMV is faster at decode rows)."""
     if not runs_triton(_w4a16_gemm_kernel, x):
         return w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias)
+    if x.shape[0] >= DEQUANTIZE_ROWS and x.is_cuda:
+        return F.linear(x, dequantize_to(qweight, scales, zeros, g_idx, group, x.dtype), bias)
     m, k = x.shape
     n = qweight.shape[1]
     x = x.contiguous()

@@ -40,7 +40,7 @@ def test_fp8_gemms(n, k, rows):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 8, 300])
+@pytest.mark.parametrize("rows", [1, 8, 300, 2048])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_w4a16(n, k, rows, act_order):
     """The dequantizing GEMV (decode rows) and GEMM, group 128, against dequantize-and-matmul."""

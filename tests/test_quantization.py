@@ -470,3 +470,13 @@ def test_models_card_names_the_quantization(format_dirs, model_factory):
     assert weight_quantization(EngineConfig(model=dense_dir)) is None
     assert weight_quantization(EngineConfig(model=dense_dir, quantization="fp8")) == "fp8"
     assert models_response("m", quant_dir, 64, quantization="awq")["data"][0]["quantization"] == "awq"
+
+
+def test_w4a16_dequantize_kernel_matches_reference():
+    from kernels import w4a16 as k
+    g = torch.Generator().manual_seed(3)
+    q = k.pack_k(torch.randint(0, 16, (256, 80), generator=g, dtype=torch.int32))
+    scales, zeros = torch.rand(4, 80, generator=g), torch.randint(0, 16, (4, 80), generator=g).float()
+    for g_idx in (None, (torch.randperm(256, generator=g) // 64).to(torch.int32)):
+        torch.testing.assert_close(k.dequantize_to(q, scales, zeros, g_idx, 64, torch.float32),
+                                   k.dequantize(q, scales, zeros, g_idx, 64).t())
