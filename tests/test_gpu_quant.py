@@ -54,3 +54,36 @@ def test_w4a16(n, k, rows, act_order):
     fn = q.w4a16_gemv if rows <= q.MAX_GEMV_ROWS else q.w4a16_gemm
     ref = q.w4a16_ref(x.float(), qweight, scales, zeros, g_idx, group)
     assert _cos(fn(x, qweight, scales, zeros, g_idx, group), ref) > 0.9999
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "w4a16-g128", "fp8-block"])
+def test_demo_model_quantized_recites_the_zen_on_gpu(demo_model_dir, quantization, tmp_path):
+    """The whole path on the GPU (bf16, CUDA graphs, the kernels above in the model): the trained
+    demo model quantized (online FP8, GPTQ group 128, block-wise FP8 with 64 blocks: its k/v parts
+    have 64 rows) gives the
+    unquantized model's 16 greedy tokens over three prompts, decoding one and three at a time."""
+    from frontend import LLM, SamplingParams
+    from transformers import AutoTokenizer
+
+    from tests.hf_oracle import hf_greedy
+    from tests.test_quantization import demo_variant, fp8_serialized, quantize_checkpoint
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompts = [tok.encode(t) for t in ("Beautiful is better than", "Errors should", "Now is better")]
+    want = [hf_greedy(demo_model_dir, p, 16) for p in prompts]
+    if quantization == "fp8-block":
+        model_dir, _ = quantize_checkpoint(demo_model_dir, tmp_path, fp8_serialized("block", block=64,
+                                           scale_name="weight_scale_inv"),
+                                           {"quant_method": "fp8", "weight_block_size": [64, 64]})
+        kw = {}
+    else:
+        model_dir, kw = demo_variant(demo_model_dir, quantization, tmp_path)
+    llm = LLM(model_dir, max_model_len=512, **kw)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        one = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+               for p in prompts]
+        three = [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert one == want and three == want, (tok.batch_decode(one), tok.batch_decode(want))

@@ -139,6 +139,11 @@ class Fp8BlockLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         device = layer.quant_device
+        shards = getattr(layer, "shards", {})
+        if len(shards) > 1 and any(s.size % self.block for s in shards.values()):   # as vLLM
+            raise QuantizationError(f"block-wise fp8: the fused parts' output sizes "
+                                    f"{[s.size for s in shards.values()]} are not multiples of the block "
+                                    f"size {self.block}")
         layer.weight = quant_param(layer, QuantDims(0), k.FP8, device)
         setattr(layer, self.scale_name, quant_param(layer, QuantDims(0, self.block, self.block), torch.float32, device))
 
