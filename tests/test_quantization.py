@@ -453,6 +453,13 @@ def test_quantization_flag_checks(model_factory):
         get_quantization_config({}, "gptq")
     with pytest.raises(QuantizationError, match="does not match"):
         get_quantization_config({"quantization_config": {"quant_method": "awq"}}, "fp8")
+    with pytest.raises(QuantizationError, match="mixture of experts"):
+        get_quantization_config({"num_experts": 8, "quantization_config": {"quant_method": "fp8"}}, None)
+    with pytest.raises(QuantizationError, match="gptq with 8 bits"):
+        get_quantization_config({"quantization_config": {"quant_method": "gptq", "bits": 8}}, None)
+    with pytest.raises(QuantizationError, match="compressed-tensors 8-bit int"):
+        get_quantization_config({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+            "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}}, None)
 
 
 @pytest.mark.parametrize("group,act_order", [(32, False), (128, False), (64, True)])
@@ -511,3 +518,18 @@ def test_ignored_layers_stay_dense(model_factory, tmp_path):
     assert mlp1.gate_up_proj.quant_method is None and mlp1.gate_up_proj.weight.dtype == torch.float32
     assert mlp1.down_proj.weight.dtype == torch.float32 and mlp0.gate_up_proj.weight.dtype == FP8
     assert_matches_dequantized(model, ref_dir)
+
+
+def test_float_weight_update_into_block_fp8_is_quantized_by_block(format_dirs):
+    """A float tensor sent to a block-FP8 model (a weight update of k_proj alone) is quantized per
+    block on arrival: k's rows and block scales as a checkpoint of it would hold them, q's kept."""
+    from kernels.fp8_linear import quantize_blocks
+    from workers.model_loader import load_model
+    model = load_model(format_dirs["fp8-block"][0], torch.float32, "cpu")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    before_q = qkv.weight[:64].clone()
+    new_k = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    model.load_weights(iter([("model.layers.0.self_attn.k_proj.weight", new_k.to(torch.bfloat16))]), partial=True)
+    q, s = quantize_blocks(new_k.to(torch.bfloat16), 16)
+    assert torch.equal(qkv.weight[64:96].float(), q.float()) and torch.equal(qkv.weight_scale_inv[4:6], s)
+    assert torch.equal(qkv.weight[:64].float(), before_q.float())

@@ -48,6 +48,11 @@ def get_quantization_config(hf: dict, quantization: str | None, load_format: str
         if method not in QUANTIZATION_METHODS:
             raise QuantizationError(f"unsupported quantization_config: quant_method {method!r} "
                                     f"(Loom serves {', '.join(QUANTIZATION_METHODS)})")
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+        if any(text.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise QuantizationError(f"unsupported quantization_config: quant_method {method!r} on a mixture of "
+                                    f"experts (quantized experts are not served yet; --quantization fp8 on the "
+                                    f"bf16 checkpoint quantizes its other linears)")
         if quantization is not None and quantization != method:
             raise QuantizationError(f"--quantization {quantization} does not match the checkpoint's "
                                     f"quantization_config (quant_method {method!r})")

@@ -144,8 +144,26 @@ class Fp8BlockLinearMethod(LinearMethod):
             raise QuantizationError(f"block-wise fp8: the fused parts' output sizes "
                                     f"{[s.size for s in shards.values()]} are not multiples of the block "
                                     f"size {self.block}")
-        layer.weight = quant_param(layer, QuantDims(0), k.FP8, device)
-        setattr(layer, self.scale_name, quant_param(layer, QuantDims(0, self.block, self.block), torch.float32, device))
+        weight = quant_param(layer, QuantDims(0), k.FP8, device)
+        dense_loader, block = weight.weight_loader, self.block
+
+        @torch.no_grad()
+        def load_weight(param, loaded, shard_id=None):
+            if _is_fp8(loaded):
+                return dense_loader(param, loaded, shard_id)
+            # a float weight (a weight update): this rank's part, its rows' blocks quantized
+            staging = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            dense_loader(staging, loaded, shard_id)
+            scale = getattr(layer, self.scale_name)
+            sids = layer.shards if shard_id is None and hasattr(layer, "shards") else (shard_id,)
+            for start, size in (_shard_rows(layer, sid) for sid in sids):
+                q, s = k.quantize_blocks(staging.narrow(0, start, size), block)
+                param.data.narrow(0, start, size).copy_(q)
+                scale.data.narrow(0, start // block, s.shape[0]).copy_(s)
+
+        weight.weight_loader = load_weight
+        layer.weight = weight
+        setattr(layer, self.scale_name, quant_param(layer, QuantDims(0, block, block), torch.float32, device))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
