@@ -126,7 +126,8 @@ def w4a16_gemv(x: torch.Tensor, qweight, scales, zeros, g_idx, group: int, bias=
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
                        BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """W [N, K] (row-major, the activation dtype) from the packed layout, one [8 * BLOCK_KW, BLOCK_N] tile."""
+    """W^T [K, N] (row-major: stores coalesced along N, as the words are read) in the activation
+    dtype from the packed layout, one [8 * BLOCK_KW, BLOCK_N] tile."""
     rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < K // 8)[:, None] & (offs_n < N)[None, :]
@@ -140,15 +141,15 @@ def _dequantize_kernel(q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, GROUP: tl.cons
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
         w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s
-        tl.store(out_ptr + offs_n.to(tl.int64)[None, :] * K + kk[:, None], w.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + kk.to(tl.int64)[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def dequantize_to(qweight, scales, zeros, g_idx, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in dtype (a prefill-sized batch then runs cuBLAS on it)."""
+    """W^T [K, N] in dtype (a prefill-sized batch then runs cuBLAS on it)."""
     if not runs_triton(_dequantize_kernel, qweight):
-        return dequantize(qweight, scales, zeros, g_idx, group).t().to(dtype)
+        return dequantize(qweight, scales, zeros, g_idx, group).to(dtype)
     kw, n = qweight.shape
-    out = torch.empty((n, kw * 8), dtype=dtype, device=qweight.device)
+    out = torch.empty((kw * 8, n), dtype=dtype, device=qweight.device)
     _dequantize_kernel[(triton.cdiv(kw, 16), triton.cdiv(n, 64))](
         qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, kw * 8, GROUP=group,
         HAS_GIDX=g_idx is not None, BLOCK_KW=16, BLOCK_N=64, num_warps=4)
@@ -199,7 +200,8 @@ def w4a16_gemm(x: torch.Tensor, qweight, scales, zeros, g_idx, group: int, bias=
     if not runs_triton(_w4a16_gemm_kernel, x):
         return w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias)
     if x.shape[0] >= DEQUANTIZE_ROWS and x.is_cuda:
-        return F.linear(x, dequantize_to(qweight, scales, zeros, g_idx, group, x.dtype), bias)
+        y = torch.matmul(x, dequantize_to(qweight, scales, zeros, g_idx, group, x.dtype))
+        return y if bias is None else y.add_(bias)
     m, k = x.shape
     n = qweight.shape[1]
     x = x.contiguous()
