@@ -95,6 +95,11 @@ def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
         _quantize_rows_kernel[(m,)](x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
                                     GROUP=0, STATIC=static_scale is not None, BLOCK=1024, num_warps=4)
         return q, scale
+    return quantize_per_token_ref(x, static_scale)
+
+
+def quantize_per_token_ref(x: torch.Tensor, static_scale: torch.Tensor | None = None):
+    """quantize_per_token in torch ops (the CPU path's emulation of static input scales)."""
     xf = x.float()
     if static_scale is None:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)

@@ -108,7 +108,7 @@ class Fp8LinearMethod(LinearMethod):
         input_scale = getattr(layer, "input_scale", None)
         if not x.is_cuda:
             if input_scale is not None:   # the static activation rounding, emulated
-                xq, xs = k.quantize_per_token(x, input_scale)
+                xq, xs = k.quantize_per_token_ref(x, input_scale)
                 x = (xq.float() * xs).to(x.dtype)
             y = k.fp8_linear_ref(x, w, scale, bias)
         elif x.shape[0] <= k.MAX_GEMV_ROWS:
