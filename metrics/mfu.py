@@ -34,11 +34,13 @@ Bytes read:
 Bytes written: the new KV entries, b·L·2·k·d·T.
 
 Each total is divided by tp (per GPU). Not counted: norms, rotary embedding,
-softmax, sampling, and activations passed between kernels; MoE, sliding-window
-and quantized weights are not modelled.
+softmax, sampling, and activations passed between kernels; MoE and sliding-window
+are not modelled. Quantized decoder linears count their stored bytes per weight (FP8 1, 4-bit
+0.5; their scales left out) in place of b.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ class ModelShape:
     vocab_size: int
     dtype_bytes: int
     tp: int = 1
+    linear_weight_bytes: float = 0.0   # bytes per weight of the quantized decoder linears (0: dtype_bytes)
 
     @classmethod
     def from_hf_config(cls, hf: dict, dtype_bytes: int, tp: int = 1) -> "ModelShape":
@@ -72,7 +75,22 @@ class ModelShape:
     def from_engine_config(cls, config) -> "ModelShape":
         with open(os.path.join(config.model, "config.json")) as f:
             hf = json.load(f)
-        return cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
+        shape = cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
+        return dataclasses.replace(shape, linear_weight_bytes=quantized_weight_bytes(config, hf))
+
+
+def quantized_weight_bytes(config, hf: dict) -> float:
+    """Bytes per weight of the decoder linears under --quantization / quantization_config (0:
+    unquantized): FP8 1, 4-bit formats 0.5, compressed-tensors by its weights' num_bits."""
+    from ipc.config import weight_quantization
+    method = weight_quantization(config)
+    if method is None:
+        return 0.0
+    if method == "compressed-tensors":
+        qc = hf.get("quantization_config") or hf.get("text_config", {}).get("quantization_config") or {}
+        bits = [(g.get("weights") or {}).get("num_bits") for g in (qc.get("config_groups") or {}).values()]
+        return (bits[0] or 16) / 8 if bits else 0.0
+    return {"fp8": 1.0, "gptq": 0.5, "awq": 0.5}.get(method, 0.0)
 
 
 def dtype_bytes(config) -> int:
@@ -101,7 +119,8 @@ class MfuEstimator:
         out = s.num_heads * s.head_dim * s.hidden_size
         mlp = 3 * s.hidden_size * s.intermediate_size
         self._layer_matmul_params = qkv + out + mlp
-        self._weight_params = s.num_layers * self._layer_matmul_params + s.vocab_size * s.hidden_size
+        linear = s.linear_weight_bytes / s.dtype_bytes if s.linear_weight_bytes else 1.0   # quantized: fewer bytes
+        self._weight_params = s.num_layers * self._layer_matmul_params * linear + s.vocab_size * s.hidden_size
         self._kv_elems_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim
 
     def step(self, num_tokens: int, num_qk_pairs: int, num_kv_tokens_read: int,

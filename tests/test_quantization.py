@@ -559,3 +559,20 @@ def test_activation_quantization_kernels_match_torch():
     want_s = (x[:, :1280].reshape(3, 10, 128).abs().amax(-1) / 448).clamp(min=1e-12)
     torch.testing.assert_close(s, want_s)
     assert _within_one_fp8_step(q, (x[:, :1280].reshape(3, 10, 128) / want_s[..., None]).to(FP8).view(3, 1280))
+
+
+def test_mfu_counts_quantized_weight_bytes(format_dirs):
+    """--enable-mfu-metrics: a step's weight reads count the linears at their stored bytes."""
+    from ipc.config import EngineConfig
+    from metrics.mfu import MfuEstimator, ModelShape
+    quant_dir, dense_dir = format_dirs["ct-w4a16-g64"]
+    read = {}
+    for name, kw in (("dense", dict(model=dense_dir)), ("fp8", dict(model=dense_dir, quantization="fp8")),
+                     ("w4", dict(model=quant_dir))):
+        shape = ModelShape.from_engine_config(EngineConfig(dtype="bfloat16", **kw))
+        read[name] = MfuEstimator(shape).step(1, 1, 0, 0).read_bytes
+        assert shape.linear_weight_bytes == {"dense": 0.0, "fp8": 1.0, "w4": 0.5}[name]
+    s = ModelShape.from_engine_config(EngineConfig(model=dense_dir, dtype="bfloat16"))
+    linear = s.num_layers * MfuEstimator(s)._layer_matmul_params
+    assert read["dense"] - read["fp8"] == pytest.approx(linear * 1.0)   # 2 bytes -> 1
+    assert read["dense"] - read["w4"] == pytest.approx(linear * 1.5)    # 2 bytes -> 0.5
