@@ -114,7 +114,7 @@ def w4a16_gemv(x: torch.Tensor, qweight, scales, zeros, g_idx, group: int, bias=
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # the widest column tile that still gives >= 256 programs (two per H200 SM: one 4-warp program
-    # per SM streamed Llama-3.1-8B's o/down too slowly to feed the decode), at least 16 columns
+    # per SM would keep too few loads in flight on Llama-3.1-8B's o/down; not yet tuned on the GPU)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 256), 16)
     _w4a16_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, bias if bias is not None else scales, y,
