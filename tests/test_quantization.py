@@ -169,6 +169,9 @@ def test_online_fp8_weight_update_through_the_engine(model_factory):
             if model_dir == b:
                 other = gen()
         assert gen() == first and other != first
+        k_proj = load_file(os.path.join(a, "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
+        back = torch.tensor(llm.get_weights_by_name("model.layers.0.self_attn.k_proj.weight", truncate_size=4))
+        torch.testing.assert_close(back, k_proj[:4], rtol=0.07, atol=1e-3)   # dequantized (e4m3: 3 mantissa bits)
     finally:
         llm.shutdown()
 

@@ -306,6 +306,10 @@ class WeightUpdater:
         except AttributeError:   # a checkpoint name the model renames (vision-language models)
             raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
         module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+        scale = getattr(module, "weight_scale", None)
+        if getattr(module, "quant_method", None) is not None and pname.endswith(".weight") and scale is not None \
+                and scale.dim() == 1:
+            t = t.float() * scale[:, None]   # FP8 per channel: read back dequantized
         dim, start = None, 0
         if sid in getattr(module, "shards", {}):                 # column-parallel (a fused part)
             shard = module.shards[sid]
