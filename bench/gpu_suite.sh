@@ -66,7 +66,8 @@ if all(lat.values()):
     print(f"generic/native batch-1 TPOT: {g:.3f} / {n:.3f} ms = {g / n:.3f} (target <= 1.15)")
 PY
            ;;
-  quant-tests) run quant-kernels 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py ;;
+  quant-tests) run quant-kernel-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py
+               TAIL=70 run quant-kernel-bench 200 python3 -m bench.quant_kernels ;;
   quant|quant-llama|quant-qwen3) # issue 46: weight quantization, dummy weights in each format's real layout;
          # throughput ratios against bf16 in this same call, batch-1 TPOT (128/128) per format
          if [ "$section" != quant-qwen3 ]; then
