@@ -66,6 +66,51 @@ if all(lat.values()):
     print(f"generic/native batch-1 TPOT: {g:.3f} / {n:.3f} ms = {g / n:.3f} (target <= 1.15)")
 PY
            ;;
+  quant-tests) run quant-kernel-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py
+               TAIL=70 run quant-kernel-bench 200 python3 -m bench.quant_kernels ;;
+  quant|quant-llama|quant-qwen3) # issue 46: weight quantization, dummy weights in each format's real layout;
+         # throughput ratios against bf16 in this same call, batch-1 TPOT (128/128) per format
+         if [ "$section" != quant-qwen3 ]; then
+           for q in bf16 fp8 gptq awq; do
+             flag=$([ $q = bf16 ] || echo "--quantization $q")
+             run llama8b-$q-throughput 150 $LOOM bench throughput --preset llama-3.1-8b $flag \
+               --output-json "$OUT/quant-llama8b-$q-throughput.json"
+             [ $q = bf16 ] || run llama8b-$q-latency 100 $LOOM bench latency --preset llama-3.1-8b --iters 2 $flag \
+               --output-json "$OUT/quant-llama8b-$q-latency.json"
+           done
+         fi
+         if [ "$section" != quant-llama ]; then
+           for p in qwen3-8b qwen3-8b-fp8; do   # the second: Qwen3-8B-FP8's block-wise quantization_config
+             run $p-throughput 150 $LOOM bench throughput --preset $p --output-json "$OUT/quant-$p-throughput.json"
+           done
+         fi
+         python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def read(name, key):
+    try:
+        with open(f"{out}/quant-{name}.json") as f:
+            d = json.load(f)
+    except OSError:
+        return None
+    return d["output_tok_per_s"] if key == "tput" else d["runs"][0]["tpot_ms"]
+rows = []
+bf16, q3 = read("llama8b-bf16-throughput", "tput"), read("qwen3-8b-throughput", "tput")
+for q, tpot_target, ratio_target in (("fp8", 2.4, 1.3), ("gptq", 2.0, 0.85), ("awq", 2.0, 0.85)):
+    t, lat = read(f"llama8b-{q}-throughput", "tput"), read(f"llama8b-{q}-latency", "tpot")
+    if lat is not None:
+        rows.append((f"Llama-3.1-8B {q} batch-1 TPOT", f"{lat:.3f} ms", f"<= {tpot_target} ms", lat <= tpot_target))
+    if t is not None and bf16:
+        rows.append((f"Llama-3.1-8B {q} offline / bf16", f"{t:.0f} / {bf16:.0f} = {t / bf16:.3f}", f">= {ratio_target}",
+                     t / bf16 >= ratio_target))
+fp8 = read("qwen3-8b-fp8-throughput", "tput")
+if fp8 is not None and q3:
+    rows.append(("Qwen3-8B block-FP8 offline / bf16", f"{fp8:.0f} / {q3:.0f} = {fp8 / q3:.3f}", ">= 1.2", fp8 / q3 >= 1.2))
+print(f"{'workload':40} {'measured':28} {'target':12} met")
+for name, got, target, ok in rows:
+    print(f"{name:40} {got:28} {target:12} {'yes' if ok else 'NO'}")
+PY
+         ;;
   serve) $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
          $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 & pid=$!
          for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done

@@ -71,6 +71,11 @@ PRESETS: dict[str, dict] = {
                    "max_window_layers": 28, "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "max_window_layers": 36, "tie_word_embeddings": False},
+    # Qwen3-8B-FP8's quantization_config: block-wise FP8 (--load-format dummy draws weights in its layout)
+    "qwen3-8b-fp8": {**_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                     "num_attention_heads": 32, "max_window_layers": 36, "tie_word_embeddings": False,
+                     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}},
     "llama-3.2-1b": {**_LLAMA3_COMMON, "head_dim": 64, "hidden_size": 2048, "intermediate_size": 8192,
                      "num_hidden_layers": 16, "rope_scaling": _llama3_rope(32.0), "tie_word_embeddings": True,
                      "transformers_version": "4.45.0.dev0"},

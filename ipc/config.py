@@ -53,6 +53,12 @@ class EngineConfig:
     device: str = option("auto", "where the workers run; auto: CUDA if available, else CPU", ("auto", "cpu", "cuda"))
     load_format: str = option("auto", "auto/safetensors: read the checkpoint; dummy: random weights from "
                               "config.json alone (benchmarks)", ("auto", "safetensors", "dummy"))
+    quantization: str | None = option(None, "weight quantization (vLLM's --quantization): fp8 quantizes a float "
+                                      "checkpoint online (per-channel e4m3 weights, per-token activations); "
+                                      "gptq, awq, compressed-tensors and fp8 checkpoints are detected from "
+                                      "config.json's quantization_config (None/auto: the checkpoint's); with "
+                                      "--load-format dummy, random weights in the format's layout",
+                                      ("auto", "fp8", "gptq", "awq", "compressed-tensors"), aliases=("-q",))
     model_impl: str = option("auto", "which implementation runs the model: loom (Loom's own file for the "
                              "architecture), transformers (the generic path: the transformers model with Loom's "
                              "paged attention, for any decoder-only *ForCausalLM), auto (loom where the "
@@ -351,6 +357,19 @@ class EngineConfig:
                 f"({num_blocks * self.block_size} tokens), but one request of --max-model-len "
                 f"{self.max_model_len} needs {need} blocks. Lower --max-model-len or give the "
                 f"KV cache more memory (--gpu-memory-utilization / --num-gpu-blocks-override).")
+
+
+def weight_quantization(config: EngineConfig) -> str | None:
+    """The weights' quantization method as vLLM names it (--quantization, else config.json's
+    quantization_config.quant_method; None: unquantized), for /v1/models."""
+    if config.quantization not in (None, "auto"):
+        return config.quantization
+    try:
+        hf = read_json_object(os.path.join(config.model, "config.json"))
+    except (ConfigError, OSError):
+        return None
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    return str(qc.get("quant_method")) if isinstance(qc, dict) and qc.get("quant_method") else None
 
 
 def max_blocks_held(max_model_len: int, block_size: int, kv_window: int | None, max_chunk: int) -> int:

@@ -47,8 +47,9 @@ The MoE layers are those not in `mlp_only_layers` whose index + 1 is a multiple 
 `decoder_sparse_step` (Qwen's rules; every layer for Mixtral and gpt-oss); the others are dense.
 
 Each total is divided by tp (per GPU). Not counted: norms, rotary embedding,
-softmax, sampling, activations passed between kernels, biases; sliding-window
-and quantized weights are not modelled.
+softmax, sampling, activations passed between kernels, biases; sliding-window is not
+modelled. Quantized decoder linears (not the experts) count their stored bytes per weight
+(FP8 1, 4-bit 0.5; their scales left out) in place of b.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     num_moe_layers: int = 0
     kv_dtype_bytes: int | None = None   # the KV cache's element (1: --kv-cache-dtype fp8); None: dtype_bytes
+    linear_weight_bytes: float = 0.0   # bytes per weight of the quantized decoder linears (0: dtype_bytes)
 
     @classmethod
     def from_hf_config(cls, hf: dict, dtype_bytes: int, tp: int = 1) -> "ModelShape":
@@ -105,7 +107,21 @@ class ModelShape:
         shape = cls.from_hf_config(hf, dtype_bytes(config), getattr(config, "tensor_parallel_size", 1))
         if getattr(config, "kv_cache_dtype", "auto") != "auto":   # fp8 / fp8_e4m3
             shape = dataclasses.replace(shape, kv_dtype_bytes=1)
-        return shape
+        return dataclasses.replace(shape, linear_weight_bytes=quantized_weight_bytes(config, hf))
+
+
+def quantized_weight_bytes(config, hf: dict) -> float:
+    """Bytes per weight of the decoder linears under --quantization / quantization_config (0:
+    unquantized): FP8 1, 4-bit formats 0.5, compressed-tensors by its weights' num_bits."""
+    from ipc.config import weight_quantization
+    method = weight_quantization(config)
+    if method is None:
+        return 0.0
+    if method == "compressed-tensors":
+        qc = hf.get("quantization_config") or hf.get("text_config", {}).get("quantization_config") or {}
+        bits = [(g.get("weights") or {}).get("num_bits") for g in (qc.get("config_groups") or {}).values()]
+        return (bits[0] or 16) / 8 if bits else 0.0
+    return {"fp8": 1.0, "gptq": 0.5, "awq": 0.5}.get(method, 0.0)
 
 
 def dtype_bytes(config) -> int:
@@ -141,12 +157,15 @@ class MfuEstimator:
         qkv = h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         out = s.num_heads * s.head_dim * h
         dense_layers = s.num_layers - s.num_moe_layers
-        # every layer's attention, the dense layers' MLPs; a MoE layer's router and shared expert
-        always = (s.num_layers * (qkv + out) + dense_layers * 3 * h * s.intermediate_size
-                  + s.num_moe_layers * (h * s.num_experts + 3 * h * s.shared_expert_intermediate_size))
+        # every layer's attention, the dense layers' MLPs, a MoE layer's shared expert (the linears
+        # that --quantization quantizes) and its router
+        linears = (s.num_layers * (qkv + out) + dense_layers * 3 * h * s.intermediate_size
+                   + s.num_moe_layers * 3 * h * s.shared_expert_intermediate_size)
+        router = s.num_moe_layers * h * s.num_experts
         self._expert_params = 3 * h * s.moe_intermediate_size    # one expert of one layer
-        self._params_per_token = always + s.num_moe_layers * s.top_k * self._expert_params
-        self._always_read = always + s.vocab_size * h
+        self._params_per_token = linears + router + s.num_moe_layers * s.top_k * self._expert_params
+        stored = s.linear_weight_bytes / s.dtype_bytes if s.linear_weight_bytes else 1.0   # quantized: fewer bytes
+        self._always_read = linears * stored + router + s.vocab_size * h
         self._kv_elems_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim
 
     def weight_params_read(self, num_tokens: int) -> float:

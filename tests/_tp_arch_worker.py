@@ -98,7 +98,7 @@ def run_arch(job: dict, rank: int) -> str | None:
     if rank != 0:
         return None if torch.equal(flat, theirs) else f"rank {rank}'s logits differ from rank 0's"
     try:   # no collective past this point: an error here leaves the group in step
-        return first_mismatch(outs, job["model_dir"])
+        return first_mismatch(outs, job.get("hf_dir") or job["model_dir"])   # hf_dir: a quantized model's dense twin
     except Exception:
         return f"the HF comparison raised:\n{traceback.format_exc()}"
 

@@ -291,6 +291,7 @@ def test_health_models_version(server, model_dir, model_name):
     assert models["object"] == "list" and len(models["data"]) == 1
     assert models["data"][0]["object"] == "model" and model_name == model_dir
     assert models["data"][0]["max_model_len"] == 128
+    assert models["data"][0]["quantization"] is None   # the weights' method (vLLM's --quantization name)
     assert requests.get(server.url + "/version", timeout=10).json()["version"]
     one = requests.get(server.url + "/v1/models/" + model_name.lstrip("/"), timeout=10)
     assert one.status_code == 404   # a leading "/" is part of the id

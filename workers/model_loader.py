@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import re
 from typing import Iterator
@@ -22,7 +23,10 @@ from workers.distributed import tp_rank, tp_size
 from workers.models.interfaces import supports_multimodal
 from workers.models.layers import LayerNorm, PerHeadLayerNorm, RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
 from workers.models.registry import get_model_class
+from workers.quantization import (dense_weights_on_meta, get_quantization_config, init_dummy_quantized,
+                                  install_linear_methods, process_weights_after_loading)
 
+logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
 DUMMY_RANGE = 1e-3
@@ -179,13 +183,21 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
     parameter may name its own constant (`param.dummy_value`: the generic path's norms)."""
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm, PerHeadLayerNorm))}
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_for(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
+    # quantized linears: dense weights drawn and quantized into the format's layout
+    quantized = init_dummy_quantized(model, generator_for, low, high)
     for _, p in model.named_parameters():
+        if id(p) in quantized:
+            continue
         if id(p) in norm_params or getattr(p, "dummy_value", None) is not None:
             p.fill_(getattr(p, "dummy_value", 1.0))
             continue
-        g = generators.get(p.device)
-        if g is None:
-            g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        g = generator_for(p.device)
         if p.full_shape == tuple(p.shape):
             p.uniform_(low, high, generator=g)
             continue
@@ -195,19 +207,37 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", language_model_only: bool = False, model_impl: str = "auto") -> nn.Module:
+               load_format: str = "auto", language_model_only: bool = False, model_impl: str = "auto",
+               quantization: str | None = None) -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
     load_format: "auto"/"safetensors" read the safetensors files (tensors go
     straight to the device), or the .bin files of a checkpoint without any; "dummy" needs only config.json and fills
-    deterministic random weights."""
+    deterministic random weights (in the quantized format's layout, for a quantized model).
+    quantization: --quantization (None: the checkpoint's quantization_config, if any;
+    workers/quantization/); the model's format is then `model.quant_config`."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
-    model = build_model(config, dtype, device, language_model_only, model_impl)
+    qcfg = get_quantization_config(_raw_config(model_dir), quantization, load_format)
+    with dense_weights_on_meta(qcfg):
+        model = build_model(config, dtype, device, language_model_only, model_impl)
+    quantized = install_linear_methods(model, qcfg, device)
+    if qcfg is not None:
+        logger.info("weights: %s on %d linear layers", qcfg.description, quantized)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         model.load_weights(iterate_checkpoint(model_dir, device))
+    process_weights_after_loading(model)
+    model.quant_config = qcfg
     return model
+
+
+def _raw_config(model_dir: str) -> dict:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}

@@ -94,7 +94,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                                config.language_model_only, config.model_impl)
+                                config.language_model_only, config.model_impl, config.quantization)
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)

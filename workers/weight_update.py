@@ -47,6 +47,8 @@ def expected_shapes(model, model_dir: str, load_format: str) -> dict[str, tuple[
         out = {n: shape for n, (shape, _) in checkpoint_metadata(safetensors_files(model_dir)).items()}
     else:
         for pname, p in model.named_parameters():
+            if getattr(p, "shard_ids", None) == ():   # computed, not a checkpoint's (online FP8 scales)
+                continue
             full = tuple(getattr(p, "full_shape", p.shape))   # the TP=1 shape of a sharded parameter
             part_shape = getattr(p, "part_shape", None)   # stacked from parts of one shape (MoE experts)
             if part_shape is not None:
@@ -311,6 +313,10 @@ class WeightUpdater:
         except AttributeError:   # a checkpoint name the model renames (vision-language models)
             raise ValueError(f"{name!r} cannot be read back by name on {type(self.model).__name__}") from None
         module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+        scale = getattr(module, "weight_scale", None)
+        if getattr(module, "quant_method", None) is not None and pname.endswith(".weight") and scale is not None \
+                and scale.dim() == 1:
+            t = t.float() * scale[:, None]   # FP8 per channel: read back dequantized
         dim, start = None, 0
         if isinstance(module, FusedMoE) and sid is not None:   # one expert's part of a stacked tensor
             held = module.checkpoint_part(pname, sid)

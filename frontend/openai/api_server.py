@@ -54,6 +54,7 @@ from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
 from ipc import envs
+from ipc.config import weight_quantization
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
 from frontend.openai.chat_output import ChatOutput, ToolUse
@@ -346,13 +347,18 @@ class OpenAIServer:
         return _json({"version": _version()})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(models_response(self.model_name, self.config.model, self.config.max_model_len, self.created))
+        return _json(models_response(self.model_name, self.config.model, self.config.max_model_len, self.created,
+                                     self.quantization))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         self._check_model(name)
         return _json(models_response(self.model_name, self.config.model, self.config.max_model_len,
-                                     self.created)["data"][0])
+                                     self.created, self.quantization)["data"][0])
+
+    @functools.cached_property
+    def quantization(self) -> str | None:
+        return weight_quantization(self.config)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req: TokenizeRequest = await self.body(request, TokenizeRequest)

@@ -474,10 +474,13 @@ def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: 
     return d
 
 
-def models_response(name: str, root: str, max_model_len: int, created: int | None = None) -> dict:
+def models_response(name: str, root: str, max_model_len: int, created: int | None = None,
+                    quantization: str | None = None) -> dict:
+    """quantization: the weights' method (vLLM's --quantization name), None when unquantized."""
     return {"object": "list",
             "data": [{"id": name, "object": "model", "created": created or now(), "owned_by": "loom",
-                      "root": root, "parent": None, "max_model_len": max_model_len, "permission": []}]}
+                      "root": root, "parent": None, "max_model_len": max_model_len, "permission": [],
+                      "quantization": quantization}]}
 
 
 _encoder = msgspec.json.Encoder()

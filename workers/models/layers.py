@@ -35,8 +35,8 @@ from kernels.qk_rope_cache import qk_norm_rope_cache_ref
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import build_rope_cache
 
-from workers.distributed import (LogitsShard, PendingSum, all_reduce_written, linear_all_reduce, lm_head_logits,
-                                 tp_rank, tp_size)
+from workers.distributed import (LogitsShard, PendingSum, all_reduce, all_reduce_written, linear_all_reduce,
+                                 lm_head_logits, tp_rank, tp_size)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ gemv = None           # kernels.gemv.gemv on the Triton path (use_triton_kernels
 gemv_max_rows = 0
 fused_moe = fused_moe_ref            # the routed experts (workers/models/moe.py)
 select_experts = select_experts      # their router's top-k (kernels.fused_moe.fused_topk on Triton)
+# where the linears create their dense weight: "meta" while a quantized model is built (the
+# quantization method then makes its own parameters, so the dense ones never take memory)
+linear_weight_device: str | None = None
 
 
 # ------------------------------------------------------------------ config helpers
@@ -389,7 +392,10 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over the ranks: each rank computes its slice
     of y, no communication. A fused layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up])
     stacks several checkpoint tensors along the output dim, each split over the ranks, so
-    every rank's slice stays one fused matmul. `shards`: shard id -> Shard (None: unfused)."""
+    every rank's slice stays one fused matmul. `shards`: shard id -> Shard (None: unfused).
+    `quant_method`: a workers/quantization LinearMethod that owns the weights and the matmul
+    (installed by the model loader; None: the dense weight and the paths below)."""
+    quant_method = None
 
     def __init__(self, in_features: int, shards: dict, bias: bool = False):
         super().__init__()
@@ -398,7 +404,8 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = sum(s.size for s in shards.values())  # this rank's
         full_out = sum(s.full for s in shards.values())
         loader = functools.partial(_column_loader, shards)
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, device=linear_weight_device),
+                                   requires_grad=False)
         _set_loader(self.weight, loader, (full_out, in_features), shards)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
@@ -407,6 +414,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         if use_gemv(x):
             return gemv(x, self.weight, self.bias)[0]
         return F.linear(x, self.weight, self.bias)
@@ -419,7 +428,7 @@ class ColumnParallelLinear(nn.Module):
         if isinstance(x, PendingSum):
             normed, residual = norm(x, residual)
             return self(normed), residual
-        if use_gemv(x):
+        if use_gemv(x) and self.quant_method is None:   # a quantized linear runs the norm on its own
             if residual is None:
                 return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
                             eps=norm.eps)[0], x
@@ -445,14 +454,16 @@ class RowParallelLinear(nn.Module):
 
     norm_slot (0 or 1): an RMSNorm consumes this linear's output, so without a bias the sum
     may be deferred to it (a PendingSum, see workers/distributed.py). Deferred sums must
-    alternate slots: o_proj takes 0 and down_proj 1."""
+    alternate slots: o_proj takes 0 and down_proj 1. `quant_method`: as ColumnParallelLinear's."""
+    quant_method = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, norm_slot: int | None = None):
         super().__init__()
         self.tp = tp_size()
         self.norm_slot = norm_slot if not bias else None
         self.in_features, self.out_features = in_features // self.tp, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features, device=linear_weight_device),
+                                   requires_grad=False)
         _set_loader(self.weight, functools.partial(_row_loader, tp_rank(), self.tp), (out_features, in_features))
         if bias:
             self.bias = replicated(nn.Parameter(torch.empty(out_features), requires_grad=False))
@@ -462,6 +473,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
         (fused into the GEMV at decode sizes)."""
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, silu_and_mul(x) if silu_mul else x, None)
+            y = y if self.tp == 1 else all_reduce(y)
+            return y if self.bias is None else y + self.bias
         if use_gemv(x):
             prologue = "silu_mul" if silu_mul else "none"
             if self.tp == 1:

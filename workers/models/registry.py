@@ -120,12 +120,21 @@ def check_architecture(config) -> None:
     arch = (hf.get("architectures") or [None])[0]
     if arch is None:
         raise ConfigError(f"{config.model}/config.json names no architecture (`architectures`)")
+    from workers.quantization import QuantizationError, get_quantization_config
+    try:   # a format Loom does not serve fails here, in one line
+        quantized = get_quantization_config(hf, getattr(config, "quantization", None),
+                                            getattr(config, "load_format", "auto")) is not None
+    except QuantizationError as e:
+        raise ConfigError(str(e)) from None
     try:
         generic = uses_generic_path(arch, config.model_impl)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not generic:
         return
+    if quantized:
+        raise ConfigError(f"quantized weights on the generic transformers path ({arch}) are not supported"
+                          + (" (--model-impl auto or loom serves it natively)" if arch in MODELS else ""))
     why = generic_path_refusal(hf)
     if why is not None:
         native = f"; natively served: {', '.join(sorted(MODELS))}" if arch not in MODELS else ""
