@@ -576,6 +576,8 @@ def test_mfu_counts_quantized_weight_bytes(format_dirs):
         read[name] = MfuEstimator(shape).step(1, 1, 0, 0).read_bytes
         assert shape.linear_weight_bytes == {"dense": 0.0, "fp8": 1.0, "w4": 0.5}[name]
     s = ModelShape.from_engine_config(EngineConfig(model=dense_dir, dtype="bfloat16"))
-    linear = s.num_layers * MfuEstimator(s)._layer_matmul_params
+    h = s.hidden_size   # the decoder linears' weights: q/k/v, o and the gated MLP of every layer
+    linear = s.num_layers * (h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * h
+                             + 3 * h * s.intermediate_size)
     assert read["dense"] - read["fp8"] == pytest.approx(linear * 1.0)   # 2 bytes -> 1
     assert read["dense"] - read["w4"] == pytest.approx(linear * 1.5)    # 2 bytes -> 0.5
