@@ -85,7 +85,8 @@ class EngineCore:
         launch in series (bench/RESULTS.md, session 8). On the CPU the worker computes a step as it
         launches it, and a third step would only compute tokens past a request's end: two.
         --steps-in-flight N (or LOOM_STEPS_IN_FLIGHT=N) sets it (A/B runs; the CPU tests of the GPU's three)."""
-        if not config.async_scheduling:
+        if not config.async_scheduling or config.speculative is not None:   # a step's drafts come
+            # with the step before's output: speculation schedules after each step (no overlap yet)
             return 1
         if config.steps_in_flight is not None:
             return max(1, config.steps_in_flight)
