@@ -138,7 +138,11 @@ class ModelRunner:
         self.memory.weights_dir = path
 
     def determine_num_blocks(self) -> int:
-        return self.memory.determine_num_blocks()
+        n = self.memory.determine_num_blocks()
+        draft_spec = getattr(self.proposer, "kv_spec", None)   # a draft model's KV cache shares the budget
+        if draft_spec is not None and self.config.num_gpu_blocks_override is None:
+            n = n * self.kv_spec.block_bytes() // (self.kv_spec.block_bytes() + draft_spec.block_bytes())
+        return n
 
     def kv_sliding_window(self) -> int | None:
         """The window of every attention layer, when they share one: the engine core may trim
@@ -149,6 +153,8 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; with the weights awake, warm up and capture the graphs."""
         self.memory.allocate(num_blocks)
+        if hasattr(self.proposer, "allocate"):
+            self.proposer.allocate(num_blocks, self.device)
         if not self.memory.weights_asleep:
             warm_up(self)
             self._capture_graphs()
