@@ -85,8 +85,7 @@ class EngineCore:
         launch in series (bench/RESULTS.md, session 8). On the CPU the worker computes a step as it
         launches it, and a third step would only compute tokens past a request's end: two.
         --steps-in-flight N (or LOOM_STEPS_IN_FLIGHT=N) sets it (A/B runs; the CPU tests of the GPU's three)."""
-        if not config.async_scheduling or config.speculative is not None:   # a step's drafts come
-            # with the step before's output: speculation schedules after each step (no overlap yet)
+        if not config.async_scheduling:
             return 1
         if config.steps_in_flight is not None:
             return max(1, config.steps_in_flight)
@@ -179,6 +178,9 @@ class EngineCore:
         unsampled step at a time, and each bitmask needs every token before it."""
         if self.max_in_flight > 2 and any(so.defer_sample for so, _ in self.in_flight):
             return 2
+        if self.scheduler.speculating():   # a step's drafts come with the step before's output: one in
+            # flight while speculation is on (below disable_by_batch_size), the usual overlap above it
+            return 1
         return self.max_in_flight
 
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:

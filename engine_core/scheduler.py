@@ -180,6 +180,12 @@ class Scheduler:
             plan.cached.new_block_ids.append([b.block_id for b in new_blocks])
             plan.cached.num_computed_tokens.append(req.num_computed_tokens)
 
+    def speculating(self) -> bool:
+        """Whether drafts are verified now: speculation on, and fewer than disable_by_batch_size
+        requests running."""
+        limit = self.spec.disable_by_batch_size if self.spec is not None else None
+        return self.spec is not None and (limit is None or len(self.running) < limit)
+
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The draft tokens a decoding request verifies in this step after its one new token: its
         spec_token_ids, cut to the budget, to the tokens it may still produce and to what its
@@ -187,7 +193,7 @@ class Scheduler:
         drafts, req.spec_token_ids = req.spec_token_ids, []
         if not drafts or n != 1 or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
             return []
-        if self.spec.disable_by_batch_size is not None and len(self.running) >= self.spec.disable_by_batch_size:
+        if not self.speculating():
             return []
         room = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)

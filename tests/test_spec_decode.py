@@ -46,11 +46,15 @@ def _oracle_file(tmp_path, outputs) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-disable", "draft_model", "oracle"])
 def test_greedy_identical_with_speculation(method, tiny_model_dir, baseline, tmp_path):
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
+    """ngram-disable: off while 3 or more requests run (async steps then, and back to
+    speculation as the batch shrinks)."""
+    spec = {"method": method.split("-")[0], "num_speculative_tokens": 3}
+    if method.startswith("ngram"):
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+        if method == "ngram-disable":
+            spec["disable_by_batch_size"] = 3
     elif method == "draft_model":
         spec["model"] = tiny_model_dir
     else:
@@ -60,7 +64,7 @@ def test_greedy_identical_with_speculation(method, tiny_model_dir, baseline, tmp
     assert stats.num_preemptions > 0
     assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
-    if method != "ngram":   # drafts from the target itself (or its recording, 30% missed): most accepted
+    if not method.startswith("ngram"):   # drafts from the target itself (or its recording, 30% missed): most accepted
         assert stats.mean_acceptance_length > 1.5, stats.mean_acceptance_length
 
 
@@ -139,14 +143,39 @@ ZEN = ["Beautiful is better than", "Explicit is better than", "Simple is better 
        "Readability counts.", "Errors should never"]
 
 
-def test_draft_model_reaches_acceptance_length_2_on_the_demo_model(demo_model_dir, tmp_path_factory):
-    """A smaller demo model (the demo recipe trained for a quarter of its steps) drafts for the
-    demo model on the Zen prompts: mean acceptance length >= 2, from the engine's spec_decode stats."""
+def _first_layers(model_dir: str, out_dir: str, n: int) -> str:
+    """A smaller draft from a checkpoint: its first n decoder layers (with its embeddings, final
+    norm and head), as layer-skipping self-speculation drafts."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    for f in os.listdir(model_dir):
+        if os.path.isfile(os.path.join(model_dir, f)) and not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_dir, f), out_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = n
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:n]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for f in os.listdir(model_dir):
+        if f.endswith(".safetensors"):
+            weights = load_file(os.path.join(model_dir, f))
+            save_file({k: v for k, v in weights.items()
+                       if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < n},
+                      os.path.join(out_dir, f))
+    return out_dir
+
+
+def test_draft_model_reaches_acceptance_length_2_on_the_demo_model(demo_model_dir, tmp_path):
+    """The demo model's first layer alone (half the demo model) drafts for the whole demo model on
+    the Zen prompts: greedy output unchanged, mean acceptance length >= 2 (3.46 measured), from the
+    engine's spec_decode stats (what vllm:spec_decode_* count)."""
     from frontend.entrypoints.llm import LLM
-    from frontend.tools.demo_model import DEFAULT_STEPS, build_demo_model
-    draft = str(tmp_path_factory.mktemp("demo-draft"))
-    build_demo_model(draft, steps=DEFAULT_STEPS // 4)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
+    draft = _first_layers(demo_model_dir, str(tmp_path), 1)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     params = SamplingParams(max_tokens=48, temperature=0)
     with LLM(demo_model_dir, max_model_len=256) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(ZEN, params, use_tqdm=False)]
