@@ -95,5 +95,9 @@ PY
       grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
   tune-attention) TAIL=${TAIL:-200} run tune-attention 420 python3 -m bench.tune_attention ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
+  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
+        # table; then the GPU tests (graphs and eager equal with speculation on)
+        TAIL=12 run spec-decode 440 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json"
+        run spec-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done
