@@ -232,3 +232,13 @@ def test_cli_takes_speculative_config_json(tiny_model_dir):
     spec = engine_config_from_args(parsed).resolve().speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
         ("ngram", 3, 5, 5)
+
+
+def test_tensor_parallel_draft_model_identical(tiny_model_dir, baseline):
+    """TP=2 on gloo: the draft model runs sharded on every rank, the target's greedy output unchanged."""
+    from frontend.entrypoints.llm import LLM
+    spec = {"method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 3}
+    with LLM(tiny_model_dir, multiprocess=True, tensor_parallel_size=2, speculative_config=spec, **STRESS) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        assert llm.stats.spec_num_accepted_tokens > 0
+    assert got == baseline[:2]
