@@ -391,8 +391,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._free(req, status)
-            elif rid in spec_next:
-                req.spec_token_ids = spec_next[rid]
+            else:   # (none: drafts an older step proposed are stale)
+                req.spec_token_ids = spec_next.get(rid, [])
         return outputs
 
     def _verified(self, req: Request, accepted: list[int], token: int) -> list[int]:
