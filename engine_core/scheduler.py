@@ -161,7 +161,7 @@ class Scheduler:
                 continue
             drafts = self._drafts(req, n, plan.token_budget)
             n += len(drafts)
-            while (new_blocks := self.kv.allocate_slots(req, n + self.num_lookahead)) is None:
+            while (new_blocks := self.kv.allocate_slots(req, n + self._lookahead(req.num_computed_tokens + n))) is None:
                 victim = self.running.pop()   # after req in the list: not scheduled in this step
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -185,6 +185,10 @@ class Scheduler:
         requests running."""
         limit = self.spec.disable_by_batch_size if self.spec is not None else None
         return self.spec is not None and (limit is None or len(self.running) < limit)
+
+    def _lookahead(self, end: int) -> int:
+        """Slots past a step's last token that a draft model writes (none past max_model_len)."""
+        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The draft tokens a decoding request verifies in this step after its one new token: its
@@ -222,7 +226,7 @@ class Scheduler:
                 n = fit.n
                 if n <= 0:
                     break  # its next image cannot be encoded in this step
-            if self.kv.allocate_slots(req, n + self.num_lookahead, hits) is None:
+            if self.kv.allocate_slots(req, n + self._lookahead(num_hit + n), hits) is None:
                 if not self.running:
                     self._fail_unfittable(req)
                     continue

@@ -232,8 +232,18 @@ def test_cli_takes_speculative_config_json(tiny_model_dir):
     spec = engine_config_from_args(parsed).resolve().speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
         ("ngram", 3, 5, 5)
+    # a bad one: `loom serve` says what is wrong in one line, exit 2 (before any process starts)
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    r = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "serve", tiny_model_dir,
+                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "num_speculative_tokens" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow   # two worker processes: ~15 s
 def test_tensor_parallel_draft_model_identical(tiny_model_dir, baseline):
     """TP=2 on gloo: the draft model runs sharded on every rank, the target's greedy output unchanged."""
     from frontend.entrypoints.llm import LLM

@@ -417,7 +417,7 @@ class ModelRunner:
         logits, failed, masked = self.sampler.adjust(logits, rows, sampling, self.batch.penalty_state(),
                                                      self.batch.recent_outputs)
         draft, layout_rows = self.h2d([spec.draft, spec.rows])
-        verdict = self.rejection_sampler(logits, sampling, draft, layout_rows, all(r.params.greedy for r in rows))
+        verdict = self.rejection_sampler(logits, sampling, draft, layout_rows, rows)
         step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
         self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
         if masked is not None:

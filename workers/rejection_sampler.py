@@ -50,9 +50,10 @@ def exponential_noise(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) ->
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor) -> torch.Tensor:
+                 min_p: torch.Tensor, truncates: bool = True) -> torch.Tensor:
     """The distribution the plain sampler draws each row from (kernels/sampling.py's filters, in
-    its order: min-p, then top-k, then top-p over what is left), as float32 probabilities."""
+    its order: min-p, then top-k, then top-p over what is left), as float32 probabilities.
+    truncates: whether some row has top-k or top-p (the host knows; no sync to ask the device)."""
     logits = logits.float()
     vocab = logits.shape[-1]
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
@@ -60,7 +61,7 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     keep = probs >= (min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True))
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
-    if bool(k_on.any()) or bool(p_on.any()):
+    if truncates:
         kept = probs * keep
         srt, _ = kept.sort(dim=-1, descending=True)
         kth = srt.gather(1, (top_k.long().clamp(1, vocab) - 1)[:, None])
@@ -117,14 +118,16 @@ class RejectionSampler:
     """The runner's entry: processed logits and the rows' sampling parameters in, a SpecVerdict out."""
 
     def __call__(self, logits: torch.Tensor, params, draft: torch.Tensor, rows: torch.Tensor,
-                 all_greedy: bool) -> SpecVerdict:
-        """params: the rows' SamplingArrays on the device (seeds, output_indices, temperature, ...)."""
+                 sampling_rows) -> SpecVerdict:
+        """params: the rows' SamplingArrays on the device (seeds, output_indices, temperature, ...);
+        sampling_rows: their SamplingRows (host), which say what the rows need."""
         greedy = params.temperature <= 0
-        if all_greedy:
+        if all(r.params.greedy for r in sampling_rows):
             return rejection_sample(logits, greedy, draft, rows, None, None, None)
-        probs = target_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-        u = uniforms(params.seeds, params.output_indices, _ACCEPT_SALT)
         vocab = logits.shape[-1]
+        truncates = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in sampling_rows)
+        probs = target_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p, truncates)
+        u = uniforms(params.seeds, params.output_indices, _ACCEPT_SALT)
 
         def noise(final_rows: torch.Tensor) -> torch.Tensor:
             return exponential_noise(params.seeds[final_rows], params.output_indices[final_rows], vocab)
