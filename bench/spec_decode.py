@@ -12,9 +12,10 @@ Qwen3-0.6B shape (engines: none, oracle, ngram with disable_by_batch_size 4):
   * batch 8, oracle k=4 at acceptance length ~3 (miss 0.2535): speedup in wall time;
   * n-gram on the standard offline workload (256 requests): output throughput vs none.
 
-The oracle replays the target's greedy output recorded by the plain engine of the same run
-(workers/spec_decode/oracle_proposer.py); bf16 numerics of a verify step can differ from a decode
-step's, so the measured acceptance length is printed next to each speedup. With random weights a
+The oracle replays the target's greedy output, recorded by the oracle engine itself on each
+prompt's first run (workers/spec_decode/oracle_proposer.py: with the verify steps' numerics, as a
+plain decode step's bf16 argmax can differ in a near tie); the measured acceptance length is
+printed next to each speedup. With random weights a
 model's continuation is not predictable from its prompt as a trained model's is: the n-gram rows
 measure the engine at whatever acceptance that gives (printed)."""
 from __future__ import annotations
@@ -56,23 +57,31 @@ def _timed(llm, prompts, max_tokens: int | list[int]) -> tuple[float, list]:
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
 
-def _decode(llm, prompt, n: int = OUTPUT_LEN) -> dict:
-    """Batch 1: time per output token after the first (median of 3), verify steps and accepted drafts."""
+def _decode(llm, prompt, n: int | None = None) -> dict:
+    """Batch 1: time per output token after the first and per decode step (medians of 3), and the
+    acceptance length of the verify steps."""
+    n = n or OUTPUT_LEN
     _timed(llm, [prompt], 4)   # warm-up at this length
-    ttft = sorted(_timed(llm, [prompt], 1)[0] for _ in range(3))[1]
     s = llm.stats
-    d0, a0 = s.spec_num_drafts, s.spec_num_accepted_tokens
-    runs = sorted(_timed(llm, [prompt], n)[0] for _ in range(3))
-    drafts, acc = (s.spec_num_drafts - d0) / 3, (s.spec_num_accepted_tokens - a0) / 3
-    e2e = runs[1]
-    return {"tpot_ms": 1000 * (e2e - ttft) / (n - 1), "decode_ms": 1000 * (e2e - ttft), "verify_steps": drafts,
-            "acceptance_length": 1 + acc / drafts if drafts else 0.0}
+
+    def run(max_tokens: int) -> tuple[float, int, int, int]:
+        steps, drafts, acc = s.steps, s.spec_num_drafts, s.spec_num_accepted_tokens
+        t = _timed(llm, [prompt], max_tokens)[0]
+        return t, s.steps - steps, s.spec_num_drafts - drafts, s.spec_num_accepted_tokens - acc
+
+    ttft = sorted(run(1) for _ in range(3))[1]
+    e2e = sorted(run(n) for _ in range(3))[1]
+    decode_s, steps = e2e[0] - ttft[0], max(e2e[1] - ttft[1], 1)
+    return {"tpot_ms": 1000 * decode_s / (n - 1), "step_ms": 1000 * decode_s / steps, "decode_steps": steps,
+            "acceptance_length": 1 + e2e[3] / e2e[2] if e2e[2] else 0.0}
 
 
-def _record(path: str, prompts, outputs, miss_rates) -> None:
+def _oracle(path: str, prompts, miss_rates) -> dict:
+    """An oracle config whose engine records each prompt's greedy output on its first run (with the
+    verify steps' numerics), then replays it with the prompt's miss rate."""
     with open(path, "w") as f:
-        json.dump([{"prompt_token_ids": p, "output_token_ids": o, "miss_rate": m}
-                   for p, o, m in zip(prompts, outputs, miss_rates)], f)
+        json.dump([{"prompt_token_ids": p, "miss_rate": m} for p, m in zip(prompts, miss_rates)], f)
+    return {"method": "oracle", "num_speculative_tokens": K, "oracle_path": path}
 
 
 def llama_rows(tmp: str) -> list[dict]:
@@ -83,7 +92,6 @@ def llama_rows(tmp: str) -> list[dict]:
     miss = miss_rate_for(3.08)
     llm = _llm(mdir)
     try:
-        _, (o_full, o_308) = _timed(llm, [p_full, p_308], OUTPUT_LEN + 2 * K)
         _, (o_seed,) = _timed(llm, [p_seed], OUTPUT_LEN)
         # the repetitive prompt holds its own answer: the seed prompt, the model's output, the seed prompt again
         p_rep = p_seed + o_seed + p_seed
@@ -92,10 +100,11 @@ def llama_rows(tmp: str) -> list[dict]:
         plain_rep = _decode(llm, p_rep)
     finally:
         llm.shutdown()
-    oracle_path = os.path.join(tmp, "oracle-llama.json")
-    _record(oracle_path, [p_full, p_308], [o_full, o_308], [0.0, miss])
-    llm = _llm(mdir, speculative_config={"method": "oracle", "num_speculative_tokens": K, "oracle_path": oracle_path})
+    llm = _llm(mdir, speculative_config=_oracle(os.path.join(tmp, "oracle-llama.json"), [p_full, p_308],
+                                                [0.0, miss]))
     try:
+        for p in (p_full, p_308):   # the recording runs, one at a time (batch 1, as replayed)
+            _timed(llm, [p], OUTPUT_LEN + 2 * K)
         full = _decode(llm, p_full)
         at308 = _decode(llm, p_308)
     finally:
@@ -106,8 +115,7 @@ def llama_rows(tmp: str) -> list[dict]:
         rep = _decode(llm, p_rep)
     finally:
         llm.shutdown()
-    verify_step = full["decode_ms"] / max(full["verify_steps"], 1)
-    plain_step = plain["tpot_ms"]
+    verify_step, plain_step = full["step_ms"], plain["step_ms"]
     speedup = plain_308["tpot_ms"] / at308["tpot_ms"]
     return [
         {"row": "llama8b b1: verify step (5 tok) / plain step", "value": verify_step / plain_step, "target": "<= 1.10",
@@ -131,18 +139,15 @@ def qwen_rows(tmp: str) -> list[dict]:
     miss = miss_rate_for(3.0)
     llm = _llm(mdir)
     try:
-        _, outs = _timed(llm, prompts, OUTPUT_LEN + 2 * K)
         _timed(llm, prompts, OUTPUT_LEN)
         plain_b8 = sorted(_timed(llm, prompts, OUTPUT_LEN)[0] for _ in range(3))[1]
         _timed(llm, wl.prompts[:16], 32)
         plain_tput = _timed(llm, wl.prompts, wl.max_tokens)[0]
     finally:
         llm.shutdown()
-    oracle_path = os.path.join(tmp, "oracle-qwen.json")
-    _record(oracle_path, prompts, outs, [miss] * len(prompts))
-    llm = _llm(mdir, speculative_config={"method": "oracle", "num_speculative_tokens": K, "oracle_path": oracle_path})
+    llm = _llm(mdir, speculative_config=_oracle(os.path.join(tmp, "oracle-qwen.json"), prompts, [miss] * len(prompts)))
     try:
-        _timed(llm, prompts, OUTPUT_LEN)
+        _timed(llm, prompts, OUTPUT_LEN + 2 * K)   # records them (batch 8, as replayed)
         s = llm.stats
         d0, a0 = s.spec_num_drafts, s.spec_num_accepted_tokens
         spec_b8 = sorted(_timed(llm, prompts, OUTPUT_LEN)[0] for _ in range(3))[1]
