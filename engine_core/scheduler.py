@@ -186,6 +186,12 @@ class Scheduler:
         limit = self.spec.disable_by_batch_size if self.spec is not None else None
         return self.spec is not None and (limit is None or len(self.running) < limit)
 
+    def awaits_verification(self) -> bool:
+        """Whether the next step should verify drafts: speculating, and a running request holds
+        drafts. The engine core then keeps one step in flight (a request's drafts follow its last
+        output); while no proposal comes (n-gram finding no match) steps overlap as usual."""
+        return self.speculating() and any(r.spec_token_ids for r in self.running)
+
     def _lookahead(self, end: int) -> int:
         """Slots past a step's last token that a draft model writes (none past max_model_len)."""
         return max(0, min(self.num_lookahead, self.config.max_model_len - end))
@@ -194,11 +200,12 @@ class Scheduler:
         """The draft tokens a decoding request verifies in this step after its one new token: its
         spec_token_ids, cut to the budget, to the tokens it may still produce and to what its
         grammar accepts; none while disable_by_batch_size or more requests run."""
-        drafts, req.spec_token_ids = req.spec_token_ids, []
+        drafts = req.spec_token_ids
         if not drafts or n != 1 or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
-            return []
+            return []   # (kept: awaits_verification() holds the next step back until a step's output replaces them)
         if not self.speculating():
             return []
+        req.spec_token_ids = []
         room = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         drafts = drafts[:max(room, 0)]
