@@ -34,14 +34,16 @@ class DraftModelProposer:
                                                                                           device=device))
                           for _ in range(s.num_layers)]
 
-    def _run(self, runner, states, start: np.ndarray, num: np.ndarray) -> torch.Tensor:
-        """The draft over each request's tokens start .. start + num - 1 (runner.batch.token_ids):
-        the argmax of its last token's logits, per request."""
+    def _run(self, runner, states, start: np.ndarray, num: np.ndarray,
+             input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft over each request's tokens start .. start + num - 1 (runner.batch.token_ids,
+        or input_ids on the device): the argmax of its last token's logits, per request."""
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         host = host_inputs(runner.batch, num, start, slots, runner.block_size)
         device = runner.h2d.upload(host)
         attn = attention_metadata(host, device, num, runner.backend)
-        hidden = self.model(device.input_ids, device.positions, self.kv_caches, attn)
+        ids = device.input_ids if input_ids is None else input_ids
+        hidden = self.model(ids, device.positions, self.kv_caches, attn)
         last = torch.from_numpy(host.query_start_loc[1:].astype(np.int64) - 1).to(hidden.device)
         return self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
 
@@ -61,9 +63,7 @@ class DraftModelProposer:
         for st, n in zip(states, n_tok.tolist()):
             self.computed[st.req_id] = (id(st), n)
         ones = np.ones(len(states), dtype=np.int64)
-        for j in range(1, k):   # d_j goes in at position N - 1 + j
-            pos = n_tok - 1 + j
-            runner.batch.token_ids[[s.slot for s in states], pos] = drafts[-1].cpu().numpy()
-            drafts.append(self._run(runner, states, pos, ones))
+        for j in range(1, k):   # d_j goes in at position N - 1 + j, straight from the device (no sync)
+            drafts.append(self._run(runner, states, n_tok - 1 + j, ones, drafts[-1]))
         out = torch.stack(drafts, dim=1).tolist()
         return {st.req_id: d for st, d in zip(states, out)}
