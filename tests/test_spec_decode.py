@@ -252,3 +252,25 @@ def test_tensor_parallel_draft_model_identical(tiny_model_dir, baseline):
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         assert llm.stats.spec_num_accepted_tokens > 0
     assert got == baseline[:2]
+
+
+def test_oracle_records_the_first_run_then_replays_it(tiny_model_dir, baseline, tmp_path):
+    """An oracle entry without an output is recorded by the prompt's first run (junk drafts: every
+    step verifies), then replayed: acceptance length k + 1 at miss rate 0, output unchanged. The
+    bench's miss rate for a target acceptance length solves 1 + sum (1 - m)^i = L."""
+    from bench.spec_decode import miss_rate_for
+    from frontend.entrypoints.llm import LLM
+    m = miss_rate_for(3.08)
+    assert abs(1 + sum((1 - m) ** i for i in range(1, 5)) - 3.08) < 1e-6
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"prompt_token_ids": PROMPTS[3], "miss_rate": 0.0}]))
+    spec = {"method": "oracle", "num_speculative_tokens": 3, "oracle_path": str(path)}
+    with LLM(tiny_model_dir, speculative_config=spec, **STRESS) as llm:
+        first = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        st = llm.stats
+        before = (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens)
+        again = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        drafts, tokens, accepted = (st.spec_num_drafts - before[0], st.spec_num_draft_tokens - before[1],
+                                    st.spec_num_accepted_tokens - before[2])
+    assert first == again == baseline[3]
+    assert accepted == tokens and drafts <= -(-len(first) // 4) + 1, (drafts, tokens, accepted)
