@@ -61,7 +61,7 @@ def test_greedy_identical_with_speculation(method, tiny_model_dir, baseline, tmp
         spec.update(oracle_path=_oracle_file(tmp_path, baseline), oracle_miss_rate=0.3)
     outs, stats = _generate(tiny_model_dir, speculative_config=spec)
     assert [o.token_ids for o in outs] == baseline
-    assert stats.num_preemptions > 0
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0   # (hashed blocks hold accepted tokens only)
     assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     if not method.startswith("ngram"):   # drafts from the target itself (or its recording, 30% missed): most accepted

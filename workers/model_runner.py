@@ -246,8 +246,10 @@ class ModelRunner:
         end = start + num_scheduled
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
         sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
-        spec = (spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))), so.scheduled_spec_decode_tokens)
-                if so.scheduled_spec_decode_tokens else None)
+        spec = None
+        if so.scheduled_spec_decode_tokens:   # a verify step: k + 1 logits rows per request with k drafts
+            spec = spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))),
+                               so.scheduled_spec_decode_tokens)
         if spec is None:
             rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
         else:   # one row per draft and one more, each drawing the token at its landing position
