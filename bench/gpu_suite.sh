@@ -276,5 +276,9 @@ if lat:
 PY
            ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
+  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
+        # table; then the GPU tests (graphs and eager equal with speculation on)
+        TAIL=12 run spec-decode 440 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json"
+        run spec-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -179,6 +179,9 @@ class EngineCore:
         unsampled step at a time, and each bitmask needs every token before it."""
         if self.max_in_flight > 2 and any(so.defer_sample for so, _ in self.in_flight):
             return 2
+        if self.scheduler.awaits_verification():   # a step's drafts come with the step before's output: one
+            # in flight while there are drafts to verify (below disable_by_batch_size), the usual overlap else
+            return 1
         return self.max_in_flight
 
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:

@@ -22,7 +22,7 @@ from engine_core.fairness import FairShare
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.structured_output import StructuredOutputManager
-from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
+from ipc.messages import (INTERNAL_ERROR, CachedRequestData, EngineCoreOutput, GrammarOutput, Logprobs, ModelRunnerOutput,
                           NewRequestData, PromptLogprobs, RequestTiming, SchedulerOutput, SchedulerStats)
 
 
@@ -36,6 +36,14 @@ class _StepPlan:
     cached: CachedRequestData = field(default_factory=CachedRequestData)
     preempted: list[Request] = field(default_factory=list)
     encode: dict[str, list[int]] = field(default_factory=dict)    # req id -> mm items to encode
+    spec: dict[str, list[int]] = field(default_factory=dict)      # req id -> draft tokens to verify
+
+
+def _first_logprobs(raw, n: int):
+    """The first n tokens' rows of an encoded Logprobs (a request stopped inside its accepted drafts)."""
+    import msgspec
+    lp = msgspec.msgpack.decode(raw, type=Logprobs) if isinstance(raw, msgspec.Raw) else raw
+    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])
 
 
 def _priority_order(req: Request) -> tuple[int, float]:
@@ -66,6 +74,9 @@ class Scheduler:
         budget = config.mm_encoder_budget
         self.encoder = EncoderCacheManager(budget, 2 * budget)
         self.released_mm: list[tuple[str, int]] = []   # store entries of requests gone for good
+        self.spec = config.speculative
+        # a draft model writes its KV k - 1 slots past the verified ones: they are allocated with the step's
+        self.num_lookahead = self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
 
     # ------------------------------------------------------------ requests in and out
 
@@ -161,7 +172,9 @@ class Scheduler:
                 n = fit.n
             if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
                 continue
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+            drafts = self._drafts(req, n, plan.token_budget)
+            n += len(drafts)
+            while (new_blocks := self.kv.allocate_slots(req, n + self._lookahead(req.num_computed_tokens + n))) is None:
                 victim = self.running.pop()   # after req in the list: not scheduled in this step
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -173,9 +186,45 @@ class Scheduler:
                 self._commit_encoder(req, fit, plan)
             plan.num_scheduled[req.request_id] = n
             plan.token_budget -= n
+            if drafts:
+                plan.spec[req.request_id] = drafts
+            req.num_draft_scheduled = len(drafts)
             plan.cached.req_ids.append(req.request_id)
             plan.cached.new_block_ids.append([b.block_id for b in new_blocks])
             plan.cached.num_computed_tokens.append(req.num_computed_tokens)
+
+    def speculating(self) -> bool:
+        """Whether drafts are verified now: speculation on, and fewer than disable_by_batch_size
+        requests running."""
+        limit = self.spec.disable_by_batch_size if self.spec is not None else None
+        return self.spec is not None and (limit is None or len(self.running) < limit)
+
+    def awaits_verification(self) -> bool:
+        """Whether the next step should verify drafts: speculating, and a running request holds
+        drafts. The engine core then keeps one step in flight (a request's drafts follow its last
+        output); while no proposal comes (n-gram finding no match) steps overlap as usual."""
+        return self.speculating() and any(r.spec_token_ids for r in self.running)
+
+    def _lookahead(self, end: int) -> int:
+        """Slots past a step's last token that a draft model writes (none past max_model_len)."""
+        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens a decoding request verifies in this step after its one new token: its
+        spec_token_ids, cut to the budget, to the tokens it may still produce and to what its
+        grammar accepts; none while disable_by_batch_size or more requests run."""
+        drafts = req.spec_token_ids
+        if not drafts or n != 1 or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
+            return []   # (kept: awaits_verification() holds the next step back until a step's output replaces them)
+        if not self.speculating():
+            return []
+        req.spec_token_ids = []
+        room = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        drafts = drafts[:max(room, 0)]
+        if drafts and req.grammar is not None:
+            drafts = self.structured.valid_prefix(req, drafts)
+        return drafts
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests, oldest (or just preempted) first, while blocks and budget last. One
@@ -201,7 +250,7 @@ class Scheduler:
                 n = fit.n
                 if n <= 0:
                     break  # its next image cannot be encoded in this step
-            if self.kv.allocate_slots(req, n, hits) is None:
+            if self.kv.allocate_slots(req, n + self._lookahead(num_hit + n), hits) is None:
                 if not self.running:
                     self._fail_unfittable(req)
                     continue
@@ -267,7 +316,7 @@ class Scheduler:
         so = SchedulerOutput(plan.new_reqs, plan.cached, req_ids, list(plan.num_scheduled.values()),
                              finished_req_ids=finished, step_id=self.step_id, scheduled_encoder_inputs=plan.encode,
                              free_encoder_hashes=self.encoder.take_free(), released_mm=released,
-                             defer_sample=defer_sample)
+                             defer_sample=defer_sample, scheduled_spec_decode_tokens=plan.spec)
         if not defer_sample:
             so.grammar = self.grammar_bitmask(so)
         return so
@@ -302,6 +351,7 @@ class Scheduler:
         self.kv.free(req)
         self.encoder.drop_request(req)
         req.num_output_placeholders = 0   # a token still in flight for it is dropped; recompute makes it again
+        req.spec_token_ids, req.num_draft_scheduled = [], 0
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -334,6 +384,7 @@ class Scheduler:
         logprobs = out.logprobs or {}
         prompt_logprobs = out.prompt_logprobs or {}
         failed, refused = out.failed or {}, out.refused or {}
+        spec_accepted, spec_next = out.spec_accepted or {}, out.spec_token_ids or {}
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             if (req is None or req.status != RequestStatus.RUNNING
@@ -355,24 +406,55 @@ class Scheduler:
                 if plp is not None:
                     outputs.setdefault(req.client_index, []).append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
                 continue  # a prompt chunk: nothing sampled yet
-            req.output_token_ids.append(token)
+            tokens = self._verified(req, spec_accepted.get(rid, []), token)
             req.num_output_placeholders -= 1
-            self._stats.num_generation_tokens += 1
             if not req.first_token_time:
                 req.first_token_time = time.monotonic()
+            new, status = self._append_tokens(req, tokens)
             self.kv.update_block_hashes(req)
-            status = self._check_stop(req, token)
-            if req.grammar is not None and self.structured.accept(req, token):   # the grammar has ended
-                status = RequestStatus.FINISHED_ERROR if req.grammar.error else RequestStatus.FINISHED_STOPPED
             error = req.grammar.error if req.grammar is not None else None   # (its token broke the grammar)
+            lp = logprobs.get(rid) if error is None else None
+            if lp is not None and len(new) < len(tokens):   # stopped inside the accepted drafts
+                lp = _first_logprobs(lp, len(new))
             outputs.setdefault(req.client_index, []).append(EngineCoreOutput(
-                rid, [token] if error is None else [], status.finish_reason if status else None,
-                req.stop_reason, logprobs.get(rid) if error is None else None, plp,
-                max(req.num_cached_tokens, 0), error))
+                rid, new if error is None else [], status.finish_reason if status else None,
+                req.stop_reason, lp, plp, max(req.num_cached_tokens, 0), error))
             if status is not None:
                 self.running.remove(req)
                 self._free(req, status)
+            else:   # (none: drafts an older step proposed are stale)
+                req.spec_token_ids = spec_next.get(rid, [])
         return outputs
+
+    def _verified(self, req: Request, accepted: list[int], token: int) -> list[int]:
+        """A step's new tokens for req: its accepted drafts, then the sampled one. The rejected
+        drafts' slots roll back (their KV is rewritten by later steps; no block holding one was
+        hashed: only blocks full of accepted tokens are)."""
+        drafted, req.num_draft_scheduled = req.num_draft_scheduled, 0
+        if drafted:
+            req.num_computed_tokens -= drafted - len(accepted)
+            st = self._stats
+            st.spec_num_drafts += 1
+            st.spec_num_draft_tokens += drafted
+            st.spec_num_accepted_tokens += len(accepted)
+            if len(st.spec_accepted_per_pos) < drafted:
+                st.spec_accepted_per_pos += [0] * (drafted - len(st.spec_accepted_per_pos))
+            for i in range(len(accepted)):
+                st.spec_accepted_per_pos[i] += 1
+        return [*accepted, token]
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one until one stops the request; those appended and the stop."""
+        status = None
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            self._stats.num_generation_tokens += 1
+            status = self._check_stop(req, token)
+            if req.grammar is not None and self.structured.accept(req, token):   # the grammar has ended
+                status = RequestStatus.FINISHED_ERROR if req.grammar.error else RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                return tokens[:i + 1], status
+        return tokens, None
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, plp: PromptLogprobs | None) -> PromptLogprobs | None:

@@ -151,9 +151,57 @@ class StructuredOutputManager:
             return len(ids) >= len(end) and ids[-len(end):] == end
         return prompt_ended_thinking(ids, start, end)
 
+    def valid_prefix(self, req, drafts: list[int]) -> list[int]:
+        """The longest prefix of req's drafts its grammar accepts (the matcher rolled back after):
+        drafts past a token the grammar refuses could never be accepted. None while thinking."""
+        g = req.grammar
+        if g.matcher is None or not g.active or g.matcher.is_terminated():
+            return []
+        n = 0
+        for tok in drafts:
+            if not g.matcher.accept_token(tok):
+                break
+            n += 1
+            if g.matcher.is_terminated():
+                break
+        if n:
+            g.matcher.rollback(n)
+        return drafts[:n]
+
+    def _spec_bitmask(self, so: SchedulerOutput, requests: dict) -> GrammarOutput | None:
+        """A verify step's bitmask: each constrained request's row before each of its drafts and
+        after the last (the matcher advanced through the drafts, then rolled back)."""
+        rows, pos, masks = [], [], []
+        words = (self.vocab_size + 31) // 32
+        for i, rid in enumerate(so.req_ids):
+            req = requests.get(rid)
+            g = req.grammar if req is not None else None
+            if g is None or not g.active or g.matcher is None or g.matcher.is_terminated():
+                continue
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            n = 0
+            for j in range(len(drafts) + 1):
+                mask = np.empty((1, words), dtype=np.int32)
+                g.matcher.fill_next_token_bitmask(mask, 0)
+                rows.append(i)
+                pos.append(j)
+                masks.append(mask)
+                if j == len(drafts) or not g.matcher.accept_token(drafts[j]):
+                    break
+                n += 1
+                if g.matcher.is_terminated():
+                    break
+            if n:
+                g.matcher.rollback(n)
+        if not rows:
+            return None
+        return GrammarOutput(rows, np.concatenate(masks), None, pos)
+
     def grammar_bitmask(self, so: SchedulerOutput, requests: dict) -> GrammarOutput | None:
         """The bitmask of `so`'s constrained rows whose grammar applies, from their matchers' state
         now (every earlier token accepted)."""
+        if so.scheduled_spec_decode_tokens:
+            return self._spec_bitmask(so, requests)
         rows, matchers = [], []
         for i, rid in enumerate(so.req_ids):
             req = requests.get(rid)

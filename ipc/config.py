@@ -141,6 +141,10 @@ class EngineConfig:
     weight_update_join_timeout_s: float | None = option(None, "seconds /init_weights_update_group waits for the "
                                                         "trainer's group to form (None: "
                                                         "$LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S, else 120)")
+    speculative_config: dict = option({}, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" | "
+                                      "\"draft_model\" | \"oracle\" (measurement only), \"num_speculative_tokens\": k, "
+                                      "\"model\": draft model directory, \"prompt_lookup_min\"/\"prompt_lookup_max\", "
+                                      "\"disable_by_batch_size\": N} (default: off; see README)")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -150,6 +154,11 @@ class EngineConfig:
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
     # set by each engine core for its workers
     data_parallel_rank: int = 0     # this engine's rank among --data-parallel-size
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """speculative_config as its typed struct (None: speculation off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def model_name(self) -> str:
@@ -298,6 +307,12 @@ class EngineConfig:
             raise ConfigError(f"--log-stats-interval must be above 0, got {self.log_stats_interval}")
         if self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        spec = self.speculative   # (raises ConfigError for a bad one)
+        if spec is not None and spec.model is not None and self.vocab_size:
+            draft_vocab = int(read_json_object(os.path.join(spec.model, "config.json")).get("vocab_size") or 0)
+            if draft_vocab != self.vocab_size:
+                raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} differs from "
+                                  f"the target's {self.vocab_size} (a draft model must share the tokenizer)")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -522,3 +537,71 @@ def read_json_object(path: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "oracle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config (vLLM's SpeculativeConfig fields). The proposer drafts
+    num_speculative_tokens tokens per decoding request after every step; the next step verifies
+    them (workers/rejection_sampler.py). `oracle` is for measurement only: it replays a recorded
+    greedy output (oracle_path: a JSON list of {"prompt_token_ids", "output_token_ids"}) and
+    misses each draft token with probability oracle_miss_rate."""
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None                # draft_model: its directory (same tokenizer)
+    prompt_lookup_min: int | None = None    # ngram: the shortest suffix matched
+    prompt_lookup_max: int | None = None    # ngram: the longest
+    disable_by_batch_size: int | None = None  # no drafts while this many requests (or more) run
+    oracle_path: str | None = None
+    oracle_miss_rate: float = 0.0
+
+    @classmethod
+    def parse(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """The struct of a --speculative-config JSON object; ConfigError says what is wrong."""
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not d:
+            return None
+        if not isinstance(d, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {d!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown fields {unknown} (known: {', '.join(sorted(names))})")
+        method = d.get("method")
+        if method is None and d.get("model"):
+            method = "draft_model"
+        if method not in SPEC_METHODS:
+            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
+        if method in ("eagle", "eagle3"):
+            raise ConfigError(f"--speculative-config: method {method!r} is not built yet in Loom "
+                              f"(ngram, draft_model and oracle are)")
+        k = d.get("num_speculative_tokens")
+        if type(k) is not int or not 1 <= k <= 16:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = d.get(name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {v!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if method == "ngram":   # vLLM's defaults: 5 and 5, or one from the other
+            lo, hi = lo or hi or 5, hi or lo or 5
+            if lo > hi:
+                raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+        model = d.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not os.path.isfile(os.path.join(model, "config.json")):
+                raise ConfigError(f"--speculative-config: draft_model needs \"model\": a model directory with a "
+                                  f"config.json, got {model!r}")
+        miss = d.get("oracle_miss_rate", 0.0)
+        if method == "oracle":
+            path = d.get("oracle_path")
+            if not isinstance(path, str) or not os.path.isfile(path):
+                raise ConfigError(f"--speculative-config: oracle needs \"oracle_path\": a recorded-output JSON "
+                                  f"file, got {path!r}")
+            if type(miss) not in (int, float) or not 0 <= miss <= 1:
+                raise ConfigError(f"--speculative-config: oracle_miss_rate must be in [0, 1], got {miss!r}")
+        return cls(method, k, model, lo, hi, d.get("disable_by_batch_size"), d.get("oracle_path"), float(miss))

@@ -104,6 +104,12 @@ class SchedulerStats(_Msg):
     # attention work of this step, for the MFU estimates (metrics/mfu.py)
     num_attn_query_key_pairs: int = 0  # sum over scheduled tokens of the keys each attends to (causal)
     num_kv_tokens_read: int = 0       # sum over scheduled requests of their context length after this step
+    # speculative decoding (vLLM's SpecDecodingStats): drafts verified, their tokens, those accepted,
+    # and accepted counts by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     def gauges_only(self) -> "SchedulerStats":
         """The state (running, waiting, KV usage, sleep, pause) without the step's counts: for the
@@ -213,6 +219,7 @@ class GrammarOutput(_Msg):
     rows: list[int]                       # indices into the step's req_ids
     bitmask: Any                          # np.ndarray int32 [distinct masks, ceil(vocab / 32)]
     mask_rows: Any = None                 # np.ndarray int32 [len(rows)]; None: row j uses bitmask[j]
+    draft_pos: list[int] | None = None    # a verify step: row j's position among its request's drafts (0: first)
 
 
 class SchedulerOutput(_Msg):
@@ -228,6 +235,9 @@ class SchedulerOutput(_Msg):
     released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
     grammar: GrammarOutput | None = None  # this step's bitmask, when it was known at scheduling time
     defer_sample: bool = False            # run the model now, sample on the WORKER_SAMPLE that follows
+    # req id -> the draft tokens this step verifies (speculative decoding; their slots follow the
+    # request's last token in num_scheduled_tokens)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(_Msg):
@@ -239,6 +249,10 @@ class ModelRunnerOutput(_Msg):
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
     refused: dict[str, str] | None = None  # ... the same, for their own inputs (the client's error)
+    # speculative decoding: req_id -> the drafts the step accepted, which come before its
+    # sampled_token_ids entry (absent: none accepted); and req_id -> the next step's drafts
+    spec_accepted: dict[str, list[int]] | None = None
+    spec_token_ids: dict[str, list[int]] | None = None
 
 
 class WorkerCall(_Msg):

@@ -25,7 +25,9 @@ from metrics.registry import collect_registry
 logger = logging.getLogger("loom.stats")
 
 _COUNTERS = {"vllm:prompt_tokens_total": "prompt", "vllm:generation_tokens_total": "generation",
-             "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
+             "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+             "vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
 _GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
            "vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -42,6 +44,16 @@ def snapshot(model_name: str, registry=None) -> dict[str, dict[str, float]]:
                                     dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0))
             engine[key] += sample.value
     return out
+
+
+def _spec_suffix(d: dict[str, float]) -> str:
+    """Speculative decoding over the interval, as vLLM's SpecDecodingLogging (none without drafts):
+    the mean acceptance length counts the token each verify step emits after its accepted drafts."""
+    if d["drafts"] <= 0:
+        return ""
+    rate = 100.0 * d["accepted"] / d["draft_tokens"] if d["draft_tokens"] > 0 else 0.0
+    return (f", Mean acceptance length: {1.0 + d['accepted'] / d['drafts']:.2f}, "
+            f"Avg Draft acceptance rate: {rate:.1f}%")
 
 
 class LiveStatsLogger:
@@ -94,7 +106,7 @@ class LiveStatsLogger:
         dt = max(now - self._last_time, 1e-9)
         prev, self._last, self._last_time = self._last, cur, now
         zero = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
-        deltas = {e: {k: c[k] - prev.get(e, zero)[k] for k in ("prompt", "generation", "queries", "hits")}
+        deltas = {e: {k: c[k] - prev.get(e, zero)[k] for k in _COUNTERS.values()}
                   for e, c in cur.items()}
         idle = not any(d["prompt"] or d["generation"] or cur[e]["running"] or cur[e]["waiting"]
                        for e, d in deltas.items())
@@ -111,6 +123,7 @@ class LiveStatsLogger:
                          f"Avg generation throughput: {d['generation'] / dt:.1f} tokens/s, "
                          f"Running: {c['running']:.0f} reqs, Waiting: {c['waiting']:.0f} reqs, "
                          f"KV cache usage: {100.0 * c['kv_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+                         + _spec_suffix(d)
                          + (mm if not lines else ""))
         for line in lines:
             logger.info("%s", line)

@@ -25,13 +25,15 @@ which only stops scheduling, reads as awake). The engine reports a sleep change
 with stats even though it does not step while asleep.
 
 vLLM families not exported, because Loom does not do what they measure:
-vllm:spec_decode_* (no speculative decoding), vllm:lora_requests_info (no LoRA),
+vllm:lora_requests_info (no LoRA),
 vllm:external_prefix_cache_* and the external_kv_transfer source of
 vllm:prompt_tokens_by_source (no KV connector), vllm:mm_cache_* (text only),
 vllm:kv_block_* lifetimes (vLLM samples them only with --kv-cache-metrics), and the
 deprecated, hidden-by-default aliases vllm:gpu_cache_usage_perc,
 vllm:gpu_prefix_cache_* and vllm:time_per_output_token_seconds (now
 vllm:kv_cache_usage_perc, vllm:prefix_cache_* and vllm:inter_token_latency_seconds).
+vllm:spec_decode_* are exported with --speculative-config (vLLM registers them then too);
+vllm:spec_decode_num_accepted_tokens_per_pos has the label position (0 .. k - 1).
 vllm:num_requests_waiting_by_reason has reason="deferred" at 0: Loom never defers a
 request it has room for.
 """
@@ -171,6 +173,14 @@ class PrometheusStatLogger:
             decode=b.histogram("vllm:request_decode_time_seconds",
                                "Histogram of time spent in DECODE phase for request.", L, REQUEST_LATENCY_BUCKETS),
         )
+        self.spec_k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        if self.spec_k:
+            d = self._defs
+            d.spec_drafts = b.counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", L)
+            d.spec_draft_tokens = b.counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", L)
+            d.spec_accepted = b.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", L)
+            d.spec_per_pos = b.counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", L + ("position",))
         if self.mfu is not None:
             d = self._defs
             d.flops = b.counter("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations "
@@ -208,12 +218,14 @@ class PrometheusStatLogger:
         if e is not None:
             return e
         d, lv = self._defs, (self.model_name, engine)
-        labelled = ("sleep", "success", "waiting_by_reason", "prompt_by_source")
+        labelled = ("sleep", "success", "waiting_by_reason", "prompt_by_source", "spec_per_pos")
         e = SimpleNamespace(**{k: m.labels(*lv) for k, m in vars(d).items() if k not in labelled})
         e.sleep = {s: d.sleep.labels(*lv, s) for s in SLEEP_STATES}
         e.success = {r: d.success.labels(*lv, r) for r in FINISH_REASONS}
         e.waiting_by_reason = {r: d.waiting_by_reason.labels(*lv, r) for r in WAITING_REASONS}
         e.prompt_by_source = {r: d.prompt_by_source.labels(*lv, r) for r in PROMPT_SOURCES}
+        if self.spec_k:
+            e.spec_per_pos = [d.spec_per_pos.labels(*lv, str(i)) for i in range(self.spec_k)]
         for g in (e.running, e.waiting, e.kv_usage, *e.waiting_by_reason.values()):
             _set_at(g, 0, _FIRST)
         for s, g in e.sleep.items():
@@ -242,6 +254,10 @@ class PrometheusStatLogger:
                 _set_at(e.sleep[state], i == level, ts)
             counts = [(e.prefix_queries, s.prefix_cache_queries), (e.prefix_hits, s.prefix_cache_hits),
                       (e.preemptions, s.num_preemptions)]
+            if self.spec_k:
+                counts += [(e.spec_drafts, s.spec_num_drafts), (e.spec_draft_tokens, s.spec_num_draft_tokens),
+                           (e.spec_accepted, s.spec_num_accepted_tokens)]
+                counts += list(zip(e.spec_per_pos, s.spec_accepted_per_pos))
             if self.mfu is not None:
                 cost = self.mfu.from_stats(s)
                 counts += [(e.flops, cost.flops), (e.read_bytes, cost.read_bytes), (e.write_bytes, cost.write_bytes)]

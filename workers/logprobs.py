@@ -118,3 +118,18 @@ def pack_logprobs(states, sample_rows: np.ndarray, topk) -> dict[str, Logprobs]:
             n = k + 1
             out[st.req_id] = Logprobs([ids[j][:n]], [lps[j][:n]], [ranks[j]])
     return out
+
+
+def pack_spec_logprobs(states, sample_rows: np.ndarray, topk, spec, num_accepted: list[int]) -> dict[str, Logprobs]:
+    """A verify step's logprobs: each asking request's rows of its accepted drafts and the token
+    after them (spec.rows), cut to 1 + k per row."""
+    ids, lps, ranks = (t.tolist() for t in topk)
+    out = {}
+    for j, i in enumerate(sample_rows.tolist()):
+        k = states[i].params.logprobs
+        if k is None:
+            continue
+        rows = spec.rows[j, :num_accepted[j] + 1].tolist()
+        out[states[i].req_id] = Logprobs([ids[r][:k + 1] for r in rows], [lps[r][:k + 1] for r in rows],
+                                         [ranks[r] for r in rows])
+    return out

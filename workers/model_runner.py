@@ -24,11 +24,14 @@ from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.kv_cache_memory import KVCacheMemory, KVCacheSpec
-from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, prompt_logprob_rows,
-                              prompt_logprob_spans, prompt_logprobs)
+from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_logprobs, pack_spec_logprobs,
+                              prompt_logprob_rows, prompt_logprob_spans, prompt_logprobs)
 from workers.mm_inputs import MultimodalInputs
 from workers.piecewise_graphs import PiecewiseGraphs
+from workers.rejection_sampler import RejectionSampler
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
+from workers.spec_decode import make_proposer, may_speculate
+from workers.spec_decode.verify_layout import SpecLayout, spec_layout
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
 from workers.warmup import capture_graphs, warm_up
@@ -79,6 +82,8 @@ class PendingStep:
     refused: dict | None = None               # ... for their own inputs: no token left, an unreadable image
     masked: torch.Tensor | None = None        # bool per sampled row: no token was left to sample (a pinned copy after copy_back)
     graph_sampled: bool = False               # tokens is the decode graphs' `tokens` (the next step's graph reads it)
+    spec: SpecLayout | None = None            # a verify step's drafts (speculative decoding)
+    num_accepted: torch.Tensor | None = None  # its accepted drafts per sampled request (pinned after copy_back)
 
 
 class ModelRunner:
@@ -118,6 +123,9 @@ class ModelRunner:
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
+        self.spec_config = config.speculative
+        self.rejection_sampler = RejectionSampler()
+        self.proposer = make_proposer(config, self)   # None: speculation off
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -135,7 +143,11 @@ class ModelRunner:
         self.memory.weights_dir = path
 
     def determine_num_blocks(self) -> int:
-        return self.memory.determine_num_blocks()
+        n = self.memory.determine_num_blocks()
+        draft_spec = getattr(self.proposer, "kv_spec", None)   # a draft model's KV cache shares the budget
+        if draft_spec is not None and self.config.num_gpu_blocks_override is None:
+            n = n * self.kv_spec.block_bytes() // (self.kv_spec.block_bytes() + draft_spec.block_bytes())
+        return n
 
     def kv_sliding_window(self) -> int | None:
         """The window of every attention layer, when they share one: the engine core may trim
@@ -146,6 +158,8 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; with the weights awake, warm up and capture the graphs."""
         self.memory.allocate(num_blocks)
+        if hasattr(self.proposer, "allocate"):
+            self.proposer.allocate(num_blocks, self.device)
         if not self.memory.weights_asleep:
             warm_up(self)
             self._capture_graphs()
@@ -200,6 +214,8 @@ class ModelRunner:
             if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
                 batch.device = map_arrays(batch.device, torch.clone)
             step.unsampled = DeferredSample(batch, logits)   # sample_deferred() samples it once the bitmask comes
+        elif batch.spec is not None:
+            self._verify_into(step, logits, batch, so.grammar)
         elif len(batch.sample_rows):
             self._sample_into(step, logits, batch, so.grammar)
         step.prompt_logprobs = prompt_logprobs(self.model, batch, hidden)
@@ -221,6 +237,9 @@ class ModelRunner:
         device (a decode graph's staging, else one copy per dtype); None when nothing is
         scheduled."""
         self._apply_diff(so)
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():   # the drafts are the inputs after the last token
+            st = self.batch.requests[rid]
+            self.batch.token_ids[st.slot, st.num_tokens:st.num_tokens + len(drafts)] = drafts
         if not so.req_ids:
             self.mm.free(so.free_encoder_hashes)
             return None
@@ -232,7 +251,15 @@ class ModelRunner:
         end = start + num_scheduled
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
         sample_rows = np.nonzero(end >= num_tokens)[0]  # the others are mid-prompt
-        rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        spec = None
+        if so.scheduled_spec_decode_tokens:   # a verify step: k + 1 logits rows per request with k drafts
+            spec = spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))),
+                               so.scheduled_spec_decode_tokens)
+        if spec is None:
+            rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        else:   # one row per draft and one more, each drawing the token at its landing position
+            rows = [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
+                                                                                 spec.landing.tolist())]
         if so.scheduled_encoder_inputs:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
@@ -242,12 +269,14 @@ class ModelRunner:
         every_row_samples = len(sample_rows) == len(num_scheduled)
         # whether the sampled rows all sample plainly, asked only where it matters (it walks every
         # row): a decode graph's head samples such a step, and under TP its logits may stay sharded
-        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1)
+        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1) and spec is None
                  and self._samples_plainly(so, rows))
         graph_samples = graph_size is not None and every_row_samples and plain
         if self.uses_mrope:
             host.positions = self.batch.mrope_positions(states, host.positions, host.query_start_loc)
-        if not graph_samples:
+        if spec is not None:
+            host.sample_index = self._padded_rows(spec.token_rows)
+        elif not graph_samples:
             host.sample_index = self._padded_rows(host.query_start_loc[1:][sample_rows] - 1)
         host.sampling = self.sampler.host_params(rows)
         spans = prompt_logprob_spans(states, start, num_scheduled)
@@ -268,7 +297,7 @@ class ModelRunner:
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans)
+                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -346,7 +375,7 @@ class ModelRunner:
             return hidden, None
         # (plain rows may get this rank's LogitsShard under tensor parallelism: Sampler takes either)
         logits = self.model.compute_logits(hidden.index_select(0, device.sample_index), batch.plain)
-        return hidden, logits[:len(batch.sample_rows)]
+        return hidden, logits[:len(batch.sampling_rows)]
 
     def sample(self, logits: torch.Tensor | None, batch: StepBatch, grammar: GrammarOutput | None
                ) -> SampledTokens:
@@ -384,13 +413,60 @@ class ModelRunner:
         if failed:
             step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
 
-    def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput) -> None:
+    def _verify_into(self, step: PendingStep, logits: torch.Tensor, batch: StepBatch,
+                     grammar: GrammarOutput | None) -> None:
+        """A verify step's tokens: each sampled request's accepted drafts count and the token it
+        emits after them (workers/rejection_sampler.py), with the plain sampler's logits
+        processing per row; logprobs of every row (finish() keeps the emitted ones)."""
+        spec = batch.spec
+        if grammar is not None and len(grammar.rows):
+            self._apply_grammar(logits, batch.sample_rows, grammar, spec)
+        sampling = batch.device.sampling
+        rows = batch.sampling_rows
+        raw_logits = logits
+        logits, failed, masked = self.sampler.adjust(logits, rows, sampling, self.batch.penalty_state(),
+                                                     self.batch.recent_outputs)
+        draft, layout_rows = self.h2d([spec.draft, spec.rows])
+        verdict = self.rejection_sampler(logits, sampling, draft, layout_rows, rows)
+        step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
+        self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
+        if masked is not None:
+            step.masked = masked.index_select(0, verdict.final_rows)
+        if failed:
+            step.failed = {batch.states[batch.sample_rows[spec.request[i]]].req_id: why for i, why in failed.items()}
+        max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        if max_lp is not None:   # every row's token: its draft, the emitting row's the verdict's
+            row_tokens = draft.clamp(min=0).index_copy(0, verdict.final_rows, verdict.tokens)
+            raw = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)
+            lp = raw.gather(1, row_tokens.view(-1, 1))
+            ids = row_tokens.view(-1, 1)
+            k = min(max(max_lp, 0), raw.shape[-1])
+            if k:
+                ids = torch.cat((ids, raw_logits.topk(k, dim=-1).indices), dim=1)
+            step.topk = TopLogprobs(ids, raw.gather(1, ids), (raw > lp).sum(dim=-1) + 1)
+
+    def propose(self, step: PendingStep) -> dict[str, list[int]] | None:
+        """The next step's drafts for the requests this step sampled (their tokens appended),
+        unless the batch is at disable_by_batch_size."""
+        limit = self.spec_config.disable_by_batch_size
+        if limit is not None and len(step.req_ids) >= limit:
+            return None
+        live = [st for i in step.sample_rows.tolist() if self.batch.requests.get((st := step.states[i]).req_id) is st
+                and may_speculate(st.params, st.bad_words)]
+        return (self.proposer.propose(self, live) or None) if live else None
+
+    def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput,
+                       spec: SpecLayout | None = None) -> None:
         """One kernel masks every constrained row. grammar.rows index the step's requests;
         those that sample nothing this step (mid-prompt) are dropped."""
         from kernels.bitmask import apply_bitmask
         rows = np.asarray(grammar.rows, dtype=np.int64)
         pos = np.minimum(np.searchsorted(sample_rows, rows), len(sample_rows) - 1)
         keep = sample_rows[pos] == rows
+        if spec is not None:   # a verify step: the row of the request's draft position
+            logit_row = spec.rows[pos, np.asarray(grammar.draft_pos or [0] * len(rows), dtype=np.int64)]
+            keep &= logit_row >= 0
+            pos = logit_row
         mask_rows = np.arange(len(rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
         bitmask, bitmask_rows, mask_rows = self.h2d([
             np.array(grammar.bitmask),  # a writable copy of the received frame
@@ -413,6 +489,8 @@ class ModelRunner:
             step.topk = TopLogprobs._make(to_host(t) for t in step.topk)
         if step.masked is not None:
             step.masked = to_host(step.masked)
+        if step.num_accepted is not None:
+            step.num_accepted = to_host(step.num_accepted)
         if step.prompt_logprobs is not None:
             step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
         if step.tokens is not None or step.prompt_logprobs is not None:
@@ -430,15 +508,22 @@ class ModelRunner:
         logprobs = None
         if step.event is not None:
             step.event.synchronize()
+        accepted = spec_next = None
         if step.tokens is not None:
             token_list = step.tokens_host.tolist()
+            if step.spec is not None:
+                accepted = self._append_accepted(step)
             for j, i in enumerate(step.sample_rows.tolist()):
                 sampled[i] = token_list[j]
                 st = step.states[i]
                 if self.batch.requests.get(st.req_id) is st:  # not dropped by a later step's diff
                     self.batch.append_token(st, token_list[j])
             if step.topk is not None:
-                logprobs = pack_logprobs(step.states, step.sample_rows, step.topk)
+                logprobs = (pack_logprobs(step.states, step.sample_rows, step.topk) if step.spec is None
+                            else pack_spec_logprobs(step.states, step.sample_rows, step.topk, step.spec,
+                                                    step.num_accepted.tolist()))
+            if self.proposer is not None:
+                spec_next = self.propose(step)
             if step.masked is not None and step.masked.any():
                 step.refused = {**(step.refused or {}), **{
                     step.states[step.sample_rows[j]].req_id: "no token is left to sample: allowed_token_ids, "
@@ -447,4 +532,14 @@ class ModelRunner:
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
-                                 step.failed, step.refused)
+                                 step.failed, step.refused, accepted, spec_next)
+
+    def _append_accepted(self, step: PendingStep) -> dict[str, list[int]] | None:
+        """A verify step's accepted drafts into the persistent batch (the emitted token follows)."""
+        accepted = {}
+        for j, (i, a) in enumerate(zip(step.sample_rows.tolist(), step.num_accepted.tolist())):
+            st = step.states[i]
+            if a and self.batch.requests.get(st.req_id) is st:
+                accepted[st.req_id] = step.spec.drafts[j][:a]
+                st.num_tokens += a   # (the drafts are in token_ids already: prepare() wrote them)
+        return accepted or None

@@ -252,6 +252,29 @@ class Sampler:
                 host.bad_word_prefix, host.bad_word_last = _bad_word_batch(rows)
         return host
 
+    def adjust(self, logits: torch.Tensor, rows: list[SamplingRow], params: SamplingArrays,
+               state: tuple[torch.Tensor, torch.Tensor] | None, recent: torch.Tensor | None
+               ) -> tuple[torch.Tensor, dict[int, str], torch.Tensor | None]:
+        """logit_bias, min_tokens, penalties, allowed_token_ids and bad words on the rows that ask
+        (the rejection sampler's too): the adjusted logits, {row: error} and the rows left no token."""
+        failed, masked = {}, None
+        if params.adjusts:  # some row adjusts its logits
+            failed = {i: why for i, r in enumerate(rows) if (why := r.bad_ids(logits.shape[-1]))}
+            from kernels.penalties import apply_penalties
+            counts, prompt_mask = state if state is not None else self._no_state(logits)
+            logits = apply_penalties(logits, params.penalty_slots, counts, prompt_mask, params.repetition_penalty,
+                                     params.presence_penalty, params.frequency_penalty, params.bias_ids,
+                                     params.bias_values, params.banned_ids)
+            if params.allowed_ids is not None:
+                logits = keep_allowed(logits, params.allowed_ids)
+            if params.bad_word_last is not None:
+                logits = ban_bad_words(logits, recent.index_select(0, params.slots), params.bad_word_prefix,
+                                       params.bad_word_last)
+            if params.allowed_ids is not None:   # only an allow list can leave a row no token (with bans, bad
+                # words or a grammar): flagged on the device, read with the tokens (no sync here)
+                masked = torch.isneginf(logits.amax(dim=-1))
+        return logits, failed, masked
+
     def __call__(self, logits: torch.Tensor | LogitsShard, rows: list[SamplingRow], params: SamplingArrays,
                  state: tuple[torch.Tensor, torch.Tensor] | None = None, recent: torch.Tensor | None = None
                  ) -> SampledTokens:
@@ -275,24 +298,7 @@ class Sampler:
         # (dtype=: one kernel reads the logits as they are and writes float32, no float copy first)
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if max_lp is not None else None
         raw_logits = logits
-
-        failed, masked = {}, None
-        if params.adjusts:  # some row adjusts its logits
-            failed = {i: why for i, r in enumerate(rows) if (why := r.bad_ids(logits.shape[-1]))}
-            from kernels.penalties import apply_penalties
-            counts, prompt_mask = state if state is not None else self._no_state(logits)
-            logits = apply_penalties(logits, params.penalty_slots, counts, prompt_mask, params.repetition_penalty,
-                                     params.presence_penalty, params.frequency_penalty, params.bias_ids,
-                                     params.bias_values, params.banned_ids)
-            if params.allowed_ids is not None:
-                logits = keep_allowed(logits, params.allowed_ids)
-            if params.bad_word_last is not None:
-                logits = ban_bad_words(logits, recent.index_select(0, params.slots), params.bad_word_prefix,
-                                       params.bad_word_last)
-            if params.allowed_ids is not None:   # only an allow list can leave a row no token (with bans, bad
-                # words or a grammar): flagged on the device, read with the tokens (no sync here)
-                masked = torch.isneginf(logits.amax(dim=-1))
-
+        logits, failed, masked = self.adjust(logits, rows, params, state, recent)
         if all(r.params.greedy for r in rows):
             tokens = logits.argmax(dim=-1)
         else:

@@ -18,6 +18,7 @@ from workers.host_to_device import Array
 from workers.input_batch import CachedRequestState, InputBatch
 from workers.logprobs import PromptSpan
 from workers.sampler import SamplingArrays, SamplingRow
+from workers.spec_decode.verify_layout import SpecLayout
 from workers.step_stats import StepToken
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class StepBatch:
     graph_samples: bool = False                # the decode graph's head samples it
     plain: bool = False                        # every sampled row samples plainly, now (Sampler.plain)
     prompt_logprob_spans: list[PromptSpan] = field(default_factory=list)  # computed once, in prepare()
+    spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
 
     @property
     def kind(self) -> str:

@@ -417,6 +417,14 @@ class EngineStatsTotals:
         self.engine_steps: dict[int, int] = {}
         self.engine_tokens: dict[int, int] = {}
         self.engine_last_output_at: dict[int, float] = {}
+        # speculative decoding (the vllm:spec_decode_* metrics' totals)
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step: 1 + accepted drafts per draft (vLLM's; 0 without drafts)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def add(self, s, timestamp: float = 0.0, engine: int = 0) -> None:
         self.steps += 1
@@ -425,6 +433,14 @@ class EngineStatsTotals:
         self.prefix_cache_queries += s.prefix_cache_queries
         self.prefix_cache_hits += s.prefix_cache_hits
         self.num_preemptions += s.num_preemptions
+        if s.spec_num_drafts:
+            self.spec_num_drafts += s.spec_num_drafts
+            self.spec_num_draft_tokens += s.spec_num_draft_tokens
+            self.spec_num_accepted_tokens += s.spec_num_accepted_tokens
+            per_pos = self.spec_accepted_per_pos
+            per_pos += [0] * (len(s.spec_accepted_per_pos) - len(per_pos))
+            for i, n in enumerate(s.spec_accepted_per_pos):
+                per_pos[i] += n
         self.engine_steps[engine] = self.engine_steps.get(engine, 0) + 1
         if s.num_generation_tokens:
             self.engine_tokens[engine] = self.engine_tokens.get(engine, 0) + s.num_generation_tokens
