@@ -101,7 +101,8 @@ def test_moe_models_graphs_match_eager_and_hf(model_factory, arch, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     res, stats = {}, {}
     for eager in (True, False):
-        llm = LLM(model_dir, max_model_len=256, dtype="float32", max_num_batched_tokens=64, enforce_eager=eager)
+        llm = LLM(model_dir, max_model_len=256, dtype="float32", max_num_batched_tokens=64, max_num_seqs=16,
+                  enforce_eager=eager)
         try:
             res[eager] = [o.outputs[0].token_ids for o in
                           llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]

@@ -55,8 +55,9 @@ class PiecewiseGraphs:
     """The captured sizes of one model, their input buffers, and the replay."""
 
     def __init__(self, model, kv_caches, max_tokens: int, query_heads: int, device: torch.device,
-                 uses_mrope: bool, backend: str):
-        """query_heads: this rank's attention heads."""
+                 uses_mrope: bool, backend: str, dtype: torch.dtype):
+        """query_heads: this rank's attention heads; dtype: the activations' (the model's, not an
+        FP8 KV cache's)."""
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.sizes = capture_sizes(max_tokens)
         n = self.sizes[-1]
@@ -66,9 +67,9 @@ class PiecewiseGraphs:
         # what crosses from a piece to the eager code, at fixed addresses shared by every layer
         # and size: a tensor left in the graphs' pool would hold its memory for good
         key_cache = kv_caches[0][0]
-        self.query = torch.empty((n, query_heads, key_cache.shape[-1]), dtype=key_cache.dtype, device=device)
+        self.query = torch.empty((n, query_heads, key_cache.shape[-1]), dtype=dtype, device=device)
         self.attn_out = torch.zeros_like(self.query)  # attention writes it (the padding rows stay finite)
-        self.hidden = torch.empty((n, model.config.hidden_size), dtype=key_cache.dtype, device=device)
+        self.hidden = torch.empty((n, model.config.hidden_size), dtype=dtype, device=device)
         self.captured: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)

@@ -166,7 +166,7 @@ def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs | None:
     t0 = time.perf_counter()
     graphs = PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
                              runner.model.config.num_attention_heads // tp_size(), runner.device,
-                             runner.uses_mrope, runner.backend)
+                             runner.uses_mrope, runner.backend, runner.dtype)
     graphs.capture()
     logger.info("captured piecewise CUDA graphs of %d to %d tokens (%d sizes) in %.1fs",
                 graphs.sizes[0], graphs.sizes[-1], len(graphs.sizes), time.perf_counter() - t0)
