@@ -69,8 +69,16 @@ def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True,
 
 def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True,
                      limit: int | None = None) -> list[tuple[str | None, list[int]]]:
-    """tokenize_prompt() of each prompt of a batch."""
-    return [tokenize_prompt(tokenizer, p, add_special_tokens, limit) for p in prompts]
+    """tokenize_prompt() of each prompt of a batch; an error names the prompt (prompt[i]) after the first."""
+    out = []
+    for i, p in enumerate(prompts):
+        try:
+            out.append(tokenize_prompt(tokenizer, p, add_special_tokens, limit))
+        except RequestError as e:
+            if i == 0:
+                raise
+            raise RequestError(f"prompt[{i}]: {e}", getattr(e, "param", "prompt")) from None
+    return out
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:

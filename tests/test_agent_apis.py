@@ -479,7 +479,7 @@ def test_messages_thinking_text_and_auto_tool_use_blocks():
 class _FailingLLM(_ScriptedLLM):
     """A scripted engine whose stream breaks after a few tokens (mid-stream errors)."""
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    async def generate(self, prompt_token_ids, params, request_id, **options):
         n = 0
         async for out in super().generate(prompt_token_ids, params, request_id):
             yield out

@@ -75,7 +75,7 @@ class FakeLLM:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    async def generate(self, prompt_token_ids, params, request_id, **options):
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         done = False

@@ -240,7 +240,7 @@ def test_harmony_chat_through_the_api_server():
             super().__init__(**config)
             self.config.vocab_size = 201088   # o200k_harmony's ids
 
-        async def generate(self, prompt_token_ids, params, request_id):
+        async def generate(self, prompt_token_ids, params, request_id, **options):
             from frontend.outputs import CompletionOutput, RequestOutput
             prompts.append(list(prompt_token_ids))
             for i, t in enumerate(out):

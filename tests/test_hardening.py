@@ -378,11 +378,12 @@ def test_the_tokenizer_process_holds_none_of_the_api_servers_descriptors(server)
 def test_a_gone_clients_tokenization_is_killed(server):
     """A huge prompt's tokenization is killed when its client disconnects: the job stops at once,
     and the next huge request starts tokenizing at once instead of waiting for it to finish."""
-    big = {"prompt": "lorem ipsum dolor " * 55_000, "max_tokens": 1}    # ~1 MB: seconds of tokenizing
-    assert _post(server, "/v1/completions", big, timeout=120).status_code == 400   # too long; starts the process
+    # ~1 MB: seconds of tokenizing (in full: it truncates, so it is not refused from a prefix)
+    big = {"prompt": "lorem ipsum dolor " * 55_000, "max_tokens": 1, "truncate_prompt_tokens": 16}
+    assert _post(server, "/v1/completions", big, timeout=120).status_code == 200   # starts the process
     zygote = _tokenizer_process(server)
     t0 = time.monotonic()
-    assert _post(server, "/v1/completions", big, timeout=120).status_code == 400
+    assert _post(server, "/v1/completions", big, timeout=120).status_code == 200
     whole = time.monotonic() - t0          # one huge tokenization, start to end
 
     def job_running(timeout: float) -> float | None:
@@ -419,7 +420,7 @@ def test_a_gone_clients_tokenization_is_killed(server):
     thread.start()
     started = job_running(whole)
     thread.join(120)
-    assert second["r"].status_code == 400 and "maximum context length" in second["r"].text, second["r"].text
+    assert second["r"].status_code == 200, second["r"].text
     assert small < 1.0, small
     assert started is not None and started < min(0.5, whole / 3), (started, whole)
     assert _tokenizer_process(server) == zygote   # killing a job does not restart the process
@@ -767,7 +768,7 @@ def test_error_bodies_carry_no_tracebacks():
     assert engine_dead_message(tb) == "The engine is dead: IndexError: index 3 is out of bounds"
 
     class Broken(FakeLLM):
-        async def generate(self, prompt_token_ids, params, request_id):
+        async def generate(self, prompt_token_ids, params, request_id, **options):
             raise KeyError("/secret/path/file.py")
             yield
 

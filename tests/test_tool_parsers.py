@@ -172,7 +172,7 @@ class _ScriptedLLM:
         self.dead_reason = None
         self.is_dead = False
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    async def generate(self, prompt_token_ids, params, request_id, **options):
         from frontend.outputs import CompletionOutput, RequestOutput
         for i, ch in enumerate(self.SCRIPT):
             last = i == len(self.SCRIPT) - 1

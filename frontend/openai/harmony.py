@@ -5,7 +5,7 @@ parser; nothing here reads or writes harmony's tokens by hand).
     output:  token ids -> harmony Messages by channel: analysis -> reasoning_content,
              final -> content, commentary addressed to `functions.NAME` -> tool_calls
 
-A chat with a gpt-oss model (config.json's model_type "gpt_oss", or `--reasoning-parser
+A chat with a gpt-oss model (config.json's architectures naming GptOssForCausalLM, or `--reasoning-parser
 openai_gptoss` / `--tool-call-parser gpt_oss`) goes this way in place of the chat template
 and the text parsers: the channels are special tokens, which the detokenized text drops.
 
@@ -21,7 +21,7 @@ import os
 
 from frontend.openai.tool_parsers.abstract import ToolCall, parsed_call
 
-HARMONY_MODEL_TYPES = ("gpt_oss",)
+HARMONY_ARCHITECTURES = ("GptOssForCausalLM",)
 REASONING_EFFORTS = ("low", "medium", "high")
 _FUNCTIONS = "functions."
 
@@ -55,7 +55,7 @@ def is_harmony_model(model_dir: str) -> bool:
             cfg = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") in HARMONY_MODEL_TYPES
+    return isinstance(cfg, dict) and any(a in HARMONY_ARCHITECTURES for a in cfg.get("architectures") or ())
 
 
 def _text(content) -> str:

@@ -23,6 +23,8 @@ from workers.quantization.base import LinearMethod, QuantizationConfig, Quantiza
 
 # vLLM's --quantization values that Loom serves
 QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+# formats whose model dequantizes them at load itself (gpt-oss's MXFP4 experts: workers/models/gpt_oss.py)
+DEQUANTIZED_BY_THE_MODEL = ("mxfp4",)
 
 
 def checkpoint_quant_config(hf: dict) -> dict | None:
@@ -45,6 +47,8 @@ def get_quantization_config(hf: dict, quantization: str | None, load_format: str
     method = (ckpt or {}).get("quant_method")
     if ckpt is not None:
         method = str(method).lower() if method else None
+        if method in DEQUANTIZED_BY_THE_MODEL and quantization is None:
+            return None
         if method not in QUANTIZATION_METHODS:
             raise QuantizationError(f"unsupported quantization_config: quant_method {method!r} "
                                     f"(Loom serves {', '.join(QUANTIZATION_METHODS)})")
