@@ -361,7 +361,8 @@ def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
     # a list of prompts, text and ids mixed: each is checked against --max-model-len with its own count
     r = _post(server, "/v1/completions", {"prompt": ["hi", text, [11, 12]], "max_tokens": 1})
     assert r.status_code == 400 and "prompt[1]" in r.json()["error"]["message"], r.text
-    assert str(len(tok.encode(text))) in r.json()["error"]["message"], r.text
+    # (refused from a prefix, before it is tokenized in full: the count is a lower bound)
+    assert "maximum context length is 256" in r.json()["error"]["message"], r.text
 
 
 def test_the_tokenizer_process_holds_none_of_the_api_servers_descriptors(server):

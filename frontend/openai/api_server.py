@@ -147,7 +147,8 @@ class _Tokenizers:
         the most tokens a prompt that can run has (a longer one is refused early)."""
         texts = [p for p in prompts if isinstance(p, str)]
         if size > _SMALL_INPUT_CHARS and texts and self.process is not None:
-            ids = await self.process.run(EncodeJob(texts, add_special_tokens, limit))
+            where = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+            ids = await self.process.run(EncodeJob(texts, add_special_tokens, limit, where))
             if ids is not None:
                 it = iter(ids)
                 return [(p, next(it)) if isinstance(p, str) else (None, p) for p in prompts]

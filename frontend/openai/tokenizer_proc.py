@@ -48,6 +48,7 @@ class EncodeJob(msgspec.Struct, tag="encode", array_like=True):
     texts: list[str]
     add_special_tokens: bool = True
     limit: int | None = None   # a text surely longer is refused before it is tokenized in full
+    prompt_index: list[int] = []   # each text's place in the request's prompt list (errors name prompt[i])
 
 
 class ChatJob(msgspec.Struct, tag="chat", array_like=True):
@@ -137,8 +138,14 @@ def _write_all(fd: int, data: bytes) -> None:
 def _run(tokenizer, job: EncodeJob | ChatJob) -> Ids | Failed:
     try:
         if isinstance(job, EncodeJob):   # the API server's own path (frontend/processing.py), in this process
-            return Ids([_int32(tokenize_prompt(tokenizer, t, job.add_special_tokens, job.limit)[1])
-                        for t in job.texts])
+            ids = []
+            for k, t in enumerate(job.texts):
+                try:
+                    ids.append(_int32(tokenize_prompt(tokenizer, t, job.add_special_tokens, job.limit)[1]))
+                except RequestError as e:
+                    i = job.prompt_index[k] if k < len(job.prompt_index) else k
+                    raise (RequestError(f"prompt[{i}]: {e}", e.param) if i > 0 else e) from None
+            return Ids(ids)
         _, ids = render_chat(tokenizer, job.messages, **{f: getattr(job, f) for f in job.__struct_fields__
                                                            if f != "messages"})
         return Ids([_int32(ids)])
