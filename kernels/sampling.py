@@ -626,7 +626,8 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     _sample_kernel[(bsz,)](
         logits, logits.stride(0), noise, stride_n, temperature, top_k.contiguous(), top_p.contiguous(), min_p,
         seeds, positions, out, cand_val, cand_idx, num_cand, int(top_p_only), vocab,
-        BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise, CAND=_MAX_CAND, num_warps=8,
+        BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise,
+        CAND=max(16, triton.next_power_of_2(num_cand)), num_warps=8,  # the candidates' tile: top-k 50 -> 128
     )
     return out
 
