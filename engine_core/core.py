@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
@@ -163,6 +164,7 @@ class EngineCore:
             with self.loop_stats.phase("schedule"):
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
+                self._send_bitmask()   # (filled while this step was scheduled) the sample goes first
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
                 if so.defer_sample and len(self.in_flight) == 1:
@@ -181,15 +183,28 @@ class EngineCore:
         return self.max_in_flight
 
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:
-        """The oldest step's output; then the next step, if it waits for a bitmask, samples."""
+        """The oldest step's output; then the next step, if it waits for a bitmask, has its bitmask
+        filled on the grammar manager's thread, sent with the next submit or take (or call to
+        the workers): the loop schedules the step after meanwhile."""
+        self._send_bitmask()   # the oldest step may be the one waiting for it
         so, pending = self.in_flight.popleft()
         with self.loop_stats.phase("wait"):
             result = pending.result()
         with self.loop_stats.phase("update"):
             outputs = self.scheduler.update_from_output(result, so.step_id)
         if self.in_flight and self.in_flight[0][0].defer_sample:
-            self._sample_deferred(self.in_flight[0][0])
+            self._bitmask = self.scheduler.structured.start_grammar_bitmask(self.in_flight[0][0],
+                                                                            self.scheduler.requests)
         return outputs
+
+    _bitmask: Future | None = None   # the oldest step's bitmask being filled, not yet sent
+
+    def _send_bitmask(self) -> None:
+        """Send the bitmask being filled (if any) to the worker, which then samples its step."""
+        if self._bitmask is not None:
+            job, self._bitmask = self._bitmask, None
+            with self.loop_stats.phase("bitmask"):
+                self.executor.sample(job.result() or GrammarOutput([], None))
 
     def _sample_deferred(self, so: SchedulerOutput) -> None:
         self.executor.sample(self.scheduler.grammar_bitmask(so) or GrammarOutput([], None))
@@ -229,6 +244,7 @@ class EngineCore:
 
     def _on_workers(self, name: str, args: list) -> Any:
         """Control operation `name`'s worker method on every worker; their answers merged as declared."""
+        self._send_bitmask()
         op = CONTROL_OPS[name]
         return op.ranks(self.executor.collective_rpc(op.workers, args))
 
@@ -440,6 +456,7 @@ class EngineCore:
         if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict) \
                 or not all(isinstance(k, str) for k in kwargs or {}):   # a worker could not decode the call
             raise ValueError("collective_rpc args must be a list and kwargs an object with string keys")
+        self._send_bitmask()
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
     def debug_info(self) -> dict:
