@@ -40,6 +40,7 @@ from ipc.procs import child_signals, freeze_startup_heap, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
+from ipc.startup import StartupTimes
 from ipc.validation import MAX_REQUEST_ID_CHARS, Limits, RequestError, validate_request
 from shm.object_store import is_entry_handle
 from ipc.worker_methods import ENGINE_ONLY_WORKER_METHODS
@@ -59,12 +60,18 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, ipc_dir: str | None, executor_class: type[Executor] = MultiprocExecutor):
         self.config = config
-        self.executor = executor_class(config, ipc_dir)
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+        startup = StartupTimes(f"engine core {config.data_parallel_rank}")
+        startup.since_process_start("imports")
+        with startup.phase("workers started (imports, weights)"):
+            self.executor = executor_class(config, ipc_dir)
+        with startup.phase("profiling run"):
+            num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         # --sliding-window-kv-trim: the window of the model's layers, when every one is local with one
         kv_window = self.executor.collective_rpc("kv_sliding_window")[0] if config.sliding_window_kv_trim else None
         config.check_num_blocks(num_blocks, kv_window)
-        self.executor.collective_rpc("initialize_cache", [num_blocks])
+        with startup.phase("KV cache, warm-up and graphs"):
+            self.executor.collective_rpc("initialize_cache", [num_blocks])
+        startup.log(logger)   # (each worker logs its own phases)
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()),
                                    kv_window)

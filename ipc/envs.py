@@ -68,6 +68,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                    "which wins); exported to the workers across nodes"),
     "LOOM_RUN_ID": EnvVar(None, _text, "this run's id in shared-memory segment names; made and exported by "
                           "the first process of a run (shm/object_store.run_id), inherited by its children"),
+    "LOOM_CACHE_ROOT": EnvVar(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                           "loom"), _text,
+                              "directory of the caches kept across runs: Triton's compiled kernels in "
+                              "triton/<Triton and torch versions>/ (ipc/compile_cache.py; TRITON_CACHE_DIR wins)"),
     # --- engine loop (also flags)
     "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
                                           "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "

@@ -15,9 +15,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ipc.compile_cache import compiled_kernels, use_compile_cache
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
+from ipc.startup import StartupTimes
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
@@ -83,6 +85,9 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
         from workers.model_loader import kv_cache_shape, load_model
+        self.startup = StartupTimes(f"worker {rank}")
+        self.startup.since_process_start("imports")
+        use_compile_cache()   # before any kernel compiles: kept across runs (ipc/compile_cache.py)
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
@@ -94,6 +99,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
                                 config.language_model_only, config.model_impl)
+        self.startup.mark("weights", t0)
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
@@ -130,7 +136,8 @@ class ModelRunner:
         self.memory.weights_dir = path
 
     def determine_num_blocks(self) -> int:
-        return self.memory.determine_num_blocks()
+        with self.startup.phase("profiling run"):
+            return self.memory.determine_num_blocks()
 
     def kv_sliding_window(self) -> int | None:
         """The window of every attention layer, when they share one: the engine core may trim
@@ -140,10 +147,18 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; with the weights awake, warm up and capture the graphs."""
-        self.memory.allocate(num_blocks)
+        with self.startup.phase("KV cache"):
+            self.memory.allocate(num_blocks)
         if not self.memory.weights_asleep:
-            warm_up(self)
-            self._capture_graphs()
+            kernels = compiled_kernels()
+            with self.startup.phase("warm-up"):
+                warm_up(self)
+            if kernels is not None:   # Triton's compiles (0 on a restart: the cache is kept)
+                self.startup.phases[-1] = (f"warm-up ({compiled_kernels() - kernels} kernels compiled)",
+                                           self.startup.phases[-1][1])
+            with self.startup.phase("graph capture"):
+                self._capture_graphs()
+            self.startup.log(logger)
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
 
