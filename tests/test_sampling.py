@@ -449,21 +449,24 @@ def test_chat_takes_vllms_keywords_and_batches(llm):
 
 
 @pytest.mark.slow   # (about 10 s: the whole engine on the Triton interpreter)
-def test_seeded_top_p_on_the_triton_sampler_matches_the_reference(model_factory):
+def test_seeded_top_p_on_the_triton_sampler_matches_the_reference(model_factory, monkeypatch):
     """The engine on the Triton sampler (interpreted on CPU): seeded top-p requests, alone and with
     penalties, draw the tokens of the reference sampler on HF's logits with the same Philox noise
     (kernels.sampling.philox_noise), step by step: the top-p route that checks the race winner
-    (no top-k candidates) and its penalties variant give the reference's tokens."""
+    (no top-k candidates) and its penalties variant give the reference's tokens. Each request
+    runs alone, the decode graphs' work on (uncaptured): the top-p request's decode steps are
+    sampled by the graphs' head, the penalised one's eagerly."""
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     from kernels.sampling import philox_noise, sample_with_noise_ref
     from tests.hf_oracle import hf_model
     model_dir = model_factory("qwen3")
     cases = [SamplingParams(temperature=1.0, top_p=0.3, seed=5, max_tokens=3, ignore_eos=True),
              SamplingParams(temperature=0.8, top_p=0.5, seed=9, max_tokens=3, ignore_eos=True,
                             repetition_penalty=1.3, presence_penalty=0.5)]
-    llm = LLM(model_dir, max_model_len=64, block_size=8, attention_backend="triton")
+    llm = LLM(model_dir, max_model_len=64, block_size=8, attention_backend="triton", max_num_seqs=2,
+              cuda_graph_sizes=[1])   # (one graph size: each is set up with the interpreter)
     try:
-        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": PROMPT}] * 2, cases,
-                                                             use_tqdm=False)]
+        outs = [llm.generate({"prompt_token_ids": PROMPT}, c, use_tqdm=False)[0].outputs[0].token_ids for c in cases]
     finally:
         llm.shutdown()
     model = hf_model(model_dir)

@@ -9,10 +9,11 @@ Each size has two graphs:
   (kernels/decode_inputs.py) takes each row's input token from the previous step's
   sampled tokens where the host does not know it yet, and spreads the packed block
   table over the full-width table that attention reads.
-- the head: lm_head and the plain sampler (greedy, temperature, min-p) -> `tokens`
-  (under tensor parallelism, a large batch samples from each rank's vocabulary shard).
-  A step whose rows all sample plainly replays both graphs. Any other step (top-k,
-  top-p, penalties, logprobs, a grammar) replays the model and samples eagerly.
+- the head: lm_head and the plain sampler (greedy, temperature, min-p, and top-p without
+  top-k) -> `tokens` (under tensor parallelism, a large batch samples from each rank's
+  vocabulary shard, without top-p). A step whose rows all sample plainly replays both
+  graphs. Any other step (top-k, penalties, logprobs, a grammar) replays the model and
+  samples eagerly.
 
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,

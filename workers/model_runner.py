@@ -322,9 +322,10 @@ class ModelRunner:
         return self.decode_graphs.size_for(len(num_scheduled))
 
     def _samples_plainly(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
-        """No top-k / top-p, penalties, logprobs or grammar among the sampled rows (Sampler.plain)."""
+        """No top-k, penalties, logprobs or grammar among the sampled rows (Sampler.plain), nor
+        top-p under tensor parallelism (the plain rows' logits may be a vocabulary shard there)."""
         return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
-                and self.sampler.plain(rows, self.model.config.vocab_size))
+                and self.sampler.plain(rows, self.model.config.vocab_size, top_p=tp_size() == 1))
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
