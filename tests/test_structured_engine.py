@@ -179,7 +179,7 @@ def test_bitmask_fill_runs_at_the_loops_priority(tiny_model_dir):
                                     grammar=None, sampling_params=SamplingParams(
                                         structured_outputs=StructuredOutputsParams(json=SCHEMA)))
             for i in range(3)}
-    so = SimpleNamespace(req_ids=["0", "free", "1", "2"])
+    so = SimpleNamespace(req_ids=["0", "free", "1", "2"], scheduled_spec_decode_tokens={})
     tasks = f"/proc/{os.getpid()}/task"
     try:
         for r in reqs.values():
