@@ -21,7 +21,41 @@ for section in "$@"; do case $section in
   qwen3-latency-stats) LOOM_STEP_STATS=1 TAIL=20 run qwen3-latency-stats 200 $LOOM bench latency --preset qwen3-0.6b --iters 3 ;;
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
   sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
-              --sampling plain topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
+              --sampling plain topp-only topp-penalties topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
+  top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels), then top-p alone, with
+         # penalties, with top-k, against plain in one engine
+         TAIL=30 run top-p-kernels 200 python3 -m bench.kernels_gpu --parts top_p
+         TAIL=10 run qwen3-top-p 300 $LOOM bench throughput --preset qwen3-0.6b \
+           --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json" ;;
+  startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
+           # engine's and workers' start-up breakdown (--log-level debug)
+           TAIL=30 run startup 420 python3 -m bench.startup --out "$OUT" ;;
+  targets) bash "$0" targets-a targets-b ;;   # every target, in two device calls: run the parts apart
+  targets-a) # the offline targets (docs/performance.md, issue 49): standard workload, sampling ratios,
+             # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds
+    TAIL=12 run targets-qwen3 240 $LOOM bench throughput --preset qwen3-0.6b \
+      --sampling plain topp-only topp topp-penalties logprobs n4seed --output-json "$OUT/targets-qwen3.json"
+    TAIL=6 run targets-structured 200 $LOOM bench throughput --preset qwen3-0.6b --structured-output json \
+      --output-json "$OUT/targets-structured.json"
+    TAIL=4 run targets-llama8b 150 $LOOM bench throughput --preset llama-3.1-8b --output-json "$OUT/targets-llama8b.json"
+    TAIL=4 run targets-latency-qwen3 60 $LOOM bench latency --preset qwen3-0.6b --iters 3 \
+      --output-json "$OUT/targets-latency-qwen3.json"
+    TAIL=4 run targets-latency-llama8b 90 $LOOM bench latency --preset llama-3.1-8b --iters 3 \
+      --output-json "$OUT/targets-latency-llama8b.json"
+    python3 -m bench.targets "$OUT" ;;
+  targets-b) # serving c256 vs offline at the same shape, HF generate, start-up; then the table
+    $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+    $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8123 > "$OUT/targets-server.log" 2>&1 & pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+    TAIL=4 run targets-serve-c256 150 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 \
+      --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/targets-serve-c256.json" --disable-tqdm
+    kill -INT $pid; wait $pid
+    TAIL=4 run targets-offline-c256 120 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 \
+      --output-len 256 --output-json "$OUT/targets-offline-c256.json"
+    TAIL=4 run targets-hf 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 \
+      --output-len 256 --compare-hf --output-json "$OUT/targets-hf.json"
+    TAIL=30 run startup 300 python3 -m bench.startup --out "$OUT"
+    python3 -m bench.targets "$OUT" ;;
   logprobs) # issue 14's logprobs=5 target alone: host CPU per token of each stage, the sampler's device
             # time with and without logprobs (kernels), then the offline ratio to plain in one engine
             TAIL=4 run logprobs-host 300 python3 -m bench.logprobs_host --steps 500
@@ -124,6 +158,7 @@ PY
   host) TAIL=60 run host-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 1 --context 128 --top 12 --host 30 ;;
   profile-prefill) TAIL=40 run profile-prefill-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --prefill --batch 8 --context 1024 --top 16 ;;
   structured) TAIL=12 run structured-json 330 $LOOM bench throughput --preset qwen3-0.6b --structured-output json
+              TAIL=2 run grammar-fill-cpu 120 python3 -m bench.grammar_fill   # the grammar work of a 256-row step
               TAIL=7 run grammar-stall-cpu 240 python3 -m bench.grammar_stall ;;  # the same question on this host's CPUs
   vl) # Qwen2.5-VL: bf16/fp32 parity on a tiny model, then Qwen2.5-VL-7B shapes (random weights) under
       # random-mm load; LOOM_STEP_STATS: the worker logs the encoder's and the eager steps' device time

@@ -314,8 +314,52 @@ def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                       lambda: sampler(logits, rows, d), logits.numel() * 2)
 
 
+def _top_p(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
+    """Issue 49: top-p without top-k (the race winner's check), with penalties, and top-p + top-k,
+    against plain temperature, through the Sampler as the engine calls it (bf16 logits; flat rows
+    as random weights give, peaked rows as a trained model's). Seeded tokens equal the reference
+    on the same Philox noise (philox_noise), but for a rare ulp-borderline flip (GPU division)."""
+    from ipc.sampling_params import SamplingParams
+    from workers.host_to_device import map_arrays
+    from workers.sampler import Sampler, SamplingRow, sample_plain
+    vocab = cfg["vocab"]
+    sampler = Sampler(use_triton=dev.type == "cuda")
+    modes = {"plain": {}, "top_p=0.95": dict(top_p=0.95),
+             "top_p=0.95 rep 1.1 pres 0.5": dict(top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5),
+             "top_p=0.9 top_k=50": dict(top_p=0.9, top_k=50)}
+    for b in ((16,) if quick else (1, 64, 256)):
+        counts = torch.zeros(b, vocab, dtype=torch.int32, device=dev)
+        counts.scatter_add_(1, torch.randint(0, vocab, (b, 300), device=dev, generator=gen),
+                            torch.ones(b, 300, dtype=torch.int32, device=dev))
+        state = (counts, (torch.rand(b, vocab, device=dev, generator=gen) < 0.003).to(torch.uint8))
+        for shape, scale in (("flat", 0.5), ("peaked", 4.0)):
+            logits = (torch.randn(b, vocab, device=dev, generator=gen) * scale).to(torch.bfloat16)
+            times = {}
+            for label, kw in modes.items():
+                rows = [SamplingRow(SamplingParams(temperature=0.8, **kw), seed=i, output_index=7, slot=i)
+                        for i in range(b)]
+                d = map_arrays(Sampler.host_params(rows), lambda a: torch.from_numpy(a).to(dev))
+                tokens = sampler(logits, rows, d, state).tokens
+                if not any(r.adjusts for r in rows):
+                    want = sampling.sample_with_noise_ref(logits, d.temperature, d.top_k, d.top_p, d.min_p,
+                                                          sampling.philox_noise(d.seeds, d.output_indices, vocab))
+                    same = int((tokens == want).sum())
+                    ctx.expect(f"sampler {model} B={b} {shape} {label} == reference", same >= b - max(1, b // 32),
+                               f"({same}/{b} identical)")
+                if ctx.timing:
+                    times[label] = triton.testing.do_bench(lambda: sampler(logits, rows, d, state), warmup=5, rep=30)
+                    ctx.bench("sampler", f"{model} B={b} {shape} {label}", lambda: sampler(logits, rows, d, state),
+                              logits.numel() * 2)
+                    if Sampler.plain(rows, vocab, top_p=True):   # the decode graphs' head
+                        ctx.bench("sample_plain (graph head)", f"{model} B={b} {shape} {label}",
+                                  lambda: sample_plain(logits, d, True), logits.numel() * 2)
+            for label, ms in times.items():
+                print(f"top-p device time {model} B={b} {shape}: {label} {ms * 1e3:.1f} us = "
+                      f"{ms / times['plain']:.2f}x plain", flush=True)
+
+
 PARTS = {"prologue": _prologue, "norms": _norms, "silu": _silu, "sampling": _sampling, "logprobs": _logprobs,
-         "penalties": _penalties, "attention": _attention}
+         "penalties": _penalties, "attention": _attention, "top_p": _top_p}
 
 
 def run(quick: bool, timing: bool, device: str = "cuda", parts: list[str] | None = None) -> Ctx:

@@ -10,6 +10,8 @@ included). --input-len/--output-len switch to fixed lengths.
 temperature first, and prints each mode's throughput as a ratio to plain:
   topp       temperature, top-p 0.9, top-k 50
   penalties  topp + repetition penalty 1.1 + presence penalty 0.5
+  topp-only  temperature, top-p 0.95 and no top-k (what OpenAI-style clients send)
+  topp-penalties  topp-only + repetition penalty 1.1 + presence penalty 0.5
   logprobs   temperature, logprobs=5 on every request
   n4seed     a quarter of the prompts, n=4 with a seed each; its ratio is to
              the same prompts sent as 4 separate unseeded requests (n4sep)
@@ -75,7 +77,7 @@ def shard_arg(text: str) -> tuple[int, int]:
     return rank, size
 
 
-SAMPLING_MODES = ("plain", "topp", "penalties", "logprobs", "n4seed")
+SAMPLING_MODES = ("plain", "topp", "penalties", "topp-only", "topp-penalties", "logprobs", "n4seed")
 
 
 def sampling_runs(mode: str, wl, temperature: float) -> list[tuple[str, list, list]]:
@@ -93,8 +95,9 @@ def sampling_runs(mode: str, wl, temperature: float) -> list[tuple[str, list, li
                   for m in max_tokens for _ in range(4)]),
                 ("n4seed", prompts, [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, n=4,
                                                     seed=i) for i, m in enumerate(max_tokens)])]
-    kw = {"plain": {}, "topp": topp, "penalties": dict(topp, repetition_penalty=1.1, presence_penalty=0.5),
-          "logprobs": dict(logprobs=5)}[mode]
+    pens = dict(repetition_penalty=1.1, presence_penalty=0.5)
+    kw = {"plain": {}, "topp": topp, "penalties": dict(topp, **pens), "topp-only": dict(top_p=0.95),
+          "topp-penalties": dict(top_p=0.95, **pens), "logprobs": dict(logprobs=5)}[mode]
     return [(mode, wl.prompts, params(**kw))]
 
 

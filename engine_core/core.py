@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
@@ -39,6 +40,7 @@ from ipc.procs import child_signals, freeze_startup_heap, watch_parent
 from ipc.profiling import maybe_profile
 from ipc.serial import Encoder
 from ipc.sockets import make_socket
+from ipc.startup import StartupTimes
 from ipc.validation import MAX_REQUEST_ID_CHARS, Limits, RequestError, validate_request
 from shm.object_store import is_entry_handle
 from ipc.worker_methods import ENGINE_ONLY_WORKER_METHODS
@@ -58,12 +60,18 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, ipc_dir: str | None, executor_class: type[Executor] = MultiprocExecutor):
         self.config = config
-        self.executor = executor_class(config, ipc_dir)
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+        startup = StartupTimes(f"engine core {config.data_parallel_rank}")
+        startup.since_process_start("imports")
+        with startup.phase("workers started (imports, weights)"):
+            self.executor = executor_class(config, ipc_dir)
+        with startup.phase("profiling run"):
+            num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         # --sliding-window-kv-trim: the window of the model's layers, when every one is local with one
         kv_window = self.executor.collective_rpc("kv_sliding_window")[0] if config.sliding_window_kv_trim else None
         config.check_num_blocks(num_blocks, kv_window)
-        self.executor.collective_rpc("initialize_cache", [num_blocks])
+        with startup.phase("KV cache, warm-up and graphs"):
+            self.executor.collective_rpc("initialize_cache", [num_blocks])
+        startup.log(logger)   # (each worker logs its own phases)
         self.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, StructuredOutputManager(config, wake=lambda: self.wake()),
                                    kv_window)
@@ -164,6 +172,7 @@ class EngineCore:
             with self.loop_stats.phase("schedule"):
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
+                self._send_bitmask()   # (filled while this step was scheduled) the sample goes first
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
                 if so.defer_sample and len(self.in_flight) == 1:
@@ -185,15 +194,28 @@ class EngineCore:
         return self.max_in_flight
 
     def _take_oldest(self) -> dict[int, list[EngineCoreOutput]]:
-        """The oldest step's output; then the next step, if it waits for a bitmask, samples."""
+        """The oldest step's output; then the next step, if it waits for a bitmask, has its bitmask
+        filled on the grammar manager's thread, sent with the next submit or take (or call to
+        the workers): the loop schedules the step after meanwhile."""
+        self._send_bitmask()   # the oldest step may be the one waiting for it
         so, pending = self.in_flight.popleft()
         with self.loop_stats.phase("wait"):
             result = pending.result()
         with self.loop_stats.phase("update"):
             outputs = self.scheduler.update_from_output(result, so.step_id)
         if self.in_flight and self.in_flight[0][0].defer_sample:
-            self._sample_deferred(self.in_flight[0][0])
+            self._bitmask = self.scheduler.structured.start_grammar_bitmask(self.in_flight[0][0],
+                                                                            self.scheduler.requests)
         return outputs
+
+    _bitmask: Future | None = None   # the oldest step's bitmask being filled, not yet sent
+
+    def _send_bitmask(self) -> None:
+        """Send the bitmask being filled (if any) to the worker, which then samples its step."""
+        if self._bitmask is not None:
+            job, self._bitmask = self._bitmask, None
+            with self.loop_stats.phase("bitmask"):
+                self.executor.sample(job.result() or GrammarOutput([], None))
 
     def _sample_deferred(self, so: SchedulerOutput) -> None:
         self.executor.sample(self.scheduler.grammar_bitmask(so) or GrammarOutput([], None))
@@ -233,6 +255,7 @@ class EngineCore:
 
     def _on_workers(self, name: str, args: list) -> Any:
         """Control operation `name`'s worker method on every worker; their answers merged as declared."""
+        self._send_bitmask()
         op = CONTROL_OPS[name]
         return op.ranks(self.executor.collective_rpc(op.workers, args))
 
@@ -444,6 +467,7 @@ class EngineCore:
         if not isinstance(args or [], list) or not isinstance(kwargs or {}, dict) \
                 or not all(isinstance(k, str) for k in kwargs or {}):   # a worker could not decode the call
             raise ValueError("collective_rpc args must be a list and kwargs an object with string keys")
+        self._send_bitmask()
         return self.executor.collective_rpc(method, args or [], kwargs or {}, timeout)
 
     def debug_info(self) -> dict:

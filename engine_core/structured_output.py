@@ -4,7 +4,9 @@ A constrained request's grammar is compiled with xgrammar on a thread pool, neve
 busy loop, and cached by its source; the request waits in the scheduler until it is ready
 (or finishes with an error if it does not compile), while the others keep stepping. The
 manager keeps one GrammarMatcher per request, advances it with every accepted token, and
-packs each step's bitmask (xgrammar's int32 layout) for the constrained rows only.
+packs each step's bitmask (xgrammar's int32 layout) for the constrained rows only, on a thread
+of its own (xgrammar's batch fill, its threads at the busy loop's priority) while the loop
+schedules the next step.
 
 With a reasoning parser, a request's grammar applies only once its thinking has ended
 (the output ends with the parser's end-of-thinking tokens, e.g. `</think>`).
@@ -48,7 +50,12 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Future | None = None
         self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._batch = None                   # xgrammar.BatchGrammarMatcher, made with the compiler
+        # the step's bitmask fill: its own thread, started from the busy loop's and so at its priority
+        # (xgrammar's BatchGrammarMatcher starts its threads as it is made: made on the compile
+        # pool's nice-19 thread, they filled every step's bitmask at nice 19, starved by the busy
+        # processes of a loaded host, and the fill bounded the step)
+        self._filler: ThreadPoolExecutor | None = None
+        self._batch = None                   # xgrammar.BatchGrammarMatcher, made on the filler thread
         self.vocab_size = 0
         self._think_start: list[int] = []
         self._think_end: list[int] = []
@@ -72,7 +79,6 @@ class StructuredOutputManager:
         if parser:
             self._think_start = tokenizer.encode(REASONING_START[parser], add_special_tokens=False)
             self._think_end = tokenizer.encode(REASONING_END[parser], add_special_tokens=False)
-        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
         return xgr.GrammarCompiler(info, max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def _compile(self, key: tuple[str, str]):
@@ -202,6 +208,17 @@ class StructuredOutputManager:
         now (every earlier token accepted)."""
         if so.scheduled_spec_decode_tokens:
             return self._spec_bitmask(so, requests)
+        return self.start_grammar_bitmask(so, requests).result()
+
+    def start_grammar_bitmask(self, so: SchedulerOutput, requests: dict) -> Future:
+        """grammar_bitmask() filled on the filler thread (xgrammar releases the GIL, and fills the
+        rows on its own threads): a Future of it, so that the busy loop schedules the next step
+        meanwhile. The matchers must not advance until it is done. (A step with drafts to
+        verify fills its per-position rows here, synchronously.)"""
+        if so.scheduled_spec_decode_tokens:
+            done: Future = Future()
+            done.set_result(self._spec_bitmask(so, requests))
+            return done
         rows, matchers = [], []
         for i, rid in enumerate(so.req_ids):
             req = requests.get(rid)
@@ -210,17 +227,29 @@ class StructuredOutputManager:
                 rows.append(i)
                 matchers.append(g.matcher)
         if not rows:
-            return None
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="loom-bitmask")
+        return self._filler.submit(self._fill, rows, matchers)
+
+    def _fill(self, rows: list[int], matchers: list) -> GrammarOutput:
         bitmask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
         else:
+            if self._batch is None:
+                import xgrammar as xgr
+                self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return GrammarOutput(rows, *_distinct_rows(bitmask))
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.shutdown(wait=False, cancel_futures=True)
 
 
 def _yield_cpu() -> None:

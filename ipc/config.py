@@ -87,6 +87,10 @@ class EngineConfig:
                                           "free each request's KV blocks that fall behind the window; a model "
                                           "with global layers keeps all its blocks (they need them)")
     enforce_eager: bool = option(False, "no CUDA graphs")
+    cuda_graph_sizes: list[int] | None = option(None, "batch sizes of the decode CUDA graphs: one value N "
+                                                "captures 1, 2, 4, 8, 16, then every 32 up to N; several, "
+                                                "exactly those; a larger batch runs eagerly (default: that "
+                                                "pattern up to min(--max-num-seqs, 512))")
     attention_backend: str = option("auto", "auto: Triton on GPU, torch on CPU", ("auto", "torch", "triton"))
     async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
                                     "--no-async-scheduling turns it off)")
@@ -355,11 +359,13 @@ class EngineConfig:
             value, kind = getattr(self, f.name), str(f.type).split(" |")[0]
             if value is None and "None" in str(f.type):
                 continue
-            ok = {"int": type(value) is int, "float": type(value) in (int, float),
-                  "bool": type(value) is bool}.get(kind, True)
+            ok = {"int": type(value) is int, "float": type(value) in (int, float), "bool": type(value) is bool,
+                  "list[int]": isinstance(value, list) and len(value) > 0
+                  and all(type(v) is int and v > 0 for v in value)}.get(kind, True)
             choices = f.metadata.get("choices")
             if not ok or choices and value not in choices:
-                want = f"one of {', '.join(map(str, choices))}" if choices else f"an {kind}" if kind == "int" else f"a {kind}"
+                want = f"one of {', '.join(map(str, choices))}" if choices else f"an {kind}" if kind == "int" else \
+                    "a list of positive ints" if kind == "list[int]" else f"a {kind}"
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")
 
     def check_num_blocks(self, num_blocks: int, kv_window: int | None = None) -> None:

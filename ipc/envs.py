@@ -74,6 +74,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_CHAT_TEMPLATE_TIMEOUT_S": EnvVar(5.0, _float, "seconds a request's own chat template "
                                            "(--trust-request-chat-template) may take to render, in the tokenizer "
                                            "process, before the request gets a 400"),
+    "LOOM_CACHE_ROOT": EnvVar(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                           "loom"), _text,
+                              "directory of the caches kept across runs: Triton's compiled kernels in "
+                              "triton/<Triton and torch versions>/ (ipc/compile_cache.py; TRITON_CACHE_DIR wins)"),
     # --- engine loop (also flags)
     "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
                                           "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "

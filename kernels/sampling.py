@@ -32,6 +32,15 @@ for max/argmax, one for the exponential race, plus for top-k/top-p one counting
 pass and a few bisection passes (4 pivots each, early exit once the threshold
 is pinned down).
 
+Top-p without top-k (no max_top_k: the batch's rows have no top-k) takes the
+plain route's chunked passes (max, then the exponential race over every token
+min_p keeps) and one more: the mass strictly above the race winner w. When that
+mass is under p times the kept mass, w lies in the top-p set and is its race's
+winner too (the same noise: a subset's best is the best of the whole when it is
+in the subset), so no threshold is searched. Otherwise (a chance of about 1 - p
+per row) the row searches its threshold by the bisection passes and races
+again. No sort, no candidates, the same tokens as the reference.
+
 Rows with top-k (k <= max_top_k, max_top_k + 64 <= 1024) instead take their
 candidates from one torch.topk of the batch (the max_top_k + 64 largest
 logits per row, a radix select, not a sort): the top-k threshold is the k-th candidate's key, the
@@ -319,42 +328,11 @@ def _candidate_sample(row_ptr, cand_val_ptr, cand_idx_ptr, noise_row_ptr, num_ca
     return tl.min(tl.where(score == top, t, vocab), 0), ok
 
 
-@step_jit(ints=("num_cand", "cand_top_p"), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
-def _sample_kernel(
-    logits_ptr, stride_l, noise_ptr, stride_n,
-    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, out_ptr,
-    cand_val_ptr, cand_idx_ptr, num_cand, cand_top_p,
-    vocab,
-    BLOCK: tl.constexpr, RAND_Q: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
-    CAND: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_l
-
-    temp = tl.load(temp_ptr + row).to(tl.float32)
-    k = tl.load(top_k_ptr + row).to(tl.int32)
-    tok = vocab * 0
-    ok = num_cand < 0  # False
-    p_row = tl.load(top_p_ptr + row).to(tl.float32)
-    top_p_only = (cand_top_p != 0) & ((k <= 0) | (k >= vocab)) & (p_row < 1.0)
-    if (temp > 0.0) & (((k > 0) & (k < num_cand)) | top_p_only):
-        tok, ok = _candidate_sample(row_ptr, cand_val_ptr + row * num_cand, cand_idx_ptr + row * num_cand,
-                                    noise_ptr + row * stride_n, num_cand, tl.where(top_p_only, 0, k), p_row,
-                                    tl.math.div_rn(1.0, temp), _min_p_key(min_p_ptr, row),
-                                    _philox_key(seed_ptr, pos_ptr, row), vocab, CAND, USE_NOISE, BLOCK)
-    if ok:  # (a return at the top level only: nested returns are not supported everywhere)
-        tl.store(out_ptr + row, tok.to(tl.int64))
-        return
-
-    # pass 1: max and (first) argmax of the raw logits
-    m, arg = _max_argmax(row_ptr, 0, vocab, vocab, BLOCK)
-    if temp <= 0.0:
-        tl.store(out_ptr + row, arg.to(tl.int64))
-        return
-
-    inv_t = tl.math.div_rn(1.0, temp)  # IEEE, as the reference's 1 / temperature
-    p = tl.load(top_p_ptr + row).to(tl.float32)
-    thr = _min_p_key(min_p_ptr, row)
+@triton.jit
+def _exact_threshold(row_ptr, vocab, m, inv_t, thr, k, p, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    """The kept set's key bound of a row (every token with key <= it is kept), found by
+    bisection over the 32-bit keys (NPIV pivots per pass over the vocabulary), given the row max
+    m and min_p's bound thr: top-k (0 < k < vocab), then top-p (p < 1) over what is left."""
     j = tl.arange(0, NPIV)
     need_k = (k > 0) & (k < vocab)
     need_p = p < 1.0
@@ -391,6 +369,45 @@ def _sample_kernel(
                 c_hi = tl.where(has, tl.sum(tl.where(sel, cnt, 0), 0), c_hi)
                 hi = tl.where(has, tl.sum(tl.where(sel, piv, 0), 0), hi)
         thr = hi
+    return thr
+
+
+@step_jit(ints=("num_cand", "cand_top_p"), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
+def _sample_kernel(
+    logits_ptr, stride_l, noise_ptr, stride_n,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, out_ptr,
+    cand_val_ptr, cand_idx_ptr, num_cand, cand_top_p,
+    vocab,
+    BLOCK: tl.constexpr, RAND_Q: tl.constexpr, NPIV: tl.constexpr, USE_NOISE: tl.constexpr,
+    CAND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_l
+
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    tok = vocab * 0
+    ok = num_cand < 0  # False
+    p_row = tl.load(top_p_ptr + row).to(tl.float32)
+    top_p_only = (cand_top_p != 0) & ((k <= 0) | (k >= vocab)) & (p_row < 1.0)
+    if (temp > 0.0) & (((k > 0) & (k < num_cand)) | top_p_only):
+        tok, ok = _candidate_sample(row_ptr, cand_val_ptr + row * num_cand, cand_idx_ptr + row * num_cand,
+                                    noise_ptr + row * stride_n, num_cand, tl.where(top_p_only, 0, k), p_row,
+                                    tl.math.div_rn(1.0, temp), _min_p_key(min_p_ptr, row),
+                                    _philox_key(seed_ptr, pos_ptr, row), vocab, CAND, USE_NOISE, BLOCK)
+    if ok:  # (a return at the top level only: nested returns are not supported everywhere)
+        tl.store(out_ptr + row, tok.to(tl.int64))
+        return
+
+    # pass 1: max and (first) argmax of the raw logits
+    m, arg = _max_argmax(row_ptr, 0, vocab, vocab, BLOCK)
+    if temp <= 0.0:
+        tl.store(out_ptr + row, arg.to(tl.int64))
+        return
+
+    inv_t = tl.math.div_rn(1.0, temp)  # IEEE, as the reference's 1 / temperature
+    thr = _exact_threshold(row_ptr, vocab, m, inv_t, _min_p_key(min_p_ptr, row), k,
+                           tl.load(top_p_ptr + row).to(tl.float32), BLOCK, NPIV)
 
     # last pass: exponential race over the kept tokens
     top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, 0, vocab, vocab, m, inv_t, thr,
@@ -459,8 +476,88 @@ def _chunk_pick_kernel(temp_ptr, part_max_ptr, part_arg_ptr, part_score_ptr, par
     tl.store(out_ptr + row, tl.sum(tl.where(offs_c == first, tok, 0), 0).to(tl.int64))
 
 
-def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out, num_chunks):
-    """Rows split over vocabulary chunks: about four programs per SM however small the batch."""
+@step_jit(ints=("num_chunks", "chunk"), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr"))
+def _chunk_top_p_mass_kernel(logits_ptr, stride_l, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_max_ptr,
+                             part_score_ptr, part_tok_ptr, part_lt_ptr, part_all_ptr, vocab, chunk, num_chunks,
+                             BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row, c), for a row with top-p and no top-k: the race winner w over the whole row
+    (from the chunks' parts, as _chunk_pick_kernel), then over chunk c the mass of the tokens
+    strictly more probable than w, and the mass min_p keeps (top-p's renormalisation)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    p = tl.load(top_p_ptr + row).to(tl.float32)
+    if (temp > 0.0) & (p < 1.0) & ((k <= 0) | (k >= vocab)):
+        offs_c = tl.arange(0, BLOCK_C)
+        ok = offs_c < num_chunks
+        base = row * num_chunks + offs_c
+        m = tl.max(tl.load(part_max_ptr + base, mask=ok, other=float("-inf")), 0)
+        score = tl.load(part_score_ptr + base, mask=ok, other=-2.0)
+        first = tl.min(tl.where(score == tl.max(score, 0), offs_c, BLOCK_C), 0)
+        w = tl.sum(tl.where(offs_c == first, tl.load(part_tok_ptr + base, mask=ok, other=0), 0), 0)
+        inv_t = tl.math.div_rn(1.0, temp)
+        row_ptr = logits_ptr + row * stride_l
+        key_w = ((m - tl.load(row_ptr + w).to(tl.float32)) * inv_t).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        thr = _min_p_key(min_p_ptr, row)
+        lt = tl.zeros([BLOCK], dtype=tl.float32)
+        kept = tl.zeros([BLOCK], dtype=tl.float32)
+        start = c * chunk
+        hi = tl.minimum(start + chunk, vocab)
+        for s in range(start, hi, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            msk = offs < hi
+            key, e = _key_e(tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32), m, inv_t, msk)
+            lt += tl.where(key < key_w, e, 0.0)
+            kept += tl.where(key <= thr, e, 0.0)
+        tl.store(part_lt_ptr + row * num_chunks + c, tl.sum(lt, 0))
+        tl.store(part_all_ptr + row * num_chunks + c, tl.sum(kept, 0))
+
+
+@step_jit(ints=("num_chunks",), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
+def _top_p_pick_kernel(logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                       seed_ptr, pos_ptr, part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, part_lt_ptr,
+                       part_all_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr, RAND_Q: tl.constexpr,
+                       NPIV: tl.constexpr, BLOCK_C: tl.constexpr, USE_NOISE: tl.constexpr):
+    """Per row: greedy -> the first argmax; else the race winner w over every token min_p keeps.
+    With top-p, w is the answer when it lies in the top-p set (the mass strictly above it is
+    under p times the kept mass): the race over that subset has the same winner, the noise being
+    the same. Otherwise (about a 1 - p chance), and for a row with top-k, the exact threshold by
+    bisection and the race over the kept set, as _sample_kernel's passes."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    ok = offs_c < num_chunks
+    base = row * num_chunks + offs_c
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    if temp <= 0.0:
+        val = tl.load(part_max_ptr + base, mask=ok, other=float("-inf"))
+        toks = tl.load(part_arg_ptr + base, mask=ok, other=0)
+    else:
+        val = tl.load(part_score_ptr + base, mask=ok, other=-2.0)
+        toks = tl.load(part_tok_ptr + base, mask=ok, other=0)
+    first = tl.min(tl.where(val == tl.max(val, 0), offs_c, BLOCK_C), 0)
+    tok = tl.sum(tl.where(offs_c == first, toks, 0), 0)
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    p = tl.load(top_p_ptr + row).to(tl.float32)
+    need_k = (k > 0) & (k < vocab)
+    if (temp > 0.0) & (need_k | (p < 1.0)):
+        # (a row with top-k reads parts the mass kernel left unwritten, and ignores them)
+        lt = tl.sum(tl.load(part_lt_ptr + base, mask=ok, other=0.0), 0)
+        kept = tl.sum(tl.load(part_all_ptr + base, mask=ok, other=0.0), 0)
+        if need_k | (lt >= p * kept):
+            m = tl.max(tl.load(part_max_ptr + base, mask=ok, other=float("-inf")), 0)
+            inv_t = tl.math.div_rn(1.0, temp)
+            row_ptr = logits_ptr + row * stride_l
+            thr = _exact_threshold(row_ptr, vocab, m, inv_t, _min_p_key(min_p_ptr, row), k, p, BLOCK, NPIV)
+            top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, 0, vocab, vocab, m, inv_t, thr,
+                                   _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out, num_chunks,
+                    top_k=None, top_p=None):
+    """Rows split over vocabulary chunks: about four programs per SM however small the batch.
+    With top_k and top_p (the top-p route): the race winner's top-p check, one more pass."""
     bsz, vocab = logits.shape
     step = 4 * _RAND_Q
     max_chunks = triton.cdiv(vocab, step)
@@ -479,8 +576,19 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
         logits, logits.stride(0), noise, stride_n, temperature, min_p, seeds, positions,
         part_max, num_chunks, part_score, part_tok, 0, vocab, 0, chunk, num_chunks,
         RAND_Q=_RAND_Q, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=4)
-    _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
-                               BLOCK_C=_MAX_CHUNKS, num_warps=1)
+    if top_p is None:
+        _chunk_pick_kernel[(bsz,)](temperature, part_max, part_arg, part_score, part_tok, out, num_chunks,
+                                   BLOCK_C=_MAX_CHUNKS, num_warps=1)
+        return out
+    top_k, top_p = top_k.contiguous(), top_p.contiguous()
+    part_lt, part_all = torch.empty(bsz, num_chunks, **f32), torch.empty(bsz, num_chunks, **f32)
+    _chunk_top_p_mass_kernel[(bsz, num_chunks)](logits, logits.stride(0), temperature, top_k, top_p, min_p, part_max,
+                                                part_score, part_tok, part_lt, part_all, vocab, chunk, num_chunks,
+                                                BLOCK=_BLOCK, BLOCK_C=_MAX_CHUNKS, num_warps=4)
+    _top_p_pick_kernel[(bsz,)](logits, logits.stride(0), noise, stride_n, temperature, top_k, top_p, min_p, seeds,
+                               positions, part_max, part_arg, part_score, part_tok, part_lt, part_all, out,
+                               num_chunks, vocab, BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, BLOCK_C=_MAX_CHUNKS,
+                               USE_NOISE=use_noise, num_warps=8)
     return out
 
 
@@ -503,6 +611,9 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     if not top_k_top_p:
         return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out,
                                num_chunks)
+    if not max_top_k:  # no top-k candidates: the top-p route (rows with top-k take the passes there)
+        return _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out,
+                               num_chunks, top_k, top_p)
     # _CAND_SLACK candidates past the largest k: bf16 logits tie often (8 mantissa bits), and a
     # row whose k-th value ties with the last candidate must fall back to the passes
     num_cand = min(max_top_k + _CAND_SLACK, _MAX_CAND, vocab) if max_top_k and max_top_k > 0 else 0
@@ -515,7 +626,8 @@ def _launch(logits, temperature, top_k, top_p, min_p, seeds, positions, noise, t
     _sample_kernel[(bsz,)](
         logits, logits.stride(0), noise, stride_n, temperature, top_k.contiguous(), top_p.contiguous(), min_p,
         seeds, positions, out, cand_val, cand_idx, num_cand, int(top_p_only), vocab,
-        BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise, CAND=_MAX_CAND, num_warps=8,
+        BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, USE_NOISE=use_noise,
+        CAND=max(16, triton.next_power_of_2(num_cand)), num_warps=8,  # the candidates' tile: top-k 50 -> 128
     )
     return out
 
@@ -533,7 +645,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     SM) in three small launches instead of one program per row, which leaves
     most SMs idle at small batches. Same tokens either way.
 
-    max_top_k > 0 (the largest top_k of the batch, as the host knows it) lets rows with top-k
+    max_top_k == 0 (no row has top-k, as the host knows it; the default) takes the chunked
+    route with the race winner's top-p check (rows with top-k still get their exact draw there,
+    by the passes). max_top_k > 0 (the largest top_k of the batch) lets rows with top-k
     draw from the batch's top max_top_k + 64 candidates (one torch.topk) instead of passes over
     the vocabulary. top_p_only=True (some row has top-p and no top-k) lets those rows try the
     top 1024 candidates too, after one pass for the mass they renormalise over (they fall back
@@ -554,6 +668,32 @@ def sample_with_noise(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return _launch(logits, temperature, top_k, top_p, min_p, zeros, zeros, noise, top_k_top_p, num_chunks,
                    max_top_k, top_p_only)
+
+
+@triton.jit
+def _philox_noise_kernel(seed_ptr, pos_ptr, out_ptr, vocab, RAND_Q: tl.constexpr):
+    """Program (row, c): the Exp(1) noise q = -log(u) the Philox draws give tokens
+    [c * 4 * RAND_Q, (c + 1) * 4 * RAND_Q) of the row (the layout of _race_range)."""
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * 4 * RAND_Q
+    lane = tl.arange(0, RAND_Q)
+    u0, u1, u2, u3 = tl.rand4x(_philox_key(seed_ptr, pos_ptr, row), start // 4 + lane)
+    out = out_ptr + row * vocab
+    tl.store(out + start + lane, -tl.log(u0), mask=start + lane < vocab)
+    tl.store(out + start + RAND_Q + lane, -tl.log(u1), mask=start + RAND_Q + lane < vocab)
+    tl.store(out + start + 2 * RAND_Q + lane, -tl.log(u2), mask=start + 2 * RAND_Q + lane < vocab)
+    tl.store(out + start + 3 * RAND_Q + lane, -tl.log(u3), mask=start + 3 * RAND_Q + lane < vocab)
+
+
+def philox_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The Exp(1) noise [B, vocab] that sample() draws for each (seed, position) from Philox:
+    sample_with_noise_ref() with it is the reference of sample()'s seeded tokens (tests, bench)."""
+    bsz = seeds.shape[0]
+    out = torch.empty((bsz, vocab), dtype=torch.float32, device=seeds.device)
+    if bsz:
+        _philox_noise_kernel[(bsz, triton.cdiv(vocab, 4 * _RAND_Q))](seeds.contiguous(), positions.contiguous(),
+                                                                    out, vocab, RAND_Q=_RAND_Q)
+    return out
 
 
 # --------------------------------------------------------------------------

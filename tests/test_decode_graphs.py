@@ -89,7 +89,8 @@ def test_feed_indices_for_a_decode_graph_and_for_eager_steps():
 
 def test_which_rows_the_graph_head_samples():
     """The head samples greedy, temperature and min-p rows (top-k off: 0, -1 or >= the
-    vocabulary); top-k, top-p, logprobs, penalties, logit_bias and min_tokens rows sample eagerly."""
+    vocabulary), and top-p rows where the logits are whole (not a TP shard); top-k, logprobs,
+    penalties, logit_bias and min_tokens rows sample eagerly."""
     from ipc.sampling_params import SamplingParams
     from workers.sampler import Sampler, SamplingRow
     def plain(**kw):
@@ -99,3 +100,9 @@ def test_which_rows_the_graph_head_samples():
     for kw in ({"top_k": 20}, {"top_p": 0.9}, {"logprobs": 0}, {"presence_penalty": 0.5},
                {"repetition_penalty": 1.1}, {"logit_bias": {3: 1.0}}, {"min_tokens": 2}):
         assert not plain(temperature=0.7, **kw), kw
+    # where the logits are whole (no TP shard), top-p without top-k samples in the head too
+    def whole(**kw):
+        return Sampler.plain([SamplingRow(SamplingParams(**kw), 0, 0, 0, (2,))], vocab=100, top_p=True)
+    assert whole(temperature=0.7, top_p=0.9) and whole(temperature=0.7, top_p=0.9, top_k=100)
+    assert not whole(temperature=0.7, top_p=0.9, top_k=20) and not whole(temperature=0.7, top_p=0.9,
+                                                                          presence_penalty=0.5)

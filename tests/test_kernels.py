@@ -974,6 +974,39 @@ def test_sample_top_k_candidates_ties_and_extremes():
         assert ref[11] == int(torch.argmax(lg[11].float()))  # greedy
 
 
+def test_top_p_route_checks_the_race_winner_and_falls_back():
+    # top-p without top-k (max_top_k 0): the plain chunked race, then the winner's top-p check; a
+    # row whose winner lies outside its top-p set searches the threshold. Peaked rows and small p
+    # make both outcomes happen; the same tokens as the reference with explicit noise, over one
+    # chunk and several, bf16 included, and with Philox: the reference on philox_noise()
+    g = _gen(31)
+    b, v = 8, 2500
+    logits = _randn(b, v, g=g, scale=3.0)
+    logits[:, :8] += 6.0  # a few likely tokens: a small top-p set
+    temp = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.5, 1.0, 0.8, 1.0], device=DEVICE)
+    top_k = torch.tensor([0, 0, 0, 0, 5, 0, 0, 0], dtype=torch.int32, device=DEVICE)  # row 4: top-k there too
+    top_p = torch.tensor([0.95, 0.5, 0.9, 0.3, 0.9, 1.0, 0.99, 0.0], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], device=DEVICE)
+    seeds, positions = torch.arange(b, device=DEVICE) + 11, torch.arange(b, device=DEVICE) * 3
+    off = torch.ones_like(top_p)
+    inside = outside = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        lg = logits.to(dtype)
+        noise = torch.empty(b, v).exponential_(generator=g).to(DEVICE)
+        ref = smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, noise).tolist()
+        for chunks in (None, 1):
+            assert smp.sample_with_noise(lg, temp, top_k, top_p, min_p, noise, num_chunks=chunks).tolist() == ref
+        unfiltered = smp.sample_with_noise_ref(lg, temp, top_k * 0, off, min_p, noise).tolist()
+        rows = [i for i in (0, 1, 3, 6) if temp[i] > 0]
+        inside += sum(ref[i] == unfiltered[i] for i in rows)
+        outside += sum(ref[i] != unfiltered[i] for i in rows)
+        q = smp.philox_noise(seeds, positions, v)
+        assert smp.sample(lg, temp, top_k, top_p, min_p, seeds, positions).tolist() == \
+            smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, q).tolist()
+        assert ref[2] == int(lg[2].float().argmax()) and ref[7] == int(lg[7].float().argmax())  # greedy, p = 0
+    assert inside and outside   # both the accepted winner and the fallback ran
+
+
 def test_sample_chunked_rows_match():
     # rows without top-k/top-p may be split over vocabulary chunks: the same tokens as one
     # program per row (Philox) and as the reference (explicit noise), bf16 logits included

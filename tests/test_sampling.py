@@ -446,3 +446,47 @@ def test_chat_takes_vllms_keywords_and_batches(llm):
             llm.chat(bad, params, use_tqdm=False)
     with pytest.raises(ValueError, match="cannot both"):
         llm.chat(conv, params, use_tqdm=False, continue_final_message=True)
+
+
+@pytest.mark.slow   # (about 10 s: the whole engine on the Triton interpreter)
+def test_seeded_top_p_on_the_triton_sampler_matches_the_reference(model_factory, monkeypatch):
+    """The engine on the Triton sampler (interpreted on CPU): seeded top-p requests, alone and with
+    penalties, draw the tokens of the reference sampler on HF's logits with the same Philox noise
+    (kernels.sampling.philox_noise), step by step: the top-p route that checks the race winner
+    (no top-k candidates) and its penalties variant give the reference's tokens. Each request
+    runs alone, the decode graphs' work on (uncaptured): the top-p request's decode steps are
+    sampled by the graphs' head, the penalised one's eagerly."""
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    from kernels.sampling import philox_noise, sample_with_noise_ref
+    from tests.hf_oracle import hf_model
+    model_dir = model_factory("qwen3")
+    cases = [SamplingParams(temperature=1.0, top_p=0.3, seed=5, max_tokens=3, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.5, seed=9, max_tokens=3, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.5)]
+    llm = LLM(model_dir, max_model_len=64, block_size=8, attention_backend="triton", max_num_seqs=2,
+              cuda_graph_sizes=[1])   # (one graph size: each is set up with the interpreter)
+    try:
+        outs = [llm.generate({"prompt_token_ids": PROMPT}, c, use_tqdm=False)[0].outputs[0].token_ids for c in cases]
+    finally:
+        llm.shutdown()
+    model = hf_model(model_dir)
+    vocab = model.config.vocab_size
+    for params, out in zip(cases, outs):
+        sp = SP(temperature=params.temperature, top_p=params.top_p, repetition_penalty=params.repetition_penalty,
+                presence_penalty=params.presence_penalty)
+        for t in range(len(out)):
+            with torch.no_grad():
+                logits = model(torch.tensor([PROMPT + out[:t]])).logits[0, -1:].float()
+            counts = torch.zeros(1, vocab, dtype=torch.int32)
+            counts[0].index_add_(0, torch.tensor(out[:t], dtype=torch.long), torch.ones(t, dtype=torch.int32))
+            prompt_mask = torch.zeros(1, vocab, dtype=torch.uint8)
+            prompt_mask[0, PROMPT] = 1
+            row = SamplingRow(sp, params.seed, t)
+            dev = map_arrays(Sampler.host_params([row]), torch.from_numpy)
+            if row.adjusts:
+                logits = apply_penalties_ref(logits, dev.penalty_slots, counts, prompt_mask, dev.repetition_penalty,
+                                             dev.presence_penalty, dev.frequency_penalty, dev.bias_ids,
+                                             dev.bias_values, dev.banned_ids)
+            noise = philox_noise(dev.seeds, dev.output_indices, vocab)
+            want = sample_with_noise_ref(logits, dev.temperature, dev.top_k, dev.top_p, dev.min_p, noise)
+            assert out[t] == int(want[0]), (params, t)

@@ -163,3 +163,39 @@ def test_grammar_threads_leave_the_cpu_to_the_loop(tiny_model_dir):
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller   # the caller's thread is not
     finally:
         mgr.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_bitmask_fill_runs_at_the_loops_priority(tiny_model_dir):
+    """The step's bitmask fill is on the critical path: its thread, and the threads xgrammar's
+    batch fill starts, run at the busy loop's priority, not at the compile pool's nice 19 (the
+    batch matcher was made there, with the compiler: its threads filled every step's bitmask at
+    nice 19, starved on a loaded host). Several rows take the batch fill; its Future gives what
+    grammar_bitmask() gives."""
+    from engine_core.structured_output import StructuredOutputManager
+    from ipc.config import EngineConfig
+    mgr = StructuredOutputManager(EngineConfig(model=tiny_model_dir).resolve())
+    reqs = {str(i): SimpleNamespace(request_id=str(i), prompt_token_ids=[1], output_token_ids=[], eos_token_ids=[0],
+                                    grammar=None, sampling_params=SamplingParams(
+                                        structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+            for i in range(3)}
+    so = SimpleNamespace(req_ids=["0", "free", "1", "2"], scheduled_spec_decode_tokens={})
+    tasks = f"/proc/{os.getpid()}/task"
+    try:
+        for r in reqs.values():
+            mgr.add_request(r)
+            r.grammar.future.result(timeout=120)
+            assert mgr.ready(r)
+        assert mgr._batch is None   # not made with the compiler, on its nice-19 thread
+        before = set(os.listdir(tasks))
+        got = mgr.start_grammar_bitmask(so, reqs).result(timeout=60)
+        assert got.rows == [0, 2, 3] and got.bitmask.shape[1] == (mgr.vocab_size + 31) // 32
+        again = mgr.grammar_bitmask(so, reqs)
+        assert again.rows == got.rows and (again.bitmask == got.bitmask).all()
+        assert mgr._batch is not None
+        caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        new = [int(t) for t in set(os.listdir(tasks)) - before]
+        assert mgr._filler.submit(threading.get_native_id).result() in new
+        assert all(os.getpriority(os.PRIO_PROCESS, t) == caller for t in new if os.path.exists(f"{tasks}/{t}"))
+    finally:
+        mgr.shutdown()

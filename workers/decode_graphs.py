@@ -9,10 +9,11 @@ Each size has two graphs:
   (kernels/decode_inputs.py) takes each row's input token from the previous step's
   sampled tokens where the host does not know it yet, and spreads the packed block
   table over the full-width table that attention reads.
-- the head: lm_head and the plain sampler (greedy, temperature, min-p) -> `tokens`
-  (under tensor parallelism, a large batch samples from each rank's vocabulary shard).
-  A step whose rows all sample plainly replays both graphs. Any other step (top-k,
-  top-p, penalties, logprobs, a grammar) replays the model and samples eagerly.
+- the head: lm_head and the plain sampler (greedy, temperature, min-p, and top-p without
+  top-k) -> `tokens` (under tensor parallelism, a large batch samples from each rank's
+  vocabulary shard, without top-p). A step whose rows all sample plainly replays both
+  graphs. Any other step (top-k, penalties, logprobs, a grammar) replays the model and
+  samples eagerly.
 
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
@@ -75,9 +76,16 @@ def pick_graph_sizes(times: dict[int, float], margin: float = 0.05) -> list[int]
     return out
 
 
-def decode_batch_sizes(limit: int) -> list[int]:
-    """The batch sizes of the decode CUDA graphs, up to `limit`: 1, 2, 4, 8, then every 16."""
-    return sorted({b for b in [1, 2, 4, 8, *range(16, limit + 1, 16), limit] if b <= limit})
+def decode_batch_sizes(limit: int, requested: list[int] | None = None) -> list[int]:
+    """The batch sizes of the decode CUDA graphs, up to `limit`: 1, 2, 4, 8, 16, then every 32
+    (13 sizes to 256, where every 16 took 20: each size is two captures and a timed replay at
+    start-up; pick_graph_sizes may still run a batch in a larger, faster graph). requested
+    (--cuda-graph-sizes, vLLM's): one value N, that pattern up to N; several, exactly those."""
+    if requested and len(requested) > 1:
+        return sorted({min(b, limit) for b in requested if b > 0})
+    if requested:
+        limit = min(limit, requested[0])
+    return sorted({b for b in [1, 2, 4, 8, 16, *range(32, limit + 1, 32), limit] if b <= limit})
 
 
 @dataclass
@@ -174,9 +182,9 @@ class DecodeGraphs:
         self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
-        max_bs = min(config.max_num_seqs, 512)
+        self.sizes = decode_batch_sizes(min(config.max_num_seqs, 512), config.cuda_graph_sizes)
+        max_bs = self.sizes[-1]   # larger decode batches run eagerly (size_for)
         max_blocks = -(-config.max_model_len // config.block_size)
-        self.sizes = decode_batch_sizes(max_bs)
         self.graph_for: list[int] = []   # batch size -> the captured size that runs it
         self.layouts = {bs: StagingLayout.build(bs, uses_mrope) for bs in self.sizes}
         capacity = self.layouts[max_bs].table_offset + 4 * max_bs * max_blocks

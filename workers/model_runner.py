@@ -15,9 +15,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ipc.compile_cache import compiled_kernels, use_compile_cache
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
+from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
@@ -89,6 +91,9 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
         from workers.model_loader import kv_cache_shape, load_model
+        self.startup = StartupTimes(f"worker {rank}")
+        self.startup.since_process_start("imports")
+        use_compile_cache()   # before any kernel compiles: kept across runs (ipc/compile_cache.py)
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
@@ -99,7 +104,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                                config.language_model_only, config.model_impl, config.quantization)
+                               config.language_model_only, config.model_impl, config.quantization)
+        self.startup.mark("weights", t0)
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
@@ -143,7 +149,8 @@ class ModelRunner:
         self.memory.weights_dir = path
 
     def determine_num_blocks(self) -> int:
-        n = self.memory.determine_num_blocks()
+        with self.startup.phase("profiling run"):
+            n = self.memory.determine_num_blocks()
         draft_spec = getattr(self.proposer, "kv_spec", None)   # a draft model's KV cache shares the budget
         if draft_spec is not None and self.config.num_gpu_blocks_override is None:
             n = n * self.kv_spec.block_bytes() // (self.kv_spec.block_bytes() + draft_spec.block_bytes())
@@ -157,12 +164,20 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache; with the weights awake, warm up and capture the graphs."""
-        self.memory.allocate(num_blocks)
-        if hasattr(self.proposer, "allocate"):
-            self.proposer.allocate(num_blocks, self.device)
+        with self.startup.phase("KV cache"):
+            self.memory.allocate(num_blocks)
+            if hasattr(self.proposer, "allocate"):
+                self.proposer.allocate(num_blocks, self.device)
         if not self.memory.weights_asleep:
-            warm_up(self)
-            self._capture_graphs()
+            kernels = compiled_kernels()
+            with self.startup.phase("warm-up"):
+                warm_up(self)
+            if kernels is not None:   # Triton's compiles (0 on a restart: the cache is kept)
+                self.startup.phases[-1] = (f"warm-up ({compiled_kernels() - kernels} kernels compiled)",
+                                           self.startup.phases[-1][1])
+            with self.startup.phase("graph capture"):
+                self._capture_graphs()
+            self.startup.log(logger)
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
 
@@ -344,9 +359,10 @@ class ModelRunner:
         return self.decode_graphs.size_for(len(num_scheduled))
 
     def _samples_plainly(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
-        """No top-k / top-p, penalties, logprobs or grammar among the sampled rows (Sampler.plain)."""
+        """No top-k, penalties, logprobs or grammar among the sampled rows (Sampler.plain), nor
+        top-p under tensor parallelism (the plain rows' logits may be a vocabulary shard there)."""
         return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
-                and self.sampler.plain(rows, self.model.config.vocab_size))
+                and self.sampler.plain(rows, self.model.config.vocab_size, top_p=tp_size() == 1))
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of

@@ -176,7 +176,10 @@ def _temperature(t: float) -> float:
 def sample_plain(logits: torch.Tensor | LogitsShard, params: SamplingArrays, use_triton: bool) -> torch.Tensor:
     """The tokens of rows that all sample plainly (Sampler.plain), from the whole logits or,
     under tensor parallelism, this rank's LogitsShard (every rank then draws the same tokens
-    through two small exchanges): the decode graphs' head, and eager steps of such rows."""
+    through two small exchanges): the decode graphs' head, and eager steps of such rows.
+    From the whole logits, rows may have top-p too (Sampler.plain(top_p=True)): the chunked
+    race checks its winner against each row's top-p set (kernels/sampling.py), one more
+    launch, whose programs return at once for rows without top-p."""
     from kernels import sampling
     if isinstance(logits, LogitsShard):
         args = (logits.logits, logits.vocab_start, logits.vocab_size, params.temperature, params.min_p,
@@ -184,7 +187,7 @@ def sample_plain(logits: torch.Tensor | LogitsShard, params: SamplingArrays, use
         return sampling.sample_sharded(*args, world=logits.world) if use_triton else sampling.sample_sharded_ref(*args)
     args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seeds,
             params.output_indices)
-    return sampling.sample(*args, top_k_top_p=False) if use_triton else sampling.sample_ref(*args)
+    return sampling.sample(*args, max_top_k=0) if use_triton else sampling.sample_ref(*args)
 
 
 class Sampler:
@@ -215,10 +218,11 @@ class Sampler:
         return sampling.sample(*args, top_k_top_p=top_k_top_p, max_top_k=max_top_k, top_p_only=top_p_only)
 
     @staticmethod
-    def plain(rows: list[SamplingRow], vocab: int) -> bool:
+    def plain(rows: list[SamplingRow], vocab: int, top_p: bool = False) -> bool:
         """Whether every row samples by greedy, temperature or min-p alone (no top-k or top-p,
-        logprobs or adjustments): what the decode graphs' head samples (workers/decode_graphs.py)."""
-        return all(not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.logprobs is None
+        logprobs or adjustments): what the decode graphs' head samples (workers/decode_graphs.py).
+        top_p=True: top-p rows too, where the logits are whole (sample_plain), not a shard."""
+        return all(not 0 < r.params.top_k < vocab and (top_p or r.params.top_p >= 1.0) and r.params.logprobs is None
                    and not r.adjusts for r in rows)
 
     @staticmethod

@@ -47,6 +47,8 @@ def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset(
             for key in _DICT_KEYS.get(f.name, ()):
                 p.add_argument(f"{flags[0]}.{key}", dest=f.name, action=_DictKey, const=key, type=int,
                                metavar="N", help=f"same as {flags[0]} '{{\"{key}\": N}}'")
+        elif str(f.type).startswith("list[int]"):
+            p.add_argument(*flags, type=int, nargs="+", default=default, metavar="N", help=help_text)
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             p.add_argument(*flags, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text)

@@ -1,0 +1,74 @@
+"""Start-up (issue 49): the decode graph sizes and --cuda-graph-sizes, the kept and keyed compile
+cache, the start-up breakdown, and the targets table of bench/gpu_suite.sh."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from bench import targets
+from frontend.entrypoints.args import LoomParser, add_engine_args
+from ipc.compile_cache import compile_cache_dir, use_compile_cache
+from ipc.config import ConfigError, EngineConfig
+from ipc.startup import StartupTimes, process_age
+from workers.decode_graphs import decode_batch_sizes
+
+
+def test_decode_graph_sizes_and_the_flag(tiny_model_dir):
+    assert decode_batch_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    assert decode_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert decode_batch_sizes(256, [64]) == [1, 2, 4, 8, 16, 32, 64]      # one value: the pattern up to it
+    assert decode_batch_sizes(256, [8, 1, 300]) == [1, 8, 256]           # several: those (capped)
+    p = LoomParser()
+    add_engine_args(p)
+    assert p.parse_args(["--cuda-graph-sizes", "1", "4", "16"]).cuda_graph_sizes == [1, 4, 16]
+    assert p.parse_args([]).cuda_graph_sizes is None
+    assert EngineConfig(model=tiny_model_dir, cuda_graph_sizes=[1, 4]).resolve().cuda_graph_sizes == [1, 4]
+    for bad in ([0], [], [2.5], 8):
+        with pytest.raises(ConfigError, match="cuda-graph-sizes"):
+            EngineConfig(model=tiny_model_dir, cuda_graph_sizes=bad).resolve()
+
+
+def test_compile_cache_is_kept_under_loom_and_keyed(tmp_path, monkeypatch):
+    from importlib import metadata
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("LOOM_CACHE_ROOT", str(tmp_path))
+    path = compile_cache_dir()
+    assert path.startswith(str(tmp_path / "triton")) and metadata.version("triton") in path
+    assert metadata.version("torch").replace("+", "-") in path
+    assert use_compile_cache() == path and os.path.isdir(path) and os.environ["TRITON_CACHE_DIR"] == path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))   # the user's own wins
+    assert compile_cache_dir() == str(tmp_path / "mine")
+
+
+def test_startup_breakdown_logs_each_phase_at_debug(caplog):
+    times = StartupTimes("worker 0")
+    times.since_process_start("imports")
+    with times.phase("weights"):
+        pass
+    assert 0 < times.phases[0][1] == pytest.approx(process_age(), abs=5) and times.phases[1][0] == "weights"
+    with caplog.at_level(logging.DEBUG, logger="test.startup"):
+        line = times.log(logging.getLogger("test.startup"))
+    assert line.startswith("start-up of worker 0: imports ") and "weights 0.00 s" in line and " in all" in line
+    assert caplog.records[0].levelno == logging.DEBUG
+
+
+def test_targets_table_reads_the_suites_results(tmp_path, capsys):
+    def write(name, obj):
+        (tmp_path / name).write_text(json.dumps(obj))
+    write("targets-qwen3.json", {"output_tok_per_s": 26000.0, "sampling": {
+        "topp-only": {"ratio": 0.98}, "topp": {"ratio": 0.90}, "topp-penalties": {"ratio": 0.95}}})
+    write("targets-serve-c256.json", {"output_throughput": 990.0})
+    write("targets-offline-c256.json", {"output_tok_per_s": 1000.0})
+    write("startup.json", {"qwen3-0.6b": {"fresh": 11.0, "second": None}})
+    got = {t.name: v for t, v in targets.measure(str(tmp_path)) if t.name != "  second start"}
+    assert got["offline workload, Qwen3-0.6B"] == 26000.0 and got["serving c256 vs offline, same shape"] == 0.99
+    assert got["offline workload, Llama-3.1-8B"] is None
+    targets.main([str(tmp_path)])
+    out = {line[:40].strip(): line[40:].split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert out["top-p 0.95, no top-k vs plain"][-2:] == ["PASS", "(x)"]
+    assert out["top-p 0.9 + top-k 50 vs plain"][-2:] == ["FAIL", "(x)"]
+    assert out["loom serve to healthy, Qwen3-0.6B"][-2:] == ["PASS", "(s)"]
+    assert out["JSON-schema constrained vs free"][-2:] == ["not", "run"]
