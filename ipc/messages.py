@@ -86,6 +86,7 @@ class EngineCoreOutput(_Msg):
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
+    pooled: bytes | None = None          # --runner pooling: the prompt's pooled vector (float32), with "stop"
 
 
 class SchedulerStats(_Msg):
@@ -239,6 +240,7 @@ class ModelRunnerOutput(_Msg):
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     failed: dict[str, str] | None = None  # req_id -> why: requests that failed alone (the batch went on)
     refused: dict[str, str] | None = None  # ... the same, for their own inputs (the client's error)
+    pooled: dict[str, bytes] | None = None  # --runner pooling: req_id -> its pooled vector (float32 bytes)
 
 
 class WorkerCall(_Msg):

@@ -128,7 +128,7 @@ class KVCacheMemory:
             torch.manual_seed(self.config.seed)
             weights_dir = weights_dir or self.weights_dir
             fresh = load_model(weights_dir, self.spec.dtype, self.device, load_format or self.config.load_format,
-                               self.config.language_model_only, self.config.model_impl)
+                               self.config.language_model_only, self.config.model_impl, self.config)
             for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                         fresh.state_dict(keep_vars=True).items()):
                 t.data = src.data
