@@ -198,12 +198,11 @@ class ModelRunner:
         self._lap(batch, "prepare")
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
-        if self.pooler is not None:
-            if len(batch.sample_rows):
-                step.pooled = self.pooler(self.model, hidden, batch.host.query_start_loc, batch.computed_before,
-                                          batch.computed_after,
-                                          np.fromiter((s.slot for s in batch.states), np.int64, len(batch.states)),
-                                          batch.sample_rows)
+        if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
+            step.pooled = self.pooler(self.model, hidden, batch.host.query_start_loc, batch.computed_before,
+                                      batch.computed_after,
+                                      np.fromiter((s.slot for s in batch.states), np.int64, len(batch.states)),
+                                      batch.sample_rows)
         elif len(batch.sample_rows) and so.defer_sample:
             if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
                 batch.device = map_arrays(batch.device, torch.clone)

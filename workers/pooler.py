@@ -27,16 +27,20 @@ class Pooler:
                     if self.pooling_type != "LAST" else None)
 
     def __call__(self, model, hidden: torch.Tensor, query_start_loc: np.ndarray, start: np.ndarray,
-                 end: np.ndarray, slots: np.ndarray, finished_rows: np.ndarray) -> torch.Tensor:
+                 end: np.ndarray, slots: np.ndarray, finished_rows: np.ndarray) -> torch.Tensor | None:
         """hidden [T, H] of the step's tokens, row i's at query_start_loc[i]:[i + 1]; its prompt
         tokens start..end - 1. -> [len(finished_rows), D] float32: the pooled (and head-applied)
-        vector of each row whose prompt is complete."""
+        vector of each row whose prompt is complete; None when none is. Called for every step."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         if self.pooling_type == "LAST":
+            if not len(finished_rows):
+                return None
             index, = self.h2d([qsl[1:][finished_rows] - 1])
             pooled = hidden.index_select(0, index)
         else:
             pooled = self._accumulate(hidden, qsl, start, end, slots, finished_rows)
+            if not len(finished_rows):
+                return None
         return model.pool_head(pooled).float()
 
     def _accumulate(self, hidden: torch.Tensor, qsl: np.ndarray, start: np.ndarray, end: np.ndarray,

@@ -45,6 +45,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
                                check_stream_options, completion_prompts, dumps, error_body, models_response, now,
                                parse_request, random_id, stream_usage)
 from frontend.openai.rl_api import control_routes
+from frontend.openai.serving_pooling import ServingPooling
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -645,6 +646,7 @@ class OpenAIServer:
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
+        routes = ServingPooling(self).with_routes(routes)  # embeddings, score, rerank (serving_pooling.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get also answers HEAD
         for method, path, handler in routes:
             add[method](path, handler)

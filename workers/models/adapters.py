@@ -38,6 +38,14 @@ def _two_way(config) -> bool:
                                  or method == "from_2_way_softmax")
 
 
+class ScoreHead(nn.Module):
+    """A classifier's head, [num_labels, hidden], replicated on every rank (HF's `score` Linear)."""
+
+    def __init__(self, num_labels: int, hidden_size: int):
+        super().__init__()
+        self.weight = replicated(nn.Parameter(torch.empty(num_labels, hidden_size), requires_grad=False))
+
+
 def as_pooling_model(cls: type[nn.Module], convert: str) -> type[nn.Module]:
     """cls (a DecoderForCausalLM) as a pooling model for `convert` (embed or classify)."""
 
@@ -48,47 +56,33 @@ def as_pooling_model(cls: type[nn.Module], convert: str) -> type[nn.Module]:
                 self.lm_head = self.model.embed_tokens
                 self.tie_word_embeddings = True
             self.classifier_token_ids: list[int] = list(getattr(config, "classifier_from_token_ids", None) or [])
-            self.score = None
-            if convert == "classify":
-                self.score = replicated(nn.Parameter(torch.empty(num_labels(config), config.hidden_size),
-                                                     requires_grad=False))
+            self.score = ScoreHead(num_labels(config), config.hidden_size) if convert == "classify" else None
 
         def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
             """Pooled hidden states [N, hidden] -> the runner's vectors [N, D]."""
             if self.score is None:
                 return pooled
-            return nn.functional.linear(pooled.to(self.score.dtype), self.score)
+            return nn.functional.linear(pooled.to(self.score.weight.dtype), self.score.weight)
 
         def load_weights(self, weights, partial: bool = False) -> set[str]:
             rows: dict[str, torch.Tensor] = {}   # classifier_from_token: the tokens' vocabulary rows
-            got_score = False
 
             def stream():
-                nonlocal got_score
                 for name, tensor in weights:
                     if not name.startswith(_OWN_PREFIXES):
                         name = "model." + name
-                    if name == "score.weight" and self.score is not None:
-                        self.score.weight_loader(self.score, tensor)
-                        got_score = True
-                        continue
                     if self.classifier_token_ids and name in ("lm_head.weight", "model.embed_tokens.weight"):
                         rows[name] = torch.cat([_narrow(tensor, 0, i, 1) for i in self.classifier_token_ids]).float()
                     if name.startswith("lm_head."):
                         continue
                     yield name, tensor
+                if self.score is not None and self.classifier_token_ids:   # the head made of those rows
+                    w = rows.get("lm_head.weight", rows.get("model.embed_tokens.weight"))
+                    if w is None:
+                        raise ValueError("classifier_from_token: the checkpoint has no lm_head or embedding weight")
+                    yield "score.weight", (w[1] - w[0]).unsqueeze(0) if _two_way(self.config) else w
 
-            loaded = super().load_weights(stream(), partial)
-            if self.score is not None and self.classifier_token_ids:
-                w = rows.get("lm_head.weight", rows.get("model.embed_tokens.weight"))
-                if w is None:
-                    raise ValueError("classifier_from_token: the checkpoint has no lm_head or embedding weight")
-                head = (w[1] - w[0]).unsqueeze(0) if _two_way(self.config) else w
-                self.score.data.copy_(head.to(self.score.device))
-            elif self.score is not None and not got_score and not partial:
-                raise ValueError("a classifier needs the checkpoint's score.weight (or hf_overrides' "
-                                 "classifier_from_token)")
-            return loaded
+            return super().load_weights(stream(), partial)
 
     PoolingModel.__name__ = PoolingModel.__qualname__ = cls.__name__.replace("ForCausalLM", "ForPooling")
     return PoolingModel
