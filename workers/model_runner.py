@@ -119,7 +119,7 @@ class ModelRunner:
             from ipc.pooling import PoolerConfig
             from workers.pooler import Pooler
             self.pooler = Pooler(PoolerConfig.from_dict(config.pooler_config), config.max_num_seqs,
-                                 self.model.config.hidden_size, self.device, self.h2d)
+                                 self.model.config.hidden_size, self.device)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -199,10 +199,7 @@ class ModelRunner:
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
-            step.pooled = self.pooler(self.model, hidden, batch.host.query_start_loc, batch.computed_before,
-                                      batch.computed_after,
-                                      np.fromiter((s.slot for s in batch.states), np.int64, len(batch.states)),
-                                      batch.sample_rows)
+            step.pooled = self.pooler(self.model, hidden, batch)
         elif len(batch.sample_rows) and so.defer_sample:
             if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
                 batch.device = map_arrays(batch.device, torch.clone)
