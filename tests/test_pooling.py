@@ -278,3 +278,16 @@ def test_server_flags_in_help():
                          text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     for flag in ("--runner", "--convert", "--pooler-config", "--hf-overrides"):
         assert flag in out
+
+
+def test_bench_embed_tiny(server, tmp_path):
+    """`loom bench embed` (bench/gpu_suite.sh pooling) against the same server: every request counted."""
+    from bench import embed
+    parser = __import__("argparse").ArgumentParser()
+    embed.add_args(parser)
+    args = parser.parse_args(["--base-url", server.url, "--input-len", "24", "--num-prompts", "12", "--concurrency",
+                              "4", "--processes", "1", "--warmup", "0", "--max-token-id", "300",
+                              "--result-file", str(tmp_path / "r.json")])
+    assert embed.main(args) == 0
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["requests"] == 12 and summary["errors"] == 0 and summary["prompt_tok_per_s"] > 0
