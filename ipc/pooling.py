@@ -8,14 +8,19 @@ its pooled vector instead of a sampled token."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 logger = logging.getLogger("loom.config")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _POOLER_KEYS = {"pooling_type", "normalize", "use_activation", "activation"}
-# architectures whose checkpoint is a classifier (a `score` head over the pooled state)
+# architectures whose checkpoint is a classifier (a `score` head over the pooled state), and those
+# of a bare decoder or an embedding model: `--runner auto` pools them (vLLM's suffixes)
 CLASSIFIER_SUFFIXES = ("ForSequenceClassification",)
+EMBEDDING_SUFFIXES = ("Model", "ForEmbedding", "EmbeddingModel")
+# sentence-transformers' 1_Pooling/config.json modes, in vLLM's reading of them
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,24 @@ def is_classifier_architecture(arch: str | None) -> bool:
     return bool(arch) and arch.endswith(CLASSIFIER_SUFFIXES)
 
 
+def is_embedding_architecture(arch: str | None) -> bool:
+    return bool(arch) and arch.endswith(EMBEDDING_SUFFIXES) and not arch.endswith("ForCausalLM")
+
+
+def sentence_transformers_pooling(model_dir: str) -> str | None:
+    """The pooling mode of a sentence-transformers checkpoint (1_Pooling/config.json), if any."""
+    import json
+    path = os.path.join(model_dir, "1_Pooling", "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return next((kind for key, kind in _ST_MODES.items() if isinstance(cfg, dict) and cfg.get(key)), None)
+
+
 def resolve_pooling(config, hf: dict) -> None:
     """Fill config.runner, config.convert and config.pooler_config (a PoolerConfig's fields) from
     the flags and the model's config.json (with --hf-overrides merged); ConfigError on a conflict."""
@@ -41,7 +64,8 @@ def resolve_pooling(config, hf: dict) -> None:
     if not isinstance(config.hf_overrides, dict):
         raise ConfigError("--hf-overrides must be a JSON object")
     if config.runner == "auto":   # vLLM's: a classifier's checkpoint, or an explicit conversion, pools
-        pools = is_classifier_architecture(arch) or config.convert in ("embed", "classify")
+        pools = (is_classifier_architecture(arch) or is_embedding_architecture(arch)
+                 or config.convert in ("embed", "classify"))
         config.runner = "pooling" if pools else "generate"
     if config.runner == "generate":
         if config.convert not in ("auto", "none"):
@@ -62,7 +86,7 @@ def resolve_pooling(config, hf: dict) -> None:
     if unknown:
         raise ConfigError(f"--pooler-config: unsupported keys {sorted(unknown)} (supported: pooling_type, "
                           "normalize, use_activation)")
-    kind = str(raw.get("pooling_type", "LAST")).upper()
+    kind = str(raw.get("pooling_type") or sentence_transformers_pooling(config.model) or "LAST").upper()
     if kind not in POOLING_TYPES:
         raise ConfigError(f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                           f"{raw.get('pooling_type')!r}")

@@ -84,6 +84,27 @@ def test_embed_dimensions_and_raw(tiny_model_dir):
     assert [round(s.outputs.score, 5) for s in scores] == [round(_cos(embs[0], e), 5) for e in embs[1:]]
 
 
+def test_bare_decoder_checkpoint_pools_by_default(tiny_model_dir, tmp_path):
+    """A checkpoint saved from the bare decoder (Qwen3Model: `layers.0...` names, as Qwen3-Embedding's
+    sentence-transformers layout) pools under --runner auto, with 1_Pooling/config.json's mode."""
+    from transformers import AutoModel
+
+    from frontend.entrypoints.llm import LLM
+    out = tmp_path / "st"
+    hf = AutoModel.from_pretrained(tiny_model_dir).eval()
+    hf.save_pretrained(str(out), safe_serialization=True)
+    _tokenizer(tiny_model_dir).save_pretrained(str(out))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    opts = {k: v for k, v in LLM_OPTS.items() if k != "runner"}
+    with LLM(str(out), **opts) as llm:
+        assert (llm.config.runner, llm.config.convert) == ("pooling", "embed")
+        assert llm.config.pooler_config["pooling_type"] == "MEAN"
+        got = llm.embed(PROMPTS[1], use_tqdm=False)[0].outputs.embedding
+    want = _hf_hidden(tiny_model_dir, _tokenizer(tiny_model_dir)(PROMPTS[1])["input_ids"]).mean(0).numpy()
+    assert _cos(got, want) >= 0.9999
+
+
 def _seq_cls_checkpoint(causal_dir: str, out_dir: str, num_labels: int) -> str:
     """HF's Qwen3ForSequenceClassification on the causal model's decoder, with a random score head."""
     from transformers import AutoConfig, Qwen3ForSequenceClassification

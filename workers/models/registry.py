@@ -69,13 +69,14 @@ _STATEFUL_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "jamba", "falcon_h
 
 
 def base_architecture(arch: str) -> str:
-    """A classifier's architecture (Qwen3ForSequenceClassification) as the causal LM whose decoder
-    it runs (Qwen3ForCausalLM), where we implement that one; the pooling adapter adds its head
+    """A classifier's or a bare decoder's architecture (Qwen3ForSequenceClassification, Qwen3Model)
+    as the causal LM whose decoder it runs (Qwen3ForCausalLM), where we implement that one; the pooling adapter adds its head
     (workers/models/adapters.py). Any other name as it is."""
-    if arch and arch.endswith("ForSequenceClassification"):
-        causal = arch[:-len("ForSequenceClassification")] + "ForCausalLM"
-        if causal in MODELS:
-            return causal
+    for suffix in ("ForSequenceClassification", "ForEmbedding", "Model"):   # (Qwen3Model: a bare decoder)
+        if arch and arch.endswith(suffix) and not arch.endswith("ForCausalLM"):
+            causal = arch[:-len(suffix)] + "ForCausalLM"
+            if causal in MODELS:
+                return causal
     return arch
 
 
