@@ -5,13 +5,14 @@ import argparse
 
 
 def add_bench_parser(sub) -> None:
-    from bench import hf, latency, profile_step, serve, step_host, throughput
+    from bench import embed, hf, latency, profile_step, serve, step_host, throughput
     p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, hf (baseline), profile-step, step-host, preset",
                        description=__doc__)
     bsub = p.add_subparsers(dest="bench_command", required=True)
     throughput.add_parser(bsub)
     latency.add_parser(bsub)
     serve.add_parser(bsub)
+    embed.add_parser(bsub)
     hf.add_parser(bsub)
     profile_step.add_parser(bsub)
     step_host.add_parser(bsub)

@@ -151,6 +151,15 @@ PY
          TAIL=30 run serve-c256 200 $LOOM bench serve --base-url http://127.0.0.1:8123 --random-input-len 512 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve.json" --disable-tqdm
          kill -INT $pid; wait $pid  # the GPU is free again for the offline run at the same shape
          run offline-same-shape 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 --output-len 256 ;;
+  pooling) # issue 48: Qwen3-Embedding-0.6B shape (Qwen3-0.6B, dummy weights), 512-token inputs through
+           # /v1/embeddings at concurrency 64; target >= 250,000 prompt tokens/s (bench/embed.py prints the table)
+           $LOOM bench preset qwen3-0.6b /tmp/q3e > /dev/null
+           $LOOM serve /tmp/q3e --load-format dummy --runner pooling --max-model-len 1024 --port 8124 \
+             --max-num-batched-tokens ${POOL_MNBT:-16384} ${SERVE_ARGS:-} > "$OUT/pooling-server.log" 2>&1 & pid=$!
+           for _ in $(seq 150); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+           TAIL=8 run pooling-embed-c64 150 $LOOM bench embed --base-url http://127.0.0.1:8124 --input-len 512 \
+             --num-prompts ${POOL_PROMPTS:-4096} --concurrency 64 --result-file "$OUT/pooling.json"
+           kill -INT $pid; wait $pid ;;
   qwen3-mnbt) for t in 8192 16384 8192 16384; do  # fewer, larger eager prefill steps: host-bound ones
                  run qwen3-mnbt-$t 200 $LOOM bench throughput --preset qwen3-0.6b --max-num-batched-tokens $t; done ;;
   profile) TAIL=40 run profile-qwen3 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 1 256 --context 1024 --top 16

@@ -385,6 +385,7 @@ class Scheduler:
         prompt_logprobs = out.prompt_logprobs or {}
         failed, refused = out.failed or {}, out.refused or {}
         spec_accepted, spec_next = out.spec_accepted or {}, out.spec_token_ids or {}
+        pooled = out.pooled
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             if (req is None or req.status != RequestStatus.RUNNING
@@ -400,6 +401,13 @@ class Scheduler:
                 else:   # its own inputs: a refusal (a 400) while it has no tokens
                     out_err = EngineCoreOutput(rid, [], "error", error=refused[rid])
                 outputs.setdefault(req.client_index, []).append(out_err)
+                continue
+            if pooled and rid in pooled:   # a pooling request ends with its prefill (ipc/pooling.py)
+                req.num_output_placeholders = 0
+                self.running.remove(req)
+                self._free(req, RequestStatus.FINISHED_STOPPED)
+                outputs.setdefault(req.client_index, []).append(EngineCoreOutput(
+                    rid, [], "stop", num_cached_tokens=max(req.num_cached_tokens, 0), pooled=pooled[rid]))
                 continue
             plp = self._new_prompt_logprobs(req, prompt_logprobs.get(rid))
             if token < 0:

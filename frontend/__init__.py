@@ -2,7 +2,7 @@
 tokenization, chat templates and incremental detokenization."""
 from ipc.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams"]
 
 
 def __getattr__(name):
@@ -10,4 +10,7 @@ def __getattr__(name):
     if name == "LLM":
         from frontend.entrypoints.llm import LLM
         return LLM
+    if name == "PoolingParams":   # vLLM's, for LLM.embed / classify / score (frontend/pooling.py)
+        from frontend.pooling import PoolingParams
+        return PoolingParams
     raise AttributeError(name)

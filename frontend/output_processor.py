@@ -47,6 +47,9 @@ class RequestState:
 
     def process(self, out: EngineCoreOutput) -> tuple[CompletionOutput | None, bool]:
         """Returns (delta or None, abort_in_engine). abort_in_engine: a stop string ended it here."""
+        if out.pooled is not None:   # a pooling request: its vector, and no text (frontend/pooling.py)
+            self.finish_reason, self.num_cached_tokens = "stop", out.num_cached_tokens
+            return CompletionOutput(self.index, "", [], "stop", pooled=out.pooled), False
         if self.detok is None:
             return self._process_final_only(out), False
         abort = False

@@ -35,6 +35,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # the prompt's logprobs (entry 0 is None), on the first delta of a choice that asked for them
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooled: bytes | None = None   # --runner pooling: the prompt's pooled vector (float32; frontend/pooling.py)
 
     @property
     def finished(self) -> bool:

@@ -64,6 +64,19 @@ class EngineConfig:
                              "paged attention, for any decoder-only *ForCausalLM), auto (loom where the "
                              "architecture has a file, else transformers)", ("auto", "loom", "transformers"))
     seed: int = option(0, "seed of the workers' random state (dummy weights)")
+    runner: str = option("auto", "generate: a text generator; pooling: a pooling model (embeddings, "
+                         "classification, scores: /v1/embeddings, /classify, /score, /rerank; prefill only); "
+                         "auto: pooling for *ForSequenceClassification (and --convert embed/classify), else "
+                         "generate", ("auto", "generate", "pooling"))
+    convert: str = option("auto", "how a pooling runner uses the model: embed (the pooled hidden state), "
+                          "classify (through its `score` head, or one made of vocabulary rows by hf_overrides' "
+                          "classifier_from_token); auto: classify for *ForSequenceClassification, else embed",
+                          ("auto", "none", "embed", "classify"))
+    pooler_config: dict = option({}, "the pooler, as vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                                 "\"normalize\": true|false} (default: LAST, normalised embeddings)")
+    hf_overrides: dict = option({}, "JSON object merged over the model's config.json, e.g. Qwen3-Reranker's "
+                                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                                "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     max_model_len: int | None = option(None, "longest sequence (prompt + output); default: the model's")
     max_num_seqs: int = option(256, "most requests in one step")
     scheduling_policy: str = option("fcfs", "fcfs: waiting requests run in arrival order, and preemption takes "
@@ -210,6 +223,8 @@ class EngineConfig:
         self.eos_token_ids = _eos_token_ids(self.model, text_cfg, self.tokenizer_dir, self.vocab_size)
         self.default_sampling_params = self._generation_defaults()
         self._resolve_multimodal(hf, multimodal_info(self.model) if multimodal_info else None)
+        from ipc.pooling import resolve_pooling
+        resolve_pooling(self, {**hf, **self.hf_overrides})   # --runner, --convert, --pooler-config
         if self.profiler_dir is None:
             self.profiler_dir = envs.LOOM_TORCH_PROFILER_DIR or None
         self._resolve_env_defaults()

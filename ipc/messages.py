@@ -86,6 +86,7 @@ class EngineCoreOutput(_Msg):
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None             # with "error": why (stop_reason INTERNAL_ERROR: not the request's fault)
+    pooled: bytes | None = None          # --runner pooling: the prompt's pooled vector (float32), with "stop"
 
 
 class SchedulerStats(_Msg):
@@ -253,6 +254,7 @@ class ModelRunnerOutput(_Msg):
     # sampled_token_ids entry (absent: none accepted); and req_id -> the next step's drafts
     spec_accepted: dict[str, list[int]] | None = None
     spec_token_ids: dict[str, list[int]] | None = None
+    pooled: dict[str, bytes] | None = None  # --runner pooling: req_id -> its pooled vector (float32 bytes)
 
 
 class WorkerCall(_Msg):

@@ -137,7 +137,8 @@ class KVCacheMemory:
             torch.manual_seed(self.config.seed)
             weights_dir = weights_dir or self.weights_dir
             fresh = load_model(weights_dir, self.model_dtype, self.device, load_format or self.config.load_format,
-                               self.config.language_model_only, self.config.model_impl, self.config.quantization)
+                               self.config.language_model_only, self.config.model_impl, self.config.quantization,
+                               self.config)
             for (n, t), (_, src) in zip(self.model.state_dict(keep_vars=True).items(),
                                         fresh.state_dict(keep_vars=True).items()):
                 t.data = src.data

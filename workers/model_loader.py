@@ -64,6 +64,18 @@ def load_config(model_dir: str):
         return PretrainedConfig.from_dict(raw)
 
 
+def apply_hf_overrides(config, overrides: dict, tokenizer_dir: str) -> None:
+    """vLLM's --hf-overrides: set on the transformers config; classifier_from_token's tokens are
+    looked up in the tokenizer (as vLLM does) for the pooling adapter."""
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    tokens = getattr(config, "classifier_from_token", None)
+    if tokens:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config.classifier_from_token_ids = [tok.convert_tokens_to_ids(t) for t in tokens]
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -75,11 +87,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device | str,
-                language_model_only: bool = False, model_impl: str = "auto") -> nn.Module:
+                language_model_only: bool = False, model_impl: str = "auto", convert: str = "none") -> nn.Module:
     """Our model for `config`, parameters uninitialized, on device in dtype
     (the rotary cos/sin cache stays float32). language_model_only: a vision-language
-    model without its vision tower. model_impl: --model-impl (workers/models/registry.py)."""
+    model without its vision tower. model_impl: --model-impl (workers/models/registry.py).
+    convert: embed or classify serve it for pooling (workers/models/adapters.py)."""
     cls = get_model_class(config, model_impl)
+    if convert in ("embed", "classify"):
+        from workers.models.adapters import as_pooling_model
+        cls = as_pooling_model(cls, convert)
     kwargs = {"language_model_only": True} if language_model_only and supports_multimodal(cls) else {}
     with torch.device(device), _default_dtype(dtype):
         model = cls(config, **kwargs)
@@ -208,7 +224,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", language_model_only: bool = False, model_impl: str = "auto",
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, engine_config=None) -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
@@ -220,9 +236,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
     config = load_config(model_dir)
+    convert = "none"
+    if engine_config is not None:   # --hf-overrides, and a pooling runner's --convert
+        apply_hf_overrides(config, engine_config.hf_overrides, engine_config.tokenizer_dir)
+        convert = engine_config.convert
     qcfg = get_quantization_config(_raw_config(model_dir), quantization, load_format)
     with dense_weights_on_meta(qcfg):
-        model = build_model(config, dtype, device, language_model_only, model_impl)
+        model = build_model(config, dtype, device, language_model_only, model_impl, convert)
     quantized = install_linear_methods(model, qcfg, device)
     if qcfg is not None:
         logger.info("weights: %s on %d linear layers", qcfg.description, quantized)

@@ -86,6 +86,7 @@ class PendingStep:
     graph_sampled: bool = False               # tokens is the decode graphs' `tokens` (the next step's graph reads it)
     spec: SpecLayout | None = None            # a verify step's drafts (speculative decoding)
     num_accepted: torch.Tensor | None = None  # its accepted drafts per sampled request (pinned after copy_back)
+    pooled: torch.Tensor | None = None        # --runner pooling: a vector per sample row (a pinned copy after copy_back)
 
 
 class ModelRunner:
@@ -104,7 +105,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                               config.language_model_only, config.model_impl, config.quantization)
+                               config.language_model_only, config.model_impl, config.quantization, config)
         self.startup.mark("weights", t0)
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
@@ -132,6 +133,12 @@ class ModelRunner:
         self.spec_config = config.speculative
         self.rejection_sampler = RejectionSampler()
         self.proposer = make_proposer(config, self)   # None: speculation off
+        self.pooler = None   # --runner pooling: finished prompts are pooled, never sampled (workers/pooler.py)
+        if config.runner == "pooling":
+            from ipc.pooling import PoolerConfig
+            from workers.pooler import Pooler
+            self.pooler = Pooler(PoolerConfig.from_dict(config.pooler_config), config.max_num_seqs,
+                                 self.model.config.hidden_size, self.device)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -225,7 +232,9 @@ class ModelRunner:
         self._lap(batch, "prepare")
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
-        if len(batch.sample_rows) and so.defer_sample:
+        if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
+            step.pooled = self.pooler(self.model, hidden, batch)
+        elif len(batch.sample_rows) and so.defer_sample:
             if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
                 batch.device = map_arrays(batch.device, torch.clone)
             step.unsampled = DeferredSample(batch, logits)   # sample_deferred() samples it once the bitmask comes
@@ -354,7 +363,7 @@ class ModelRunner:
         """The decode graph size that runs the step (pure decodes, no image placeholder). Its head
         samples the step when every row samples, plainly: then there is no eager lm_head or
         sampler at all."""
-        if self.decode_graphs is None or has_mm or not (num_scheduled == 1).all():
+        if self.decode_graphs is None or has_mm or self.pooler is not None or not (num_scheduled == 1).all():
             return None
         return self.decode_graphs.size_for(len(num_scheduled))
 
@@ -387,7 +396,7 @@ class ModelRunner:
             hidden = self.model(device.input_ids, device.positions, self.kv_caches, attention, batch.inputs_embeds)
         else:
             hidden = self.model(device.input_ids, device.positions, self.kv_caches, attention)
-        if not len(batch.sample_rows) or batch.graph_samples:
+        if not len(batch.sample_rows) or batch.graph_samples or self.pooler is not None:
             return hidden, None
         # (plain rows may get this rank's LogitsShard under tensor parallelism: Sampler takes either)
         logits = self.model.compute_logits(hidden.index_select(0, device.sample_index), batch.plain)
@@ -509,7 +518,9 @@ class ModelRunner:
             step.num_accepted = to_host(step.num_accepted)
         if step.prompt_logprobs is not None:
             step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
-        if step.tokens is not None or step.prompt_logprobs is not None:
+        if step.pooled is not None:
+            step.pooled = to_host(step.pooled)
+        if step.tokens is not None or step.prompt_logprobs is not None or step.pooled is not None:
             step.event = torch.cuda.Event()
             step.event.record()
 
@@ -545,10 +556,14 @@ class ModelRunner:
                     step.states[step.sample_rows[j]].req_id: "no token is left to sample: allowed_token_ids, "
                     "bad_words, logit_bias and min_tokens (which bans the stop tokens) exclude every one"
                     for j in step.masked.nonzero().flatten().tolist()}}
+        pooled = None
+        if step.pooled is not None:
+            vectors = step.pooled.numpy()
+            pooled = {step.states[i].req_id: vectors[j].tobytes() for j, i in enumerate(step.sample_rows.tolist())}
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
-                                 step.failed, step.refused, accepted, spec_next)
+                                 step.failed, step.refused, accepted, spec_next, pooled)
 
     def _append_accepted(self, step: PendingStep) -> dict[str, list[int]] | None:
         """A verify step's accepted drafts into the persistent batch (the emitted token follows)."""

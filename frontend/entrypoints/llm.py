@@ -24,6 +24,7 @@ from frontend.dp_router import DPRouter
 from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.entrypoints.llm_pooling import PoolingMixin
 from frontend.chat_utils import detect_content_format, load_images, parse_chat_messages, render_chat
 from frontend.processing import (engine_requests, load_tokenizer, new_request_id, tokenize_bad_words, tokenize_prompt,
                                  typed_params)
@@ -56,7 +57,7 @@ def longest_first(max_tokens: Sequence[int]) -> list[int]:
     return sorted(range(len(max_tokens)), key=lambda k: -max_tokens[k])
 
 
-class LLM:
+class LLM(PoolingMixin):
     def __init__(self, model: str, multiprocess: bool | None = None, **options):
         """Options are those of `loom serve`, with underscores (max_model_len=..., block_size=...).
         multiprocess=False: the engine core and one worker in this process, stepped in the
@@ -293,6 +294,7 @@ class LLM:
                 if delta.finish_reason is None:
                     continue
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+                choice.pooled = delta.pooled   # --runner pooling (LLM.embed, classify, score)
                 result.num_cached_tokens = st.num_cached_tokens
                 result.prompt_logprobs = st.prompt_logprobs
                 del self._states[out.request_id]

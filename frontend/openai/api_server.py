@@ -50,6 +50,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
 from frontend.openai.rl_api import control_routes
 from frontend.openai.serving_messages import MessagesAPI
 from frontend.openai.serving_responses import ResponsesAPI
+from frontend.openai.serving_pooling import ServingPooling
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -704,6 +705,7 @@ class OpenAIServer:
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
+        routes = ServingPooling(self).with_routes(routes)  # embeddings, score, rerank (serving_pooling.py)
         add = {"GET": app.router.add_get, "POST": app.router.add_post,  # add_get also answers HEAD
                "DELETE": app.router.add_delete}
         for method, path, handler in routes:

@@ -69,8 +69,21 @@ _STATEFUL_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "jamba", "falcon_h
                                    "qwen3_next", "recurrent_gemma", "xlstm", "minimax", "plamo2"})
 
 
+def base_architecture(arch: str) -> str:
+    """A classifier's or a bare decoder's architecture (Qwen3ForSequenceClassification, Qwen3Model)
+    as the causal LM whose decoder it runs (Qwen3ForCausalLM), where we implement that one; the pooling adapter adds its head
+    (workers/models/adapters.py). Any other name as it is."""
+    for suffix in ("ForSequenceClassification", "ForEmbedding", "Model"):   # (Qwen3Model: a bare decoder)
+        if arch and arch.endswith(suffix) and not arch.endswith("ForCausalLM"):
+            causal = arch[:-len(suffix)] + "ForCausalLM"
+            if causal in MODELS:
+                return causal
+    return arch
+
+
 def model_class(arch: str) -> type[nn.Module]:
     """The native class of an architecture name; ValueError for one we do not implement."""
+    arch = base_architecture(arch)
     entry = MODELS.get(arch)
     if entry is None:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(MODELS))})")
@@ -82,6 +95,7 @@ def uses_generic_path(arch: str, impl: str = "auto") -> bool:
     for an impl we do not know, or `loom` for an architecture without a native file."""
     if impl not in MODEL_IMPLS:
         raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {impl!r}")
+    arch = base_architecture(arch)
     if impl == "loom" and arch not in MODELS:
         raise ValueError(f"architecture {arch!r} has no native implementation (native: {', '.join(sorted(MODELS))}); "
                          "--model-impl transformers (or auto) serves it through transformers")
@@ -116,7 +130,7 @@ def check_architecture(config) -> None:
     """Start-up check of an EngineConfig (before any worker starts): the architecture is served
     by the chosen --model-impl. ConfigError (one line) otherwise; TP > 1 on the generic path too."""
     from ipc.config import ConfigError, read_json_object
-    hf = read_json_object(os.path.join(config.model, "config.json"))
+    hf = {**read_json_object(os.path.join(config.model, "config.json")), **(getattr(config, "hf_overrides", None) or {})}
     arch = (hf.get("architectures") or [None])[0]
     if arch is None:
         raise ConfigError(f"{config.model}/config.json names no architecture (`architectures`)")
@@ -135,6 +149,9 @@ def check_architecture(config) -> None:
     if quantized:
         raise ConfigError(f"quantized weights on the generic transformers path ({arch}) are not supported"
                           + (" (--model-impl auto or loom serves it natively)" if arch in MODELS else ""))
+    if getattr(config, "runner", "generate") == "pooling":
+        raise ConfigError(f"--runner pooling serves natively implemented decoders only ({arch} is not one; "
+                          f"natively served: {', '.join(sorted(MODELS))})")
     why = generic_path_refusal(hf)
     if why is not None:
         native = f"; natively served: {', '.join(sorted(MODELS))}" if arch not in MODELS else ""
