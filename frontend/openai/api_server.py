@@ -41,7 +41,8 @@ from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.openai import anthropic
 from frontend.openai.http_errors import OpenAIErrorRunner
-from frontend.chat_utils import detect_content_format, image_urls, message_text, parse_chat_messages, render_chat
+from frontend.chat_utils import (audio_urls, detect_content_format, image_urls, message_text, parse_chat_messages,
+                                 render_chat)
 from frontend.processing import tokenize_bad_words, tokenize_prompts, truncate_prompt
 from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
@@ -528,11 +529,16 @@ class OpenAIServer:
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
         """Load a chat's images (http(s) fetched here; decoding and the HF processor off the
         loop), expand their placeholders and put them in the shared-memory store."""
-        urls = image_urls(messages)
-        if not urls:
-            return ids, []
+        by_modality = {"image": image_urls(messages), "audio": audio_urls(messages)}
         mm = getattr(self.llm, "mm", None)
+        modality = mm.modality if mm is not None else "image"
+        urls = by_modality.pop(modality)
         try:
+            for other, its in by_modality.items():   # (the model's modality is never here)
+                if its:
+                    mm_reject(self.config, len(its), other)
+            if not urls:
+                return ids, []
             if mm is None:
                 mm_reject(self.config, len(urls))
             return await mm.process_urls(ids, urls, mm_kwargs, self.config.allowed_local_media_path)
