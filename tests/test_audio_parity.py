@@ -16,7 +16,7 @@ from tests.tiny_audio_models import hf_qwen2_audio_greedy, make_tiny_qwen2_audio
 ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
 
 MAX_NEW = 8
-RATE = 4000   # the tiny feature extractor's
+RATE = 16000   # the tiny feature extractor's
 
 
 def chat(text: str, clips: int) -> str:
@@ -63,9 +63,9 @@ def test_chat_audio_parts_and_bad_input(model_dir, tmp_path):
     give HF's prompt and output; a file that is not audio, a clip over the 30 s window and an
     unknown format are refused with a clear error."""
     clip = speech_like(6, 2.0, RATE)
-    stereo = speech_like(7, 1.0, 16000, channels=2)
+    stereo = speech_like(7, 1.0, 8000, channels=2)
     flac = tmp_path / "b.flac"
-    flac.write_bytes(_wav(stereo, 16000, "FLAC"))
+    flac.write_bytes(_wav(stereo, 8000, "FLAC"))
     messages = [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav(clip, RATE)).decode(), "format": "wav"}},
         {"type": "audio_url", "audio_url": {"url": f"file://{flac}"}},
@@ -75,7 +75,7 @@ def test_chat_audio_parts_and_bad_input(model_dir, tmp_path):
         out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
         import soundfile as sf
         decoded = [(sf.read(io.BytesIO(_wav(clip, RATE)), dtype="float32")[0], RATE),
-                   (sf.read(str(flac), dtype="float32")[0], 16000)]
+                   (sf.read(str(flac), dtype="float32")[0], 8000)]
         ids, ref = hf_qwen2_audio_greedy(model_dir, chat("Both?", 2), decoded, MAX_NEW)
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == ref
         params = SamplingParams(max_tokens=2)

@@ -21,8 +21,8 @@ AUDIO_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 AUDIO_SPECIAL = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
-# a small mel front end: 16 mel bins, 0.1 s hops at 4 kHz, so that the 30 s window is 300 frames
-FEATURES = dict(feature_size=16, sampling_rate=4000, hop_length=400, chunk_length=30, n_fft=800)
+# a small mel front end: 16 mel bins, 0.1 s hops at 16 kHz, so that the 30 s window is 300 frames
+FEATURES = dict(feature_size=16, sampling_rate=16000, hop_length=1600, chunk_length=30, n_fft=400)
 
 
 def make_tiny_qwen2_audio(out_dir: str, seed: int = 0) -> str:

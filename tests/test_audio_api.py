@@ -1,0 +1,133 @@
+"""Audio over HTTP: a real `loom serve` of a tiny Qwen2-Audio and the official openai client.
+input_audio (base64 wav), audio_url (http(s) fetched, file:// under --allowed-local-media-path)
+give HF's output; every bad input is OpenAI's 400 and the server keeps serving; nothing is left
+in /dev/shm."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import os
+import threading
+
+import openai
+import pytest
+
+from tests.conftest import own_run_id
+from tests.tiny_audio_models import hf_qwen2_audio_greedy, make_tiny_qwen2_audio, speech_like
+
+RUN_ID = own_run_id()
+RATE = 16000   # the tiny feature extractor's
+
+
+def wav_bytes(samples, rate: int, fmt: str = "WAV") -> bytes:
+    import soundfile as sf
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt)
+    return buf.getvalue()
+
+
+def input_audio(data: bytes, fmt: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def user(*parts, text: str = "What is it?") -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen2_audio(str(tmp_path_factory.mktemp("qwen2_audio_api")))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("audio_media")
+    (d / "ok.ogg").write_bytes(wav_bytes(speech_like(20, 2.0, 8000), 8000, "OGG"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, media_dir):
+    from tests.conftest import Server
+    s = Server(model_dir, "--max-model-len", "512", "--max-num-seqs", "4", "--limit-mm-per-prompt.audio", "1",
+               "--allowed-local-media-path", str(media_dir / ""), "--mm-processor-cache-gb", "0.01",
+               env={"LOOM_RUN_ID": RUN_ID})
+    try:
+        yield s.wait_healthy()
+    finally:
+        s.stop()
+        assert not [n for n in os.listdir("/dev/shm") if RUN_ID in n], "segments left after SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                          temperature=0, max_tokens=8, **kw)
+
+
+def _check_hf(out, model_dir, clip):
+    from transformers import AutoTokenizer
+    prompt = "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is it?<|im_end|>\n" \
+             "<|im_start|>assistant\n"
+    ids, ref = hf_qwen2_audio_greedy(model_dir, prompt, [clip], 8)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.content == AutoTokenizer.from_pretrained(model_dir).decode(
+        ref, skip_special_tokens=True)
+
+
+def test_input_audio_matches_hf_and_streams(client, model_dir):
+    clip = speech_like(21, 3.0, RATE)
+    messages = user(input_audio(wav_bytes(clip, RATE)))
+    full = chat(client, messages)
+    _check_hf(full, model_dir, (clip, RATE))
+    text = "".join(c.choices[0].delta.content or "" for c in chat(client, messages, stream=True) if c.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_audio_url_http_and_file(client, model_dir, media_dir):
+    import soundfile as sf
+    clip = speech_like(22, 2.0, 22050, channels=2)   # stereo at 22.05 kHz: mono, resampled
+    body = wav_bytes(clip, 22050, "FLAC")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/a.flac"
+        out = chat(client, user({"type": "audio_url", "audio_url": {"url": url}}))
+    finally:
+        httpd.shutdown()
+    _check_hf(out, model_dir, (sf.read(io.BytesIO(body), dtype="float32")[0], 22050))
+    ogg = media_dir / "ok.ogg"
+    out = chat(client, user({"type": "audio_url", "audio_url": {"url": f"file://{ogg}"}}))
+    _check_hf(out, model_dir, (sf.read(str(ogg), dtype="float32")[0], 8000))
+
+
+@pytest.mark.parametrize("parts,needle", [
+    ([input_audio(b"this is not audio at all" * 20)], "not an audio file"),
+    ([input_audio(wav_bytes(speech_like(23, 31.0, RATE), RATE))], "at most 30 s"),
+    ([input_audio(b"\0\0\0\0", "aiff")], "format must be one of"),
+    ([{"type": "input_audio", "input_audio": {"data": "@@not base64@@", "format": "wav"}}], "not valid base64"),
+    ([{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}], "outside --allowed-local-media-path"),
+    ([{"type": "audio_url", "audio_url": {"url": "ftp://x/a.wav"}}], "unsupported audio URL scheme"),
+    ([input_audio(wav_bytes(speech_like(24, 1.0, RATE), RATE))] * 2, "At most 1 audio"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "does not take images"),
+])
+def test_bad_audio_is_400_and_the_server_keeps_serving(client, parts, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, user(*parts))
+    assert needle in str(e.value)
+    assert chat(client, [{"role": "user", "content": "Hello"}]).choices[0].message.content is not None
