@@ -368,13 +368,13 @@ class OpenAIServer:
             check_request_chat_template(req, self.options.trust_request_chat_template)
             messages = self._messages(req)
             check_tools(req.tools)
-            urls = image_urls(messages)
-            if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit("image")):
-                try:   # refused as a chat request would be (images are not decoded here: vLLM's /tokenize
-                    # does not expand them either)
-                    mm_reject(self.config, len(urls))
-                except MediaError as e:
-                    raise APIError(str(e), 400, "messages") from None
+            for modality, urls in (("image", image_urls(messages)), ("audio", audio_urls(messages))):
+                if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit(modality)):
+                    try:   # refused as a chat request would be (items are not decoded here: vLLM's /tokenize
+                        # does not expand them either)
+                        mm_reject(self.config, len(urls), modality)
+                    except MediaError as e:
+                        raise APIError(str(e), 400, "messages") from None
             ids = await self.tokenizers.chat(
                 size, messages,
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
