@@ -31,7 +31,7 @@ from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.media import MediaError
-from multimodal.processor import make_mm_processor
+from multimodal.processor import make_mm_processor, mm_reject
 from workers.models.registry import check_architecture, multimodal_info
 from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
 
@@ -214,8 +214,11 @@ class LLM:
             raise ValueError(f"unsupported modalities {sorted(unknown)} (only 'image' and 'audio')")
         modality = self.mm.modality if self.mm is not None else "image"
         for other in set(data) - {modality}:
-            if data[other]:
-                raise ValueError(f"this model does not take {'images' if other == 'image' else other}")
+            if data[other]:   # refused as the API server refuses it
+                try:
+                    mm_reject(self.config, 1, other)
+                except MediaError as e:
+                    raise ValueError(str(e)) from None
         images = data.get(modality) or []
         # a list of items, or one; one clip is an (array, sample_rate) tuple, as vLLM takes it
         if not isinstance(images, list) and not (isinstance(images, tuple) and modality == "image"):
