@@ -10,6 +10,7 @@ import io
 import os
 import threading
 
+import numpy as np
 import openai
 import pytest
 
@@ -131,3 +132,56 @@ def test_bad_audio_is_400_and_the_server_keeps_serving(client, parts, needle):
         chat(client, user(*parts))
     assert needle in str(e.value)
     assert chat(client, [{"role": "user", "content": "Hello"}]).choices[0].message.content is not None
+
+
+# ------------------------------------------------------------------ /v1/audio/transcriptions
+
+def _transcribe_oracle(model_dir, clip, task="transcribe", language=None, prompt="", max_new=8) -> str:
+    from transformers import AutoTokenizer
+
+    from workers.models.qwen2_audio import Qwen2AudioClips
+    text = Qwen2AudioClips().transcription_prompt(task, language, prompt)
+    _, ref = hf_qwen2_audio_greedy(model_dir, text, [clip], max_new)
+    return AutoTokenizer.from_pretrained(model_dir).decode(ref, skip_special_tokens=True)
+
+
+def test_transcription_sdk_plain_and_streamed(client, model_dir):
+    clip = speech_like(30, 4.0, RATE)
+    model = client.models.list().data[0].id
+    file = ("a.wav", wav_bytes(clip, RATE), "audio/wav")
+    extra = {"max_completion_tokens": 8}
+    r = client.audio.transcriptions.create(model=model, file=file, language="en", temperature=0, extra_body=extra)
+    assert r.text == _transcribe_oracle(model_dir, (clip, RATE), language="en")
+    events = list(client.audio.transcriptions.create(model=model, file=file, language="en", stream=True,
+                                                     extra_body=extra))
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    assert deltas == r.text and events[-1].type == "transcript.text.done" and events[-1].text == r.text
+    text = client.audio.transcriptions.create(model=model, file=file, language="en", response_format="text",
+                                              extra_body=extra)
+    assert text == r.text
+    t = client.audio.translations.create(model=model, file=file, extra_body=extra)
+    assert t.text == _transcribe_oracle(model_dir, (clip, RATE), task="translate")
+
+
+def test_95_seconds_transcribe_through_4_pieces(client, model_dir):
+    rate = 8000   # resampled to the model's 16 kHz, then split at 30 s
+    clip = speech_like(31, 95.0, rate)
+    model = client.models.list().data[0].id
+    r = client.audio.transcriptions.create(model=model, file=("long.flac", wav_bytes(clip, rate, "FLAC")),
+                                           response_format="verbose_json", extra_body={"max_completion_tokens": 3})
+    assert len(r.segments) == 4 and abs(r.duration - 95.0) < 0.01
+    assert r.segments[-1].end == pytest.approx(95.0, abs=0.01) and all(s.end - s.start <= 30 for s in r.segments)
+    assert r.text == " ".join(s.text for s in r.segments if s.text)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"file": ("x.wav", b"definitely not audio" * 10)}, "not an audio file"),
+    ({"file": ("x.wav", wav_bytes(np.zeros(601 * 1000, np.int16), 1000, "WAV"))}, "at most 600 s"),
+    ({"file": ("x.wav", b"RIFF"), "response_format": "srt"}, "response_format must be one of"),
+    ({"file": ("x.wav", b"RIFF"), "language": "english!"}, "language must be"),
+])
+def test_bad_transcriptions_are_400(client, kw, needle):
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(model=model, **kw)
+    assert needle in str(e.value)

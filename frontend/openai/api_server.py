@@ -51,6 +51,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
 from frontend.openai.rl_api import control_routes
 from frontend.openai.serving_messages import MessagesAPI
 from frontend.openai.serving_responses import ResponsesAPI
+from frontend.openai.serving_transcription import TranscriptionAPI
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -699,7 +700,7 @@ class OpenAIServer:
                   ("GET", "/health", self.health), ("GET", "/metrics", self.metrics),
                   ("GET", "/version", self.version),
                   ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
-        routes += self.responses.routes() + self.messages.routes()
+        routes += self.responses.routes() + self.messages.routes() + TranscriptionAPI(self).routes()
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)

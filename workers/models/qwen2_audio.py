@@ -33,6 +33,13 @@ class Qwen2AudioClips(AudioInfo):
     def image_token_id(self, hf: dict) -> int:   # (the placeholder token: <|AUDIO|>)
         return int(hf.get("audio_token_index", hf.get("audio_token_id", 151646)))
 
+    def transcription_prompt(self, task: str, language: str | None, prompt: str) -> str:
+        """Qwen2-Audio's speech-recognition prompt (its model card's), or translation into English."""
+        ask = "Detect the language and recognize the speech:" if task == "transcribe" else \
+            "Translate the speech into English:"
+        lang = f" <|{language}|>" if language else ""
+        return f"<|audio_bos|><|AUDIO|><|audio_eos|>{prompt}{ask}{lang}"
+
     def max_item_tokens(self, model_dir: str, hf: dict) -> int:
         return conv_output_lengths(2 * int((hf.get("audio_config") or {}).get("max_source_positions", 1500)))[1]
 
