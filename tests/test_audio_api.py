@@ -185,3 +185,19 @@ def test_bad_transcriptions_are_400(client, kw, needle):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.transcriptions.create(model=model, **kw)
     assert needle in str(e.value)
+
+
+def test_bench_serve_asr_reports_rtfx(server, tmp_path):
+    """`loom bench serve --dataset-name asr` (generated speech-like clips in the length bounds)
+    transcribes every clip through the streamed endpoint and reports RTFx."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "asr.json"
+    subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+                    "--dataset-name", "asr", "--num-prompts", "4", "--max-concurrency", "2",
+                    "--asr-min-audio-len-sec", "1", "--asr-max-audio-len-sec", "3", "--random-output-len", "4",
+                    "--disable-tqdm", "--result-file", str(out)], check=True, timeout=120, capture_output=True)
+    m = json.loads(out.read_text())
+    assert m["completed"] == 4 and m["failed"] == 0 and m["endpoint"] == "/v1/audio/transcriptions"
+    assert 4 <= m["total_audio_seconds"] <= 12 and m["rtfx"] > 0
