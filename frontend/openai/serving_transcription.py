@@ -155,10 +155,11 @@ class TranscriptionAPI:
                 mm.unref(items)
                 raise APIError("the clip's prompt fills the model's context", 400, "file")
             params = SamplingParams(temperature=form.temperature, max_tokens=max_tokens)
-            return server.llm.generate(ids, params, f"{rid}-{i}", mm_items=items), len(ids)
+            # (an async generator: its store reference is the engine's once it is first iterated)
+            return server.llm.generate(ids, params, f"{rid}-{i}", mm_items=items), items
 
         if form.stream:
-            return await self._stream(request, rid, created, clips, run)
+            return await self._stream(request, mm, rid, created, clips, run)
         texts = []
         for i, clip in enumerate(clips):   # one at a time: the store holds one clip of this request
             gen, _ = await run(i, clip)
@@ -179,18 +180,22 @@ class TranscriptionAPI:
                     "segments": segments, "usage": body["usage"]}
         return web.Response(body=dumps(body), content_type="application/json")
 
-    async def _stream(self, request, rid: str, created: int, clips: list[Audio], run) -> web.StreamResponse:
+    async def _stream(self, request, mm, rid: str, created: int, clips: list[Audio], run) -> web.StreamResponse:
         model = self.server.model_name
         # the first clip's prompt before the 200: a bad request is still a 400
-        first = await run(0, clips[0])
-        resp = await sse_response(request)
+        first, items = await run(0, clips[0])
+        try:
+            resp = await sse_response(request)
+        except BaseException:   # (the client went) its request never started: the clip's reference goes back
+            mm.unref(items)
+            raise
 
         def chunk(delta: str, finish: str | None = None) -> bytes:
             event = {"id": rid, "object": "transcription.chunk", "created": created, "model": model,
                      "choices": [{"delta": {"content": delta}, "finish_reason": finish, "stop_reason": None}],
                      "type": "transcript.text.delta", "delta": delta}
             return b"data: " + dumps(event) + b"\n\n"
-        texts, gen = [], first[0]
+        texts, gen = [], first
         try:
             for i in range(len(clips)):
                 if i:
