@@ -319,6 +319,9 @@ if lat:
     print(f"{'batch-1 TPOT ms':<40} {tpot:>12.3f} {f'HBM floor {floor_ms:.2f} ms':>22}")
 PY
            ;;
+  audio) # issue 52: tiny Qwen2-Audio fp32 parity with HF on CUDA, then the Qwen2-Audio-7B encoder vs HF's
+         run audio-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_audio.py
+         TAIL=5 run audio-encoder 150 python3 -m bench.audio_encoder --batch 16 ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)

@@ -27,7 +27,7 @@ from datetime import datetime
 
 import msgspec
 
-from bench import common, random_mm
+from bench import asr, common, random_mm
 from bench.workloads import MAX_TOKEN_ID, fixed_workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -42,10 +42,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="model name to send (None: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset-name", default="random", choices=["random", "random-mm"],
+    p.add_argument("--dataset-name", default="random", choices=["random", "random-mm", "asr"],
                    help="random: token-id prompts to /v1/completions; random-mm: random text and images "
-                        "to /v1/chat/completions (default: %(default)s)")
+                        "to /v1/chat/completions; asr: audio files to /v1/audio/transcriptions, RTFx reported "
+                        "(default: %(default)s)")
     random_mm.add_args(p)
+    asr.add_args(p)
     p.add_argument("--random-input-len", type=common.positive_int, default=1024, help="prompt tokens per request")
     p.add_argument("--random-output-len", type=common.positive_int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--num-prompts", type=common.positive_int, default=1000, help="requests to send")
@@ -78,6 +80,7 @@ class RequestResult:
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
     start: float = 0.0
+    audio_seconds: float = 0.0   # asr: the clip's length
 
     @property
     def tpot(self) -> float | None:
@@ -95,13 +98,14 @@ def _headers(api_key: str | None) -> dict:
 
 async def send_request(session, url: str, payload: dict, headers: dict) -> RequestResult:
     """One streamed completion; timing of every chunk that carries text."""
-    res = RequestResult(prompt_len=len(payload.get("prompt", ())))   # chat: from the usage
+    res = RequestResult(prompt_len=len(payload.get("prompt", ())),   # chat: from the usage
+                        audio_seconds=payload.get("audio_seconds", 0.0))
     chunks = 0
     st = time.perf_counter()
     res.start = st
     last = st
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        async with _post(session, url, payload, headers) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return res
@@ -150,6 +154,19 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
         return res
     res.success = True
     return res
+
+
+def _post(session, url: str, payload: dict, headers: dict):
+    """A JSON body, or (asr) a multipart form with the audio file."""
+    if "form" not in payload:
+        return session.post(url, json=payload, headers=headers)
+    import aiohttp
+    form = aiohttp.FormData()
+    for k, v in payload["form"].items():
+        form.add_field(k, v)
+    name, data = payload["file"]
+    form.add_field("file", data, filename=name, content_type="application/octet-stream")
+    return session.post(url, data=form, headers=headers)
 
 
 async def _get_json(session, url: str, headers: dict, payload: dict | None = None):
@@ -211,6 +228,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
     }
+    audio = sum(r.audio_seconds for r in ok)
+    if audio:   # asr: seconds of audio transcribed per second (seed #32300)
+        out["total_audio_seconds"] = audio
+        out["rtfx"] = audio / duration if duration > 0 else 0.0
     for name in METRICS:
         s = _stats(series[name])
         for k, v in s.items():
@@ -241,6 +262,8 @@ def print_report(m: dict, args) -> None:
             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
             ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+    if "rtfx" in m:
+        rows += [("Total audio (s):", f"{m['total_audio_seconds']:.1f}"), ("RTFx (audio s / s):", f"{m['rtfx']:.2f}")]
     for k, v in rows:
         print(f"{k:<40} {v!s:<10}")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -270,14 +293,21 @@ async def run(args) -> dict:
         wl = fixed_workload(args.num_prompts, args.random_input_len, args.random_output_len, args.seed,
                             vocab_size=vocab)
         mm = args.dataset_name == "random-mm"
+        is_asr = args.dataset_name == "asr"
         endpoint = "/v1/chat/completions" if mm and args.endpoint == "/v1/completions" else args.endpoint
+        if is_asr and args.endpoint == "/v1/completions":
+            endpoint = "/v1/audio/transcriptions"
         url = base + endpoint
         if mm:  # the random token ids as text (through the server's tokenizer), plus the images
             texts = [(await _get_json(session, base + "/detokenize", headers, {"model": model, "tokens": p}))[1]
                      ["prompt"] for p in wl.prompts]
             wl.prompts = random_mm.make_requests(args, texts)
+        if is_asr:
+            wl.prompts = asr.clips(args, args.num_prompts)
 
         def payload(prompt, max_tokens: int) -> dict:
+            if is_asr:
+                return asr.payload(model, prompt, args.temperature, max_tokens)
             body = {"messages": prompt} if mm else {"prompt": prompt}
             return {"model": model, **body, "max_tokens": max_tokens, "temperature": args.temperature,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

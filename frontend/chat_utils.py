@@ -70,12 +70,15 @@ def _parse_parts(content: list, i: int, content_format: str) -> str | list[dict]
         if kind == "image_url":
             parts.append({"type": "image", "image_url": _image_url(part, i)})
             continue
+        if kind in ("input_audio", "audio_url"):   # both as an audio URL (input_audio: a data: URL)
+            parts.append({"type": "audio", "audio_url": _audio_url(part, kind, i)})
+            continue
         if kind == "image_pil":   # offline only: JSON cannot carry a PIL image
             parts.append({"type": "image", "image_pil": _image_pil(part, i)})
             continue
         if kind not in ("text", "input_text"):
             raise _bad(f"messages[{i}].content: content parts of type {kind!r} are not supported "
-                       "(only 'text' and 'image_url')")
+                       "(only 'text', 'image_url', 'input_audio' and 'audio_url')")
         text = part.get("text")
         if not isinstance(text, str):
             raise _bad(f"messages[{i}].content: a text part needs a string 'text'")
@@ -89,6 +92,24 @@ def _image_url(part: dict, i: int) -> str:
     url = url.get("url") if isinstance(url, dict) else url
     if not isinstance(url, str) or not url:
         raise _bad(f"messages[{i}].content: an image_url part needs image_url.url (a string)")
+    return url
+
+
+def _audio_url(part: dict, kind: str, i: int) -> str:
+    from multimodal.audio import input_audio_url
+    from multimodal.media import MediaError
+    if kind == "input_audio":
+        body = part.get("input_audio")
+        if not isinstance(body, dict):
+            raise _bad(f"messages[{i}].content: an input_audio part needs input_audio.data and input_audio.format")
+        try:
+            return input_audio_url(body.get("data"), body.get("format"))
+        except MediaError as e:
+            raise _bad(f"messages[{i}].content: {e}") from None
+    url = part.get("audio_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise _bad(f"messages[{i}].content: an audio_url part needs audio_url.url (a string)")
     return url
 
 
@@ -146,6 +167,28 @@ def image_parts(messages: list[dict]) -> list[dict]:
 def image_urls(messages: list[dict]) -> list[str]:
     """The image URLs of parsed messages, in prompt order (an HTTP request's images)."""
     return [p["image_url"] for p in image_parts(messages) if "image_url" in p]
+
+
+def audio_urls(messages: list[dict]) -> list[str]:
+    """The audio URLs of parsed messages (input_audio parts as data: URLs), in prompt order."""
+    return [p["audio_url"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+            if p["type"] == "audio"]
+
+
+def audio_items(messages: list[dict], allowed_dir: str | None) -> list[bytes]:
+    """Offline: the encoded bytes of each audio part (data: and file: URLs), in order; the
+    processor decodes them at the model's sample rate."""
+    from multimodal.audio import MAX_AUDIO_BYTES, decode_base64
+    from multimodal.media import MediaError, read_file_url
+    out = []
+    for url in audio_urls(messages):
+        if url.lower().startswith("data:"):
+            out.append(decode_base64(url.partition(",")[2], "the data URL"))
+        elif url.lower().startswith("file:"):
+            out.append(read_file_url(url, allowed_dir, MAX_AUDIO_BYTES, "audio"))
+        else:
+            raise MediaError("offline audio URLs must be data: or file:// URLs")
+    return out
 
 
 def load_images(messages: list[dict], allowed_dir: str | None) -> list:

@@ -169,6 +169,7 @@ class EngineConfig:
     default_sampling_params: dict = field(default_factory=dict)  # for fields a request does not set
     mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
+    mm_modality: str = "image"      # what the model's items are: "image" or "audio" (its MultiModalInfo's)
     # set by each engine core for its workers
     data_parallel_rank: int = 0     # this engine's rank among --data-parallel-size
 
@@ -287,8 +288,9 @@ class EngineConfig:
             raise ConfigError(f"--limit-mm-per-prompt: {e}") from None
         self.limit_mm_per_prompt = {str(k): v for k, v in limits.items()}
         for k, v in self.limit_mm_per_prompt.items():
-            if v < 0 or (k != "image" and v > 0):
-                raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (only images are supported, limits >= 0)")
+            if v < 0 or (k not in ("image", "audio") and v > 0):
+                raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (images and audio are supported, limits >= 0)")
+        self.mm_modality = info.modality if info is not None else "image"
         self.mm_max_item_tokens = info.max_item_tokens(self.model, hf) if info is not None else 0
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0
@@ -298,7 +300,7 @@ class EngineConfig:
 
     def mm_limit(self, modality: str) -> int:
         """Items of a modality one prompt may carry (0: none, e.g. a text-only model)."""
-        if not self.mm_encoder_budget:
+        if not self.mm_encoder_budget or modality != self.mm_modality:
             return 0
         return self.limit_mm_per_prompt.get(modality, 999)
 

@@ -24,7 +24,10 @@ def preprocessor_config(model_dir: str) -> dict:
 
 class MultiModalInfo:
     """The image rules of one architecture. Defaults: a fixed-size image input, no per-request
-    processor settings."""
+    processor settings. An audio model's info is multimodal/audio_info.py's AudioInfo: the
+    items differ (loading, hashing, the HF processor), the path through the store does not."""
+
+    modality = "image"   # what this model's items are (MultiModalItem.modality, --limit-mm-per-prompt's key)
 
     # mm_processor_kwargs a request may send: only settings that bound an image's size (any other
     # setting, a patch size or a normalisation, would change what the vision encoder receives)
@@ -55,3 +58,26 @@ class MultiModalInfo:
         """The placeholder tokens of one image's arrays, or None when the arrays do not have the
         shapes the vision encoder (per its config.json, not the processor's defaults) takes."""
         raise NotImplementedError
+
+    # -------------------------------------------------------- the items (images by default)
+
+    def prepare(self, obj, model_dir: str):
+        """An offline input (a PIL image, or bytes of one) -> the item the processor takes."""
+        from multimodal.media import as_image
+        return as_image(obj)
+
+    async def load_url(self, url: str, allowed_dir: str | None, off_loop, model_dir: str):
+        """A content part's URL -> the item (decoded off the event loop)."""
+        from multimodal.media import load_image_url
+        return await load_image_url(url, allowed_dir, off_loop)
+
+    def content_bytes(self, item) -> tuple[str, bytes]:
+        """(its shape, its content) of an item, for its hash."""
+        return f"{item.mode}:{item.size}", item.tobytes()
+
+    def load_processor(self, model_dir: str, trust_remote_code: bool):
+        from transformers import AutoImageProcessor
+        return AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+    def run_processor(self, processor, item, call_kwargs: dict):
+        return processor(images=[item], return_tensors="np", **call_kwargs)

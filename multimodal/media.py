@@ -79,6 +79,11 @@ def load_data_url(url: str) -> Image.Image:
 
 
 def load_file_url(url: str, allowed_dir: str | None) -> Image.Image:
+    return decode_image(read_file_url(url, allowed_dir, MAX_IMAGE_BYTES, "image"))
+
+
+def read_file_url(url: str, allowed_dir: str | None, max_bytes: int, what: str) -> bytes:
+    """The bytes of a file:// URL under allowed_dir (images and audio alike)."""
     if not allowed_dir:
         raise MediaError("file:// URLs are not allowed (the server was started without "
                          "--allowed-local-media-path)")
@@ -95,9 +100,9 @@ def load_file_url(url: str, allowed_dir: str | None) -> Image.Image:
     try:
         with open(path, "rb", opener=_open_regular) as f:
             size = os.fstat(f.fileno()).st_size
-            if size > MAX_IMAGE_BYTES:
-                raise MediaError(f"the image has {size} bytes; at most {MAX_IMAGE_BYTES} are accepted")
-            return decode_image(f.read(MAX_IMAGE_BYTES + 1))
+            if size > max_bytes:
+                raise MediaError(f"the {what} has {size} bytes; at most {max_bytes} are accepted")
+            return f.read(max_bytes + 1)
     except OSError:
         raise MediaError("the file cannot be read") from None
 
@@ -113,24 +118,25 @@ def _open_regular(path: str, flags: int) -> int:
     return fd
 
 
-async def fetch_http(url: str, timeout: float = FETCH_TIMEOUT_S) -> bytes:
-    """GET url with a total timeout, reading at most MAX_IMAGE_BYTES."""
+async def fetch_http(url: str, timeout: float = FETCH_TIMEOUT_S, max_bytes: int = MAX_IMAGE_BYTES,
+                     what: str = "image") -> bytes:
+    """GET url with a total timeout, reading at most max_bytes."""
     import aiohttp
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async with session.get(url) as resp:
                 if resp.status != 200:
-                    raise MediaError(f"fetching the image failed with HTTP {resp.status}")
+                    raise MediaError(f"fetching the {what} failed with HTTP {resp.status}")
                 chunks, size = [], 0   # (read(n) returns what has arrived, not n bytes)
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     size += len(chunk)
-                    if size > MAX_IMAGE_BYTES:
-                        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+                    if size > max_bytes:
+                        raise MediaError(f"the {what} is larger than {max_bytes} bytes")
                     chunks.append(chunk)
     except MediaError:
         raise
     except Exception as e:
-        raise MediaError(f"fetching the image failed: {type(e).__name__}") from None
+        raise MediaError(f"fetching the {what} failed: {type(e).__name__}") from None
     return b"".join(chunks)
 
 

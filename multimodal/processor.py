@@ -26,7 +26,7 @@ import numpy as np
 
 from ipc.config import EngineConfig
 from ipc.messages import MultiModalItem
-from multimodal.media import MediaError, as_image, load_image_url
+from multimodal.media import MediaError
 from multimodal.info import MultiModalInfo
 from shm.object_store import ObjectStoreWriter, StoreFull
 
@@ -68,7 +68,8 @@ class MultiModalProcessor:
         self._image_processor = None
         self._lengths: OrderedDict[str, int] = OrderedDict()   # hash -> placeholder tokens (cache index)
         self._executor = None   # the API server's thread for decoding and processing images
-        self.image_token_id = info.image_token_id(self.hf)
+        self.image_token_id = info.image_token_id(self.hf)   # the placeholder token (of an audio clip too)
+        self.modality = info.modality
 
     @property
     def image_processor(self):
@@ -76,9 +77,7 @@ class MultiModalProcessor:
         construction, so one processor serves every request."""
         with self._lock:
             if self._image_processor is None:
-                from transformers import AutoImageProcessor
-                self._image_processor = AutoImageProcessor.from_pretrained(
-                    self.config.model, trust_remote_code=self.config.trust_remote_code)
+                self._image_processor = self.info.load_processor(self.config.model, self.config.trust_remote_code)
             return self._image_processor
 
     async def off_loop(self, fn, *args):
@@ -99,8 +98,9 @@ class MultiModalProcessor:
     def item_hash(self, img, kwargs: dict) -> str:
         h = hashlib.sha256()
         h.update(json.dumps([self.model_type, kwargs], sort_keys=True, default=str).encode())
-        h.update(f"{img.mode}:{img.size}".encode())
-        h.update(img.tobytes())
+        shape, content = self.info.content_bytes(img)
+        h.update(shape.encode())
+        h.update(content)
         return h.hexdigest()
 
     def check_kwargs(self, kwargs) -> dict:
@@ -136,18 +136,18 @@ class MultiModalProcessor:
         t0 = time.perf_counter()
         try:
             call_kwargs = self.info.call_kwargs(kwargs, self.image_processor) if kwargs else {}
-            out = self.image_processor(images=[img], return_tensors="np", **call_kwargs)
+            out = self.info.run_processor(self.image_processor, img, call_kwargs)
         except Exception as e:
-            raise MediaError(f"the image processor failed: {e}") from None
+            raise MediaError(f"the {self.modality} processor failed: {e}") from None
         self.stats.processing_secs += time.perf_counter() - t0
         self.stats.processed_items += 1
         arrays = self.info.arrays(out)
         n = self.info.placeholder_tokens(self.hf, arrays)
         if n is None:   # an array the encoder cannot take would fail the engine's step, not this request
-            raise MediaError(f"the image processor made arrays of shape {arrays['pixel_values'].shape}, which "
-                             "this model's vision encoder does not take")
+            raise MediaError(f"the {self.modality} processor made arrays of shapes "
+                             f"{[a.shape for a in arrays.values()]}, which this model's encoder does not take")
         if n > self.config.mm_max_item_tokens:
-            raise MediaError(f"the image makes {n} tokens; at most {self.config.mm_max_item_tokens} "
+            raise MediaError(f"the {self.modality} makes {n} tokens; at most {self.config.mm_max_item_tokens} "
                              "are accepted (lower max_pixels)")
         return n, arrays
 
@@ -185,16 +185,17 @@ class MultiModalProcessor:
 
     def check_prompt(self, prompt_ids: list[int], num_images: int) -> None:
         """Before any image is loaded: at most --limit-mm-per-prompt, one placeholder each."""
-        if num_images > self.config.mm_limit("image"):
-            mm_reject(self.config, num_images)
+        if num_images > self.config.mm_limit(self.modality):
+            mm_reject(self.config, num_images, self.modality)
         spots = prompt_ids.count(self.image_token_id)
         if spots != num_images:
-            raise MediaError(f"the prompt has {spots} image placeholder(s) for {num_images} image(s)")
+            raise MediaError(f"the prompt has {spots} {self.modality} placeholder(s) for {num_images} "
+                             f"{self.modality} item(s)")
 
     def store_image(self, image, kwargs: dict) -> StoredImage:
         """One image processed (on a cache miss) and referenced in the store. Blocking (run it off
         the event loop); kwargs as check_kwargs returns them."""
-        return self._store_item(as_image(image), kwargs)
+        return self._store_item(self.info.prepare(image, self.config.model), kwargs)
 
     def expand(self, prompt_ids: list[int], stored: list[StoredImage]) -> tuple[list[int], list[MultiModalItem]]:
         """Each image placeholder token of prompt_ids expanded into its image's tokens."""
@@ -202,7 +203,7 @@ class MultiModalProcessor:
         spots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         for spot, image in zip(spots, stored, strict=True):
             ids.extend(prompt_ids[prev:spot])
-            items.append(MultiModalItem("image", image.hash, len(ids), image.num_tokens, self.store.name,
+            items.append(MultiModalItem(self.modality, image.hash, len(ids), image.num_tokens, self.store.name,
                                         image.store_addr))
             ids.extend([self.image_token_id] * image.num_tokens)
             prev = spot + 1
@@ -234,7 +235,7 @@ class MultiModalProcessor:
         num_tokens = len(prompt_ids) - len(urls)   # without the placeholders, which the images replace
         try:
             for url in urls:
-                image = await load_image_url(url, allowed_dir, self.off_loop)
+                image = await self.info.load_url(url, allowed_dir, self.off_loop, self.config.model)
                 stored.append(await self._store_off_loop(image, kwargs))
                 del image
                 num_tokens += stored[-1].num_tokens
@@ -290,12 +291,13 @@ def make_mm_processor(config: EngineConfig, client_index: int,
     return MultiModalProcessor(config, store, info)
 
 
-def mm_reject(config: EngineConfig, num_images: int):
-    """Raise the MediaError for more images than --limit-mm-per-prompt (or any, for a text-only
-    model)."""
-    limit = config.mm_limit("image")
+def mm_reject(config: EngineConfig, num_images: int, modality: str = "image"):
+    """Raise the MediaError for more items than --limit-mm-per-prompt (or any, for a text-only
+    model or one of another modality)."""
+    limit = config.mm_limit(modality)
+    noun = "images" if modality == "image" else modality
     if limit == 0:
         why = (" (it was started with --language-model-only)" if config.language_model_only else
-               " (it is text-only)")
-        raise MediaError("this model does not take images" + why)
-    raise MediaError(f"At most {limit} image(s) may be provided in one prompt; got {num_images}.")
+               " (it is text-only)" if not config.mm_encoder_budget else "")
+        raise MediaError(f"this model does not take {noun}" + why)
+    raise MediaError(f"At most {limit} {modality}(s) may be provided in one prompt; got {num_images}.")

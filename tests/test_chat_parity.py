@@ -177,6 +177,8 @@ def test_a_large_chat_goes_through_the_tokenizer_process(server, llm):
 def test_the_same_mistakes_are_refused_alike(server, llm):
     for messages, kw in [([{"role": "wizard", "content": "x"}], {}),
                          ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], {}),
+                         ([{"role": "user", "content": [{"type": "input_audio",
+                                                         "input_audio": {"data": "AAAA", "format": "wav"}}]}], {}),
                          ([{"role": "user", "content": None}], {}),
                          ([ASK, {**CALL, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}], {}),
                          ([ASK], {"add_generation_prompt": True, "continue_final_message": True})]:

@@ -341,3 +341,9 @@ def test_anthropic_and_responses_images_are_the_chat_images(client, server, medi
         {"role": "user", "content": [{"type": "input_image", "image_url": url},
                                      {"type": "input_text", "text": "Describe it."}]}])
     assert r.output_text == full.choices[0].message.content and r.usage.input_tokens == full.usage.prompt_tokens
+
+
+def test_audio_to_a_vision_model_is_400(client):
+    part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError, match="does not take audio"):
+        chat(client, [{"role": "user", "content": [part, {"type": "text", "text": "x"}]}])

@@ -59,8 +59,9 @@ class MultimodalInputs:
                 users.setdefault(it.hash, []).append((rid, it))
         if not users:
             return
-        if getattr(self.model, "visual", None) is None and not hasattr(self.model, "vision_tower"):
-            raise RuntimeError("this model was loaded without its vision tower (--language-model-only)")
+        if getattr(self.model, "visual", None) is None and not hasattr(self.model, "vision_tower") \
+                and getattr(self.model, "audio_tower", None) is None:
+            raise RuntimeError("this model was loaded without its encoder (--language-model-only)")
         todo = [read for u in users.values() if (read := self._read_one(u)) is not None]
         for (it, _), emb in zip(todo, self._encode(todo)):
             why = None

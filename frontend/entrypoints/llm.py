@@ -25,14 +25,14 @@ from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.entrypoints.llm_pooling import PoolingMixin
-from frontend.chat_utils import detect_content_format, load_images, parse_chat_messages, render_chat
+from frontend.chat_utils import audio_items, detect_content_format, load_images, parse_chat_messages, render_chat
 from frontend.processing import (engine_requests, load_tokenizer, new_request_id, tokenize_bad_words, tokenize_prompt,
                                  typed_params)
 from ipc.procs import start_process, stop_processes
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.media import MediaError
-from multimodal.processor import make_mm_processor
+from multimodal.processor import make_mm_processor, mm_reject
 from workers.models.registry import check_architecture, multimodal_info
 from ipc.validation import Limits, RequestError, check_sampling_params, validate_request
 
@@ -210,11 +210,19 @@ class LLM(PoolingMixin):
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             return ids, []
-        unknown = set(data) - {"image"}
+        unknown = set(data) - {"image", "audio"}
         if unknown:
-            raise ValueError(f"unsupported modalities {sorted(unknown)} (only 'image')")
-        images = data.get("image") or []
-        if not isinstance(images, (list, tuple)):
+            raise ValueError(f"unsupported modalities {sorted(unknown)} (only 'image' and 'audio')")
+        modality = self.mm.modality if self.mm is not None else "image"
+        for other in set(data) - {modality}:
+            if data[other]:   # refused as the API server refuses it
+                try:
+                    mm_reject(self.config, 1, other)
+                except MediaError as e:
+                    raise ValueError(str(e)) from None
+        images = data.get(modality) or []
+        # a list of items, or one; one clip is an (array, sample_rate) tuple, as vLLM takes it
+        if not isinstance(images, list) and not (isinstance(images, tuple) and modality == "image"):
             images = [images]
         if self.mm is None:
             raise ValueError("this model does not take images")
@@ -246,6 +254,9 @@ class LLM(PoolingMixin):
             images = load_images(parsed, self.config.allowed_local_media_path)
             if images:
                 prompt.update(multi_modal_data={"image": images}, mm_processor_kwargs=mm_processor_kwargs or {})
+            clips = audio_items(parsed, self.config.allowed_local_media_path)   # (bytes: decoded by the processor)
+            if clips:
+                prompt.setdefault("multi_modal_data", {})["audio"] = clips
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -41,7 +41,8 @@ from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.openai import anthropic
 from frontend.openai.http_errors import OpenAIErrorRunner
-from frontend.chat_utils import detect_content_format, image_urls, message_text, parse_chat_messages, render_chat
+from frontend.chat_utils import (audio_urls, detect_content_format, image_urls, message_text, parse_chat_messages,
+                                 render_chat)
 from frontend.processing import tokenize_bad_words, tokenize_prompts, truncate_prompt
 from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
@@ -51,6 +52,7 @@ from frontend.openai.rl_api import control_routes
 from frontend.openai.serving_messages import MessagesAPI
 from frontend.openai.serving_responses import ResponsesAPI
 from frontend.openai.serving_pooling import ServingPooling
+from frontend.openai.serving_transcription import TranscriptionAPI
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
 from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
                               value_error)
@@ -375,13 +377,13 @@ class OpenAIServer:
             check_request_chat_template(req, self.options.trust_request_chat_template)
             messages = self._messages(req)
             check_tools(req.tools)
-            urls = image_urls(messages)
-            if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit("image")):
-                try:   # refused as a chat request would be (images are not decoded here: vLLM's /tokenize
-                    # does not expand them either)
-                    mm_reject(self.config, len(urls))
-                except MediaError as e:
-                    raise APIError(str(e), 400, "messages") from None
+            for modality, urls in (("image", image_urls(messages)), ("audio", audio_urls(messages))):
+                if urls and (getattr(self.llm, "mm", None) is None or len(urls) > self.config.mm_limit(modality)):
+                    try:   # refused as a chat request would be (items are not decoded here: vLLM's /tokenize
+                        # does not expand them either)
+                        mm_reject(self.config, len(urls), modality)
+                    except MediaError as e:
+                        raise APIError(str(e), 400, "messages") from None
             ids = await self.tokenizers.chat(
                 size, messages,
                 add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
@@ -536,11 +538,16 @@ class OpenAIServer:
     async def _images(self, messages: list[dict], ids: list[int], mm_kwargs) -> tuple[list[int], list]:
         """Load a chat's images (http(s) fetched here; decoding and the HF processor off the
         loop), expand their placeholders and put them in the shared-memory store."""
-        urls = image_urls(messages)
-        if not urls:
-            return ids, []
+        by_modality = {"image": image_urls(messages), "audio": audio_urls(messages)}
         mm = getattr(self.llm, "mm", None)
+        modality = mm.modality if mm is not None else "image"
+        urls = by_modality.pop(modality)
         try:
+            for other, its in by_modality.items():   # (the model's modality is never here)
+                if its:
+                    mm_reject(self.config, len(its), other)
+            if not urls:
+                return ids, []
             if mm is None:
                 mm_reject(self.config, len(urls))
             return await mm.process_urls(ids, urls, mm_kwargs, self.config.allowed_local_media_path)
@@ -701,7 +708,7 @@ class OpenAIServer:
                   ("GET", "/health", self.health), ("GET", "/metrics", self.metrics),
                   ("GET", "/version", self.version),
                   ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
-        routes += self.responses.routes() + self.messages.routes()
+        routes += self.responses.routes() + self.messages.routes() + TranscriptionAPI(self).routes()
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
