@@ -231,7 +231,7 @@ class Scheduler:
         whose grammar is still compiling, or whose group holds its share of the batch
         (engine_core/fairness.py), keeps its place; the others go past it."""
         passed: list[Request] = []
-        counts = None if self.by_priority else self.fair.running_counts(self.running)
+        counts = None if self.by_priority or not self.waiting else self.fair.running_counts(self.running)
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.structured.ready(req) or self.fair.at_cap(req, counts):
