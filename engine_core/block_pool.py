@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine_core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
@@ -25,6 +27,14 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # --kv-events-config: the events since the engine last took them (None: not recorded)
+        self.kv_events: list[KVCacheEvent] | None = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,6 +54,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.kv_events is not None:
+                    self.kv_events.append(BlockRemoved([block.block_hash], MEDIUM_GPU))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -63,13 +75,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Commit a full block's hash; True if it became a new cache entry (a BlockStored)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is cached already; this one stays private
+            return False  # an identical block is cached already; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only possible when no block is in use."""
@@ -78,4 +92,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True

@@ -28,6 +28,7 @@ from ipc.control import CONTROL_OPS, PAUSE_MODES, SLEEP_TAGS
 from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, UTILITY_MALFORMED, ClientIO
 from ipc.data_parallel import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, MultiprocExecutor, PendingOutput
+from engine_core.kv_events import KVEventBatch, ZmqEventPublisher, make_publisher
 from engine_core.loop_stats import LoopStats
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -76,8 +77,26 @@ class EngineCore:
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []   # utility replies not yet ready
         self.utility_outputs: list[UtilityOutput] = []   # replies for the in-process client (_send_utility)
         self.loop_stats = LoopStats()
+        self.kv_events = self._kv_events_publisher(config)
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+
+    def _kv_events_publisher(self, config: EngineConfig) -> ZmqEventPublisher | None:
+        """--kv-events-config: the publisher, and the block pool recording events for it."""
+        try:
+            publisher = make_publisher(config.kv_events_config, config.data_parallel_rank,
+                                       envs.LOOM_ENGINE_AUTH_KEY or None)
+        except (ValueError, TypeError, zmq.ZMQError) as e:
+            raise ConfigError(f"--kv-events-config: {e}") from None
+        if publisher is not None:
+            self.scheduler.kv.pool.kv_events = []
+        return publisher
+
+    def _send_kv_events(self) -> None:
+        """The events of this turn as one batch, to the publisher's thread (no encoding here)."""
+        events = self.scheduler.kv.pool.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(KVEventBatch(time.time(), events))
 
     def _steps_ahead(self, config: EngineConfig) -> int:
         """Steps kept in flight. On a GPU with async scheduling three, so that this loop's round
@@ -201,6 +220,7 @@ class EngineCore:
         for ci, outs in self.pending_outputs.items():
             by_client.setdefault(ci, [])[:0] = outs
         self.pending_outputs = {}
+        self._send_kv_events()
         return by_client
 
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
@@ -457,6 +477,9 @@ class EngineCore:
         self.loop_stats.log()
         self.scheduler.structured.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self._send_kv_events()
+            self.kv_events.shutdown()
 
 
 class EngineCoreProc(EngineCore):

@@ -19,6 +19,7 @@ import hashlib
 import msgspec
 
 from engine_core.block_pool import BlockPool, KVBlock
+from engine_core.kv_events import MEDIUM_GPU, BlockStored
 from engine_core.request import Request
 
 
@@ -58,10 +59,12 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            # images in the block are extra keys: same text, different image, different KV
-            extra = tuple(it.hash for it in req.mm_items
-                          if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, self._extra_keys(req, i)))
+
+    def _extra_keys(self, req: Request, i: int) -> tuple:
+        """Block i's extra keys: images in the block (same text, different image, different KV)."""
+        bs = self.block_size
+        return tuple(it.hash for it in req.mm_items if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute. None for a request
@@ -143,10 +146,31 @@ class KVCacheManager:
         self.update_block_hashes(req)
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        stored = []
         for i in range(done, num_full):
-            if blocks[i] is not None:   # (a trimmed block was published before it was trimmed)
-                self.pool.cache(blocks[i], req.block_hashes[i])
+            # (a trimmed block was published before it was trimmed)
+            if blocks[i] is not None and self.pool.cache(blocks[i], req.block_hashes[i]):
+                stored.append(i)
         self.num_cached_blocks[req.request_id] = max(done, num_full)
+        if stored and self.pool.kv_events is not None:
+            self._record_stored(req, stored)
+
+    def _record_stored(self, req: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a block already cached by
+        another request breaks the run: the router has it)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            extra = [self._extra_keys(req, i) or None for i in run]
+            self.pool.kv_events.append(BlockStored(
+                [req.block_hashes[i] for i in run], req.block_hashes[run[0] - 1] if run[0] else None,
+                [req.token_id(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)], bs, None, MEDIUM_GPU, None,
+                extra if any(extra) else None))
 
     def block_ids(self, req_id: str) -> list[int]:
         """For the workers' block table; a trimmed block's place gets block 0, never read."""

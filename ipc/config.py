@@ -80,6 +80,10 @@ class EngineConfig:
                                           "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "
                                           "free each request's KV blocks that fall behind the window; a model "
                                           "with global layers keeps all its blocks (they need them)")
+    kv_events_config: dict = option({}, "publish KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) "
+                                     "as vLLM does, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                     "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\", \"replay_endpoint\": "
+                                     "\"tcp://*:5558\"}' (ports + data-parallel rank); README 'KV-cache events'")
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option("auto", "auto: Triton on GPU, torch on CPU", ("auto", "torch", "triton"))
     async_scheduling: bool = option(True, "schedule step N+1 while step N runs (same output; "
