@@ -230,6 +230,10 @@ if lat:
     print(f"{'batch-1 TPOT ms':<40} {tpot:>12.3f} {f'HBM floor {floor_ms:.2f} ms':>22}")
 PY
            ;;
+  kv-offload) # issue 50: the CPU KV tier on Llama-3.1-8B shapes: TTFT of a 32k prompt re-hit from the tier vs
+              # recompute, and 0%-hit throughput with the tier on vs off (table at the end)
+              TAIL=6 run kv-offload 380 python3 -m bench.kv_offload --preset llama-3.1-8b --prompt-len 32768 \
+                --offload-gb 64 --num-prompts 400 --output-json "$OUT/kv-offload.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

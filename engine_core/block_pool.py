@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine_core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+from engine_core.kv_offload import CPUTier
 
 
 class KVBlock:
@@ -29,11 +30,13 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         # --kv-events-config: the events since the engine last took them (None: not recorded)
         self.kv_events: list[KVCacheEvent] | None = None
+        self.cpu_tier: CPUTier | None = None   # --kv-offloading-size: where evicted cached blocks go
 
     def take_events(self) -> list[KVCacheEvent]:
         if not self.kv_events:
             return []
-        events, self.kv_events = self.kv_events, []
+        events = list(self.kv_events)
+        self.kv_events.clear()   # (in place: the CPU tier appends to this list too)
         return events
 
     @property
@@ -56,6 +59,8 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 if self.kv_events is not None:
                     self.kv_events.append(BlockRemoved([block.block_hash], MEDIUM_GPU))
+                if self.cpu_tier is not None:
+                    self.cpu_tier.store(block.block_hash, block.block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -85,13 +90,16 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every hash. Only possible when no block is in use."""
+    def reset_prefix_cache(self, keep_cpu_tier: bool = False) -> bool:
+        """Forget every hash. Only possible when no block is in use. keep_cpu_tier: the CPU tier's
+        blocks stay (sleep level 1: the same weights come back)."""
         if len(self.free_queue) != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.cpu_tier is not None and not keep_cpu_tier:
+            self.cpu_tier.clear()
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
         return True

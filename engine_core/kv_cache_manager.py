@@ -81,7 +81,34 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.pool.cpu_tier is not None and len(hits) < max_blocks:
+            hits += self._load_from_cpu(req, hits, max_blocks)
         return hits
+
+    def _load_from_cpu(self, req: Request, gpu_hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+        """The run of the prefix after gpu_hits that the CPU tier holds, loaded into fresh GPU blocks
+        that join the prefix cache (free, cached: the request takes them as hits, or a later one
+        does). As many as the free blocks allow beside the request's GPU hits, which are held
+        meanwhile so that taking blocks cannot evict them."""
+        tier = self.pool.cpu_tier
+        run = []
+        for h in req.block_hashes[len(gpu_hits):max_blocks]:
+            if tier.lookup(h) is None or self.pool.lookup(h) is not None:
+                break
+            run.append(h)
+        if not run:
+            return []
+        tier.pin(run)   # the stores of the blocks taken below must not reuse these slots
+        self.pool.touch(gpu_hits)
+        blocks = self.pool.take_new(min(len(run), self.pool.num_free_blocks))
+        first = len(gpu_hits)
+        for i, (block, h) in enumerate(zip(blocks, run)):
+            tier.load(h, block.block_id)
+            self.pool.cache(block, h)
+        if blocks and self.pool.kv_events is not None:
+            self._record_stored(req, list(range(first, first + len(blocks))))
+        self.pool.free(list(reversed(blocks)) + list(reversed(gpu_hits)))
+        return blocks
 
     def _window_hits(self, hashes: list[bytes]) -> list[KVBlock | None]:
         """The longest cached prefix when blocks are trimmed to the window (vLLM's sliding-window
@@ -182,5 +209,5 @@ class KVCacheManager:
         if blocks:
             self.pool.free([b for b in reversed(blocks) if b is not None])
 
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_cpu_tier: bool = False) -> bool:
+        return self.pool.reset_prefix_cache(keep_cpu_tier)

@@ -215,6 +215,15 @@ class GrammarOutput(_Msg):
     mask_rows: Any = None                 # np.ndarray int32 [len(rows)]; None: row j uses bitmask[j]
 
 
+class KVTransfers(_Msg):
+    """Copies between the GPU KV cache and its CPU tier (engine_core/kv_offload.py), made before
+    the step's forward: stores (GPU block -> host slot) first, then loads (host slot -> GPU block)."""
+    store_blocks: list[int]
+    store_slots: list[int]
+    load_slots: list[int]
+    load_blocks: list[int]
+
+
 class SchedulerOutput(_Msg):
     """One step, as a diff against what the workers already hold."""
     new_requests: list[NewRequestData]
@@ -228,6 +237,7 @@ class SchedulerOutput(_Msg):
     released_mm: list[tuple[str, int]] = []   # store entries (segment, addr) of requests gone for good
     grammar: GrammarOutput | None = None  # this step's bitmask, when it was known at scheduling time
     defer_sample: bool = False            # run the model now, sample on the WORKER_SAMPLE that follows
+    kv_transfers: KVTransfers | None = None   # CPU KV tier copies, before this step's forward
 
 
 class ModelRunnerOutput(_Msg):

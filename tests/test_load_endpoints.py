@@ -93,7 +93,8 @@ def test_server_info(server):
 def test_cache_config_info(server):
     body = requests.get(server.url + "/metrics", timeout=10).text
     (line,) = [ln for ln in body.splitlines() if ln.startswith("vllm:cache_config_info{")]
-    for label in ('block_size="4"', 'cache_dtype="auto"', 'enable_prefix_caching="True"', "num_gpu_blocks="):
+    for label in ('block_size="4"', 'cache_dtype="auto"', 'enable_prefix_caching="True"', "num_gpu_blocks=",
+                  'kv_offloading_size="None"', 'kv_offloading_backend="None"'):
         assert label in line
 
 
