@@ -32,18 +32,20 @@ def _run(model_dir, **options):
             outs.append(list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids))
         engine = llm.client.engine
         host = engine.executor.runner.cpu_tier
-        return outs, engine.scheduler.kv.pool.cpu_tier, host.nbytes() if host is not None else 0
+        return outs, engine.scheduler.kv.pool.cpu_tier, {"hits": llm.stats.prefix_cache_hits,
+                                                         "host_bytes": host.nbytes() if host is not None else 0}
 
 
 def test_cpu_tier_hit_matches_recompute(model_factory):
     model = model_factory("qwen3")
-    base, none_tier, _ = _run(model)
+    base, none_tier, base_info = _run(model)
     assert none_tier is None
-    outs, tier, host_bytes = _run(model, kv_offloading_size=0.001)
+    outs, tier, info = _run(model, kv_offloading_size=0.001)
     assert outs == base                        # greedy tokens equal after loading from the CPU tier
     assert tier.num_stored > 0 and tier.num_loaded >= 7   # a's 7 full prompt blocks came back from the host
     assert len(tier) <= tier.num_slots
-    assert 0 < host_bytes <= 0.001 * 2 ** 30      # the host budget, exactly slots x block bytes
+    assert 0 < info["host_bytes"] <= 0.001 * 2 ** 30   # the host budget, exactly slots x block bytes
+    assert base_info["hits"] == 0 and info["hits"] >= 7 * BS   # the prefix-cache hits are the tier's
 
 
 def test_tier_lru_never_exceeds_its_slots():
