@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine_core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+from engine_core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine_core.kv_offload import CPUTier
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "stored")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.stored: BlockStored | None = None   # its BlockStored, with events and a CPU tier: the tier's own
 
 
 class BlockPool:
@@ -60,7 +61,8 @@ class BlockPool:
                 if self.kv_events is not None:
                     self.kv_events.append(BlockRemoved([block.block_hash], MEDIUM_GPU))
                 if self.cpu_tier is not None:
-                    self.cpu_tier.store(block.block_hash, block.block_id)
+                    self.cpu_tier.store(block.block_hash, block.block_id, block.stored)
+                block.stored = None
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -95,11 +97,13 @@ class BlockPool:
         blocks stay (sleep level 1: the same weights come back)."""
         if len(self.free_queue) != self.num_blocks:
             return False
+        if self.kv_events is not None:   # the tier's blocks stay: only the GPU's go
+            self.kv_events.append(BlockRemoved(list(self.cached), MEDIUM_GPU) if keep_cpu_tier and self.cpu_tier
+                                  else AllBlocksCleared())
         for block in self.blocks:
             block.block_hash = None
+            block.stored = None
         self.cached.clear()
         if self.cpu_tier is not None and not keep_cpu_tier:
             self.cpu_tier.clear()
-        if self.kv_events is not None:
-            self.kv_events.append(AllBlocksCleared())
         return True

@@ -105,6 +105,7 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cpu_tier", [num_slots])
         pool = self.scheduler.kv.pool
         pool.cpu_tier = CPUTier(num_slots)
+        pool.cpu_tier.kv_events = pool.kv_events
         logger.info("CPU KV tier: %d blocks (--kv-offloading-size %s GiB, backend %s)", num_slots,
                     config.kv_offloading_size, config.kv_offloading_backend or "native")
 

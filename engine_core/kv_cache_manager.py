@@ -198,6 +198,12 @@ class KVCacheManager:
                 [req.block_hashes[i] for i in run], req.block_hashes[run[0] - 1] if run[0] else None,
                 [req.token_id(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)], bs, None, MEDIUM_GPU, None,
                 extra if any(extra) else None))
+            if self.pool.cpu_tier is not None:   # each block's own, for the tier's BlockStored when it is evicted
+                for i in run:
+                    h = req.block_hashes[i]
+                    self.pool.cached[h].stored = BlockStored(
+                        [h], req.block_hashes[i - 1] if i else None, [req.token_id(j) for j in range(i * bs, (i + 1) * bs)],
+                        bs, None, MEDIUM_GPU, None, [extra[i - run[0]]] if extra[i - run[0]] else None)
 
     def block_ids(self, req_id: str) -> list[int]:
         """For the workers' block table; a trimmed block's place gets block 0, never read."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine_core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from ipc.messages import KVTransfers
 
 
@@ -29,6 +30,7 @@ class CPUTier:
         self._loads: list[tuple[int, int]] = []    # (slot, GPU block) this step
         self._loading: set[int] = set()
         self.num_stored = self.num_loaded = 0   # blocks, since start (tests, logs)
+        self.kv_events: list[KVCacheEvent] | None = None   # the block pool's list, with --kv-events-config
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -36,8 +38,9 @@ class CPUTier:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.slots.get(block_hash)
 
-    def store(self, block_hash: bytes, gpu_block: int) -> None:
-        """An evicted GPU block's contents to the tier (already there: only its recency)."""
+    def store(self, block_hash: bytes, gpu_block: int, gpu_event: BlockStored | None = None) -> None:
+        """An evicted GPU block's contents to the tier (already there: only its recency).
+        gpu_event: the block's BlockStored, re-sent for the CPU medium."""
         if block_hash in self.slots:
             self.slots.move_to_end(block_hash)
             return
@@ -47,6 +50,10 @@ class CPUTier:
         self.slots[block_hash] = slot
         self._stores.append((gpu_block, slot))
         self.num_stored += 1
+        if self.kv_events is not None and gpu_event is not None:
+            self.kv_events.append(BlockStored(
+                [block_hash], gpu_event.parent_block_hash, gpu_event.token_ids, gpu_event.block_size,
+                gpu_event.lora_id, MEDIUM_CPU, gpu_event.lora_name, gpu_event.extra_keys))
 
     def _take_slot(self) -> int | None:
         if self.free_slots:
@@ -54,6 +61,8 @@ class CPUTier:
         for old, slot in self.slots.items():   # least recently used first
             if slot not in self._loading:
                 del self.slots[old]
+                if self.kv_events is not None:
+                    self.kv_events.append(BlockRemoved([old], MEDIUM_CPU))
                 return slot
         return None   # every slot is being loaded in this step
 

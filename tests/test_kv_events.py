@@ -16,6 +16,7 @@ import zmq
 from engine_core.kv_cache_manager import hash_block
 from engine_core.kv_events import (KV_EVENTS_ROLE, KV_EVENTS_SUBSCRIBER_ROLE, KVEventBatch, KVEventsConfig,
                                    ZmqEventPublisher, offset_endpoint_port)
+from engine_core.kv_offload import CPUTier
 from engine_core.scheduler import Scheduler
 from ipc.auth import derive_keys
 from tests.test_scheduler import cfg, fake_step, req
@@ -65,7 +66,7 @@ class Router:
     """What a prefix-aware router keeps: the set of cached block hashes, from the stream alone."""
 
     def __init__(self):
-        self.blocks: dict[bytes, list[int]] = {}   # hash -> its tokens
+        self.media: dict[str, dict[bytes, list[int]]] = {"GPU": {}, "CPU": {}}   # medium -> hash -> its tokens
         self.next_seq = 0
         self.removed = self.cleared = 0
 
@@ -74,17 +75,23 @@ class Router:
         self.next_seq = seq + 1
         for ev in DECODER.decode(payload).events:
             if isinstance(ev, BlockStored):
-                assert ev.medium == "GPU" and len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+                assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+                blocks = self.media[ev.medium]
                 for i, h in enumerate(ev.block_hashes):
-                    assert h not in self.blocks
-                    self.blocks[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+                    assert h not in blocks
+                    blocks[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    del self.blocks[h]
+                    del self.media[ev.medium][h]
                 self.removed += len(ev.block_hashes)
             else:
-                self.blocks.clear()
+                for blocks in self.media.values():
+                    blocks.clear()
                 self.cleared += 1
+
+    @property
+    def blocks(self) -> dict[bytes, list[int]]:
+        return self.media["GPU"]
 
 
 def _free_port() -> int:
@@ -137,15 +144,21 @@ def _publisher(tmp_path, **kw) -> ZmqEventPublisher:
     return ZmqEventPublisher(conf)
 
 
-def test_router_rebuilds_the_cache_through_evictions_preemptions_and_resets(tmp_path, zctx):
+@pytest.mark.parametrize("cpu_slots", [0, 10])
+def test_router_rebuilds_the_cache_through_evictions_preemptions_and_resets(tmp_path, zctx, cpu_slots):
     """Random requests on a small pool (so blocks are evicted and requests preempted): after every
-    batch the router's set equals the pool's cached hashes, and a replay rebuilds it too."""
+    batch the router's GPU set equals the pool's cached hashes (and its CPU set the CPU tier's, with
+    one), and a replay rebuilds them too."""
     pub = _publisher(tmp_path)
     try:
         sub = _subscribe(zctx, f"ipc://{tmp_path}/pub", pub, b"kv-events")
         _drain(sub)
         s = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=32), 24)
         s.kv.pool.kv_events = []
+        tier = None
+        if cpu_slots:
+            tier = s.kv.pool.cpu_tier = CPUTier(cpu_slots)
+            tier.kv_events = s.kv.pool.kv_events
         router = Router()
         rng = random.Random(0)
         prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 20))] for _ in range(6)]
@@ -158,7 +171,7 @@ def test_router_rebuilds_the_cache_through_evictions_preemptions_and_resets(tmp_
             if n % 97 == 96:
                 while s.has_unfinished():
                     fake_step(s)
-                assert s.reset_prefix_cache()
+                assert s.reset_prefix_cache(keep_cpu_tier=n % 2 == 0)
             events = s.kv.pool.take_events()
             if events:
                 pub.publish(KVEventBatch(time.time(), events))
@@ -167,8 +180,9 @@ def test_router_rebuilds_the_cache_through_evictions_preemptions_and_resets(tmp_
                     first_seq = router.next_seq = seq
                 router.apply(seq, payload)
                 assert set(router.blocks) == set(s.kv.pool.cached)
+                assert set(router.media["CPU"]) == (set(tier.slots) if tier else set())
         assert router.next_seq > first_seq + 100
-        assert router.removed > 50 and router.cleared >= 4   # evictions and resets did happen
+        assert router.removed > 50 and router.cleared >= (2 if tier else 4)   # evictions and resets did happen
 
         # replay from a chosen sequence number onto a router that saw everything before it
         cut = first_seq + (router.next_seq - first_seq) // 2
@@ -188,7 +202,9 @@ def test_router_rebuilds_the_cache_through_evictions_preemptions_and_resets(tmp_
         replayed.next_seq = first_seq
         for seq, payload in frames:
             replayed.apply(seq, payload)
-        assert replayed.blocks == router.blocks
+        assert replayed.media == router.media
+        if tier:
+            assert tier.num_loaded > 0 and tier.num_stored > 0
         # and from the cut only: exactly the batches from there
         dealer.send_multipart([b"", cut.to_bytes(8, "big")])
         seqs = []
