@@ -20,16 +20,18 @@ def _prompts():
     return a, others
 
 
-def _run(model_dir, **options):
+def _run(model_dir, multiprocess=False, **options):
     from frontend import LLM, SamplingParams
     a, others = _prompts()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     # 24 blocks of 4: one 36-token request at a time fits, the others evict a's blocks
-    with LLM(model_dir, multiprocess=False, max_model_len=64, block_size=BS, num_gpu_blocks_override=24,
+    with LLM(model_dir, multiprocess=multiprocess, max_model_len=64, block_size=BS, num_gpu_blocks_override=24,
              max_num_seqs=1, **options) as llm:
         outs = []
         for p in [a, *others, a]:
             outs.append(list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids))
+        if multiprocess:
+            return outs, None, {"hits": llm.stats.prefix_cache_hits}
         engine = llm.client.engine
         host = engine.executor.runner.cpu_tier
         return outs, engine.scheduler.kv.pool.cpu_tier, {"hits": llm.stats.prefix_cache_hits,
@@ -46,6 +48,13 @@ def test_cpu_tier_hit_matches_recompute(model_factory):
     assert len(tier) <= tier.num_slots
     assert 0 < info["host_bytes"] <= 0.001 * 2 ** 30   # the host budget, exactly slots x block bytes
     assert base_info["hits"] == 0 and info["hits"] >= 7 * BS   # the prefix-cache hits are the tier's
+
+
+def test_cpu_tier_with_tensor_parallel_worker_processes(model_factory):
+    """The engine and two tensor-parallel workers in their own processes, each rank storing and
+    loading its own heads: the re-sent prompt (from the tier) gives its first (computed) tokens."""
+    outs, _, info = _run(model_factory("qwen3"), multiprocess=True, tensor_parallel_size=2, kv_offloading_size=0.001)
+    assert outs[-1] == outs[0] and info["hits"] >= 7 * BS
 
 
 def test_tier_lru_never_exceeds_its_slots():
