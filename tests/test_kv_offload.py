@@ -84,3 +84,27 @@ def test_copy_runs():
     from workers.kv_offload import _runs
     assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (2, 7, 1)]
     assert _runs([], []) == []
+
+
+def test_sleep_level_1_keeps_the_tier_level_2_drops_it(model_factory):
+    from frontend import LLM, SamplingParams
+    a, others = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=64, block_size=BS, num_gpu_blocks_override=24,
+             max_num_seqs=1, enable_sleep_mode=True, kv_offloading_size=0.001) as llm:
+        def gen(p):
+            return list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        first = gen(a)
+        for p in others:   # a's blocks go to the tier
+            gen(p)
+        tier = llm.client.engine.scheduler.kv.pool.cpu_tier
+        for level, kept in ((1, True), (2, False)):
+            llm.sleep(level)
+            llm.wake_up()
+            hits = llm.stats.prefix_cache_hits
+            assert gen(a) == first
+            assert (llm.stats.prefix_cache_hits - hits >= 7 * BS) == kept, level
+            if level == 1:   # a's blocks back in the tier for level 2
+                for p in others:
+                    gen(p)
+        assert len(tier) == 0   # dropped at level 2 (and a's run alone evicted nothing since)
