@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 from typing import Any
 
@@ -74,7 +74,7 @@ class KVEventBatch(EventBatch):
 class KVEventsConfig:
     """--kv-events-config, vLLM's fields and defaults."""
     enable_kv_cache_events: bool = False
-    publisher: str = "null"              # "zmq" or "null"
+    publisher: str | None = None         # "zmq" or "null"; None: zmq when enabled (vLLM's default)
     endpoint: str = "tcp://*:5557"       # bind when it has a wildcard (or ipc://), else connect
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000           # batches kept for replay
@@ -90,6 +90,8 @@ class KVEventsConfig:
         if unknown:
             raise ValueError(f"--kv-events-config: unknown field(s) {unknown} (known: {sorted(known)})")
         cfg = cls(**d)
+        if cfg.publisher is None:
+            cfg = replace(cfg, publisher="zmq" if cfg.enable_kv_cache_events else "null")
         if cfg.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
         if cfg.buffer_steps < 1 or cfg.hwm < 0 or cfg.max_queue_size < 1:

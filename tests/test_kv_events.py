@@ -248,6 +248,8 @@ def test_config_and_port_offsets():
     assert offset_endpoint_port("ipc:///tmp/x", 1) == "ipc:///tmp/x_dp1"
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
     assert not KVEventsConfig.parse({}).active
+    assert KVEventsConfig.parse({"enable_kv_cache_events": True}).active   # zmq by default when enabled
+    assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).active
     for bad in ({"publisher": "kafka"}, {"endpoint": "http://x"}, {"buffer_steps": 0}, {"enable": True}):
         with pytest.raises(ValueError):
             KVEventsConfig.parse(bad)
