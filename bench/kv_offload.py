@@ -3,10 +3,11 @@ recomputing it, and throughput with the tier on at 0% hits against the tier off.
 
     python3 -m bench.kv_offload [--preset llama-3.1-8b] [--prompt-len 32768] [--offload-gb 64]
 
-TTFT: the GPU cache is held to --gpu-blocks blocks (a little over two long prompts), so prompt A,
-then two other prompts of the same length, push A's blocks out of the GPU; A re-sent then loads
-them from the CPU tier (or, tier off, recomputes them). One output token: its latency is the TTFT.
-Throughput: random prompts that share nothing (0% hits) while the cache evicts, tier on and off."""
+TTFT (the tier on): the GPU cache is held to a little over two long prompts, so prompt A, then two
+other prompts of the same length, push A's blocks out of the GPU; A re-sent then loads them from
+the CPU tier. Recompute: A's first send, in the same engine. One output token: its latency is the
+TTFT. Throughput: random prompts that share nothing (0% hits) while the GPU cache evicts (so the
+tier stores), tier on and off, the same GPU cache size."""
 from __future__ import annotations
 
 import argparse
@@ -25,32 +26,33 @@ def _llm(path: str, offload_gb: float | None, **kw):
     return LLM(path, **opts)
 
 
-def ttft(path: str, prompt_len: int, gpu_blocks: int, offload_gb: float | None) -> dict:
+def run(path: str, prompt_len: int, gpu_blocks: int, offload_gb: float | None, n: int) -> dict:
+    """One engine: (with the tier) TTFT of a fresh long prompt (recompute) and of the same prompt
+    re-hit after two others pushed it out of the GPU cache; then 0%-hit throughput (random
+    1,024/128 prompts, the GPU cache evicting throughout)."""
     from frontend import SamplingParams
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(3)]
+    longs = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(4)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    with _llm(path, offload_gb, max_model_len=prompt_len + 16, num_gpu_blocks_override=gpu_blocks,
-              max_num_seqs=1) as llm:
-        llm.generate([{"prompt_token_ids": prompts[0][:512]}], one, use_tqdm=False)   # warm-up
-        times = []
-        for p in [prompts[0], prompts[1], prompts[2], prompts[0]]:
+    out = {}
+    with _llm(path, offload_gb, max_model_len=max(prompt_len, 1024) + 144, num_gpu_blocks_override=gpu_blocks) as llm:
+        def timed(p):
             t0 = time.perf_counter()
             llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-    return {"first_s": times[0], "rehit_s": times[-1]}
-
-
-def throughput(path: str, n: int, input_len: int, output_len: int, gpu_blocks: int, offload_gb: float | None) -> float:
-    from frontend import SamplingParams
-    rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(input_len)]} for _ in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    with _llm(path, offload_gb, max_model_len=input_len + output_len, num_gpu_blocks_override=gpu_blocks) as llm:
+            return time.perf_counter() - t0
+        timed(longs[3][:1024])   # warm-up
+        if offload_gb:
+            out["ttft_recompute_s"] = timed(longs[0])
+            timed(longs[1])
+            timed(longs[2])
+            out["ttft_cpu_tier_s"] = timed(longs[0])
+        prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(1024)]} for _ in range(n)]
+        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
         llm.generate(prompts[:8], params, use_tqdm=False)
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        return n * (input_len + output_len) / (time.perf_counter() - t0)
+        out["tok_per_s"] = n * (1024 + 128) / (time.perf_counter() - t0)
+    return out
 
 
 def main() -> None:
@@ -63,21 +65,17 @@ def main() -> None:
     args = p.parse_args()
     args.model = None
     block = 16
-    rows = {}
+    gpu_blocks = (2 * args.prompt_len) // block + 64   # two long prompts fit, a third evicts the first
     with model_dir(args) as path:
-        gpu_blocks = (2 * args.prompt_len) // block + 64   # A and one more fit, the third evicts A
-        for name, gb in (("recompute", None), ("cpu_tier", args.offload_gb)):
-            rows[f"ttft_{name}"] = ttft(path, args.prompt_len, gpu_blocks, gb)
-            print(name, rows[f"ttft_{name}"], flush=True)
-        # 0% hits with evictions: a cache of ~1/4 of the workload's blocks
-        tput_blocks = args.num_prompts * (1024 + 128) // block // 4
-        for name, gb in (("off", None), ("on", args.offload_gb)):
-            rows[f"tput_{name}"] = throughput(path, args.num_prompts, 1024, 128, tput_blocks, gb)
-            print(name, rows[f"tput_{name}"], flush=True)
+        on = run(path, args.prompt_len, gpu_blocks, args.offload_gb, args.num_prompts)
+        print("tier on", on, flush=True)
+        off = run(path, args.prompt_len, gpu_blocks, None, args.num_prompts)
+        print("tier off", off, flush=True)
+    rows = {"on": on, "off": off}
     print(f"\n{'kv-offload (' + args.preset + ', dummy)':<44} {'measured':>12} {'target':>14}")
-    print(f"{f'TTFT {args.prompt_len} tokens, recompute s':<44} {rows['ttft_recompute']['rehit_s']:>12.3f} {'':>14}")
-    print(f"{f'TTFT {args.prompt_len} tokens, CPU tier hit s':<44} {rows['ttft_cpu_tier']['rehit_s']:>12.3f} {'<= 0.25':>14}")
-    ratio = rows["tput_on"] / rows["tput_off"]
+    print(f"{f'TTFT {args.prompt_len} tokens, recompute s':<44} {on['ttft_recompute_s']:>12.3f} {'':>14}")
+    print(f"{f'TTFT {args.prompt_len} tokens, CPU tier hit s':<44} {on['ttft_cpu_tier_s']:>12.3f} {'<= 0.25':>14}")
+    ratio = on["tok_per_s"] / off["tok_per_s"]
     print(f"{'0%-hit throughput, tier on / off':<44} {ratio:>12.3f} {'>= 0.99':>14}")
     if args.output_json:
         with open(args.output_json, "w") as f:
