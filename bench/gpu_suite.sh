@@ -322,6 +322,10 @@ PY
   audio) # issue 52: tiny Qwen2-Audio fp32 parity with HF on CUDA, then the Qwen2-Audio-7B encoder vs HF's
          run audio-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_audio.py
          TAIL=5 run audio-encoder 150 python3 -m bench.audio_encoder --batch 16 ;;
+  kv-offload) # issue 50: the CPU KV tier on Llama-3.1-8B shapes: TTFT of a 32k prompt re-hit from the tier vs
+              # recompute, and 0%-hit throughput with the tier on vs off (table at the end)
+              TAIL=6 run kv-offload 380 python3 -m bench.kv_offload --preset llama-3.1-8b --prompt-len 32768 \
+                --offload-gb 64 --num-prompts 400 --output-json "$OUT/kv-offload.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)

@@ -29,6 +29,8 @@ from ipc.control import CONTROL_OPS, PAUSE_MODES, SLEEP_TAGS
 from engine_core.client_io import ADD_MALFORMED, CLIENT_GONE, UTILITY_MALFORMED, ClientIO
 from ipc.data_parallel import DPRank, register_with_head, select_devices
 from engine_core.executor import Executor, MultiprocExecutor, PendingOutput
+from engine_core.kv_events import KVEventBatch, ZmqEventPublisher, make_publisher
+from engine_core.kv_offload import CPUTier
 from engine_core.loop_stats import LoopStats
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
@@ -84,8 +86,42 @@ class EngineCore:
         self._deferred: list[tuple[int, UtilityOutput, Deferred]] = []   # utility replies not yet ready
         self.utility_outputs: list[UtilityOutput] = []   # replies for the in-process client (_send_utility)
         self.loop_stats = LoopStats()
+        self.kv_events = self._kv_events_publisher(config)
+        self._init_cpu_tier(config)
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+
+    def _kv_events_publisher(self, config: EngineConfig) -> ZmqEventPublisher | None:
+        """--kv-events-config: the publisher, and the block pool recording events for it."""
+        try:
+            publisher = make_publisher(config.kv_events_config, config.data_parallel_rank,
+                                       envs.LOOM_ENGINE_AUTH_KEY or None)
+        except (ValueError, TypeError, zmq.ZMQError) as e:
+            raise ConfigError(f"--kv-events-config: {e}") from None
+        if publisher is not None:
+            self.scheduler.kv.pool.kv_events = []
+        return publisher
+
+    def _init_cpu_tier(self, config: EngineConfig) -> None:
+        """--kv-offloading-size GiB over the tensor-parallel ranks: each rank holds the same slots of its heads."""
+        if config.kv_offloading_size is None:
+            return
+        per_rank = config.kv_offloading_size * 2 ** 30 / config.tensor_parallel_size
+        num_slots = int(per_rank // max(self.executor.collective_rpc("kv_block_bytes")))
+        if num_slots < 1:
+            raise ConfigError(f"--kv-offloading-size {config.kv_offloading_size} GiB holds no KV block")
+        self.executor.collective_rpc("initialize_cpu_tier", [num_slots])
+        pool = self.scheduler.kv.pool
+        pool.cpu_tier = CPUTier(num_slots)
+        pool.cpu_tier.kv_events = pool.kv_events
+        logger.info("CPU KV tier: %d blocks (--kv-offloading-size %s GiB, backend %s)", num_slots,
+                    config.kv_offloading_size, config.kv_offloading_backend or "native")
+
+    def _send_kv_events(self) -> None:
+        """The events of this turn as one batch, to the publisher's thread (no encoding here)."""
+        events = self.scheduler.kv.pool.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(KVEventBatch(time.time(), events))
 
     def _steps_ahead(self, config: EngineConfig) -> int:
         """Steps kept in flight. On a GPU with async scheduling three, so that this loop's round
@@ -171,7 +207,8 @@ class EngineCore:
         if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
             with self.loop_stats.phase("schedule"):
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
-            if so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes:
+            if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
+                    or so.kv_transfers):
                 self._send_bitmask()   # (filled while this step was scheduled) the sample goes first
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
@@ -226,6 +263,7 @@ class EngineCore:
         for ci, outs in self.pending_outputs.items():
             by_client.setdefault(ci, [])[:0] = outs
         self.pending_outputs = {}
+        self._send_kv_events()
         return by_client
 
     def drain(self) -> dict[int, list[EngineCoreOutput]]:
@@ -302,7 +340,7 @@ class EngineCore:
                 raise ValueError("sleep levels 1 and 2 need --enable-sleep-mode")
             self.scheduler.preempt_all()  # their KV is about to go; they recompute after wake-up
             self._on_workers("sleep", [level])
-            self.scheduler.reset_prefix_cache()
+            self.scheduler.reset_prefix_cache(keep_cpu_tier=level == 1)   # level 2: the weights may change
             # (not "scheduling": waking weights and kv_cache, as RL trainers do, ends the sleep)
             self.control.asleep.update(("weights", "kv_cache"))
         self.control.sleep_level = max(self.control.sleep_level, level)
@@ -484,6 +522,9 @@ class EngineCore:
         self.loop_stats.log()
         self.scheduler.structured.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self._send_kv_events()
+            self.kv_events.shutdown()
 
 
 class EngineCoreProc(EngineCore):

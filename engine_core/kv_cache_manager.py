@@ -19,6 +19,7 @@ import hashlib
 import msgspec
 
 from engine_core.block_pool import BlockPool, KVBlock
+from engine_core.kv_events import MEDIUM_GPU, BlockStored
 from engine_core.request import Request
 
 
@@ -58,10 +59,12 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            # images in the block are extra keys: same text, different image, different KV
-            extra = tuple(it.hash for it in req.mm_items
-                          if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, self._extra_keys(req, i)))
+
+    def _extra_keys(self, req: Request, i: int) -> tuple:
+        """Block i's extra keys: images in the block (same text, different image, different KV)."""
+        bs = self.block_size
+        return tuple(it.hash for it in req.mm_items if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute. None for a request
@@ -78,7 +81,34 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.pool.cpu_tier is not None and len(hits) < max_blocks:
+            hits += self._load_from_cpu(req, hits, max_blocks)
         return hits
+
+    def _load_from_cpu(self, req: Request, gpu_hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+        """The run of the prefix after gpu_hits that the CPU tier holds, loaded into fresh GPU blocks
+        that join the prefix cache (free, cached: the request takes them as hits, or a later one
+        does). As many as the free blocks allow beside the request's GPU hits, which are held
+        meanwhile so that taking blocks cannot evict them."""
+        tier = self.pool.cpu_tier
+        run = []
+        for h in req.block_hashes[len(gpu_hits):max_blocks]:
+            if tier.lookup(h) is None or self.pool.lookup(h) is not None:
+                break
+            run.append(h)
+        if not run:
+            return []
+        tier.pin(run)   # the stores of the blocks taken below must not reuse these slots
+        self.pool.touch(gpu_hits)
+        blocks = self.pool.take_new(min(len(run), self.pool.num_free_blocks))
+        first = len(gpu_hits)
+        for i, (block, h) in enumerate(zip(blocks, run)):
+            tier.load(h, block.block_id)
+            self.pool.cache(block, h)
+        if blocks and self.pool.kv_events is not None:
+            self._record_stored(req, list(range(first, first + len(blocks))))
+        self.pool.free(list(reversed(blocks)) + list(reversed(gpu_hits)))
+        return blocks
 
     def _window_hits(self, hashes: list[bytes]) -> list[KVBlock | None]:
         """The longest cached prefix when blocks are trimmed to the window (vLLM's sliding-window
@@ -143,10 +173,37 @@ class KVCacheManager:
         self.update_block_hashes(req)
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        stored = []
         for i in range(done, num_full):
-            if blocks[i] is not None:   # (a trimmed block was published before it was trimmed)
-                self.pool.cache(blocks[i], req.block_hashes[i])
+            # (a trimmed block was published before it was trimmed)
+            if blocks[i] is not None and self.pool.cache(blocks[i], req.block_hashes[i]):
+                stored.append(i)
         self.num_cached_blocks[req.request_id] = max(done, num_full)
+        if stored and self.pool.kv_events is not None:
+            self._record_stored(req, stored)
+
+    def _record_stored(self, req: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a block already cached by
+        another request breaks the run: the router has it)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            extra = [self._extra_keys(req, i) or None for i in run]
+            self.pool.kv_events.append(BlockStored(
+                [req.block_hashes[i] for i in run], req.block_hashes[run[0] - 1] if run[0] else None,
+                [req.token_id(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)], bs, None, MEDIUM_GPU, None,
+                extra if any(extra) else None))
+            if self.pool.cpu_tier is not None:   # each block's own, for the tier's BlockStored when it is evicted
+                for i in run:
+                    h = req.block_hashes[i]
+                    self.pool.cached[h].stored = BlockStored(
+                        [h], req.block_hashes[i - 1] if i else None, [req.token_id(j) for j in range(i * bs, (i + 1) * bs)],
+                        bs, None, MEDIUM_GPU, None, [extra[i - run[0]]] if extra[i - run[0]] else None)
 
     def block_ids(self, req_id: str) -> list[int]:
         """For the workers' block table; a trimmed block's place gets block 0, never read."""
@@ -158,5 +215,5 @@ class KVCacheManager:
         if blocks:
             self.pool.free([b for b in reversed(blocks) if b is not None])
 
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_cpu_tier: bool = False) -> bool:
+        return self.pool.reset_prefix_cache(keep_cpu_tier)

@@ -317,6 +317,8 @@ class Scheduler:
                              finished_req_ids=finished, step_id=self.step_id, scheduled_encoder_inputs=plan.encode,
                              free_encoder_hashes=self.encoder.take_free(), released_mm=released,
                              defer_sample=defer_sample, scheduled_spec_decode_tokens=plan.spec)
+        if self.kv.pool.cpu_tier is not None:
+            so.kv_transfers = self.kv.pool.cpu_tier.take_transfers()
         if not defer_sample:
             so.grammar = self.grammar_bitmask(so)
         return so
@@ -508,5 +510,5 @@ class Scheduler:
         timings, self._timings = self._timings, []
         return timings
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_cpu_tier: bool = False) -> bool:
+        return self.kv.reset_prefix_cache(keep_cpu_tier)

@@ -99,6 +99,15 @@ class EngineConfig:
                                           "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "
                                           "free each request's KV blocks that fall behind the window; a model "
                                           "with global layers keeps all its blocks (they need them)")
+    kv_offloading_size: float | None = option(None, "GiB of host memory (over all tensor-parallel ranks) for a "
+                                              "CPU tier of the KV cache: prefix-cache blocks evicted from the GPU "
+                                              "are kept there and loaded back on a hit instead of recomputed")
+    kv_offloading_backend: str | None = option(None, "the CPU tier's implementation (with --kv-offloading-size; "
+                                               "default native)", ("native",))
+    kv_events_config: dict = option({}, "publish KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) "
+                                     "as vLLM does, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                     "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\", \"replay_endpoint\": "
+                                     "\"tcp://*:5558\"}' (ports + data-parallel rank); README 'KV-cache events'")
     enforce_eager: bool = option(False, "no CUDA graphs")
     cuda_graph_sizes: list[int] | None = option(None, "batch sizes of the decode CUDA graphs: one value N "
                                                 "captures 1, 2, 4, 8, 16, then every 32 up to N; several, "
@@ -314,6 +323,12 @@ class EngineConfig:
             raise ConfigError(f"--max-logprobs must be at least -1 (no limit), got {self.max_logprobs}")
         if not -2 ** 63 <= self.seed < 2 ** 64:   # torch.manual_seed's range
             raise ConfigError(f"--seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ConfigError(f"--kv-offloading-size must be above 0 (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_backend is not None and self.kv_offloading_size is None:
+            raise ConfigError("--kv-offloading-backend needs --kv-offloading-size")
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offloading-size needs prefix caching (it keeps evicted prefix-cache blocks)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ConfigError(f"--kv-cache-memory-bytes must be at least 1, got {self.kv_cache_memory_bytes}")
         if self.mm_processor_cache_gb < 0:

@@ -223,6 +223,15 @@ class GrammarOutput(_Msg):
     draft_pos: list[int] | None = None    # a verify step: row j's position among its request's drafts (0: first)
 
 
+class KVTransfers(_Msg):
+    """Copies between the GPU KV cache and its CPU tier (engine_core/kv_offload.py), made before
+    the step's forward: stores (GPU block -> host slot) first, then loads (host slot -> GPU block)."""
+    store_blocks: list[int]
+    store_slots: list[int]
+    load_slots: list[int]
+    load_blocks: list[int]
+
+
 class SchedulerOutput(_Msg):
     """One step, as a diff against what the workers already hold."""
     new_requests: list[NewRequestData]
@@ -239,6 +248,7 @@ class SchedulerOutput(_Msg):
     # req id -> the draft tokens this step verifies (speculative decoding; their slots follow the
     # request's last token in num_scheduled_tokens)
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    kv_transfers: KVTransfers | None = None   # CPU KV tier copies, before this step's forward
 
 
 class ModelRunnerOutput(_Msg):

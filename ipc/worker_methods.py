@@ -15,12 +15,13 @@ ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
     **{op.workers: f"use {op.routes[0]}" for op in CONTROL_OPS.values() if op.engine_only},
     "initialize_cache": "the KV cache is the engine's",
     "determine_num_blocks": "the KV cache is the engine's",
+    "initialize_cpu_tier": "the KV cache is the engine's",
     "shutdown": "use SIGTERM on `loom serve`",
 }
 
 # Remote methods clients may call through collective_rpc (POST /collective_rpc, LLM.collective_rpc).
 CLIENT_WORKER_METHODS = frozenset({
-    "ping", "device_type", "kv_sliding_window", "get_pid", "memory_info", "step_stats", "all_reduce_info",
+    "ping", "device_type", "kv_sliding_window", "kv_block_bytes", "get_pid", "memory_info", "step_stats", "all_reduce_info",
     "weights_update_group_ready", "destroy_weights_update_group", "get_weights_by_name",
     "start_profile", "stop_profile",
 })

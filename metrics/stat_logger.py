@@ -210,7 +210,9 @@ class PrometheusStatLogger:
                 "enable_prefix_caching": str(c.enable_prefix_caching),
                 "gpu_memory_utilization": str(c.gpu_memory_utilization),
                 "num_gpu_blocks": str(self.num_gpu_blocks), "num_gpu_blocks_override": str(c.num_gpu_blocks_override),
-                "kv_cache_memory_bytes": str(c.kv_cache_memory_bytes)}
+                "kv_cache_memory_bytes": str(c.kv_cache_memory_bytes),
+                "kv_offloading_size": str(c.kv_offloading_size), "kv_offloading_backend":
+                    str(c.kv_offloading_backend or ("native" if c.kv_offloading_size else None))}
 
     def _bind(self, engine: str) -> SimpleNamespace:
         """Children of every metric for one engine, created at 0 so that every series shows."""

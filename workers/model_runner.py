@@ -113,6 +113,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         check_kv_cache_device(self.kv_spec.dtype, self.device)
+        self.cpu_tier = None   # workers/kv_offload.py HostKVTier, with --kv-offloading-size
         self.memory = KVCacheMemory(self.model, config, self.device, self.kv_spec, self.backend, self.dtype)
         # --calculate-kv-scales with an FP8 cache: the first step with tokens sets every layer's scales
         self.kv_scales_pending = config.calculate_kv_scales and config.kv_cache_dtype != "auto"
@@ -225,6 +226,8 @@ class ModelRunner:
         """Queue one step on the device without waiting for it: prepare, forward, sample,
         copy back (finish() waits). Decode inputs that are tokens of `prev` (still in
         flight) are taken from prev's device tensor."""
+        if so.kv_transfers is not None:   # the CPU KV tier's copies, before anything of this step
+            self.cpu_tier.apply(so.kv_transfers, self.kv_caches)
         batch = self.prepare(so, prev)
         if batch is None:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64), refused=self.mm.take_refused())

@@ -88,6 +88,16 @@ class Worker:
         self.runner.initialize_cache(num_blocks)
 
     @remote
+    def kv_block_bytes(self) -> int:
+        """One KV block's bytes on this rank, over all layers (the CPU tier's slot size)."""
+        return self.runner.kv_spec.block_bytes()
+
+    @remote
+    def initialize_cpu_tier(self, num_slots: int) -> None:
+        from workers.kv_offload import HostKVTier
+        self.runner.cpu_tier = HostKVTier(num_slots, self.runner.kv_caches)
+
+    @remote
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
 

@@ -59,6 +59,10 @@ def _serve_parser(sub) -> None:
                    help="add usage.prompt_tokens_details.cached_tokens (prefix-cache hits) to every response")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
+    p.add_argument("--enable-orca-load-metrics", action="store_true",
+                   help="add ORCA's endpoint-load-metrics header (TEXT; kv_cache_usage_perc, num_requests_waiting, "
+                        "num_requests_running) to every generation response; without it only to requests that "
+                        "send endpoint-load-metrics-format: text|json")
     p.add_argument("--log-level", type=str.lower, default=None, choices=("debug", "info", "warning", "error"),
                    help="log level of every process of the server (None: $LOOM_LOG_LEVEL, else info)")
     p.add_argument("--enable-mfu-metrics", action="store_true",

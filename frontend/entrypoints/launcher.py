@@ -198,6 +198,7 @@ class _Launch:
                        "chat_template_content_format": args.chat_template_content_format,
                        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
                        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
+                       "enable_orca_load_metrics": args.enable_orca_load_metrics,
                        "dp_lookup": self.dp.coordinator_lookup(self.ipc_dir) if self.coordinator else None,
                        "shutdown_timeout": args.shutdown_timeout}
         self.servers = [start_process(run_api_server_process, f"loom-api-server-{i}",

@@ -48,6 +48,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
                                check_stream_options, completion_prompts, dumps, error_body, models_response, now,
                                parse_request, random_id, stream_usage)
+from frontend.openai.load_api import LoadAPI
 from frontend.openai.rl_api import control_routes
 from frontend.openai.serving_messages import MessagesAPI
 from frontend.openai.serving_responses import ResponsesAPI
@@ -77,7 +78,7 @@ logger = logging.getLogger("loom.api")
 SERVER_KEY: web.AppKey["OpenAIServer"] = web.AppKey("openai_server")
 SERVER_INDEX_HEADER = "X-Loom-Server-Index"
 DP_RANK_HEADER = "X-data-parallel-rank"   # vLLM's: pins a request to one engine core (data parallelism)
-_OPEN_PATHS = ("/health", "/metrics")  # no API key needed (as in vLLM: probes and scrapers)
+_OPEN_PATHS = ("/health", "/metrics", "/load")  # no API key needed (as in vLLM: probes, scrapers, routers)
 _SMALL_INPUT_CHARS = 1 << 16     # request bodies up to this size tokenize in the fast lane
 MAX_PROMPTS = 1024               # prompts in one /v1/completions request (vLLM: VLLM_MAX_COMPLETION_PROMPTS)
 MAX_CHOICES = 1024               # n x prompts of one request
@@ -93,6 +94,7 @@ class ServerOptions:
     chat_template_content_format: str = "auto"
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
+    enable_orca_load_metrics: bool = False
 
     @classmethod
     def pick(cls, opts: dict) -> "ServerOptions":
@@ -212,6 +214,7 @@ class OpenAIServer:
         self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
         self.responses = ResponsesAPI(self)    # /v1/responses and its store
         self.messages = MessagesAPI(self)      # /v1/messages (Anthropic's)
+        self.load = LoadAPI(self, self.options.enable_orca_load_metrics)   # /load, /server_info, ORCA header
         # Counted in the API server, which does not track the engine a request ran on: with one
         # engine its index, with data parallelism "all" (every metric carries `engine`, section 7).
         self.tool_parser_engine = "0" if getattr(self.config, "data_parallel_size", 1) == 1 else "all"
@@ -699,7 +702,8 @@ class OpenAIServer:
     # ------------------------------------------------------------ app
 
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[HttpMetrics().middleware, self._middleware],  # metrics outermost
+        app = web.Application(middlewares=[HttpMetrics().middleware, self._middleware,  # metrics outermost
+                                           self.load.count_in_flight],
                               client_max_size=self.options.max_request_body_bytes)
         routes = [("POST", "/v1/completions", self.completions),
                   ("POST", "/v1/chat/completions", self.chat_completions),
@@ -708,7 +712,8 @@ class OpenAIServer:
                   ("GET", "/health", self.health), ("GET", "/metrics", self.metrics),
                   ("GET", "/version", self.version),
                   ("POST", "/tokenize", self.tokenize), ("POST", "/detokenize", self.detokenize)]
-        routes += self.responses.routes() + self.messages.routes() + TranscriptionAPI(self).routes()
+        routes += (self.responses.routes() + self.messages.routes() + TranscriptionAPI(self).routes()
+                   + self.load.routes())
         if self.options.enable_tokenizer_info_endpoint:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
@@ -718,6 +723,7 @@ class OpenAIServer:
         for method, path, handler in routes:
             add[method](path, handler)
         app.on_response_prepare.append(self._add_server_index)  # X-Loom-Server-Index on every response
+        app.on_response_prepare.append(self.load.add_orca_header)
         app[SERVER_KEY] = self
         app.on_cleanup.append(self._on_cleanup)
         return app

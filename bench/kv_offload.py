@@ -1,0 +1,86 @@
+"""The CPU KV tier on one GPU (issue 50): TTFT of a long prompt re-hit from the CPU tier against
+recomputing it, and throughput with the tier on at 0% hits against the tier off.
+
+    python3 -m bench.kv_offload [--preset llama-3.1-8b] [--prompt-len 32768] [--offload-gb 64]
+
+TTFT (the tier on): the GPU cache is held to a little over two long prompts, so prompt A, then two
+other prompts of the same length, push A's blocks out of the GPU; A re-sent then loads them from
+the CPU tier. Recompute: A's first send, in the same engine. One output token: its latency is the
+TTFT. Throughput: random prompts that share nothing (0% hits) while the GPU cache evicts (so the
+tier stores), tier on and off, the same GPU cache size."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from bench.common import model_dir
+
+
+def _llm(path: str, offload_gb: float | None, **kw):
+    from frontend import LLM
+    opts = dict(load_format="dummy", max_model_len=kw.pop("max_model_len"), enable_prefix_caching=True, **kw)
+    if offload_gb:
+        opts["kv_offloading_size"] = offload_gb
+    return LLM(path, **opts)
+
+
+def run(path: str, prompt_len: int, gpu_blocks: int, offload_gb: float | None, n: int) -> dict:
+    """One engine: (with the tier) TTFT of a fresh long prompt (recompute) and of the same prompt
+    re-hit after two others pushed it out of the GPU cache; then 0%-hit throughput (random
+    1,024/128 prompts, the GPU cache evicting throughout)."""
+    from frontend import SamplingParams
+    rng = random.Random(0)
+    longs = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(4)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = {}
+    with _llm(path, offload_gb, max_model_len=max(prompt_len, 1024) + 144, num_gpu_blocks_override=gpu_blocks) as llm:
+        def timed(p):
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+            return time.perf_counter() - t0
+        timed(longs[3][:1024])   # warm-up
+        if offload_gb:
+            out["ttft_recompute_s"] = timed(longs[0])
+            timed(longs[1])
+            timed(longs[2])
+            out["ttft_cpu_tier_s"] = timed(longs[0])
+        prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(1024)]} for _ in range(n)]
+        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        llm.generate(prompts[:8], params, use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        out["tok_per_s"] = n * (1024 + 128) / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--prompt-len", type=int, default=32768)
+    p.add_argument("--offload-gb", type=float, default=64.0)
+    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--output-json")
+    args = p.parse_args()
+    args.model = None
+    block = 16
+    gpu_blocks = (2 * args.prompt_len) // block + 64   # two long prompts fit, a third evicts the first
+    with model_dir(args) as path:
+        on = run(path, args.prompt_len, gpu_blocks, args.offload_gb, args.num_prompts)
+        print("tier on", on, flush=True)
+        off = run(path, args.prompt_len, gpu_blocks, None, args.num_prompts)
+        print("tier off", off, flush=True)
+    rows = {"on": on, "off": off}
+    print(f"\n{'kv-offload (' + args.preset + ', dummy)':<44} {'measured':>12} {'target':>14}")
+    print(f"{f'TTFT {args.prompt_len} tokens, recompute s':<44} {on['ttft_recompute_s']:>12.3f} {'':>14}")
+    print(f"{f'TTFT {args.prompt_len} tokens, CPU tier hit s':<44} {on['ttft_cpu_tier_s']:>12.3f} {'<= 0.25':>14}")
+    ratio = on["tok_per_s"] / off["tok_per_s"]
+    print(f"{'0%-hit throughput, tier on / off':<44} {ratio:>12.3f} {'>= 0.99':>14}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

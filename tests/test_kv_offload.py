@@ -1,0 +1,110 @@
+"""The CPU tier of the KV cache (--kv-offloading-size): blocks evicted from a small GPU cache are
+kept in host memory, a prompt re-sent after its blocks left the GPU loads them back (prefix-cache
+hits, no recompute) with the same greedy tokens as without the tier, and the budget holds."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_core.kv_offload import CPUTier
+from ipc.config import ConfigError, EngineConfig
+
+BS = 4
+
+
+def _prompts():
+    rng = random.Random(5)
+    a = [rng.randrange(3, 250) for _ in range(30)]
+    others = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(3)]
+    return a, others
+
+
+def _run(model_dir, multiprocess=False, **options):
+    from frontend import LLM, SamplingParams
+    a, others = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # 24 blocks of 4: one 36-token request at a time fits, the others evict a's blocks
+    with LLM(model_dir, multiprocess=multiprocess, max_model_len=64, block_size=BS, num_gpu_blocks_override=24,
+             max_num_seqs=1, **options) as llm:
+        outs = []
+        for p in [a, *others, a]:
+            outs.append(list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids))
+        if multiprocess:
+            return outs, None, {"hits": llm.stats.prefix_cache_hits}
+        engine = llm.client.engine
+        host = engine.executor.runner.cpu_tier
+        return outs, engine.scheduler.kv.pool.cpu_tier, {"hits": llm.stats.prefix_cache_hits,
+                                                         "host_bytes": host.nbytes() if host is not None else 0}
+
+
+def test_cpu_tier_hit_matches_recompute(model_factory):
+    model = model_factory("qwen3")
+    base, none_tier, base_info = _run(model)
+    assert none_tier is None
+    outs, tier, info = _run(model, kv_offloading_size=0.001)
+    assert outs == base                        # greedy tokens equal after loading from the CPU tier
+    assert tier.num_stored > 0 and tier.num_loaded >= 7   # a's 7 full prompt blocks came back from the host
+    assert len(tier) <= tier.num_slots
+    assert 0 < info["host_bytes"] <= 0.001 * 2 ** 30   # the host budget, exactly slots x block bytes
+    assert base_info["hits"] == 0 and info["hits"] >= 7 * BS   # the prefix-cache hits are the tier's
+
+
+def test_cpu_tier_with_tensor_parallel_worker_processes(model_factory):
+    """The engine and two tensor-parallel workers in their own processes, each rank storing and
+    loading its own heads: the re-sent prompt (from the tier) gives its first (computed) tokens."""
+    outs, _, info = _run(model_factory("qwen3"), multiprocess=True, tensor_parallel_size=2, kv_offloading_size=0.001)
+    assert outs[-1] == outs[0] and info["hits"] >= 7 * BS
+
+
+def test_tier_lru_never_exceeds_its_slots():
+    tier = CPUTier(3)
+    for i in range(10):
+        tier.store(bytes([i]), i)
+        assert len(tier) <= 3
+    assert [tier.lookup(bytes([i])) is not None for i in range(10)] == [False] * 7 + [True] * 3
+    x = tier.take_transfers()
+    assert len(x.store_blocks) == 10 and set(x.store_slots) == {0, 1, 2}
+    tier.pin([bytes([7])])
+    tier.load(bytes([7]), 50)
+    tier.store(bytes([42]), 42)   # evicts the least recent that is not being loaded: 8
+    assert tier.lookup(bytes([7])) is not None and tier.lookup(bytes([8])) is None
+    tier.clear()
+    assert len(tier) == 0 and tier.take_transfers() is None
+
+
+def test_offload_flags_checked():
+    with pytest.raises(ConfigError, match="kv-offloading-size"):
+        EngineConfig(model="x", kv_offloading_size=0, max_model_len=64, max_num_batched_tokens=64).check()
+    with pytest.raises(ConfigError, match="needs --kv-offloading-size"):
+        EngineConfig(model="x", kv_offloading_backend="native", max_model_len=64, max_num_batched_tokens=64).check()
+
+
+def test_copy_runs():
+    from workers.kv_offload import _runs
+    assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (2, 7, 1)]
+    assert _runs([], []) == []
+
+
+def test_sleep_level_1_keeps_the_tier_level_2_drops_it(model_factory):
+    from frontend import LLM, SamplingParams
+    a, others = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=64, block_size=BS, num_gpu_blocks_override=24,
+             max_num_seqs=1, enable_sleep_mode=True, kv_offloading_size=0.001) as llm:
+        def gen(p):
+            return list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        first = gen(a)
+        for p in others:   # a's blocks go to the tier
+            gen(p)
+        tier = llm.client.engine.scheduler.kv.pool.cpu_tier
+        for level, kept in ((1, True), (2, False)):
+            llm.sleep(level)
+            llm.wake_up()
+            hits = llm.stats.prefix_cache_hits
+            assert gen(a) == first
+            assert (llm.stats.prefix_cache_hits - hits >= 7 * BS) == kept, level
+            if level == 1:   # a's blocks back in the tier for level 2
+                for p in others:
+                    gen(p)
+        assert len(tier) == 0   # dropped at level 2 (and a's run alone evicted nothing since)
