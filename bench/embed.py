@@ -39,10 +39,11 @@ def add_args(p) -> None:
     p.add_argument("--num-prompts", type=int, default=4096, help="requests to send (one input each)")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     p.add_argument("--processes", type=int, default=4, help="client processes sharing the concurrency")
-    p.add_argument("--encoding-format", default="base64", choices=("float", "base64"))
+    p.add_argument("--encoding-format", default="base64", choices=("float", "base64"),
+                   help="how the server returns each embedding")
     p.add_argument("--warmup", type=int, default=128, help="requests sent (and not timed) first")
     p.add_argument("--target", type=float, default=250_000.0, help="prompt tokens/s the table compares with")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--max-token-id", type=int, default=MAX_TOKEN_ID, help="random ids are below this")
     p.add_argument("--result-file", default=None, help="write the summary as JSON here")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from frontend.entrypoints.args import LoomParser, add_engine_args
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loom {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:   # Ctrl-C before `loom serve` took over the signal (while it loads)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a second one must not cut the exit short)
         print(f"loom {args.command}: interrupted", file=sys.stderr)
         return 130
     return 2
