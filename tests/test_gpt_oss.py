@@ -182,7 +182,8 @@ def test_harmony_output_channels():
            .with_recipient("functions.echo")]
     reasoning, content, calls = output_fields(out)
     assert reasoning == "Think. More." and content == "Let me check."
-    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("echo", "not json")]
+    # arguments that are not JSON come as a JSON string: a client's json.loads(arguments) always reads them
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("echo", '"not json"')]
     final = [Message.from_role_and_content(Role.ASSISTANT, "Hi!").with_channel("final")]
     assert output_fields(final) == (None, "Hi!", [])
 

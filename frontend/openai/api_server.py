@@ -575,8 +575,7 @@ class OpenAIServer:
         """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
         if output.tools.mode != "auto":
             return
-        called = bool(output.tool_calls) or (streaming and output.tools.parser.plain_prefix(output.text, False)
-                                              != output.text)
+        called = bool(output.tool_calls)
         self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
                                             "streaming" if streaming else "non_streaming",
                                             "tool_call" if called else "no_tool_call", request_type).inc()
