@@ -478,6 +478,8 @@ class OpenAIServer:
                            "tool_choice" if tools.mode in ("required", "named") else "response_format")
         params = await self._tokenize_bad_words(build_sampling_params(
             req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
+        if tools.mode == "auto" and tools.parser.keeps_special_tokens and req.skip_special_tokens is None:
+            params.skip_special_tokens = False   # its markers are special tokens (vLLM's adjust_request)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         if self.harmony:

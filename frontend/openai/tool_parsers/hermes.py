@@ -11,8 +11,6 @@ TEXT, BODY, SKIP, RAW = range(4)
 
 
 class HermesToolParser(ToolParser):
-    keeps_special_tokens = True   # Hermes-2-Pro's markers are special tokens
-
     def stream(self) -> HermesStream:
         return HermesStream(self)
 

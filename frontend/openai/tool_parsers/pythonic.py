@@ -77,7 +77,7 @@ class PythonicStream(ToolStream):
                     if not self.open:
                         self.begin_call(self.name)
                         self.emit_arguments("{")
-                    self.emit_arguments("}")
+                    self._end_call()
                     self.pos, self.state = p + 1, AFTER
                     continue
                 m = _IDENT.match(text, p)
@@ -115,7 +115,7 @@ class PythonicStream(ToolStream):
                                     + ": " + encoded)
                 self.args += 1
                 if text[end] == ")":
-                    self.emit_arguments("}")
+                    self._end_call()
                     self.pos, self.state = end + 1, AFTER
                 else:
                     self.pos, self.state = end + 1, KEYWORD
@@ -139,11 +139,14 @@ class PythonicStream(ToolStream):
                 self.pos = n
                 return
 
+    def _end_call(self) -> None:
+        self.emit_arguments("}")
+        self.open = False
+
     def _fail(self, pos: int) -> None:
         """Not (or no more) a list of calls: content from here (from the start when no call began)."""
         if self.open:
-            self.emit_arguments("}")
-            self.open = False
+            self._end_call()
         self.pos = pos if self.calls else 0
         self.state = PLAIN
 
