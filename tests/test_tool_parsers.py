@@ -300,3 +300,25 @@ def test_a_prompt_that_opened_the_thinking_makes_the_output_reasoning():
     streamed = "".join(ch["delta"].get("reasoning_content") or "" for d in deltas for ch in d["choices"])
     assert streamed == _ScriptedArguments.SCRIPT
     assert not any(ch["delta"].get("content") for d in deltas for ch in d["choices"])
+
+
+class _ScriptedQwen3Coder(_ScriptedLLM):
+    SCRIPT = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome {\"x\"}\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_through_the_api_server_types_parameters_by_the_tools_schema():
+    """--tool-call-parser qwen3_coder: the request's tools reach the parser (days is an integer by
+    the schema, city a string), whole and streamed alike, the arguments streamed in pieces."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+    whole, chunks = _whole_and_streamed(_ScriptedQwen3Coder(enable_auto_tool_choice=True,
+                                                            tool_call_parser="qwen3_coder"), body)
+    msg = whole["choices"][0]["message"]
+    assert msg["content"] == "Checking.\n" and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome {\\"x\\"}", "days": 3}'}]
+    deltas = [c for d in chunks for ch in d["choices"] for c in ch["delta"].get("tool_calls") or []]
+    assert joined_calls(deltas) == [c["function"] for c in msg["tool_calls"]] and len(deltas) > 3
+    assert "".join(ch["delta"].get("content") or "" for d in chunks for ch in d["choices"]) == msg["content"]

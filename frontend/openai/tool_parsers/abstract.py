@@ -95,7 +95,9 @@ class ToolStream:
         return d
 
     def emit_content(self, s: str) -> None:
-        if s:
+        """Content: only before the first call (as vLLM's parsers of a whole output), so that every
+        API lays out a streamed answer as its whole one (the text, then the calls)."""
+        if s and not self.calls:
             self._content.append(s)
 
     def begin_call(self, name: str, call_id: str | None = None) -> None:
