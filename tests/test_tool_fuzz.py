@@ -203,3 +203,46 @@ def test_gpt_oss_arguments_fuzz():
         if [(c.name, args.get(i, "")) for i, c in enumerate(h.calls)] != want:
             mismatches += 1
     assert (invalid, mismatches) == (0, 0)
+
+
+def test_gpt_oss_token_streams_equal_the_whole_parse():
+    """With the o200k vocabulary (skipped without it, offline): harmony outputs (analysis, a preamble,
+    calls with nested JSON, a call with no arguments) fed to HarmonyOutput in random groups of
+    token ids, and cut short: the streamed calls equal parse_output's, their arguments valid JSON."""
+    from tests.test_gpt_oss import _encoding_or_skip
+    enc = _encoding_or_skip()
+    from openai_harmony import Message, Role
+
+    from frontend.openai.harmony import HarmonyOutput, parse_output
+
+    def call(name, args):
+        return enc.render(Message.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
+                          .with_recipient("functions." + name).with_content_type("json"))
+    channel = enc.encode("<|channel|>", allowed_special="all")[0]
+    analysis = enc.render(Message.from_role_and_content(Role.ASSISTANT, "Two calls.").with_channel("analysis"))
+    out = (analysis[analysis.index(channel):]
+           + enc.render(Message.from_role_and_content(Role.ASSISTANT, "Checking.").with_channel("commentary"))
+           + call("get_weather", _j(NESTED)) + call("run", json.dumps(CODE)) + call("ping", ""))
+    rng = random.Random(48)
+    for run in range(200):
+        ids = out if run % 4 else out[:rng.randint(1, len(out))]
+        _, _, whole = parse_output(ids)
+        h = HarmonyOutput()
+        deltas, i = [], 0
+        while i < len(ids):
+            k = rng.randint(1, 6)
+            deltas += h.add(ids[i:i + k]).get("tool_calls", [])
+            i += k
+        deltas += h.finish().get("tool_calls", [])
+        args: dict[int, str] = {}
+        names = {}
+        for d in deltas:
+            if "id" in d:
+                names[d["index"]] = d["function"]["name"]
+            args[d["index"]] = args.get(d["index"], "") + d["function"].get("arguments", "")
+        assert [(names[i], args[i]) for i in sorted(names)] == [(c.name, c.arguments) for c in whole]
+        for a in args.values():
+            json.loads(a)
+        if ids is out:
+            assert [(c.name, json.loads(c.arguments)) for c in whole] == [("get_weather", NESTED), ("run", CODE),
+                                                                          ("ping", {})]

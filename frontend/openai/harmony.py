@@ -170,24 +170,29 @@ class HarmonyOutput:
         from openai_harmony import Role, StreamableParser
         self.parser = StreamableParser(encoding(), Role.ASSISTANT, strict=False)
         self.calls = HarmonyCalls()
-        self._call_message = -1   # the index (among the parser's messages) of the open call
+        self._call_message = -1    # the index (among the parser's messages) of the call being read
+        self._call_name: str | None = None   # its name, until its call begins (at its first text,
+        # or at its message's end, or the output's)
 
     def add(self, token_ids) -> dict:
+        from openai_harmony import StreamState
         reasoning, content, calls = [], [], []
         for t in token_ids:
             self.parser.process(t)
             done = len(self.parser.messages)
-            if self._call_message >= 0 and done > self._call_message:
-                self.calls.end_message()   # the call's message ended
+            if self._call_message >= 0 and done > self._call_message:   # the call's message ended
+                self._begin_call()
+                self.calls.end_message()
                 self._call_message = -1
+            recipient = self.parser.current_recipient or ""
+            if (self._call_message < 0 and self.parser.state == StreamState.CONTENT
+                    and recipient.startswith(_FUNCTIONS)):
+                self._call_message, self._call_name = done, recipient[len(_FUNCTIONS):]
             delta = self.parser.last_content_delta
             if not delta:
                 continue
-            recipient = self.parser.current_recipient or ""
-            if recipient.startswith(_FUNCTIONS):
-                if self._call_message < 0:
-                    self.calls.message(recipient[len(_FUNCTIONS):])
-                    self._call_message = done
+            if self._call_message >= 0:
+                self._begin_call()
                 calls.extend(self.calls.feed(delta).tool_calls)
             else:
                 (reasoning if self.parser.current_channel == "analysis" else content).append(delta)
@@ -200,6 +205,11 @@ class HarmonyOutput:
         if calls:
             out["tool_calls"] = _merged(calls)
         return out
+
+    def _begin_call(self) -> None:
+        if self._call_name is not None:
+            self.calls.message(self._call_name)
+            self._call_name = None
 
     def messages(self) -> list:
         """Every message of the output, the parser told it ended. The last may have no end
@@ -222,7 +232,9 @@ class HarmonyOutput:
         return messages
 
     def finish(self) -> dict:
-        """The last delta: the end of the open call's arguments."""
+        """The last delta: the end of the open call's arguments (a call with no text yet counts:
+        the end of the output ends its message, as messages() has it)."""
+        self._begin_call()
         calls = self.calls.finish().tool_calls
         return {"tool_calls": _merged(calls)} if calls else {}
 
