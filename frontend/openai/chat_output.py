@@ -56,9 +56,12 @@ class ChatOutput:
         msg: dict = {"role": "assistant", "content": content}
         if reasoning:
             msg["reasoning_content"] = reasoning
-        self.tool_calls = self._calls(content)
+        if self.tools.mode == "auto":   # one parse: the content outside the calls, and the calls
+            outside, self.tool_calls = self.tools.parser.extract(content)
+        else:
+            outside, self.tool_calls = None, self._calls(content)
         if self.tool_calls:
-            msg["content"] = self._content_outside_calls(content)
+            msg["content"] = outside
             msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
         return msg
 
@@ -74,8 +77,6 @@ class ChatOutput:
 
     def _calls(self, content: str) -> list[ToolCall]:
         mode = self.tools.mode
-        if mode == "auto":
-            return self.tools.parser.extract(content)[1]
         if mode == "named":
             return [ToolCall(self.tools.name, content.strip())] if content.strip() else []
         if mode == "required":
@@ -84,11 +85,6 @@ class ChatOutput:
             except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 return []   # cut short (max_tokens): the text stays content
         return []
-
-    def _content_outside_calls(self, content: str) -> str | None:
-        if self.tools.mode == "auto":
-            return self.tools.parser.extract(content)[0]
-        return None
 
     # ------------------------------------------------------------ streamed
 
