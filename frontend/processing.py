@@ -81,9 +81,14 @@ def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True,
     return out
 
 
-def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (-1: max_model_len)."""
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int,
+                    side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep N prompt tokens (-1: max_model_len), the last N
+    (truncation_side "left", the default: the tokens dropped are the prompt's beginning) or the
+    first N ("right")."""
     n = truncate_prompt_tokens
+    if side not in (None, "left", "right"):
+        raise RequestError(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
     if n is None:
         return ids
     if n == -1:
@@ -93,6 +98,8 @@ def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_mode
     if n > max_model_len:
         raise RequestError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
                            "Please select a smaller truncation size.", "truncate_prompt_tokens")
+    if side == "right":
+        return ids[:n]
     return ids[-n:] if n else []   # (the whole prompt when it is shorter)
 
 

@@ -146,7 +146,8 @@ class EngineConfig:
     enable_auto_tool_choice: bool = option(False, "tool_choice 'auto': parse the model's own tool calls "
                                            "(needs --tool-call-parser)")
     tool_call_parser: str | None = option(None, "the model's tool-call syntax, for tool_choice 'auto'",
-                                          ("hermes", "llama3_json", "gpt_oss"))
+                                          ("hermes", "llama3_json", "gpt_oss", "qwen3_coder", "mistral", "pythonic",
+                                           "deepseek_v3"))
     disable_log_stats: bool = option(False, "no periodic stats log line")
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy")
     limit_mm_per_prompt: dict = option({}, "most items of each modality in one prompt, e.g. "

@@ -81,8 +81,14 @@ def _finite(param: str, value: float) -> None:
 def check_token_ids(param: str, ids, vocab_size: int) -> None:
     """Every id in [0, vocab_size)."""
     if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise _bad(param, f"must be token ids in [0, {vocab_size}), got {bad}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]   # every one, in one error (vLLM's)
+        raise _bad(param, f"must be token ids in [0, {vocab_size}), got {_listed(bad)}")
+
+
+def _listed(values: list) -> str:
+    """The first 50 values, and how many more."""
+    shown = ", ".join(str(v) for v in values[:50])
+    return shown + (f" and {len(values) - 50} more" if len(values) > 50 else "")
 
 
 def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
@@ -119,9 +125,9 @@ def check_sampling_params(p: SamplingParams, limits: Limits) -> None:
         if len(p.logit_bias) > MAX_LOGIT_BIAS:
             raise _bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(p.logit_bias)}")
         check_token_ids("logit_bias", list(p.logit_bias), limits.vocab_size)
-        for tok, bias in p.logit_bias.items():
-            if not -100 <= bias <= 100:
-                raise _bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+        out_of_range = [f"{bias} for token {tok}" for tok, bias in p.logit_bias.items() if not -100 <= bias <= 100]
+        if out_of_range:
+            raise _bad("logit_bias", f"values must be in [-100, 100], got {_listed(out_of_range)}")
     if p.allowed_token_ids is not None:
         if not 1 <= len(p.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
             raise _bad("allowed_token_ids",

@@ -380,3 +380,131 @@ def test_a_request_template_that_loops_is_cut_at_its_budget(server):
     assert worst < 0.5, f"a small /tokenize took {worst:.2f}s beside a looping template"
     ok = _post(server, "/tokenize", {"messages": msgs, "chat_template": "{{ messages[0]['content'] }}"})
     assert ok.status_code == 200 and ok.json()["count"] >= 1, ok.text
+
+
+# ------------------------------------------------------------------ conformance (issue 48): beam search, truncation_side,
+# every invalid logit_bias key in one error, /invocations answering as the endpoint it routes to
+
+def _reference_beams(model_dir: str, prompt: list[int], width: int, max_tokens: int, end_ids: set[int],
+                     length_penalty: float) -> list[tuple[list[int], str]]:
+    """A straightforward beam search over HF transformers' log-softmax (vLLM's algorithm: each beam
+    grows by its 2 x width best tokens, the best `width` live on, an end token completes a beam;
+    score = cumulative logprob / length ** length_penalty, the end token not counted):
+    [(output tokens without the end token, finish_reason)], best first."""
+    import torch
+
+    def score(beam):
+        tokens, cum, ended = beam
+        return cum / (len(tokens) - ended) ** length_penalty
+    live, done = [(list(prompt), 0.0, False)], []
+    for _ in range(max_tokens):
+        grown = []
+        for tokens, cum, _ in live:
+            top = torch.topk(hf_logprobs(model_dir, tokens)[-1], 2 * width)
+            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                (done if t in end_ids else grown).append((tokens + [t], cum + lp, t in end_ids))
+        live = sorted(grown, key=score, reverse=True)[:width]
+    best = sorted(done + live, key=score, reverse=True)[:width]
+    return [(tokens[len(prompt):len(tokens) - ended], "stop" if ended else "length") for tokens, _, ended in best]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.25])
+def test_beam_search_equals_a_reference_over_hf_logits(server, tiny_model_dir, length_penalty):
+    """use_beam_search with n as the width, and length_penalty: the choices are the reference's beams,
+    best first; a beam that reaches a stop token ends there (one of the step's third-best token here,
+    so that ended and live beams compete, and length_penalty decides between them)."""
+    import torch
+    width, max_tokens = 2, 4
+    first = torch.topk(hf_logprobs(tiny_model_dir, PROMPT_IDS)[-1], 2 * width).indices.tolist()
+    end = {first[2]}
+    ref = _reference_beams(tiny_model_dir, PROMPT_IDS, width, max_tokens, end, length_penalty)
+    body = {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "n": width, "use_beam_search": True,
+            "length_penalty": length_penalty, "stop_token_ids": sorted(end), "return_token_ids": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    got = [(c["token_ids"], c["finish_reason"]) for c in r.json()["choices"]]
+    assert got == ref
+    # streamed: the same choices (vLLM's beam search answers once, at the end)
+    chunks = _sse(_post(server, "/v1/completions", {**body, "stream": True}, stream=True))
+    streamed = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            streamed.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    assert [streamed[i] for i in range(width)] == [t for t, _ in ref]
+
+
+def test_beam_search_in_chat_and_its_best_beam_beats_greedy(server, tiny_model_dir, tok):
+    """Chat with use_beam_search: the choices are the reference's beams; the best one's cumulative
+    logprob is at least greedy's (the property every beam search must have)."""
+    messages = [{"role": "user", "content": "Beautiful is better than"}]
+    ids = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+    width, max_tokens = 3, 3
+    ref = _reference_beams(tiny_model_dir, ids, width, max_tokens, set(), 1.0)
+    r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, "n": width,
+                                               "use_beam_search": True, "ignore_eos": True,
+                                               "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["token_ids"] for c in choices] == [t for t, _ in ref]
+    assert choices[0]["message"]["content"] == tok.decode(ref[0][0], skip_special_tokens=True)
+
+    def cumulative(out):
+        lp = hf_logprobs(tiny_model_dir, ids + out)
+        return sum(float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(out))
+    greedy = hf_greedy(tiny_model_dir, ids, max_tokens)
+    assert cumulative(choices[0]["token_ids"]) >= cumulative(greedy) - 1e-5
+    bad = _post(server, "/v1/chat/completions", {"messages": messages, "use_beam_search": True, "max_tokens": 2,
+                                                 "response_format": {"type": "json_object"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
+
+
+def test_truncation_side(server, tiny_model_dir):
+    """truncation_side "right" keeps the prompt's first truncate_prompt_tokens tokens ("left", the
+    default, the last); anything else is a 400 naming it."""
+    long = list(range(20, 120))
+    body = {"prompt": long, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "truncate_prompt_tokens": 10}
+    right = _post(server, "/v1/completions", {**body, "truncation_side": "right"}).json()["choices"][0]
+    assert right["prompt_token_ids"] == long[:10] and right["token_ids"] == hf_greedy(tiny_model_dir, long[:10], 3)
+    left = _post(server, "/v1/completions", {**body, "truncation_side": "left"}).json()["choices"][0]
+    assert left["prompt_token_ids"] == long[-10:]
+    r = _post(server, "/v1/completions", {**body, "truncation_side": "middle"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"
+
+
+def test_every_invalid_logit_bias_key_in_one_error(server):
+    base = {"prompt": PROMPT_IDS, "max_tokens": 1}
+    for bias, named in (({"a": 1, "1": 1, "b": 2}, ("'a'", "'b'")), ({"1000000": 1, "1000007": 1, "1": 1},
+                                                                       ("1000000", "1000007")),
+                        ({"1": 101, "2": -150, "3": 1}, ("101", "-150"))):
+        r = _post(server, "/v1/completions", {**base, "logit_bias": bias})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "logit_bias", err
+        assert all(n in err["message"] for n in named), err["message"]
+
+
+def _shape(x):
+    """A JSON value's keys and values all the way down, less what differs between two requests:
+    ids, times, and how many prompt tokens were cached (the second request finds the first's)."""
+    if isinstance(x, dict):
+        return {k: "-" if k == "cached_tokens" else _shape(v) for k, v in x.items() if k not in ("id", "created")}
+    if isinstance(x, list):
+        return [_shape(v) for v in x]
+    return x
+
+
+def test_invocations_answers_as_the_endpoint_it_routes_to(server):
+    """/invocations: the same answer as /v1/chat/completions or /v1/completions, field for field
+    (no service_tier, metadata, moderation or system_fingerprint that the endpoint does not send),
+    whole and streamed."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": PROMPT_IDS})):
+        body = {**body, "max_tokens": 3, "temperature": 0}
+        direct, routed = _post(server, path, body), _post(server, "/invocations", body)
+        assert routed.status_code == direct.status_code == 200
+        assert _shape(routed.json()) == _shape(direct.json())
+        assert routed.headers["Content-Type"] == direct.headers["Content-Type"]
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        d = _sse(_post(server, path, stream, stream=True))
+        r = _sse(_post(server, "/invocations", stream, stream=True))
+        assert [_shape(c) for c in r] == [_shape(c) for c in d]

@@ -26,23 +26,31 @@ def test_hermes_extracts_calls_and_content():
     # a block without arguments is not a call
     assert p.extract('<tool_call>{"name": "f", "arguments": "str"}</tool_call>')[1][0].arguments == '"str"'
     assert p.extract('<tool_call>{"name": "f"}</tool_call>') == ('<tool_call>{"name": "f"}</tool_call>', [])
-    # JSON nested past Python's recursion limit is not a call either (it was a 500)
-    deep = "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>"
-    assert p.extract(deep) == (deep, [])
-    # a lone surrogate escape is valid JSON but no UTF-8 response can carry it (it was a 500)
-    for lone in ('<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>',
-                 '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>'):
-        assert p.extract(lone) == (lone, [])
+    # JSON nested past Python's recursion limit: read by the state machine (no recursion), a call
+    deep = '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    assert p.extract(deep)[1][0].arguments == "[" * 100_000 + "]" * 100_000
+    assert p.extract("<tool_call>" + "[" * 100 + "</tool_call>") == ("<tool_call>" + "[" * 100 + "</tool_call>", [])
+    # a lone surrogate escape is valid JSON but no UTF-8 response can carry it (it was a 500): it
+    # reads as U+FFFD (the arguments stream as they come, so it cannot turn the call into content)
+    for lone, name, args in (('<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>', "f", {"x": "\ufffd"}),
+                             ('<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>', "\ufffd", {})):
+        [call] = p.extract(lone)[1]
+        assert (call.name, json.loads(call.arguments)) == (name, args)
+        (call.name + call.arguments).encode()
     assert json.loads(p.extract('<tool_call>{"name": "f", "arguments": {"x": "\\ud83d\\ude00"}}</tool_call>')[1][0]
                       .arguments) == {"x": "\U0001f600"}   # a pair is one character
 
 
+
 def test_hermes_streaming_holds_back_the_marker():
     p = TOOL_PARSERS["hermes"]()
-    assert p.plain_prefix("Hello <tool", final=False) == "Hello "
-    assert p.plain_prefix("Hello <tool_call>{", final=False) == "Hello "
-    assert p.plain_prefix("Hello <b>", final=False) == "Hello <b>"
-    assert p.plain_prefix("Hello <tool", final=True) == "Hello <tool"
+    s = p.stream()
+    assert s.feed("Hello <tool").content == "Hello "
+    assert s.feed("_call>{").content == "" and not s.calls
+    s = p.stream()
+    assert s.feed("Hello <b>").content == "Hello <b>"
+    s = p.stream()
+    assert s.feed("Hello <tool").content == "Hello " and s.finish().content == "<tool"
 
 
 def test_llama3_json():
@@ -53,11 +61,12 @@ def test_llama3_json():
     assert p.extract('{"not a call": 1}') == ('{"not a call": 1}', [])
     assert p.extract('{"name": "f"}') == ('{"name": "f"}', [])   # neither parameters nor arguments
     assert p.extract('{"name": "f", "parameters": "x"}')[1][0].arguments == '"x"'
-    assert p.plain_prefix('{"name"', final=False) == "" and p.plain_prefix("Hi", final=False) == "Hi"
+    s = p.stream()
+    assert s.feed('{"name"').content == "" and p.stream().feed("Hi").content == "Hi"
     deep = '{"name": "f", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}"
-    assert p.extract(deep) == (deep, [])
+    assert p.extract(deep)[1][0].arguments == "[" * 100_000 + "]" * 100_000
     lone = '{"name": "f", "parameters": {"x": "\\ud800"}}'
-    assert p.extract(lone) == (lone, [])
+    assert json.loads(p.extract(lone)[1][0].arguments) == {"x": "\ufffd"}
 
 
 @pytest.mark.parametrize("name,text,expected", [
@@ -68,6 +77,19 @@ def test_llama3_json():
 ])
 def test_reasoning_split(name, text, expected):
     assert REASONING_PARSERS[name]().split(text, final=True) == expected
+
+
+def joined_calls(deltas: list[dict]) -> list[dict]:
+    """OpenAI's streamed tool_calls deltas joined per index, as a client does: [{name, arguments}]."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        fn = d.get("function") or {}
+        call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+        if d.get("id"):
+            assert call["name"] is None, "a call's header came twice"
+            call["name"] = fn["name"]
+        call["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 def _stream(out: ChatOutput, text: str, step: int = 3) -> dict:
@@ -136,8 +158,9 @@ def test_streamed_reasoning_and_tool_calls_equal_the_whole_message(step):
                   step)
     assert msg["reasoning_content"] == got["reasoning_content"] == "Should I call? Yes."
     assert msg["content"] == got["content"] == "Calling now. "
-    assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in got["tool_calls"]]
+    assert [c["function"] for c in msg["tool_calls"]] == joined_calls(got["tool_calls"])
     assert got["tool_calls"][0]["index"] == 0 and got["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+    assert len(got["tool_calls"]) > 2 or step == 100   # the arguments stream (in pieces), not whole at the end
 
 
 def test_required_and_named_outputs():
@@ -222,7 +245,7 @@ def test_reasoning_and_auto_tool_calls_through_the_api_server():
                     got[k] = got[k] + v
     assert finish == "tool_calls"
     assert got["reasoning_content"] == msg["reasoning_content"] and got["content"] == msg["content"]
-    assert [c["function"] for c in got["tool_calls"]] == [call["function"]]
+    assert joined_calls(got["tool_calls"]) == [call["function"]]
     assert 'vllm:tool_call_parser_invocations_total{' in metrics
 
 
@@ -277,3 +300,25 @@ def test_a_prompt_that_opened_the_thinking_makes_the_output_reasoning():
     streamed = "".join(ch["delta"].get("reasoning_content") or "" for d in deltas for ch in d["choices"])
     assert streamed == _ScriptedArguments.SCRIPT
     assert not any(ch["delta"].get("content") for d in deltas for ch in d["choices"])
+
+
+class _ScriptedQwen3Coder(_ScriptedLLM):
+    SCRIPT = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome {\"x\"}\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_through_the_api_server_types_parameters_by_the_tools_schema():
+    """--tool-call-parser qwen3_coder: the request's tools reach the parser (days is an integer by
+    the schema, city a string), whole and streamed alike, the arguments streamed in pieces."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    body = {"model": "fake", "messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+    whole, chunks = _whole_and_streamed(_ScriptedQwen3Coder(enable_auto_tool_choice=True,
+                                                            tool_call_parser="qwen3_coder"), body)
+    msg = whole["choices"][0]["message"]
+    assert msg["content"] == "Checking.\n" and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome {\\"x\\"}", "days": 3}'}]
+    deltas = [c for d in chunks for ch in d["choices"] for c in ch["delta"].get("tool_calls") or []]
+    assert joined_calls(deltas) == [c["function"] for c in msg["tool_calls"]] and len(deltas) > 3
+    assert "".join(ch["delta"].get("content") or "" for d in chunks for ch in d["choices"]) == msg["content"]

@@ -61,6 +61,7 @@ from ipc import envs
 from ipc.config import weight_quantization
 from ipc.sampling_params import SamplingParams
 from ipc.validation import Limits, RequestError, check_bad_words_token_ids, check_prompt
+from frontend.openai.beam_search import beam_search, check_beam_search
 from frontend.openai.chat_output import ChatOutput, ToolUse
 from frontend.openai.constraints import check_constraint, check_tools, request_constraint, tool_use
 from frontend.openai.harmony import HarmonyUnavailable, is_harmony_model, render_prompt
@@ -255,7 +256,7 @@ class OpenAIServer:
 
     def _truncate(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         try:
-            return truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len)
+            return truncate_prompt(ids, req.truncate_prompt_tokens, self.config.max_model_len, req.truncation_side)
         except RequestError as e:
             raise value_error(e) from None
 
@@ -491,6 +492,8 @@ class OpenAIServer:
                            "tool_choice" if tools.mode in ("required", "named") else "response_format")
         params = await self._tokenize_bad_words(build_sampling_params(
             req, chat=True, limits=self.limits, defaults=self.config.default_sampling_params, structured=constraint))
+        if tools.mode == "auto" and tools.parser.keeps_special_tokens and req.skip_special_tokens is None:
+            params.skip_special_tokens = False   # its markers are special tokens (vLLM's adjust_request)
         self.check_alive()
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
         if self.harmony:
@@ -593,8 +596,7 @@ class OpenAIServer:
         """vllm:tool_call_parser_invocations, for tool_choice "auto" (where the parser runs)."""
         if output.tools.mode != "auto":
             return
-        called = bool(output.tool_calls) or (streaming and output.tools.parser.plain_prefix(output.text, False)
-                                              != output.text)
+        called = bool(output.tool_calls)
         self.tool_parser_invocations.labels(self.model_name, self.tool_parser_engine,
                                             "streaming" if streaming else "non_streaming",
                                             "tool_call" if called else "no_tool_call", request_type).inc()
@@ -630,6 +632,11 @@ class OpenAIServer:
         """The engine's outputs of every prompt of `ctx`, merged: (prompt index, RequestOutput)."""
         try:
             extra = self._dp_rank(ctx.request)
+            if ctx.req.use_beam_search:
+                try:
+                    check_beam_search(ctx.params, ctx.params.structured_outputs is not None, bool(mm_items))
+                except ValueError as e:
+                    raise APIError(str(e), 400, "use_beam_search") from None
         except APIError:
             if mm_items:   # they never reach the engine: the store's references go back
                 self.llm.mm.unref(mm_items)
@@ -640,9 +647,23 @@ class OpenAIServer:
             extra["priority"] = ctx.req.priority
         if len(ctx.prompts) > 1:   # its prompts share one fair share of the engine's batch
             extra["group_id"] = ctx.rid
+        if ctx.req.use_beam_search:
+            return merge([self._beam_search(ctx, p.token_ids, f"{ctx.rid}-{i}", extra)
+                          for i, p in enumerate(ctx.prompts)])
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
         return merge(gens)
+
+    def _beam_search(self, ctx: GenerationContext, prompt: list[int], request_id: str, extra: dict):
+        """vLLM's beam search over the engine (frontend/openai/beam_search.py): one answer at the end."""
+        params = ctx.params
+        room = self.config.max_model_len - len(prompt)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        end_ids = frozenset(self.config.eos_token_ids or ()) | frozenset(params.stop_token_ids or ())
+        length_penalty = 1.0 if ctx.req.length_penalty is None else ctx.req.length_penalty
+        skip = params.skip_special_tokens
+        return beam_search(self.llm.generate, prompt, params, length_penalty, end_ids, max_tokens, request_id,
+                           extra, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip))
 
     async def _generate(self, ctx: GenerationContext, mm_items: list | None = None) -> web.StreamResponse:
         stream = self.start(ctx, mm_items)

@@ -36,6 +36,10 @@ class ChatOutput:
         self._sent_content = 0
         self._named: ToolCall | None = None    # the named call, streamed as argument deltas
         self.tool_calls: list[ToolCall] = []
+        self._stream = tools.parser.stream() if tools.mode == "auto" else None   # auto: the calls as they come
+        self._fed = 0                          # how much of the content the tool stream has read
+        if self._stream is not None:
+            self.tool_calls = self._stream.calls
 
     def _parts(self, final: bool, streamed: bool = False) -> tuple[str, str]:
         if self.reasoning is None:
@@ -52,9 +56,12 @@ class ChatOutput:
         msg: dict = {"role": "assistant", "content": content}
         if reasoning:
             msg["reasoning_content"] = reasoning
-        self.tool_calls = self._calls(content)
+        if self.tools.mode == "auto":   # one parse: the content outside the calls, and the calls
+            outside, self.tool_calls = self.tools.parser.extract(content)
+        else:
+            outside, self.tool_calls = None, self._calls(content)
         if self.tool_calls:
-            msg["content"] = self._content_outside_calls(content)
+            msg["content"] = outside
             msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
         return msg
 
@@ -70,8 +77,6 @@ class ChatOutput:
 
     def _calls(self, content: str) -> list[ToolCall]:
         mode = self.tools.mode
-        if mode == "auto":
-            return self.tools.parser.extract(content)[1]
         if mode == "named":
             return [ToolCall(self.tools.name, content.strip())] if content.strip() else []
         if mode == "required":
@@ -81,11 +86,6 @@ class ChatOutput:
                 return []   # cut short (max_tokens): the text stays content
         return []
 
-    def _content_outside_calls(self, content: str) -> str | None:
-        if self.tools.mode == "auto":
-            return self.tools.parser.extract(content)[0]
-        return None
-
     # ------------------------------------------------------------ streamed
 
     def add(self, text: str, token_ids=()) -> dict:
@@ -94,18 +94,24 @@ class ChatOutput:
         self.text += text
         if self.harmony is not None:
             self.token_ids.extend(token_ids)
-            return self.harmony.add(token_ids)
+            return self._harmony_delta(self.harmony.add(token_ids))
         return self._delta(final=False)
+
+    def _harmony_delta(self, delta: dict) -> dict:
+        if self.tools.mode == "auto":
+            self.tool_calls = self.harmony.calls.calls
+        else:
+            delta.pop("tool_calls", None)
+        return delta
 
     def finish(self) -> dict:
         """The last delta: what was held back, and the tool calls parsed from the whole output."""
         if self.harmony is not None:
-            self.tool_calls = self.harmony.finish() if self.tools.mode == "auto" else []
-            return {"tool_calls": [c.to_openai(i) for i, c in enumerate(self.tool_calls)]} if self.tool_calls else {}
+            return self._harmony_delta(self.harmony.finish())
         delta = self._delta(final=True)
         _, content = self._parts(final=True, streamed=True)
         mode = self.tools.mode
-        if mode in ("auto", "required"):
+        if mode == "required":
             self.tool_calls = self._calls(content)
             if self.tool_calls:
                 delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(self.tool_calls)]
@@ -123,12 +129,23 @@ class ChatOutput:
         mode = self.tools.mode
         if mode == "named":
             self._named_delta(content, delta)
+        elif mode == "auto":
+            self._auto_delta(content, final, delta)
         elif mode != "required":   # required: the calls come whole at the end
-            plain = content if mode == "none" else self.tools.parser.plain_prefix(content, final)
-            if len(plain) > self._sent_content:
-                delta["content"] = plain[self._sent_content:]
-                self._sent_content = len(plain)
+            if len(content) > self._sent_content:
+                delta["content"] = content[self._sent_content:]
+                self._sent_content = len(content)
         return delta
+
+    def _auto_delta(self, content: str, final: bool, delta: dict) -> None:
+        """The tool parser's stream reads the new content: what of it is plain content, and
+        the calls' deltas (each call's arguments as they come)."""
+        new, self._fed = content[self._fed:], max(self._fed, len(content))
+        step = self._stream.feed(new, final)
+        if step.content:
+            delta["content"] = step.content
+        if step.tool_calls:
+            delta["tool_calls"] = step.tool_calls
 
     def _named_delta(self, content: str, delta: dict) -> None:
         """The named tool's arguments stream as they are generated (OpenAI's tool_calls deltas)."""

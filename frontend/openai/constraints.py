@@ -124,7 +124,7 @@ def tool_use(req, config) -> tuple[ToolUse, StructuredOutputsParams | None]:
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                            400, "tool_choice")
-        return ToolUse("auto", parser=TOOL_PARSERS[config.tool_call_parser]()), None
+        return ToolUse("auto", parser=TOOL_PARSERS[config.tool_call_parser](tools)), None
     if choice == "required":
         defs, params = _lift_defs(tools)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},

@@ -19,7 +19,8 @@ import datetime
 import json
 import os
 
-from frontend.openai.tool_parsers.abstract import ToolCall, parsed_call
+from frontend.openai.tool_parsers.abstract import ToolCall
+from frontend.openai.tool_parsers.gpt_oss import HarmonyCalls
 
 HARMONY_ARCHITECTURES = ("GptOssForCausalLM",)
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -144,46 +145,71 @@ def output_fields(messages: list) -> tuple[str | None, str | None, list[ToolCall
     """Parsed output Messages -> (reasoning_content, content, tool calls): the analysis channel
     is reasoning; the final channel (and commentary to no one: a preamble) is content;
     commentary to `functions.NAME` is a call of NAME with the message as its JSON arguments
-    (arguments that are not JSON stay the call's arguments, as a string: vLLM's)."""
-    reasoning, content, calls = [], [], []
+    (canonical JSON, read as the stream reads it: HarmonyCalls)."""
+    reasoning, content = [], []
+    calls = HarmonyCalls()
     for msg in messages:
         text = _message_text(msg)
         if _is_call(msg):
-            name = msg.recipient[len(_FUNCTIONS):]
-            try:
-                calls.append(parsed_call(name, json.loads(text)))
-            except (ValueError, TypeError):
-                calls.append(ToolCall(name, text))
+            calls.message(msg.recipient[len(_FUNCTIONS):])
+            calls.feed(text)
+            calls.end_message()
         elif msg.channel == "analysis":
             reasoning.append(text)
         else:
             content.append(text)
-    return ("".join(reasoning) or None), ("".join(content) or None), calls
+    return ("".join(reasoning) or None), ("".join(content) or None), calls.calls
 
 
 class HarmonyOutput:
     """One choice's output tokens, parsed as they come (openai-harmony's StreamableParser):
-    `add(token_ids)` gives the reasoning_content and content deltas they complete; the tool
-    calls come whole at the end (`finish`), as the text tool parsers' do."""
+    `add(token_ids)` gives the reasoning_content, content and tool_calls deltas they complete
+    (a call's arguments stream as canonical JSON, HarmonyCalls); `finish` ends the last call."""
 
     def __init__(self):
         from openai_harmony import Role, StreamableParser
         self.parser = StreamableParser(encoding(), Role.ASSISTANT, strict=False)
+        self.calls = HarmonyCalls()
+        self._call_message = -1    # the index (among the parser's messages) of the call being read
+        self._call_name: str | None = None   # its name, until its call begins (at its first text,
+        # or at its message's end, or the output's)
 
     def add(self, token_ids) -> dict:
-        reasoning, content = [], []
+        from openai_harmony import StreamState
+        reasoning, content, calls = [], [], []
         for t in token_ids:
             self.parser.process(t)
+            done = len(self.parser.messages)
+            if self._call_message >= 0 and done > self._call_message:   # the call's message ended
+                self._begin_call()
+                self.calls.end_message()
+                self._call_message = -1
+            recipient = self.parser.current_recipient or ""
+            if (self._call_message < 0 and self.parser.state == StreamState.CONTENT
+                    and recipient.startswith(_FUNCTIONS)):
+                self._call_message, self._call_name = done, recipient[len(_FUNCTIONS):]
             delta = self.parser.last_content_delta
-            if not delta or (self.parser.current_recipient or "").startswith(_FUNCTIONS):
+            if not delta:
                 continue
-            (reasoning if self.parser.current_channel == "analysis" else content).append(delta)
-        out = {}
+            if self._call_message >= 0:
+                self._begin_call()
+                calls.extend(self.calls.feed(delta).tool_calls)
+            else:
+                (reasoning if self.parser.current_channel == "analysis" else content).append(delta)
+        calls.extend(self.calls._take().tool_calls)
+        out: dict = {}
         if reasoning:
             out["reasoning_content"] = "".join(reasoning)
         if content:
             out["content"] = "".join(content)
+        if calls:
+            out["tool_calls"] = _merged(calls)
         return out
+
+    def _begin_call(self) -> None:
+        if self._call_name is not None:
+            self.calls.message(self._call_name)
+            self._call_name = None
 
     def messages(self) -> list:
         """Every message of the output, the parser told it ended. The last may have no end
@@ -205,9 +231,24 @@ class HarmonyOutput:
             messages.append(partial)
         return messages
 
-    def finish(self) -> list[ToolCall]:
-        """The calls of the whole output."""
-        return output_fields(self.messages())[2]
+    def finish(self) -> dict:
+        """The last delta: the end of the open call's arguments (a call with no text yet counts:
+        the end of the output ends its message, as messages() has it)."""
+        self._begin_call()
+        calls = self.calls.finish().tool_calls
+        return {"tool_calls": _merged(calls)} if calls else {}
+
+
+def _merged(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas, those of one call in a row joined."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            fn = out[-1]["function"]
+            fn["arguments"] = fn.get("arguments", "") + d["function"].get("arguments", "")
+        else:
+            out.append(d)
+    return out
 
 
 def parse_output(token_ids) -> tuple[str | None, str | None, list[ToolCall]]:

@@ -95,6 +95,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None    # "left" (default: keep the last tokens) | "right" (keep the first)
+    use_beam_search: bool | None = None   # n is the beam width (frontend/openai/beam_search.py)
+    length_penalty: float | None = None   # beam score = cumulative logprob / length ** length_penalty
     echo: bool | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -297,12 +300,14 @@ def _logit_bias(bias: dict | None) -> dict[int, float] | None:
     """The JSON object's string keys as token ids."""
     if not bias:
         return None
-    out = {}
+    out, bad = {}, []
     for k, v in bias.items():
         try:
             out[int(k)] = v
         except ValueError:
-            raise APIError(f"logit_bias keys must be token ids, got {k!r}", 400, "logit_bias") from None
+            bad.append(k)
+    if bad:   # every one, in one error
+        raise APIError(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad))}", 400, "logit_bias")
     return out
 
 

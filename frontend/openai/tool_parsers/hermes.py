@@ -1,33 +1,52 @@
 """hermes (Qwen2.5, Qwen3, Hermes): <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one
-block per call, content before the first block."""
+block per call. The text outside the blocks is content; a block that is not a call (not JSON,
+no name or no arguments) stays content as it was written."""
 from __future__ import annotations
 
-import json
-import re
+from frontend.openai.tool_parsers.abstract import ToolParser, ToolStream
+from frontend.openai.tool_parsers.call_object import CallObject
 
-from frontend.openai.tool_parsers.abstract import ToolCall, ToolParser, held_prefix, parsed_call
-
-START = "<tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+START, END = "<tool_call>", "</tool_call>"
+TEXT, BODY, SKIP, RAW = range(4)
 
 
 class HermesToolParser(ToolParser):
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if START not in text:
-            return text, []
-        calls = []
-        try:
-            for closed, unclosed in _BLOCK.findall(text):
-                body = (closed or unclosed).strip()
-                if not body:
-                    continue
-                obj = json.loads(body)
-                name, args = obj["name"], obj["arguments"]   # no arguments: not a call (vLLM)
-                calls.append(parsed_call(name, args))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return text, []   # not a well-formed call: the text stays content (as vLLM)
-        content = text[:text.find(START)]
-        return (content if content.strip() else None), calls
+    def stream(self) -> HermesStream:
+        return HermesStream(self)
 
-    def plain_prefix(self, text: str, final: bool) -> str:
-        return text if final and START not in text else held_prefix(text, START)
+
+class HermesStream(ToolStream):
+    def __init__(self, parser: ToolParser):
+        super().__init__(parser)
+        self.state = TEXT
+        self.block = 0                   # where the open block started
+        self.call: CallObject | None = None
+
+    def _run(self, final: bool) -> None:
+        while True:
+            if self.state == TEXT:
+                at = self.text_until(START, final)
+                if at is None:
+                    return
+                self.block = at
+                self.pos = at + len(START)
+                self.call = CallObject(self)
+                self.state = BODY
+            elif self.state == BODY:
+                self.pos = self.call.read(self.text, self.pos, final)
+                if not self.call.done:
+                    return
+                self.state = SKIP if self.call.committed else RAW
+            else:   # to the block's end: dropped after a call, the block as content when it was none
+                end = self.text.find(END, self.pos)
+                if end < 0:
+                    if final:
+                        if self.state == RAW:
+                            self.emit_content(self.text[self.block:])
+                        self.pos = len(self.text)
+                    return
+                if self.state == RAW:
+                    self.emit_content(self.text[self.block:end + len(END)])
+                self.after_call = self.state == SKIP
+                self.pos = end + len(END)
+                self.state = TEXT

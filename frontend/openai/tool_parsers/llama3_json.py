@@ -1,39 +1,75 @@
 """llama3_json (Llama 3.1/3.2 JSON tool calling): the whole output is one or more
-{"name": ..., "parameters": {...}} objects separated by ";", optionally after <|python_tag|>."""
+{"name": ..., "parameters": {...}} objects separated by ";", optionally after <|python_tag|>.
+An output that does not start so is content; text after the calls that is not another call is
+content too."""
 from __future__ import annotations
 
-import json
+import re
 
-from frontend.openai.tool_parsers.abstract import ToolCall, ToolParser, parsed_call
+from frontend.openai.tool_parsers.abstract import ToolParser, ToolStream
+from frontend.openai.tool_parsers.call_object import CallObject
 
 PYTHON_TAG = "<|python_tag|>"
+_BLANK = re.compile(r"\s*")
+_SEPARATORS = re.compile(r"[\s;]*")
+START, CALL, BETWEEN, PLAIN = range(4)
 
 
 class Llama3JsonToolParser(ToolParser):
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):].lstrip()
-        if not body.startswith("{"):
-            return text, []
-        decoder = json.JSONDecoder()
-        calls, i = [], 0
-        try:
-            while i < len(body):
-                obj, i = decoder.raw_decode(body, i)
-                name = obj["name"]
-                args = obj["arguments"] if "arguments" in obj else obj["parameters"]   # neither: not a call
-                calls.append(parsed_call(name, args))
-                while i < len(body) and body[i] in " \t\r\n;":
-                    i += 1
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return text, []
-        return None, calls
+    keeps_special_tokens = True   # <|python_tag|>
 
-    def plain_prefix(self, text: str, final: bool) -> str:
-        head = text.lstrip()
-        if not head:
-            return text if final else ""
-        if head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head):
-            return ""   # a tool call (or its beginning): wait for the end
-        return text
+    def stream(self) -> Llama3JsonStream:
+        return Llama3JsonStream(self)
+
+
+class Llama3JsonStream(ToolStream):
+    def __init__(self, parser: ToolParser):
+        super().__init__(parser)
+        self.state = START
+        self.start = 0                   # where the current object started
+        self.call: CallObject | None = None
+
+    def _run(self, final: bool) -> None:
+        text = self.text
+        while True:
+            if self.state == START:
+                p = _BLANK.match(text).end()
+                if text.startswith(PYTHON_TAG, p):
+                    p = _BLANK.match(text, p + len(PYTHON_TAG)).end()
+                elif not final and PYTHON_TAG.startswith(text[p:]):
+                    return   # blank so far, or the tag's beginning
+                if p == len(text) and not final:
+                    return
+                self._object_or_plain(p)
+            elif self.state == CALL:
+                self.pos = self.call.read(text, self.pos, final)
+                if not self.call.done:
+                    return
+                if self.call.committed:
+                    self.state = BETWEEN
+                else:   # not a call: from here on (from the start, when there is none before) content
+                    self.pos = self.start if self.calls else 0
+                    self.state = PLAIN
+            elif self.state == BETWEEN:
+                p = _SEPARATORS.match(text, self.pos).end()
+                if p == len(text):
+                    if final:
+                        self.pos = p
+                    return
+                self._object_or_plain(p)
+            else:
+                self.emit_content(text[self.pos:])
+                self.pos = len(text)
+                return
+
+    def _object_or_plain(self, p: int) -> None:
+        if p < len(self.text) and self.text[p] == "{":
+            self.start = self.pos = p
+            self.call = CallObject(self)
+            self.state = CALL
+        else:
+            if not self.calls:
+                self.pos = 0
+            else:
+                self.pos = p
+            self.state = PLAIN
