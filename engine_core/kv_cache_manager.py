@@ -20,6 +20,7 @@ import msgspec
 
 from engine_core.block_pool import BlockPool, KVBlock
 from engine_core.request import Request
+from ipc.lora import block_hash_root
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
@@ -61,7 +62,8 @@ class KVCacheManager:
             # images in the block are extra keys: same text, different image, different KV
             extra = tuple(it.hash for it in req.mm_items
                           if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
+            # the first block's parent is the request's adapter: no adapter's KV is another's
+            hashes.append(hash_block(hashes[-1] if hashes else block_hash_root(req.lora_request), tokens, extra))
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute. None for a request

@@ -118,6 +118,10 @@ class ModelRunner:
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
+        self.lora = None   # --enable-lora: the adapters' slots and per-token index (workers/lora/manager.py)
+        if config.enable_lora:
+            from workers.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, config, self.device, self.dtype)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -154,6 +158,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         self.decode_graphs = self.piecewise_graphs = None  # the old graphs' memory goes first
+        if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
+            self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
 
     def kv_splits(self, num_seqs: int) -> int:
@@ -221,6 +227,8 @@ class ModelRunner:
         device (a decode graph's staging, else one copy per dtype); None when nothing is
         scheduled."""
         self._apply_diff(so)
+        if self.lora is not None:
+            self.lora.prepare_step(so)
         if not so.req_ids:
             self.mm.free(so.free_encoder_hashes)
             return None

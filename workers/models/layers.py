@@ -406,10 +406,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    lora = None   # workers/lora/layers.LoRALinear with --enable-lora: adds each row's adapter delta
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_gemv(x):
-            return gemv(x, self.weight, self.bias)[0]
-        return F.linear(x, self.weight, self.bias)
+        y = gemv(x, self.weight, self.bias)[0] if use_gemv(x) else F.linear(x, self.weight, self.bias)
+        return self.lora.add(x, y) if _lora_active(self) else y
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +420,7 @@ class ColumnParallelLinear(nn.Module):
         if isinstance(x, PendingSum):
             normed, residual = norm(x, residual)
             return self(normed), residual
-        if use_gemv(x):
+        if use_gemv(x) and not _lora_active(self):   # (LoRA's delta needs the normed x itself)
             if residual is None:
                 return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
                             eps=norm.eps)[0], x
@@ -429,6 +430,11 @@ class ColumnParallelLinear(nn.Module):
             return self(norm(x)), x
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+
+def _lora_active(linear: nn.Module) -> bool:
+    """Whether this step adds LoRA deltas to the linear (it has adapters, and the step adapter rows)."""
+    return linear.lora is not None and linear.lora.active
 
 
 @torch.no_grad()
@@ -459,9 +465,13 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    lora = None   # workers/lora/layers.LoRALinear with --enable-lora
+
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
         (fused into the GEMV at decode sizes)."""
+        if _lora_active(self):
+            return self.lora.row_forward(self, x, silu_mul)
         if use_gemv(x):
             prologue = "silu_mul" if silu_mul else "none"
             if self.tp == 1:
