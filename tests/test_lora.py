@@ -125,3 +125,21 @@ def test_lora_request_needs_enable_lora(model_dir, adapters):
         with pytest.raises(ValueError, match="enable-lora"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), use_tqdm=False,
                          lora_request=LoRARequest("a0", 1, adapters[0]))
+
+
+def test_tensor_parallel_matches_merged_weights(model_factory, tmp_path):
+    # TP=2 on gloo (two worker processes): column-parallel layers shard B's rows per slice (one KV
+    # head, replicated on both ranks: k/v's B rows are whole on each), row-parallel layers shard
+    # A's input columns and add their partial delta before the all-reduce. Two adapters and the
+    # base in one batch, each equal to the merged model (the TP=1 result, tested above).
+    model_dir = model_factory("llama", num_key_value_heads=1, vocab_size=337)
+    paths = [make_adapter(model_dir, str(tmp_path / "t0"), seed=5),
+             make_adapter(model_dir, str(tmp_path / "t1"), seed=6, r=8, use_rslora=True,
+                          targets=("k_proj", "o_proj", "up_proj", "down_proj"))]
+    loras = [None, LoRARequest("t0", 1, paths[0]), LoRARequest("t1", 2, paths[1])]
+    with LLM(model_dir, multiprocess=True, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+             max_model_len=64, block_size=4) as llm:
+        got = _greedy(llm, PROMPTS, loras)
+        eos = llm.config.eos_token_ids
+    for p, lr, g in zip(PROMPTS, loras, got):
+        assert g == merged_greedy(model_dir, None if lr is None else lr.lora_path, p, MAX_NEW, eos)

@@ -121,7 +121,7 @@ class ModelRunner:
         self.lora = None   # --enable-lora: the adapters' slots and per-token index (workers/lora/manager.py)
         if config.enable_lora:
             from workers.lora.manager import LoRAManager
-            self.lora = LoRAManager(self.model, config, self.device, self.dtype)
+            self.lora = LoRAManager(self.model, config, self.device, self.dtype, self.backend)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.lora import lora_expand, lora_shrink
+from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 from workers.distributed import linear_all_reduce
 from workers.lora.peft import LoRAModuleWeights
 from workers.models import layers
@@ -31,9 +31,11 @@ class LoRAContext:
     the base model. Past the step's tokens it always holds -1 (the padded rows of a graph).
     `active`: whether the step has any adapter row; the eager path skips LoRA entirely without."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device, use_triton: bool):
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.active = True   # warm-up and graph capture record the LoRA ops
+        # the runner's kernel choice (--attention-backend): Triton, or the torch references
+        self.shrink, self.expand = (lora_shrink, lora_expand) if use_triton else (lora_shrink_ref, lora_expand_ref)
 
     def slots(self, rows: int) -> torch.Tensor:
         return self.token_slots[:rows]
@@ -70,8 +72,8 @@ class LoRALinear:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this linear's output for x [T, in], [T, out]) plus each row's adapter delta, in place."""
         slots = self.ctx.slots(x.shape[0])
-        xa = lora_shrink(x, self.a, slots)
-        return lora_expand(y, xa, self.b, slots, self.slice_starts)
+        xa = self.ctx.shrink(x, self.a, slots)
+        return self.ctx.expand(y, xa, self.b, slots, self.slice_starts)
 
     # ---------------------------------------------------------------- the slots
 

@@ -60,14 +60,15 @@ def _attach(model: nn.Module, ctx: LoRAContext, max_loras: int, max_rank: int, d
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 backend: str = "torch"):
         self.model = model
         self.device = device
         self.max_loras = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_cpu_loras = max(config.max_cpu_loras or config.max_loras, config.max_loras)
         max_tokens = max(config.max_num_batched_tokens or 0, config.max_num_seqs) + 1
-        self.ctx = LoRAContext(max_tokens, device)
+        self.ctx = LoRAContext(max_tokens, device, use_triton=backend == "triton")
         self.linears = _attach(model, self.ctx, self.max_loras, self.max_rank, dtype, device)
         if not self.linears:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no linear layer adapters can target "
