@@ -74,6 +74,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_CHAT_TEMPLATE_TIMEOUT_S": EnvVar(5.0, _float, "seconds a request's own chat template "
                                            "(--trust-request-chat-template) may take to render, in the tokenizer "
                                            "process, before the request gets a 400"),
+    "LOOM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(False, _switch, "1: serve POST /v1/load_lora_adapter and "
+                                               "/v1/unload_lora_adapter without --enable-control-endpoints "
+                                               "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
     # --- engine loop (also flags)
     "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
                                           "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "
