@@ -14,10 +14,10 @@ n_slices * R columns are the slices' A stacked, and one expand, in which output 
 the R columns of xa of its own slice (slice starts `slice_starts`): one launch each, whatever
 the number of slices, and B holds only each slice's own rows.
 
-One kernel serves prefill and decode. A program owns BLOCK_M tokens: when they share one adapter
-(a prefill segment, or a decode batch of one adapter) it runs a tensor-core tile product (SGMV);
-when they do not (a decode batch over many adapters), each row runs its own GEMV against its
-adapter (BGMV). The slot tensor is read on the device: nothing here depends on its values on the
+One kernel serves prefill and decode. At decode sizes (up to ROW_PROGRAMS_MAX rows) each program
+owns one row and runs a GEMV against that row's adapter (BGMV). Above, a program owns BLOCK_M
+tokens: when they share one adapter (a prefill segment) it runs a tensor-core tile product (SGMV);
+when they do not (a block straddling two segments), each of its rows runs its own GEMV. The slot tensor is read on the device: nothing here depends on its values on the
 host, so a CUDA graph captures the adapter index as an input, not a shape.
 """
 from __future__ import annotations
@@ -68,11 +68,24 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    rmask = rows < T
     cmask = cols < N
+    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV)
+        s = tl.load(slots_ptr + pid_m)
+        if s >= 0:
+            a_base = a_ptr + s.to(tl.int64) * stride_as
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                av = tl.load(a_base + cols[:, None] * stride_an + kk[None, :],
+                             mask=cmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                acc1 += tl.sum(av * xv[None, :], 1)
+            tl.store(out_ptr + pid_m * stride_om + cols, acc1, mask=cmask)
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
     slots = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     hi = tl.max(slots, 0)
     lo = tl.min(tl.where(rmask, slots, hi), 0)
@@ -113,13 +126,27 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
-    rmask = rows < T
     cmask = cols < OUT
     rkmask = rs < R
     col_slice = (cols >= S1).to(tl.int32) + (cols >= S2).to(tl.int32)   # each output column's slice
+    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV)
+        s = tl.load(slots_ptr + pid_m)
+        if s >= 0:
+            b_base = b_ptr + s.to(tl.int64) * stride_bs
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in tl.static_range(NUM_SLICES):
+                bv = tl.load(b_base + cols[:, None] * stride_bo + rs[None, :],
+                             mask=(cmask & (col_slice == j))[:, None] & rkmask[None, :], other=0.0).to(tl.float32)
+                xv = tl.load(xa_ptr + pid_m * stride_xam + j * R + rs, mask=rkmask, other=0.0)
+                acc1 += tl.sum(bv * xv[None, :], 1)
+            yp = y_ptr + pid_m * stride_ym + cols
+            yv = tl.load(yp, mask=cmask, other=0.0)
+            tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
     slots = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     hi = tl.max(slots, 0)
     lo = tl.min(tl.where(rmask, slots, hi), 0)
@@ -164,8 +191,18 @@ def _precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
+# Up to this many rows (decode batches, the decode graphs' sizes) each program takes one row
+# (BGMV): every row reads its own adapter, from L2 after the first; above it, programs take
+# BLOCK_M rows and run tile products where their rows share an adapter (prefill segments).
+ROW_PROGRAMS_MAX = 256
+
+
+def _block_m(rows: int, block_m: int | None) -> int:
+    return block_m if block_m is not None else (1 if rows <= ROW_PROGRAMS_MAX else 16)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
-                block_m: int = 16) -> torch.Tensor:
+                block_m: int | None = None) -> torch.Tensor:
     """As lora_shrink_ref: x [T, K] (rows may be strided), a [S, N, K] contiguous, slots [T] int32
     -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were)."""
     if not runs_triton(_lora_shrink_kernel, x):
@@ -178,6 +215,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
     if t == 0:
         return out
     assert x.stride(1) == 1 and a.is_contiguous() and out.stride(1) == 1
+    block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     _lora_shrink_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
@@ -188,7 +226,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                slice_starts: tuple[int, ...], block_m: int = 16) -> torch.Tensor:
+                slice_starts: tuple[int, ...], block_m: int | None = None) -> torch.Tensor:
     """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous)."""
     if not runs_triton(_lora_expand_kernel, y):
         return lora_expand_ref(y, xa, b, slots, slice_starts)
@@ -199,6 +237,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     assert y.stride(1) == 1 and xa.stride(1) == 1 and b.is_contiguous()
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
+    block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n_out)))
     _lora_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(n_out, block_n))](
         y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1),

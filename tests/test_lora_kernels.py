@@ -93,14 +93,15 @@ BATCHES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("slices", [(12, 6, 6), (10, 10), (7,)])
-def test_shrink_expand_match_reference(dtype, batch, slices):
+@pytest.mark.parametrize("block_m", [1, 16])   # one row per program (decode sizes), 16-row blocks (prefill)
+def test_shrink_expand_match_reference(dtype, batch, slices, block_m):
     x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
     xa_ref = lk.lora_shrink_ref(x, a, slots)
-    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref))
+    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), block_m=block_m)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(xa, xa_ref, **tol)
     want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
-    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, block_m=block_m)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base = (slots < 0).cpu()
     assert torch.equal(got.cpu()[base], y.cpu()[base])   # the base rows are untouched
@@ -123,7 +124,12 @@ def test_strided_rows():
     x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], slices=(10, 10))
     wide = torch.zeros(y.shape[0], 30, device=DEVICE)
     wide[:, 5:25] = y
-    lk.lora_expand(wide[:, 5:25], lk.lora_shrink(x, a, slots), b, slots, starts)
+    lk.lora_expand(wide[:, 5:25], lk.lora_shrink(x, a, slots, block_m=16), b, slots, starts, block_m=16)
     want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
     torch.testing.assert_close(wide[:, 5:25], want, atol=1e-5, rtol=1e-5)
     assert (wide[:, :5] == 0).all() and (wide[:, 25:] == 0).all()
+
+
+def test_default_block_rows():
+    assert lk._block_m(1, None) == 1 and lk._block_m(lk.ROW_PROGRAMS_MAX, None) == 1
+    assert lk._block_m(lk.ROW_PROGRAMS_MAX + 1, None) == 16
