@@ -230,6 +230,11 @@ if lat:
     print(f"{'batch-1 TPOT ms':<40} {tpot:>12.3f} {f'HBM floor {floor_ms:.2f} ms':>22}")
 PY
            ;;
+  lora-tests) # issue 51: LoRA kernels under CUDA graphs vs merged weights (fp32) and vs eager (bf16)
+      run lora-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py tests/test_lora_kernels.py ;;
+  lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
+        # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load
+      TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   *) echo "unknown section $section"; exit 2 ;;
 esac; done
