@@ -238,7 +238,9 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
     block_m = _block_m(t, block_m)
-    block_n = min(64, max(16, triton.next_power_of_2(n_out)))
+    # a row per program: wider column blocks, so that a base row's programs (which only read
+    # their slot) stay few
+    block_n = min(256 if block_m == 1 else 64, max(16, triton.next_power_of_2(n_out)))
     _lora_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(n_out, block_n))](
         y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1),
         starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m, BLOCK_N=block_n,

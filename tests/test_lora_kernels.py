@@ -133,3 +133,13 @@ def test_strided_rows():
 def test_default_block_rows():
     assert lk._block_m(1, None) == 1 and lk._block_m(lk.ROW_PROGRAMS_MAX, None) == 1
     assert lk._block_m(lk.ROW_PROGRAMS_MAX + 1, None) == 16
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_wide_output_slices_cross_column_blocks(block_m):
+    # q/k/v-like slices wider than one column block, their boundaries inside blocks
+    x, a, b, y, slots, starts = _case(torch.float32, [2, 0, -1, 1, 1], k=24, rank=3, slices=(300, 70, 70))
+    xa = lk.lora_shrink_ref(x, a, slots)
+    want = lk.lora_expand_ref(y.clone(), xa, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=block_m)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
