@@ -115,6 +115,8 @@ def test_adapters_that_do_not_fit_are_refused(llm, model_dir, adapters, tmp_path
     wide = make_adapter(other, str(tmp_path / "wide-lora"), seed=3)
     with pytest.raises(ValueError, match="do not fit"):
         llm.add_lora("wide", 53, wide)
+    with pytest.raises(ValueError, match="remove it first"):   # an id names one adapter
+        llm.add_lora("other", 1, adapters[1])
     assert llm.list_loras() == before   # nothing was kept
     # the engine serves on
     assert _greedy(llm, PROMPTS[:1], LoRARequest("a0", 1, adapters[0]))

@@ -115,8 +115,11 @@ class LoRAManager:
         """Read and check the adapter (nothing is kept when it does not fit), into the CPU LRU.
         load_inplace: replace the weights of an adapter already known by that id (in its GPU slot
         too: the steps after this one run the new weights)."""
-        if req.lora_int_id in self.known and not load_inplace:
-            self.known[req.lora_int_id] = req
+        known = self.known.get(req.lora_int_id)
+        if known is not None and not load_inplace:
+            if known.lora_path != req.lora_path:   # (an id names one adapter: its weights are cached by it)
+                raise LoRAAdapterError(f"lora_int_id {req.lora_int_id} is adapter {known.lora_name!r} "
+                                       f"({known.lora_path}): remove it first, or load {req.lora_path!r} in place")
             return True
         pairs = self._read(req)
         self.known[req.lora_int_id] = req
