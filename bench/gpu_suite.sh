@@ -326,6 +326,11 @@ PY
               # recompute, and 0%-hit throughput with the tier on vs off (table at the end)
               TAIL=6 run kv-offload 380 python3 -m bench.kv_offload --preset llama-3.1-8b --prompt-len 32768 \
                 --offload-gb 64 --num-prompts 400 --output-json "$OUT/kv-offload.json" ;;
+  lora-tests) # issue 51: LoRA kernels under CUDA graphs vs merged weights (fp32) and vs eager (bf16)
+      run lora-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py tests/test_lora_kernels.py ;;
+  lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
+        # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load
+      TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)

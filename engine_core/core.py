@@ -156,6 +156,8 @@ class EngineCore:
             return f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(ecr.request_id)}"
         if ecr.request_id in self.scheduler.requests:
             return f"request id {ecr.request_id!r} is already in use"
+        if ecr.lora_request is not None and not self.config.enable_lora:
+            return "LoRA adapters are not enabled on this engine: start it with --enable-lora"
         if ecr.sampling_params.n != 1:
             return f"n must be 1 at the engine (a client fans n choices out into n requests), got {ecr.sampling_params.n}"
         if ecr.mm_items:
@@ -327,6 +329,28 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, load_inplace: bool = False) -> bool:
+        """Read and check an adapter on every worker (LoRAAdapterError: nothing is kept). In place
+        (load_inplace), its new weights make the KV computed with the old ones stale, as a weight
+        update does: running requests recompute, and the prefix cache is reset."""
+        self._check_lora()
+        ok = self._on_workers("add_lora", [lora_name, lora_int_id, lora_path, bool(load_inplace)])
+        if load_inplace:
+            self._weights_updated(True)
+        return ok
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_lora()
+        return self._on_workers("remove_lora", [lora_int_id])
+
+    def list_loras(self) -> list[int]:
+        self._check_lora()
+        return self._on_workers("list_loras", [])
+
+    def _check_lora(self) -> None:
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
 
     def sleep(self, level: int = 1) -> None:
         """0: stop scheduling. 1: also offload weights to CPU and free the KV cache. 2: discard both."""

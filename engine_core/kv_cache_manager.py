@@ -21,6 +21,7 @@ import msgspec
 from engine_core.block_pool import BlockPool, KVBlock
 from engine_core.kv_events import MEDIUM_GPU, BlockStored
 from engine_core.request import Request
+from ipc.lora import block_hash_root
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
@@ -59,10 +60,12 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, self._extra_keys(req, i)))
+            hashes.append(hash_block(hashes[-1] if hashes else block_hash_root(req.lora_request), tokens,
+                                     self._extra_keys(req, i)))
 
     def _extra_keys(self, req: Request, i: int) -> tuple:
-        """Block i's extra keys: images in the block (same text, different image, different KV)."""
+        """Block i's extra keys: images in the block (same text, different image, different KV).
+        (The first block's parent is the request's adapter: no adapter's KV is another's.)"""
         bs = self.block_size
         return tuple(it.hash for it in req.mm_items if it.offset < (i + 1) * bs and it.offset + it.length > i * bs)
 

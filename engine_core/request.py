@@ -45,7 +45,7 @@ class Request:
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "priority", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
                  "grammar", "spec_token_ids", "num_draft_scheduled", "prompt_logprobs_sent", "prompt_logprobs_seen",
-                 "mm_items", "group", "fair_key", "__weakref__")
+                 "mm_items", "group", "fair_key", "lora_request", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
         self.request_id = req.request_id
@@ -73,6 +73,7 @@ class Request:
         self.num_preemptions = 0
         self.admitted_step = 0            # the step that last took it from the waiting queue
         self.mm_items = req.mm_items      # placeholder ranges, hashes, store handles (by offset)
+        self.lora_request = req.lora_request   # its adapter (None: the base model)
         self.prompt_logprobs_sent = 0    # prompt positions whose logprobs went to the client
         self.prompt_logprobs_seen = 0    # ... computed since the request last (re)started
         self.grammar = None               # engine_core/structured_output.RequestGrammar when constrained
@@ -87,6 +88,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def token_id(self, i: int) -> int:
         n = len(self.prompt_token_ids)

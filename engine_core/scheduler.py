@@ -46,6 +46,15 @@ def _first_logprobs(raw, n: int):
     return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n])
 
 
+def _count_loras(reqs) -> dict[str, int]:
+    """Requests per adapter name."""
+    out: dict[str, int] = {}
+    for r in reqs:
+        if r.lora_request is not None:
+            out[r.lora_request.lora_name] = out.get(r.lora_request.lora_name, 0) + 1
+    return out
+
+
 def _priority_order(req: Request) -> tuple[int, float]:
     return req.priority, req.arrival_time
 
@@ -234,7 +243,7 @@ class Scheduler:
         counts = None if self.by_priority or not self.waiting else self.fair.running_counts(self.running)
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.structured.ready(req) or self.fair.at_cap(req, counts):
+            if not self.structured.ready(req) or self.fair.at_cap(req, counts) or not self._lora_fits(req):
                 passed.append(self.waiting.popleft())
                 if len(passed) > self.config.max_num_seqs:
                     break   # (bounded work per step: a fan-out's queued rest all wait alike)
@@ -264,6 +273,14 @@ class Scheduler:
                 counts = self.fair.running_counts(self.running)
         self.waiting.extendleft(reversed(passed))
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's adapter fits the GPU slots (--max-loras) beside the running requests':
+        the base model, an adapter already running, or one more while a slot is left."""
+        if not req.lora_id:
+            return True
+        running = {r.lora_id for r in self.running} - {0}
+        return req.lora_id in running or len(running) < self.config.max_loras
+
     def _admit(self, req: Request, num_hit: int, n: int, plan: _StepPlan) -> None:
         """A waiting request joins the batch with its first n uncached tokens."""
         if req.num_cached_tokens < 0:
@@ -284,7 +301,7 @@ class Scheduler:
         plan.new_reqs.append(NewRequestData(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
-            req.eos_token_ids, req.mm_items))
+            req.eos_token_ids, req.mm_items, lora_request=req.lora_request))
         # publish its prompt blocks now: a later request of this step with the same prefix
         # (the n children of one request) hits them. This step's forward writes their KV
         # (each layer's cache write runs before its attention) before anyone reads them.
@@ -501,6 +518,9 @@ class Scheduler:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
         stats.kv_cache_usage = self.kv.usage()
+        if self.config.enable_lora:   # vllm:lora_requests_info
+            stats.running_lora_adapters = _count_loras(self.running)
+            stats.waiting_lora_adapters = _count_loras(self.waiting)
         return stats
 
     def has_timings(self) -> bool:

@@ -1,8 +1,9 @@
 """The frontend: API servers (OpenAI-compatible HTTP), the offline LLM class,
 tokenization, chat templates and incremental detokenization."""
+from ipc.lora import LoRARequest
 from ipc.sampling_params import SamplingParams
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams"]
 
 
 def __getattr__(name):

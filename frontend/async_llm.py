@@ -19,6 +19,7 @@ from frontend.detokenizer import TokenTexts
 from frontend.output_processor import RequestState
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.processing import engine_requests, load_tokenizer
+from ipc.lora import LoRARequest
 from ipc.messages import INTERNAL_ERROR, EngineCoreOutput, EngineCoreOutputs
 from ipc.sampling_params import SamplingParams
 from metrics.request_metrics import RequestMetrics
@@ -183,7 +184,8 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        mm_items: list | None = None, data_parallel_rank: int | None = None,
-                       priority: int = 0, group_id: str = "") -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, group_id: str = "", lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
         mm_items: the prompt's images, already in this server's store (one reference, taken over
@@ -207,7 +209,7 @@ class AsyncLLM:
             raise
         arrival = time.monotonic()
         ecrs = engine_requests(request_id, prompt_token_ids, params, self.config.eos_token_ids, time.time(),
-                               priority, group_id)
+                               priority, group_id, lora_request)
         if any(ecr.request_id in self._requests for ecr in ecrs):
             # (vLLM's words) registering it again would hand the running request's outputs to this one
             if mm_items:

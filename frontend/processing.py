@@ -8,6 +8,7 @@ import msgspec
 
 from ipc.config import EngineConfig, check_tokenizer_files
 from ipc.validation import RequestError
+from ipc.lora import LoRARequest
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
@@ -140,7 +141,7 @@ def tokenize_bad_words(tokenizer, params: SamplingParams) -> SamplingParams:
 
 def engine_requests(request_id: str, token_ids: list[int], params: SamplingParams,
                     eos_token_ids: list[int], arrival_time: float, priority: int = 0,
-                    group_id: str = "") -> list[EngineCoreRequest]:
+                    group_id: str = "", lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
     """One engine request per choice; choice i of a seeded request uses seed + i. The choices
     share a fairness group (engine_core/fairness.py): `group_id`, or else the request id. Stop strings
     and bad-words strings stay with the client (its detokenizer stops; the words travel as
@@ -149,14 +150,14 @@ def engine_requests(request_id: str, token_ids: list[int], params: SamplingParam
         else params
     if params.n == 1:
         return [EngineCoreRequest(request_id, token_ids, engine_params, eos_token_ids, arrival_time,
-                                  priority=priority, group_id=group_id)]
+                                  priority=priority, group_id=group_id, lora_request=lora_request)]
     reqs = []
     for i in range(params.n):
         p = msgspec.structs.replace(engine_params, n=1)
         if params.seed is not None:  # wrapped into int64, where seeds travel (2**63 - 1 + 1 -> -2**63)
             p.seed = (params.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63
         reqs.append(EngineCoreRequest(f"{request_id}-{i}", token_ids, p, eos_token_ids, arrival_time,
-                                      priority=priority, group_id=group_id or request_id))
+                                      priority=priority, group_id=group_id or request_id, lora_request=lora_request))
     return reqs
 
 

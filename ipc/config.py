@@ -172,6 +172,12 @@ class EngineConfig:
                                       "\"draft_model\" | \"oracle\" (measurement only), \"num_speculative_tokens\": k, "
                                       "\"model\": draft model directory, \"prompt_lookup_min\"/\"prompt_lookup_max\", "
                                       "\"disable_by_batch_size\": N} (default: off; see README)")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) beside the base model: per-request "
+                               "adapters in GPU slots, batched together (workers/lora/)")
+    max_loras: int = option(1, "with --enable-lora: GPU slots, the most distinct adapters in one step")
+    max_lora_rank: int = option(16, "with --enable-lora: the largest adapter rank served (the slots' size)")
+    max_cpu_loras: int | None = option(None, "with --enable-lora: adapters kept in CPU memory, least recently "
+                                       "used dropped first (default: --max-loras)")
     # filled in by resolve()
     model_max_len: int = 0
     vocab_size: int = 0
@@ -367,6 +373,11 @@ class EngineConfig:
             raise ConfigError(f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
+                              f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")

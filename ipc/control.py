@@ -161,6 +161,12 @@ CONTROL_OPS: dict[str, ControlOp] = {op.name: op for op in (
     ControlOp("start_profile", ("profile_prefix",), (POST("/start_profile", gate="profiler"),),
               workers="start_profile", ranks=by_rank),
     ControlOp("stop_profile", (), (POST("/stop_profile", gate="profiler"),), workers="stop_profile", ranks=by_rank),
+    # LoRA adapters (--enable-lora; frontend/openai/lora_api.py serves POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter, vLLM's routes, which take adapter names): read and checked on every worker
+    ControlOp("add_lora", ("lora_name", "lora_int_id", "lora_path", "load_inplace"), (), workers="add_lora",
+              ranks=first),
+    ControlOp("remove_lora", ("lora_int_id",), (), workers="remove_lora", ranks=first),
+    ControlOp("list_loras", (), (), workers="list_loras", ranks=first),
 )}
 
 

@@ -78,6 +78,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                            "loom"), _text,
                               "directory of the caches kept across runs: Triton's compiled kernels in "
                               "triton/<Triton and torch versions>/ (ipc/compile_cache.py; TRITON_CACHE_DIR wins)"),
+    "LOOM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(False, _switch, "1: serve POST /v1/load_lora_adapter and "
+                                               "/v1/unload_lora_adapter without --enable-control-endpoints "
+                                               "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
     # --- engine loop (also flags)
     "LOOM_ENABLE_MULTIPROCESSING": EnvVar(True, _switch, "0: the offline LLM runs its engine core and one "
                                           "worker in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from ipc.lora import LoRARequest
 from ipc.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class EngineCoreRequest(_Msg):
     priority: int = 0                      # with --scheduling-policy priority: lower runs first
     group_id: str = ""                     # the HTTP request it came with (its n choices, its
                                            # prompts): the unit of fairness; "": its own
+    lora_request: LoRARequest | None = None   # the adapter it runs with (None: the base model)
 
 
 class Logprobs(_Msg):
@@ -111,12 +113,17 @@ class SchedulerStats(_Msg):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # with --enable-lora (vllm:lora_requests_info): requests per adapter name
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
     def gauges_only(self) -> "SchedulerStats":
         """The state (running, waiting, KV usage, sleep, pause) without the step's counts: for the
         clients that do not count this step."""
         return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage,
-                              sleep_level=self.sleep_level, is_paused=self.is_paused)
+                              sleep_level=self.sleep_level, is_paused=self.is_paused,
+                              running_lora_adapters=self.running_lora_adapters,
+                              waiting_lora_adapters=self.waiting_lora_adapters)
 
 
 class RequestTiming(_Msg):
@@ -205,6 +212,7 @@ class NewRequestData(_Msg):
     seed: int = 0                      # the request's sampling seed (always set)
     eos_token_ids: list[int] = []      # min_tokens masks these
     mm_items: list[MultiModalItem] = []
+    lora_request: LoRARequest | None = None   # its adapter (workers/lora/manager.py)
 
 
 class CachedRequestData(_Msg):

@@ -17,13 +17,15 @@ ENGINE_ONLY_WORKER_METHODS: dict[str, str] = {
     "determine_num_blocks": "the KV cache is the engine's",
     "initialize_cpu_tier": "the KV cache is the engine's",
     "shutdown": "use SIGTERM on `loom serve`",
+    "add_lora": "use POST /v1/load_lora_adapter",
+    "remove_lora": "use POST /v1/unload_lora_adapter",
 }
 
 # Remote methods clients may call through collective_rpc (POST /collective_rpc, LLM.collective_rpc).
 CLIENT_WORKER_METHODS = frozenset({
     "ping", "device_type", "kv_sliding_window", "kv_block_bytes", "get_pid", "memory_info", "step_stats", "all_reduce_info",
     "weights_update_group_ready", "destroy_weights_update_group", "get_weights_by_name",
-    "start_profile", "stop_profile",
+    "start_profile", "stop_profile", "list_loras",
 })
 
 

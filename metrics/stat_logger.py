@@ -25,7 +25,6 @@ which only stops scheduling, reads as awake). The engine reports a sleep change
 with stats even though it does not step while asleep.
 
 vLLM families not exported, because Loom does not do what they measure:
-vllm:lora_requests_info (no LoRA),
 vllm:external_prefix_cache_* and the external_kv_transfer source of
 vllm:prompt_tokens_by_source (no KV connector), vllm:mm_cache_* (text only),
 vllm:kv_block_* lifetimes (vLLM samples them only with --kv-cache-metrics), and the
@@ -36,6 +35,10 @@ vllm:spec_decode_* are exported with --speculative-config (vLLM registers them t
 vllm:spec_decode_num_accepted_tokens_per_pos has the label position (0 .. k - 1).
 vllm:num_requests_waiting_by_reason has reason="deferred" at 0: Loom never defers a
 request it has room for.
+
+With --enable-lora, vllm:lora_requests_info (vLLM's, which routers read to route by adapter): one
+series per (running_lora_adapters, waiting_lora_adapters, max_lora), the adapters' names
+comma-separated, whose value is the time of the step that reported it (the newest is the state).
 """
 from __future__ import annotations
 
@@ -200,6 +203,9 @@ class PrometheusStatLogger:
         self._itls: list[float] = []
         self._info = b.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                              ("model_name", "engine", *self._cache_info()))
+        self._lora_info = (b.gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   L + ("max_lora", "waiting_lora_adapters", "running_lora_adapters"))
+                           if getattr(config, "enable_lora", False) else None)
         self._bind(self.engine)
 
     # ------------------------------------------------------------ series of one engine
@@ -268,6 +274,10 @@ class PrometheusStatLogger:
                     counter.inc(n)
             if s.num_scheduled_tokens:
                 e.iteration_tokens.observe(s.num_scheduled_tokens)
+            if self._lora_info is not None:
+                _set_at(self._lora_info.labels(self.model_name, engine, str(self.config.max_loras),
+                                               ",".join(sorted(s.waiting_lora_adapters)),
+                                               ",".join(sorted(s.running_lora_adapters))), ts, ts)
         for t in outs.finished_timings:
             e.queue.observe(max(t.queued_time, 0.0))
             e.prefill.observe(max(t.prefill_time, 0.0))

@@ -18,7 +18,10 @@ from ipc.worker_methods import CLIENT_WORKER_METHODS, ENGINE_ONLY_WORKER_METHODS
 from tests.conftest import ROOT
 from workers.worker import Worker
 
-NO_ROUTE = {"ping": "attached clients' liveness check (EngineCoreClient.call_utility)"}
+NO_ROUTE = {"ping": "attached clients' liveness check (EngineCoreClient.call_utility)",
+            # vLLM's LoRA routes take adapter names: frontend/openai/lora_api.py maps them to ids
+            "add_lora": "POST /v1/load_lora_adapter", "remove_lora": "POST /v1/unload_lora_adapter",
+            "list_loras": "GET /v1/models lists the adapters"}
 
 
 def _params(fn) -> list[str]:

@@ -140,6 +140,10 @@ class ModelRunner:
             from workers.pooler import Pooler
             self.pooler = Pooler(PoolerConfig.from_dict(config.pooler_config), config.max_num_seqs,
                                  self.model.config.hidden_size, self.device)
+        self.lora = None   # --enable-lora: the adapters' slots and per-token index (workers/lora/manager.py)
+        if config.enable_lora:
+            from workers.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, config, self.device, self.dtype, self.backend)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -191,6 +195,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         self.decode_graphs = self.piecewise_graphs = None  # the old graphs' memory goes first
+        if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
+            self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
 
     def kv_splits(self, num_seqs: int) -> int:
@@ -267,6 +273,8 @@ class ModelRunner:
         for rid, drafts in so.scheduled_spec_decode_tokens.items():   # the drafts are the inputs after the last token
             st = self.batch.requests[rid]
             self.batch.token_ids[st.slot, st.num_tokens:st.num_tokens + len(drafts)] = drafts
+        if self.lora is not None:
+            self.lora.prepare_step(so)
         if not so.req_ids:
             self.mm.free(so.free_encoder_hashes)
             return None

@@ -179,6 +179,26 @@ class Worker:
             raise ValueError("the profiler is not running: start it first")
         return self._profiler.stop()
 
+    # ---- LoRA adapters (workers/lora/manager.py)
+
+    def _loras(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+        return self.runner.lora
+
+    @remote
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, load_inplace: bool = False) -> bool:
+        from ipc.lora import LoRARequest
+        return self._loras().add_lora(LoRARequest(lora_name, lora_int_id, lora_path), load_inplace)
+
+    @remote
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._loras().remove_lora(lora_int_id)
+
+    @remote
+    def list_loras(self) -> list[int]:
+        return self._loras().list_loras()
+
     def call(self, call: WorkerCall):
         fn = getattr(self, call.method, None)
         if fn is None or not getattr(fn, "_loom_remote", False):

@@ -22,6 +22,10 @@ def _serve_parser(sub) -> None:
                    help="API-server processes sharing the port (None: --data-parallel-size)")
     p.add_argument("--enable-control-endpoints", action="store_true",
                    help="serve /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT directories) served from the start, each "
+                        "name=path or a JSON object {\"name\", \"path\", \"base_model_name\"}; a request "
+                        "picks one by its name as `model`")
     p.add_argument("--headless", action="store_true",
                    help="run only the engine core(s) and workers: with --engine-address, one engine that "
                         "clients attach to; with --data-parallel-start-rank, data-parallel ranks that join a head")

@@ -190,6 +190,7 @@ class _Launch:
         self.metrics_dir = make_multiproc_dir()  # before the API servers start: they inherit it (Prometheus multiprocess)
         server_opts = {"host": args.host, "port": args.port, "api_key": args.api_key,
                        "enable_control_endpoints": args.enable_control_endpoints,
+                       "lora_modules": getattr(args, "lora_modules", None),
                        "engine_address": args.engine_address if self.attach else None,
                        "engine_auth_key": self.auth_key,
                        "enable_mfu_metrics": args.enable_mfu_metrics,

@@ -29,6 +29,7 @@ from frontend.chat_utils import audio_items, detect_content_format, load_images,
 from frontend.processing import (engine_requests, load_tokenizer, new_request_id, tokenize_bad_words, tokenize_prompt,
                                  typed_params)
 from ipc.procs import start_process, stop_processes
+from ipc.lora import LoRARequest
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_address, make_ipc_dir, remove_ipc_dir
 from multimodal.media import MediaError
@@ -106,6 +107,7 @@ class LLM(PoolingMixin):
         self.stats = EngineStatsTotals()
         self._results: list[RequestOutput] = []                         # enqueued, in order
         self._states: dict[str, tuple[RequestOutput, RequestState]] = {}  # by engine request id
+        self._loras: dict[int, LoRARequest] = {}   # adapters added (LoRARequest by lora_int_id)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -116,15 +118,23 @@ class LLM(PoolingMixin):
         return SamplingParams(**self.config.default_sampling_params)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists or
         {"prompt_token_ids": [...]} dicts; with images {"prompt": ..., "multi_modal_data":
         {"image": img_or_list}, "mm_processor_kwargs": {...}} (the prompt holds the model's image
         placeholder once per image). Prompts with images go to the engine in chunks, so that the
         shared-memory store only ever holds the images of requests in flight. `priority`: one
-        per prompt, with scheduling_policy="priority" (lower runs first), as vLLM's."""
+        per prompt, with scheduling_policy="priority" (lower runs first), as vLLM's. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), with
+        enable_lora=True; an adapter first seen is read and checked before any prompt is sent."""
         prompts = _prompt_list(prompts)
         has_images = any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts)
+        if lora_request is not None:
+            if has_images:
+                raise ValueError("lora_request with images is not supported")
+            self.enqueue(prompts, sampling_params, priority, lora_request)
+            return self.wait_for_completion(use_tqdm=use_tqdm)
         if not has_images or self.mm is None:
             self.enqueue(prompts, sampling_params, priority)
             return self.wait_for_completion(use_tqdm=use_tqdm)
@@ -138,9 +148,11 @@ class LLM(PoolingMixin):
         return out
 
     def enqueue(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                priority: Sequence[int] | None = None) -> list[str]:
+                priority: Sequence[int] | None = None,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Send requests to the engine without waiting (they queue while it sleeps or is paused)."""
         prompts = _prompt_list(prompts)
+        loras = self._lora_requests(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -169,15 +181,16 @@ class LLM(PoolingMixin):
                     self.mm.unref(items)
             raise
         now, sends = time.time(), []
-        for text, ids, params, items, prio in checked:
+        for (text, ids, params, items, prio), lora in zip(checked, loras):
             result = RequestOutput(new_request_id(), text, ids, [CompletionOutput(j, "", []) for j in range(params.n)])
-            sends.append((result, ids, params, items, prio))
+            sends.append((result, ids, params, items, prio, lora))
         budgets = [p.max_tokens if p.max_tokens is not None else self.config.max_model_len - len(ids)
-                   for _, ids, p, _, _ in sends]
+                   for _, ids, p, *_ in sends]
         sent: list[tuple[RequestOutput, str]] = []   # (a prompt's output, one engine request sent for it)
         try:
-            for result, ids, params, items, prio in (sends[k] for k in longest_first(budgets)):
-                ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio)
+            for result, ids, params, items, prio, lora in (sends[k] for k in longest_first(budgets)):
+                ecrs = engine_requests(result.request_id, ids, params, self.config.eos_token_ids, now, prio,
+                                       lora_request=lora)
                 engine = self.router.pick(ids, len(ecrs))
                 for j, ecr in enumerate(ecrs):
                     ecr.mm_items = items
@@ -193,6 +206,18 @@ class LLM(PoolingMixin):
         self._results.extend(result for result, *_ in sends)
         return [result.request_id for result, *_ in sends]
 
+    def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; adapters not seen before are added (read and checked
+        on every worker) first, so that a bad one fails the call before any prompt is sent."""
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
+        for lora in loras:
+            if lora is not None and self._loras.get(lora.lora_int_id) != lora:
+                self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path, False)
+                self._loras[lora.lora_int_id] = lora
+        return loras
+
     def _withdraw(self, sends: list, sent: list[tuple[RequestOutput, str]]) -> None:
         """A call's requests whose sending was cut short: those sent are aborted, the others' image
         references given back. The next call waited for them (a partly sent batch)."""
@@ -200,7 +225,7 @@ class LLM(PoolingMixin):
         for _, rid in sent:
             del self._states[rid]
         if self.mm is not None:
-            for result, _, params, items, _ in sends:
+            for result, _, params, items, *_ in sends:
                 for _ in range(params.n - sum(r is result for r, _ in sent) if items else 0):
                     self.mm.unref(items)
 
@@ -333,6 +358,20 @@ class LLM(PoolingMixin):
 
     def sleep(self, level: int = 1) -> None:
         self._control("sleep", level)
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, load_inplace: bool = False) -> bool:
+        """Read and check a LoRA adapter on every worker (in place: new weights for a known id)."""
+        try:
+            return self._control("add_lora", lora_name, lora_int_id, lora_path, load_inplace)
+        except RuntimeError as e:   # the workers' LoRAAdapterError: the caller's adapter
+            raise ValueError(str(e)) from None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._loras.pop(lora_int_id, None)
+        return self._control("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._control("list_loras")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._control("wake_up", tags)

@@ -50,6 +50,7 @@ from frontend.openai.protocol import (APIError, ChatCompletionRequest, Completio
                                parse_request, random_id, stream_usage)
 from frontend.openai.load_api import LoadAPI
 from frontend.openai.rl_api import control_routes
+from frontend.openai.lora_api import LoRARegistry, parse_lora_modules
 from frontend.openai.serving_messages import MessagesAPI
 from frontend.openai.serving_responses import ResponsesAPI
 from frontend.openai.serving_pooling import ServingPooling
@@ -96,6 +97,7 @@ class ServerOptions:
     enable_prompt_tokens_details: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_orca_load_metrics: bool = False
+    lora_modules: list[str] | None = None   # --lora-modules (frontend/openai/lora_api.py)
 
     @classmethod
     def pick(cls, opts: dict) -> "ServerOptions":
@@ -213,6 +215,7 @@ class OpenAIServer:
         if self.harmony:
             self.reasoning_parser = None
         self._think_ids: tuple[list[int], list[int]] | None = None   # <think>, </think> as token ids
+        self.loras = LoRARegistry(self)        # --enable-lora: adapters by name (frontend/openai/lora_api.py)
         self.responses = ResponsesAPI(self)    # /v1/responses and its store
         self.messages = MessagesAPI(self)      # /v1/messages (Anthropic's)
         self.load = LoadAPI(self, self.options.enable_orca_load_metrics)   # /load, /server_info, ORCA header
@@ -236,7 +239,8 @@ class OpenAIServer:
             raise APIError(engine_dead_message(self.llm.dead_reason), 503)
 
     def _check_model(self, name: str | None) -> None:
-        check_model(name, self.model_name, getattr(self.config, "model", None))
+        if self.loras.resolve(name) is None:   # an adapter's name is a model too
+            check_model(name, self.model_name, getattr(self.config, "model", None))
 
     async def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
         """vLLM's bad_words as token ids, in the tokenizer's thread, checked once per request."""
@@ -355,12 +359,16 @@ class OpenAIServer:
         return _json({"version": _version()})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(models_response(self.model_name, self.config.model, self.config.max_model_len, self.created,
-                                     self.quantization))
+        models = models_response(self.model_name, self.config.model, self.config.max_model_len, self.created,
+                                 self.quantization)
+        models["data"] += self.loras.model_cards(self.created)
+        return _json(models)
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         self._check_model(name)
+        if (card := next((c for c in self.loras.model_cards(self.created) if c["id"] == name), None)) is not None:
+            return _json(card)
         return _json(models_response(self.model_name, self.config.model, self.config.max_model_len,
                                      self.created, self.quantization)["data"][0])
 
@@ -647,6 +655,9 @@ class OpenAIServer:
             extra["priority"] = ctx.req.priority
         if len(ctx.prompts) > 1:   # its prompts share one fair share of the engine's batch
             extra["group_id"] = ctx.rid
+        if (lora := self.loras.resolve(ctx.req.model)) is not None:
+            extra["lora_request"] = lora
+            ctx.model = lora.lora_name   # (the response names the adapter, as vLLM's)
         if ctx.req.use_beam_search:
             return merge([self._beam_search(ctx, p.token_ids, f"{ctx.rid}-{i}", extra)
                           for i, p in enumerate(ctx.prompts)])
@@ -739,6 +750,7 @@ class OpenAIServer:
             routes.append(("GET", "/tokenizer_info", self.tokenizer_info))
         routes += control_routes(self)  # sleep, pause, weight updates, the profiler, ... (ipc/control.py)
         routes = ServingPooling(self).with_routes(routes)  # embeddings, score, rerank (serving_pooling.py)
+        routes += self.loras.routes()   # /v1/load_lora_adapter, /v1/unload_lora_adapter
         add = {"GET": app.router.add_get, "POST": app.router.add_post,  # add_get also answers HEAD
                "DELETE": app.router.add_delete}
         for method, path, handler in routes:
@@ -747,6 +759,9 @@ class OpenAIServer:
         app.on_response_prepare.append(self.load.add_orca_header)
         app[SERVER_KEY] = self
         app.on_cleanup.append(self._on_cleanup)
+        if self.options.lora_modules:   # registered before the server listens
+            modules = parse_lora_modules(self.options.lora_modules)
+            app.on_startup.append(lambda app: self.loras.add_modules(modules))
         return app
 
     async def _on_cleanup(self, app) -> None:

@@ -413,12 +413,16 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    lora = None   # workers/lora/layers.LoRALinear with --enable-lora: adds each row's adapter delta
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        if use_gemv(x):
-            return gemv(x, self.weight, self.bias)[0]
-        return F.linear(x, self.weight, self.bias)
+            y = self.quant_method.apply(self, x, self.bias)
+        elif use_gemv(x):
+            y = gemv(x, self.weight, self.bias)[0]
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return self.lora.add(x, y) if _lora_active(self) else y
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,7 +432,8 @@ class ColumnParallelLinear(nn.Module):
         if isinstance(x, PendingSum):
             normed, residual = norm(x, residual)
             return self(normed), residual
-        if use_gemv(x) and self.quant_method is None:   # a quantized linear runs the norm on its own
+        # (a quantized linear runs the norm on its own; LoRA's delta needs the normed x itself)
+        if use_gemv(x) and self.quant_method is None and not _lora_active(self):
             if residual is None:
                 return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
                             eps=norm.eps)[0], x
@@ -438,6 +443,11 @@ class ColumnParallelLinear(nn.Module):
             return self(norm(x)), x
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+
+def _lora_active(linear: nn.Module) -> bool:
+    """Whether this step adds LoRA deltas to the linear (it has adapters, and the step adapter rows)."""
+    return linear.lora is not None and linear.lora.active
 
 
 @torch.no_grad()
@@ -470,13 +480,19 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    lora = None   # workers/lora/layers.LoRALinear with --enable-lora
+
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
         (fused into the GEMV at decode sizes)."""
         if self.quant_method is not None:
-            y = self.quant_method.apply(self, silu_and_mul(x) if silu_mul else x, None)
+            x = silu_and_mul(x) if silu_mul else x
+            y = self.quant_method.apply(self, x, None)
+            y = self.lora.add(x, y) if _lora_active(self) else y   # this rank's delta, before the sum
             y = y if self.tp == 1 else all_reduce(y)
             return y if self.bias is None else y + self.bias
+        if _lora_active(self):
+            return self.lora.row_forward(self, x, silu_mul)
         if use_gemv(x):
             prologue = "silu_mul" if silu_mul else "none"
             if self.tp == 1:

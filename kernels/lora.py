@@ -1,0 +1,249 @@
+"""Multi-LoRA: the two batched products that add an adapter's delta to a base linear's output,
+for a batch whose rows use different adapters (punica's shrink and expand, as vLLM's Triton
+LoRA kernels).
+
+    shrink   xa[t]          = x[t] @ A[slot[t]]^T            A: [slots, n_slices * R, K]
+    expand   y[t, slice j] += xa[t, j*R:(j+1)*R] @ B[slot[t], slice j]^T     B: [slots, OUT, R]
+
+`slot[t]` is token t's adapter slot on the device; -1 is the base model, for which neither
+kernel loads a weight (a program whose rows are all -1 loads nothing but the slots). The
+adapter's scale (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B when it is loaded.
+
+A fused projection (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) is one shrink, whose
+n_slices * R columns are the slices' A stacked, and one expand, in which output column o reads
+the R columns of xa of its own slice (slice starts `slice_starts`): one launch each, whatever
+the number of slices, and B holds only each slice's own rows.
+
+One kernel serves prefill and decode. At decode sizes (up to ROW_PROGRAMS_MAX rows) each program
+owns one row and runs a GEMV against that row's adapter (BGMV). Above, a program owns BLOCK_M
+tokens: when they share one adapter (a prefill segment) it runs a tensor-core tile product (SGMV);
+when they do not (a block straddling two segments), each of its rows runs its own GEMV. The slot tensor is read on the device: nothing here depends on its values on the
+host, so a CUDA graph captures the adapter index as an input, not a shape.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jit import is_interpreted, runs_triton, step_jit
+
+MAX_SLICES = 3   # q/k/v
+
+
+# ------------------------------------------------------------------ torch references
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], a [S, N, K], slots [T] (-1: no adapter) -> xa [T, N] float32 (rows of -1 are 0)."""
+    xa = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().flatten()
+        xa[rows] = x.index_select(0, rows).float() @ a[s].float().t()
+    return xa
+
+
+def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                    slice_starts: tuple[int, ...]) -> torch.Tensor:
+    """y [T, OUT] += each slice's xa columns @ its B rows^T, in place (rows of slot -1 unchanged).
+    b [S, OUT, R]; slice_starts: the first output column of each slice (slice_starts[0] == 0)."""
+    rank = b.shape[2]
+    bounds = list(slice_starts) + [y.shape[1]]
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().flatten()
+        delta = torch.cat([xa.index_select(0, rows)[:, j * rank:(j + 1) * rank] @ b[s, o0:o1].float().t()
+                           for j, (o0, o1) in enumerate(zip(bounds, bounds[1:]))], dim=1)
+        y[rows] = (y.index_select(0, rows).float() + delta).to(y.dtype)
+    return y
+
+
+# ------------------------------------------------------------------ Triton kernels
+
+@step_jit(ints=("T",))
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    cmask = cols < N
+    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV)
+        s = tl.load(slots_ptr + pid_m)
+        if s >= 0:
+            a_base = a_ptr + s.to(tl.int64) * stride_as
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                av = tl.load(a_base + cols[:, None] * stride_an + kk[None, :],
+                             mask=cmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                acc1 += tl.sum(av * xv[None, :], 1)
+            tl.store(out_ptr + pid_m * stride_om + cols, acc1, mask=cmask)
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
+    slots = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    hi = tl.max(slots, 0)
+    lo = tl.min(tl.where(rmask, slots, hi), 0)
+    if hi >= 0:
+        if lo == hi:   # one adapter for every row: a tile product (SGMV)
+            a_base = a_ptr + hi.to(tl.int64) * stride_as
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                             mask=rmask[:, None] & (kk[None, :] < K), other=0.0)
+                at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None],
+                             mask=cmask[None, :] & (kk[:, None] < K), other=0.0)
+                if UPCAST:   # the interpreter's bf16 dot returns garbage
+                    xt, at = xt.to(tl.float32), at.to(tl.float32)
+                acc += tl.dot(xt, at, input_precision=PRECISION)
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+        else:          # rows of different adapters: each row its own GEMV (BGMV)
+            for i in range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                if row < T:
+                    s = tl.load(slots_ptr + row)
+                    if s >= 0:
+                        a_base = a_ptr + s.to(tl.int64) * stride_as
+                        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                        for k0 in range(0, K, BLOCK_K):
+                            kk = k0 + ks
+                            xv = tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                            av = tl.load(a_base + cols[:, None] * stride_an + kk[None, :],
+                                         mask=cmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                            acc1 += tl.sum(av * xv[None, :], 1)
+                        tl.store(out_ptr + row * stride_om + cols, acc1, mask=cmask)
+
+
+@step_jit(ints=("T",))
+def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_bs, stride_bo,
+                        S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.arange(0, BLOCK_R)
+    cmask = cols < OUT
+    rkmask = rs < R
+    col_slice = (cols >= S1).to(tl.int32) + (cols >= S2).to(tl.int32)   # each output column's slice
+    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV)
+        s = tl.load(slots_ptr + pid_m)
+        if s >= 0:
+            b_base = b_ptr + s.to(tl.int64) * stride_bs
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in tl.static_range(NUM_SLICES):
+                bv = tl.load(b_base + cols[:, None] * stride_bo + rs[None, :],
+                             mask=(cmask & (col_slice == j))[:, None] & rkmask[None, :], other=0.0).to(tl.float32)
+                xv = tl.load(xa_ptr + pid_m * stride_xam + j * R + rs, mask=rkmask, other=0.0)
+                acc1 += tl.sum(bv * xv[None, :], 1)
+            yp = y_ptr + pid_m * stride_ym + cols
+            yv = tl.load(yp, mask=cmask, other=0.0)
+            tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
+    slots = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    hi = tl.max(slots, 0)
+    lo = tl.min(tl.where(rmask, slots, hi), 0)
+    if hi >= 0:
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        if lo == hi:   # one adapter: a tile product per slice (columns of other slices masked off)
+            b_base = b_ptr + hi.to(tl.int64) * stride_bs
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(NUM_SLICES):
+                bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
+                             mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
+                xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
+                              mask=rmask[:, None] & rkmask[None, :], other=0.0)
+                xat = xat.to(bt.dtype)   # (bf16 operands: the tensor cores, as vLLM's expand)
+                if UPCAST:
+                    xat, bt = xat.to(tl.float32), bt.to(tl.float32)
+                acc += tl.dot(xat, bt, input_precision=PRECISION)
+            mask = rmask[:, None] & cmask[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+        else:
+            for i in range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                if row < T:
+                    s = tl.load(slots_ptr + row)
+                    if s >= 0:
+                        b_base = b_ptr + s.to(tl.int64) * stride_bs
+                        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                        for j in tl.static_range(NUM_SLICES):
+                            bv = tl.load(b_base + cols[:, None] * stride_bo + rs[None, :],
+                                         mask=(cmask & (col_slice == j))[:, None] & rkmask[None, :],
+                                         other=0.0).to(tl.float32)
+                            xv = tl.load(xa_ptr + row * stride_xam + j * R + rs, mask=rkmask, other=0.0)
+                            acc1 += tl.sum(bv * xv[None, :], 1)
+                        yp = y_ptr + row * stride_ym + cols
+                        yv = tl.load(yp, mask=cmask, other=0.0)
+                        tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
+
+
+def _precision(t: torch.Tensor) -> str:
+    # fp32 weights (tests, CPU oracle runs) multiply exactly; bf16/fp16 take the tensor cores as they are
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+# Up to this many rows (decode batches, the decode graphs' sizes) each program takes one row
+# (BGMV): every row reads its own adapter, from L2 after the first; above it, programs take
+# BLOCK_M rows and run tile products where their rows share an adapter (prefill segments).
+ROW_PROGRAMS_MAX = 256
+
+
+def _block_m(rows: int, block_m: int | None) -> int:
+    return block_m if block_m is not None else (1 if rows <= ROW_PROGRAMS_MAX else 16)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
+                block_m: int | None = None) -> torch.Tensor:
+    """As lora_shrink_ref: x [T, K] (rows may be strided), a [S, N, K] contiguous, slots [T] int32
+    -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were)."""
+    if not runs_triton(_lora_shrink_kernel, x):
+        ref = lora_shrink_ref(x, a, slots)
+        return ref if out is None else out.copy_(ref)
+    t, k = x.shape
+    n = a.shape[1]
+    if out is None:
+        out = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    assert x.stride(1) == 1 and a.is_contiguous() and out.stride(1) == 1
+    block_m = _block_m(t, block_m)
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    _lora_shrink_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
+        x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
+        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4)
+    return out
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                slice_starts: tuple[int, ...], block_m: int | None = None) -> torch.Tensor:
+    """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous)."""
+    if not runs_triton(_lora_expand_kernel, y):
+        return lora_expand_ref(y, xa, b, slots, slice_starts)
+    t, n_out = y.shape
+    if t == 0:
+        return y
+    assert len(slice_starts) <= MAX_SLICES and slice_starts[0] == 0
+    assert y.stride(1) == 1 and xa.stride(1) == 1 and b.is_contiguous()
+    rank = b.shape[2]
+    starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
+    block_m = _block_m(t, block_m)
+    # a row per program: wider column blocks, so that a base row's programs (which only read
+    # their slot) stay few
+    block_n = min(256 if block_m == 1 else 64, max(16, triton.next_power_of_2(n_out)))
+    _lora_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(n_out, block_n))](
+        y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1),
+        starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
+        UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4)
+    return y

@@ -1,0 +1,145 @@
+"""kernels/lora.py: the Triton shrink and expand vs their torch references, on batches mixing
+adapters and the base model (slot -1), prefill segments and decode rows, and fused slices
+(q/k/v, gate/up). Without CUDA the kernels run under the Triton interpreter (as in
+tests/test_kernels.py: a private copy of the module decorated with TRITON_INTERPRET=1, or this
+file again in a subprocess where triton was imported without it)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _load_private():
+    spec = importlib.util.spec_from_file_location("_loom_test_kernels_lora", _ROOT / "kernels" / "lora.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    MODE, lk = "cuda", importlib.import_module("kernels.lora")
+else:
+    _prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as _tl
+        if type(_tl.sum).__name__ == "InterpretedFunction":
+            MODE, lk = "interpret", _load_private()
+        else:
+            MODE, lk = "subprocess", None
+    finally:
+        if _prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _prev
+DEVICE = "cuda" if MODE == "cuda" else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_mode(request, monkeypatch):
+    if request.node.name == "test_in_fresh_interpreter":
+        yield
+        return
+    if MODE == "subprocess":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; see test_in_fresh_interpreter")
+    if MODE == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+def test_in_fresh_interpreter():
+    if MODE != "subprocess":
+        pytest.skip("the kernels run in this process")
+    assert not os.environ.get("_LOOM_LORA_KERNEL_CHILD")
+    env = dict(os.environ, TRITON_INTERPRET="1", _LOOM_LORA_KERNEL_CHILD="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                          cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _case(dtype, slots, k=40, rank=4, slices=(12, 6, 6), num_slots=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = len(slots)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    a = (torch.randn(num_slots, len(slices) * rank, k, generator=g) * 0.3).to(dtype)
+    b = (torch.randn(num_slots, sum(slices), rank, generator=g) * 0.3).to(dtype)
+    y = torch.randn(t, sum(slices), generator=g).to(dtype)
+    starts = tuple(int(sum(slices[:j])) for j in range(len(slices)))
+    dev = lambda v: v.to(DEVICE)   # noqa: E731
+    return dev(x), dev(a), dev(b), dev(y), dev(torch.tensor(slots, dtype=torch.int32)), starts
+
+
+# a prefill segment per adapter and the base in between (tile path), decode rows of mixed adapters
+# (per-row path), a block that is all base (-1), and a block mixing -1 with an adapter
+BATCHES = {
+    "segments": [0] * 20 + [-1] * 16 + [2] * 17 + [1] * 3,
+    "decode_mixed": [0, 2, -1, 1, 1, 0, -1, 2, 2],
+    "all_base": [-1] * 18,
+    "one_row": [1],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("slices", [(12, 6, 6), (10, 10), (7,)])
+@pytest.mark.parametrize("block_m", [1, 16])   # one row per program (decode sizes), 16-row blocks (prefill)
+def test_shrink_expand_match_reference(dtype, batch, slices, block_m):
+    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
+    xa_ref = lk.lora_shrink_ref(x, a, slots)
+    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), block_m=block_m)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(xa, xa_ref, **tol)
+    want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, block_m=block_m)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    base = (slots < 0).cpu()
+    assert torch.equal(got.cpu()[base], y.cpu()[base])   # the base rows are untouched
+
+
+def test_reference_is_the_per_row_product():
+    # the reference itself, against the plain formula row by row: y += (x A_s^T)_j B_s,j^T
+    x, a, b, y, slots, starts = _case(torch.float32, [1, -1, 0, 2, 1], slices=(12, 6, 6))
+    got = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    for t, s in enumerate(slots.tolist()):
+        want = y[t].clone()
+        if s >= 0:
+            for j, (o0, o1) in enumerate([(0, 12), (12, 18), (18, 24)]):
+                want[o0:o1] += b[s, o0:o1] @ (a[s, j * 4:(j + 1) * 4] @ x[t])
+        torch.testing.assert_close(got[t], want, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_rows():
+    # the linear's output may be a view with a row stride (a slice of a wider buffer)
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], slices=(10, 10))
+    wide = torch.zeros(y.shape[0], 30, device=DEVICE)
+    wide[:, 5:25] = y
+    lk.lora_expand(wide[:, 5:25], lk.lora_shrink(x, a, slots, block_m=16), b, slots, starts, block_m=16)
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    torch.testing.assert_close(wide[:, 5:25], want, atol=1e-5, rtol=1e-5)
+    assert (wide[:, :5] == 0).all() and (wide[:, 25:] == 0).all()
+
+
+def test_default_block_rows():
+    assert lk._block_m(1, None) == 1 and lk._block_m(lk.ROW_PROGRAMS_MAX, None) == 1
+    assert lk._block_m(lk.ROW_PROGRAMS_MAX + 1, None) == 16
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_wide_output_slices_cross_column_blocks(block_m):
+    # q/k/v-like slices wider than one column block, their boundaries inside blocks
+    x, a, b, y, slots, starts = _case(torch.float32, [2, 0, -1, 1, 1], k=24, rank=3, slices=(300, 70, 70))
+    xa = lk.lora_shrink_ref(x, a, slots)
+    want = lk.lora_expand_ref(y.clone(), xa, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=block_m)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
