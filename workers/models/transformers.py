@@ -333,6 +333,18 @@ def _checkpoint_renamings(hf: nn.Module) -> list:
     return [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
 
 
+def _rename(name: str, renamings: list) -> str:
+    """A checkpoint name after transformers' renamings. Its API moved within 5.x: the newest has
+    apply_renamings / WeightRenaming.rename_source_key, earlier ones the module's
+    rename_source_key(key, renamings, converters)."""
+    import transformers.core_model_loading as cml
+    if hasattr(renamings[0], "rename_source_key"):
+        for renaming in renamings:
+            name = renaming.rename_source_key(name)[0]
+        return name
+    return cml.rename_source_key(name, renamings, [])[0]
+
+
 class TransformersForCausalLM(nn.Module):
     """An HF `*ForCausalLM` under Loom's model contract (workers/models/interfaces.py). Its
     children are the HF model's own (e.g. `model` and `lm_head`), so the parameter names are
@@ -431,8 +443,7 @@ class TransformersForCausalLM(nn.Module):
         and a tied alias are not loaded. A name without the base model's prefix (older
         checkpoints of some architectures) gets it."""
         if self._renamings:
-            from transformers.core_model_loading import apply_renamings
-            name = apply_renamings(name, self._renamings)
+            name = _rename(name, self._renamings)
         if name in self._aliases or name in self._buffers_named:
             return None
         if name not in self._params and f"{self._prefix}.{name}" in self._params:
