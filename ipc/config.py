@@ -352,7 +352,9 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         spec = self.speculative   # (raises ConfigError for a bad one)
         if spec is not None and spec.model is not None and self.vocab_size:
-            draft_vocab = int(read_json_object(os.path.join(spec.model, "config.json")).get("vocab_size") or 0)
+            draft_cfg = read_json_object(os.path.join(spec.model, "config.json"))
+            draft_cfg = draft_cfg.get("transformer_layer_config") or draft_cfg   # (an EAGLE head's speculators format)
+            draft_vocab = int(draft_cfg.get("vocab_size") or 0)
             if draft_vocab != self.vocab_size:
                 raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} differs from "
                                   f"the target's {self.vocab_size} (a draft model must share the tokenizer)")

@@ -47,9 +47,11 @@ class EagleReference(nn.Module):
     """One EAGLE head in plain torch, parameters under the checkpoint's names (EAGLE-1:
     fc, layers.0.*; EAGLE-3: fc, midlayer.*, norm, lm_head, d2t)."""
 
-    def __init__(self, cfg: dict, method: str = "eagle", draft_vocab: int | None = None):
+    def __init__(self, cfg: dict, method: str = "eagle", draft_vocab: int | None = None,
+                 norm_before_residual: bool = False):
         super().__init__()
         self.method, self.eps = method, cfg.get("rms_norm_eps", 1e-6)
+        self.norm_before_residual = norm_before_residual
         params = cfg.get("rope_parameters") or {}
         self.theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         h, inter = cfg["hidden_size"], cfg["intermediate_size"]
@@ -102,7 +104,7 @@ class EagleReference(nn.Module):
         if self.method == "eagle3":
             normed = rms_norm(hidden, self[f"{p}.hidden_norm.weight"], self.eps)
             x = torch.cat((rms_norm(embeds, self[f"{p}.input_layernorm.weight"], self.eps), normed), -1)
-            return x, hidden
+            return x, normed if self.norm_before_residual else hidden
         x = F.linear(torch.cat((embeds, hidden), -1), self["fc.weight"])
         return x, x
 
