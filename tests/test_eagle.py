@@ -13,7 +13,7 @@ import torch
 
 from ipc.config import ConfigError, EngineConfig
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.eagle_heads import head_tensors, write_head
+from tests.eagle_heads import write_head
 from tests.test_spec_decode import GREEDY, PROMPTS, SCHEMA, STRESS, ZEN, _generate
 
 ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process
@@ -118,7 +118,6 @@ def test_eagle3_aux_states_are_the_streams_entering_the_layers(model_factory):
     hidden_states[i] on the same weights (its embeddings for layer 0)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.attention import AttentionMetadata  # noqa: F401  (the metadata _paged_meta builds)
     from workers.model_loader import load_model
     from workers.spec_decode.eagle import AuxHiddenStates
     target_dir = model_factory("llama")
