@@ -48,6 +48,65 @@ def test_greedy_identical_with_eagle(kind, tiny_model_dir, baseline, tmp_path):
     assert stats.spec_num_drafts > 50 and stats.spec_num_draft_tokens > 2.5 * stats.spec_num_drafts
 
 
+def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(a request's tokens, the drafts the head proposed after them) for every proposal of the
+    in-process engine's EagleProposer."""
+    from workers.spec_decode.eagle import EagleProposer
+    records, propose = [], EagleProposer.propose
+
+    def recording(self, runner, states, step):
+        out = propose(self, runner, states, step)
+        records.extend((runner.batch.token_ids[st.slot, :st.num_tokens].tolist(), out[st.req_id])
+                       for st in states if st.req_id in out)
+        return out
+    monkeypatch.setattr(EagleProposer, "propose", recording)
+    return records
+
+
+def reference_drafts(target_dir: str, head_dir: str, method: str, records, aux_layers=(1, 1, 0)) -> list[list[int]]:
+    """The drafts EagleReference gives after each recorded token sequence T: the HF target's
+    hidden states (or auxiliary streams) over T[:-1], then the head unrolled over k passes fed
+    the recorded drafts (so that each draft is checked on its own)."""
+    from transformers import AutoModelForCausalLM
+
+    from frontend.tools.demo_eagle import EagleReference
+    cfg = json.load(open(f"{target_dir}/config.json"))
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tensors = {k.replace("layers.0.", "midlayer.") if method == "eagle3" else k: v
+               for k, v in _checkpoint(head_dir).items()}
+    ref = EagleReference(cfg, method, tensors["lm_head.weight"].shape[0] if method == "eagle3" else None)
+    ref.load_checkpoint(tensors)
+    embed, lm_head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    out = []
+    with torch.no_grad():
+        for tokens, drafts in records:
+            n, k = len(tokens), len(drafts)
+            states = hf.model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=method == "eagle3")
+            hidden = (ref.combine(torch.cat([states.hidden_states[i][0] for i in aux_layers], -1)) if method == "eagle3"
+                      else states.last_hidden_state[0])
+            hidden = torch.cat((hidden, hidden.new_zeros(k - 1, hidden.shape[-1])))
+            passes = ref.unrolled(embed[torch.tensor(tokens[1:] + drafts[:-1])][None], hidden[None], k)
+            out.append([int(ref.logits(rows[0, n - 2 + m], lm_head).argmax()) for m, (rows, _) in enumerate(passes)])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_engine_drafts_are_the_reference_drafts(kind, tiny_model_dir, tmp_path, monkeypatch):
+    """Every draft the engine's head proposed (under chunked prefill, a 16-token budget, and
+    preemption) is the one the torch reference computes from the HF target's hidden states over
+    the request's tokens: the next-token shift, the chunk ends, the accepted rows and the draft
+    steps' positions and KV are right. (The prompts share no prefix: a prefix-cached block's last
+    position holds the head's KV for the next token of the request that computed it, as in vLLM.)"""
+    method, head = _head(kind, tiny_model_dir, str(tmp_path / "head"))
+    records = record_drafts(monkeypatch)
+    prompts = PROMPTS[2:] + [list(range(200, 236)), [5, 3, 5, 8, 9, 7, 9, 3] * 3]
+    _, stats = _generate(tiny_model_dir, prompts=prompts, speculative_config={"method": method, "model": head,
+                                                                              "num_speculative_tokens": 3})
+    assert stats.num_preemptions > 0 and len(records) > 100
+    sample = records[::4]
+    assert [d for _, d in sample] == reference_drafts(tiny_model_dir, head, method, sample)
+
+
 def _paged_meta(start: int, n: int, block_size: int = 16):
     """One sequence's attention metadata for tokens start .. start + n - 1 (blocks 0, 1, ...)."""
     from workers.attention import AttentionMetadata
