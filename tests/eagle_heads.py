@@ -58,6 +58,7 @@ def write_head(out_dir: str, target_dir: str, method: str, seed: int = 0, layout
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
+    target = target.get("text_config") or target   # (LLaVA: its language model's)
     tensors = tensors if tensors is not None else head_tensors(target, method, seed, draft_vocab)
     layer = _layer_config(target)
     if layout == "speculators":

@@ -37,15 +37,20 @@ def _head(kind: str, target_dir: str, out_dir: str) -> tuple[str, str]:
     return method, write_head(out_dir, target_dir, method, draft_vocab=vocab // 2 if method == "eagle3" else None)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-speculators"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-speculators", "eagle3-disable"])
 def test_greedy_identical_with_eagle(kind, tiny_model_dir, baseline, tmp_path):
-    method, head = _head(kind, tiny_model_dir, str(tmp_path / "head"))
-    outs, stats = _generate(tiny_model_dir, speculative_config={"method": method, "model": head,
-                                                                "num_speculative_tokens": 3})
+    """eagle3-disable: no drafts while 3 or more requests run (the head still runs over every
+    step's tokens, so its KV is whole when speculation resumes as the batch shrinks)."""
+    method, head = _head(kind.replace("-disable", ""), tiny_model_dir, str(tmp_path / "head"))
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    if kind.endswith("disable"):
+        spec["disable_by_batch_size"] = 3
+    outs, stats = _generate(tiny_model_dir, speculative_config=spec)
     assert [o.token_ids for o in outs] == baseline
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # k drafts per decoding step of every request (fewer near max_tokens; a random head: few accepted)
-    assert stats.spec_num_drafts > 50 and stats.spec_num_draft_tokens > 2.5 * stats.spec_num_drafts
+    assert stats.spec_num_drafts > (10 if kind.endswith("disable") else 50)
+    assert stats.spec_num_draft_tokens > 2.5 * stats.spec_num_drafts
 
 
 def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
@@ -191,6 +196,16 @@ def test_eagle3_aux_states_are_the_streams_entering_the_layers(model_factory):
         states = hf.model(input_ids=ids[None], output_hidden_states=True).hidden_states
     want = torch.cat([states[1][0], states[0][0], states[1][0]], -1)
     torch.testing.assert_close(aux.buffer[:12], want, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_on_llava_matches_hf(tmp_path):
+    """EAGLE-3 on a LLaVA target (the auxiliary streams of its language model), prompts with and
+    without images: greedy output is HF's."""
+    from tests.test_llava_parity import CASES, _check
+    from tests.tiny_vl_models import make_tiny_llava
+    target = make_tiny_llava(str(tmp_path / "llava"), tower="clip")
+    head = write_head(str(tmp_path / "head"), target, "eagle3")
+    _check(target, CASES, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
 
 
 def test_seeded_request_reproduces_with_eagle3(tiny_model_dir, tmp_path):
