@@ -95,14 +95,18 @@ def reference_drafts(target_dir: str, head_dir: str, method: str, records, aux_l
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-graphs"])
 def test_engine_drafts_are_the_reference_drafts(kind, tiny_model_dir, tmp_path, monkeypatch):
     """Every draft the engine's head proposed (under chunked prefill, a 16-token budget, and
     preemption) is the one the torch reference computes from the HF target's hidden states over
     the request's tokens: the next-token shift, the chunk ends, the accepted rows and the draft
     steps' positions and KV are right. (The prompts share no prefix: a prefix-cached block's last
-    position holds the head's KV for the next token of the request that computed it, as in vLLM.)"""
-    method, head = _head(kind, tiny_model_dir, str(tmp_path / "head"))
+    position holds the head's KV for the next token of the request that computed it, as in vLLM.)
+    eagle3-graphs: the decode graphs' and the draft graphs' work, uncaptured on the CPU (their
+    static buffers, padding rows and the auxiliary copies inside the target's graph)."""
+    if kind.endswith("graphs"):
+        monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    method, head = _head(kind.replace("-graphs", ""), tiny_model_dir, str(tmp_path / "head"))
     records = record_drafts(monkeypatch)
     prompts = PROMPTS[2:] + [list(range(200, 236)), [5, 3, 5, 8, 9, 7, 9, 3] * 3]
     _, stats = _generate(tiny_model_dir, prompts=prompts, speculative_config={"method": method, "model": head,

@@ -199,6 +199,8 @@ class ModelRunner:
         if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
             self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
+        if self.decode_graphs is not None and hasattr(self.proposer, "capture"):   # EAGLE's draft steps
+            self.proposer.capture(self)
 
     def kv_splits(self, num_seqs: int) -> int:
         """The split-KV count of a decode batch of num_seqs sequences (the decode graphs')."""

@@ -11,7 +11,8 @@ and gives d_1 at each sampled request's last accepted position; k - 1 one-token 
 each feeding the head its own output. Rejected positions' KV is rewritten by the next step's
 pass before anything reads it. Nothing waits for the host: the accepted count, the sampled
 tokens and the drafts stay on the device, and the drafts travel back with the step's tokens
-(PendingStep.spec_drafts, in the copy that finish() waits for).
+(PendingStep.spec_drafts, in the copy that finish() waits for). The k - 1 draft steps replay as
+one CUDA graph per batch size (workers/spec_decode/eagle_graphs.py), captured with the decode graphs.
 
 EAGLE-3's input is three of the target's residual streams (AuxHiddenStates), captured by hooks
 into one persistent buffer, so that the target's CUDA graphs capture the copies too."""
@@ -76,6 +77,8 @@ class EagleProposer:
             self.aux = AuxHiddenStates(lm.model.layers, ids, rows, self.head.hc.target_hidden_size, runner.dtype,
                                        runner.device)
         self.deferred: dict[int, tuple] = {}   # id(step) -> (batch, hidden, aux) while its sampling waits
+        self.backend = runner.backend
+        self.graphs = None   # DraftGraphs, captured with the decode graphs (capture())
 
     def allocate(self, num_blocks: int, device: torch.device) -> None:
         s = self.kv_spec
@@ -152,22 +155,40 @@ class EagleProposer:
 
     def _draft(self, runner, lm_rows: torch.Tensor, h: torch.Tensor, p0: torch.Tensor, table: torch.Tensor,
                room: torch.Tensor, width: int, max_seq: int) -> torch.Tensor:
-        """d_1 from the last accepted positions' rows, then k - 1 one-token steps: d_i goes in
-        at position p0 + i (its token sits at p0 + 1 + i). A slot past the request's blocks (at
-        max_model_len) is -1: nothing written, and the scheduler cuts those drafts anyway."""
-        n, bs = len(p0), runner.block_size
+        """d_1 from the last accepted positions' rows, then the k - 1 draft steps (in the draft
+        graphs where a size fits)."""
         d = self.head.draft_tokens(lm_rows)
-        drafts = [d]
+        rest = self.graphs.run(d, h, p0, table, room) if self.graphs is not None and self.k > 1 else None
+        if rest is None:
+            rest = self.draft_steps(d, h, p0, table, room, width, min(max_seq, width * runner.block_size))
+        return torch.stack([d] + rest, dim=1)
+
+    def draft_steps(self, d: torch.Tensor, h: torch.Tensor, p0: torch.Tensor, table: torch.Tensor,
+                    room: torch.Tensor, width: int, max_seq: int, kv_splits: int | None = None) -> list[torch.Tensor]:
+        """The k - 1 one-token steps: d_i goes in at position p0 + i (its token sits at p0 + 1 + i),
+        with the head's previous output as h. A slot past the request's blocks (at max_model_len)
+        is -1: nothing written, and the scheduler cuts those drafts anyway. No host sync (the
+        draft graphs capture it)."""
+        n, bs = len(p0), self.kv_spec.block_size
         rows = torch.arange(n, device=p0.device)
         qsl = torch.arange(n + 1, dtype=torch.int32, device=p0.device)
+        drafts = []
         for i in range(1, self.k):
             p = p0 + i
             block = table[rows, (p // bs).clamp(max=width - 1)].long()
             slot = torch.where(p < room, block * bs + p % bs, torch.full_like(p, -1))
-            seq_lens = (p + 1).clamp(max=width * bs).to(torch.int32)
-            meta = AttentionMetadata(qsl, seq_lens, table, slot, max_query_len=1, max_seq_len=min(max_seq, width * bs),
-                                     backend=runner.backend, num_decodes=n)
+            seq_lens = (p + 1).clamp(max=max_seq).to(torch.int32)
+            meta = AttentionMetadata(qsl, seq_lens, table, slot, max_query_len=1, max_seq_len=max_seq,
+                                     backend=self.backend, num_decodes=n, num_kv_splits=kv_splits)
             lm, h = self.head(d, p, h, self.kv_caches[0], meta)
             d = self.head.draft_tokens(lm)
             drafts.append(d)
-        return torch.stack(drafts, dim=1)
+        return drafts
+
+    def capture(self, runner) -> None:
+        """With the decode graphs (after the warm-up): the draft steps' graphs."""
+        from workers.spec_decode.eagle_graphs import DraftGraphs, enabled
+        self.graphs = None
+        if enabled() and self.k > 1:
+            self.graphs = DraftGraphs(self, runner)
+            self.graphs.capture()
