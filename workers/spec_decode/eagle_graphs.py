@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
 
+from ipc import envs
 from workers.decode_graphs import decode_batch_sizes
 
 logger = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    return os.environ.get("LOOM_EAGLE_DRAFT_GRAPHS", "1") != "0"
+    return envs.LOOM_EAGLE_DRAFT_GRAPHS
 
 
 class DraftGraphs:
