@@ -331,6 +331,11 @@ PY
   lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
         # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load
       TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
+  eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
+         # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
+         # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
+         run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
+         TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)

@@ -84,8 +84,9 @@ class Scheduler:
         self.encoder = EncoderCacheManager(budget, 2 * budget)
         self.released_mm: list[tuple[str, int]] = []   # store entries of requests gone for good
         self.spec = config.speculative
-        # a draft model writes its KV k - 1 slots past the verified ones: they are allocated with the step's
-        self.num_lookahead = self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
+        # a draft model (or EAGLE head) writes its KV k - 1 slots past the verified ones: they are allocated with the step's
+        self.num_lookahead = (self.spec.num_speculative_tokens
+                              if self.spec and self.spec.method in ("draft_model", "eagle", "eagle3") else 0)
 
     # ------------------------------------------------------------ requests in and out
 

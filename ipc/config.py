@@ -352,7 +352,9 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         spec = self.speculative   # (raises ConfigError for a bad one)
         if spec is not None and spec.model is not None and self.vocab_size:
-            draft_vocab = int(read_json_object(os.path.join(spec.model, "config.json")).get("vocab_size") or 0)
+            draft_cfg = read_json_object(os.path.join(spec.model, "config.json"))
+            draft_cfg = draft_cfg.get("transformer_layer_config") or draft_cfg   # (an EAGLE head's speculators format)
+            draft_vocab = int(draft_cfg.get("vocab_size") or 0)
             if draft_vocab != self.vocab_size:
                 raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} differs from "
                                   f"the target's {self.vocab_size} (a draft model must share the tokenizer)")
@@ -601,7 +603,7 @@ class SpeculativeConfig:
     misses each draft token with probability oracle_miss_rate."""
     method: str
     num_speculative_tokens: int
-    model: str | None = None                # draft_model: its directory (same tokenizer)
+    model: str | None = None                # draft_model: its directory (same tokenizer); eagle/eagle3: the head's
     prompt_lookup_min: int | None = None    # ngram: the shortest suffix matched
     prompt_lookup_max: int | None = None    # ngram: the longest
     disable_by_batch_size: int | None = None  # no drafts while this many requests (or more) run
@@ -626,9 +628,6 @@ class SpeculativeConfig:
             method = "draft_model"
         if method not in SPEC_METHODS:
             raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
-        if method in ("eagle", "eagle3"):
-            raise ConfigError(f"--speculative-config: method {method!r} is not built yet in Loom "
-                              f"(ngram, draft_model and oracle are)")
         k = d.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= 16:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -642,9 +641,10 @@ class SpeculativeConfig:
             if lo > hi:
                 raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
         model = d.get("model")
-        if method == "draft_model":
+        if method in ("draft_model", "eagle", "eagle3"):
             if not isinstance(model, str) or not os.path.isfile(os.path.join(model, "config.json")):
-                raise ConfigError(f"--speculative-config: draft_model needs \"model\": a model directory with a "
+                what = "a model directory" if method == "draft_model" else "an EAGLE head's directory"
+                raise ConfigError(f"--speculative-config: {method} needs \"model\": {what} with a "
                                   f"config.json, got {model!r}")
         miss = d.get("oracle_miss_rate", 0.0)
         if method == "oracle":

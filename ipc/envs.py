@@ -108,6 +108,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                     "piecewise CUDA graphs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
+    "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "
+                                      "CUDA graphs"),
     # --- tensor-parallel all-reduce (workers/distributed.py)
     "LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES": EnvVar(1 << 20, _int, "largest all-reduce done one-shot over "
                                                 "symmetric memory"),

@@ -215,7 +215,7 @@ def test_spec_decode_metrics_exported(tiny_model_dir):
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"}, "draft_model needs"),
-    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not built yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "eagle3 needs"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speed": 3}, "unknown fields"),
     ({"method": "oracle", "num_speculative_tokens": 2}, "oracle_path"),
 ])

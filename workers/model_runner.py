@@ -87,6 +87,7 @@ class PendingStep:
     spec: SpecLayout | None = None            # a verify step's drafts (speculative decoding)
     num_accepted: torch.Tensor | None = None  # its accepted drafts per sampled request (pinned after copy_back)
     pooled: torch.Tensor | None = None        # --runner pooling: a vector per sample row (a pinned copy after copy_back)
+    spec_drafts: torch.Tensor | None = None   # EAGLE: the next step's drafts per sampled request (pinned after copy_back)
 
 
 class ModelRunner:
@@ -198,6 +199,8 @@ class ModelRunner:
         if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
             self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
+        if self.decode_graphs is not None and hasattr(self.proposer, "capture"):   # EAGLE's draft steps
+            self.proposer.capture(self)
 
     def kv_splits(self, num_seqs: int) -> int:
         """The split-KV count of a decode batch of num_seqs sequences (the decode graphs')."""
@@ -252,6 +255,8 @@ class ModelRunner:
         elif len(batch.sample_rows):
             self._sample_into(step, logits, batch, so.grammar)
         step.prompt_logprobs = prompt_logprobs(self.model, batch, hidden)
+        if getattr(self.proposer, "on_device", False):   # EAGLE: the head's pass and drafts, queued behind the step
+            self.proposer.on_sampled(self, step, batch, hidden)
         if step.unsampled is None:
             self.copy_back(step)
         for st, computed in zip(batch.states, batch.computed_after):
@@ -440,6 +445,8 @@ class ModelRunner:
             return
         (batch, logits), step.unsampled = step.unsampled, None
         self._sample_into(step, logits, batch, grammar)
+        if getattr(self.proposer, "on_device", False):
+            self.proposer.on_sampled(self, step)
         self.copy_back(step)
 
     def _sample_into(self, step: PendingStep, logits: torch.Tensor | None, batch: StepBatch,
@@ -489,7 +496,11 @@ class ModelRunner:
             return None
         live = [st for i in step.sample_rows.tolist() if self.batch.requests.get((st := step.states[i]).req_id) is st
                 and may_speculate(st.params, st.bad_words)]
-        return (self.proposer.propose(self, live) or None) if live else None
+        if not live:
+            return None
+        if getattr(self.proposer, "on_device", False):   # drafted with the step (spec_drafts)
+            return self.proposer.propose(self, live, step) or None
+        return self.proposer.propose(self, live) or None
 
     def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput,
                        spec: SpecLayout | None = None) -> None:
@@ -531,6 +542,8 @@ class ModelRunner:
             step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
         if step.pooled is not None:
             step.pooled = to_host(step.pooled)
+        if step.spec_drafts is not None:
+            step.spec_drafts = to_host(step.spec_drafts)
         if step.tokens is not None or step.prompt_logprobs is not None or step.pooled is not None:
             step.event = torch.cuda.Event()
             step.event.record()
