@@ -55,6 +55,17 @@ def _llm(model_dir: str, full_graph: str = "1", **kw):
     return LLM(model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, seed=0, **kw)
 
 
+def _host_note(llm) -> str:
+    """With LOOM_STEP_STATS=1 (--step-stats): the worker's host, device and idle-before time per
+    decode-graph step (plain and verify steps alike) and per piecewise step, over the engine's life."""
+    if os.environ.get("LOOM_STEP_STATS") != "1":
+        return ""
+    stats = (llm.collective_rpc("step_stats") or [None])[0] or {}
+    parts = [f"{kind} {s['steps']} steps: host {s['host_ms_per_step']:.2f} dev {s['device_ms_per_step']:.2f} "
+             f"idle {s['idle_ms_before']:.2f} ms" for kind, s in stats.items() if isinstance(s, dict) and "steps" in s]
+    return "; [" + "; ".join(parts) + "]"
+
+
 def _variant(full_graph: str) -> str:
     return "full graph" if full_graph == "1" else "piecewise"
 
@@ -112,6 +123,7 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
         plain = _decode(llm, p_full)
         plain_308 = _decode(llm, p_308)
         plain_rep = _decode(llm, p_rep)
+        plain_host = _host_note(llm)
     finally:
         llm.shutdown()
     rows = []
@@ -123,6 +135,7 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
                 _timed(llm, [p], OUTPUT_LEN + 2 * K)
             full = _decode(llm, p_full)
             at308 = _decode(llm, p_308)
+            host = _host_note(llm)
         finally:
             llm.shutdown()
         verify_step, plain_step = full["step_ms"], plain["step_ms"]
@@ -131,12 +144,12 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
             {"row": f"llama8b b1: verify step (5 tok) / plain step [{_variant(v)}]", "value": verify_step / plain_step,
              "target": "<= 1.10", "ok": verify_step / plain_step <= 1.10,
              "note": f"{verify_step:.2f} vs {plain_step:.2f} ms, acc len {full['acceptance_length']:.2f}, "
-                     f"{full['verify_steps']}/{full['decode_steps']} steps verify"},
+                     f"{full['verify_steps']}/{full['decode_steps']} steps verify; no spec{plain_host}"},
             {"row": f"llama8b b1: oracle k=4 acc ~3.08 speedup [{_variant(v)}]", "value": speedup, "target": ">= 2.3",
              "ok": speedup >= 2.3,
              "note": f"acc len {at308['acceptance_length']:.2f}, efficiency "
                      f"{speedup / max(at308['acceptance_length'], 1e-9):.2f} (target 0.75), {at308['step_ms']:.2f} "
-                     f"ms/step, {at308['verify_steps']}/{at308['decode_steps']} steps verify"},
+                     f"ms/step, {at308['verify_steps']}/{at308['decode_steps']} steps verify{host}"},
         ]
     llm = _llm(mdir, variants[0], speculative_config={"method": "ngram", "num_speculative_tokens": K,
                                                       "prompt_lookup_min": 2, "prompt_lookup_max": 5}, **seqs)
@@ -178,12 +191,13 @@ def qwen_rows(tmp: str, variants: list[str]) -> list[dict]:
             spec_b8 = sorted(_timed(llm, prompts, OUTPUT_LEN)[0] for _ in range(3))[1]
             acc = 1 + (s.spec_num_accepted_tokens - a0) / max(s.spec_num_drafts - d0, 1)
             per_step = (s.spec_num_drafts - d0) / max(s.steps - s0, 1) / len(prompts)
+            host = _host_note(llm)
         finally:
             llm.shutdown()
         rows.append({"row": f"qwen3-0.6b b8: oracle k=4 acc ~3 speedup [{_variant(v)}]", "value": plain_b8 / spec_b8,
                      "target": ">= 1.8", "ok": plain_b8 / spec_b8 >= 1.8,
-                     "note": f"acc len {acc:.2f}, {1000 * spec_b8 / 3:.0f} ms per run of 3, "
-                             f"{per_step:.2f} drafts per request-step"})
+                     "note": f"acc len {acc:.2f}, {1000 * spec_b8:.0f} vs {1000 * plain_b8:.0f} ms a run, "
+                             f"{per_step:.2f} drafts per request-step{host}"})
     llm = _llm(mdir, variants[0], speculative_config={"method": "ngram", "num_speculative_tokens": K,
                                                       "disable_by_batch_size": 4})
     try:
@@ -219,8 +233,12 @@ def main() -> int:
     p.add_argument("--full-graph", nargs="+", choices=("1", "0"), default=["1"],
                    help="LOOM_SPEC_FULL_GRAPH values to time the oracle rows at (the first also runs the n-gram rows)")
     p.add_argument("--equality", action="store_true", help="run tests/test_gpu_spec.py as the table's last row")
+    p.add_argument("--step-stats", action="store_true",
+                   help="LOOM_STEP_STATS=1 in every engine: the oracle rows note host/device/idle ms per step")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    if args.step_stats:
+        os.environ["LOOM_STEP_STATS"] = "1"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.rows:
