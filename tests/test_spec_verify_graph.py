@@ -94,3 +94,27 @@ def test_seeded_sampling_identical_with_and_without_speculation(tiny_model_dir, 
         before = graph_steps["graph"]
         assert _generate(tiny_model_dir, SEEDED, speculative_config=spec)[0] == want
         assert graph_steps["graph"] == before
+
+
+def test_verify_samples_keeps_the_target_distribution():
+    """10^6 requests, one draft each from a skewed q: each row's token drawn from p independently
+    of the draft; the first token emitted (the draft when accepted) is distributed as p
+    (chi-squared, 4 degrees of freedom, p-value > 0.01), and a draft d is accepted with p(d)."""
+    import torch
+    from workers.rejection_sampler import verify_samples
+    n, vocab = 10 ** 6, 5
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    q = torch.tensor([0.6, 0.05, 0.05, 0.1, 0.2])
+    gen = torch.Generator().manual_seed(0)
+    draft = torch.multinomial(q, n, replacement=True, generator=gen)
+    samples = torch.multinomial(p, 2 * n, replacement=True, generator=gen)   # row 2i: the draft's, 2i + 1: bonus
+    draft_rows = torch.full((2 * n,), -1, dtype=torch.long)
+    draft_rows[0::2] = draft
+    v = verify_samples(samples, draft_rows, torch.arange(2 * n).view(n, 2))
+    first = torch.where(v.num_accepted > 0, draft, v.tokens)
+    expected = p.double() * n
+    chi2 = ((torch.bincount(first, minlength=vocab).double() - expected) ** 2 / expected).sum()
+    assert float(torch.special.gammaincc(torch.tensor(2.0, dtype=torch.double), chi2 / 2)) > 0.01
+    assert abs(v.num_accepted.float().mean().item() - float((p * q).sum())) < 3e-3
+    # a rejected draft emits its row's draw; an accepted one goes on to the bonus row's
+    assert v.tokens[v.num_accepted == 1].eq(samples[1::2][v.num_accepted == 1]).all()
