@@ -61,8 +61,9 @@ def _host_note(llm) -> str:
     if os.environ.get("LOOM_STEP_STATS") != "1":
         return ""
     stats = (llm.collective_rpc("step_stats") or [None])[0] or {}
-    parts = [f"{kind} {s['steps']} steps: host {s['host_ms_per_step']:.2f} dev {s['device_ms_per_step']:.2f} "
-             f"idle {s['idle_ms_before']:.2f} ms" for kind, s in stats.items() if isinstance(s, dict) and "steps" in s]
+    parts = [f"{kind} {s['steps']} steps: host {s['host_ms_per_step']:.2f} (prepare {s.get('host_ms_prepare', 0):.2f}) "
+             f"dev {s['device_ms_per_step']:.2f} idle {s['idle_ms_before']:.2f} ms"
+             for kind, s in stats.items() if isinstance(s, dict) and "steps" in s]
     return "; [" + "; ".join(parts) + "]"
 
 
