@@ -13,6 +13,10 @@ ids, the grammar bitmask; temperature, min-p, top-k, top-p), then:
   accepted a bonus token is drawn from p_k. Loom's proposers draft greedily, so q_j is one-hot
   at d (draft_probs None): accept with p_j(d), resample from p_j without d.
 
+The runner verifies with verify_samples (below): for one-hot drafts it is this sampler, with each
+row's draw the plain sampler's own (so it runs in the decode graphs' head). rejection_sample and
+RejectionSampler serve drafts that come with their probabilities (draft_probs).
+
 Randomness is a pure function of (request seed, output index) through mix_seed, with streams
 of their own: a seeded request reproduces whatever the batch, on the device with no host sync.
 """
