@@ -128,7 +128,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None        # pure-decode steps' graphs
         self.piecewise_graphs: PiecewiseGraphs | None = None  # the other steps' graphs
         # the row counts the lm_head runs at on CUDA: the decode graphs' batch sizes (_padded_rows)
-        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs)
+        rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative is not None else 0)
+        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs * rows_per_seq)   # (a verify step: k + 1 each)
         self.stats = StepStats(self.device) if step_stats_enabled() else None
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
