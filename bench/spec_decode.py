@@ -115,7 +115,7 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
     mdir = write_preset("llama-3.1-8b", os.path.join(tmp, "llama"))
     p_full, p_308, p_seed = fixed_workload(3, INPUT_LEN, 1, seed=47, vocab_size=None).prompts
     miss = miss_rate_for(3.08)
-    seqs = dict(max_num_seqs=8)   # batch 1: fewer decode graphs to capture
+    seqs = dict(max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN)   # batch 1: fewer graphs to capture
     llm = _llm(mdir, **seqs)
     try:
         _, (o_seed,) = _timed(llm, [p_seed], OUTPUT_LEN)
