@@ -34,7 +34,7 @@ from workers.piecewise_graphs import PiecewiseGraphs
 from workers.rejection_sampler import verify_samples
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
-from workers.spec_decode.verify_graph import is_pure_verify, rows_as_decodes
+from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
@@ -305,7 +305,7 @@ class ModelRunner:
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
         token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
         if spec is not None and not calibrate and not mm and (graph_size := self._verify_graph_size(
-                num_scheduled, spec, sample_rows)) is not None:
+                num_scheduled, spec, sample_rows, int(end.max()))) is not None:
             host = rows_as_decodes(host, num_scheduled, start)
         every_row_samples = len(sample_rows) == len(num_scheduled)
         # whether the sampled rows all sample plainly, asked only where it matters (it walks every
@@ -387,11 +387,14 @@ class ModelRunner:
             return None
         return self.decode_graphs.size_for(len(num_scheduled))
 
-    def _verify_graph_size(self, num_scheduled: np.ndarray, spec: SpecLayout, sample_rows: np.ndarray) -> int | None:
+    def _verify_graph_size(self, num_scheduled: np.ndarray, spec: SpecLayout, sample_rows: np.ndarray,
+                           max_context: int) -> int | None:
         """The decode graph size that runs a verify step with one row per token
         (workers/spec_decode/verify_graph.py): every token a logits row, no prompt chunk in the
-        step, and a captured size that large (LOOM_SPEC_FULL_GRAPH=0: never, for A/B runs)."""
+        step, contexts up to MAX_VERIFY_GRAPH_CONTEXT, and a captured size that large
+        (LOOM_SPEC_FULL_GRAPH=0: never, for A/B runs)."""
         if (self.decode_graphs is None or self.pooler is not None or not envs.LOOM_SPEC_FULL_GRAPH
+                or max_context > MAX_VERIFY_GRAPH_CONTEXT
                 or not is_pure_verify(num_scheduled, len(spec.token_rows), sample_rows)):
             return None
         return self.decode_graphs.size_for(len(spec.token_rows))

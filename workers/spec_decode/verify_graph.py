@@ -21,6 +21,13 @@ import numpy as np
 from workers.step_inputs import HostInputs, decode_order
 
 
+# Each row reads its request's whole context (k + 1 reads of the same KV, where the prompt kernel
+# reads it once per query tile; concurrent, they mostly hit L2). Past this context the extra reads
+# outweigh the host time the graph saves (an 8B model at 32k tokens: ~4 GB more per step), and the
+# step runs in the piecewise graphs.
+MAX_VERIFY_GRAPH_CONTEXT = 8192
+
+
 def is_pure_verify(num_scheduled: np.ndarray, logits_rows: int, sample_rows: np.ndarray) -> bool:
     """Whether every scheduled token is a logits row (each request: its last token and its drafts,
     or a plain decode): no prompt chunk rides in the step."""
