@@ -337,9 +337,12 @@ PY
          run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
          TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
-  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
-        # table; then the GPU tests (graphs and eager equal with speculation on)
-        TAIL=12 run spec-decode 440 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json"
-        run spec-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py ;;
+  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
+        # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)
+        # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
+        TAIL=14 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --equality --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
+  spec-quick) # the same, decode-graph verify only, no tests (one engine fewer per shape)
+        TAIL=10 run spec-decode 400 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

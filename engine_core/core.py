@@ -220,7 +220,22 @@ class EngineCore:
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
-        return self._take_oldest()
+        outputs = self._take_oldest()
+        if not self.in_flight and self.scheduler.awaits_verification() and self._can_schedule():
+            # the step verifying the drafts just in goes to the workers now, before these outputs
+            # are published: the device idles only for this loop's update and schedule
+            with self.loop_stats.phase("schedule"):
+                so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
+                    or so.kv_transfers):
+                self._send_bitmask()
+                with self.loop_stats.phase("submit"):
+                    self.in_flight.append((so, self.executor.submit(so)))
+                if so.defer_sample:
+                    self._sample_deferred(so)
+            for ci, outs in self.scheduler.update_from_output(ModelRunnerOutput([], [])).items():
+                outputs.setdefault(ci, []).extend(outs)   # (requests the schedule failed, if any)
+        return outputs
 
     def _in_flight_limit(self) -> int:
         """max_in_flight, or two while a step waits for its grammar bitmask: a worker holds one

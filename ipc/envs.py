@@ -106,6 +106,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
+    "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
+                                   "(attention eager), not in the decode graphs as one row per token"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

@@ -182,7 +182,10 @@ class DecodeGraphs:
         self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
-        self.sizes = decode_batch_sizes(min(config.max_num_seqs, 512), config.cuda_graph_sizes)
+        # a verify step runs as a decode batch of one row per token (workers/spec_decode/verify_graph.py)
+        spec = config.speculative
+        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        self.sizes = decode_batch_sizes(min(config.max_num_seqs * rows_per_seq, 512), config.cuda_graph_sizes)
         max_bs = self.sizes[-1]   # larger decode batches run eagerly (size_for)
         max_blocks = -(-config.max_model_len // config.block_size)
         self.graph_for: list[int] = []   # batch size -> the captured size that runs it

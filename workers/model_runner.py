@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ipc import envs
 from ipc.compile_cache import compiled_kernels, use_compile_cache
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -30,9 +31,10 @@ from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_log
                               prompt_logprob_rows, prompt_logprob_spans, prompt_logprobs)
 from workers.mm_inputs import MultimodalInputs
 from workers.piecewise_graphs import PiecewiseGraphs
-from workers.rejection_sampler import RejectionSampler
+from workers.rejection_sampler import verify_samples
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
+from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
@@ -127,13 +129,13 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None        # pure-decode steps' graphs
         self.piecewise_graphs: PiecewiseGraphs | None = None  # the other steps' graphs
         # the row counts the lm_head runs at on CUDA: the decode graphs' batch sizes (_padded_rows)
-        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs)
+        rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative is not None else 0)
+        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs * rows_per_seq)   # (a verify step: k + 1 each)
         self.stats = StepStats(self.device) if step_stats_enabled() else None
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
         self.spec_config = config.speculative
-        self.rejection_sampler = RejectionSampler()
         self.proposer = make_proposer(config, self)   # None: speculation off
         self.pooler = None   # --runner pooling: finished prompts are pooled, never sampled (workers/pooler.py)
         if config.runner == "pooling":
@@ -306,25 +308,32 @@ class ModelRunner:
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
+        token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
+        if spec is not None and not calibrate and not mm and (graph_size := self._verify_graph_size(
+                num_scheduled, spec, sample_rows, int(end.max()))) is not None:
+            host = rows_as_decodes(host, num_scheduled, start)
         every_row_samples = len(sample_rows) == len(num_scheduled)
         # whether the sampled rows all sample plainly, asked only where it matters (it walks every
         # row): a decode graph's head samples such a step, and under TP its logits may stay sharded
-        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1) and spec is None
-                 and self._samples_plainly(so, rows))
+        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1)
+                 and (spec is None or graph_size is not None) and self._samples_plainly(so, rows))
         graph_samples = graph_size is not None and every_row_samples and plain
         if self.uses_mrope:
-            host.positions = self.batch.mrope_positions(states, host.positions, host.query_start_loc)
-        if spec is not None:
+            host.positions = self.batch.mrope_positions(states, host.positions, token_starts)
+        if spec is not None and not graph_samples:
             host.sample_index = self._padded_rows(spec.token_rows)
         elif not graph_samples:
             host.sample_index = self._padded_rows(host.query_start_loc[1:][sample_rows] - 1)
         host.sampling = self.sampler.host_params(rows)
         spans = prompt_logprob_spans(states, start, num_scheduled)
-        if (logprob_rows := prompt_logprob_rows(spans, states, host.query_start_loc, self.batch.token_ids)):
+        if (logprob_rows := prompt_logprob_rows(spans, states, token_starts, self.batch.token_ids)):
             host.prompt_logprob_rows, host.prompt_logprob_targets = logprob_rows
         if prev is not None and prev.tokens is not None:
-            if (feed := feed_indices(prev, states, start, host.query_start_loc, graph_size is not None)):
+            if (feed := feed_indices(prev, states, start, token_starts, graph_size is not None)):
                 host.graph_feed_rows, host.fed_token_index, host.fed_from_rows = feed
+                if spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
+                    host.graph_feed_rows = np.full(len(host.seq_lens), -1, np.int64)
+                    host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
         device = self._upload(host, graph_size)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
@@ -383,6 +392,18 @@ class ModelRunner:
             return None
         return self.decode_graphs.size_for(len(num_scheduled))
 
+    def _verify_graph_size(self, num_scheduled: np.ndarray, spec: SpecLayout, sample_rows: np.ndarray,
+                           max_context: int) -> int | None:
+        """The decode graph size that runs a verify step with one row per token
+        (workers/spec_decode/verify_graph.py): every token a logits row, no prompt chunk in the
+        step, contexts up to MAX_VERIFY_GRAPH_CONTEXT, and a captured size that large
+        (LOOM_SPEC_FULL_GRAPH=0: never, for A/B runs)."""
+        if (self.decode_graphs is None or self.pooler is not None or not envs.LOOM_SPEC_FULL_GRAPH
+                or max_context > MAX_VERIFY_GRAPH_CONTEXT
+                or not is_pure_verify(num_scheduled, len(spec.token_rows), sample_rows)):
+            return None
+        return self.decode_graphs.size_for(len(spec.token_rows))
+
     def _samples_plainly(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
         """No top-k, penalties, logprobs or grammar among the sampled rows (Sampler.plain), nor
         top-p under tensor parallelism (the plain rows' logits may be a vocabulary shard there)."""
@@ -405,7 +426,7 @@ class ModelRunner:
         (None when none samples, or when the decode graph's head samples them)."""
         device, attention = batch.device, batch.attention
         if batch.decode_graph_size is not None:
-            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.num_scheduled))
+            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens))
         elif batch.piecewise_size is not None:
             hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention)
         elif batch.inputs_embeds is not None:
@@ -456,37 +477,31 @@ class ModelRunner:
         if failed:
             step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
 
-    def _verify_into(self, step: PendingStep, logits: torch.Tensor, batch: StepBatch,
+    def _verify_into(self, step: PendingStep, logits: torch.Tensor | None, batch: StepBatch,
                      grammar: GrammarOutput | None) -> None:
-        """A verify step's tokens: each sampled request's accepted drafts count and the token it
-        emits after them (workers/rejection_sampler.py), with the plain sampler's logits
-        processing per row; logprobs of every row (finish() keeps the emitted ones)."""
-        spec = batch.spec
-        if grammar is not None and len(grammar.rows):
-            self._apply_grammar(logits, batch.sample_rows, grammar, spec)
-        sampling = batch.device.sampling
-        rows = batch.sampling_rows
-        raw_logits = logits
-        logits, failed, masked = self.sampler.adjust(logits, rows, sampling, self.batch.penalty_state(),
-                                                     self.batch.recent_outputs)
+        """A verify step's tokens: every logits row draws a token as the plain sampler would at
+        its output index (in the decode graph's head when the step runs there and its rows sample
+        plainly; else eagerly, with each row's logits processing, grammar bitmask and logprobs),
+        and each request accepts its drafts while the rows drew them, then emits the first
+        draw that differs (workers/rejection_sampler.py verify_samples: the rejection sampler
+        for greedy drafts). logprobs of every row (finish() keeps the emitted ones)."""
+        spec, sampling = batch.spec, batch.device.sampling
         draft, layout_rows = self.h2d([spec.draft, spec.rows])
-        verdict = self.rejection_sampler(logits, sampling, draft, layout_rows, rows)
+        if batch.graph_samples:
+            samples = self.decode_graphs.run_head(batch.decode_graph_size, len(spec.token_rows))
+            failed, masked = {}, None
+        else:
+            if grammar is not None and len(grammar.rows):
+                self._apply_grammar(logits, batch.sample_rows, grammar, spec)
+            samples, step.topk, failed, masked = self.sampler(logits, batch.sampling_rows, sampling,
+                                                               self.batch.penalty_state(), self.batch.recent_outputs)
+        verdict = verify_samples(samples, draft, layout_rows)
         step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
         self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
         if masked is not None:
             step.masked = masked.index_select(0, verdict.final_rows)
         if failed:
             step.failed = {batch.states[batch.sample_rows[spec.request[i]]].req_id: why for i, why in failed.items()}
-        max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        if max_lp is not None:   # every row's token: its draft, the emitting row's the verdict's
-            row_tokens = draft.clamp(min=0).index_copy(0, verdict.final_rows, verdict.tokens)
-            raw = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)
-            lp = raw.gather(1, row_tokens.view(-1, 1))
-            ids = row_tokens.view(-1, 1)
-            k = min(max(max_lp, 0), raw.shape[-1])
-            if k:
-                ids = torch.cat((ids, raw_logits.topk(k, dim=-1).indices), dim=1)
-            step.topk = TopLogprobs(ids, raw.gather(1, ids), (raw > lp).sum(dim=-1) + 1)
 
     def propose(self, step: PendingStep) -> dict[str, list[int]] | None:
         """The next step's drafts for the requests this step sampled (their tokens appended),
