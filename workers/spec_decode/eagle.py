@@ -114,7 +114,9 @@ class EagleProposer:
     def _run(self, runner, step, batch, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         host, ns = batch.host, batch.num_scheduled
         t = int(ns.sum())
-        last = host.query_start_loc[1:].astype(np.int64) - 1
+        last = np.cumsum(ns).astype(np.int64) - 1   # each request's last token (a verify step in the decode
+        # graphs has one sequence per token in `host`: workers/spec_decode/verify_graph.py)
+        q_lens = np.diff(host.query_start_loc)
         slots = np.fromiter((s.slot for s in batch.states), dtype=np.int64, count=len(batch.states))
         # each token's next token: the step's next input (within a request), the prompt's next token
         # after a chunk; a sampled request's is its sampled token, put in on the device below
@@ -143,9 +145,9 @@ class EagleProposer:
             ids.index_copy_(0, rows, step.tokens[:n].clamp(min=0).to(ids.dtype))
         else:
             rows = base_d
-        meta = AttentionMetadata(qsl, seq_lens, table, slot_mapping, max_query_len=int(ns.max()),
+        meta = AttentionMetadata(qsl, seq_lens, table, slot_mapping, max_query_len=int(q_lens.max()),
                                  max_seq_len=int(host.seq_lens.max()), backend=runner.backend,
-                                 num_decodes=num_decodes(ns))
+                                 num_decodes=num_decodes(q_lens))
         h_in = hidden if aux is None else self.head.combine(aux)
         lm_rows, h_next = self.head(ids, pos, h_in, self.kv_caches[0], meta)
         if not drafting:
