@@ -224,7 +224,7 @@ class EngineConfig:
         if not isinstance(text_cfg, dict):
             raise ConfigError(f"{path}: text_config is not an object")
         try:
-            self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+            self.model_max_len = int(text_cfg.get("max_position_embeddings") or text_cfg.get("max_target_positions") or 2048)
             self.vocab_size = int(text_cfg.get("vocab_size") or 0)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: {e}") from None
