@@ -30,7 +30,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_whisper(str(tmp_path_factory.mktemp("whisper")))
 
 
-def test_whisper_matches_hf(model_dir):
+def test_whisper_matches_hf(model_dir, monkeypatch):
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")   # the decode graphs' path (uncaptured on the CPU)
     with LLM(model_dir, max_num_seqs=4, block_size=8, mm_processor_cache_gb=0.02) as llm:
         prompts = [{"prompt": whisper_prompt(**kw), "multi_modal_data": {"audio": (clip, rate)}}
                    for clip, rate, kw in CASES]
