@@ -131,8 +131,6 @@ def hf_rtfx(model_dir: str, audio: list[np.ndarray], batch: int, output_len: int
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     seconds = sum(len(a) for a in audio) / 16000
-    del model
-    torch.cuda.empty_cache()
     return {"wall_s": wall, "audio_s": seconds, "rtfx": seconds / wall}
 
 
