@@ -100,3 +100,11 @@ def test_cross_attention_decode_kernel_matches_torch():
     r = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=120,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_whisper_turns_prefix_caching_off(model_dir):
+    from ipc.config import EngineConfig
+    from workers.models.registry import multimodal_info
+    config = EngineConfig(model=model_dir)
+    config.resolve(multimodal_info)
+    assert config.enable_prefix_caching is False and config.mm_modality == "audio"

@@ -41,6 +41,7 @@ MODELS: dict[str, ModelEntry] = {
     "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
     "Qwen2AudioForConditionalGeneration": ModelEntry("qwen2_audio", multimodal=True),
     "WhisperForConditionalGeneration": ModelEntry("whisper", multimodal=True),
+    "VoxtralForConditionalGeneration": ModelEntry("voxtral", multimodal=True),
     "GraniteForCausalLM": ModelEntry("granite"),
     "GlmForCausalLM": ModelEntry("glm"),
     "Glm4ForCausalLM": ModelEntry("glm4"),

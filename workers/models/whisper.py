@@ -39,6 +39,11 @@ LANGUAGES = ("en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk 
 class WhisperAudio(AudioInfo):
     """A clip is one encoder input whose placeholder is the decoder's <|startoftranscript|>."""
 
+    # Every decoder token cross-attends to the audio, those of a <|startofprev|> prompt before the
+    # placeholder too, so no block of a decoder prompt may be shared by hash (vLLM turns prefix
+    # caching off for encoder-decoder models as well).
+    prefix_caching = False
+
     def image_token_id(self, hf: dict) -> int:
         return int(hf.get("decoder_start_token_id", 50258))
 
