@@ -39,3 +39,28 @@ def test_whisper_on_gpu_matches_hf(tmp_path):
     finally:
         gen.GenerationMixin.generate = orig
         del _HF[d]
+
+
+def test_voxtral_on_gpu_matches_hf(tmp_path):
+    """Voxtral (decoder-only, chunks kept) on CUDA against HF on the same device, fp32."""
+    from transformers import VoxtralForConditionalGeneration
+
+    from tests.test_voxtral import CASES as VOXTRAL_CASES
+    from tests.tiny_vl_models import _HF
+    from tests.tiny_voxtral import hf_voxtral_greedy, make_tiny_voxtral
+    d = make_tiny_voxtral(str(tmp_path))
+    with LLM(d, max_model_len=512, max_num_seqs=4, dtype="float32", mm_processor_cache_gb=0.02,
+             limit_mm_per_prompt={"audio": 2}) as llm:
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"audio": c}} if c else p for p, c in VOXTRAL_CASES],
+                            SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    model = VoxtralForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval().cuda()
+    orig = model.generate
+    model.generate = lambda **kw: orig(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()})
+    _HF[d] = model
+    try:
+        for (p, clips), o in zip(VOXTRAL_CASES, outs):
+            ids, ref = hf_voxtral_greedy(d, p, clips, 12)
+            assert o.prompt_token_ids == ids
+            assert o.outputs[0].token_ids == ref
+    finally:
+        del _HF[d]
