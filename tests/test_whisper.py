@@ -108,3 +108,17 @@ def test_whisper_turns_prefix_caching_off(model_dir):
     config = EngineConfig(model=model_dir)
     config.resolve(multimodal_info)
     assert config.enable_prefix_caching is False and config.mm_modality == "audio"
+
+
+def test_whisper_prompt_chunked_before_its_placeholder(model_dir):
+    """A <|startofprev|> prompt longer than the step's token budget is prefilled in chunks before
+    <|startoftranscript|>: those tokens cross-attend too, so the clip is encoded before them and
+    the output is still HF's."""
+    clip = speech_like(9, 3.0, RATE)
+    prompt = " the quick brown fox jumps over the lazy dog, again and again and again"
+    with LLM(model_dir, max_num_seqs=2, block_size=8, max_num_batched_tokens=8, mm_processor_cache_gb=0.02) as llm:
+        out = llm.generate([{"prompt": whisper_prompt(prompt=prompt), "multi_modal_data": {"audio": (clip, RATE)}}],
+                           SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
+    ids, ref, _ = hf_whisper_greedy(model_dir, clip, RATE, MAX_NEW, prompt=prompt)
+    assert len(ids) > 16 and out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == ref

@@ -34,6 +34,7 @@ class CrossKV:
         self.seq_lens = torch.full((rows,), frames, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.zeros(rows, dtype=torch.int64, device=device)   # the step's requests' rows (static)
+        self.filled_for: dict[int, str] = {}   # row -> the request whose keys and values it holds
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.caches)
@@ -105,12 +106,23 @@ def make_cross_kv(model, max_num_seqs: int, block_size: int, dtype: torch.dtype,
 
 
 @torch.inference_mode()
-def fill_scheduled(cross: CrossKV, model, encoder_cache: dict, states, start: np.ndarray, end: np.ndarray) -> None:
+def fill_scheduled(cross: CrossKV, model, mm, states, start: np.ndarray, end: np.ndarray) -> None:
     """The requests whose clip's placeholder this step computes get their cross keys and values
     (from the encoder output the worker just cached), then the step's rows are set. A request
-    whose encoder output is missing has been failed by MultimodalInputs.spans."""
+    whose encoder output is missing has been failed by MultimodalInputs.spans.
+
+    A decoder prompt chunked before its placeholder (a long <|startofprev|> prompt in a full
+    step) has tokens that cross-attend before the scheduler encodes the clip: the clip is
+    encoded here, out of schedule, from the store (the scheduled encode later writes the same
+    values again)."""
     for i, st in enumerate(states):
         for it in st.mm_items:
-            if start[i] <= it.offset < end[i] and it.hash in encoder_cache:
-                cross.fill(st.slot, model.cross_kv_of(encoder_cache[it.hash][0]))
+            if start[i] <= it.offset < end[i] and it.hash in mm.encoder_cache:
+                encoded = mm.encoder_cache[it.hash][0]
+            elif start[i] < it.offset and it.offset >= end[i] and cross.filled_for.get(st.slot) != st.req_id:
+                encoded = model.encode_images([mm.store.get(it.store_name, it.store_addr)])[0][0]
+            else:
+                continue
+            cross.fill(st.slot, model.cross_kv_of(encoded))
+            cross.filled_for[st.slot] = st.req_id
     cross.begin_step(np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states)))

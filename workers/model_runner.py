@@ -303,7 +303,7 @@ class ModelRunner:
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
         if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
             from workers.cross_kv import fill_scheduled
-            fill_scheduled(self.cross_kv, self.model, self.mm.encoder_cache, states, start, end)
+            fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
             mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
