@@ -122,3 +122,20 @@ def test_whisper_prompt_chunked_before_its_placeholder(model_dir):
     ids, ref, _ = hf_whisper_greedy(model_dir, clip, RATE, MAX_NEW, prompt=prompt)
     assert len(ids) > 16 and out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == ref
+
+
+def test_whisper_large_v3_preset(tmp_path):
+    """`loom bench preset whisper-large-v3 DIR` writes Whisper-large-v3's shapes, its feature
+    extractor (128 mel bins) and a tokenizer with the special tokens at their real ids."""
+    from transformers import AutoConfig, AutoFeatureExtractor, AutoTokenizer
+
+    from bench.presets import write_preset
+    from workers.models.whisper import WhisperAudio
+    d = write_preset("whisper-large-v3", str(tmp_path))
+    c = AutoConfig.from_pretrained(d)
+    assert (c.d_model, c.encoder_layers, c.decoder_layers, c.decoder_attention_heads, c.vocab_size) == \
+        (1280, 32, 32, 20, 51866)
+    assert AutoFeatureExtractor.from_pretrained(d).feature_size == 128
+    ids = AutoTokenizer.from_pretrained(d)(WhisperAudio().transcription_prompt("translate", "de", ""),
+                                           add_special_tokens=False)["input_ids"]
+    assert ids == [50258, 50261, 50359, 50364]
