@@ -76,8 +76,7 @@ from kernels.paged_attention import _paged_attention_kernel
 from workers.cross_kv import CrossKV
 torch.manual_seed(0)
 cross = CrossKV(2, 3, 20, 2, 16, 8, torch.float32, torch.device("cpu"))
-for row in range(3):
-    cross.fill(row, [(torch.randn(20, 2, 16), torch.randn(20, 2, 16)) for _ in range(2)])
+cross.fill([0, 1, 2], [(torch.randn(3, 20, 2, 16), torch.randn(3, 20, 2, 16)) for _ in range(2)])
 import numpy as np
 cross.begin_step(np.array([2, 0, 1]))
 q = torch.randn(3, 2, 16)

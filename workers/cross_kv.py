@@ -45,12 +45,14 @@ class CrossKV:
         rows = self.table.shape[0]
         return k.view(rows, -1, self.heads, self.head_dim), v.view(rows, -1, self.heads, self.head_dim)
 
-    def fill(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One request's keys and values [frames, heads, head_dim] per layer into its row."""
+    def fill(self, rows: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Requests' keys and values [len(rows), frames, heads, head_dim] per layer into their rows
+        (one batched write per layer, whatever the number of requests)."""
+        index = torch.tensor(rows, dtype=torch.int64).to(self.rows.device, non_blocking=True)
         for layer, (k, v) in enumerate(kv):
             kc, vc = self.row_view(layer)
-            kc[row, :self.frames].copy_(k)
-            vc[row, :self.frames].copy_(v)
+            kc[index, :self.frames] = k
+            vc[index, :self.frames] = v
 
     def begin_step(self, rows: np.ndarray) -> None:
         """The step's request rows, uploaded from a pinned copy without a host sync (the
@@ -115,14 +117,17 @@ def fill_scheduled(cross: CrossKV, model, mm, states, start: np.ndarray, end: np
     step) has tokens that cross-attend before the scheduler encodes the clip: the clip is
     encoded here, out of schedule, from the store (the scheduled encode later writes the same
     values again)."""
+    rows, encoded = [], []
     for i, st in enumerate(states):
         for it in st.mm_items:
             if start[i] <= it.offset < end[i] and it.hash in mm.encoder_cache:
-                encoded = mm.encoder_cache[it.hash][0]
+                encoded.append(mm.encoder_cache[it.hash][0])
             elif start[i] < it.offset and it.offset >= end[i] and cross.filled_for.get(st.slot) != st.req_id:
-                encoded = model.encode_images([mm.store.get(it.store_name, it.store_addr)])[0][0]
+                encoded.append(model.encode_images([mm.store.get(it.store_name, it.store_addr)])[0][0])
             else:
                 continue
-            cross.fill(st.slot, model.cross_kv_of(encoded))
+            rows.append(st.slot)
             cross.filled_for[st.slot] = st.req_id
+    if rows:   # every new request's projections in one pass per layer
+        cross.fill(rows, model.cross_kv_of(torch.stack(encoded)))
     cross.begin_step(np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states)))

@@ -166,10 +166,11 @@ class WhisperForConditionalGeneration(nn.Module):
         return list(self.audio_tower(feats).unsqueeze(1))
 
     def cross_kv_of(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One clip's encoder output [frames, d] -> every layer's cross keys and values [frames, heads, head_dim]."""
-        f = encoded.shape[0]
-        return [(layer.encoder_attn.k_proj(encoded).view(f, layer.heads, layer.head_dim),
-                 layer.encoder_attn.v_proj(encoded).view(f, layer.heads, layer.head_dim)) for layer in self.layers]
+        """Clips' encoder outputs [clips, frames, d] -> every layer's cross keys and values
+        [clips, frames, heads, head_dim]."""
+        shape = (*encoded.shape[:-1], self.layers[0].heads, self.layers[0].head_dim)
+        return [(layer.encoder_attn.k_proj(encoded).view(shape), layer.encoder_attn.v_proj(encoded).view(shape))
+                for layer in self.layers]
 
     def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
         frames = 2 * self.config.max_source_positions
