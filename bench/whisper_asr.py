@@ -100,7 +100,7 @@ async def loom_rtfx(url: str, audio: list[np.ndarray], concurrency: int, output_
     return {"wall_s": wall, "audio_s": seconds, "rtfx": seconds / wall, "p50_latency_s": float(np.median(latencies))}
 
 
-def hf_rtfx(model_dir: str, audio: list[np.ndarray], batch: int, output_len: int) -> dict:
+def hf_rtfx(model_dir: str, audio: list[np.ndarray], batch: int, output_len: int, device: str = "cuda") -> dict:
     """transformers' WhisperForConditionalGeneration (random weights, fp16, SDPA), batched
     generate of the same forced prompt and the same number of new tokens; features computed
     before the clock (in HF's favour)."""
@@ -108,28 +108,30 @@ def hf_rtfx(model_dir: str, audio: list[np.ndarray], batch: int, output_len: int
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
     from transformers.generation.utils import GenerationMixin
     config = WhisperConfig(**{k: v for k, v in WHISPER_LARGE_V3.items() if k not in ("architectures", "model_type")})
-    with torch.device("cuda"):   # (initialised on the device: 1.5 B parameters on the CPU take tens of seconds)
-        model = WhisperForConditionalGeneration(config).to(torch.float16).eval()
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    with torch.device(device):   # (initialised on the device: 1.5 B parameters on the CPU take tens of seconds)
+        model = WhisperForConditionalGeneration(config).to(dtype).eval()
     fe = WhisperFeatureExtractor(**{k: v for k, v in FEATURES.items() if k != "feature_extractor_type"})
     prompt = [50258, 50259, 50360, 50364]   # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
     batches = []
     for i in range(0, len(audio), batch):
         chunk = audio[i:i + batch]
-        feats = fe(chunk, sampling_rate=16000, return_tensors="pt")["input_features"].to("cuda", torch.float16)
+        feats = fe(chunk, sampling_rate=16000, return_tensors="pt")["input_features"].to(device, dtype)
         batches.append(feats)
 
     def run(feats):
-        ids = torch.tensor([prompt] * feats.shape[0], device="cuda")
+        ids = torch.tensor([prompt] * feats.shape[0], device=device)
         with torch.no_grad():
             return GenerationMixin.generate(model, input_features=feats, decoder_input_ids=ids, do_sample=False,
                                             max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=50256,
                                             eos_token_id=50257)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     run(batches[0][:2])   # warm
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for feats in batches:
         run(feats)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     seconds = sum(len(a) for a in audio) / 16000
     return {"wall_s": wall, "audio_s": seconds, "rtfx": seconds / wall}
@@ -142,7 +144,8 @@ def encoder_ms_per_clip(batch: int) -> float:
 
     from workers.models.whisper import WhisperEncoder
     config = WhisperConfig(**{k: v for k, v in WHISPER_LARGE_V3.items() if k not in ("architectures", "model_type")})
-    enc = WhisperEncoder(config).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):
+        enc = WhisperEncoder(config).to(torch.bfloat16).eval()
     feats = torch.randn(batch, 128, 3000, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         enc(feats)
