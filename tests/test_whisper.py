@@ -138,3 +138,29 @@ def test_whisper_large_v3_preset(tmp_path):
     ids = AutoTokenizer.from_pretrained(d)(WhisperAudio().transcription_prompt("translate", "de", ""),
                                            add_special_tokens=False)["input_ids"]
     assert ids == [50258, 50261, 50359, 50364]
+
+
+def test_cross_attention_mixed_step_matches_reference():
+    """A mixed step (two decodes, then prompts of 3 and 2 tokens): every token attends over all
+    frames of its own request's row, as plain softmax attention computes it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from workers.cross_kv import CrossKV
+    torch.manual_seed(0)
+    cross = CrossKV(1, 5, 20, 2, 16, 8, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(5, 20, 2, 16), torch.randn(5, 20, 2, 16)
+    cross.fill([0, 1, 2, 3, 4], [(keys, values)])
+    rows = [3, 0, 4, 1]
+    cross.begin_step(np.array(rows))
+    lens = [1, 1, 3, 2]
+    q = torch.randn(sum(lens), 2, 16)
+    meta = SimpleNamespace(max_query_len=3, num_decodes=2, backend="torch", seq_lens=torch.tensor([9, 9, 3, 2]),
+                           query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32))
+    got = cross.attend(0, q, 0.25, meta)
+    request = np.repeat(np.arange(4), lens)
+    for t in range(len(q)):
+        r = rows[request[t]]
+        w = torch.softmax(torch.einsum("hd,fhd->hf", q[t], keys[r]) * 0.25, dim=-1)
+        torch.testing.assert_close(got[t], torch.einsum("hf,fhd->hd", w, values[r]).reshape(-1))

@@ -64,35 +64,48 @@ class CrossKV:
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, meta) -> torch.Tensor:
         """q [T, heads, head_dim] of this step's tokens (meta: the step's AttentionMetadata) ->
-        [T, heads * head_dim]."""
+        [T, heads * head_dim]. Decodes (the step's leading one-token sequences) read the pool in
+        place; the prompt tokens of a mixed step attend over their requests' gathered rows."""
         t = q.shape[0]
-        kc, vc = self.row_view(layer)
-        if meta.max_query_len == 1:   # decodes (one token per request; a decode graph's padding rows too)
-            rows = self.rows[:t]
-            if meta.backend == "triton":
-                from kernels.paged_attention import paged_attention
-                k, v = self.caches[layer]
-                out = paged_attention(q, k, v, self.query_start_loc[:t + 1], self.seq_lens[:t],
-                                      self.table.index_select(0, rows), scale, 1, self.frames, num_decodes=t)
-                return out.reshape(t, -1)
-            k, v = kc.index_select(0, rows)[:, :self.frames], vc.index_select(0, rows)[:, :self.frames]
-            out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        if meta.max_query_len == 1:   # decodes only (a decode graph's padding rows too)
+            return self._decodes(layer, q, self.rows[:t], scale, meta.backend)
+        nd = meta.num_decodes
+        out = q.new_empty(t, self.heads * self.head_dim)
+        if nd:
+            out[:nd] = self._decodes(layer, q[:nd], self.rows[:nd], scale, meta.backend)
+        out[nd:] = self._prompts(layer, q[nd:], scale, meta, nd)
+        return out
+
+    def _decodes(self, layer: int, q: torch.Tensor, rows: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+        """One query per request: the paged kernel over the requests' rows (fixed length)."""
+        t = q.shape[0]
+        if backend == "triton":
+            from kernels.paged_attention import paged_attention
+            k, v = self.caches[layer]
+            out = paged_attention(q, k, v, self.query_start_loc[:t + 1], self.seq_lens[:t],
+                                  self.table.index_select(0, rows), scale, 1, self.frames, num_decodes=t)
             return out.reshape(t, -1)
-        # a step with prompt tokens (eager): queries padded per request, keys gathered per request;
-        # each token's place comes from query_start_loc on the device (no host sync)
-        b, width = meta.seq_lens.shape[0], meta.max_query_len
-        qsl = meta.query_start_loc.long()
-        n = t
+        kc, vc = self.row_view(layer)
+        k, v = kc.index_select(0, rows)[:, :self.frames], vc.index_select(0, rows)[:, :self.frames]
+        out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return out.reshape(t, -1)
+
+    def _prompts(self, layer: int, q: torch.Tensor, scale: float, meta, first: int) -> torch.Tensor:
+        """Sequences first.. of the step (their tokens q): queries padded per request, keys
+        gathered per request; each token's place comes from query_start_loc on the device (no
+        host sync)."""
+        n, b, width = q.shape[0], meta.seq_lens.shape[0] - first, meta.max_query_len
+        qsl = meta.query_start_loc[first:].long()
         request = torch.repeat_interleave(torch.arange(b, device=q.device), qsl[1:] - qsl[:-1], output_size=n)
-        offset = torch.arange(n, device=q.device) - qsl.index_select(0, request)
-        rows = self.rows[:b]
+        offset = torch.arange(n, device=q.device) + first - qsl.index_select(0, request)
+        kc, vc = self.row_view(layer)
+        rows = self.rows[first:first + b]
         k, v = kc.index_select(0, rows)[:, :self.frames], vc.index_select(0, rows)[:, :self.frames]
         padded = q.new_zeros(b, width, self.heads, self.head_dim)
-        padded[request, offset] = q[:n]
-        out = F.scaled_dot_product_attention(padded.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        res = q.new_zeros(t, self.heads, self.head_dim)
-        res[:n] = out.transpose(1, 2)[request, offset]
-        return res.reshape(t, -1)
+        padded[request, offset] = q
+        out = F.scaled_dot_product_attention(padded.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=scale)
+        return out.transpose(1, 2)[request, offset].reshape(n, -1)
 
 
 def make_cross_kv(model, max_num_seqs: int, block_size: int, dtype: torch.dtype,
