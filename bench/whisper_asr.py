@@ -171,7 +171,7 @@ def serve(model_dir: str, port: int, concurrency: int, log: str, api_servers: in
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, seconds: int = 300) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, seconds: int = 200) -> None:
     import urllib.request
     for _ in range(seconds):
         if proc.poll() is not None:
