@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8131)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/loom-bench"))
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--api-server-count", type=int, default=4, help="API server processes (feature extraction)")
+    p.add_argument("--api-server-count", type=int, default=6, help="API server processes (feature extraction)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model_dir = write_whisper_preset(os.path.join(args.out, "whisper-large-v3"))
