@@ -336,6 +336,11 @@ PY
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
          run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
          TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
+  whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
+           # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
+           # generate (batch 64), and the encoder's share; the table last
+           run whisper-parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_whisper.py
+           TAIL=8 run whisper-asr 270 python3 -m bench.whisper_asr --num-prompts 256 --concurrency 64 --output-len 64 ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)

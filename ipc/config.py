@@ -224,7 +224,7 @@ class EngineConfig:
         if not isinstance(text_cfg, dict):
             raise ConfigError(f"{path}: text_config is not an object")
         try:
-            self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+            self.model_max_len = int(text_cfg.get("max_position_embeddings") or text_cfg.get("max_target_positions") or 2048)
             self.vocab_size = int(text_cfg.get("vocab_size") or 0)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: {e}") from None
@@ -307,6 +307,8 @@ class EngineConfig:
             if v < 0 or (k not in ("image", "audio") and v > 0):
                 raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (images and audio are supported, limits >= 0)")
         self.mm_modality = info.modality if info is not None else "image"
+        if info is not None and not getattr(info, "prefix_caching", True):
+            self.enable_prefix_caching = False   # (an encoder-decoder's: every decoder token depends on its audio)
         self.mm_max_item_tokens = info.max_item_tokens(self.model, hf) if info is not None else 0
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0

@@ -135,6 +135,8 @@ class ModelRunner:
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
+        from workers.cross_kv import make_cross_kv   # an encoder-decoder's cross-attention K/V (Whisper)
+        self.cross_kv = make_cross_kv(self.model, config.max_num_seqs, config.block_size, self.dtype, self.device)
         self.spec_config = config.speculative
         self.proposer = make_proposer(config, self)   # None: speculation off
         self.pooler = None   # --runner pooling: finished prompts are pooled, never sampled (workers/pooler.py)
@@ -306,6 +308,10 @@ class ModelRunner:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
+        if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
+            from workers.cross_kv import fill_scheduled
+            fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
+            mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
         token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
