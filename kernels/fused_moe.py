@@ -32,7 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, step_jit
+from ipc import envs
+from kernels.jit import pdl_args, pdl_wait, runs_triton, step_jit
 
 # gpt-oss's clamped SwiGLU constants (its config's swiglu_alpha / swiglu_limit, fixed in vLLM too)
 SWIGLUOAI_ALPHA = 1.702
@@ -477,6 +478,184 @@ def _fused_moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sort
     tl.store(c_ptrs, acc.to(out_ty), mask=c_mask)
 
 
+# ----------------------------------------------------------------------------- small-batch GEMV path
+# At a decode batch of a few tokens each chosen expert sees one token (rarely two): the grouped
+# GEMM pads every expert's one row to a BLOCK_SIZE_M block (16x the MMA work, and the dot's
+# shared-memory staging on the path of every weight byte) and needs the alignment launch and the
+# top-k sum launch. The GEMV path reads the chosen experts' rows straight from HBM into registers
+# with no sort, no padding and no extra launch: two kernels per layer (three with the router).
+#
+# 1. up: one program per (pair i = t*k + j, tile of BLOCK_N intermediate columns): the tile's gate
+#    rows and up rows of expert ids[i] times token t's hidden row, act(gate, up) -> act[i].
+# 2. down: one program per (token t, tile of BLOCK_N hidden columns): for each of its k pairs,
+#    expert ids[t, j]'s down rows times act[t*k + j], bias, rounded to the model dtype (the
+#    reference's rounding), times the routing weight, summed over j in fp32 and stored once.
+#    The top-k sum stays inside the program: no atomics (deterministic, graph equal to eager),
+#    no zeroed fp32 buffer, no moe_sum launch.
+# Occupancy comes from narrow N tiles (H200 batch-1 GEMVs win with 4-8 rows x 2048-column tiles,
+# kernels/gemv_tiles.json), not from splitting K: the activation needs a row's whole gate/up sum
+# and the down sum needs no second pass, so neither kernel takes a split-K reduction.
+# Products accumulate per k lane ([BLOCK_N, BLOCK_K]) and are summed over k once after the loop.
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of the small-batch GEMV path: the up kernel's BLOCK_N intermediate columns (each of
+    gate and up) by BLOCK_K hidden columns, the down kernel's BLOCK_N hidden columns by BLOCK_K
+    intermediate columns, and each kernel's warps."""
+    UP_BLOCK_N: int = 4
+    UP_BLOCK_K: int = 2048
+    DOWN_BLOCK_N: int = 4
+    DOWN_BLOCK_K: int = 1024
+    num_warps: int = 8
+
+    def fitted(self, hidden: int, intermediate: int) -> "MoeGemvConfig":
+        """K tiles no wider than the (power-of-two rounded) K they walk."""
+        return MoeGemvConfig(self.UP_BLOCK_N, min(self.UP_BLOCK_K, triton.next_power_of_2(hidden)),
+                             self.DOWN_BLOCK_N, min(self.DOWN_BLOCK_K, triton.next_power_of_2(intermediate)),
+                             self.num_warps)
+
+
+DEFAULT_GEMV_CONFIG = MoeGemvConfig()
+_gemv_max_tokens: int | None = None   # LOOM_MOE_GEMV_MAX_TOKENS, read at the first call
+
+
+def gemv_max_tokens() -> int:
+    """Up to this many tokens fused_moe takes the GEMV path (LOOM_MOE_GEMV_MAX_TOKENS, 0: never)."""
+    global _gemv_max_tokens
+    if _gemv_max_tokens is None:
+        _gemv_max_tokens = envs.LOOM_MOE_GEMV_MAX_TOKENS
+    return _gemv_max_tokens
+
+
+def set_gemv_max_tokens(n: int | None) -> int | None:
+    """Override LOOM_MOE_GEMV_MAX_TOKENS (tests, A/B runs; None: read it again); returns the
+    setting it replaces."""
+    global _gemv_max_tokens
+    before, _gemv_max_tokens = _gemv_max_tokens, n
+    return before
+
+
+@triton.jit
+def _act(gate, up, ACTIVATION: tl.constexpr, out_ty: tl.constexpr):
+    """act(gate, up) in fp32 from fp32 sums, with the reference's roundings (see the grouped GEMM)."""
+    gate = gate.to(out_ty).to(tl.float32)
+    up = up.to(out_ty).to(tl.float32)
+    if ACTIVATION == 0:
+        out = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up
+    else:
+        gate = tl.minimum(gate, 7.0)                    # SWIGLUOAI_LIMIT
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        out = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))   # SWIGLUOAI_ALPHA
+    return out
+
+
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, act_ptr, N, K, stride_x, stride_we, stride_wn,
+                        stride_bias_e, stride_act,
+                        TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """act[i, n] = act(w13[e, n] . x[i // TOP_K], w13[e, N + n] . x[i // TOP_K]), e = ids[i], for
+    the program's BLOCK_N columns n; nothing for e = -1 (another rank's expert)."""
+    pair = tl.program_id(0)
+    pdl_wait(PDL)   # the ids are the router's output
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate = tl.sum(acc_gate, 1)
+    up = tl.sum(acc_up, 1)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + expert * stride_bias_e + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    out_ty = act_ptr.dtype.element_ty
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, _act(gate, up, ACTIVATION, out_ty).to(out_ty),
+             mask=n_ok)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_act, stride_we,
+                          stride_wn, stride_bias_e, stride_out,
+                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[t, n] = sum over j of weights[t, j] * round(w2[e, n] . act[t*TOP_K + j] + b2[e, n]),
+    e = ids[t, j] (skipped when -1), for the program's BLOCK_N columns n; fp32 sum, one rounding."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    out_ty = out_ptr.dtype.element_ty
+    # the ids and routing weights were written two kernels back (the up kernel waited for them)
+    pdl_wait(PDL)   # act: the up kernel's output
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):   # unrolled: the k experts' loads are independent
+        expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
+        mine = expert >= 0
+        k_end = tl.where(mine, K, 0)   # another rank's expert: every load masked off, no traffic
+        rows = w_ptr + tl.maximum(expert, 0) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        act_row = act_ptr + (t * TOP_K + j) * stride_act
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < k_end
+            a = tl.load(act_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + tl.maximum(expert, 0) * stride_bias_e + offs_n, mask=n_ok & (offs_n < tl.where(mine, N, 0)),
+                         other=0.0).to(tl.float32)
+        w = tl.where(mine, tl.load(weights_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        total += y.to(out_ty).to(tl.float32) * w
+    tl.store(out_ptr + t * stride_out + offs_n, total.to(out_ty), mask=n_ok)
+
+
+def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None, activation: str = "silu",
+                   config: MoeGemvConfig | None = None) -> torch.Tensor:
+    """fused_moe_ref's result by the small-batch GEMV path (two launches, no alignment, no host
+    sync); any token count is correct, a few tokens are what it is fast at."""
+    check_activation(activation)
+    t, h = hidden.shape
+    k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    if t == 0:
+        return hidden.new_zeros((0, h))
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "fused_moe_gemv: K must be contiguous"
+    cfg = (config or DEFAULT_GEMV_CONFIG).fitted(h, inter)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)
+    pdl = pdl_args(hidden)
+    _moe_gemv_up_kernel[(t * k, triton.cdiv(inter, cfg.UP_BLOCK_N))](
+        x, w13, w13 if w13_bias is None else w13_bias, ids, act, inter, h, x.stride(0), w13.stride(0),
+        w13.stride(1), 0 if w13_bias is None else w13_bias.stride(0), act.stride(0),
+        TOP_K=k, ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None,
+        BLOCK_N=cfg.UP_BLOCK_N, BLOCK_K=cfg.UP_BLOCK_K, num_warps=cfg.num_warps, **pdl)
+    out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+    _moe_gemv_down_kernel[(t, triton.cdiv(h, cfg.DOWN_BLOCK_N))](
+        act, w2, w2 if w2_bias is None else w2_bias, ids, weights, out, h, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), 0 if w2_bias is None else w2_bias.stride(0), out.stride(0),
+        TOP_K=k, HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.DOWN_BLOCK_N, BLOCK_K=cfg.DOWN_BLOCK_K,
+        num_warps=cfg.num_warps, **pdl)
+    return out
+
+
 # ----------------------------------------------------------------------------- tile configs
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 
@@ -555,15 +734,21 @@ def nearest_config(tuned: dict[int, MoeTileConfig], num_tokens: int) -> MoeTileC
 # ----------------------------------------------------------------------------- entry point
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              activation: str = "silu", config: MoeTileConfig | None = None) -> torch.Tensor:
+              activation: str = "silu", config: MoeTileConfig | None = None,
+              gemv: MoeGemvConfig | None = None) -> torch.Tensor:
     """fused_moe_ref's result from the Triton kernels (its torch reference where Triton does not
-    run). No host sync: CUDA graphs capture it. config: a tile config (tuning), else the tuned
-    or default one for T tokens."""
+    run). No host sync: CUDA graphs capture it. Up to gemv_max_tokens() tokens (a decode batch)
+    it takes the GEMV path, else the grouped GEMMs; the choice depends on the token count only,
+    which a CUDA graph fixes. config: the grouped GEMMs with this tile config (tuning); gemv:
+    the GEMV path with these tiles (A/B runs)."""
     check_activation(activation)
     if not runs_triton(_fused_moe_gemm_kernel, hidden):
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
                              activation=activation)
     t, h = hidden.shape
+    if gemv is not None or (config is None and t <= gemv_max_tokens()):
+        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
+                              activation=activation, config=gemv)
     num_experts, two_i, _ = w13.shape
     k = topk_ids.shape[1]
     if t == 0:
