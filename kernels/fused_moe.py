@@ -516,8 +516,27 @@ class MoeGemvConfig:
                              self.num_warps)
 
 
-DEFAULT_GEMV_CONFIG = MoeGemvConfig()
+    @classmethod
+    def parse(cls, text: str) -> "MoeGemvConfig":
+        """"UP_BLOCK_N,UP_BLOCK_K,DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps" (LOOM_MOE_GEMV_TILES)."""
+        parts = [int(p) for p in text.split(",")]
+        if len(parts) != 5 or any(p < 1 or p & (p - 1) for p in parts):
+            raise ValueError(f"LOOM_MOE_GEMV_TILES={text!r}: want five powers of two "
+                             "(UP_BLOCK_N,UP_BLOCK_K,DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps)")
+        return cls(*parts)
+
+
 _gemv_max_tokens: int | None = None   # LOOM_MOE_GEMV_MAX_TOKENS, read at the first call
+_gemv_tiles: MoeGemvConfig | None = None   # LOOM_MOE_GEMV_TILES, read at the first call
+
+
+def default_gemv_config() -> MoeGemvConfig:
+    """The GEMV path's tiles: LOOM_MOE_GEMV_TILES, else MoeGemvConfig's defaults."""
+    global _gemv_tiles
+    if _gemv_tiles is None:
+        text = envs.LOOM_MOE_GEMV_TILES
+        _gemv_tiles = MoeGemvConfig.parse(text) if text else MoeGemvConfig()
+    return _gemv_tiles
 
 
 def gemv_max_tokens() -> int:
@@ -636,7 +655,7 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     if t == 0:
         return hidden.new_zeros((0, h))
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "fused_moe_gemv: K must be contiguous"
-    cfg = (config or DEFAULT_GEMV_CONFIG).fitted(h, inter)
+    cfg = (config or default_gemv_config()).fitted(h, inter)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -685,6 +704,17 @@ DECODE_CONFIG = MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128
 PREFILL_CONFIG = MoeTileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
                                num_warps=4, num_stages=3)
 DECODE_TOKENS_PER_EXPERT = 16
+
+
+def vllm_default_config(num_tokens: int, num_experts: int) -> MoeTileConfig:
+    """vLLM's get_default_config for bf16 when no tuned file exists (the baseline of issue 45's
+    "tuned >= 1.15x the default at 512 tokens"): 16 x 32 x 64 tiles up to E tokens, else
+    64 x 64 x 32 with GROUP_SIZE_M 8; Triton's default 4 warps and 3 stages."""
+    if num_tokens <= num_experts:
+        return MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
+                             num_stages=3)
+    return MoeTileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=8, num_warps=4,
+                         num_stages=3)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:
