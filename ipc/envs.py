@@ -107,7 +107,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
     "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
-                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,1024,8)"),
+                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,256,8)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "

@@ -506,7 +506,7 @@ class MoeGemvConfig:
     UP_BLOCK_N: int = 4
     UP_BLOCK_K: int = 2048
     DOWN_BLOCK_N: int = 4
-    DOWN_BLOCK_K: int = 1024
+    DOWN_BLOCK_K: int = 256
     num_warps: int = 8
 
     def fitted(self, hidden: int, intermediate: int) -> "MoeGemvConfig":
@@ -556,8 +556,10 @@ def set_gemv_max_tokens(n: int | None) -> int | None:
 
 
 @triton.jit
-def _act(gate, up, ACTIVATION: tl.constexpr, out_ty: tl.constexpr):
-    """act(gate, up) in fp32 from fp32 sums, with the reference's roundings (see the grouped GEMM)."""
+def _act(gate, up, ACTIVATION: tl.constexpr, out_ptr):
+    """act(gate, up) in fp32 from fp32 sums, with the reference's roundings in out_ptr's dtype
+    (see the grouped GEMM)."""
+    out_ty = out_ptr.dtype.element_ty
     gate = gate.to(out_ty).to(tl.float32)
     up = up.to(out_ty).to(tl.float32)
     if ACTIVATION == 0:
@@ -601,44 +603,52 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, act_ptr, N, K, stride_x
     if HAS_BIAS:
         gate += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + expert * stride_bias_e + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    out_ty = act_ptr.dtype.element_ty
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, _act(gate, up, ACTIVATION, out_ty).to(out_ty),
-             mask=n_ok)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
+             _act(gate, up, ACTIVATION, act_ptr).to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_act, stride_we,
                           stride_wn, stride_bias_e, stride_out,
-                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over j of weights[t, j] * round(w2[e, n] . act[t*TOP_K + j] + b2[e, n]),
-    e = ids[t, j] (skipped when -1), for the program's BLOCK_N columns n; fp32 sum, one rounding."""
+    e = ids[t, j] (skipped when -1), for the program's BLOCK_N columns n; fp32 sum, one rounding.
+    The token's k experts are one [K_POW2, BLOCK_N, BLOCK_K] tile, so all their loads issue at
+    once and one reduction follows (a loop over j reduced after each expert's loads: eight
+    serial memory round trips). "This rank's expert" masks rows (dims 0-1), never K, so the
+    loads along K stay vectorized, and another rank's expert reads nothing."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, K_POW2)
+    pair = t * TOP_K + offs_j
+    # Under PDL this kernel starts while the up kernel runs. The ids and routing weights are the
+    # router's (complete before the up kernel let this one launch) and the weights constant, so
+    # the first weight tile loads before the wait; act, the up kernel's output, only after it.
+    expert = tl.load(ids_ptr + pair, mask=offs_j < TOP_K, other=-1).to(tl.int64)
+    mine = expert >= 0
+    route_w = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
+    rows = w_ptr + tl.maximum(expert, 0)[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
+    rows_ok = mine[:, None, None] & n_ok[None, :, None]
+    act_rows = act_ptr + pair[:, None] * stride_act
+    w_first = tl.load(rows + offs_k[None, None, :], mask=rows_ok & (offs_k < K)[None, None, :], other=0.0)
+    pdl_wait(PDL)
+    # another rank's pair: its act row was never written (masked off: garbage may be NaN)
+    a = tl.load(act_rows + offs_k[None, :], mask=mine[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = w_first.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + offs_k
+        w = tl.load(rows + kk[None, None, :], mask=rows_ok & (kk < K)[None, None, :], other=0.0)
+        a = tl.load(act_rows + kk[None, :], mask=mine[:, None] & (kk < K)[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, 2)    # [K_POW2, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + tl.maximum(expert, 0)[:, None] * stride_bias_e + offs_n[None, :],
+                     mask=mine[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    # the ids and routing weights were written two kernels back (the up kernel waited for them)
-    pdl_wait(PDL)   # act: the up kernel's output
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):   # unrolled: the k experts' loads are independent
-        expert = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
-        mine = expert >= 0
-        k_end = tl.where(mine, K, 0)   # another rank's expert: every load masked off, no traffic
-        rows = w_ptr + tl.maximum(expert, 0) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        act_row = act_ptr + (t * TOP_K + j) * stride_act
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < k_end
-            a = tl.load(act_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
-        y = tl.sum(acc, 1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + tl.maximum(expert, 0) * stride_bias_e + offs_n, mask=n_ok & (offs_n < tl.where(mine, N, 0)),
-                         other=0.0).to(tl.float32)
-        w = tl.where(mine, tl.load(weights_ptr + t * TOP_K + j).to(tl.float32), 0.0)
-        total += y.to(out_ty).to(tl.float32) * w
+    total = tl.sum(y.to(out_ty).to(tl.float32) * route_w[:, None], 0)
     tl.store(out_ptr + t * stride_out + offs_n, total.to(out_ty), mask=n_ok)
 
 
@@ -670,7 +680,8 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     _moe_gemv_down_kernel[(t, triton.cdiv(h, cfg.DOWN_BLOCK_N))](
         act, w2, w2 if w2_bias is None else w2_bias, ids, weights, out, h, inter, act.stride(0), w2.stride(0),
         w2.stride(1), 0 if w2_bias is None else w2_bias.stride(0), out.stride(0),
-        TOP_K=k, HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.DOWN_BLOCK_N, BLOCK_K=cfg.DOWN_BLOCK_K,
+        TOP_K=k, K_POW2=triton.next_power_of_2(k), HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.DOWN_BLOCK_N,
+        BLOCK_K=cfg.DOWN_BLOCK_K,
         num_warps=cfg.num_warps, **pdl)
     return out
 
