@@ -501,20 +501,23 @@ def _fused_moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sort
 @dataclass(frozen=True)
 class MoeGemvConfig:
     """Tiles of the small-batch GEMV path: the up kernel's BLOCK_N intermediate columns (each of
-    gate and up) by BLOCK_K hidden columns, the down kernel's BLOCK_N hidden columns by BLOCK_K
-    intermediate columns, and each kernel's warps."""
+    gate and up) by BLOCK_K hidden columns; the down kernel's BLOCK_N hidden columns by BLOCK_K
+    intermediate columns of each of a token's k experts at top-8 (top-k below 8 takes 8 / k
+    times as many, so that one step loads the same bytes: Mixtral's top-2 would otherwise read
+    its 14,336-wide rows 4 KB per step); each kernel's warps."""
     UP_BLOCK_N: int = 4
     UP_BLOCK_K: int = 2048
     DOWN_BLOCK_N: int = 4
     DOWN_BLOCK_K: int = 256
     num_warps: int = 8
 
-    def fitted(self, hidden: int, intermediate: int) -> "MoeGemvConfig":
-        """K tiles no wider than the (power-of-two rounded) K they walk."""
+    def fitted(self, hidden: int, intermediate: int, top_k: int = 8) -> "MoeGemvConfig":
+        """The down K tile scaled to top_k, and K tiles no wider than the (power-of-two rounded)
+        K they walk."""
+        down_k = self.DOWN_BLOCK_K * max(1, 8 // triton.next_power_of_2(top_k))
         return MoeGemvConfig(self.UP_BLOCK_N, min(self.UP_BLOCK_K, triton.next_power_of_2(hidden)),
-                             self.DOWN_BLOCK_N, min(self.DOWN_BLOCK_K, triton.next_power_of_2(intermediate)),
+                             self.DOWN_BLOCK_N, min(down_k, triton.next_power_of_2(intermediate)),
                              self.num_warps)
-
 
     @classmethod
     def parse(cls, text: str) -> "MoeGemvConfig":
@@ -665,7 +668,7 @@ def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     if t == 0:
         return hidden.new_zeros((0, h))
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "fused_moe_gemv: K must be contiguous"
-    cfg = (config or default_gemv_config()).fitted(h, inter)
+    cfg = (config or default_gemv_config()).fitted(h, inter, k)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()

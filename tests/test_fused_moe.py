@@ -450,3 +450,16 @@ def test_fused_moe_dispatches_on_token_count():
     finally:
         fm.fused_moe_gemv = real
         fm.set_gemv_max_tokens(before)
+
+
+def test_gemv_tiles_parse_and_fit():
+    """LOOM_MOE_GEMV_TILES's five powers of two; the down K tile widens as top-k narrows (the
+    same bytes per step) and no tile outgrows the K it walks."""
+    cfg = fm.MoeGemvConfig.parse("4,2048,4,256,8")
+    assert cfg == fm.MoeGemvConfig()
+    assert cfg.fitted(2048, 768, 8) == cfg
+    assert cfg.fitted(4096, 14336, 2) == fm.MoeGemvConfig(4, 2048, 4, 1024, 8)   # Mixtral
+    assert cfg.fitted(40, 24, 3) == fm.MoeGemvConfig(4, 64, 4, 32, 8)
+    for bad in ("4,2048,4,256", "4,2048,4,255,8", "0,2048,4,256,8", "a,b,c,d,e"):
+        with pytest.raises(ValueError):
+            fm.MoeGemvConfig.parse(bad)
