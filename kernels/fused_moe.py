@@ -63,9 +63,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit
 def _fused_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
                        K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-                       RENORMALIZE: tl.constexpr):
+                       RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token: scores in fp32 (softmax over the experts or per-expert sigmoid), then TOP_K
-    rounds of (max, its lowest index), descending as torch.topk returns them."""
+    rounds of (max, its lowest index), descending as torch.topk returns them. Under PDL it
+    launches during the router's GEMV and lets the experts' up kernel launch during it."""
+    pdl_wait(PDL)   # the logits: the router's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -108,7 +110,7 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         _fused_topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                                  K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                                  SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
-                                 num_warps=1 if block_e <= 128 else 2)
+                                 num_warps=1 if block_e <= 128 else 2, **pdl_args(logits))
     return weights, ids
 
 
