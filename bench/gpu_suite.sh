@@ -333,7 +333,8 @@ PY
       TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
   moe-decode|moe-decode-std) # issue 45 decode: the fused MoE at 1/2/4/8 tokens, grouped GEMMs vs the GEMV path's
       # tile variants (bench/moe_decode.py), Qwen3-30B-A3B and Mixtral-8x7B batch-1 TPOT (GEMV path, graphs up to
-      # 4 seqs; MOE_DECODE_AB=1 adds Qwen3's TPOT on the grouped path), ~250 s; moe-decode-std: Qwen3-30B-A3B's
+      # 4 seqs; MOE_DECODE_AB=1 adds Qwen3's TPOT on the grouped path, MOE_DECODE_PROFILE=1 its step by kernel),
+      # ~250 s; moe-decode-std: Qwen3-30B-A3B's
       # standard offline workload against its HBM floor (~150-250 s). The table covers whatever $OUT holds.
       case $section in moe-decode)
         TAIL=14 run moe-decode-kernel 150 python3 -m bench.moe_decode --model-shape qwen3-30b-a3b \
@@ -343,7 +344,10 @@ PY
         [ "${MOE_DECODE_AB:-0}" = 1 ] && LOOM_MOE_GEMV_MAX_TOKENS=0 TAIL=4 run moe-decode-qwen3-tpot-grouped 130 \
           $LOOM bench latency --preset qwen3-30b-a3b --iters 3 --max-num-seqs 4 --output-json "$OUT/moe-decode-qwen3-tpot-grouped.json"
         TAIL=4 run moe-decode-mixtral-tpot 160 $LOOM bench latency --preset mixtral-8x7b --iters 3 --max-num-seqs 4 \
-          --output-json "$OUT/moe-decode-mixtral-tpot.json" ;;
+          --output-json "$OUT/moe-decode-mixtral-tpot.json"
+        # MOE_DECODE_PROFILE=1: Qwen3-30B-A3B's batch-1 step by kernel (launches per step; ~90 s more)
+        [ "${MOE_DECODE_PROFILE:-0}" = 1 ] && TAIL=24 run moe-decode-profile 150 $LOOM bench profile-step \
+          --preset qwen3-30b-a3b --batch 1 --context 256 --top 20 ;;
       moe-decode-std)
         TAIL=10 run moe-decode-std 280 $LOOM bench throughput --preset qwen3-30b-a3b \
           --output-json "$OUT/moe-decode-std.json" ;; esac
