@@ -187,7 +187,7 @@ PY
       # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT;
       # moe-std alone: Qwen3-30B-A3B on the standard offline workload against its HBM floor
       case $section in moe|moe-kernel)
-        TAIL=14 run moe-kernel 150 python3 -m bench.moe_kernel --model-shape qwen3-30b-a3b --output-json "$OUT/moe-kernel.json" ;; esac
+        TAIL=16 run moe-kernel 240 python3 -m bench.moe_kernel --model-shape qwen3-30b-a3b --output-json "$OUT/moe-kernel.json" ;; esac
       case $section in moe|moe-qwen3)
         TAIL=10 run moe-qwen3-throughput 240 $LOOM bench throughput --preset qwen3-30b-a3b --num-prompts 1000 \
           --input-len 1024 --output-len 128 --output-json "$OUT/moe-qwen3-throughput.json"
