@@ -104,6 +104,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
+    "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
+                                       "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
+    "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
+                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,256,8)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
