@@ -122,8 +122,9 @@ def test_dummy_weights_in_each_formats_layout(model_factory, tmp_path, quantizat
     if quantization == "fp8-block":
         assert down.weight.dtype == FP8 and down.weight_scale_inv.shape == (2, 4)
     else:
-        assert down.qweight.dtype == torch.int32 and down.qweight.shape == (256 // 8, 128)
-        assert down.scales.shape == (2, 128)
+        # repacked into kernels/w4a16.py's N x K layout: [N, K/8] words, [N, G] scales
+        assert down.w4_nk and down.qweight.dtype == torch.int32 and down.qweight.shape == (128, 256 // 8)
+        assert down.scales.shape == (128, 2)
     assert torch.isfinite(next(scenario_logits(model))[0]).all()
 
 
@@ -483,6 +484,35 @@ def test_w4a16_kernels_match_reference(group, act_order):
         x = torch.randn(rows, kdim, generator=g)
         torch.testing.assert_close(fn(x, qweight, scales, zeros, g_idx, group, bias),
                                    k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (128, False), (256, False), (64, True)])
+def test_w4a16_nk_kernels_match_reference(group, act_order):
+    """The N x K layout's kernels (what the model runs): the GEMV (1 and 3 rows: the per-row-scale
+    and per-word-scale tiles), the fused dequantizing GEMM (2 and 20 rows) and the dequantization,
+    from the [K/8, N] layout repacked (act-order: k sorted by group, x permuted), against
+    dequantize-and-matmul of the original; odd N (48 columns)."""
+    from kernels import w4a16 as k
+    g = torch.Generator().manual_seed(group)
+    kdim, n = 256, 48
+    qweight = k.pack_k(torch.randint(0, 16, (kdim, n), generator=g, dtype=torch.int32))
+    scales = torch.rand(kdim // group, n, generator=g) * 0.1
+    zeros = torch.randint(0, 16, (kdim // group, n), generator=g).float()
+    g_idx = (torch.randperm(kdim, generator=g) // group).to(torch.int32) if act_order else None
+    bias = torch.randn(n, generator=g)
+    nk = k.repack_nk(qweight, scales, zeros, g_idx, group)
+    assert (nk[3] is not None) == act_order
+    for rows, fn in ((1, k.w4a16_gemv_nk), (3, k.w4a16_gemv_nk), (2, k.w4a16_gemm_nk), (20, k.w4a16_gemm_nk)):
+        x = torch.randn(rows, kdim, generator=g)
+        want = k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias)
+        torch.testing.assert_close(k.w4a16_nk_ref(x, *nk, group, bias), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fn(x, *nk, group, bias), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.dequantize_nk_to(nk[0], nk[1], nk[2], group, torch.float32),
+                               k.dequantize_nk(nk[0], nk[1], nk[2], group))
+    # a row-parallel rank's act-order k (half of them, groups shared with the other rank): no N x K
+    if act_order:
+        half = k.pack_k(k.unpack_k(qweight)[: kdim // 2])
+        assert k.repack_nk(half, scales, zeros, g_idx[: kdim // 2], group) is None
 
 
 def test_models_card_names_the_quantization(format_dirs, model_factory):
