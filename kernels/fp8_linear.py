@@ -4,7 +4,9 @@ per output channel ([N]) or per 128x128 block ([N/128, K/128], DeepSeek / Qwen3-
 
 * Decode rows (up to MAX_GEMV_ROWS): `fp8_gemv`, a Triton GEMV that streams the fp8 weight
   once (half bf16's bytes: what bounds decode) and applies the scales in fp32; the activations
-  stay in their own dtype (weight-only at these sizes, no activation rounding).
+  stay in their own dtype (weight-only at these sizes, no activation rounding). Per-channel
+  scales run kernels/gemv.py's GEMV (its tuned tiles; the model fuses the norms and SiLU into
+  it as for bf16), block scales `fp8_gemv_legacy`.
 * Larger batches, per-channel: activations quantized per token (dynamic, or with a static
   per-tensor input scale) and `torch._scaled_mm` (cuBLASLt, rowwise scales) on the FP8 tensor
   cores: `scaled_mm_per_channel`.
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ipc import envs
+from kernels.gemv import gemv
 from kernels.jit import runs_triton
 
 FP8 = torch.float8_e4m3fn
@@ -177,10 +181,18 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
              block: int = 0) -> torch.Tensor:
     """x [M <= MAX_GEMV_ROWS, K] (last dim contiguous), w fp8 [N, K] contiguous, scale float32
     [N] (block 0) or [N/block, K/block] -> y [M, N] in x's dtype."""
-    m, k = x.shape
-    n = w.shape[0]
     if not runs_triton(_fp8_gemv_kernel, x):
         return fp8_linear_ref(x, w, scale, bias, block)
+    if not block and envs.LOOM_FP8_GEMV != "legacy":   # kernels/gemv.py's tuned streaming GEMV
+        return gemv(x, w, bias, scale=scale)[0]
+    return fp8_gemv_legacy(x, w, scale, bias, block)
+
+
+def fp8_gemv_legacy(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    block: int = 0) -> torch.Tensor:
+    """Session 30's FP8 GEMV: the block-scaled one (and per-channel under LOOM_FP8_GEMV=legacy)."""
+    m, k = x.shape
+    n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n, block_k = (8, 512) if m == 1 else (8, 128)
     if block:

@@ -422,6 +422,32 @@ def test_fp8_gemv_matches_reference(rows):
                                atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("prologue", ["add_rms_norm", "silu_mul"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_gemv_fuses_the_prologue(prologue, rows, monkeypatch):
+    """kernels/gemv.py's GEMV on fp8 weights with per-channel scales (what an FP8 model's decode
+    runs, the norm or SiLU fused in; LOOM_FP8_GEMV=wide's doubled BLOCK_K too) against the
+    unfused ops on the dequantized weight."""
+    from kernels import fp8_linear as k
+    from kernels.gemv import fp8_tile_config, gemv, gemv_ref
+    g = torch.Generator().manual_seed(rows)
+    kdim = 256
+    w, s = k.quantize_rows(torch.randn(40, kdim, generator=g))
+    x = torch.randn(rows, 2 * kdim if prologue == "silu_mul" else kdim, generator=g)
+    kw = dict(residual=torch.randn(rows, kdim, generator=g), norm_weight=torch.rand(kdim, generator=g) + 0.5,
+              eps=1e-6) if prologue == "add_rms_norm" else {}
+    bias = torch.randn(40, generator=g)
+    want, want_res = gemv_ref(x, w.float() * s[:, None], bias, prologue=prologue, **kw)
+    for mode in ("gemv", "wide"):
+        monkeypatch.setenv("LOOM_FP8_GEMV", mode)
+        # (wide: the GPU's tiles themselves, prologue unfused as on Llama-3.1-8B's big weights)
+        tiles = None if mode == "gemv" else fp8_tile_config(40, kdim, rows, prologue)
+        got, res = gemv(x, w, bias, prologue=prologue, scale=s, tiles=tiles, **kw)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if want_res is not None:
+            torch.testing.assert_close(res, want_res)
+
+
 def test_block_fp8_gemm_matches_reference():
     """The block-scaled GEMM quantizes activations per token and 128 columns: cosine with the
     weight-only reference (0.99: the interpreter's e4m3 cast truncates; tests/test_gpu_quant.py
