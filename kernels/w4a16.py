@@ -437,9 +437,10 @@ def w4a16_gemv_nk(x: torch.Tensor, qweight, scales, zeros, perm, group: int, bia
         return w4a16_nk_ref(x, qweight, scales, zeros, perm, group, bias)
     m, k = x.shape
     n = qweight.shape[0]
-    x = x[:, perm] if perm is not None else x.contiguous()
+    x = x.index_select(1, perm) if perm is not None else x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn, bkw, warps, stages = tiles or gemv_tiles(m, n, k)
+    bkw = _pow2_divisor(k // 8, bkw)   # 8 * BLOCK_KW divides K: the loop has no masks
     if is_interpreted(_w4_gemv_kernel):   # the interpreter runs each program in Python: wide tiles
         bn, bkw = min(64, triton.next_power_of_2(n)), _pow2_divisor(k // 8, 32)
     _w4_gemv_kernel[(triton.cdiv(n, bn),)](
@@ -467,7 +468,7 @@ def w4a16_gemm_nk(x: torch.Tensor, qweight, scales, zeros, perm, group: int, bia
     if not runs_triton(_w4_gemm_kernel, x) or k % 16:
         return w4a16_nk_ref(x, qweight, scales, zeros, perm, group, bias)
     n = qweight.shape[0]
-    x = x[:, perm] if perm is not None else x.contiguous()
+    x = x.index_select(1, perm) if perm is not None else x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     t = tiles or gemm_tiles(m, n, k, group)
     grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),)
@@ -500,5 +501,5 @@ def w4a16_linear_nk(x: torch.Tensor, qweight, scales, zeros, perm, group: int, b
         return w4a16_gemv_nk(x, qweight, scales, zeros, perm, group, bias)
     if m < envs.LOOM_W4A16_DENSE_ROWS:
         return w4a16_gemm_nk(x, qweight, scales, zeros, perm, group, bias)
-    x = x[:, perm] if perm is not None else x
+    x = x.index_select(1, perm) if perm is not None else x
     return F.linear(x, dequantize_nk_to(qweight, scales, zeros, group, x.dtype), bias)
