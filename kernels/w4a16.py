@@ -417,17 +417,17 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_KW, num_warps, num_stages) of the N x K GEMV. Default: 512 words (2 KiB)
-    of K per step (32 bytes per thread at one row), and the column tile that still gives >= 4
-    programs per H200 SM (each streams its rows with few bytes in flight); LOOM_W4A16_GEMV_TILES
-    ("BLOCK_N,BLOCK_KW,WARPS,STAGES") overrides it, for bench/quant_kernels.py's sweep."""
+    """(BLOCK_N, BLOCK_KW, num_warps, num_stages) of the N x K GEMV, not yet measured: at one row
+    4 x 256 words (4 KiB, two 16-byte loads a thread; a tile wider than the group keeps a scale
+    and zero per word, so each [BLOCK_N, BLOCK_KW] tensor costs BLOCK_N * BLOCK_KW / 128
+    registers a thread) and >= 1,000 programs, all resident, on Llama-3.1-8B's shapes; more rows
+    multiply the products' registers, so 4 x 64. LOOM_W4A16_GEMV_TILES ("BLOCK_N,BLOCK_KW,WARPS,
+    STAGES") overrides it: bench/quant_kernels.py --sweep times the candidates."""
     override = envs.LOOM_W4A16_GEMV_TILES
     if override:
         bn, bkw, warps, stages = (int(v) for v in override.split(","))
-        return bn, _pow2_divisor(k // 8, bkw), warps, stages
-    bkw = _pow2_divisor(k // 8, 256 if m == 1 else 64)
-    bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= 528), 4)
-    return bn, bkw, 4, 3
+        return bn, bkw, warps, stages
+    return 4, 256 if m == 1 else 64, 4, 3
 
 
 def w4a16_gemv_nk(x: torch.Tensor, qweight, scales, zeros, perm, group: int, bias=None,
