@@ -639,3 +639,22 @@ def test_mfu_counts_quantized_weight_bytes(format_dirs):
                              + 3 * h * s.intermediate_size)
     assert read["dense"] - read["fp8"] == pytest.approx(linear * 1.0)   # 2 bytes -> 1
     assert read["dense"] - read["w4"] == pytest.approx(linear * 1.5)    # 2 bytes -> 0.5
+
+
+def test_quant_kernels_bench_times_every_variant(monkeypatch, capsys):
+    """bench/quant_kernels.py on CPU (interpreted kernels, toy shapes, a call instead of the GPU
+    timing): every family's variants run and the choice and target tables print."""
+    import bench.quant_kernels as b
+    monkeypatch.setattr(b, "DEVICE", "cpu")
+    monkeypatch.setattr(b, "SHAPES", {"o": (64, 256), "down": (64, 512)})
+    monkeypatch.setattr(b, "per_call_us", lambda fn, copies: (fn(0), 1.0)[1])
+    monkeypatch.setattr(b, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr("sys.argv", ["quant_kernels", "--rows", "1", "16", "--shapes", "o", "down"])
+    assert b.main() == 0
+    out = capsys.readouterr().out
+    assert "failed" not in out, out
+    timed = {tuple(line.split()[2:4]) for line in out.splitlines() if line.startswith(("o ", "down "))}
+    for family, variant in (("fp8", "legacy"), ("fp8", "gemv-wide"), ("fp8", "scaled_mm"), ("fp8blk", "default"),
+                            ("w4a16", "gemm"), ("w4a16", "dense"), ("w4a16", "actorder"), ("w4a16", "legacy")):
+        assert (family, variant) in timed, (family, variant)
+    assert "=== choice table" in out and "w4a16 default, 1 row: share of HBM bandwidth" in out
