@@ -16,7 +16,7 @@ Variants (`default` is what the model runs, the others are the alternatives it c
   fp8blk   default (block GEMV <= 8 rows, block-scaled Triton GEMM above)
   w4a16    default (kernels/w4a16.w4a16_linear_nk), gemm (the fused GEMM at every row count),
            dense (dequantize whole + cuBLAS), actorder (default with the per-call x permutation),
-           legacy (session 30's [K/8, N] kernels), and with --sweep at one row the GEMV tiles
+           legacy (with --legacy: session 30's [K/8, N] kernels), and with --sweep at one row the GEMV tiles
            BLOCK_N,BLOCK_KW,WARPS,STAGES (LOOM_W4A16_GEMV_TILES takes the winner)
 The choice table sums the four linears (one decoder layer) per family and row count: the
 default's time, the fastest variant's, and bf16's; then the kernel-level targets derived from
@@ -45,7 +45,7 @@ DEVICE = "cuda"   # (tests/test_bench.py smoke-runs the tables on CPU, interpret
 HBM_GBS = 4800.0
 L2_BYTES = 60 << 20   # H200: 50 MiB (rounded up): copies of each weight cover twice this
 W4_GEMV_SWEEP = [(4, 256, 4, 3), (8, 128, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (4, 512, 8, 3), (8, 256, 8, 4),
-                 (16, 64, 4, 4), (2, 512, 4, 3)]
+                 (16, 64, 4, 4), (2, 512, 4, 3), (16, 16, 4, 3), (32, 16, 4, 3)]   # the last two: a scale per row
 
 
 @dataclass
@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--only", nargs="+", help="families or variants to time (substrings), bf16 always")
     ap.add_argument("--sweep", action="store_true", help="also sweep the W4A16 GEMV's tiles at one row")
-    ap.add_argument("--no-legacy", action="store_true", help="skip session 30's W4A16 kernels")
+    ap.add_argument("--legacy", action="store_true", help="also time session 30's W4A16 kernels ([K/8, N] layout)")
     args = ap.parse_args()
     timings: list[Timing] = []
 
@@ -196,11 +196,13 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     print(f"{'shape':8} {'rows':>5} {'family':7} {'variant':22} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}", flush=True)
+    # every shape's weights up front (~1 GB a shape), then row counts outermost: a run cut short
+    # loses its largest row counts, not whole shapes (the choice table needs all four)
+    weights = {name: Weights(*SHAPES[name], legacy=args.legacy) for name in args.shapes}
     try:
-        for name in args.shapes:
-            n, k = SHAPES[name]
-            w = Weights(n, k, legacy=not args.no_legacy)
-            for rows in args.rows:
+        for rows in args.rows:
+            for name, w in weights.items():
+                n, k = SHAPES[name]
                 x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
                 for (family, variant), (fn, copies) in variants(w, x, args.sweep).items():
                     if args.only and family != "bf16" and not any(o in f"{family} {variant}" for o in args.only):
@@ -214,9 +216,6 @@ def main() -> int:
                     gbs = weight_bytes(family, n, k) / us / 1e3
                     print(f"{name:8} {rows:5d} {family:7} {variant:22} {us:9.1f} {gbs:7.0f} "
                           f"{2 * rows * n * k / us / 1e6:8.1f}", flush=True)
-            del w
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
     except KeyboardInterrupt:
         print("(stopped: the tables cover what ran)", flush=True)
     print_tables(timings, args.shapes)

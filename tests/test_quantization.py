@@ -649,7 +649,7 @@ def test_quant_kernels_bench_times_every_variant(monkeypatch, capsys):
     monkeypatch.setattr(b, "SHAPES", {"o": (64, 256), "down": (64, 512)})
     monkeypatch.setattr(b, "per_call_us", lambda fn, copies: (fn(0), 1.0)[1])
     monkeypatch.setattr(b, "copies_for", lambda nbytes: 1)
-    monkeypatch.setattr("sys.argv", ["quant_kernels", "--rows", "1", "16", "--shapes", "o", "down"])
+    monkeypatch.setattr("sys.argv", ["quant_kernels", "--rows", "1", "16", "--shapes", "o", "down", "--legacy"])
     assert b.main() == 0
     out = capsys.readouterr().out
     assert "failed" not in out, out
