@@ -107,7 +107,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_W4A16_DENSE_ROWS": EnvVar(1024, _int, "rows from which a W4A16 linear dequantizes its weight whole "
                                     "and runs cuBLAS (below: the fused dequantizing GEMM; kernels/w4a16.py)"),
     "LOOM_W4A16_GEMV_TILES": EnvVar("", _text, "BLOCK_N,BLOCK_KW,WARPS,STAGES of the W4A16 decode GEMV "
-                                    "(bench/quant_kernels.py's sweep; empty: kernels/w4a16.gemv_tiles)"),
+                                    "at one row (bench/quant_kernels.py --sweep; empty: kernels/w4a16.gemv_tiles)"),
     "LOOM_FP8_GEMV": EnvVar("gemv", _text, "the FP8 decode GEMV: gemv (kernels/gemv.py's, fp8 weights, "
                             "norms fused) or legacy (kernels/fp8_linear.py's session-30 kernel)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "

@@ -422,9 +422,9 @@ def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     and zero per word, so each [BLOCK_N, BLOCK_KW] tensor costs BLOCK_N * BLOCK_KW / 128
     registers a thread) and >= 1,000 programs, all resident, on Llama-3.1-8B's shapes; more rows
     multiply the products' registers, so 4 x 64. LOOM_W4A16_GEMV_TILES ("BLOCK_N,BLOCK_KW,WARPS,
-    STAGES") overrides it: bench/quant_kernels.py --sweep times the candidates."""
+    STAGES") overrides the one-row tiles: bench/quant_kernels.py --sweep times the candidates."""
     override = envs.LOOM_W4A16_GEMV_TILES
-    if override:
+    if override and m == 1:   # (the sweep's row count; more rows keep the default's registers)
         bn, bkw, warps, stages = (int(v) for v in override.split(","))
         return bn, bkw, warps, stages
     return 4, 256 if m == 1 else 64, 4, 3
