@@ -19,7 +19,7 @@ Variants (`default` is what the model runs, the others are the alternatives it c
            legacy (with --legacy: session 30's [K/8, N] kernels), and with --sweep at one row the GEMV tiles
            BLOCK_N,BLOCK_KW,WARPS,STAGES (LOOM_W4A16_GEMV_TILES takes the winner)
 The choice table sums the four linears (one decoder layer) per family and row count: the
-default's time, the fastest variant's, and bf16's; then the kernel-level targets derived from
+default's time, the fastest variant's, bf16's best and the speedup (bf16 best / default); then the kernel-level targets derived from
 issue 46's (measured vs target). A timeout (SIGTERM) still prints the tables of what ran.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ def print_tables(timings: list[Timing], shapes: list[str]) -> None:
     by = {(t.shape, t.rows, t.family, t.variant): t.us for t in timings}
     rows_seen = sorted({t.rows for t in timings})
     print("\n=== choice table: one Llama-3.1-8B layer's linears (sum over " + "+".join(shapes) + "), us")
-    print(f"{'family':7} {'rows':>5} {'default':>9} {'best variant':>22} {'best':>9} {'bf16 best':>9} {'vs bf16':>7}")
+    print(f"{'family':7} {'rows':>5} {'default':>9} {'best variant':>22} {'best':>9} {'bf16 best':>9} {'speedup':>7}")
     layer: dict[tuple[str, int, str], float] = {}
     for t in timings:
         layer[t.family, t.rows, t.variant] = layer.get((t.family, t.rows, t.variant), 0.0) + t.us
