@@ -19,8 +19,8 @@ Variants (`default` is what the model runs, the others are the alternatives it c
            legacy (with --legacy: session 30's [K/8, N] kernels), and with --sweep at one row the GEMV tiles
            BLOCK_N,BLOCK_KW,WARPS,STAGES (LOOM_W4A16_GEMV_TILES takes the winner)
 The choice table sums the four linears (one decoder layer) per family and row count: the
-default's time, the fastest variant's, bf16's best and the speedup (bf16 best / default); then the kernel-level targets derived from
-issue 46's (measured vs target). A timeout (SIGTERM) still prints the tables of what ran.
+default's time, the fastest variant's, bf16's best and the speedup (bf16 best / default); then
+the kernel-level targets derived from issue 46's (measured vs target). A timeout (SIGTERM) still prints the tables of what ran.
 """
 from __future__ import annotations
 
