@@ -101,7 +101,10 @@ if all(lat.values()):
 PY
            ;;
   quant-tests) run quant-kernel-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py
-               TAIL=70 run quant-kernel-bench 200 python3 -m bench.quant_kernels ;;
+               bash "$0" quant-bench ;;
+  quant-bench) # issue 46: every quantized-linear variant at Llama-3.1-8B's shapes, M = 1..2048, then
+               # the choice table and the kernel targets (bench/quant_kernels.py; --sweep: W4A16 GEMV tiles)
+               TAIL=60 run quant-kernel-bench 280 python3 -m bench.quant_kernels --sweep ${QUANT_BENCH_ARGS:-} ;;
   quant|quant-llama|quant-qwen3) # issue 46: weight quantization, dummy weights in each format's real layout;
          # throughput ratios against bf16 in this same call, batch-1 TPOT (128/128) per format
          if [ "$section" != quant-qwen3 ]; then

@@ -108,6 +108,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
     "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
                                   "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,256,8)"),
+    "LOOM_W4A16_DENSE_ROWS": EnvVar(1024, _int, "rows from which a W4A16 linear dequantizes its weight whole "
+                                    "and runs cuBLAS (below: the fused dequantizing GEMM; kernels/w4a16.py)"),
+    "LOOM_W4A16_GEMV_TILES": EnvVar("", _text, "BLOCK_N,BLOCK_KW,WARPS,STAGES of the W4A16 decode GEMV "
+                                    "at one row (bench/quant_kernels.py --sweep; empty: kernels/w4a16.gemv_tiles)"),
+    "LOOM_FP8_GEMV": EnvVar("gemv", _text, "the FP8 decode GEMV: gemv (kernels/gemv.py's, fp8 weights, "
+                            "norms fused) or legacy (kernels/fp8_linear.py's session-30 kernel)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
