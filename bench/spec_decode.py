@@ -31,6 +31,8 @@ import os
 import tempfile
 import time
 
+from ipc import envs
+
 K = 4
 INPUT_LEN, OUTPUT_LEN = 128, 256
 MAX_MODEL_LEN = 2048
@@ -58,7 +60,7 @@ def _llm(model_dir: str, full_graph: str = "1", **kw):
 def _host_note(llm) -> str:
     """With LOOM_STEP_STATS=1 (--step-stats): the worker's host, device and idle-before time per
     decode-graph step (plain and verify steps alike) and per piecewise step, over the engine's life."""
-    if os.environ.get("LOOM_STEP_STATS") != "1":
+    if envs.LOOM_STEP_STATS != "1":
         return ""
     stats = (llm.collective_rpc("step_stats") or [None])[0] or {}
     parts = [f"{kind} {s['steps']} steps: host {s['host_ms_per_step']:.2f} (prepare {s.get('host_ms_prepare', 0):.2f}) "

@@ -713,15 +713,17 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
     # rows whose winner lay outside their top-p set (most steps: none, and these programs return
     # at once): the threshold by bisection, _TP_CHUNKS programs per row and _TP_NPIV pivots per
     # round, then the race again over the kept set
-    cnt, mass = torch.empty(2, bsz, _TP_CHUNKS, _TP_NPIV, **i32), torch.empty(2, bsz, _TP_CHUNKS, _TP_NPIV, **f32)
-    tp_chunk = triton.cdiv(vocab, _TP_CHUNKS)
+    # (the interpreter pays per program: one program per row there, in wider blocks)
+    nch, block = (_TP_CHUNKS, _TP_BLOCK) if logits.is_cuda else (1, _BLOCK)
+    cnt, mass = torch.empty(2, bsz, nch, _TP_NPIV, **i32), torch.empty(2, bsz, nch, _TP_NPIV, **f32)
+    tp_chunk = triton.cdiv(vocab, nch)
     for r in range(_TP_ROUNDS):
-        _top_p_round_kernel[(bsz, _TP_CHUNKS)](logits, logits.stride(0), temperature, active, lo, hi, target, row_max,
-                                               cnt, mass, vocab, bsz, tp_chunk, r, NCH=_TP_CHUNKS, NPIV=_TP_NPIV,
-                                               BLOCK=_TP_BLOCK, UPDATE=r > 0, num_warps=4)
+        _top_p_round_kernel[(bsz, nch)](logits, logits.stride(0), temperature, active, lo, hi, target, row_max,
+                                        cnt, mass, vocab, bsz, tp_chunk, r, NCH=nch, NPIV=_TP_NPIV,
+                                        BLOCK=block, UPDATE=r > 0, num_warps=4)
     _top_p_race_kernel[(bsz, num_chunks)](logits, logits.stride(0), noise, stride_n, temperature, seeds, positions,
                                           active, lo, hi, target, row_max, cnt, mass, part_score, part_tok, vocab,
-                                          bsz, chunk, num_chunks, _TP_ROUNDS, NCH=_TP_CHUNKS, NPIV=_TP_NPIV,
+                                          bsz, chunk, num_chunks, _TP_ROUNDS, NCH=nch, NPIV=_TP_NPIV,
                                           RAND_Q=_RAND_Q, USE_NOISE=use_noise, num_warps=4)
     _top_p_repick_kernel[(bsz,)](active, part_score, part_tok, out, num_chunks, BLOCK_C=_MAX_CHUNKS, num_warps=1)
     return out
