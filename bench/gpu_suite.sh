@@ -331,6 +331,21 @@ PY
   lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
         # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load
       TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
+  serve-400) # issue 49 item 7: one API server (Qwen3-0.6B dummy) at c512, 256 in / 128 out: req/s, output tok/s
+             # and its CPU per request; then the serve section's pair (c256 512/256 vs offline); one table
+    $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+    $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 ${SERVE_ARGS:-} > "$OUT/serve400-server.log" 2>&1 & pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+    TAIL=22 run serve400-c512 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+      --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+      --result-file "$OUT/serve400-c512.json" --disable-tqdm
+    TAIL=4 run serve400-c256 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 512 \
+      --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve400-c256.json" --disable-tqdm
+    kill -INT $pid; wait $pid   # the GPU is free again for the offline run at the same shape
+    TAIL=3 run serve400-offline 150 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 \
+      --output-len 256 --output-json "$OUT/serve400-offline.json"
+    python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
+      --offline "$OUT/serve400-offline.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)
