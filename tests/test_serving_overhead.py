@@ -41,3 +41,56 @@ def test_server_cpu_finds_the_listening_process_and_its_cpu():
         s.close()
     assert server_cpu.api_server_pids(f"http://127.0.0.1:{port}") == []
     assert server_cpu.api_server_pids("http://example.invalid:8000") == []
+
+
+def test_images_of_many_requests_are_processed_at_once_and_stored_as_one_at_a_time(tmp_path, monkeypatch):
+    """Issue 49 item 6: an API server's image work runs on LOOM_MEDIA_LOADING_THREAD_COUNT threads
+    (one thread held a Qwen2.5-VL server at ~8 images/s). Requests processed together (two of them
+    the same image) store what one at a time stores: the same hashes, token counts and arrays."""
+    import asyncio
+    import threading
+
+    import numpy as np
+
+    from ipc.config import EngineConfig
+    from multimodal.processor import make_mm_processor
+    from shm.object_store import ObjectStoreReader
+    from tests.test_multimodal_api import png_url
+    from tests.tiny_vl_models import make_tiny_qwen2_5_vl, random_image
+    from workers.models.registry import multimodal_info
+
+    vl_dir = make_tiny_qwen2_5_vl(str(tmp_path / "vl"))
+    urls = [png_url(random_image(80 + i % 5, 56 + 28 * (i % 3), 84)) for i in range(6)]
+
+    def run(threads: int):
+        monkeypatch.setenv("LOOM_MEDIA_LOADING_THREAD_COUNT", str(threads))
+        config = EngineConfig(model=vl_dir, max_model_len=512, mm_processor_cache_gb=0.01).resolve(multimodal_info)
+        mm = make_mm_processor(config, 60 + threads, multimodal_info)
+        seen = set()
+        process_image = mm.process_image
+
+        def spy(img, kwargs):
+            seen.add(threading.current_thread().name)
+            return process_image(img, kwargs)
+
+        mm.process_image = spy
+
+        async def all_requests():
+            return await asyncio.gather(*(mm.process_urls([mm.image_token_id, 11], [u], None, None) for u in urls))
+
+        try:
+            out = asyncio.run(all_requests())
+            reader = ObjectStoreReader(0)
+            arrays = [{k: np.array(v) for k, v in reader.get(it.store_name, it.store_addr).items()}
+                      for _, items in out for it in items]
+            reader.close()
+            return [(ids, [(it.hash, it.length) for it in items]) for ids, items in out], arrays, seen
+        finally:
+            mm.close()
+
+    one, one_arrays, one_threads = run(1)
+    many, many_arrays, many_threads = run(4)
+    assert len(one_threads) == 1 and len(many_threads) >= 1
+    assert many == one
+    for a, b in zip(one_arrays, many_arrays):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
