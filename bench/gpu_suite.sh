@@ -181,7 +181,9 @@ PY
         --random-mm-base-items-per-request 1 --random-mm-bucket-config "{(448, 448, 1): 0.5, (720, 1280, 1): 0.5}" \
         --result-file "$OUT/vl-serve.json" --disable-tqdm
       kill -INT $pid; wait $pid
-      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
+      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6
+      # issue 49 item 6: req/s vs 1.5x 7.99, GPU idle before encoder steps vs 5% of the run
+      python3 -m bench.vl_targets --serve-json "$OUT/vl-serve.json" --server-log "$OUT/vl-server.log" ;;
   moe|moe-kernel|moe-qwen3|moe-mixtral|moe-std) # issue 45: the fused-MoE kernel alone (decode vs its HBM
       # floor, prefill vs the bf16 matmul peak, tuned vs default at 512 tokens), then Qwen3-30B-A3B offline
       # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT;
