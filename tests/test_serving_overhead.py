@@ -94,3 +94,53 @@ def test_images_of_many_requests_are_processed_at_once_and_stored_as_one_at_a_ti
     assert many == one
     for a, b in zip(one_arrays, many_arrays):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interval):
+    """--stream-interval N: the consumer is woken with the first token, then once N tokens wait, and
+    at the end; the text and ids are the same as token by token."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from frontend.async_llm import _Collector, _merge
+    from frontend.detokenizer import TokenTexts
+    from frontend.output_processor import RequestState
+    from ipc.messages import EngineCoreOutput
+    from ipc.sampling_params import SamplingParams
+    from metrics.request_metrics import RequestMetrics
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog again and again", add_special_tokens=False)[:11]
+    params = SamplingParams(max_tokens=len(ids))
+
+    async def stream() -> list[tuple[str, list[int]]]:
+        st = RequestState("r", 0, [1, 2, 3], params, tok, TokenTexts(tok))
+        req = _Collector({"r": st}, {"r": RequestMetrics(None, 3, params, 0.0, True)}, interval=interval)
+        got = []
+
+        async def consume():
+            while True:
+                merged = _merge(await req.take())[0]
+                got.append((merged.text, list(merged.token_ids)))
+                if merged.finish_reason is not None:
+                    return
+
+        task = asyncio.ensure_future(consume())
+        for j, t in enumerate(ids):   # one engine step per token, the consumer runs in between
+            last = j == len(ids) - 1
+            req.process(EngineCoreOutput("r", [t], "length" if last else None), 0.0)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(stream())
+    assert "".join(t for t, _ in got) == tok.decode(ids)
+    assert [i for _, ii in got for i in ii] == ids
+    sizes = [len(ii) for _, ii in got]
+    if interval == 1:
+        assert sizes == [1] * len(ids)
+    else:   # 11 tokens: the first alone, then 4, 4, and the last 2 at the end
+        assert sizes == [1, 4, 4, 2]

@@ -98,6 +98,7 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False
     enable_orca_load_metrics: bool = False
     lora_modules: list[str] | None = None   # --lora-modules (frontend/openai/lora_api.py)
+    stream_interval: int = 1                # --stream-interval: tokens per stream chunk (AsyncLLM)
 
     @classmethod
     def pick(cls, opts: dict) -> "ServerOptions":
@@ -197,6 +198,9 @@ class OpenAIServer:
         self.config = llm.config
         self.tokenizer = llm.tokenizer
         self.options = options or ServerOptions()
+        if self.options.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.options.stream_interval}")
+        llm.stream_interval = self.options.stream_interval
         self.limits = Limits.of(self.config)
         self.model_name = self.config.model_name
         self.created = now()
