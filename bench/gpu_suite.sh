@@ -344,10 +344,19 @@ PY
     TAIL=4 run serve400-c256 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 512 \
       --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve400-c256.json" --disable-tqdm
     kill -INT $pid; wait $pid   # the GPU is free again for the offline run at the same shape
+    if [ "${S400_INTERVAL:-1}" = 1 ]; then   # the c512 load again, one chunk per 4 tokens (--stream-interval 4)
+      $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 --stream-interval 4 ${SERVE_ARGS:-} \
+        > "$OUT/serve400-si4-server.log" 2>&1 & pid=$!
+      for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+      TAIL=4 run serve400-c512-si4 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+        --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+        --result-file "$OUT/serve400-c512-si4.json" --disable-tqdm
+      kill -INT $pid; wait $pid
+    fi
     TAIL=3 run serve400-offline 150 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 \
       --output-len 256 --output-json "$OUT/serve400-offline.json"
     python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
-      --offline "$OUT/serve400-offline.json" ;;
+      --offline "$OUT/serve400-offline.json" --c512-interval "$OUT/serve400-c512-si4.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
         # table; then the GPU tests (graphs and eager equal with speculation on)
