@@ -184,7 +184,9 @@ PY
         --random-mm-base-items-per-request 1 --random-mm-bucket-config "{(448, 448, 1): 0.5, (720, 1280, 1): 0.5}" \
         --result-file "$OUT/vl-serve.json" --disable-tqdm
       kill -INT $pid; wait $pid
-      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
+      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6
+      # issue 49 item 6: req/s vs 1.5x 7.99, GPU idle before encoder steps vs 5% of the run
+      python3 -m bench.vl_targets --serve-json "$OUT/vl-serve.json" --server-log "$OUT/vl-server.log" ;;
   moe|moe-kernel|moe-qwen3|moe-mixtral|moe-std) # issue 45: the fused-MoE kernel alone (decode vs its HBM
       # floor, prefill vs the bf16 matmul peak, tuned vs default at 512 tokens), then Qwen3-30B-A3B offline
       # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT;
@@ -394,6 +396,30 @@ for name, got, want, ok in rows:
     print(f"{name:58s} {got:>10s} {want:>8s} {'ok' if ok else 'MISS'}")
 PY
       ;;
+  serve-400) # issue 49 item 7: one API server (Qwen3-0.6B dummy) at c512, 256 in / 128 out: req/s, output tok/s
+             # and its CPU per request; then the serve section's pair (c256 512/256 vs offline); one table
+    $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+    $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 ${SERVE_ARGS:-} > "$OUT/serve400-server.log" 2>&1 & pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+    TAIL=22 run serve400-c512 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+      --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+      --result-file "$OUT/serve400-c512.json" --disable-tqdm
+    TAIL=4 run serve400-c256 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 512 \
+      --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve400-c256.json" --disable-tqdm
+    kill -INT $pid; wait $pid   # the GPU is free again for the offline run at the same shape
+    if [ "${S400_INTERVAL:-1}" = 1 ]; then   # the c512 load again, one chunk per 4 tokens (--stream-interval 4)
+      $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 --stream-interval 4 ${SERVE_ARGS:-} \
+        > "$OUT/serve400-si4-server.log" 2>&1 & pid=$!
+      for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+      TAIL=4 run serve400-c512-si4 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+        --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+        --result-file "$OUT/serve400-c512-si4.json" --disable-tqdm
+      kill -INT $pid; wait $pid
+    fi
+    TAIL=3 run serve400-offline 150 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 \
+      --output-len 256 --output-json "$OUT/serve400-offline.json"
+    python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
+      --offline "$OUT/serve400-offline.json" --c512-interval "$OUT/serve400-c512-si4.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)

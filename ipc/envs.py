@@ -136,6 +136,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                               "pushes (Lamport) instead of pulling (0: never)"),
     "LOOM_ONE_SHOT_GATHER_MAX_BYTES": EnvVar(1 << 20, _int, "largest per-rank logits the vocab-parallel "
                                              "lm_head gathers with its own kernel (NCCL above)"),
+    # --- multimodal inputs (multimodal/processor.py)
+    "LOOM_MEDIA_LOADING_THREAD_COUNT": EnvVar(8, _int, "threads of an API server that decode and process "
+                                              "images and audio (vLLM's VLLM_MEDIA_LOADING_THREAD_COUNT)"),
 }
 
 
