@@ -12,7 +12,6 @@ intermediate_size (375 per chunk for Voxtral-Mini). Weight names: the Hub's (`au
 `language_model.model.*`) and transformers 5's (`model.audio_tower.*`, `model.language_model.*`)."""
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -22,10 +21,10 @@ from torch import nn
 from multimodal.audio import MAX_AUDIO_SECONDS, as_audio, load_audio_url
 from multimodal.audio_info import AudioInfo, sampling_rate, window_seconds
 from workers.attention import AttentionMetadata
+from workers.models.audio_lm import AudioLanguageModel
 from workers.distributed import LogitsShard
 from workers.models.layers import KVCache, replicated
 from workers.models.llama import LlamaForCausalLM
-from workers.models.qwen2_audio import _RENAMES
 from workers.models.whisper import WhisperEncoder
 
 
@@ -75,7 +74,7 @@ class VoxtralAudio(AudioInfo):
         return len(feats) * tokens_per_chunk(ac)
 
 
-class VoxtralForConditionalGeneration(nn.Module):
+class VoxtralForConditionalGeneration(AudioLanguageModel):
     multimodal = VoxtralAudio()
 
     def __init__(self, config, language_model_only: bool = False):
@@ -116,37 +115,3 @@ class VoxtralForConditionalGeneration(nn.Module):
         embeds = p.linear_2(F.gelu(p.linear_1(out.reshape(-1, p.linear_1.in_features))))
         return list(embeds.split([len(f) * out.shape[1] // self.frames_per_token for f in feats]))
 
-    def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
-        ac = self.hf_config.audio_config
-        frames = 2 * ac.max_source_positions
-        return {"input_features": np.zeros((1, ac.num_mel_bins, frames), np.float32),
-                "feature_attention_mask": np.ones((1, frames), np.int32)}
-
-    def hf_to_loom(self, name: str) -> str:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """The language model's weights go to its own load_weights; the encoder's load here."""
-        params = dict(self.named_parameters())
-        text_weights, seen = [], set()
-        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
-            if name in seen:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-            seen.add(name)
-            if name.startswith("language_model."):
-                text_weights.append((name[len("language_model."):], t))
-            elif name.startswith(("audio_tower.", "multi_modal_projector.")):
-                if name in params:
-                    try:
-                        params[name].weight_loader(params[name], t)
-                    except ValueError as e:
-                        raise ValueError(f"weight {name!r}: {e}") from None
-                elif self.audio_tower is not None:
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
-        missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing and not partial:
-            raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights), partial)
