@@ -64,6 +64,9 @@ class EngineCore:
         self.config = config
         startup = StartupTimes(f"engine core {config.data_parallel_rank}")
         startup.since_process_start("imports")
+        if executor_class is MultiprocExecutor and config.distributed_executor_backend == "ray":
+            from engine_core.ray_executor import RayExecutor
+            executor_class = RayExecutor
         with startup.phase("workers started (imports, weights)"):
             self.executor = executor_class(config, ipc_dir)
         with startup.phase("profiling run"):

@@ -119,7 +119,9 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "GPUs (worker processes, one per GPU) one model is split over; "
                                        "on CPU, processes (gloo)", aliases=("-tp",))
     distributed_executor_backend: str = option("mp", "how the workers run: mp = one local process per "
-                                               "rank (the only backend)", ("mp",))
+                                               "rank; ray = Ray actors on a placement group of the Ray "
+                                               "cluster (RAY_ADDRESS, or a local one), across its nodes; "
+                                               "needs pip install 'loom[ray]'", ("mp", "ray"))
     nnodes: int = option(1, "nodes the tensor-parallel ranks span (each runs tensor_parallel_size / "
                          "nnodes workers)")
     node_rank: int = option(0, "this node's rank: 0 runs the engine and API servers, the others run "
@@ -385,9 +387,12 @@ class EngineConfig:
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")
-        if self.distributed_executor_backend != "mp":
-            raise ConfigError(f"--distributed-executor-backend must be mp (the only backend), "
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ConfigError(f"--distributed-executor-backend must be mp or ray, "
                               f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and nodes > 1:
+            raise ConfigError("--distributed-executor-backend ray places the ranks on the Ray cluster's "
+                              "nodes itself: drop --nnodes")
         if nodes < 1 or tp % nodes:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
@@ -496,8 +501,8 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
     if expert_inter % tp and not config.enable_expert_parallel:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's expert intermediate size "
                           f"{expert_inter} (--enable-expert-parallel places whole experts on the ranks instead)")
-    if config.device == "cpu":
-        return
+    if config.device == "cpu" or config.distributed_executor_backend == "ray":
+        return   # Ray: the placement group finds the GPUs across the cluster
     import torch
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     need = tp // config.nnodes

@@ -89,6 +89,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                    "(unset: 3 on GPU, 2 on CPU); --steps-in-flight wins"),
     "LOOM_ATTACHED_OUTPUT_HWM": EnvVar(10_000, _int, "outputs queued for an attached client that does not "
                                        "read them before it is dropped; --attached-output-hwm wins"),
+    "LOOM_RAY_PLACEMENT_TIMEOUT_S": EnvVar(300.0, _float, "seconds --distributed-executor-backend ray waits "
+                                           "for its placement group (one bundle per rank) to be placed"),
     "LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S": EnvVar(120.0, _float, "seconds /init_weights_update_group waits for "
                                                 "the trainer's group to form; --weight-update-join-timeout-s wins"),
     # --- profiling and statistics
