@@ -178,7 +178,7 @@ def test_fused_decoder_layers_taken_for_llama_refused_otherwise(model_factory, m
         assert _generic_model(model_factory(arch)).fused_layers == 0, arch
     original = modeling_llama.LlamaDecoderLayer.forward
 
-    def post_scaled(self, hidden_states, **kwargs):   # Llama's children, another forward
-        return original(self, hidden_states, **kwargs) * 0.5
-    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", post_scaled)
+    def shifted(self, hidden_states, **kwargs):   # Llama's children, another forward
+        return original(self, hidden_states, **kwargs) + 0.1
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", shifted)
     assert _generic_model(llama).fused_layers == 0
