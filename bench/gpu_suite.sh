@@ -81,6 +81,9 @@ for section in "$@"; do case $section in
              run llama8b-$impl-latency 300 $LOOM bench latency --preset llama-3.1-8b --iters 3 --model-impl $impl \
                --output-json "$OUT/generic-$impl-latency.json"
            done
+           # the same, the fused decoder layers off (workers/models/transformers_fused.py): their gain
+           LOOM_GENERIC_FUSED_LAYERS=0 run llama8b-transformers-unfused-latency 300 $LOOM bench latency \
+             --preset llama-3.1-8b --iters 3 --model-impl transformers --output-json "$OUT/generic-unfused-latency.json"
            python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -98,6 +101,10 @@ if all(tp.values()):
 if all(lat.values()):
     n, g = lat["loom"]["runs"][0]["tpot_ms"], lat["transformers"]["runs"][0]["tpot_ms"]
     print(f"generic/native batch-1 TPOT: {g:.3f} / {n:.3f} ms = {g / n:.3f} (target <= 1.15)")
+unfused = read("unfused-latency")
+if lat["loom"] and unfused:
+    n, u = lat["loom"]["runs"][0]["tpot_ms"], unfused["runs"][0]["tpot_ms"]
+    print(f"generic (fused layers off)/native batch-1 TPOT: {u:.3f} / {n:.3f} ms = {u / n:.3f} (was 1.171)")
 PY
            ;;
   quant-tests) run quant-kernel-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py
