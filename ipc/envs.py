@@ -116,6 +116,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                     "at one row (bench/quant_kernels.py --sweep; empty: kernels/w4a16.gemv_tiles)"),
     "LOOM_FP8_GEMV": EnvVar("gemv", _text, "the FP8 decode GEMV: gemv (kernels/gemv.py's, fp8 weights, "
                             "norms fused) or legacy (kernels/fp8_linear.py's session-30 kernel)"),
+    "LOOM_GENERIC_FUSED_LAYERS": EnvVar(True, _switch, "0: the generic Transformers path keeps HF's decoder-layer "
+                                        "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "

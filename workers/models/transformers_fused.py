@@ -22,11 +22,11 @@ output differs from HF's. LOOM_GENERIC_FUSED_LAYERS=0 switches it off (to time b
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from ipc import envs
 from workers.models.layers import RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _pre_norm_layers(base: nn.Module) -> list[nn.Module] | None:
 
 
 def enabled() -> bool:
-    return os.environ.get("LOOM_GENERIC_FUSED_LAYERS", "1") not in ("0", "false", "False", "")
+    return envs.LOOM_GENERIC_FUSED_LAYERS
 
 
 @torch.inference_mode()
