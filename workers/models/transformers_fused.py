@@ -152,7 +152,8 @@ def use_fused_layers(hf: nn.Module, step) -> int:
         return 0
     device = next(hf.parameters()).device
     vocab = hf.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(0)).to(device)
+    # (on the CPU whatever the default device: the model may be built under torch.device("cuda"))
+    ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(0), device="cpu").to(device)
     carry = FusedResidual()
     # the norms' weights are 1 at construction: random ones, so that a skipped norm shows
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
