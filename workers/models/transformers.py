@@ -82,8 +82,10 @@ def loom_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if step.probe is not None:  # start-up: the layer's head counts and head size, no attention
         step.probe[module.layer_idx] = (query.shape[1], key.shape[1], query.shape[-1])
         return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3]), None
-    if step.echo:   # start-up check of the fused layers (transformers_fused.py): no cache, no kernel
-        return query.transpose(1, 2).contiguous(), None
+    if step.echo:   # start-up check of the fused layers (transformers_fused.py): no cache, no kernel; a
+        # bounded function of q, k and v (each shows a wrong slice), so that the stream stays O(1) over layers
+        out = torch.tanh(query) + torch.tanh(key).mean(1, keepdim=True) + torch.tanh(value).mean(1, keepdim=True)
+        return out.transpose(1, 2).contiguous(), None
     attn = module._modules.get("loom_attn")
     if attn is None:  # the first call (start-up's profiling run): the layer's own head counts and scale
         attn = module.loom_attn = Attention(query.shape[1], key.shape[1], query.shape[-1],

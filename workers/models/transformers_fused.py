@@ -159,9 +159,10 @@ def use_fused_layers(hf: nn.Module, step) -> int:
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     saved = [n.weight.detach().clone() for n in norms]
     try:
+        g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for n in norms:
-                n.weight.copy_(torch.rand_like(n.weight) + 0.5)
+                n.weight.copy_(torch.rand(n.weight.shape, generator=g, device="cpu") + 0.5)
         # compared before the final norm (a norm hides a layer's scale): HF's sum, and ours
         base.norm.forward = lambda x: x
         ref = _decoder_output(base, step, ids)
@@ -172,7 +173,7 @@ def use_fused_layers(hf: nn.Module, step) -> int:
             ours = _decoder_output(base, step, ids)
             base.norm.forward = fused_final_norm(base.norm, carry)
             scale = ref.abs().max().clamp_min(1e-6)
-            tol = 1e-3 if saved[0].dtype == torch.float32 else 5e-2
+            tol = 1e-5 if saved[0].dtype == torch.float32 else 5e-2   # (fp32: only the adds' rounding differs)
             ok = bool(torch.isfinite(ours).all()) and float((ours - ref).abs().max() / scale) < tol
         except Exception as e:   # a layer whose attention or MLP is called otherwise
             logger.info("generic path: fused decoder layers failed on %s (%s)", type(base).__name__, e)
