@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multimodal.audio_info import AudioInfo
-from workers.attention import AttentionMetadata
 from workers.models.audio_lm import AudioLanguageModel
-from workers.distributed import LogitsShard
-from workers.models.layers import KVCache, replicated
+from workers.models.layers import replicated
 from workers.models.qwen2 import Qwen2ForCausalLM
 
 
@@ -119,16 +117,6 @@ class Qwen2AudioForConditionalGeneration(AudioLanguageModel):
             for module in (self.audio_tower, self.multi_modal_projector):
                 for p in module.parameters():   # replicated on every tensor-parallel rank
                     replicated(p)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        return self.language_model.compute_logits(hidden, plain)
 
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed clips (the multimodal contract's name; input_features [1, mels, frames] and
