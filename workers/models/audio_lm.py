@@ -43,7 +43,14 @@ class AudioLanguageModel(nn.Module):
     def hf_to_loom(self, name: str) -> str:
         for old, new in RENAMES:
             if name.startswith(old):
-                return new + name[len(old):]
+                name = new + name[len(old):]
+                break
+        # some transformers releases nest a whole *ForCausalLM under `model.language_model`, so its
+        # decoder's names carry one `model.` more (model.language_model.model.layers...)
+        if name.startswith("language_model.model.model."):
+            name = "language_model.model." + name[len("language_model.model.model."):]
+        elif name.startswith("language_model.model.lm_head."):
+            name = "language_model." + name[len("language_model.model."):]
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
