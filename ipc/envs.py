@@ -120,6 +120,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
+    "LOOM_GRAMMAR_GRAPH_HEAD": EnvVar(True, _switch, "0: a structured-output decode step samples eagerly, "
+                                      "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "

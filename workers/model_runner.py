@@ -253,7 +253,9 @@ class ModelRunner:
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
             step.pooled = self.pooler(self.model, hidden, batch)
         elif len(batch.sample_rows) and so.defer_sample:
-            if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
+            if batch.decode_graph_size is not None and not batch.grammar_head:
+                # its parameters lie in the graphs' staging, which the next step rewrites (the grammar
+                # head reads them there: the worker samples this step before it launches the next)
                 batch.device = map_arrays(batch.device, torch.clone)
             step.unsampled = DeferredSample(batch, logits)   # sample_deferred() samples it once the bitmask comes
         elif batch.spec is not None:
@@ -326,6 +328,10 @@ class ModelRunner:
         plain = (((graph_size is not None and every_row_samples) or tp_size() > 1)
                  and (spec is None or graph_size is not None) and self._samples_plainly(so, rows))
         graph_samples = graph_size is not None and every_row_samples and plain
+        # a structured-output step whose rows otherwise sample plainly: the grammar head samples it
+        grammar_head = (not graph_samples and graph_size is not None and every_row_samples and spec is None
+                        and self._samples_in_grammar_head(so, rows))
+        graph_samples |= grammar_head
         if self.uses_mrope:
             host.positions = self.batch.mrope_positions(states, host.positions, token_starts)
         if spec is not None and not graph_samples:
@@ -354,7 +360,7 @@ class ModelRunner:
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec)
+                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -418,6 +424,13 @@ class ModelRunner:
         return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
                 and self.sampler.plain(rows, self.model.config.vocab_size, top_p=tp_size() == 1))
 
+    def _samples_in_grammar_head(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """A grammar constrains some row (now or once the bitmask comes) and the rows sample
+        plainly otherwise (workers/decode_graphs.py: the grammar head)."""
+        return (self.decode_graphs.grammar_heads
+                and (so.defer_sample or (so.grammar is not None and len(so.grammar.rows) > 0))
+                and self.sampler.plain(rows, self.model.config.vocab_size, top_p=True))
+
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
         logit_row_counts. cuBLAS's first call at a new shape costs 2-3 ms of host time, and up
@@ -457,8 +470,9 @@ class ModelRunner:
         what their grammar bitmask allows. A step the decode graph's head samples has no row
         with penalties or bad words, so its tokens need not be recorded."""
         if batch.graph_samples:
-            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled)),
-                                 None, {}, None)
+            masked = self._stage_grammar(batch, grammar) if batch.grammar_head else None
+            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
+                                                             grammar=batch.grammar_head), None, {}, masked)
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
         sampling = batch.device.sampling
@@ -524,6 +538,25 @@ class ModelRunner:
         if getattr(self.proposer, "on_device", False):   # drafted with the step (spec_drafts)
             return self.proposer.propose(self, live, step) or None
         return self.proposer.propose(self, live) or None
+
+    def _stage_grammar(self, batch: StepBatch, grammar: GrammarOutput | None) -> torch.Tensor | None:
+        """The grammar head's masks for this step (every row samples: grammar.rows are rows of
+        the head); the rows left with no token to sample (bool per row, on the host), or None."""
+        bs, n = batch.decode_graph_size, len(batch.num_scheduled)
+        mask_rows = np.full(bs, -1, dtype=np.int32)
+        if grammar is None or not len(grammar.rows):
+            distinct = np.zeros((0, 1), dtype=np.int32)
+        else:
+            distinct = np.array(grammar.bitmask)   # (a writable copy of the received frame)
+            which = np.arange(len(grammar.rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+            mask_rows[np.asarray(grammar.rows, dtype=np.int64)] = which
+        dev_distinct, dev_rows = self.h2d([np.ascontiguousarray(distinct), mask_rows])
+        self.decode_graphs.set_grammar(bs, dev_distinct, dev_rows)
+        empty = ~_allows_any(distinct, self.model.config.vocab_size)
+        if not empty.any():
+            return None
+        rows = mask_rows[:n]
+        return torch.from_numpy((rows >= 0) & empty[np.maximum(rows, 0)])
 
     def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput,
                        spec: SpecLayout | None = None) -> None:
@@ -621,3 +654,13 @@ class ModelRunner:
                 accepted[st.req_id] = step.spec.drafts[j][:a]
                 st.num_tokens += a   # (the drafts are in token_ids already: prepare() wrote them)
         return accepted or None
+
+
+def _allows_any(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool per bitmask row: some token of the vocabulary is allowed."""
+    full, rem = divmod(vocab, 32)
+    words = bitmask[:, :full]
+    out = (words != 0).any(axis=1) if full else np.zeros(len(bitmask), dtype=bool)
+    if rem and bitmask.shape[1] > full:
+        out |= (bitmask[:, full] & np.int32((1 << rem) - 1)) != 0
+    return out
