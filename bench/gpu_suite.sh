@@ -434,7 +434,9 @@ PY
         # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
         TAIL=14 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --equality --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
-  spec-quick) # the same, decode-graph verify only, no tests (one engine fewer per shape)
-        TAIL=10 run spec-decode 400 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json" ;;
+  spec-quick) # the same, decode-graph verify only, no tests; the oracle rows with this session's verify-step host
+              # work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0), the EAGLE-3 head's cost per draft token last
+        TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done
