@@ -9,8 +9,6 @@ of every verify step) are built from the B request rows by numpy indexing
 (LOOM_SPEC_FAST_HOST=0: per token, as before, for A/B runs)."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from workers.sampler import SamplingArrays
@@ -28,7 +26,7 @@ def per_token_params(per_request: SamplingArrays[np.ndarray], spec: SpecLayout) 
     if per_request.adjusts:
         raise ValueError("per-request verify parameters hold no adjustments (per-row bans differ)")
     req = spec.request
-    fields = {f.name: (None if (v := getattr(per_request, f.name)) is None else v[req])
-              for f in dataclasses.fields(per_request)}
-    fields["output_indices"] = fields["output_indices"] + (spec.landing - first_landings(spec)[req])
-    return SamplingArrays(**fields)
+    out = object.__new__(SamplingArrays)   # (the fields by name, as HostToDevice copies these structures)
+    out.__dict__ = {name: None if v is None else v[req] for name, v in per_request.__dict__.items()}
+    out.output_indices += spec.landing - first_landings(spec)[req]
+    return out
