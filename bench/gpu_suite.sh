@@ -347,7 +347,7 @@ PY
   eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
          # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
-         run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
+         TAIL=40 run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu_eagle.py
          TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
   whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
            # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
