@@ -432,10 +432,10 @@ PY
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)
         # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
-        TAIL=14 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --equality --step-stats \
+        TAIL=16 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --eagle --equality --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
-  spec-quick) # the same, decode-graph verify only, no tests; the oracle rows with this session's verify-step host
-              # work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0), the EAGLE-3 head's cost per draft token last
+  spec-quick) # the same, decode-graph verify only, no tests; the Qwen batch-8 oracle row with this session's
+              # verify-step host work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0); the EAGLE-3 head's cost per draft token
         TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
