@@ -347,7 +347,7 @@ PY
   eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
          # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
-         run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
+         TAIL=40 run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu_eagle.py
          TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
   whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
            # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
@@ -432,9 +432,11 @@ PY
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)
         # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
-        TAIL=14 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --equality --step-stats \
+        TAIL=16 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --eagle --equality --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
-  spec-quick) # the same, decode-graph verify only, no tests (one engine fewer per shape)
-        TAIL=10 run spec-decode 400 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json" ;;
+  spec-quick) # the same, decode-graph verify only, no tests; the Qwen batch-8 oracle row with this session's
+              # verify-step host work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0); the EAGLE-3 head's cost per draft token
+        TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -124,6 +124,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                       "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
+    "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
+                                  "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

@@ -36,6 +36,7 @@ from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
 from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
+from workers.spec_decode.verify_sampling import first_landings, per_token_params
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
 from workers.warmup import capture_graphs, warm_up
@@ -303,11 +304,14 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:   # a verify step: k + 1 logits rows per request with k drafts
             spec = spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))),
                                so.scheduled_spec_decode_tokens)
+        per_request = spec is not None and envs.LOOM_SPEC_FAST_HOST   # (workers/spec_decode/verify_sampling.py)
         if spec is None:
             rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        elif per_request:   # each request's row at its first draft position, expanded below
+            rows = [self._sampling_row(states[i], p) for i, p in zip(sample_rows.tolist(),
+                                                                     first_landings(spec).tolist())]
         else:   # one row per draft and one more, each drawing the token at its landing position
-            rows = [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
-                                                                                 spec.landing.tolist())]
+            rows = self._verify_rows(states, sample_rows, spec)
         if so.scheduled_encoder_inputs:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
@@ -338,7 +342,12 @@ class ModelRunner:
             host.sample_index = self._padded_rows(spec.token_rows)
         elif not graph_samples:
             host.sample_index = self._padded_rows(host.query_start_loc[1:][sample_rows] - 1)
-        host.sampling = self.sampler.host_params(rows)
+        if per_request and graph_samples:   # the graph's head reads the plain fields only
+            host.sampling = per_token_params(self.sampler.host_params(rows), spec)
+        else:
+            if per_request:
+                rows = self._verify_rows(states, sample_rows, spec)
+            host.sampling = self.sampler.host_params(rows)
         spans = prompt_logprob_spans(states, start, num_scheduled)
         if (logprob_rows := prompt_logprob_rows(spans, states, token_starts, self.batch.token_ids)):
             host.prompt_logprob_rows, host.prompt_logprob_targets = logprob_rows
@@ -392,6 +401,12 @@ class ModelRunner:
         device = self.h2d.upload(host, skip=_NOT_UPLOADED_WITH_DECODE_GRAPH)
         self.decode_graphs.stage(graph_size, host, device)
         return device
+
+    def _verify_rows(self, states: list[CachedRequestState], sample_rows: np.ndarray, spec: SpecLayout
+                     ) -> list[SamplingRow]:
+        """A verify step's rows: one per draft and one more, each drawing the token at its landing."""
+        return [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
+                                                                             spec.landing.tolist())]
 
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule

@@ -57,7 +57,7 @@ class StepBatch:
     computed_before: np.ndarray               # computed tokens before the step
     computed_after: np.ndarray
     sample_rows: np.ndarray                   # requests that sample a token (not mid-prompt)
-    sampling_rows: list[SamplingRow]
+    sampling_rows: list[SamplingRow]          # (a verify step the graph head samples: one per request)
     host: HostInputs
     device: DeviceInputs
     attention: AttentionMetadata | None       # None: a decode graph's step (the graph holds its own)
