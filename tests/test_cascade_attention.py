@@ -103,3 +103,96 @@ def test_split_choices():
     assert ca.choose_prefix_splits(16, 2, 2, 2048, cpu) == 4           # 2 programs, 2 per SM wanted on 4
     assert ca.choose_prefix_splits(16, 2, 1, 300, cpu) == 1            # too few keys to split
     assert ca.choose_suffix_splits(4, 2, 7, 5000, cpu) == 1            # a prompt chunk: unsplit
+
+
+# --------------------------------------------------------------------------
+# the runner's decision
+# --------------------------------------------------------------------------
+
+def test_common_prefix_blocks():
+    from workers.cascade_attn import common_prefix_blocks
+    bt = np.array([[4, 9, 2, 7], [4, 9, 2, 8], [4, 9, 5, 1]], dtype=np.int32)
+    assert common_prefix_blocks(bt) == 2
+    assert common_prefix_blocks(bt[:2]) == 3
+    assert common_prefix_blocks(np.array([[4, 9], [5, 9]], dtype=np.int32)) == 0   # first column differs
+    assert common_prefix_blocks(bt[:1]) == 0                                       # one request: nothing shared
+    assert common_prefix_blocks(np.array([[3, 3], [3, 3]], dtype=np.int32)) == 2
+
+
+def test_heuristic():
+    from workers.cascade_attn import use_cascade_attention
+    qwen3 = dict(num_q_heads=16, num_kv_heads=8, head_dim=128, kv_elem_bytes=2)
+    assert use_cascade_attention(2048, 512, 512, **qwen3)          # the issue's shared-prefix row
+    assert use_cascade_attention(1024, 64, 64, **qwen3)
+    assert not use_cascade_attention(240, 512, 512, **qwen3)       # too short a prefix (vLLM: 256)
+    assert not use_cascade_attention(2048, 7, 7, **qwen3)          # too few requests (vLLM: 8)
+    assert not use_cascade_attention(256, 8, 8, **qwen3)           # the extra launches cost more
+    assert not use_cascade_attention(512, 8, 8192, **qwen3)        # 8 requests with long chunks: FLOPs
+
+
+# --------------------------------------------------------------------------
+# whole engines: cascade on == off
+# --------------------------------------------------------------------------
+
+def _greedy_with_cascade(model_dir: str, prompts: list[list[int]], mode: str, monkeypatch, **options):
+    """Greedy tokens of an in-process engine (Triton kernels; interpreted on CPU) with
+    LOOM_CASCADE_ATTN=mode, and how many attention calls ran as cascade."""
+    from frontend import LLM, SamplingParams
+    calls = []
+    real = ca.cascade_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["num_decodes"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ca, "cascade_attention", counted)
+    monkeypatch.setenv("LOOM_CASCADE_ATTN", mode)
+    llm = LLM(model_dir, multiprocess=False, attention_backend="triton", block_size=8, max_model_len=64,
+              max_num_seqs=16, **options)
+    try:
+        # the prefix's blocks first, then every request hits them (one physical copy)
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], len(calls)
+
+
+@needs_triton
+def test_engine_greedy_equal_with_cascade_on_and_off(model_factory, monkeypatch):
+    # 16 requests: a 24-token (3-block) shared prefix and 1-6 tokens of their own, 2 greedy tokens
+    # (the first step's prompt chunks and a decode step run as cascade)
+    model_dir = model_factory("qwen3", num_hidden_layers=1)   # (one layer: the interpreter is slow)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 250, 24).tolist()
+    prompts = [shared + rng.integers(3, 250, 1 + i % 6).tolist() for i in range(16)]
+    off, n_off = _greedy_with_cascade(model_dir, prompts, "0", monkeypatch)
+    on, n_on = _greedy_with_cascade(model_dir, prompts, "force", monkeypatch)
+    assert n_off == 0 and n_on > 0, (n_off, n_on)
+    assert on == off
+
+
+def test_planner_switches(model_factory, monkeypatch):
+    # --disable-cascade-attn wins over LOOM_CASCADE_ATTN; the torch backend never plans; force
+    # plans from one shared block (the heuristic would refuse this little), capped by the
+    # tokens every request has computed
+    from ipc.config import EngineConfig
+    from workers.cascade_attn import CascadePlanner
+    from workers.model_loader import load_model
+    model_dir = model_factory("qwen3")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), "dummy", False, "auto", None,
+                       EngineConfig(model_dir))
+    monkeypatch.setenv("LOOM_CASCADE_ATTN", "force")
+    assert CascadePlanner.build(model, EngineConfig(model_dir, disable_cascade_attn=True), torch.float32, 8,
+                                "triton") is None
+    assert CascadePlanner.build(model, EngineConfig(model_dir), torch.float32, 8, "torch") is None
+    planner = CascadePlanner.build(model, EngineConfig(model_dir), torch.float32, 8, "triton")
+    bt = np.array([[4, 9, 2, 7], [4, 9, 2, 8], [4, 9, 2, 1]], dtype=np.int32)
+    assert planner.prefix_len(bt, np.array([30, 24, 25]), np.ones(3, np.int64)) == 24
+    assert planner.prefix_len(bt, np.array([30, 15, 25]), np.ones(3, np.int64)) == 8
+    assert planner.prefix_len(bt, np.array([30, 7, 25]), np.ones(3, np.int64)) == 0
+    monkeypatch.setenv("LOOM_CASCADE_ATTN", "auto")
+    planner = CascadePlanner.build(model, EngineConfig(model_dir), torch.float32, 8, "triton")
+    assert planner.prefix_len(bt, np.array([30, 24, 25]), np.ones(3, np.int64)) == 0
