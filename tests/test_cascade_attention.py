@@ -122,12 +122,15 @@ def test_common_prefix_blocks():
 def test_heuristic():
     from workers.cascade_attn import use_cascade_attention
     qwen3 = dict(num_q_heads=16, num_kv_heads=8, head_dim=128, kv_elem_bytes=2)
-    assert use_cascade_attention(2048, 512, 512, **qwen3)          # the shared-prefix row
-    assert use_cascade_attention(1024, 64, 64, **qwen3)
-    assert not use_cascade_attention(240, 512, 512, **qwen3)       # too short a prefix (vLLM: 256)
-    assert not use_cascade_attention(2048, 7, 7, **qwen3)          # too few requests (vLLM: 8)
-    assert not use_cascade_attention(256, 8, 8, **qwen3)           # the extra launches cost more
-    assert not use_cascade_attention(512, 8, 8192, **qwen3)        # 8 requests with long chunks: FLOPs
+    ones = np.ones(512, np.int64)
+    assert use_cascade_attention(2048, ones, **qwen3)                 # the shared-prefix row
+    assert use_cascade_attention(1024, ones[:64], **qwen3)
+    assert not use_cascade_attention(240, ones, **qwen3)              # too short a prefix (vLLM: 256)
+    assert not use_cascade_attention(2048, ones[:7], **qwen3)         # too few requests (vLLM: 8)
+    assert not use_cascade_attention(256, ones[:8], **qwen3)          # the extra launches cost more
+    chunks = np.full(8, 1024)
+    assert not use_cascade_attention(2048, chunks, **qwen3)           # prompt chunks: the same FLOPs either way
+    assert use_cascade_attention(2048, np.concatenate([ones, chunks[:1]]), **qwen3)   # decodes and a chunk
 
 
 # --------------------------------------------------------------------------

@@ -5,9 +5,10 @@ As vLLM V1: one common prefix for the whole batch (its scheduler's num_common_pr
 here read off the step's block tables: the prefix cache gives requests that share a prompt
 prefix the same physical blocks), at most every request's computed tokens, whole blocks; and
 `use_cascade_attention`'s gates (a prefix of 256 keys or more, 8 requests or more) before a
-cost model. Ours compares bytes and FLOPs per layer: without cascade every request reads the
-prefix's KV (B x P x bytes per key); with it the prefix is read once, but its FLOPs run on
-tensor cores at prefill efficiency, plus two more launches.
+cost model. Ours compares bytes and FLOPs per layer: without cascade every decode reads the
+prefix's KV (B x P x bytes per key); with it the prefix is read once, but the decodes' FLOPs
+against it run on tensor cores at prefill efficiency, plus two more launches (a prompt chunk's
+FLOPs are the same either way).
 
 A cascade step runs in the piecewise CUDA graphs (attention between the pieces is eager, so the
 prefix length and the split counts are plain host ints), never in a decode graph, whose
@@ -41,16 +42,22 @@ def common_prefix_blocks(block_table: np.ndarray) -> int:
     return int(same.size if same.all() else np.argmin(same))
 
 
-def use_cascade_attention(prefix_len: int, num_reqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int,
+def use_cascade_attention(prefix_len: int, query_lens: np.ndarray, num_q_heads: int, num_kv_heads: int,
                           head_dim: int, kv_elem_bytes: int) -> bool:
-    """Whether one layer's attention is faster as cascade: the prefix's KV read once and its
-    FLOPs, against every request reading it (the own keys cost the same either way)."""
+    """Whether one layer's attention over the prefix is faster as cascade (the own keys cost the
+    same either way). Plain: each decode reads the prefix's KV (bytes-bound), each prompt
+    chunk's queries multiply against it (FLOP-bound, as in cascade). Cascade: the prefix read
+    once, every query's FLOPs in one launch, and two more launches."""
+    num_reqs = len(query_lens)
     if prefix_len < MIN_COMMON_PREFIX_TOKENS or num_reqs < MIN_REQUESTS:
         return False
     key_bytes = 2 * num_kv_heads * head_dim * kv_elem_bytes
-    plain = num_reqs * prefix_len * key_bytes / HBM_BYTES_PER_S
-    flops = 4 * num_tokens * num_q_heads * prefix_len * head_dim
-    cascade = max(prefix_len * key_bytes / HBM_BYTES_PER_S, flops / PREFIX_FLOPS_PER_S) + EXTRA_LAUNCH_S
+    flops_per_query = 4 * num_q_heads * prefix_len * head_dim
+    decodes = int((query_lens == 1).sum())
+    chunk_queries = int(query_lens.sum()) - decodes
+    plain = decodes * prefix_len * key_bytes / HBM_BYTES_PER_S + chunk_queries * flops_per_query / PREFIX_FLOPS_PER_S
+    cascade = max(prefix_len * key_bytes / HBM_BYTES_PER_S,
+                  (decodes + chunk_queries) * flops_per_query / PREFIX_FLOPS_PER_S) + EXTRA_LAUNCH_S
     return cascade < plain
 
 
@@ -93,8 +100,8 @@ class CascadePlanner:
             return 0
         if self.mode == "force":
             return length
-        pays = use_cascade_attention(length, len(num_scheduled), int(num_scheduled.sum()), self.num_q_heads,
-                                     self.num_kv_heads, self.head_dim, self.kv_elem_bytes)
+        pays = use_cascade_attention(length, num_scheduled, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                     self.kv_elem_bytes)
         return length if pays else 0
 
     def prefix(self, length: int, query_start_loc: torch.Tensor, block_table: torch.Tensor,
