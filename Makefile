@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, so that nothing later pulls the multi-GB CUDA build
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -39,7 +39,7 @@ serve-vision: $(VENV)/.installed $(VISION_DIR)/model.safetensors
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) $(VISION_DIR) *.egg-info

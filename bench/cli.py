@@ -24,8 +24,8 @@ def add_bench_parser(sub) -> None:
 
 
 def _preset_names():
-    from bench.presets import PRESETS
-    return PRESETS
+    from bench.presets import ASR_PRESETS, PRESETS
+    return [*PRESETS, *ASR_PRESETS]
 
 
 def _write_preset(args: argparse.Namespace) -> int:

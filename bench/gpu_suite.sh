@@ -35,7 +35,7 @@ for section in "$@"; do case $section in
              # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds
     TAIL=12 run targets-qwen3 240 $LOOM bench throughput --preset qwen3-0.6b \
       --sampling plain topp-only topp topp-penalties logprobs n4seed --output-json "$OUT/targets-qwen3.json"
-    TAIL=6 run targets-structured 200 $LOOM bench throughput --preset qwen3-0.6b --structured-output json \
+    TAIL=6 run targets-structured 200 $LOOM bench throughput --preset qwen3-0.6b --structured-output json --skip-compile-stall \
       --output-json "$OUT/targets-structured.json"
     TAIL=4 run targets-llama8b 150 $LOOM bench throughput --preset llama-3.1-8b --output-json "$OUT/targets-llama8b.json"
     TAIL=4 run targets-latency-qwen3 60 $LOOM bench latency --preset qwen3-0.6b --iters 3 \
@@ -81,6 +81,9 @@ for section in "$@"; do case $section in
              run llama8b-$impl-latency 300 $LOOM bench latency --preset llama-3.1-8b --iters 3 --model-impl $impl \
                --output-json "$OUT/generic-$impl-latency.json"
            done
+           # the same, the fused decoder layers off (workers/models/transformers_fused.py): their gain
+           LOOM_GENERIC_FUSED_LAYERS=0 run llama8b-transformers-unfused-latency 300 $LOOM bench latency \
+             --preset llama-3.1-8b --iters 3 --model-impl transformers --output-json "$OUT/generic-unfused-latency.json"
            python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -98,10 +101,17 @@ if all(tp.values()):
 if all(lat.values()):
     n, g = lat["loom"]["runs"][0]["tpot_ms"], lat["transformers"]["runs"][0]["tpot_ms"]
     print(f"generic/native batch-1 TPOT: {g:.3f} / {n:.3f} ms = {g / n:.3f} (target <= 1.15)")
+unfused = read("unfused-latency")
+if lat["loom"] and unfused:
+    n, u = lat["loom"]["runs"][0]["tpot_ms"], unfused["runs"][0]["tpot_ms"]
+    print(f"generic (fused layers off)/native batch-1 TPOT: {u:.3f} / {n:.3f} ms = {u / n:.3f} (was 1.171)")
 PY
            ;;
   quant-tests) run quant-kernel-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_quant.py
-               TAIL=70 run quant-kernel-bench 200 python3 -m bench.quant_kernels ;;
+               bash "$0" quant-bench ;;
+  quant-bench) # issue 46: every quantized-linear variant at Llama-3.1-8B's shapes, M = 1..2048, then
+               # the choice table and the kernel targets (bench/quant_kernels.py; --sweep: W4A16 GEMV tiles)
+               TAIL=60 run quant-kernel-bench 280 python3 -m bench.quant_kernels --sweep ${QUANT_BENCH_ARGS:-} ;;
   quant|quant-llama|quant-qwen3) # issue 46: weight quantization, dummy weights in each format's real layout;
          # throughput ratios against bf16 in this same call, batch-1 TPOT (128/128) per format
          if [ "$section" != quant-qwen3 ]; then
@@ -181,13 +191,15 @@ PY
         --random-mm-base-items-per-request 1 --random-mm-bucket-config "{(448, 448, 1): 0.5, (720, 1280, 1): 0.5}" \
         --result-file "$OUT/vl-serve.json" --disable-tqdm
       kill -INT $pid; wait $pid
-      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6 ;;
+      grep -E "step stats|captured|KV cache" "$OUT/vl-server.log" | tail -n 6
+      # issue 49 item 6: req/s vs 1.5x 7.99, GPU idle before encoder steps vs 5% of the run
+      python3 -m bench.vl_targets --serve-json "$OUT/vl-serve.json" --server-log "$OUT/vl-server.log" ;;
   moe|moe-kernel|moe-qwen3|moe-mixtral|moe-std) # issue 45: the fused-MoE kernel alone (decode vs its HBM
       # floor, prefill vs the bf16 matmul peak, tuned vs default at 512 tokens), then Qwen3-30B-A3B offline
       # (random 1024 in / 128 out x 1000: total tok/s) and batch-1 TPOT, Mixtral-8x7B batch-1 TPOT;
       # moe-std alone: Qwen3-30B-A3B on the standard offline workload against its HBM floor
       case $section in moe|moe-kernel)
-        TAIL=14 run moe-kernel 150 python3 -m bench.moe_kernel --model-shape qwen3-30b-a3b --output-json "$OUT/moe-kernel.json" ;; esac
+        TAIL=16 run moe-kernel 240 python3 -m bench.moe_kernel --model-shape qwen3-30b-a3b --output-json "$OUT/moe-kernel.json" ;; esac
       case $section in moe|moe-qwen3)
         TAIL=10 run moe-qwen3-throughput 240 $LOOM bench throughput --preset qwen3-30b-a3b --num-prompts 1000 \
           --input-len 1024 --output-len 128 --output-json "$OUT/moe-qwen3-throughput.json"
@@ -323,18 +335,108 @@ PY
          run audio-parity 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_audio.py
          TAIL=5 run audio-encoder 150 python3 -m bench.audio_encoder --batch 16 ;;
   kv-offload) # issue 50: the CPU KV tier on Llama-3.1-8B shapes: TTFT of a 32k prompt re-hit from the tier vs
-              # recompute, and 0%-hit throughput with the tier on vs off (table at the end)
-              TAIL=6 run kv-offload 380 python3 -m bench.kv_offload --preset llama-3.1-8b --prompt-len 32768 \
-                --offload-gb 64 --num-prompts 400 --output-json "$OUT/kv-offload.json" ;;
+              # recompute, multi-turn p50 TTFT (working set 4x the GPU cache) tier vs GPU-only, and 0%-hit
+              # throughput with the tier on vs off (table at the end)
+              TAIL=10 run kv-offload 300 python3 -m bench.kv_offload --preset llama-3.1-8b --prompt-len 32768 \
+                --offload-gb 64 --num-prompts 256 --output-json "$OUT/kv-offload.json" ;;
   lora-tests) # issue 51: LoRA kernels under CUDA graphs vs merged weights (fp32) and vs eager (bf16)
       run lora-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py tests/test_lora_kernels.py ;;
   lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
         # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load
       TAIL=16 run lora 400 python3 -m bench.lora --output-json "$OUT/lora.json" ;;
+  eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
+         # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
+         # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
+         TAIL=40 run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu_eagle.py
+         TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
+  whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
+           # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
+           # generate (batch 64), and the encoder's share; the table last
+           run whisper-parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_whisper.py
+           TAIL=8 run whisper-asr 270 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} --concurrency 64 --output-len 64 ;;
+  moe-decode|moe-decode-std) # issue 45 decode: the fused MoE at 1/2/4/8 tokens, grouped GEMMs vs the GEMV path's
+      # tile variants (bench/moe_decode.py), Qwen3-30B-A3B and Mixtral-8x7B batch-1 TPOT (GEMV path, graphs up to
+      # 4 seqs; MOE_DECODE_AB=1 adds Qwen3's TPOT on the grouped path, MOE_DECODE_PROFILE=1 its step by kernel),
+      # ~250 s; moe-decode-std: Qwen3-30B-A3B's
+      # standard offline workload against its HBM floor (~150-250 s). The table covers whatever $OUT holds.
+      case $section in moe-decode)
+        TAIL=14 run moe-decode-kernel 150 python3 -m bench.moe_decode --model-shape qwen3-30b-a3b \
+          --output-json "$OUT/moe-decode-kernel.json"
+        TAIL=4 run moe-decode-qwen3-tpot 130 $LOOM bench latency --preset qwen3-30b-a3b --iters 3 --max-num-seqs 4 \
+          --output-json "$OUT/moe-decode-qwen3-tpot.json"
+        [ "${MOE_DECODE_AB:-0}" = 1 ] && LOOM_MOE_GEMV_MAX_TOKENS=0 TAIL=4 run moe-decode-qwen3-tpot-grouped 130 \
+          $LOOM bench latency --preset qwen3-30b-a3b --iters 3 --max-num-seqs 4 --output-json "$OUT/moe-decode-qwen3-tpot-grouped.json"
+        TAIL=4 run moe-decode-mixtral-tpot 160 $LOOM bench latency --preset mixtral-8x7b --iters 3 --max-num-seqs 4 \
+          --output-json "$OUT/moe-decode-mixtral-tpot.json"
+        # MOE_DECODE_PROFILE=1: Qwen3-30B-A3B's batch-1 step by kernel (launches per step; ~90 s more)
+        [ "${MOE_DECODE_PROFILE:-0}" = 1 ] && TAIL=24 run moe-decode-profile 150 $LOOM bench profile-step \
+          --preset qwen3-30b-a3b --batch 1 --context 256 --top 20 ;;
+      moe-decode-std)
+        TAIL=10 run moe-decode-std 280 $LOOM bench throughput --preset qwen3-30b-a3b \
+          --output-json "$OUT/moe-decode-std.json" ;; esac
+      python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def read(name):
+    try:
+        with open(f"{out}/{name}.json") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+rows = []
+for r in (read("moe-decode-kernel") or {}).get("rows", []):
+    rows.append((f"kernel {r['name']} ({r['us']:.1f} us)", f"{100 * r['measured']:.0f}% HBM",
+                 f">={100 * r['target']:.0f}%", r["measured"] >= r["target"]))
+for name, label, target in (("moe-decode-qwen3-tpot", "Qwen3-30B-A3B batch-1 TPOT ms", 2.2),
+                            ("moe-decode-qwen3-tpot-grouped", "  same, grouped path (no target)", 2.2),
+                            ("moe-decode-mixtral-tpot", "Mixtral-8x7B batch-1 TPOT ms", 7.0)):
+    lat = read(name)
+    if lat:
+        tpot = lat["runs"][0]["tpot_ms"]
+        rows.append((label, f"{tpot:.3f}", f"<={target}", tpot <= target))
+std = read("moe-decode-std")
+if std:
+    rows.append(("Qwen3-30B-A3B standard workload total tok/s", f"{std['total_tok_per_s']:.0f}", "-", True))
+    rows.append((f"  its HBM floor {std['hbm_floor_s']:.2f} s / elapsed {std['elapsed_s']:.2f} s",
+                 f"{100 * std['hbm_floor_fraction']:.0f}%", ">=70%", std["hbm_floor_fraction"] >= 0.70))
+print(f"\n{'MoE decode (issue 45)':58s} {'measured':>10s} {'target':>8s}")
+for name, got, want, ok in rows:
+    print(f"{name:58s} {got:>10s} {want:>8s} {'ok' if ok else 'MISS'}")
+PY
+      ;;
+  serve-400) # issue 49 item 7: one API server (Qwen3-0.6B dummy) at c512, 256 in / 128 out: req/s, output tok/s
+             # and its CPU per request; then the serve section's pair (c256 512/256 vs offline); one table
+    $LOOM bench preset qwen3-0.6b /tmp/q3 > /dev/null
+    $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 ${SERVE_ARGS:-} > "$OUT/serve400-server.log" 2>&1 & pid=$!
+    for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+    TAIL=22 run serve400-c512 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+      --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+      --result-file "$OUT/serve400-c512.json" --disable-tqdm
+    TAIL=4 run serve400-c256 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 512 \
+      --random-output-len 256 --num-prompts 512 --max-concurrency 256 --result-file "$OUT/serve400-c256.json" --disable-tqdm
+    kill -INT $pid; wait $pid   # the GPU is free again for the offline run at the same shape
+    if [ "${S400_INTERVAL:-1}" = 1 ]; then   # the c512 load again, one chunk per 4 tokens (--stream-interval 4)
+      $LOOM serve /tmp/q3 --load-format dummy --max-model-len 4096 --port 8125 --stream-interval 4 ${SERVE_ARGS:-} \
+        > "$OUT/serve400-si4-server.log" 2>&1 & pid=$!
+      for _ in $(seq 120); do curl -sf localhost:8125/health > /dev/null && break; sleep 1; done
+      TAIL=4 run serve400-c512-si4 100 $LOOM bench serve --base-url http://127.0.0.1:8125 --random-input-len 256 \
+        --random-output-len 128 --num-prompts ${S400_PROMPTS:-4096} --max-concurrency 512 --num-processes 4 \
+        --result-file "$OUT/serve400-c512-si4.json" --disable-tqdm
+      kill -INT $pid; wait $pid
+    fi
+    TAIL=3 run serve400-offline 150 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 512 --input-len 512 \
+      --output-len 256 --output-json "$OUT/serve400-offline.json"
+    python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
+      --offline "$OUT/serve400-offline.json" --c512-interval "$OUT/serve400-c512-si4.json" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
-  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), one
-        # table; then the GPU tests (graphs and eager equal with speculation on)
-        TAIL=12 run spec-decode 440 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json"
-        run spec-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py ;;
+  spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
+        # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)
+        # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
+        TAIL=16 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --eagle --equality --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
+  spec-quick) # the same, decode-graph verify only, no tests; the Qwen batch-8 oracle row with this session's
+              # verify-step host work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0); the EAGLE-3 head's cost per draft token
+        TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

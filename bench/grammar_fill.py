@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
             mgr.add_request(r)
         while not all(mgr.ready(r) for r in reqs.values()):
             time.sleep(0.01)
-        so = SimpleNamespace(req_ids=list(reqs))
+        so = SimpleNamespace(req_ids=list(reqs), scheduled_spec_decode_tokens={})
         rng = np.random.default_rng(0)
         fills, accepts = [], []
         try:

@@ -36,3 +36,19 @@ def kernel_table(path: str, per: int = 1, unit: str = "run", top: int = 14) -> l
              f"{span / per / 1e3:.3f} ms, idle between kernels {idle / per / 1e3:.3f} ms (rank 0)"]
     lines += [f"{v / per / 1e3:10.3f} ms  {k}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
     return lines
+
+
+def runtime_table(path: str, per: int = 1, unit: str = "run", top: int = 8) -> list[str]:
+    """Lines: the host's CUDA runtime and driver calls by total time, divided by `per`: a
+    synchronizing call (cudaStreamSynchronize, cudaEventSynchronize, a pageable cudaMemcpy) that
+    dominates says the host waited for the device there."""
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    by_name: dict[str, tuple[float, int]] = {}
+    for e in events:
+        total, n = by_name.get(e["name"], (0.0, 0))
+        by_name[e["name"]] = (total + e.get("dur", 0.0), n + 1)
+    lines = [f"host CUDA calls per {unit} (rank 0):"]
+    lines += [f"{v / per / 1e3:10.3f} ms  {n / per:8.1f} calls  {k}"
+              for k, (v, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]
+    return lines

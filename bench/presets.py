@@ -154,6 +154,9 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# speech recognition presets, written with their feature extractor and special tokens by bench/whisper_asr.py
+ASR_PRESETS = ("whisper-large-v3",)
+
 # what the Qwen2-VL image processor needs (Qwen2.5-VL-7B-Instruct's preprocessor_config.json)
 _QWEN_VL_PREPROCESSOR = {
     "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
@@ -235,6 +238,9 @@ def write_tokenizer(out_dir: str, vocab_size: int, special: dict[int, str], eos_
 
 def write_preset(name: str, out_dir: str) -> str:
     """Write config.json, generation_config.json and the tokenizer of preset `name` into out_dir."""
+    if name in ASR_PRESETS:
+        from bench.whisper_asr import write_whisper_preset
+        return write_whisper_preset(out_dir)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (one of {', '.join(PRESETS)})")
     cfg = PRESETS[name]

@@ -9,7 +9,8 @@ stream_options.include_usage, at Poisson arrivals of --request-rate per second
 
 Per request: TTFT (time to the first chunk carrying text), ITL (gaps between
 successive chunks carrying text), TPOT ((E2E - TTFT) / (output tokens - 1)) and
-E2E. Output tokens are the server's usage.completion_tokens.
+E2E. Output tokens are the server's usage.completion_tokens. Against a server on this host, the
+API-server processes' CPU seconds over the run and per request (bench/server_cpu.py).
 
     loom serve DIR --load-format dummy &
     loom bench serve --random-input-len 512 --random-output-len 256 --num-prompts 256 --max-concurrency 256
@@ -27,7 +28,7 @@ from datetime import datetime
 
 import msgspec
 
-from bench import asr, common, random_mm
+from bench import asr, common, random_mm, server_cpu
 from bench.workloads import MAX_TOKEN_ID, fixed_workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -262,6 +263,9 @@ def print_report(m: dict, args) -> None:
             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
             ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+    if "api_server_cpu_s" in m:   # the API servers' utime + stime over the run (bench/server_cpu.py)
+        rows += [(f"API server CPU (s, {m['api_server_count']} proc):", f"{m['api_server_cpu_s']:.2f}"),
+                 ("API server CPU per request (ms):", f"{m['api_server_cpu_per_request_ms']:.2f}")]
     if "rtfx" in m:
         rows += [("Total audio (s):", f"{m['total_audio_seconds']:.1f}"), ("RTFx (audio s / s):", f"{m['rtfx']:.2f}")]
     for k, v in rows:
@@ -324,6 +328,8 @@ async def run(args) -> dict:
               f"max concurrency {args.max_concurrency}", flush=True)
         load = Load(url, headers, [payload(p, m) for p, m in zip(wl.prompts, wl.max_tokens)],
                     arrival_offsets(args.num_prompts, args.request_rate, args.seed), args.max_concurrency)
+        api_pids = server_cpu.api_server_pids(base)   # this host's API servers: their CPU per request
+        cpu_before = server_cpu.cpu_seconds(api_pids)
         if args.num_processes == 1:
             start = time.perf_counter()
             results, end = await drive(session, load, start, show_progress=not args.disable_tqdm)
@@ -332,6 +338,10 @@ async def run(args) -> dict:
         results, duration = run_processes(load, args.num_processes)
 
     m = summarize(results, duration)
+    if api_pids:
+        cpu = server_cpu.cpu_seconds(api_pids) - cpu_before
+        m.update(api_server_count=len(api_pids), api_server_cpu_s=cpu,
+                 api_server_cpu_per_request_ms=1000 * cpu / max(m["completed"], 1))
     m["peak_concurrency"] = _peak_concurrency([r for r in results if r.success])
     errors = [r.error for r in results if not r.success]
     return {

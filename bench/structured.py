@@ -42,9 +42,15 @@ def run(llm, wl, args, unconstrained: dict) -> dict:
                              structured_outputs=constraint) for m in wl.max_tokens]
     llm.generate(wl.prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=constraint),
                  use_tqdm=False)   # warm-up: the tokenizer info and this grammar compile once
+    profiler_dir = getattr(args, "profiler_dir", None)
+    if profiler_dir:   # --profiler-dir traces this run too: where the constrained steps wait
+        llm.start_profile("structured")
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - t0
+    if profiler_dir:
+        llm.stop_profile()
+        _print_trace(profiler_dir, unconstrained)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     rate = tokens / elapsed
     same = tokens == unconstrained["output_tokens"]
@@ -56,8 +62,22 @@ def run(llm, wl, args, unconstrained: dict) -> dict:
           f"{bad} outputs off the schema")
     result = {"output_tokens": tokens, "elapsed_s": elapsed, "output_tok_per_s": rate,
               "ratio": rate / unconstrained["output_tok_per_s"], "same_token_counts": same, "off_schema": bad}
-    result["compile_stall"] = compile_stall(llm, wl, args)
+    if not getattr(args, "skip_compile_stall", False):
+        result["compile_stall"] = compile_stall(llm, wl, args)
     return result
+
+
+def _print_trace(profiler_dir: str, unconstrained: dict) -> None:
+    """The traced constrained run's kernels and host CUDA calls per step, beside the plain run's."""
+    from bench.kernel_trace import kernel_table, newest_trace, runtime_table
+    steps = max(1, unconstrained.get("steps", 1))
+    for prefix in ("throughput", "structured"):
+        trace = newest_trace(profiler_dir, prefix)
+        if trace is None:
+            print(f"no {prefix} trace in {profiler_dir}")
+            continue
+        print(f"--- {prefix} run (traced)")
+        print("\n".join(kernel_table(trace, per=steps, unit="step", top=8) + runtime_table(trace, per=steps, unit="step")))
 
 
 def compile_stall(llm, wl, args, batch: int = 64, steps: int = 384, schemas: int = 8, rounds: int = 2) -> dict:

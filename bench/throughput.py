@@ -25,7 +25,7 @@ at the H200's copy rate (4.3 TB/s): every step's weights (a MoE model's shared w
 expected distinct experts its tokens choose, E·(1 - (1 - k/E)^T) per layer), KV cache and
 embedding rows, as metrics/mfu.py counts them; printed beside the run as a fraction of it.
 
---profiler-dir DIR traces the plain run with the torch profiler and prints the
+--profiler-dir DIR traces the plain run (and the --structured-output run) with the torch profiler and prints the
 GPU time per engine step by kernel, CUDA-graph replays included (the traced
 run is slower than an untraced one).
 """
@@ -62,6 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--structured-output", choices=["json"], default=None,
                    help="then run the same workload under a JSON schema (same token counts) in the same engine, "
                         "print both rates, and the step time while new schemas compile (bench/structured.py)")
+    p.add_argument("--skip-compile-stall", action="store_true",
+                   help="with --structured-output: the rates only, not the compile-stall runs")
     p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
     common.add_engine_args(p)
     p.set_defaults(func=main)
@@ -253,7 +255,8 @@ def timed_runs(llm, wl, args: argparse.Namespace, vocab: int | None, profiler_di
         elapsed, outs = by_name["plain"]
         output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         structured = run_structured(llm, wl, args, {"output_tokens": output_tokens,
-                                                    "output_tok_per_s": output_tokens / elapsed})
+                                                    "output_tok_per_s": output_tokens / elapsed,
+                                                    "steps": engines[0]["steps"] if engines else 1})
     return Runs(by_name, client_cpu, engines, llm.stats.num_preemptions, structured, steps)
 
 

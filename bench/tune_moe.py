@@ -68,6 +68,8 @@ def search_space(num_tokens: int, shape: MoeShape) -> list[fm.MoeTileConfig]:
     if per_expert > 64:      # compute bound: wide tiles, grouped ordering for L2 reuse of B
         cands += [(bm, bn, 64, g, 4 if bn == 128 else 8, s) for bm in (64, 128) for bn in (128, 256)
                   for g in (1, 16) for s in (3, 4)]
+        # 8-warp 128-row tiles (Hopper's wgmma wants 128 x 128+ per 2 warpgroups), deeper pipelines
+        cands += [(128, bn, 64, g, 8, s) for bn in (128, 256) for g in (8, 16) for s in (3, 4)]
         cands += [(64, 64, 64, 8, 4, 3), (64, 64, 128, 8, 4, 3)]
     out = []
     for c in dict.fromkeys(cands):
@@ -99,24 +101,27 @@ class MoeCase:
         self.weight_bytes = distinct * expert_bytes     # the experts one call must read
         self.flops = 2 * num_tokens * k * 3 * h * i
 
-    def run(self, cfg: fm.MoeTileConfig | None, rep: int = 0) -> torch.Tensor:
+    def run(self, cfg: fm.MoeTileConfig | None, rep: int = 0, gemv: fm.MoeGemvConfig | None = None) -> torch.Tensor:
+        """cfg: the grouped GEMMs with these tiles; gemv: the GEMV path with these; neither: the
+        kernel's own choice for the token count."""
         w, ids = self.routings[rep]
         return fm.fused_moe(self.hidden, self.w13, self.w2, w, ids, w13_bias=self.b13, w2_bias=self.b2,
-                            activation=self.activation, config=cfg)
+                            activation=self.activation, config=cfg, gemv=gemv)
 
-    def per_call_us(self, cfg: fm.MoeTileConfig | None, iters: int = 5) -> float:
+    def per_call_us(self, cfg: fm.MoeTileConfig | None, iters: int = 5, gemv: fm.MoeGemvConfig | None = None,
+                    ) -> float:
         """One call's share of a graph running every routing once, over `iters` replays."""
         reps = len(self.routings)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for r in range(reps):    # compile and warm up outside the capture
-                self.run(cfg, r)
+                self.run(cfg, r, gemv)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for r in range(reps):
-                self.run(cfg, r)
+                self.run(cfg, r, gemv)
         graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -64,6 +64,9 @@ class EngineCore:
         self.config = config
         startup = StartupTimes(f"engine core {config.data_parallel_rank}")
         startup.since_process_start("imports")
+        if executor_class is MultiprocExecutor and config.distributed_executor_backend == "ray":
+            from engine_core.ray_executor import RayExecutor
+            executor_class = RayExecutor
         with startup.phase("workers started (imports, weights)"):
             self.executor = executor_class(config, ipc_dir)
         with startup.phase("profiling run"):
@@ -220,7 +223,22 @@ class EngineCore:
                     return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
-        return self._take_oldest()
+        outputs = self._take_oldest()
+        if not self.in_flight and self.scheduler.awaits_verification() and self._can_schedule():
+            # the step verifying the drafts just in goes to the workers now, before these outputs
+            # are published: the device idles only for this loop's update and schedule
+            with self.loop_stats.phase("schedule"):
+                so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
+                    or so.kv_transfers):
+                self._send_bitmask()
+                with self.loop_stats.phase("submit"):
+                    self.in_flight.append((so, self.executor.submit(so)))
+                if so.defer_sample:
+                    self._sample_deferred(so)
+            for ci, outs in self.scheduler.update_from_output(ModelRunnerOutput([], [])).items():
+                outputs.setdefault(ci, []).extend(outs)   # (requests the schedule failed, if any)
+        return outputs
 
     def _in_flight_limit(self) -> int:
         """max_in_flight, or two while a step waits for its grammar bitmask: a worker holds one
@@ -240,11 +258,20 @@ class EngineCore:
         so, pending = self.in_flight.popleft()
         with self.loop_stats.phase("wait"):
             result = pending.result()
+        structured, nxt = self.scheduler.structured, self.in_flight[0][0] if self.in_flight else None
+        ahead = nxt is not None and nxt.defer_sample and not nxt.scheduled_spec_decode_tokens
+        if ahead:   # the next step's bitmask: its grammars advanced first, its fill beside the update
+            with self.loop_stats.phase("accept"):
+                structured.activated = False
+                self.scheduler.accept_ahead(result, so.step_id)
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
         with self.loop_stats.phase("update"):
             outputs = self.scheduler.update_from_output(result, so.step_id)
-        if self.in_flight and self.in_flight[0][0].defer_sample:
-            self._bitmask = self.scheduler.structured.start_grammar_bitmask(self.in_flight[0][0],
-                                                                            self.scheduler.requests)
+        if ahead and structured.activated:   # a grammar began to apply in the update: fill again
+            self._bitmask.result()
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
+        elif nxt is not None and nxt.defer_sample and not ahead:   # a verify step's rows need every draft in
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
         return outputs
 
     _bitmask: Future | None = None   # the oldest step's bitmask being filled, not yet sent

@@ -88,7 +88,7 @@ class MultiprocExecutor(Executor):
         self.enc = Encoder()
         self.dec = Decoder(WorkerReply)
         self._call_ids = itertools.count(1)
-        nodes = Nodes(config)
+        nodes = self._place(config)
         self.ring = BroadcastRing.create(nodes.local, ipc_dir, remote=nodes.remote_spec())
         self.rendezvous, self._store = self._serve_rendezvous(config, nodes)
         self.replies = []
@@ -100,9 +100,7 @@ class MultiprocExecutor(Executor):
         for rank in range(nodes.local):
             addr = ipc_address(ipc_dir, f"worker-reply-{rank}")
             self.replies.append(make_socket(self.ctx, zmq.PULL, addr, bind=True))
-            self.procs.append(start_process(run_worker, f"loom-worker-{rank}",
-                                            (rank, rank, config.to_dict(), self.ring.handle(), addr,
-                                             self.rendezvous)))
+            self._start_worker(run_worker, rank, config, self.ring.handle(), addr)
         if nodes.count > 1:  # the replies of the other nodes' workers
             if nodes.auth_key:
                 from ipc.auth import PeerGuard, derive_keys
@@ -115,6 +113,7 @@ class MultiprocExecutor(Executor):
             self.replies.append(remote)
             self._remote_sock = remote
             self._watch_remote(remote.get_monitor_socket())
+        self._start_remote_workers(run_worker, config, nodes)
         self.poller = zmq.Poller()
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
@@ -124,6 +123,19 @@ class MultiprocExecutor(Executor):
         while len(ready) < self.world_size:  # "ready" from each rank once its model is loaded, any order
             ready.add(self._recv_step(None, deadline).rank)
 
+    def _place(self, config: EngineConfig) -> "Nodes":
+        """Where the ranks run (the Ray executor places them on a placement group first)."""
+        return Nodes(config)
+
+    def _start_worker(self, run_worker, rank: int, config: EngineConfig, ring_handle, reply_address: str) -> None:
+        """Start the worker of local rank `rank` (a process here; an actor in RayExecutor)."""
+        self.procs.append(start_process(run_worker, f"loom-worker-{rank}",
+                                        (rank, rank, config.to_dict(), ring_handle, reply_address,
+                                         self.rendezvous)))
+
+    def _start_remote_workers(self, run_worker, config: EngineConfig, nodes: "Nodes") -> None:
+        """The ranks of other nodes: started there by hand (`loom serve --headless`) with mp."""
+
     @staticmethod
     def _serve_rendezvous(config: EngineConfig, nodes: "Nodes"):
         """The engine core picks where the ranks meet: a TCPStore it serves itself, on a free
@@ -132,7 +144,7 @@ class MultiprocExecutor(Executor):
         if config.tensor_parallel_size == 1:
             return None, None
         from workers.distributed import Rendezvous, serve_rendezvous
-        host, port = (config.master_addr, config.master_port) if nodes.count > 1 else ("127.0.0.1", 0)
+        host, port = (nodes.addr, nodes.port) if nodes.count > 1 else ("127.0.0.1", 0)
         store = serve_rendezvous(host, port)
         return Rendezvous(host, store.port, config.tensor_parallel_size), store
 

@@ -36,9 +36,11 @@ class _Collector:
     consumer is busy and are taken together, so a slow client gets fewer, larger deltas (vLLM's
     RequestOutputCollector)."""
 
-    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter", "engine")
+    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter", "engine",
+                 "interval", "_pending", "_started")
 
-    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics], engine: int = 0):
+    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics], engine: int = 0,
+                 interval: int = 1):
         self.engine = engine   # the engine core (data-parallel rank) it runs on
         self.states = states
         self.metrics = metrics
@@ -47,6 +49,11 @@ class _Collector:
         self.deltas: list[CompletionOutput] = []
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        # --stream-interval: the consumer is woken once this many tokens wait (or at the first and
+        # the last): one chunk, one socket write, for several tokens
+        self.interval = interval
+        self._pending = 0
+        self._started = False
 
     def process(self, out: EngineCoreOutput, now: float) -> bool:
         """Turn one engine output into a delta. True: a stop string ended it here (abort in the engine)."""
@@ -67,7 +74,11 @@ class _Collector:
                 self.unfinished.discard(rid)
             self.num_cached_tokens = st.num_cached_tokens
             self.deltas.append(delta)
-            self._wake()
+            self._pending += len(delta.token_ids)
+            if (self.interval <= 1 or not self._started or delta.finish_reason is not None
+                    or self._pending >= self.interval):
+                self._started = True
+                self._wake()
         return abort
 
     def fail(self, error: BaseException) -> None:
@@ -87,6 +98,7 @@ class _Collector:
         if self.error is not None:
             raise self.error
         deltas, self.deltas = self.deltas, []
+        self._pending = 0
         return deltas
 
 
@@ -105,6 +117,7 @@ class AsyncLLM:
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
         self.draining = False            # shutting down: new requests are refused (frontend/openai/api_server_proc.py)
+        self.stream_interval = 1         # --stream-interval: tokens gathered per delta (set by the API server)
 
     async def start(self, timeout: float = 900.0, engine_address: str | None = None,
                     auth_key: str | None = None, remote_engines: list[str] = ()) -> None:
@@ -228,7 +241,7 @@ class AsyncLLM:
                                                self.tokenizer, self.token_texts) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
-        req = _Collector(states, rms, engine)
+        req = _Collector(states, rms, engine, self.stream_interval)
         for rid in states:   # before any await: _on_dead must see it
             self._requests[rid] = req
         try:

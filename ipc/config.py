@@ -122,7 +122,9 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "GPUs (worker processes, one per GPU) one model is split over; "
                                        "on CPU, processes (gloo)", aliases=("-tp",))
     distributed_executor_backend: str = option("mp", "how the workers run: mp = one local process per "
-                                               "rank (the only backend)", ("mp",))
+                                               "rank; ray = Ray actors on a placement group of the Ray "
+                                               "cluster (RAY_ADDRESS, or a local one), across its nodes; "
+                                               "needs pip install 'loom[ray]'", ("mp", "ray"))
     nnodes: int = option(1, "nodes the tensor-parallel ranks span (each runs tensor_parallel_size / "
                          "nnodes workers)")
     node_rank: int = option(0, "this node's rank: 0 runs the engine and API servers, the others run "
@@ -227,7 +229,7 @@ class EngineConfig:
         if not isinstance(text_cfg, dict):
             raise ConfigError(f"{path}: text_config is not an object")
         try:
-            self.model_max_len = int(text_cfg.get("max_position_embeddings") or 2048)
+            self.model_max_len = int(text_cfg.get("max_position_embeddings") or text_cfg.get("max_target_positions") or 2048)
             self.vocab_size = int(text_cfg.get("vocab_size") or 0)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: {e}") from None
@@ -310,6 +312,8 @@ class EngineConfig:
             if v < 0 or (k not in ("image", "audio") and v > 0):
                 raise ConfigError(f"--limit-mm-per-prompt: {k}={v} (images and audio are supported, limits >= 0)")
         self.mm_modality = info.modality if info is not None else "image"
+        if info is not None and not getattr(info, "prefix_caching", True):
+            self.enable_prefix_caching = False   # (an encoder-decoder's: every decoder token depends on its audio)
         self.mm_max_item_tokens = info.max_item_tokens(self.model, hf) if info is not None else 0
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0
@@ -355,7 +359,9 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         spec = self.speculative   # (raises ConfigError for a bad one)
         if spec is not None and spec.model is not None and self.vocab_size:
-            draft_vocab = int(read_json_object(os.path.join(spec.model, "config.json")).get("vocab_size") or 0)
+            draft_cfg = read_json_object(os.path.join(spec.model, "config.json"))
+            draft_cfg = draft_cfg.get("transformer_layer_config") or draft_cfg   # (an EAGLE head's speculators format)
+            draft_vocab = int(draft_cfg.get("vocab_size") or 0)
             if draft_vocab != self.vocab_size:
                 raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} differs from "
                                   f"the target's {self.vocab_size} (a draft model must share the tokenizer)")
@@ -384,9 +390,12 @@ class EngineConfig:
         tp, nodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {tp}")
-        if self.distributed_executor_backend != "mp":
-            raise ConfigError(f"--distributed-executor-backend must be mp (the only backend), "
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ConfigError(f"--distributed-executor-backend must be mp or ray, "
                               f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and nodes > 1:
+            raise ConfigError("--distributed-executor-backend ray places the ranks on the Ray cluster's "
+                              "nodes itself: drop --nnodes")
         if nodes < 1 or tp % nodes:
             raise ConfigError(f"--nnodes ({nodes}) must divide --tensor-parallel-size ({tp})")
         if not 0 <= self.node_rank < nodes:
@@ -495,8 +504,8 @@ def check_tensor_parallel(config: EngineConfig, hf_cfg: dict) -> None:
     if expert_inter % tp and not config.enable_expert_parallel:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's expert intermediate size "
                           f"{expert_inter} (--enable-expert-parallel places whole experts on the ranks instead)")
-    if config.device == "cpu":
-        return
+    if config.device == "cpu" or config.distributed_executor_backend == "ray":
+        return   # Ray: the placement group finds the GPUs across the cluster
     import torch
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     need = tp // config.nnodes
@@ -604,7 +613,7 @@ class SpeculativeConfig:
     misses each draft token with probability oracle_miss_rate."""
     method: str
     num_speculative_tokens: int
-    model: str | None = None                # draft_model: its directory (same tokenizer)
+    model: str | None = None                # draft_model: its directory (same tokenizer); eagle/eagle3: the head's
     prompt_lookup_min: int | None = None    # ngram: the shortest suffix matched
     prompt_lookup_max: int | None = None    # ngram: the longest
     disable_by_batch_size: int | None = None  # no drafts while this many requests (or more) run
@@ -629,9 +638,6 @@ class SpeculativeConfig:
             method = "draft_model"
         if method not in SPEC_METHODS:
             raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
-        if method in ("eagle", "eagle3"):
-            raise ConfigError(f"--speculative-config: method {method!r} is not built yet in Loom "
-                              f"(ngram, draft_model and oracle are)")
         k = d.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= 16:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -645,9 +651,10 @@ class SpeculativeConfig:
             if lo > hi:
                 raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
         model = d.get("model")
-        if method == "draft_model":
+        if method in ("draft_model", "eagle", "eagle3"):
             if not isinstance(model, str) or not os.path.isfile(os.path.join(model, "config.json")):
-                raise ConfigError(f"--speculative-config: draft_model needs \"model\": a model directory with a "
+                what = "a model directory" if method == "draft_model" else "an EAGLE head's directory"
+                raise ConfigError(f"--speculative-config: {method} needs \"model\": {what} with a "
                                   f"config.json, got {model!r}")
         miss = d.get("oracle_miss_rate", 0.0)
         if method == "oracle":

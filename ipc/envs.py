@@ -89,6 +89,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                    "(unset: 3 on GPU, 2 on CPU); --steps-in-flight wins"),
     "LOOM_ATTACHED_OUTPUT_HWM": EnvVar(10_000, _int, "outputs queued for an attached client that does not "
                                        "read them before it is dropped; --attached-output-hwm wins"),
+    "LOOM_RAY_PLACEMENT_TIMEOUT_S": EnvVar(300.0, _float, "seconds --distributed-executor-backend ray waits "
+                                           "for its placement group (one bundle per rank) to be placed"),
     "LOOM_WEIGHT_UPDATE_JOIN_TIMEOUT_S": EnvVar(120.0, _float, "seconds /init_weights_update_group waits for "
                                                 "the trainer's group to form; --weight-update-join-timeout-s wins"),
     # --- profiling and statistics
@@ -109,10 +111,30 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
                                          "(0: chosen per step)"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
+    "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
+                                       "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
+    "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
+                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,256,8)"),
+    "LOOM_W4A16_DENSE_ROWS": EnvVar(1024, _int, "rows from which a W4A16 linear dequantizes its weight whole "
+                                    "and runs cuBLAS (below: the fused dequantizing GEMM; kernels/w4a16.py)"),
+    "LOOM_W4A16_GEMV_TILES": EnvVar("", _text, "BLOCK_N,BLOCK_KW,WARPS,STAGES of the W4A16 decode GEMV "
+                                    "at one row (bench/quant_kernels.py --sweep; empty: kernels/w4a16.gemv_tiles)"),
+    "LOOM_FP8_GEMV": EnvVar("gemv", _text, "the FP8 decode GEMV: gemv (kernels/gemv.py's, fp8 weights, "
+                            "norms fused) or legacy (kernels/fp8_linear.py's session-30 kernel)"),
+    "LOOM_GENERIC_FUSED_LAYERS": EnvVar(True, _switch, "0: the generic Transformers path keeps HF's decoder-layer "
+                                        "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
+    "LOOM_GRAMMAR_GRAPH_HEAD": EnvVar(True, _switch, "0: a structured-output decode step samples eagerly, "
+                                      "not in the decode graph's grammar head"),
+    "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
+                                   "(attention eager), not in the decode graphs as one row per token"),
+    "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
+                                  "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
+    "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "
+                                      "CUDA graphs"),
     # --- tensor-parallel all-reduce (workers/distributed.py)
     "LOOM_ONE_SHOT_ALLREDUCE_MAX_BYTES": EnvVar(1 << 20, _int, "largest all-reduce done one-shot over "
                                                 "symmetric memory"),
@@ -127,6 +149,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                               "pushes (Lamport) instead of pulling (0: never)"),
     "LOOM_ONE_SHOT_GATHER_MAX_BYTES": EnvVar(1 << 20, _int, "largest per-rank logits the vocab-parallel "
                                              "lm_head gathers with its own kernel (NCCL above)"),
+    # --- multimodal inputs (multimodal/processor.py)
+    "LOOM_MEDIA_LOADING_THREAD_COUNT": EnvVar(8, _int, "threads of an API server that decode and process "
+                                              "images and audio (vLLM's VLLM_MEDIA_LOADING_THREAD_COUNT)"),
 }
 
 

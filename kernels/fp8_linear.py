@@ -4,7 +4,9 @@ per output channel ([N]) or per 128x128 block ([N/128, K/128], DeepSeek / Qwen3-
 
 * Decode rows (up to MAX_GEMV_ROWS): `fp8_gemv`, a Triton GEMV that streams the fp8 weight
   once (half bf16's bytes: what bounds decode) and applies the scales in fp32; the activations
-  stay in their own dtype (weight-only at these sizes, no activation rounding).
+  stay in their own dtype (weight-only at these sizes, no activation rounding). Per-channel
+  scales run kernels/gemv.py's GEMV (its tuned tiles; the model fuses the norms and SiLU into
+  it as for bf16), block scales `fp8_gemv_legacy`.
 * Larger batches, per-channel: activations quantized per token (dynamic, or with a static
   per-tensor input scale) and `torch._scaled_mm` (cuBLASLt, rowwise scales) on the FP8 tensor
   cores: `scaled_mm_per_channel`.
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ipc import envs
+from kernels.gemv import gemv
 from kernels.jit import runs_triton
 
 FP8 = torch.float8_e4m3fn
@@ -152,11 +156,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, strid
         kk = k0 + offs_k
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if SCALE_BLOCK > 0:   # BLOCK_K divides SCALE_BLOCK: one block scale per row of this tile
-            s = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_s + k0 // SCALE_BLOCK, mask=n_ok, other=0.0)
-            w = w * s[:, None]
         a = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
+        if SCALE_BLOCK > 0:   # BLOCK_N divides SCALE_BLOCK: the tile's rows share their block scales,
+            # one per k, which scale x instead of every weight element
+            s = tl.load(s_ptr + (pid * BLOCK_N // SCALE_BLOCK) * stride_s + kk // SCALE_BLOCK, mask=k_ok, other=0.0)
+            a = a * s[None, :]
         if BLOCK_M == 1:
             acc += w * tl.reshape(a, [BLOCK_K])[None, :]
         else:
@@ -177,18 +182,29 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
              block: int = 0) -> torch.Tensor:
     """x [M <= MAX_GEMV_ROWS, K] (last dim contiguous), w fp8 [N, K] contiguous, scale float32
     [N] (block 0) or [N/block, K/block] -> y [M, N] in x's dtype."""
-    m, k = x.shape
-    n = w.shape[0]
     if not runs_triton(_fp8_gemv_kernel, x):
         return fp8_linear_ref(x, w, scale, bias, block)
+    if not block and envs.LOOM_FP8_GEMV != "legacy":   # kernels/gemv.py's tuned streaming GEMV
+        return gemv(x, w, bias, scale=scale)[0]
+    return fp8_gemv_legacy(x, w, scale, bias, block)
+
+
+def fp8_gemv_legacy(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    block: int = 0) -> torch.Tensor:
+    """Session 30's FP8 GEMV: the block-scaled one (and per-channel under LOOM_FP8_GEMV=legacy)."""
+    m, k = x.shape
+    n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = (8, 512) if m == 1 else (8, 128)
-    if block:
-        block_k = min(block_k, block)
+    # one row: 4 KiB of fp8 per step and >= 1,000 programs on Llama/Qwen3-8B's shapes; more rows:
+    # the [rows, BLOCK_N, BLOCK_K] products in 32 registers a thread
+    block_n, block_k, warps = (4, 1024, 4) if m == 1 else (4, 256, 8)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    while block and block % block_n:
+        block_n //= 2
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), w.stride(0),
         scale.stride(0) if block else 0, y.stride(0), SCALE_BLOCK=block, HAS_BIAS=bias is not None,
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
 
 
@@ -207,12 +223,18 @@ def scaled_mm_per_channel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 def _block_fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
                            stride_am, stride_bn, stride_cm, stride_as, stride_bs,
                            GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr):
     """C = (A * a_scale) (B * b_scale)^T with A fp8 [M, K] (a scale per row and GROUP columns),
     B fp8 [N, K] (a scale per GROUP x GROUP block); BLOCK_K == GROUP, so each k step has one
-    scale per row of A and one per column block of B."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    scale per row of A and one per column block of B. Programs run in bands of GROUP_M row
+    tiles, so that a band's B tiles come from L2 (vLLM's w8a8 block matmul's order)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    band_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % band_m)
+    pid_n = (pid % (GROUP_M * tiles_n)) // band_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -248,11 +270,20 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
     n = w.shape[0]
     xq, xs = quantize_per_token_group(x, block)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 64 if m > 32 else 16
-    block_n = 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    t = block_gemm_tiles(m, n)
+    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),)
     _block_fp8_gemm_kernel[grid](
         xq, w, y, xs, scale, bias if bias is not None else scale, m, n, k, xq.stride(0), w.stride(0), y.stride(0),
-        xs.stride(0), scale.stride(0), GROUP=block, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block, num_warps=4, num_stages=3)
+        xs.stride(0), scale.stride(0), GROUP=block, HAS_BIAS=bias is not None, BLOCK_K=block, GROUP_M=8, **t)
     return y
+
+
+def block_gemm_tiles(m: int, n: int) -> dict:
+    """The block-scaled GEMM's tiles: 128 x 128 (8 warps, 3 stages) at prefill sizes, as vLLM's
+    tuned H100/H200 configs; decode batches take a row tile that fits M and a column tile that
+    still gives two programs per SM (128 columns at 16 rows left 32 programs on Qwen3-8B's o)."""
+    if m > 256:
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn = next((b for b in (128, 64) if triton.cdiv(m, bm) * triton.cdiv(n, b) >= 264), 32)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=4)

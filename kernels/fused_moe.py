@@ -32,7 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.jit import runs_triton, step_jit
+from ipc import envs
+from kernels.jit import pdl_args, pdl_wait, runs_triton, step_jit
 
 # gpt-oss's clamped SwiGLU constants (its config's swiglu_alpha / swiglu_limit, fixed in vLLM too)
 SWIGLUOAI_ALPHA = 1.702
@@ -62,9 +63,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit
 def _fused_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
                        K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-                       RENORMALIZE: tl.constexpr):
+                       RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token: scores in fp32 (softmax over the experts or per-expert sigmoid), then TOP_K
-    rounds of (max, its lowest index), descending as torch.topk returns them."""
+    rounds of (max, its lowest index), descending as torch.topk returns them. Under PDL it
+    launches during the router's GEMV and lets the experts' up kernel launch during it."""
+    pdl_wait(PDL)   # the logits: the router's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -107,7 +110,7 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         _fused_topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                                  K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                                  SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
-                                 num_warps=1 if block_e <= 128 else 2)
+                                 num_warps=1 if block_e <= 128 else 2, **pdl_args(logits))
     return weights, ids
 
 
@@ -477,6 +480,217 @@ def _fused_moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sort
     tl.store(c_ptrs, acc.to(out_ty), mask=c_mask)
 
 
+# ----------------------------------------------------------------------------- small-batch GEMV path
+# At a decode batch of a few tokens each chosen expert sees one token (rarely two): the grouped
+# GEMM pads every expert's one row to a BLOCK_SIZE_M block (16x the MMA work, and the dot's
+# shared-memory staging on the path of every weight byte) and needs the alignment launch and the
+# top-k sum launch. The GEMV path reads the chosen experts' rows straight from HBM into registers
+# with no sort, no padding and no extra launch: two kernels per layer (three with the router).
+#
+# 1. up: one program per (pair i = t*k + j, tile of BLOCK_N intermediate columns): the tile's gate
+#    rows and up rows of expert ids[i] times token t's hidden row, act(gate, up) -> act[i].
+# 2. down: one program per (token t, tile of BLOCK_N hidden columns): for each of its k pairs,
+#    expert ids[t, j]'s down rows times act[t*k + j], bias, rounded to the model dtype (the
+#    reference's rounding), times the routing weight, summed over j in fp32 and stored once.
+#    The top-k sum stays inside the program: no atomics (deterministic, graph equal to eager),
+#    no zeroed fp32 buffer, no moe_sum launch.
+# Occupancy comes from narrow N tiles (H200 batch-1 GEMVs win with 4-8 rows x 2048-column tiles,
+# kernels/gemv_tiles.json), not from splitting K: the activation needs a row's whole gate/up sum
+# and the down sum needs no second pass, so neither kernel takes a split-K reduction.
+# Products accumulate per k lane ([BLOCK_N, BLOCK_K]) and are summed over k once after the loop.
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Tiles of the small-batch GEMV path: the up kernel's BLOCK_N intermediate columns (each of
+    gate and up) by BLOCK_K hidden columns; the down kernel's BLOCK_N hidden columns by BLOCK_K
+    intermediate columns of each of a token's k experts at top-8 (top-k below 8 takes 8 / k
+    times as many, so that one step loads the same bytes: Mixtral's top-2 would otherwise read
+    its 14,336-wide rows 4 KB per step); each kernel's warps."""
+    UP_BLOCK_N: int = 4
+    UP_BLOCK_K: int = 2048
+    DOWN_BLOCK_N: int = 4
+    DOWN_BLOCK_K: int = 256
+    num_warps: int = 8
+
+    def fitted(self, hidden: int, intermediate: int, top_k: int = 8) -> "MoeGemvConfig":
+        """The down K tile scaled to top_k, and K tiles no wider than the (power-of-two rounded)
+        K they walk."""
+        down_k = self.DOWN_BLOCK_K * max(1, 8 // triton.next_power_of_2(top_k))
+        return MoeGemvConfig(self.UP_BLOCK_N, min(self.UP_BLOCK_K, triton.next_power_of_2(hidden)),
+                             self.DOWN_BLOCK_N, min(down_k, triton.next_power_of_2(intermediate)),
+                             self.num_warps)
+
+    @classmethod
+    def parse(cls, text: str) -> "MoeGemvConfig":
+        """"UP_BLOCK_N,UP_BLOCK_K,DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps" (LOOM_MOE_GEMV_TILES)."""
+        parts = [int(p) for p in text.split(",")]
+        if len(parts) != 5 or any(p < 1 or p & (p - 1) for p in parts):
+            raise ValueError(f"LOOM_MOE_GEMV_TILES={text!r}: want five powers of two "
+                             "(UP_BLOCK_N,UP_BLOCK_K,DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps)")
+        return cls(*parts)
+
+
+_gemv_max_tokens: int | None = None   # LOOM_MOE_GEMV_MAX_TOKENS, read at the first call
+_gemv_tiles: MoeGemvConfig | None = None   # LOOM_MOE_GEMV_TILES, read at the first call
+
+
+def default_gemv_config() -> MoeGemvConfig:
+    """The GEMV path's tiles: LOOM_MOE_GEMV_TILES, else MoeGemvConfig's defaults."""
+    global _gemv_tiles
+    if _gemv_tiles is None:
+        text = envs.LOOM_MOE_GEMV_TILES
+        _gemv_tiles = MoeGemvConfig.parse(text) if text else MoeGemvConfig()
+    return _gemv_tiles
+
+
+def gemv_max_tokens() -> int:
+    """Up to this many tokens fused_moe takes the GEMV path (LOOM_MOE_GEMV_MAX_TOKENS, 0: never)."""
+    global _gemv_max_tokens
+    if _gemv_max_tokens is None:
+        _gemv_max_tokens = envs.LOOM_MOE_GEMV_MAX_TOKENS
+    return _gemv_max_tokens
+
+
+def set_gemv_max_tokens(n: int | None) -> int | None:
+    """Override LOOM_MOE_GEMV_MAX_TOKENS (tests, A/B runs; None: read it again); returns the
+    setting it replaces."""
+    global _gemv_max_tokens
+    before, _gemv_max_tokens = _gemv_max_tokens, n
+    return before
+
+
+@triton.jit
+def _act(gate, up, ACTIVATION: tl.constexpr, out_ptr):
+    """act(gate, up) in fp32 from fp32 sums, with the reference's roundings in out_ptr's dtype
+    (see the grouped GEMM)."""
+    out_ty = out_ptr.dtype.element_ty
+    gate = gate.to(out_ty).to(tl.float32)
+    up = up.to(out_ty).to(tl.float32)
+    if ACTIVATION == 0:
+        out = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up
+    else:
+        gate = tl.minimum(gate, 7.0)                    # SWIGLUOAI_LIMIT
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        out = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))   # SWIGLUOAI_ALPHA
+    return out
+
+
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, act_ptr, N, K, stride_x, stride_we, stride_wn,
+                        stride_bias_e, stride_act,
+                        TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """act[i, n] = act(w13[e, n] . x[i // TOP_K], w13[e, N + n] . x[i // TOP_K]), e = ids[i], for
+    the program's BLOCK_N columns n; nothing for e = -1 (another rank's expert)."""
+    pair = tl.program_id(0)
+    pdl_wait(PDL)   # the ids are the router's output
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate = tl.sum(acc_gate, 1)
+    up = tl.sum(acc_up, 1)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + expert * stride_bias_e + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n,
+             _act(gate, up, ACTIVATION, act_ptr).to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_act, stride_we,
+                          stride_wn, stride_bias_e, stride_out,
+                          TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[t, n] = sum over j of weights[t, j] * round(w2[e, n] . act[t*TOP_K + j] + b2[e, n]),
+    e = ids[t, j] (skipped when -1), for the program's BLOCK_N columns n; fp32 sum, one rounding.
+    The token's k experts are one [K_POW2, BLOCK_N, BLOCK_K] tile, so all their loads issue at
+    once and one reduction follows (a loop over j reduced after each expert's loads: eight
+    serial memory round trips). "This rank's expert" masks rows (dims 0-1), never K, so the
+    loads along K stay vectorized, and another rank's expert reads nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, K_POW2)
+    pair = t * TOP_K + offs_j
+    # Under PDL this kernel starts while the up kernel runs. The ids and routing weights are the
+    # router's (complete before the up kernel let this one launch) and the weights constant, so
+    # the first weight tile loads before the wait; act, the up kernel's output, only after it.
+    expert = tl.load(ids_ptr + pair, mask=offs_j < TOP_K, other=-1).to(tl.int64)
+    mine = expert >= 0
+    route_w = tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32)
+    rows = w_ptr + tl.maximum(expert, 0)[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
+    rows_ok = mine[:, None, None] & n_ok[None, :, None]
+    act_rows = act_ptr + pair[:, None] * stride_act
+    w_first = tl.load(rows + offs_k[None, None, :], mask=rows_ok & (offs_k < K)[None, None, :], other=0.0)
+    pdl_wait(PDL)
+    # another rank's pair: its act row was never written (masked off: garbage may be NaN)
+    a = tl.load(act_rows + offs_k[None, :], mask=mine[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = w_first.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + offs_k
+        w = tl.load(rows + kk[None, None, :], mask=rows_ok & (kk < K)[None, None, :], other=0.0)
+        a = tl.load(act_rows + kk[None, :], mask=mine[:, None] & (kk < K)[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, 2)    # [K_POW2, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + tl.maximum(expert, 0)[:, None] * stride_bias_e + offs_n[None, :],
+                     mask=mine[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    total = tl.sum(y.to(out_ty).to(tl.float32) * route_w[:, None], 0)
+    tl.store(out_ptr + t * stride_out + offs_n, total.to(out_ty), mask=n_ok)
+
+
+def fused_moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None, activation: str = "silu",
+                   config: MoeGemvConfig | None = None) -> torch.Tensor:
+    """fused_moe_ref's result by the small-batch GEMV path (two launches, no alignment, no host
+    sync); any token count is correct, a few tokens are what it is fast at."""
+    check_activation(activation)
+    t, h = hidden.shape
+    k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    if t == 0:
+        return hidden.new_zeros((0, h))
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "fused_moe_gemv: K must be contiguous"
+    cfg = (config or default_gemv_config()).fitted(h, inter, k)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty((t * k, inter), dtype=hidden.dtype, device=hidden.device)
+    pdl = pdl_args(hidden)
+    _moe_gemv_up_kernel[(t * k, triton.cdiv(inter, cfg.UP_BLOCK_N))](
+        x, w13, w13 if w13_bias is None else w13_bias, ids, act, inter, h, x.stride(0), w13.stride(0),
+        w13.stride(1), 0 if w13_bias is None else w13_bias.stride(0), act.stride(0),
+        TOP_K=k, ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None,
+        BLOCK_N=cfg.UP_BLOCK_N, BLOCK_K=cfg.UP_BLOCK_K, num_warps=cfg.num_warps, **pdl)
+    out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+    _moe_gemv_down_kernel[(t, triton.cdiv(h, cfg.DOWN_BLOCK_N))](
+        act, w2, w2 if w2_bias is None else w2_bias, ids, weights, out, h, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), 0 if w2_bias is None else w2_bias.stride(0), out.stride(0),
+        TOP_K=k, K_POW2=triton.next_power_of_2(k), HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.DOWN_BLOCK_N,
+        BLOCK_K=cfg.DOWN_BLOCK_K,
+        num_warps=cfg.num_warps, **pdl)
+    return out
+
+
 # ----------------------------------------------------------------------------- tile configs
 CONFIG_DIR = Path(__file__).with_name("fused_moe_configs")
 
@@ -506,6 +720,17 @@ DECODE_CONFIG = MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128
 PREFILL_CONFIG = MoeTileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
                                num_warps=4, num_stages=3)
 DECODE_TOKENS_PER_EXPERT = 16
+
+
+def vllm_default_config(num_tokens: int, num_experts: int) -> MoeTileConfig:
+    """vLLM's get_default_config for bf16 when no tuned file exists (the baseline of issue 45's
+    "tuned >= 1.15x the default at 512 tokens"): 16 x 32 x 64 tiles up to E tokens, else
+    64 x 64 x 32 with GROUP_SIZE_M 8; Triton's default 4 warps and 3 stages."""
+    if num_tokens <= num_experts:
+        return MoeTileConfig(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
+                             num_stages=3)
+    return MoeTileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=8, num_warps=4,
+                         num_stages=3)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:
@@ -555,15 +780,21 @@ def nearest_config(tuned: dict[int, MoeTileConfig], num_tokens: int) -> MoeTileC
 # ----------------------------------------------------------------------------- entry point
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              activation: str = "silu", config: MoeTileConfig | None = None) -> torch.Tensor:
+              activation: str = "silu", config: MoeTileConfig | None = None,
+              gemv: MoeGemvConfig | None = None) -> torch.Tensor:
     """fused_moe_ref's result from the Triton kernels (its torch reference where Triton does not
-    run). No host sync: CUDA graphs capture it. config: a tile config (tuning), else the tuned
-    or default one for T tokens."""
+    run). No host sync: CUDA graphs capture it. Up to gemv_max_tokens() tokens (a decode batch)
+    it takes the GEMV path, else the grouped GEMMs; the choice depends on the token count only,
+    which a CUDA graph fixes. config: the grouped GEMMs with this tile config (tuning); gemv:
+    the GEMV path with these tiles (A/B runs)."""
     check_activation(activation)
     if not runs_triton(_fused_moe_gemm_kernel, hidden):
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
                              activation=activation)
     t, h = hidden.shape
+    if gemv is not None or (config is None and t <= gemv_max_tokens()):
+        return fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
+                              activation=activation, config=gemv)
     num_experts, two_i, _ = w13.shape
     k = topk_ids.shape[1]
     if t == 0:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ipc import envs
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -94,9 +95,9 @@ def _input_tile(x_rows, r_rows, nw_ptr, kk, mk, rstd, K, PROLOGUE: tl.constexpr)
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, s_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -140,6 +141,8 @@ def _gemv_kernel(
         a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < K)[None, :], rstd, K, PROLOGUE)
         acc += _products(a, w, BLOCK_M)
     y = _sum_over_k(acc, BLOCK_M)
+    if HAS_SCALE:   # fp8 weights: the output channel's scale, once per column
+        y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
@@ -209,6 +212,19 @@ def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | No
     return None
 
 
+def fp8_tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict:
+    """Tiles for an fp8 [n, k] weight (never None: cuBLAS cannot take fp8 at these rows). Not
+    tuned yet: the bf16 weight's tuned tiles (or the large-weight ones), and LOOM_FP8_GEMV=wide
+    doubles their BLOCK_K (the same bytes per tile as bf16's; more registers)."""
+    t = tile_config(n, k, m, prologue) if m == 1 else None
+    if t is None:
+        t = (dict(block_n=4, block_k=2048, num_warps=8, num_stages=3, fuse=n * k < (16 << 20)) if m == 1
+             else dict(block_n=4, block_k=256, num_warps=8, num_stages=3, fuse=False))
+    if envs.LOOM_FP8_GEMV == "wide":
+        t = dict(t, block_k=min(2 * t["block_k"], triton.next_power_of_2(k)))
+    return t
+
+
 def _interpreter_tiles(n: int, k: int) -> dict:
     """On CPU the interpreter runs each program in Python, so the fewer the better: wide tiles
     (the GPU's narrow ones made a tiny model's decode step 4x slower there)."""
@@ -230,23 +246,31 @@ def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         out: torch.Tensor | None = None, tiles: dict | None = None):
+         out: torch.Tensor | None = None, tiles: dict | None = None, scale: torch.Tensor | None = None):
     """x [M <= MAX_DECODE_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
     contiguous -> (y [M, N] in x.dtype, written into `out` when given; the new residual
-    for add_rms_norm, else None). `tiles` overrides tile_config (tuning)."""
+    for add_rms_norm, else None). `tiles` overrides tile_config (tuning). `scale`: float32
+    [N], the weight is float8_e4m3fn scaled per output channel (upcast in registers; up to
+    MAX_ROWS rows, fp8_tile_config's tiles)."""
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape
     assert m <= MAX_DECODE_ROWS and weight.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
-    t = (tiles or tile_config(n, k, m, prologue)) if runs_triton(_gemv_kernel, x) else None
+    assert scale is None or m <= MAX_ROWS
+    if not runs_triton(_gemv_kernel, x):
+        t = None
+    else:
+        t = tiles or (tile_config(n, k, m, prologue) if scale is None else fp8_tile_config(n, k, m, prologue))
     if t is not None and tiles is None and is_interpreted(_gemv_kernel) and m <= MAX_ROWS:
         t = _interpreter_tiles(n, k)
     if t is None:
+        if scale is not None:   # (CPU without the interpreter) the dequantized weight
+            weight = (weight.float() * scale.float()[:, None]).to(x.dtype)
         return _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out)
     if code and (m > MAX_ROWS or not t.get("fuse", True)):  # the prologue's own kernel first
         x, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
-        return gemv(x, weight, bias, out=out, tiles=t)[0], new_residual
+        return gemv(x, weight, bias, out=out, tiles=t, scale=scale)[0], new_residual
     if m > MAX_ROWS:
         return skinny_gemm(x, weight, bias, t, out=out), None
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -258,8 +282,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
+        scale if scale is not None else y,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
-        float(eps), PROLOGUE=code, HAS_BIAS=bias is not None,
+        float(eps), PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
         num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x),

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import is_interpreted, runs_triton, step_jit
+from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit
 
 MAX_SLICES = 3   # q/k/v
 
@@ -47,7 +47,10 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> to
 def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                     slice_starts: tuple[int, ...]) -> torch.Tensor:
     """y [T, OUT] += each slice's xa columns @ its B rows^T, in place (rows of slot -1 unchanged).
-    b [S, OUT, R]; slice_starts: the first output column of each slice (slice_starts[0] == 0)."""
+    b [S, OUT, R]; slice_starts: the first output column of each slice (slice_starts[0] == 0).
+    xa may be lora_shrink's split partials [splits, T, N]: their sum is xa."""
+    if xa.dim() == 3:
+        xa = xa.sum(0)
     rank = b.shape[2]
     bounds = list(slice_starts) + [y.shape[1]]
     for s in torch.unique(slots).tolist():
@@ -62,27 +65,29 @@ def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: t
 
 # ------------------------------------------------------------------ Triton kernels
 
-@step_jit(ints=("T",))
+@step_jit(ints=("T", "K_CHUNK"))
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     cmask = cols < N
-    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV)
+    if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV), its K split over grid axis 2
+        pid_k = tl.program_id(2)
         s = tl.load(slots_ptr + pid_m)
         if s >= 0:
             a_base = a_ptr + s.to(tl.int64) * stride_as
             acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            k_end = tl.minimum((pid_k + 1) * K_CHUNK, K)
+            for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):
                 kk = k0 + ks
-                xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < k_end, other=0.0).to(tl.float32)
                 av = tl.load(a_base + cols[:, None] * stride_an + kk[None, :],
-                             mask=cmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                             mask=cmask[:, None] & (kk[None, :] < k_end), other=0.0).to(tl.float32)
                 acc1 += tl.sum(av * xv[None, :], 1)
-            tl.store(out_ptr + pid_m * stride_om + cols, acc1, mask=cmask)
+            tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + cols, acc1, mask=cmask)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < T
@@ -121,9 +126,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
 
 
 @step_jit(ints=("T",))
-def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_bs, stride_bo,
-                        S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_xas, stride_bs,
+                        stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +145,7 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
             for j in tl.static_range(NUM_SLICES):
                 bv = tl.load(b_base + cols[:, None] * stride_bo + rs[None, :],
                              mask=(cmask & (col_slice == j))[:, None] & rkmask[None, :], other=0.0).to(tl.float32)
-                xv = tl.load(xa_ptr + pid_m * stride_xam + j * R + rs, mask=rkmask, other=0.0)
+                xv = _xa_row(xa_ptr + pid_m * stride_xam + j * R + rs, rkmask, stride_xas, SPLITS)
                 acc1 += tl.sum(bv * xv[None, :], 1)
             yp = y_ptr + pid_m * stride_ym + cols
             yv = tl.load(yp, mask=cmask, other=0.0)
@@ -186,6 +192,15 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
                         tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
 
 
+@triton.jit
+def _xa_row(ptrs, mask, stride_split, SPLITS: tl.constexpr):
+    """A row's xa values: the sum of lora_shrink's SPLITS partials (one: xa itself)."""
+    xv = tl.load(ptrs, mask=mask, other=0.0)
+    for sp in tl.static_range(1, SPLITS):
+        xv += tl.load(ptrs + sp * stride_split, mask=mask, other=0.0)
+    return xv
+
+
 def _precision(t: torch.Tensor) -> str:
     # fp32 weights (tests, CPU oracle runs) multiply exactly; bf16/fp16 take the tensor cores as they are
     return "ieee" if t.dtype == torch.float32 else "tf32"
@@ -202,24 +217,36 @@ def _block_m(rows: int, block_m: int | None) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
-                block_m: int | None = None) -> torch.Tensor:
+                block_m: int | None = None, splits: int | None = 1) -> torch.Tensor:
     """As lora_shrink_ref: x [T, K] (rows may be strided), a [S, N, K] contiguous, slots [T] int32
-    -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were)."""
+    -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were).
+
+    splits > 1 (None: chosen from the shape) splits K over that many programs per row at decode
+    sizes and returns their partials [splits, T, N], which lora_expand sums as it reads them: a
+    batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096)."""
     if not runs_triton(_lora_shrink_kernel, x):
         ref = lora_shrink_ref(x, a, slots)
         return ref if out is None else out.copy_(ref)
     t, k = x.shape
     n = a.shape[1]
-    if out is None:
-        out = torch.empty((t, n), dtype=torch.float32, device=x.device)
-    if t == 0:
-        return out
-    assert x.stride(1) == 1 and a.is_contiguous() and out.stride(1) == 1
     block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
-    _lora_shrink_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
-        x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+    n_tiles = triton.cdiv(n, block_n)
+    if block_m != 1:
+        splits = 1
+    elif splits is None:   # ~2 programs per SM, each at least 4 K blocks
+        splits = max(1, min(k // (4 * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
+    k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_chunk)
+    if out is None:
+        out = torch.empty((splits, t, n) if splits > 1 else (t, n), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
+    _lora_shrink_kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
+        x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
+        out.stride(0) if splits > 1 else 0, k_chunk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
         UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4)
     return out
@@ -234,16 +261,19 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     if t == 0:
         return y
     assert len(slice_starts) <= MAX_SLICES and slice_starts[0] == 0
-    assert y.stride(1) == 1 and xa.stride(1) == 1 and b.is_contiguous()
+    assert y.stride(1) == 1 and xa.stride(-1) == 1 and b.is_contiguous()
+    splits = xa.shape[0] if xa.dim() == 3 else 1
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
     block_m = _block_m(t, block_m)
+    if splits > 1 and block_m != 1:   # (partials come from the one-row-per-program shrink only)
+        xa, splits = xa.sum(0), 1
     # a row per program: wider column blocks, so that a base row's programs (which only read
     # their slot) stay few
     block_n = min(256 if block_m == 1 else 64, max(16, triton.next_power_of_2(n_out)))
     _lora_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(n_out, block_n))](
-        y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1),
-        starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
+        y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(-2), xa.stride(0) if splits > 1 else 0,
+        b.stride(0), b.stride(1), starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLITS=splits, PRECISION=_precision(b),
         UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4)
     return y

@@ -168,6 +168,13 @@ _NPIV = 4      # pivots per bisection pass (the pass is compute-bound: cost grow
 _MAX_CHUNKS = 64  # vocabulary chunks per row at most (a fixed tile: no recompiles as the batch changes)
 _MAX_CAND = 1024  # top-k candidates per row at most (a fixed tile; rows with a larger k use the passes)
 _CAND_SLACK = 64  # candidates beyond the batch's largest top-k
+# the top-p route's threshold search for rows whose race winner lay outside their set: programs
+# per row, pivots per round, and rounds (each narrows the 31-bit key interval by _TP_NPIV + 1:
+# 8 rounds bring any interval to one key)
+_TP_CHUNKS = 16
+_TP_NPIV = 16
+_TP_ROUNDS = 8
+_TP_BLOCK = 256
 
 
 @triton.jit
@@ -517,13 +524,15 @@ def _chunk_top_p_mass_kernel(logits_ptr, stride_l, temp_ptr, top_k_ptr, top_p_pt
 @step_jit(ints=("num_chunks",), pointers=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr"))
 def _top_p_pick_kernel(logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                        seed_ptr, pos_ptr, part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, part_lt_ptr,
-                       part_all_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr, RAND_Q: tl.constexpr,
-                       NPIV: tl.constexpr, BLOCK_C: tl.constexpr, USE_NOISE: tl.constexpr):
+                       part_all_ptr, out_ptr, active_ptr, lo_ptr, hi_ptr, target_ptr, m_ptr, num_chunks, vocab,
+                       BLOCK: tl.constexpr, RAND_Q: tl.constexpr, NPIV: tl.constexpr, BLOCK_C: tl.constexpr,
+                       USE_NOISE: tl.constexpr):
     """Per row: greedy -> the first argmax; else the race winner w over every token min_p keeps.
     With top-p, w is the answer when it lies in the top-p set (the mass strictly above it is
     under p times the kept mass): the race over that subset has the same winner, the noise being
-    the same. Otherwise (about a 1 - p chance), and for a row with top-k, the exact threshold by
-    bisection and the race over the kept set, as _sample_kernel's passes."""
+    the same. Otherwise (about a 1 - p chance) the row is marked active for the chunked threshold
+    search (_top_p_round_kernel) and raced again over its top-p set (_top_p_race_kernel). A row
+    with top-k (only when the caller passed no max_top_k) takes _sample_kernel's passes here."""
     row = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     ok = offs_c < num_chunks
@@ -540,18 +549,127 @@ def _top_p_pick_kernel(logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, top_
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     need_k = (k > 0) & (k < vocab)
+    active = 0
     if (temp > 0.0) & (need_k | (p < 1.0)):
         # (a row with top-k reads parts the mass kernel left unwritten, and ignores them)
         lt = tl.sum(tl.load(part_lt_ptr + base, mask=ok, other=0.0), 0)
         kept = tl.sum(tl.load(part_all_ptr + base, mask=ok, other=0.0), 0)
-        if need_k | (lt >= p * kept):
-            m = tl.max(tl.load(part_max_ptr + base, mask=ok, other=float("-inf")), 0)
+        m = tl.max(tl.load(part_max_ptr + base, mask=ok, other=float("-inf")), 0)
+        if need_k:
             inv_t = tl.math.div_rn(1.0, temp)
             row_ptr = logits_ptr + row * stride_l
             thr = _exact_threshold(row_ptr, vocab, m, inv_t, _min_p_key(min_p_ptr, row), k, p, BLOCK, NPIV)
             top, tok = _race_range(row_ptr, noise_ptr + row * stride_n, 0, 0, vocab, vocab, m, inv_t, thr,
                                    _philox_key(seed_ptr, pos_ptr, row), RAND_Q, USE_NOISE)
+        elif lt >= p * kept:   # the search state, in the slot round 0 reads ((0 - 1) % 2 = 1)
+            active = 1
+            tl.store(lo_ptr + tl.num_programs(0) + row, -1)
+            tl.store(hi_ptr + tl.num_programs(0) + row, _min_p_key(min_p_ptr, row))
+            tl.store(target_ptr + row, p * kept)
+            tl.store(m_ptr + row, m)
+    tl.store(active_ptr + row, active)
     tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit
+def _top_p_state(lo_ptr, hi_ptr, cnt_ptr, mass_ptr, target_ptr, row, bsz, r,
+                 NCH: tl.constexpr, NPIV: tl.constexpr, UPDATE: tl.constexpr):
+    """The row's search interval (lo, hi] before round r: round r - 1's, narrowed by its
+    pivots' masses (summed over the NCH chunks) unless UPDATE is False (round 0). Invariant:
+    mass(key <= lo) < target <= mass(key <= hi); the kept set's bound is hi once hi - lo <= 1."""
+    prev = (r + 1) % 2
+    lo = tl.load(lo_ptr + prev * bsz + row)
+    hi = tl.load(hi_ptr + prev * bsz + row)
+    if UPDATE:
+        if hi - lo > 1:
+            j = tl.arange(0, NPIV)
+            ch = tl.arange(0, NCH)
+            base = ((prev * bsz + row) * NCH + ch[:, None]) * NPIV + j[None, :]
+            cnt = tl.sum(tl.load(cnt_ptr + base), 0)
+            mass = tl.sum(tl.load(mass_ptr + base), 0)
+            piv = _pivots(lo, hi, NPIV)
+            first = tl.min(tl.where((mass >= tl.load(target_ptr + row)) & (cnt >= 1), j, NPIV), 0)
+            lo_new = tl.where(first > 0, tl.sum(tl.where(j == first - 1, piv, 0), 0), lo)
+            hi = tl.where(first < NPIV, tl.sum(tl.where(j == first, piv, 0), 0), hi)
+            lo = lo_new
+    return lo, hi
+
+
+@triton.jit
+def _pivots(lo, hi, NPIV: tl.constexpr):
+    """NPIV pivots spread over (lo, hi), as _pivot_pass's."""
+    j = tl.arange(0, NPIV)
+    span = (hi - lo).to(tl.int64)
+    return (lo.to(tl.int64) + span * (j + 1).to(tl.int64) // (NPIV + 1)).to(tl.int32)
+
+
+@step_jit(ints=("bsz", "chunk", "r"))
+def _top_p_round_kernel(logits_ptr, stride_l, temp_ptr, active_ptr, lo_ptr, hi_ptr, target_ptr, m_ptr, cnt_ptr,
+                        mass_ptr, vocab, bsz, chunk, r, NCH: tl.constexpr, NPIV: tl.constexpr,
+                        BLOCK: tl.constexpr, UPDATE: tl.constexpr):
+    """Program (row, c) of round r of an active row's top-p threshold search: the interval
+    after round r - 1 (chunk 0 keeps it for round r + 1), then over chunk c the count and mass
+    of the tokens at or below each of NPIV pivots inside it. Every program of the row derives
+    the same interval from the same parts; buffers alternate between even and odd rounds."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if tl.load(active_ptr + row) != 0:
+        lo, hi = _top_p_state(lo_ptr, hi_ptr, cnt_ptr, mass_ptr, target_ptr, row, bsz, r, NCH, NPIV, UPDATE)
+        if c == 0:
+            tl.store(lo_ptr + (r % 2) * bsz + row, lo)
+            tl.store(hi_ptr + (r % 2) * bsz + row, hi)
+        if hi - lo > 1:
+            piv = _pivots(lo, hi, NPIV)
+            m = tl.load(m_ptr + row)
+            inv_t = tl.math.div_rn(1.0, tl.load(temp_ptr + row).to(tl.float32))
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_l
+            acc_c = tl.zeros([BLOCK, NPIV], dtype=tl.int32)
+            acc_m = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
+            end = tl.minimum((c + 1) * chunk, vocab)
+            for s in range(c * chunk, end, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                msk = offs < end
+                key, e = _key_e(tl.load(row_ptr + offs, mask=msk, other=0.0).to(tl.float32), m, inv_t, msk)
+                le = key[:, None] <= piv[None, :]
+                acc_c += le.to(tl.int32)
+                acc_m += tl.where(le, e[:, None], 0.0)
+            base = ((r % 2) * bsz + row) * NCH + c
+            tl.store(cnt_ptr + base * NPIV + tl.arange(0, NPIV), tl.sum(acc_c, 0))
+            tl.store(mass_ptr + base * NPIV + tl.arange(0, NPIV), tl.sum(acc_m, 0))
+
+
+@step_jit(ints=("bsz", "chunk", "num_chunks", "r"), pointers=("temp_ptr", "seed_ptr", "pos_ptr"))
+def _top_p_race_kernel(logits_ptr, stride_l, noise_ptr, stride_n, temp_ptr, seed_ptr, pos_ptr, active_ptr, lo_ptr,
+                       hi_ptr, target_ptr, m_ptr, cnt_ptr, mass_ptr, part_score_ptr, part_tok_ptr, vocab, bsz,
+                       chunk, num_chunks, r, NCH: tl.constexpr, NPIV: tl.constexpr, RAND_Q: tl.constexpr,
+                       USE_NOISE: tl.constexpr):
+    """Program (row, c) of an active row: the threshold after the last round, then the race
+    over the kept tokens of the race's chunk c (as _chunk_race_kernel's, the top-p bound added)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if tl.load(active_ptr + row) != 0:
+        lo, thr = _top_p_state(lo_ptr, hi_ptr, cnt_ptr, mass_ptr, target_ptr, row, bsz, r, NCH, NPIV, True)
+        inv_t = tl.math.div_rn(1.0, tl.load(temp_ptr + row).to(tl.float32))
+        start = c * chunk
+        row64 = row.to(tl.int64)
+        top, tok = _race_range(logits_ptr + row64 * stride_l, noise_ptr + row64 * stride_n, start, start,
+                               tl.minimum(start + chunk, vocab), vocab, tl.load(m_ptr + row), inv_t, thr,
+                               _philox_key(seed_ptr, pos_ptr, row64), RAND_Q, USE_NOISE)
+        tl.store(part_score_ptr + row64 * num_chunks + c, top)
+        tl.store(part_tok_ptr + row64 * num_chunks + c, tok)
+
+
+@step_jit(ints=("num_chunks",))
+def _top_p_repick_kernel(active_ptr, part_score_ptr, part_tok_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+    """An active row's token: its top-p race's winner over the chunks (the first on a tie)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(active_ptr + row) != 0:
+        offs_c = tl.arange(0, BLOCK_C)
+        ok = offs_c < num_chunks
+        val = tl.load(part_score_ptr + row * num_chunks + offs_c, mask=ok, other=-2.0)
+        toks = tl.load(part_tok_ptr + row * num_chunks + offs_c, mask=ok, other=0)
+        first = tl.min(tl.where(val == tl.max(val, 0), offs_c, BLOCK_C), 0)
+        tl.store(out_ptr + row, tl.sum(tl.where(offs_c == first, toks, 0), 0).to(tl.int64))
 
 
 def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_n, use_noise, out, num_chunks,
@@ -585,10 +703,29 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
     _chunk_top_p_mass_kernel[(bsz, num_chunks)](logits, logits.stride(0), temperature, top_k, top_p, min_p, part_max,
                                                 part_score, part_tok, part_lt, part_all, vocab, chunk, num_chunks,
                                                 BLOCK=_BLOCK, BLOCK_C=_MAX_CHUNKS, num_warps=4)
+    active = torch.empty(bsz, **i32)
+    lo, hi = torch.empty(2, bsz, **i32), torch.empty(2, bsz, **i32)
+    target, row_max = torch.empty(bsz, **f32), torch.empty(bsz, **f32)
     _top_p_pick_kernel[(bsz,)](logits, logits.stride(0), noise, stride_n, temperature, top_k, top_p, min_p, seeds,
                                positions, part_max, part_arg, part_score, part_tok, part_lt, part_all, out,
-                               num_chunks, vocab, BLOCK=_BLOCK, RAND_Q=_RAND_Q, NPIV=_NPIV, BLOCK_C=_MAX_CHUNKS,
-                               USE_NOISE=use_noise, num_warps=8)
+                               active, lo, hi, target, row_max, num_chunks, vocab, BLOCK=_BLOCK, RAND_Q=_RAND_Q,
+                               NPIV=_NPIV, BLOCK_C=_MAX_CHUNKS, USE_NOISE=use_noise, num_warps=8)
+    # rows whose winner lay outside their top-p set (most steps: none, and these programs return
+    # at once): the threshold by bisection, _TP_CHUNKS programs per row and _TP_NPIV pivots per
+    # round, then the race again over the kept set
+    # (the interpreter pays per program: one program per row there, in wider blocks)
+    nch, block = (_TP_CHUNKS, _TP_BLOCK) if logits.is_cuda else (1, _BLOCK)
+    cnt, mass = torch.empty(2, bsz, nch, _TP_NPIV, **i32), torch.empty(2, bsz, nch, _TP_NPIV, **f32)
+    tp_chunk = triton.cdiv(vocab, nch)
+    for r in range(_TP_ROUNDS):
+        _top_p_round_kernel[(bsz, nch)](logits, logits.stride(0), temperature, active, lo, hi, target, row_max,
+                                        cnt, mass, vocab, bsz, tp_chunk, r, NCH=nch, NPIV=_TP_NPIV,
+                                        BLOCK=block, UPDATE=r > 0, num_warps=4)
+    _top_p_race_kernel[(bsz, num_chunks)](logits, logits.stride(0), noise, stride_n, temperature, seeds, positions,
+                                          active, lo, hi, target, row_max, cnt, mass, part_score, part_tok, vocab,
+                                          bsz, chunk, num_chunks, _TP_ROUNDS, NCH=nch, NPIV=_TP_NPIV,
+                                          RAND_Q=_RAND_Q, USE_NOISE=use_noise, num_warps=4)
+    _top_p_repick_kernel[(bsz,)](active, part_score, part_tok, out, num_chunks, BLOCK_C=_MAX_CHUNKS, num_warps=1)
     return out
 
 

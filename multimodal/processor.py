@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ipc import envs
 from ipc.config import EngineConfig
 from ipc.messages import MultiModalItem
 from multimodal.media import MediaError
@@ -81,10 +82,14 @@ class MultiModalProcessor:
             return self._image_processor
 
     async def off_loop(self, fn, *args):
-        """fn(*args) in this processor's own thread, off the event loop (and off the tokenizer's)."""
+        """fn(*args) in this processor's threads, off the event loop (and off the tokenizer's).
+        Several: decoding, resizing, normalising and hashing an image release the GIL, and with one
+        thread an API server processed one image at a time (~8 HD images/s, which bounded a
+        Qwen2.5-VL server's requests/s while its GPU idled). The store and the caches take locks."""
         from concurrent.futures import ThreadPoolExecutor
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="loom-mm")
+            self._executor = ThreadPoolExecutor(max(envs.LOOM_MEDIA_LOADING_THREAD_COUNT or 1, 1),
+                                                thread_name_prefix="loom-mm")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
@@ -139,8 +144,9 @@ class MultiModalProcessor:
             out = self.info.run_processor(self.image_processor, img, call_kwargs)
         except Exception as e:
             raise MediaError(f"the {self.modality} processor failed: {e}") from None
-        self.stats.processing_secs += time.perf_counter() - t0
-        self.stats.processed_items += 1
+        with self._lock:   # (threads of the pool finish together)
+            self.stats.processing_secs += time.perf_counter() - t0
+            self.stats.processed_items += 1
         arrays = self.info.arrays(out)
         n = self.info.placeholder_tokens(self.hf, arrays)
         if n is None:   # an array the encoder cannot take would fail the engine's step, not this request
@@ -154,13 +160,14 @@ class MultiModalProcessor:
     def _store_item(self, img, kwargs: dict) -> StoredImage:
         """The image in the store, processed only on a cache miss."""
         key = self.item_hash(img, kwargs)
-        self.stats.cache_queries += 1
         with self._lock:
+            self.stats.cache_queries += 1
             n = self._lengths.get(key)
         if n is not None:
             addr = self.store.lookup(key)
             if addr is not None:
-                self.stats.cache_hits += 1
+                with self._lock:
+                    self.stats.cache_hits += 1
                 return StoredImage(key, n, addr)
         n, arrays = self.process_image(img, kwargs)
         deadline = time.monotonic() + STORE_WAIT_S

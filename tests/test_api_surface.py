@@ -493,6 +493,26 @@ def _shape(x):
     return x
 
 
+def _stream_shape(chunks: list[dict]) -> tuple:
+    """A stream's text (joined), its finish reasons, and the distinct shapes of its chunks (text and
+    finish reason left out) in order of first appearance: equal for two streams of the same answer
+    however it was chunked."""
+    def text(c):
+        return "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or "" for ch in c.get("choices", []))
+
+    def blank(x):
+        if isinstance(x, dict):
+            return {k: "-" if k in ("text", "content", "finish_reason") else blank(v) for k, v in x.items()}
+        return [blank(v) for v in x] if isinstance(x, list) else x
+    shapes = []
+    for c in chunks:
+        s = blank(_shape(c))
+        if s not in shapes:
+            shapes.append(s)
+    reasons = [ch.get("finish_reason") for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+    return "".join(text(c) for c in chunks), reasons, shapes
+
+
 def test_invocations_answers_as_the_endpoint_it_routes_to(server):
     """/invocations: the same answer as /v1/chat/completions or /v1/completions, field for field
     (no service_tier, metadata, moderation or system_fingerprint that the endpoint does not send),
@@ -507,4 +527,5 @@ def test_invocations_answers_as_the_endpoint_it_routes_to(server):
         stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
         d = _sse(_post(server, path, stream, stream=True))
         r = _sse(_post(server, "/invocations", stream, stream=True))
-        assert [_shape(c) for c in r] == [_shape(c) for c in d]
+        # (how the tokens fall into chunks is timing: the engine may put two in one output)
+        assert _stream_shape(r) == _stream_shape(d)

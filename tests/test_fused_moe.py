@@ -384,3 +384,82 @@ def test_fused_topk_matches_select_experts(scoring, renormalize):
         w, ids = fm.fused_topk(logits, k, renormalize, scoring)
         assert ids.dtype == want_ids.dtype and torch.equal(ids.cpu(), want_ids.cpu())
         torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)
+
+
+GEMV_TILES = fm.MoeGemvConfig(UP_BLOCK_N=4, UP_BLOCK_K=16, DOWN_BLOCK_N=8, DOWN_BLOCK_K=8, num_warps=1)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("routing", ["random", "one_expert", "same_experts"])
+def test_fused_moe_gemv_matches_reference(t, routing):
+    """The small-batch GEMV path equals the reference at 0-4 tokens over random routings, every
+    token's top choice on one expert, and every token choosing the same experts (each expert's
+    rows read once per pair); K loops of several tiles with a ragged last one (H 40 / 16, I 24 / 8)."""
+    hidden, w13, w2, _, _, weights, ids = moe_problem(t, 6, 3, 40, 24, seed=100 + t, scale=0.25,
+                                                      routing="one_expert" if routing == "one_expert" else "random")
+    if routing == "same_experts":
+        ids[:] = torch.tensor([4, 0, 2])
+    args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+    got = fm.fused_moe_gemv(*args, config=GEMV_TILES)
+    assert got.shape == (t, 40)
+    torch.testing.assert_close(got.cpu(), fused_moe_ref(*args).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("shard", ["tp2", "ep2"])
+def test_fused_moe_gemv_biases_and_shards(activation, shard):
+    """Biases and gpt-oss's activation on a TP shard's shapes (half the intermediate: I 12, an N
+    the up tile does not divide) and an EP shard's (ids of -1 for the other rank's experts)."""
+    inter = 12 if shard == "tp2" else 24
+    hidden, w13, w2, b13, b2, weights, ids = moe_problem(3, 5, 3, 40, inter, seed=7, bias=True, scale=0.5)
+    if shard == "ep2":
+        ids[ids >= 3] = -1
+    args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+    kw = dict(w13_bias=b13.to(DEV), w2_bias=b2.to(DEV), activation=activation)
+    tiles = fm.MoeGemvConfig(UP_BLOCK_N=8, UP_BLOCK_K=16, DOWN_BLOCK_N=16, DOWN_BLOCK_K=8, num_warps=1)
+    torch.testing.assert_close(fm.fused_moe_gemv(*args, **kw, config=tiles).cpu(), fused_moe_ref(*args, **kw).cpu(),
+                               rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_fused_moe_dispatches_on_token_count():
+    """fused_moe takes the GEMV path up to gemv_max_tokens() tokens (default tiles, K in one
+    tile) and the grouped GEMMs above; both equal the reference; 0 turns the GEMV path off."""
+    calls = []
+    real = fm.fused_moe_gemv
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    before = fm.set_gemv_max_tokens(4)
+    try:
+        fm.fused_moe_gemv = spy
+        for t in (1, 4, 5):
+            hidden, w13, w2, _, _, weights, ids = moe_problem(t, 6, 2, 32, 16, seed=t, scale=0.25)
+            args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+            torch.testing.assert_close(fm.fused_moe(*args).cpu(), fused_moe_ref(*args).cpu(), rtol=1e-4, atol=1e-4)
+        assert calls == [1, 4]
+        fm.set_gemv_max_tokens(0)
+        hidden, w13, w2, _, _, weights, ids = moe_problem(1, 6, 2, 32, 16, seed=1, scale=0.25)
+        args = [x.to(DEV) for x in (hidden, w13, w2, weights, ids)]
+        torch.testing.assert_close(fm.fused_moe(*args).cpu(), fused_moe_ref(*args).cpu(), rtol=1e-4, atol=1e-4)
+        assert calls == [1, 4]
+    finally:
+        fm.fused_moe_gemv = real
+        fm.set_gemv_max_tokens(before)
+
+
+def test_gemv_tiles_parse_and_fit():
+    """LOOM_MOE_GEMV_TILES's five powers of two; the down K tile widens as top-k narrows (the
+    same bytes per step) and no tile outgrows the K it walks."""
+    cfg = fm.MoeGemvConfig.parse("4,2048,4,256,8")
+    assert cfg == fm.MoeGemvConfig()
+    assert cfg.fitted(2048, 768, 8) == cfg
+    assert cfg.fitted(4096, 14336, 2) == fm.MoeGemvConfig(4, 2048, 4, 1024, 8)   # Mixtral
+    assert cfg.fitted(40, 24, 3) == fm.MoeGemvConfig(4, 64, 4, 32, 8)
+    for bad in ("4,2048,4,256", "4,2048,4,255,8", "0,2048,4,256,8", "a,b,c,d,e"):
+        with pytest.raises(ValueError):
+            fm.MoeGemvConfig.parse(bad)

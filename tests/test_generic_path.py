@@ -139,3 +139,46 @@ def test_weight_update_names_are_the_checkpoints(model_factory):
     assert dummy.load_weights(list(ckpt.items()), partial=True) == set(ckpt)
     for (name, p), (_, q) in zip(dummy.named_parameters(), real.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def _generic_model(model_dir: str):
+    from transformers import AutoConfig
+
+    from workers.models.transformers import TransformersForCausalLM
+    return TransformersForCausalLM(AutoConfig.from_pretrained(model_dir))
+
+
+def test_fused_decoder_layers_taken_for_llama_refused_otherwise(model_factory, monkeypatch):
+    """Llama's pre-norm layers run fused (transformers_fused.py), equal to HF's forward on the
+    same weights; sandwich norms (Gemma 2), post-norms (OLMo-2), a forward that is not Llama's
+    behind Llama's children, and LOOM_GENERIC_FUSED_LAYERS=0 keep HF's."""
+    from transformers.models.llama import modeling_llama
+
+    llama = model_factory("llama")
+    model = _generic_model(llama)
+    assert model.fused_layers == model.config.num_hidden_layers > 0
+    decoder = model._decoder
+    assert all("forward" in layer.__dict__ for layer in decoder.layers)
+    ids = torch.tensor([[3, 17, 5, 9, 2, 11]])
+    model.step.echo = True
+    try:
+        fused = decoder(input_ids=ids, position_ids=torch.arange(6)[None], use_cache=False).last_hidden_state
+        monkeypatch.setenv("LOOM_GENERIC_FUSED_LAYERS", "0")
+        plain_model = _generic_model(llama)
+        assert plain_model.fused_layers == 0
+        plain_model.load_state_dict(model.state_dict())
+        plain_model.step.echo = True
+        plain = plain_model._decoder(input_ids=ids, position_ids=torch.arange(6)[None],
+                                     use_cache=False).last_hidden_state
+    finally:
+        model.step.echo = False
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+    monkeypatch.delenv("LOOM_GENERIC_FUSED_LAYERS")
+    for arch in ("gemma2", "olmo2"):
+        assert _generic_model(model_factory(arch)).fused_layers == 0, arch
+    original = modeling_llama.LlamaDecoderLayer.forward
+
+    def shifted(self, hidden_states, **kwargs):   # Llama's children, another forward
+        return original(self, hidden_states, **kwargs) + 0.1
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", shifted)
+    assert _generic_model(llama).fused_layers == 0

@@ -28,16 +28,24 @@ def adapters(model, tmp_path_factory):
     return [make_adapter(model, str(root / f"g{i}"), seed=40 + i, r=8 if i else 16, std=0.05) for i in range(3)]
 
 
-def _merged_greedy_cuda(model_dir: str, adapter: str | None, prompt: list[int]) -> list[int]:
+def _check_merged_greedy_cuda(model_dir: str, adapter: str | None, prompt: list[int], got: list[int]) -> None:
+    """Loom's greedy tokens equal the merged-weight model's, or part from them only at a near-tie
+    of the merged model's logits (fp32: W x + s B (A x) and (W + s B A) x round differently, so a
+    random model's top two within ~1e-4 may swap), and at least 16 tokens agree."""
     from transformers import AutoModelForCausalLM
     hf = (merged_model(model_dir, adapter) if adapter else
           AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()).cuda()
     with torch.no_grad():
         ids = torch.tensor([prompt], device="cuda")
-        out = hf.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                          attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        want = hf.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                           attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if d is not None:
+            logits = hf(torch.tensor([prompt + want[:d]], device="cuda")).logits[0, -1]
+            gap = float(logits[want[d]] - logits[got[d]])
     hf.cpu()
-    return out
+    if d is not None:
+        assert d >= 16 and gap <= 1e-4, f"{adapter}: parted from the merged model at token {d}, logit gap {gap}"
 
 
 def _loras(adapters):
@@ -53,7 +61,7 @@ def test_fp32_triton_graphs_match_merged_weights(model, adapters):
                             SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False,
                             lora_request=per)
     for p, lr, o in zip(PROMPTS, per, outs):
-        assert o.outputs[0].token_ids == _merged_greedy_cuda(model, lr and lr.lora_path, p), lr
+        _check_merged_greedy_cuda(model, lr and lr.lora_path, p, list(o.outputs[0].token_ids))
 
 
 def test_bf16_graphs_match_eager(model, adapters):

@@ -75,6 +75,53 @@ def test_kernel_in_a_cuda_graph_equals_eager(t):
     assert torch.equal(out, fm.fused_moe(new_hidden, w13, w2, new_weights, new_ids))
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_gemv_path_matches_reference_at_qwen3_30b_shapes(t):
+    """The small-batch GEMV path in bf16, its default tiles and every tile set bench/moe_decode.py
+    times, within the bf16 reference's own error; ids of -1 (expert parallelism) add nothing."""
+    from bench.moe_decode import VARIANTS
+    hidden, w13, w2, _, _, weights, ids = _layer(t, seed=10 + t)
+    ids[:, -1] = -1
+    exact = fm.fused_moe_ref(hidden.float(), w13.float(), w2.float(), weights, ids)
+    ref_err = _err(fm.fused_moe_ref(hidden, w13, w2, weights, ids), exact)
+    for tiles in [None] + [fm.MoeGemvConfig.parse(v) for v in VARIANTS]:
+        got = fm.fused_moe_gemv(hidden, w13, w2, weights, ids, config=tiles)
+        assert got.dtype == torch.bfloat16 and got.shape == (t, H)
+        assert _err(got, exact) <= 2 * ref_err + 2e-3, (tiles, _err(got, exact), ref_err)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_gemv_path_biases_and_activation_bf16(activation):
+    hidden, w13, w2, b13, b2, weights, ids = _layer(3, seed=6, bias=True)
+    kw = dict(w13_bias=b13, w2_bias=b2, activation=activation)
+    exact = fm.fused_moe_ref(hidden.float(), w13.float(), w2.float(), weights, ids, w13_bias=b13.float(),
+                             w2_bias=b2.float(), activation=activation)
+    ref_err = _err(fm.fused_moe_ref(hidden, w13, w2, weights, ids, **kw), exact)
+    assert _err(fm.fused_moe_gemv(hidden, w13, w2, weights, ids, **kw), exact) <= 2 * ref_err + 2e-3
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_gemv_path_in_a_cuda_graph_equals_eager(t):
+    """fused_moe dispatches to the GEMV path at t <= gemv_max_tokens(); captured, replayed on a
+    new routing: bit-equal to eager (no atomics: the top-k sum is inside one program)."""
+    assert t <= fm.gemv_max_tokens()
+    hidden, w13, w2, _, _, weights, ids = _layer(t, seed=3)
+    fm.fused_moe(hidden, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(hidden, w13, w2, weights, ids)
+    new_hidden, _, _, _, _, new_weights, new_ids = _layer(t, seed=4)
+    hidden.copy_(new_hidden)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fm.fused_moe(new_hidden, w13, w2, new_weights, new_ids)
+    assert torch.equal(out, want)
+    assert torch.equal(want, fm.fused_moe_gemv(new_hidden, w13, w2, new_weights, new_ids))
+
+
 def _hf_greedy(model_dir: str, prompts, n: int) -> list[list[int]]:
     """HF's greedy tokens on CUDA, up to n or through its first EOS."""
     from transformers import AutoModelForCausalLM

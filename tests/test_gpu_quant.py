@@ -56,6 +56,46 @@ def test_w4a16(n, k, rows, act_order):
     assert _cos(fn(x, qweight, scales, zeros, g_idx, group), ref) > 0.9999
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 4, 16, 300, 2048])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_nk(n, k, rows, act_order):
+    """The N x K layout the model runs (w4a16_linear_nk: GEMV, fused GEMM, dequantize + cuBLAS by
+    row count; the fused GEMM at every row count too), group 128, against dequantize-and-matmul
+    of the [K/8, N] original."""
+    from kernels import w4a16 as q
+    group = 128
+    qweight = q.pack_k(torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32))
+    scales = (torch.rand(k // group, n, device="cuda") * 0.002).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda").to(torch.bfloat16)
+    g_idx = (torch.randperm(k, device="cuda") // group).to(torch.int32) if act_order else None
+    nk = q.repack_nk(qweight, scales, zeros, g_idx, group)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ref = q.w4a16_ref(x.float(), qweight, scales, zeros, g_idx, group)
+    assert _cos(q.w4a16_linear_nk(x, *nk, group), ref) > 0.9999
+    assert _cos(q.w4a16_gemm_nk(x, *nk, group), ref) > 0.9999
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("prologue", ["none", "add_rms_norm", "silu_mul"])
+def test_fp8_gemv_with_prologue(n, k, rows, prologue):
+    """kernels/gemv.py on fp8 weights (the FP8 model's decode path, norms and SiLU fused), its
+    default and wide tiles, against the unfused ops on the dequantized weight."""
+    from kernels import fp8_linear as q
+    from kernels.gemv import fp8_tile_config, gemv, gemv_ref
+    w, s = q.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(rows, 2 * k if prologue == "silu_mul" else k, device="cuda", dtype=torch.bfloat16)
+    kw = dict(residual=torch.randn(rows, k, device="cuda", dtype=torch.bfloat16),
+              norm_weight=torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5,
+              eps=1e-6) if prologue == "add_rms_norm" else {}
+    want, _ = gemv_ref(x.float(), w.float() * s[:, None], prologue=prologue,
+                       **{a: (b.float() if isinstance(b, torch.Tensor) else b) for a, b in kw.items()})
+    t = fp8_tile_config(n, k, rows, prologue)
+    for tiles in (None, dict(t, block_k=min(2 * t["block_k"], 1 << (k.bit_length() - 1)))):
+        assert _cos(gemv(x, w, prologue=prologue, scale=s, tiles=tiles, **kw)[0], want) > 0.9999
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "w4a16-g128", "fp8-block"])
 def test_demo_model_quantized_recites_the_zen_on_gpu(demo_model_dir, quantization, tmp_path):
     """The whole path on the GPU (bf16, CUDA graphs, the kernels above in the model): the trained

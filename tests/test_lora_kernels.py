@@ -107,6 +107,24 @@ def test_shrink_expand_match_reference(dtype, batch, slices, block_m):
     assert torch.equal(got.cpu()[base], y.cpu()[base])   # the base rows are untouched
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("batch", ["decode_mixed", "one_row"])
+def test_split_k_shrink_partials_sum_in_the_expand(batch, splits):
+    # decode sizes split K over programs: the shrink's partials [splits, T, N] sum to xa, and the
+    # expand sums them as it reads them (K = 200 so that 16-wide K blocks give several splits)
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES[batch], k=200, slices=(12, 6, 6))
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=splits)
+    base = (slots >= 0).cpu()
+    if splits is not None:   # (3 asked: 2 K chunks of whole 128-wide blocks cover K = 200)
+        assert xa.dim() == 3 and xa.shape[0] == 2
+    whole = xa.sum(0) if xa.dim() == 3 else xa
+    torch.testing.assert_close(whole.cpu()[base], lk.lora_shrink_ref(x, a, slots).cpu()[base], atol=1e-5, rtol=1e-5)
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lk.lora_expand_ref(y.clone(), xa, b, slots, starts), want, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_is_the_per_row_product():
     # the reference itself, against the plain formula row by row: y += (x A_s^T)_j B_s,j^T
     x, a, b, y, slots, starts = _case(torch.float32, [1, -1, 0, 2, 1], slices=(12, 6, 6))

@@ -764,10 +764,13 @@ def test_fused_moe_triton_path_matches_hf(tmp_path, monkeypatch):
     from workers.models import layers
     if not is_interpreted(fm._fused_moe_gemm_kernel):
         pytest.skip("the Triton interpreter is not active in this process")
-    calls = []
+    calls, gemv_calls, real_gemv = [], [], fm.fused_moe_gemv
     monkeypatch.setattr(layers, "fused_moe", lambda *a, **kw: calls.append(a[0].shape[0]) or fm.fused_moe(*a, **kw))
+    monkeypatch.setattr(fm, "fused_moe_gemv", lambda *a, **kw: gemv_calls.append(a[0].shape[0]) or real_gemv(*a, **kw))
     monkeypatch.setattr(layers, "select_experts", fm.fused_topk)
     hf = make_hf_model(make_config("Qwen3MoeForCausalLM"))
     ours = load_model(save(hf, tmp_path), torch.float32, "cpu")
     run_scenario(ours, hf)
     assert calls and min(calls) <= 3 < max(calls)   # decode steps and prefills both took it
+    # decode-sized calls took the GEMV path, prefills the grouped GEMMs
+    assert gemv_calls and max(gemv_calls) <= fm.gemv_max_tokens() < max(calls)

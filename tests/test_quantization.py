@@ -122,8 +122,9 @@ def test_dummy_weights_in_each_formats_layout(model_factory, tmp_path, quantizat
     if quantization == "fp8-block":
         assert down.weight.dtype == FP8 and down.weight_scale_inv.shape == (2, 4)
     else:
-        assert down.qweight.dtype == torch.int32 and down.qweight.shape == (256 // 8, 128)
-        assert down.scales.shape == (2, 128)
+        # repacked into kernels/w4a16.py's N x K layout: [N, K/8] words, [N, G] scales
+        assert down.w4_nk and down.qweight.dtype == torch.int32 and down.qweight.shape == (128, 256 // 8)
+        assert down.scales.shape == (128, 2)
     assert torch.isfinite(next(scenario_logits(model))[0]).all()
 
 
@@ -416,9 +417,36 @@ def test_fp8_gemv_matches_reference(rows):
     x, b = torch.randn(rows, 256, generator=g), torch.randn(40, generator=g)
     w, s = k.quantize_rows(torch.randn(40, 256, generator=g))
     torch.testing.assert_close(k.fp8_gemv(x, w, s, b), k.fp8_linear_ref(x, w, s, b), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(k.fp8_gemv_legacy(x, w, s, b), k.fp8_linear_ref(x, w, s, b), atol=1e-3, rtol=1e-3)
     w, s = k.quantize_blocks(torch.randn(40, 256, generator=g))
     torch.testing.assert_close(k.fp8_gemv(x, w, s, None, 128), k.fp8_linear_ref(x, w, s, None, 128),
                                atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("prologue", ["add_rms_norm", "silu_mul"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_gemv_fuses_the_prologue(prologue, rows, monkeypatch):
+    """kernels/gemv.py's GEMV on fp8 weights with per-channel scales (what an FP8 model's decode
+    runs, the norm or SiLU fused in; LOOM_FP8_GEMV=wide's doubled BLOCK_K too) against the
+    unfused ops on the dequantized weight."""
+    from kernels import fp8_linear as k
+    from kernels.gemv import fp8_tile_config, gemv, gemv_ref
+    g = torch.Generator().manual_seed(rows)
+    kdim = 256
+    w, s = k.quantize_rows(torch.randn(40, kdim, generator=g))
+    x = torch.randn(rows, 2 * kdim if prologue == "silu_mul" else kdim, generator=g)
+    kw = dict(residual=torch.randn(rows, kdim, generator=g), norm_weight=torch.rand(kdim, generator=g) + 0.5,
+              eps=1e-6) if prologue == "add_rms_norm" else {}
+    bias = torch.randn(40, generator=g)
+    want, want_res = gemv_ref(x, w.float() * s[:, None], bias, prologue=prologue, **kw)
+    for mode in ("gemv", "wide"):
+        monkeypatch.setenv("LOOM_FP8_GEMV", mode)
+        # (wide: the GPU's tiles themselves, prologue unfused as on Llama-3.1-8B's big weights)
+        tiles = None if mode == "gemv" else fp8_tile_config(40, kdim, rows, prologue)
+        got, res = gemv(x, w, bias, prologue=prologue, scale=s, tiles=tiles, **kw)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if want_res is not None:
+            torch.testing.assert_close(res, want_res)
 
 
 def test_block_fp8_gemm_matches_reference():
@@ -427,10 +455,11 @@ def test_block_fp8_gemm_matches_reference():
     asks 0.999 of the GPU's, which rounds to nearest)."""
     from kernels import fp8_linear as k
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(20, 256, generator=g)
     w, s = k.quantize_blocks(torch.randn(200, 256, generator=g))
-    y, ref = k.block_fp8_gemm(x, w, s, None, 128), k.fp8_linear_ref(x, w, s, None, 128)
-    assert F.cosine_similarity(y, ref, dim=-1).min() > 0.99
+    for rows in (20, 300):   # a decode batch's tiles, and prefill's 128 x 128 in L2 bands
+        x = torch.randn(rows, 256, generator=g)
+        y, ref = k.block_fp8_gemm(x, w, s, None, 128), k.fp8_linear_ref(x, w, s, None, 128)
+        assert F.cosine_similarity(y, ref, dim=-1).min() > 0.99
 
 
 # ------------------------------------------------------------------ start-up errors
@@ -483,6 +512,35 @@ def test_w4a16_kernels_match_reference(group, act_order):
         x = torch.randn(rows, kdim, generator=g)
         torch.testing.assert_close(fn(x, qweight, scales, zeros, g_idx, group, bias),
                                    k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (128, False), (256, False), (64, True)])
+def test_w4a16_nk_kernels_match_reference(group, act_order):
+    """The N x K layout's kernels (what the model runs): the GEMV (1 and 3 rows: the per-row-scale
+    and per-word-scale tiles), the fused dequantizing GEMM (2 and 20 rows) and the dequantization,
+    from the [K/8, N] layout repacked (act-order: k sorted by group, x permuted), against
+    dequantize-and-matmul of the original; odd N (48 columns)."""
+    from kernels import w4a16 as k
+    g = torch.Generator().manual_seed(group)
+    kdim, n = 256, 48
+    qweight = k.pack_k(torch.randint(0, 16, (kdim, n), generator=g, dtype=torch.int32))
+    scales = torch.rand(kdim // group, n, generator=g) * 0.1
+    zeros = torch.randint(0, 16, (kdim // group, n), generator=g).float()
+    g_idx = (torch.randperm(kdim, generator=g) // group).to(torch.int32) if act_order else None
+    bias = torch.randn(n, generator=g)
+    nk = k.repack_nk(qweight, scales, zeros, g_idx, group)
+    assert (nk[3] is not None) == act_order
+    for rows, fn in ((1, k.w4a16_gemv_nk), (3, k.w4a16_gemv_nk), (2, k.w4a16_gemm_nk), (20, k.w4a16_gemm_nk)):
+        x = torch.randn(rows, kdim, generator=g)
+        want = k.w4a16_ref(x, qweight, scales, zeros, g_idx, group, bias)
+        torch.testing.assert_close(k.w4a16_nk_ref(x, *nk, group, bias), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fn(x, *nk, group, bias), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.dequantize_nk_to(nk[0], nk[1], nk[2], group, torch.float32),
+                               k.dequantize_nk(nk[0], nk[1], nk[2], group))
+    # a row-parallel rank's act-order k (half of them, groups shared with the other rank): no N x K
+    if act_order:
+        half = k.pack_k(k.unpack_k(qweight)[: kdim // 2])
+        assert k.repack_nk(half, scales, zeros, g_idx[: kdim // 2], group) is None
 
 
 def test_models_card_names_the_quantization(format_dirs, model_factory):
@@ -581,3 +639,22 @@ def test_mfu_counts_quantized_weight_bytes(format_dirs):
                              + 3 * h * s.intermediate_size)
     assert read["dense"] - read["fp8"] == pytest.approx(linear * 1.0)   # 2 bytes -> 1
     assert read["dense"] - read["w4"] == pytest.approx(linear * 1.5)    # 2 bytes -> 0.5
+
+
+def test_quant_kernels_bench_times_every_variant(monkeypatch, capsys):
+    """bench/quant_kernels.py on CPU (interpreted kernels, toy shapes, a call instead of the GPU
+    timing): every family's variants run and the choice and target tables print."""
+    import bench.quant_kernels as b
+    monkeypatch.setattr(b, "DEVICE", "cpu")
+    monkeypatch.setattr(b, "SHAPES", {"o": (64, 256), "down": (64, 512)})
+    monkeypatch.setattr(b, "per_call_us", lambda fn, copies: (fn(0), 1.0)[1])
+    monkeypatch.setattr(b, "copies_for", lambda nbytes: 1)
+    monkeypatch.setattr("sys.argv", ["quant_kernels", "--rows", "1", "16", "--shapes", "o", "down", "--legacy"])
+    assert b.main() == 0
+    out = capsys.readouterr().out
+    assert "failed" not in out, out
+    timed = {tuple(line.split()[2:4]) for line in out.splitlines() if line.startswith(("o ", "down "))}
+    for family, variant in (("fp8", "legacy"), ("fp8", "gemv-wide"), ("fp8", "scaled_mm"), ("fp8blk", "default"),
+                            ("w4a16", "gemm"), ("w4a16", "dense"), ("w4a16", "actorder"), ("w4a16", "legacy")):
+        assert (family, variant) in timed, (family, variant)
+    assert "=== choice table" in out and "w4a16 default, 1 row: share of HBM bandwidth" in out

@@ -79,7 +79,9 @@ class KVCacheMemory:
         dummy = [(torch.empty(1, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
                               device=device),) * 2 for _ in range(spec.num_layers)]
         hidden = self.model(ids, torch.arange(n, device=device), dummy, meta)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs:]).float()  # as logprobs/penalties need
+        speculative = self.config.speculative   # a verify step has a logits row per token: k + 1 per request
+        rows = self.config.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0))
+        self.model.compute_logits(hidden[-rows:]).float()  # as logprobs/penalties need
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ipc import envs
 from ipc.compile_cache import compiled_kernels, use_compile_cache
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -31,10 +32,12 @@ from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_log
                               prompt_logprob_rows, prompt_logprob_spans, prompt_logprobs)
 from workers.mm_inputs import MultimodalInputs
 from workers.piecewise_graphs import PiecewiseGraphs
-from workers.rejection_sampler import RejectionSampler
+from workers.rejection_sampler import verify_samples
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
+from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
+from workers.spec_decode.verify_sampling import first_landings, per_token_params
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
 from workers.warmup import capture_graphs, warm_up
@@ -88,6 +91,7 @@ class PendingStep:
     spec: SpecLayout | None = None            # a verify step's drafts (speculative decoding)
     num_accepted: torch.Tensor | None = None  # its accepted drafts per sampled request (pinned after copy_back)
     pooled: torch.Tensor | None = None        # --runner pooling: a vector per sample row (a pinned copy after copy_back)
+    spec_drafts: torch.Tensor | None = None   # EAGLE: the next step's drafts per sampled request (pinned after copy_back)
 
 
 class ModelRunner:
@@ -129,13 +133,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None        # pure-decode steps' graphs
         self.piecewise_graphs: PiecewiseGraphs | None = None  # the other steps' graphs
         # the row counts the lm_head runs at on CUDA: the decode graphs' batch sizes (_padded_rows)
-        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs)
+        rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative is not None else 0)
+        self.logit_row_counts = decode_batch_sizes(config.max_num_seqs * rows_per_seq)   # (a verify step: k + 1 each)
         self.stats = StepStats(self.device) if step_stats_enabled() else None
         # every worker of every engine reads the API servers' stores as a reader of its own
         self.mm = MultimodalInputs(self.model, config.data_parallel_rank * config.tensor_parallel_size + rank)
         self.uses_mrope = self.mm.uses_mrope
+        from workers.cross_kv import make_cross_kv   # an encoder-decoder's cross-attention K/V (Whisper)
+        self.cross_kv = make_cross_kv(self.model, config.max_num_seqs, config.block_size, self.dtype, self.device)
         self.spec_config = config.speculative
-        self.rejection_sampler = RejectionSampler()
         self.proposer = make_proposer(config, self)   # None: speculation off
         self.pooler = None   # --runner pooling: finished prompts are pooled, never sampled (workers/pooler.py)
         if config.runner == "pooling":
@@ -201,6 +207,8 @@ class ModelRunner:
         if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
             self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
+        if self.decode_graphs is not None and hasattr(self.proposer, "capture"):   # EAGLE's draft steps
+            self.proposer.capture(self)
 
     def kv_splits(self, num_seqs: int) -> int:
         """The split-KV count of a decode batch of num_seqs sequences (the decode graphs')."""
@@ -242,12 +250,16 @@ class ModelRunner:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64), refused=self.mm.take_refused())
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows, refused=self.mm.take_refused())
         self._lap(batch, "prepare")
+        if self.cpu_tier is not None:   # the tier's copies (this step's or earlier) run on their own stream
+            self.cpu_tier.wait_forward()
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
             step.pooled = self.pooler(self.model, hidden, batch)
         elif len(batch.sample_rows) and so.defer_sample:
-            if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
+            if batch.decode_graph_size is not None and not batch.grammar_head:
+                # its parameters lie in the graphs' staging, which the next step rewrites (the grammar
+                # head reads them there: the worker samples this step before it launches the next)
                 batch.device = map_arrays(batch.device, torch.clone)
             step.unsampled = DeferredSample(batch, logits)   # sample_deferred() samples it once the bitmask comes
         elif batch.spec is not None:
@@ -255,6 +267,8 @@ class ModelRunner:
         elif len(batch.sample_rows):
             self._sample_into(step, logits, batch, so.grammar)
         step.prompt_logprobs = prompt_logprobs(self.model, batch, hidden)
+        if getattr(self.proposer, "on_device", False):   # EAGLE: the head's pass and drafts, queued behind the step
+            self.proposer.on_sampled(self, step, batch, hidden)
         if step.unsampled is None:
             self.copy_back(step)
         for st, computed in zip(batch.states, batch.computed_after):
@@ -293,37 +307,60 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:   # a verify step: k + 1 logits rows per request with k drafts
             spec = spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))),
                                so.scheduled_spec_decode_tokens)
+        per_request = spec is not None and envs.LOOM_SPEC_FAST_HOST   # (workers/spec_decode/verify_sampling.py)
         if spec is None:
             rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        elif per_request:   # each request's row at its first draft position, expanded below
+            rows = [self._sampling_row(states[i], p) for i, p in zip(sample_rows.tolist(),
+                                                                     first_landings(spec).tolist())]
         else:   # one row per draft and one more, each drawing the token at its landing position
-            rows = [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
-                                                                                 spec.landing.tolist())]
+            rows = self._verify_rows(states, sample_rows, spec)
         if so.scheduled_encoder_inputs:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
+        if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
+            from workers.cross_kv import fill_scheduled
+            fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
+            mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
         graph_size = None if calibrate or cascade else self._decode_graph_size(num_scheduled, bool(mm))
+        token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
+        if spec is not None and not calibrate and not cascade and not mm and (graph_size := self._verify_graph_size(
+                num_scheduled, spec, sample_rows, int(end.max()))) is not None:
+            host = rows_as_decodes(host, num_scheduled, start)
         every_row_samples = len(sample_rows) == len(num_scheduled)
         # whether the sampled rows all sample plainly, asked only where it matters (it walks every
         # row): a decode graph's head samples such a step, and under TP its logits may stay sharded
-        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1) and spec is None
-                 and self._samples_plainly(so, rows))
+        plain = (((graph_size is not None and every_row_samples) or tp_size() > 1)
+                 and (spec is None or graph_size is not None) and self._samples_plainly(so, rows))
         graph_samples = graph_size is not None and every_row_samples and plain
+        # a structured-output step whose rows otherwise sample plainly: the grammar head samples it
+        grammar_head = (not graph_samples and graph_size is not None and every_row_samples and spec is None
+                        and self._samples_in_grammar_head(so, rows))
+        graph_samples |= grammar_head
         if self.uses_mrope:
-            host.positions = self.batch.mrope_positions(states, host.positions, host.query_start_loc)
-        if spec is not None:
+            host.positions = self.batch.mrope_positions(states, host.positions, token_starts)
+        if spec is not None and not graph_samples:
             host.sample_index = self._padded_rows(spec.token_rows)
         elif not graph_samples:
             host.sample_index = self._padded_rows(host.query_start_loc[1:][sample_rows] - 1)
-        host.sampling = self.sampler.host_params(rows)
+        if per_request and graph_samples:   # the graph's head reads the plain fields only
+            host.sampling = per_token_params(self.sampler.host_params(rows), spec)
+        else:
+            if per_request:
+                rows = self._verify_rows(states, sample_rows, spec)
+            host.sampling = self.sampler.host_params(rows)
         spans = prompt_logprob_spans(states, start, num_scheduled)
-        if (logprob_rows := prompt_logprob_rows(spans, states, host.query_start_loc, self.batch.token_ids)):
+        if (logprob_rows := prompt_logprob_rows(spans, states, token_starts, self.batch.token_ids)):
             host.prompt_logprob_rows, host.prompt_logprob_targets = logprob_rows
         if prev is not None and prev.tokens is not None:
-            if (feed := feed_indices(prev, states, start, host.query_start_loc, graph_size is not None)):
+            if (feed := feed_indices(prev, states, start, token_starts, graph_size is not None)):
                 host.graph_feed_rows, host.fed_token_index, host.fed_from_rows = feed
+                if spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
+                    host.graph_feed_rows = np.full(len(host.seq_lens), -1, np.int64)
+                    host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
         device = self._upload(host, graph_size)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
@@ -339,7 +376,7 @@ class ModelRunner:
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec)
+                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -372,6 +409,12 @@ class ModelRunner:
         self.decode_graphs.stage(graph_size, host, device)
         return device
 
+    def _verify_rows(self, states: list[CachedRequestState], sample_rows: np.ndarray, spec: SpecLayout
+                     ) -> list[SamplingRow]:
+        """A verify step's rows: one per draft and one more, each drawing the token at its landing."""
+        return [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
+                                                                             spec.landing.tolist())]
+
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
         return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids,
@@ -385,11 +428,30 @@ class ModelRunner:
             return None
         return self.decode_graphs.size_for(len(num_scheduled))
 
+    def _verify_graph_size(self, num_scheduled: np.ndarray, spec: SpecLayout, sample_rows: np.ndarray,
+                           max_context: int) -> int | None:
+        """The decode graph size that runs a verify step with one row per token
+        (workers/spec_decode/verify_graph.py): every token a logits row, no prompt chunk in the
+        step, contexts up to MAX_VERIFY_GRAPH_CONTEXT, and a captured size that large
+        (LOOM_SPEC_FULL_GRAPH=0: never, for A/B runs)."""
+        if (self.decode_graphs is None or self.pooler is not None or not envs.LOOM_SPEC_FULL_GRAPH
+                or max_context > MAX_VERIFY_GRAPH_CONTEXT
+                or not is_pure_verify(num_scheduled, len(spec.token_rows), sample_rows)):
+            return None
+        return self.decode_graphs.size_for(len(spec.token_rows))
+
     def _samples_plainly(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
         """No top-k, penalties, logprobs or grammar among the sampled rows (Sampler.plain), nor
         top-p under tensor parallelism (the plain rows' logits may be a vocabulary shard there)."""
         return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
                 and self.sampler.plain(rows, self.model.config.vocab_size, top_p=tp_size() == 1))
+
+    def _samples_in_grammar_head(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """A grammar constrains some row (now or once the bitmask comes) and the rows sample
+        plainly otherwise (workers/decode_graphs.py: the grammar head)."""
+        return (self.decode_graphs.grammar_heads
+                and (so.defer_sample or (so.grammar is not None and len(so.grammar.rows) > 0))
+                and self.sampler.plain(rows, self.model.config.vocab_size, top_p=True))
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
@@ -407,7 +469,7 @@ class ModelRunner:
         (None when none samples, or when the decode graph's head samples them)."""
         device, attention = batch.device, batch.attention
         if batch.decode_graph_size is not None:
-            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.num_scheduled))
+            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens))
         elif batch.piecewise_size is not None:
             hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention)
         elif batch.inputs_embeds is not None:
@@ -430,8 +492,9 @@ class ModelRunner:
         what their grammar bitmask allows. A step the decode graph's head samples has no row
         with penalties or bad words, so its tokens need not be recorded."""
         if batch.graph_samples:
-            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled)),
-                                 None, {}, None)
+            masked = self._stage_grammar(batch, grammar) if batch.grammar_head else None
+            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
+                                                             grammar=batch.grammar_head), None, {}, masked)
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
         sampling = batch.device.sampling
@@ -447,6 +510,8 @@ class ModelRunner:
             return
         (batch, logits), step.unsampled = step.unsampled, None
         self._sample_into(step, logits, batch, grammar)
+        if getattr(self.proposer, "on_device", False):
+            self.proposer.on_sampled(self, step)
         self.copy_back(step)
 
     def _sample_into(self, step: PendingStep, logits: torch.Tensor | None, batch: StepBatch,
@@ -456,37 +521,31 @@ class ModelRunner:
         if failed:
             step.failed = {batch.states[batch.sample_rows[i]].req_id: why for i, why in failed.items()}
 
-    def _verify_into(self, step: PendingStep, logits: torch.Tensor, batch: StepBatch,
+    def _verify_into(self, step: PendingStep, logits: torch.Tensor | None, batch: StepBatch,
                      grammar: GrammarOutput | None) -> None:
-        """A verify step's tokens: each sampled request's accepted drafts count and the token it
-        emits after them (workers/rejection_sampler.py), with the plain sampler's logits
-        processing per row; logprobs of every row (finish() keeps the emitted ones)."""
-        spec = batch.spec
-        if grammar is not None and len(grammar.rows):
-            self._apply_grammar(logits, batch.sample_rows, grammar, spec)
-        sampling = batch.device.sampling
-        rows = batch.sampling_rows
-        raw_logits = logits
-        logits, failed, masked = self.sampler.adjust(logits, rows, sampling, self.batch.penalty_state(),
-                                                     self.batch.recent_outputs)
+        """A verify step's tokens: every logits row draws a token as the plain sampler would at
+        its output index (in the decode graph's head when the step runs there and its rows sample
+        plainly; else eagerly, with each row's logits processing, grammar bitmask and logprobs),
+        and each request accepts its drafts while the rows drew them, then emits the first
+        draw that differs (workers/rejection_sampler.py verify_samples: the rejection sampler
+        for greedy drafts). logprobs of every row (finish() keeps the emitted ones)."""
+        spec, sampling = batch.spec, batch.device.sampling
         draft, layout_rows = self.h2d([spec.draft, spec.rows])
-        verdict = self.rejection_sampler(logits, sampling, draft, layout_rows, rows)
+        if batch.graph_samples:
+            samples = self.decode_graphs.run_head(batch.decode_graph_size, len(spec.token_rows))
+            failed, masked = {}, None
+        else:
+            if grammar is not None and len(grammar.rows):
+                self._apply_grammar(logits, batch.sample_rows, grammar, spec)
+            samples, step.topk, failed, masked = self.sampler(logits, batch.sampling_rows, sampling,
+                                                               self.batch.penalty_state(), self.batch.recent_outputs)
+        verdict = verify_samples(samples, draft, layout_rows)
         step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
         self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
         if masked is not None:
             step.masked = masked.index_select(0, verdict.final_rows)
         if failed:
             step.failed = {batch.states[batch.sample_rows[spec.request[i]]].req_id: why for i, why in failed.items()}
-        max_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
-        if max_lp is not None:   # every row's token: its draft, the emitting row's the verdict's
-            row_tokens = draft.clamp(min=0).index_copy(0, verdict.final_rows, verdict.tokens)
-            raw = torch.log_softmax(raw_logits, dim=-1, dtype=torch.float32)
-            lp = raw.gather(1, row_tokens.view(-1, 1))
-            ids = row_tokens.view(-1, 1)
-            k = min(max(max_lp, 0), raw.shape[-1])
-            if k:
-                ids = torch.cat((ids, raw_logits.topk(k, dim=-1).indices), dim=1)
-            step.topk = TopLogprobs(ids, raw.gather(1, ids), (raw > lp).sum(dim=-1) + 1)
 
     def propose(self, step: PendingStep) -> dict[str, list[int]] | None:
         """The next step's drafts for the requests this step sampled (their tokens appended),
@@ -496,7 +555,30 @@ class ModelRunner:
             return None
         live = [st for i in step.sample_rows.tolist() if self.batch.requests.get((st := step.states[i]).req_id) is st
                 and may_speculate(st.params, st.bad_words)]
-        return (self.proposer.propose(self, live) or None) if live else None
+        if not live:
+            return None
+        if getattr(self.proposer, "on_device", False):   # drafted with the step (spec_drafts)
+            return self.proposer.propose(self, live, step) or None
+        return self.proposer.propose(self, live) or None
+
+    def _stage_grammar(self, batch: StepBatch, grammar: GrammarOutput | None) -> torch.Tensor | None:
+        """The grammar head's masks for this step (every row samples: grammar.rows are rows of
+        the head); the rows left with no token to sample (bool per row, on the host), or None."""
+        bs, n = batch.decode_graph_size, len(batch.num_scheduled)
+        mask_rows = np.full(bs, -1, dtype=np.int32)
+        if grammar is None or not len(grammar.rows):
+            distinct = np.zeros((0, 1), dtype=np.int32)
+        else:
+            distinct = np.array(grammar.bitmask)   # (a writable copy of the received frame)
+            which = np.arange(len(grammar.rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+            mask_rows[np.asarray(grammar.rows, dtype=np.int64)] = which
+        dev_distinct, dev_rows = self.h2d([np.ascontiguousarray(distinct), mask_rows])
+        self.decode_graphs.set_grammar(bs, dev_distinct, dev_rows)
+        empty = ~_allows_any(distinct, self.model.config.vocab_size)
+        if not empty.any():
+            return None
+        rows = mask_rows[:n]
+        return torch.from_numpy((rows >= 0) & empty[np.maximum(rows, 0)])
 
     def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput,
                        spec: SpecLayout | None = None) -> None:
@@ -538,6 +620,8 @@ class ModelRunner:
             step.prompt_logprobs.tensors = tuple(to_host(t) for t in step.prompt_logprobs.tensors)
         if step.pooled is not None:
             step.pooled = to_host(step.pooled)
+        if step.spec_drafts is not None:
+            step.spec_drafts = to_host(step.spec_drafts)
         if step.tokens is not None or step.prompt_logprobs is not None or step.pooled is not None:
             step.event = torch.cuda.Event()
             step.event.record()
@@ -592,3 +676,13 @@ class ModelRunner:
                 accepted[st.req_id] = step.spec.drafts[j][:a]
                 st.num_tokens += a   # (the drafts are in token_ids already: prepare() wrote them)
         return accepted or None
+
+
+def _allows_any(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool per bitmask row: some token of the vocabulary is allowed."""
+    full, rem = divmod(vocab, 32)
+    words = bitmask[:, :full]
+    out = (words != 0).any(axis=1) if full else np.zeros(len(bitmask), dtype=bool)
+    if rem and bitmask.shape[1] > full:
+        out |= (bitmask[:, full] & np.int32((1 << rem) - 1)) != 0
+    return out

@@ -13,6 +13,10 @@ ids, the grammar bitmask; temperature, min-p, top-k, top-p), then:
   accepted a bonus token is drawn from p_k. Loom's proposers draft greedily, so q_j is one-hot
   at d (draft_probs None): accept with p_j(d), resample from p_j without d.
 
+The runner verifies with verify_samples (below): for one-hot drafts it is this sampler, with each
+row's draw the plain sampler's own (so it runs in the decode graphs' head). rejection_sample and
+RejectionSampler serve drafts that come with their probabilities (draft_probs).
+
 Randomness is a pure function of (request seed, output index) through mix_seed, with streams
 of their own: a seeded request reproduces whatever the batch, on the device with no host sync.
 """
@@ -112,6 +116,27 @@ def rejection_sample(logits: torch.Tensor, greedy: torch.Tensor, draft: torch.Te
         drawn = (residual / noise_fn(final_rows)).argmax(dim=-1)
         tokens = torch.where(greedy[final_rows], tokens, drawn)
     return SpecVerdict(tokens, num_accepted, final_rows)
+
+
+def verify_samples(samples: torch.Tensor, draft: torch.Tensor, rows: torch.Tensor) -> SpecVerdict:
+    """The verdict for drafts drawn greedily (q one-hot at each draft, as every Loom proposer
+    drafts), from one token per logits row that the plain sampler drew from that row's p_j (with
+    the row's own seed and output index, as a step without drafts would draw it): accept d_{j+1}
+    while row j drew it; emit the first row's draw that differs (or the bonus row's).
+
+    That is the standard rejection sampler for a one-hot q: d is accepted with probability
+    p_j(d) = min(1, p_j(d) / q_j(d)), and a draw from p_j that is not d is distributed as the
+    normalised residual max(0, p_j - q_j). Greedy rows draw their argmax. So every token is
+    the one the plain sampler draws at its output index: a seeded request's output is the same
+    with and without speculation, and the whole verdict is a few device ops on the samples (no
+    host sync; in a decode graph's step the graph's head draws them).
+    samples, draft [R] (draft -1 on bonus rows); rows [B, K + 1] (-1 past a request's last)."""
+    match = samples == draft
+    valid = rows >= 0
+    acc_pad = match[rows.clamp(min=0)] & valid
+    num_accepted = torch.cumprod(acc_pad.long(), dim=1).sum(dim=1)
+    final_rows = rows.gather(1, num_accepted[:, None]).squeeze(1)
+    return SpecVerdict(samples[final_rows], num_accepted, final_rows)
 
 
 class RejectionSampler:

@@ -187,8 +187,8 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
 
 def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs | None:
     """The graphs of every other step (prefill, mixed), in pieces around attention."""
-    if not piecewise_enabled():
-        return None
+    if not piecewise_enabled() or getattr(runner.model, "cross_kv", None) is not None:
+        return None   # (an encoder-decoder's cross-attention sizes its prompt steps from host ints: no fixed graph)
     t0 = time.perf_counter()
     graphs = PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
                              runner.model.config.num_attention_heads // tp_size(), runner.device,

@@ -267,8 +267,9 @@ def serve_steps(worker: Worker, ring, send) -> None:
 
 def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply_address: str, rendezvous,
                death_pipe) -> None:
-    watch_parent(death_pipe)
-    child_signals()
+    if death_pipe is not None:   # None: a Ray actor, whose life Ray ties to the engine's (RayExecutor)
+        watch_parent(death_pipe)
+        child_signals()
     logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
     from ipc.auth import ring_curve_client

@@ -199,6 +199,7 @@ class _Launch:
                        "chat_template_content_format": args.chat_template_content_format,
                        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
                        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
+                       "stream_interval": getattr(args, "stream_interval", 1),
                        "enable_orca_load_metrics": args.enable_orca_load_metrics,
                        "dp_lookup": self.dp.coordinator_lookup(self.ipc_dir) if self.coordinator else None,
                        "shutdown_timeout": args.shutdown_timeout}

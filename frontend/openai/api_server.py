@@ -56,7 +56,7 @@ from frontend.openai.serving_responses import ResponsesAPI
 from frontend.openai.serving_pooling import ServingPooling
 from frontend.openai.serving_transcription import TranscriptionAPI
 from frontend.openai.tokenizer_proc import ChatJob, EncodeJob, TokenizerProcess
-from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, outputs, pump_sse, sse_response,
+from frontend.openai.serving import (GenerationContext, Prompt, first_output, merge, merged, outputs, pump_sse, sse_response,
                               value_error)
 from ipc import envs
 from ipc.config import weight_quantization
@@ -98,6 +98,7 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False
     enable_orca_load_metrics: bool = False
     lora_modules: list[str] | None = None   # --lora-modules (frontend/openai/lora_api.py)
+    stream_interval: int = 1                # --stream-interval: tokens per stream chunk (AsyncLLM)
 
     @classmethod
     def pick(cls, opts: dict) -> "ServerOptions":
@@ -197,6 +198,9 @@ class OpenAIServer:
         self.config = llm.config
         self.tokenizer = llm.tokenizer
         self.options = options or ServerOptions()
+        if self.options.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.options.stream_interval}")
+        llm.stream_interval = self.options.stream_interval
         self.limits = Limits.of(self.config)
         self.model_name = self.config.model_name
         self.created = now()
@@ -663,7 +667,7 @@ class OpenAIServer:
                           for i, p in enumerate(ctx.prompts)])
         gens = [self.llm.generate(p.token_ids, ctx.params, f"{ctx.rid}-{i}" if not ctx.chat else ctx.rid, **extra)
                 for i, p in enumerate(ctx.prompts)]
-        return merge(gens)
+        return merged(gens)
 
     def _beam_search(self, ctx: GenerationContext, prompt: list[int], request_id: str, extra: dict):
         """vLLM's beam search over the engine (frontend/openai/beam_search.py): one answer at the end."""
@@ -697,9 +701,11 @@ class OpenAIServer:
 
     async def _stream_completions(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
         async def emit(item) -> None:
-            i, out = item
-            for k, choice, _ in ctx.completion_delta(i, out):
-                await resp.write(ctx.completion_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None))
+            i, out = item   # every choice's chunk of this output in one write (a send() each)
+            chunks = [ctx.completion_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
+                      for k, choice, _ in ctx.completion_delta(i, out)]
+            if chunks:
+                await resp.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
         def final() -> bytes:
             return ctx.completion_chunk([], ctx.usage()) if ctx.include_usage else b""
@@ -708,8 +714,10 @@ class OpenAIServer:
 
     async def _stream_chat(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
         async def emit(item) -> None:
-            for k, choice, _ in ctx.chat_delta(item[1]):
-                await resp.write(ctx.chat_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None))
+            chunks = [ctx.chat_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
+                      for k, choice, _ in ctx.chat_delta(item[1])]
+            if chunks:
+                await resp.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
         def final() -> bytes:
             return ctx.chat_chunk([], ctx.usage()) if ctx.include_usage else b""

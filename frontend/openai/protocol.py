@@ -500,3 +500,20 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChunkFrame:
+    """One stream's chunk events as bytes: the fields every chunk repeats (id, object, created,
+    model) encoded once, so a chunk encodes only its choices (and usage). Byte for byte what
+    sse(completion_chunk(...)) and sse(chat_chunk(...)) give (same keys, same order)."""
+
+    __slots__ = ("head",)
+
+    def __init__(self, rid: str, obj: str, created: int, model: str):
+        head = _encoder.encode({"id": rid, "object": obj, "created": created, "model": model})
+        self.head = b"data: " + head[:-1] + b',"choices":'
+
+    def sse(self, choices: list[dict], usage_: dict | None = None) -> bytes:
+        if usage_ is None:
+            return self.head + _encoder.encode(choices) + b"}\n\n"
+        return self.head + _encoder.encode(choices) + b',"usage":' + _encoder.encode(usage_) + b"}\n\n"

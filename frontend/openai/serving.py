@@ -16,8 +16,8 @@ import msgspec
 from aiohttp import web
 
 from frontend.errors import EngineDeadError, engine_dead_message
-from frontend.openai.protocol import (SSE_DONE, APIError, chat_choice, chat_chunk, chat_chunk_choice, chat_logprobs,
-                               chat_response, completion_choice, completion_chunk, completion_logprobs,
+from frontend.openai.protocol import (SSE_DONE, APIError, ChunkFrame, chat_choice, chat_chunk, chat_chunk_choice,
+                               chat_logprobs, chat_response, completion_choice, completion_logprobs,
                                completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
                                sse, usage)
 from frontend.openai.chat_output import ChatOutput, ToolUse
@@ -79,6 +79,7 @@ class GenerationContext:
     reasoning: Any = None             # chat: the --reasoning-parser (frontend/reasoning)
     on_tool_parse: Any = None         # callable(ChatOutput, streaming): counts tool-parser invocations
     harmony: bool = False             # chat: a gpt-oss output, parsed by channel (frontend/openai/harmony.py)
+    _frame: Any = None                # its stream chunks' fixed bytes (protocol.ChunkFrame), made at the first
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
@@ -173,7 +174,9 @@ class GenerationContext:
         return completion_response(self.rid, self.created, self.model, choices, self.usage())
 
     def completion_chunk(self, choices: list[dict], usage_: dict | None = None) -> bytes:
-        return sse(completion_chunk(self.rid, self.created, self.model, choices, usage_))
+        if self._frame is None:
+            self._frame = ChunkFrame(self.rid, "text_completion", self.created, self.model)
+        return self._frame.sse(choices, usage_)
 
     # ------------------------------------------------------------ chat
 
@@ -240,7 +243,11 @@ class GenerationContext:
             prompt_token_ids=self.prompts[0].token_ids if self.return_token_ids else None)
 
     def chat_chunk(self, choices: list[dict], usage_: dict | None = None, **extra) -> bytes:
-        return sse(chat_chunk(self.rid, self.created, self.model, choices, usage_, **extra))
+        if extra:
+            return sse(chat_chunk(self.rid, self.created, self.model, choices, usage_, **extra))
+        if self._frame is None:
+            self._frame = ChunkFrame(self.rid, "chat.completion.chunk", self.created, self.model)
+        return self._frame.sse(choices, usage_)
 
     def chat_begin(self) -> bytes:
         """The role event of every choice (and, with echo, the echoed text), as vLLM starts a stream."""
@@ -280,13 +287,9 @@ def check_choice(choice: Choice) -> None:
 
 async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     """(index of the generator, item) from several generators as items come."""
-    if len(gens) == 1:
-        gen = gens[0]
-        try:
-            async for item in gen:
-                yield 0, item
-        finally:
-            await gen.aclose()
+    if len(gens) == 1:   # (callers take a single prompt's stream through _Indexed, one layer less)
+        async for item in _Indexed(gens[0]):
+            yield item
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -315,6 +318,30 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Indexed:
+    """One generator's items as (0, item): merge() of a single prompt, the common case, without an
+    async generator of its own between the engine's outputs and the response (a frame per token)."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return 0, await self.gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self.gen.aclose()
+
+
+def merged(gens: list[AsyncIterator]):
+    """merge(gens), where one generator is wrapped instead of driven (what start() returns)."""
+    return _Indexed(gens[0]) if len(gens) == 1 else merge(gens)
 
 
 async def first_output(stream: AsyncIterator):
@@ -358,8 +385,10 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: 
     try:
         if begin:
             await resp.write(begin)
-        async for item in outputs(first, stream):
-            await emit(item)
+        if first is not _END:   # (the stream itself, not outputs(): one async generator less per chunk)
+            await emit(first)
+            async for item in stream:
+                await emit(item)
         tail = final()
     except ConnectionResetError:
         logger.debug("client went away mid-stream")

@@ -35,6 +35,7 @@ class TranscriptionForm(msgspec.Struct):
     temperature: float
     max_completion_tokens: int | None
     stream: bool
+    ignore_eos: bool = False   # (vLLM's sampling parameter, as an extra field: benchmarks decode fixed lengths)
 
 
 def _bool(value: str, name: str) -> bool:
@@ -78,7 +79,8 @@ async def read_form(request: web.Request) -> TranscriptionForm:
     if language is not None and not (language.isalpha() and 2 <= len(language) <= 3):
         raise APIError(f"language must be an ISO-639-1 code such as 'en', got {language[:16]!r}", 400, "language")
     return TranscriptionForm(bytes(data), fields.get("model"), language, fields.get("prompt", ""), fmt,
-                             temperature, max_tokens, _bool(fields.get("stream", "false"), "stream"))
+                             temperature, max_tokens, _bool(fields.get("stream", "false"), "stream"),
+                             _bool(fields.get("ignore_eos", "false"), "ignore_eos"))
 
 
 async def deltas(i: int, gen):
@@ -154,7 +156,7 @@ class TranscriptionAPI:
             if max_tokens < 1:
                 mm.unref(items)
                 raise APIError("the clip's prompt fills the model's context", 400, "file")
-            params = SamplingParams(temperature=form.temperature, max_tokens=max_tokens)
+            params = SamplingParams(temperature=form.temperature, max_tokens=max_tokens, ignore_eos=form.ignore_eos)
             # (an async generator: its store reference is the engine's once it is first iterated)
             return server.llm.generate(ids, params, f"{rid}-{i}", mm_items=items), items
 

@@ -16,6 +16,8 @@ ranks' products (the delta is linear in the rank's x and A columns, so the sum i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,9 @@ class LoRAContext:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.active = True   # warm-up and graph capture record the LoRA ops
         # the runner's kernel choice (--attention-backend): Triton, or the torch references
-        self.shrink, self.expand = (lora_shrink, lora_expand) if use_triton else (lora_shrink_ref, lora_expand_ref)
+        # (the Triton shrink splits K at decode sizes: its partials go to the expand as they are)
+        self.shrink = functools.partial(lora_shrink, splits=None) if use_triton else lora_shrink_ref
+        self.expand = lora_expand if use_triton else lora_expand_ref
 
     def slots(self, rows: int) -> torch.Tensor:
         return self.token_slots[:rows]

@@ -432,17 +432,27 @@ class ColumnParallelLinear(nn.Module):
         if isinstance(x, PendingSum):
             normed, residual = norm(x, residual)
             return self(normed), residual
-        # (a quantized linear runs the norm on its own; LoRA's delta needs the normed x itself)
-        if use_gemv(x) and self.quant_method is None and not _lora_active(self):
+        # (a quantized linear runs the norm on its own unless its weight suits the GEMV: FP8 per
+        # channel; LoRA's delta needs the normed x itself)
+        gw = _gemv_weight(self, x) if use_gemv(x) and not _lora_active(self) else None
+        if gw is not None:
             if residual is None:
-                return gemv(x, self.weight, self.bias, prologue="rms_norm", norm_weight=norm.weight,
-                            eps=norm.eps)[0], x
-            return gemv(x, self.weight, self.bias, prologue="add_rms_norm", residual=residual,
-                        norm_weight=norm.weight, eps=norm.eps)
+                return gemv(x, gw[0], self.bias, prologue="rms_norm", norm_weight=norm.weight,
+                            eps=norm.eps, scale=gw[1])[0], x
+            return gemv(x, gw[0], self.bias, prologue="add_rms_norm", residual=residual,
+                        norm_weight=norm.weight, eps=norm.eps, scale=gw[1])
         if residual is None:
             return self(norm(x)), x
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+
+def _gemv_weight(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, per-channel scale or None) the decode GEMV multiplies x by; None: the layer's
+    quantization method runs the matmul itself."""
+    if linear.quant_method is None:
+        return linear.weight, None
+    return linear.quant_method.gemv_weight(linear, x)
 
 
 def _lora_active(linear: nn.Module) -> bool:
@@ -485,6 +495,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | PendingSum:
         """silu_mul: x is [T, 2I], gate and up side by side, and the input is silu(gate) * up
         (fused into the GEMV at decode sizes)."""
+        gw = _gemv_weight(self, x) if self.quant_method is not None and self.tp == 1 and use_gemv(x) \
+            and not _lora_active(self) else None
+        if gw is not None:   # FP8 at decode rows: the SiLU fused into the GEMV, as for bf16
+            return gemv(x, gw[0], self.bias, prologue="silu_mul" if silu_mul else "none", scale=gw[1])[0]
         if self.quant_method is not None:
             x = silu_and_mul(x) if silu_mul else x
             y = self.quant_method.apply(self, x, None)

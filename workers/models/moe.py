@@ -197,7 +197,9 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         weights, ids = layers.select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
         ids = self.local_ids(ids)
-        # layers.fused_moe: the Triton kernel on the Triton path (sync-free: graphs capture it),
+        # layers.fused_moe: the Triton kernels on the Triton path (sync-free: graphs capture them;
+        # up to LOOM_MOE_GEMV_MAX_TOKENS tokens, a static count in a graph, the GEMV path: with the
+        # router's GEMV and top-k, four launches per layer at decode),
         # the routed reference otherwise; that one reads which experts were chosen (a host
         # sync), so a CUDA-graph capture on the reference path runs the dense, sync-free one
         moe = layers.fused_moe
@@ -217,4 +219,7 @@ class Router(nn.Module):
         self.weight = replicated(nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a decode batch: the GEMV kernel (cuBLAS's smallest GEMM costs more than reading E x H)
+        if layers.use_gemv(x):
+            return layers.gemv(x, self.weight)[0]
         return nn.functional.linear(x, self.weight)

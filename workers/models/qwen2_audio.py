@@ -9,7 +9,6 @@ Weight names: the Hub's (`audio_tower.*`, `language_model.model.*`) and transfor
 (`model.audio_tower.*`, `model.language_model.*`, `lm_head.*`)."""
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -17,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multimodal.audio_info import AudioInfo
-from workers.attention import AttentionMetadata
-from workers.distributed import LogitsShard
-from workers.models.layers import KVCache, replicated
+from workers.models.audio_lm import AudioLanguageModel
+from workers.models.layers import replicated
 from workers.models.qwen2 import Qwen2ForCausalLM
 
 
@@ -101,7 +99,7 @@ class AudioEncoder(nn.Module):
         return self.layer_norm(x)
 
 
-class Qwen2AudioForConditionalGeneration(nn.Module):
+class Qwen2AudioForConditionalGeneration(AudioLanguageModel):
     multimodal = Qwen2AudioClips()
 
     def __init__(self, config, language_model_only: bool = False):
@@ -120,16 +118,6 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
                 for p in module.parameters():   # replicated on every tensor-parallel rank
                     replicated(p)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        return self.language_model.compute_logits(hidden, plain)
-
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed clips (the multimodal contract's name; input_features [1, mels, frames] and
         feature_attention_mask [1, frames] each) -> embeddings [tokens, hidden] each, in one pass."""
@@ -139,42 +127,4 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
         out = self.multi_modal_projector.linear(self.audio_tower(feats, torch.tensor(frames, device=w.device)))
         return [o[:conv_output_lengths(n)[1]] for o, n in zip(out, frames)]
 
-    def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
-        """Processed arrays of the longest clip (memory profiling)."""
-        ac = self.hf_config.audio_config
-        frames = 2 * ac.max_source_positions
-        return {"input_features": np.zeros((1, ac.num_mel_bins, frames), np.float32),
-                "feature_attention_mask": np.ones((1, frames), np.int32)}
 
-    def hf_to_loom(self, name: str) -> str:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """The language model's weights go to its own load_weights; the encoder's load here."""
-        params = dict(self.named_parameters())
-        text_weights, seen = [], set()
-        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
-            if name in seen:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-            seen.add(name)
-            if name.startswith("language_model."):
-                text_weights.append((name[len("language_model."):], t))
-            elif name.startswith(("audio_tower.", "multi_modal_projector.")):
-                if name in params:
-                    try:
-                        params[name].weight_loader(params[name], t)
-                    except ValueError as e:
-                        raise ValueError(f"weight {name!r}: {e}") from None
-                elif self.audio_tower is not None:
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
-        missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing and not partial:
-            raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights), partial)
-
-
-_RENAMES = [("model.audio_tower.", "audio_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
-            ("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")]

@@ -40,6 +40,8 @@ MODELS: dict[str, ModelEntry] = {
     "Qwen2_5_VLForConditionalGeneration": ModelEntry("qwen2_5_vl", multimodal=True),
     "LlavaForConditionalGeneration": ModelEntry("llava", multimodal=True),
     "Qwen2AudioForConditionalGeneration": ModelEntry("qwen2_audio", multimodal=True),
+    "WhisperForConditionalGeneration": ModelEntry("whisper", multimodal=True),
+    "VoxtralForConditionalGeneration": ModelEntry("voxtral", multimodal=True),
     "GraniteForCausalLM": ModelEntry("granite"),
     "GlmForCausalLM": ModelEntry("glm"),
     "Glm4ForCausalLM": ModelEntry("glm4"),

@@ -26,7 +26,9 @@ RMSNorms as layers.RMSNorm (one Triton kernel), gated MLPs down(silu(gate(x)) * 
 FusedGatedMLP (one gate_up matmul, one fused SiLU-and-multiply), q_proj/k_proj/v_proj as views
 of one fused qkv_proj (FusedQKVPart), the other nn.Linears as GemvLinear (the decode GEMV), and
 on the GPU the modeling module's `apply_rotary_pos_emb` as one kernel (kernels/rotary_apply.py).
-The residual adds stay HF's own ops.
+Where the decoder layers are Llama's pre-norm ones, their forward is replaced by Loom's (the
+same submodules; the residual carried beside, each add fused into the next norm and GEMV:
+workers/models/transformers_fused.py).
 
 Served: the final-logit soft cap (`final_logit_softcapping`, Gemma 2 style), Cohere's
 `logit_scale` (logits * scale) and Granite's `logits_scaling` (logits / scaling); a model
@@ -52,6 +54,7 @@ from kernels.rms_norm import rms_norm_ref
 from workers.attention import Attention, AttentionMetadata
 from workers.models import layers
 from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard, split_shards
+from workers.models.transformers_fused import use_fused_layers
 from workers.models.weights import load_weights
 
 ATTN_IMPLEMENTATION = "loom"
@@ -64,6 +67,7 @@ class StepContext:
     meta: AttentionMetadata | None = None
     kv_caches: list = field(default_factory=list)
     probe: dict | None = None   # while set: layer index -> (query heads, KV heads, head size), recorded
+    echo: bool = False          # while set: attention returns its rotated queries (start-up checks)
 
 
 def loom_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,6 +82,10 @@ def loom_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if step.probe is not None:  # start-up: the layer's head counts and head size, no attention
         step.probe[module.layer_idx] = (query.shape[1], key.shape[1], query.shape[-1])
         return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3]), None
+    if step.echo:   # start-up check of the fused layers (transformers_fused.py): no cache, no kernel; a
+        # bounded function of q, k and v (each shows a wrong slice), so that the stream stays O(1) over layers
+        out = torch.tanh(query) + torch.tanh(key).mean(1, keepdim=True) + torch.tanh(value).mean(1, keepdim=True)
+        return out.transpose(1, 2).contiguous(), None
     attn = module._modules.get("loom_attn")
     if attn is None:  # the first call (start-up's profiling run): the layer's own head counts and scale
         attn = module.loom_attn = Attention(query.shape[1], key.shape[1], query.shape[-1],
@@ -333,6 +341,18 @@ def _checkpoint_renamings(hf: nn.Module) -> list:
     return [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
 
 
+def _rename(name: str, renamings: list) -> str:
+    """A checkpoint name after transformers' renamings. Its API moved within 5.x: the newest has
+    apply_renamings / WeightRenaming.rename_source_key, earlier ones the module's
+    rename_source_key(key, renamings, converters)."""
+    import transformers.core_model_loading as cml
+    if hasattr(renamings[0], "rename_source_key"):
+        for renaming in renamings:
+            name = renaming.rename_source_key(name)[0]
+        return name
+    return cml.rename_source_key(name, renamings, [])[0]
+
+
 class TransformersForCausalLM(nn.Module):
     """An HF `*ForCausalLM` under Loom's model contract (workers/models/interfaces.py). Its
     children are the HF model's own (e.g. `model` and `lm_head`), so the parameter names are
@@ -361,6 +381,8 @@ class TransformersForCausalLM(nn.Module):
         for m in hf.modules():
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.loom_step = self.step   # (a plain attribute: the attention function reads it)
+        # Llama-style pre-norm layers as Loom's: residual adds fused into the next norm / GEMV
+        self.fused_layers = use_fused_layers(hf, self.step)
         text = config.get_text_config()
         self.final_logit_softcapping = getattr(text, "final_logit_softcapping", None)
         self.logit_scale = getattr(text, "logit_scale", None)        # Cohere: logits * scale
@@ -431,8 +453,7 @@ class TransformersForCausalLM(nn.Module):
         and a tied alias are not loaded. A name without the base model's prefix (older
         checkpoints of some architectures) gets it."""
         if self._renamings:
-            from transformers.core_model_loading import apply_renamings
-            name = apply_renamings(name, self._renamings)
+            name = _rename(name, self._renamings)
         if name in self._aliases or name in self._buffers_named:
             return None
         if name not in self._params and f"{self._prefix}.{name}" in self._params:

@@ -40,6 +40,11 @@ class LinearMethod:
     def dense_to_checkpoint(self, layer: nn.Module, weight: torch.Tensor, shard_id=None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def gemv_weight(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(weight, float32 per-channel scale) that kernels/gemv.py's decode GEMV can multiply x by,
+        with the norm or SiLU before it fused in (workers/models/layers.py); None: `apply` runs it."""
+        return None
+
     @property
     def weight_dtype(self) -> str:
         """How the weights are stored, for /v1/models and the metrics ("fp8_e4m3", "int4")."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ipc import envs
 from kernels import fp8_linear as k
 from workers.quantization.base import LinearMethod, QuantizationConfig, QuantizationError
 from workers.quantization.params import QuantDims, quant_param, whole
@@ -118,6 +119,12 @@ class Fp8LinearMethod(LinearMethod):
         else:
             y = k.fp8_linear_ref(x, w, scale, bias)
         return y.view(*shape[:-1], y.shape[-1])
+
+    def gemv_weight(self, layer, x):
+        """At decode rows on the GPU: the fp8 weight and its row scales (kernels/fp8_linear.fp8_gemv's path)."""
+        if not x.is_cuda or x.shape[0] > k.MAX_GEMV_ROWS or envs.LOOM_FP8_GEMV == "legacy":
+            return None
+        return layer.weight, layer.weight_scale
 
     def dense_to_checkpoint(self, layer, weight, shard_id=None):
         if self.online:

@@ -1,8 +1,10 @@
 """4-bit weights, 16-bit activations: vLLM's `gptq` and `awq`, and compressed-tensors'
 pack-quantized W4A16 (workers/quantization/compressed_tensors.py picks it). Each is loaded in
 its checkpoint's own layout (TP-sharded by the loaders of workers/quantization/params.py), then
-repacked into the one layout kernels/w4a16.py runs (`qweight` int32 [K/8, N], `scales` and
-float `zeros` [G, N], `g_idx` for act-order):
+repacked into the one layout kernels/w4a16.py runs: its N x K layout (`qweight` int32 [N, K/8],
+`scales` and float `zeros` [N, G], act-order's k sorted by group with `w4_perm` permuting x),
+or, for a row-parallel act-order layer under TP, `qweight` int32 [K/8, N], `scales`/`zeros`
+[G, N] and `g_idx`:
 
 * GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` gptq): qweight int32 [K/8, N] (8 k per word,
   k % 8 in nibble k % 8: already the kernel's), qzeros int32 [G, N/8] holding zero - 1,
@@ -135,15 +137,27 @@ class W4A16LinearMethod(LinearMethod):
         # the group of a rank's local k (row-parallel without act-order: its own groups, from 0)
         layer.w4_group = self._group(layer) if self.group_cfg not in (-1, None, 0) else layer.in_features
         keep = lambda t: nn.Parameter(t.contiguous(), requires_grad=False)   # noqa: E731
+        scales, zeros = scales.to(layer.quant_dtype), zeros.to(layer.quant_dtype)
+        # the N x K layout (act-order's k sorted by group, x permuted per call) where the groups can
+        # be made contiguous: every layer but a row-parallel act-order one under TP
+        nk = k.repack_nk(qweight, scales, zeros, g_idx, layer.w4_group)
+        layer.w4_nk = nk is not None
+        if nk is not None:
+            qweight, scales, zeros, perm = nk
+            g_idx = None
+            layer.register_buffer("w4_perm", perm, persistent=False)
         layer.qweight = keep(qweight)
-        layer.scales = keep(scales.to(layer.quant_dtype))
-        layer.zeros = keep(zeros.to(layer.quant_dtype))
+        layer.scales = keep(scales)
+        layer.zeros = keep(zeros)
         if g_idx is not None:
             layer.g_idx = keep(g_idx.to(torch.int32))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if layer.w4_nk:
+            y = k.w4a16_linear_nk(x, layer.qweight, layer.scales, layer.zeros, layer.w4_perm, layer.w4_group, bias)
+            return y.view(*shape[:-1], y.shape[-1])
         args = (layer.qweight, layer.scales, layer.zeros, getattr(layer, "g_idx", None), layer.w4_group, bias)
         if not x.is_cuda:
             y = k.w4a16_ref(x, *args)

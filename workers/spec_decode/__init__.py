@@ -1,5 +1,5 @@
 """Speculative decoding in the workers (vLLM's v1/spec_decode): the proposers that draft tokens
-after each step (n-gram prompt lookup, a draft model, the measurement-only oracle), and the
+after each step (n-gram prompt lookup, a draft model, EAGLE-1/EAGLE-3 heads, the measurement-only oracle), and the
 layout of a verify step's logits rows. The verification itself is workers/rejection_sampler.py;
 the scheduler (engine_core/scheduler.py) budgets the drafts and rolls back rejected ones."""
 from __future__ import annotations
@@ -19,6 +19,9 @@ def make_proposer(config, runner):
     if spec.method == "draft_model":
         from workers.spec_decode.draft_model_proposer import DraftModelProposer
         return DraftModelProposer(spec, runner)
+    if spec.method in ("eagle", "eagle3"):
+        from workers.spec_decode.eagle import EagleProposer
+        return EagleProposer(spec, runner)
     raise ValueError(f"speculative method {spec.method!r} has no proposer")
 
 

@@ -1,0 +1,146 @@
+"""Issue 49 item 7, serving overhead: the stream's chunk bytes made from a prebuilt frame are the
+bytes of the plain encoding, and `loom bench serve` finds this host's API-server processes and
+their CPU time (bench/server_cpu.py)."""
+import os
+import socket
+import time
+
+import pytest
+
+from bench import server_cpu
+from frontend.openai.protocol import ChunkFrame, chat_chunk, chat_chunk_choice, completion_choice, \
+    completion_chunk, sse, usage
+
+
+@pytest.mark.parametrize("usage_", [None, usage(7, 3), usage(7, 3, 2)])
+def test_chunk_frame_bytes_equal_plain_encoding(usage_):
+    rid, model = 'cmpl-"x\\y', "m\u00e9/\u4e2d"
+    choices = [completion_choice(0, "a\n\"b\" \u00e9", None), completion_choice(1, "", "stop", "</s>")]
+    frame = ChunkFrame(rid, "text_completion", 1700000000, model)
+    assert frame.sse(choices, usage_) == sse(completion_chunk(rid, 1700000000, model, choices, usage_))
+    assert frame.sse([], usage_) == sse(completion_chunk(rid, 1700000000, model, [], usage_))
+    chat = [chat_chunk_choice(0, {"content": "hi"}, "length", None)]
+    frame = ChunkFrame(rid, "chat.completion.chunk", 5, model)
+    assert frame.sse(chat, usage_) == sse(chat_chunk(rid, 5, model, chat, usage_))
+
+
+def test_server_cpu_finds_the_listening_process_and_its_cpu():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        port = s.getsockname()[1]
+        pids = server_cpu.api_server_pids(f"http://127.0.0.1:{port}")
+        assert pids == [os.getpid()]
+        before = server_cpu.cpu_seconds(pids)
+        end = time.process_time() + 0.3
+        while time.process_time() < end:   # burn CPU in this (the "server") process
+            pass
+        assert server_cpu.cpu_seconds(pids) - before >= 0.2
+    finally:
+        s.close()
+    assert server_cpu.api_server_pids(f"http://127.0.0.1:{port}") == []
+    assert server_cpu.api_server_pids("http://example.invalid:8000") == []
+
+
+def test_images_of_many_requests_are_processed_at_once_and_stored_as_one_at_a_time(tmp_path, monkeypatch):
+    """Issue 49 item 6: an API server's image work runs on LOOM_MEDIA_LOADING_THREAD_COUNT threads
+    (one thread held a Qwen2.5-VL server at ~8 images/s). Requests processed together (two of them
+    the same image) store what one at a time stores: the same hashes, token counts and arrays."""
+    import asyncio
+    import threading
+
+    import numpy as np
+
+    from ipc.config import EngineConfig
+    from multimodal.processor import make_mm_processor
+    from shm.object_store import ObjectStoreReader
+    from tests.test_multimodal_api import png_url
+    from tests.tiny_vl_models import make_tiny_qwen2_5_vl, random_image
+    from workers.models.registry import multimodal_info
+
+    vl_dir = make_tiny_qwen2_5_vl(str(tmp_path / "vl"))
+    urls = [png_url(random_image(80 + i % 5, 56 + 28 * (i % 3), 84)) for i in range(6)]
+
+    def run(threads: int):
+        monkeypatch.setenv("LOOM_MEDIA_LOADING_THREAD_COUNT", str(threads))
+        config = EngineConfig(model=vl_dir, max_model_len=512, mm_processor_cache_gb=0.01).resolve(multimodal_info)
+        mm = make_mm_processor(config, 60 + threads, multimodal_info)
+        seen = set()
+        process_image = mm.process_image
+
+        def spy(img, kwargs):
+            seen.add(threading.current_thread().name)
+            return process_image(img, kwargs)
+
+        mm.process_image = spy
+
+        async def all_requests():
+            return await asyncio.gather(*(mm.process_urls([mm.image_token_id, 11], [u], None, None) for u in urls))
+
+        try:
+            out = asyncio.run(all_requests())
+            reader = ObjectStoreReader(0)
+            arrays = [{k: np.array(v) for k, v in reader.get(it.store_name, it.store_addr).items()}
+                      for _, items in out for it in items]
+            reader.close()
+            return [(ids, [(it.hash, it.length) for it in items]) for ids, items in out], arrays, seen
+        finally:
+            mm.close()
+
+    one, one_arrays, one_threads = run(1)
+    many, many_arrays, many_threads = run(4)
+    assert len(one_threads) == 1 and len(many_threads) >= 1
+    assert many == one
+    for a, b in zip(one_arrays, many_arrays):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interval):
+    """--stream-interval N: the consumer is woken with the first token, then once N tokens wait, and
+    at the end; the text and ids are the same as token by token."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from frontend.async_llm import _Collector, _merge
+    from frontend.detokenizer import TokenTexts
+    from frontend.output_processor import RequestState
+    from ipc.messages import EngineCoreOutput
+    from ipc.sampling_params import SamplingParams
+    from metrics.request_metrics import RequestMetrics
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog again and again", add_special_tokens=False)[:11]
+    params = SamplingParams(max_tokens=len(ids))
+
+    async def stream() -> list[tuple[str, list[int]]]:
+        st = RequestState("r", 0, [1, 2, 3], params, tok, TokenTexts(tok))
+        req = _Collector({"r": st}, {"r": RequestMetrics(None, 3, params, 0.0, True)}, interval=interval)
+        got = []
+
+        async def consume():
+            while True:
+                merged = _merge(await req.take())[0]
+                got.append((merged.text, list(merged.token_ids)))
+                if merged.finish_reason is not None:
+                    return
+
+        task = asyncio.ensure_future(consume())
+        for j, t in enumerate(ids):   # one engine step per token, the consumer runs in between
+            last = j == len(ids) - 1
+            req.process(EngineCoreOutput("r", [t], "length" if last else None), 0.0)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)
+        return got
+
+    got = asyncio.run(stream())
+    assert "".join(t for t, _ in got) == tok.decode(ids)
+    assert [i for _, ii in got for i in ii] == ids
+    sizes = [len(ii) for _, ii in got]
+    if interval == 1:
+        assert sizes == [1] * len(ids)
+    else:   # 11 tokens: the first alone, then 4, 4, and the last 2 at the end
+        assert sizes == [1, 4, 4, 2]
