@@ -107,7 +107,7 @@ def _greedy(model_dir: str, prompts: list[list[int]], mode: str, monkeypatch) ->
     monkeypatch.setattr(ca, "cascade_attention", counted)
     monkeypatch.setenv("LOOM_CASCADE_ATTN", mode)
     llm = LLM(model_dir, multiprocess=False, dtype="float32", max_model_len=1024, max_num_seqs=64,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, num_gpu_blocks_override=4096)
     try:
         # the prefix's blocks first, then every request takes them as hits (one physical copy)
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=1),
