@@ -428,6 +428,12 @@ PY
       --output-len 256 --output-json "$OUT/serve400-offline.json"
     python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
       --offline "$OUT/serve400-offline.json" --c512-interval "$OUT/serve400-c512-si4.json" ;;
+  cascade) # issue 49 item 2: 512 x (2,048 shared + 64 own) in, 128 out, prefix caching on, cascade attention
+           # off vs on (two engines, one call); one layer's decode attention plain vs cascade with its floors;
+           # the standard workload and batch 1 with cascade on (the heuristic must run none of their steps)
+           TAIL=24 run cascade 290 python3 -m bench.cascade --output-json "$OUT/cascade.json" ;;
+  cascade-tests) run cascade-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cascade.py \
+                   tests/test_cascade_attention.py ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)

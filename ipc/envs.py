@@ -105,6 +105,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
+    "LOOM_CASCADE_ATTN": EnvVar("auto", _text, "cascade (prefix-aware) attention: auto (when a step's "
+                                "sequences share a long enough prefix and its heuristic says it pays), 0 (never: "
+                                "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
+    "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
+                                         "(0: chosen per step)"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),

@@ -22,6 +22,7 @@ from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
 from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
+from workers.cascade_attn import CascadePlanner
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
@@ -127,6 +128,8 @@ class ModelRunner:
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req,
                                 self.model.config.vocab_size, self.device)
+        # cascade attention for steps whose requests share a prefix's blocks (None: never)
+        self.cascade = CascadePlanner.build(self.model, config, self.kv_spec.dtype, self.block_size, self.backend)
         self.decode_graphs: DecodeGraphs | None = None        # pure-decode steps' graphs
         self.piecewise_graphs: PiecewiseGraphs | None = None  # the other steps' graphs
         # the row counts the lm_head runs at on CUDA: the decode graphs' batch sizes (_padded_rows)
@@ -321,9 +324,10 @@ class ModelRunner:
             fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
             mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
-        graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
+        cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
+        graph_size = None if calibrate or cascade else self._decode_graph_size(num_scheduled, bool(mm))
         token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
-        if spec is not None and not calibrate and not mm and (graph_size := self._verify_graph_size(
+        if spec is not None and not calibrate and not cascade and not mm and (graph_size := self._verify_graph_size(
                 num_scheduled, spec, sample_rows, int(end.max()))) is not None:
             host = rows_as_decodes(host, num_scheduled, start)
         every_row_samples = len(sample_rows) == len(num_scheduled)
@@ -365,6 +369,9 @@ class ModelRunner:
         self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
         if calibrate:
             attention.calculate_kv_scales, self.kv_scales_pending = True, False
+        if cascade:   # (a piecewise or eager step: its attention runs between the graphs' pieces)
+            attention.cascade = self.cascade.prefix(cascade, device.query_start_loc, device.block_table,
+                                                    num_scheduled, attention.max_seq_len)
         piecewise_size = None
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))

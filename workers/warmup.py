@@ -97,6 +97,7 @@ def warm_up(runner: ModelRunner) -> None:
             plain = sampler.plain(rows, model.config.vocab_size)
             sampler(plain_logits if plain else logits, rows, runner.h2d.upload(sampler.host_params(rows)))
     _warmup_split_kv(runner)
+    _warmup_cascade(runner)
     for rows in runner.logit_row_counts:  # the lm_head's shapes (ModelRunner._padded_rows)
         model.compute_logits(torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=runner.device))
     torch.cuda.synchronize()
@@ -122,6 +123,31 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
             splits *= 2
         if seq_len >= CHUNK_SPLIT_MIN_KEYS and chunk < seq_len:
             _attention_once(runner, chunk, seq_len, None, *kind)
+
+
+def _warmup_cascade(runner: ModelRunner) -> None:
+    """Cascade attention's kernel variants (workers/cascade_attn.py) for decode batches of 64
+    and of --max-num-seqs over a prefix of half the context: its prefix launch, its ordered
+    decode suffix, and its merge. Other batch sizes may pick other split counts: the first
+    such step compiles them."""
+    if runner.cascade is None:
+        return
+    from kernels.cascade_attention import cascade_attention
+    key_cache, value_cache = runner.kv_caches[0]
+    block_size, device = runner.block_size, runner.device
+    prefix_len = runner.config.max_model_len // 2 // block_size * block_size
+    if prefix_len == 0:
+        return
+    for num_seqs in sorted({min(64, runner.config.max_num_seqs), runner.config.max_num_seqs}):
+        num_scheduled = np.ones(num_seqs, np.int64)
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        seq_lens = torch.full((num_seqs,), prefix_len + 64, dtype=torch.int32, device=device)
+        block_table = torch.zeros((num_seqs, runner.max_blocks_per_req), dtype=torch.int32, device=device)
+        prefix = runner.cascade.prefix(prefix_len, query_start_loc, block_table, num_scheduled, prefix_len + 64)
+        q = torch.randn(num_seqs, runner.cascade.num_q_heads, runner.kv_spec.head_dim, dtype=runner.dtype,
+                        device=device)
+        cascade_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0, 1, prefix,
+                          num_decodes=num_seqs, seq_order=torch.arange(num_seqs, dtype=torch.int32, device=device))
 
 
 def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: int | None,
