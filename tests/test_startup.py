@@ -72,3 +72,30 @@ def test_targets_table_reads_the_suites_results(tmp_path, capsys):
     assert out["top-p 0.9 + top-k 50 vs plain"][-2:] == ["FAIL", "(x)"]
     assert out["loom serve to healthy, Qwen3-0.6B"][-2:] == ["PASS", "(s)"]
     assert out["JSON-schema constrained vs free"][-2:] == ["not", "run"]
+
+
+def test_launcher_checks_import_neither_torch_nor_transformers(tiny_model_dir):
+    """`loom serve` resolves and checks the config before it starts any child process: importing
+    torch (1.5-3 s) or transformers there delays every child by as much. A quantized checkpoint
+    may (its format is checked by workers/quantization)."""
+    import subprocess
+    import sys
+    code = ("import sys; from ipc.config import EngineConfig; "
+            "from workers.models.registry import check_architecture, multimodal_info; "
+            f"EngineConfig(model={tiny_model_dir!r}, load_format='dummy').resolve(multimodal_info, check_architecture); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_launcher_check_still_refuses_an_unserved_quantization(tmp_path):
+    from workers.models.registry import check_architecture
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"],
+                                                      "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(ConfigError, match="unsupported quantization_config"):
+        check_architecture(EngineConfig(model=str(tmp_path), load_format="dummy"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="unsupported --quantization"):
+        check_architecture(EngineConfig(model=str(tmp_path), load_format="dummy", quantization="nope"))
