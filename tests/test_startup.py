@@ -99,3 +99,21 @@ def test_launcher_check_still_refuses_an_unserved_quantization(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     with pytest.raises(ConfigError, match="unsupported --quantization"):
         check_architecture(EngineConfig(model=str(tmp_path), load_format="dummy", quantization="nope"))
+
+
+def test_load_model_times_config_build_and_fill_as_phases(tiny_model_dir):
+    """The worker's weights phase is split (config: transformers' import; model built; weights
+    filled), so that the start-up breakdown says which of them is slow; the model is the same."""
+    import torch
+
+    from workers import device_init
+    from workers.model_loader import load_model
+    device_init.start("cpu", 0)   # a CPU worker: no thread, and nothing to wait for
+    assert device_init._thread is None
+    device_init.wait()
+    times = StartupTimes("worker 0")
+    model = load_model(tiny_model_dir, torch.float32, "cpu", "dummy", startup=times)
+    assert [name for name, _ in times.phases] == ["config", "model built", "weights filled"]
+    plain = load_model(tiny_model_dir, torch.float32, "cpu", "dummy")
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), name

@@ -101,15 +101,19 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            from workers import device_init
+            with self.startup.phase("CUDA init"):   # started in a thread during the imports
+                device_init.wait()
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)   # (the context, where no thread created it)
         self.dtype = resolve_dtype(config, self.device)
         backend = config.attention_backend
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                               config.language_model_only, config.model_impl, config.quantization, config)
-        self.startup.mark("weights", t0)
+                               config.language_model_only, config.model_impl, config.quantization, config,
+                               startup=self.startup)   # its phases: config, model built, weights filled
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
