@@ -15,6 +15,7 @@ import torch
 
 from ipc import envs
 from ipc.sampling_params import SamplingParams
+from workers.compile_ahead import compile_ahead, run_compiled_ahead
 from workers.decode_graphs import DecodeGraphs
 from workers.distributed import tp_size
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
@@ -75,11 +76,16 @@ def _warmup_inputs(runner: ModelRunner, query_lens: list[int]) -> tuple[StepArra
     return host, num_scheduled
 
 
-@torch.inference_mode()
 def warm_up(runner: ModelRunner) -> None:
-    """Run the kernels once per kind of batch (with no cache writes) before serving."""
+    """Run the kernels once per kind of batch (with no cache writes) before serving, their
+    Triton variants compiled in parallel first (workers/compile_ahead.py)."""
     if runner.device.type != "cuda" or runner.backend != "triton":
         return
+    run_compiled_ahead(lambda: _warm_up(runner), runner.device, "warm-up")
+
+
+@torch.inference_mode()
+def _warm_up(runner: ModelRunner) -> None:
     t0 = time.perf_counter()
     config, model, sampler = runner.config, runner.model, runner.sampler
     limit = min(config.max_num_batched_tokens, config.max_model_len - 8)
@@ -155,6 +161,7 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
         return CapturedGraphs(None, None)
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, device, runner.backend,
                           runner.kv_splits)
+    compile_ahead(decode.run_once, device, "decode graphs' capture")
     decode.capture()
     return CapturedGraphs(decode, None if on_cpu else _capture_piecewise(runner))
 
@@ -167,6 +174,7 @@ def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs | None:
     graphs = PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
                              runner.model.config.num_attention_heads // tp_size(), runner.device,
                              runner.uses_mrope, runner.backend, runner.dtype)
+    compile_ahead(graphs.eager_forwards, runner.device, "piecewise graphs' capture")
     graphs.capture()
     logger.info("captured piecewise CUDA graphs of %d to %d tokens (%d sizes) in %.1fs",
                 graphs.sizes[0], graphs.sizes[-1], len(graphs.sizes), time.perf_counter() - t0)

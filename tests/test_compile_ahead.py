@@ -1,0 +1,85 @@
+"""workers/compile_ahead.py (issue 49, start-up): a phase's Triton compiles in parallel by a dry
+run of it. The dry run's own launches need a GPU (tests/test_gpu_startup.py); here: the zeroed
+allocations that keep a dry run's values valid, the switch, and the launch patch's scope."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from workers import compile_ahead
+from workers.compile_ahead import DryLaunches, ZeroedAllocations, run_compiled_ahead, threads
+
+
+def test_dry_runs_allocations_are_zeroed_and_other_ops_untouched():
+    base = torch.full((4, 3), 7.0)
+    torch.empty(1 << 16).fill_(5.0)   # leave nonzero bytes in the allocator's way
+    with ZeroedAllocations(devices=("cpu",)):
+        made = [torch.empty(1 << 16), torch.empty_like(base), base.new_empty((5,)),
+                torch.empty_strided((2, 3), (3, 1), dtype=torch.int64), torch.empty(3, dtype=torch.int32)]
+        ones, added = torch.ones(3), base + 1
+    assert all(t.count_nonzero() == 0 for t in made)
+    assert torch.equal(ones, torch.ones(3)) and torch.equal(added, torch.full((4, 3), 8.0))
+    assert torch.equal(base, torch.full((4, 3), 7.0))            # nothing allocated before is touched
+    idx = torch.empty(4, dtype=torch.int64)
+    with ZeroedAllocations(devices=("cpu",)):
+        idx = torch.empty(4, dtype=torch.int64)
+    assert torch.equal(torch.arange(10)[idx], torch.zeros(4, dtype=torch.int64))   # a valid index
+
+
+def test_the_switch_and_the_cpu(monkeypatch):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setenv("LOOM_COMPILE_THREADS", "0")
+    assert threads(cuda) == 0
+    monkeypatch.setenv("LOOM_COMPILE_THREADS", "3")
+    assert threads(cpu) == 0 and threads(cuda) == 3
+    monkeypatch.delenv("LOOM_COMPILE_THREADS")
+    assert 1 <= threads(cuda) <= 16
+    calls = []
+    assert run_compiled_ahead(lambda: calls.append(1) or len(calls), cpu) == 1 and calls == [1]  # once, no dry run
+
+
+def test_dry_launch_patch_is_scoped_to_its_thread_and_restored():
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    original = triton_jit.JITFunction.run
+    dry = DryLaunches()
+    seen = []
+
+    class Kernel(triton_jit.JITFunction):   # its run as Triton's, recording the warmup flag it gets
+        def __init__(self):
+            pass
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append((threading.get_ident() == dry.thread, warmup))
+    triton_jit.JITFunction.run = record
+    try:
+        with dry.patched():
+            with pytest.raises(RuntimeError, match="already"):
+                with DryLaunches().patched():
+                    pass
+            Kernel().run(1, grid=(1,), warmup=False)          # this thread: dry
+            t = threading.Thread(target=lambda: Kernel().run(1, grid=(1,), warmup=False))
+            t.start()
+            t.join()                                           # another thread: launched
+        Kernel().run(1, grid=(1,), warmup=False)               # after: launched
+    finally:
+        triton_jit.JITFunction.run = original
+    assert seen == [(True, True), (False, False), (True, False)] and dry.launches == 1
+    assert compile_ahead.DryLaunches._active is None
+
+
+def test_decode_graphs_dry_run_body_runs_every_size_and_leaves_the_tokens(tiny_model_dir, monkeypatch):
+    """DecodeGraphs.run_once (the dry run of capture on the GPU) runs each size's model and head
+    work (uncaptured on the CPU); the engine's greedy tokens after it are the graphs' before it."""
+    from frontend import LLM, SamplingParams
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_model_dir, multiprocess=False, max_model_len=64, block_size=4, max_num_seqs=4) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        graphs = llm.client.engine.executor.runner.decode_graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4]
+        with ZeroedAllocations(devices=("cpu",)):
+            graphs.run_once()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want

@@ -1,0 +1,146 @@
+"""A start-up phase's Triton compiles in parallel: the phase runs once dry, then for real.
+
+On a fresh machine the warm-up compiled ~60 kernel variants one after another (31 s on an H200):
+each variant compiles when it is first launched, and the launch waits for it. Most of a compile
+is MLIR's passes (which release the GIL) and ptxas (a subprocess), so compiles overlap well in
+threads; what serializes them is only that a launch needs its binary before the next launch is
+known. So the phase runs twice:
+
+1. dry: every Triton launch becomes Triton's own `warmup` call under `triton.AsyncCompileMode`,
+   which submits the variant's compile to a thread pool and launches nothing. The torch ops
+   between the launches still run, so every later launch sees the shapes, dtypes, int values and
+   alignments it will see for real. What the kernels would have written stays as allocated, and
+   every tensor allocated in the dry pass is zero-filled (a TorchDispatchMode): a value that
+   comes out of a skipped kernel and indexes a torch op (a sampled token id, say) is a valid
+   index, never the allocator's leftovers. The persistent state allocated before (weights, KV
+   cache, the sampler's tables) is never written by a skipped kernel, so the dry pass leaves it
+   as it was. Leaving AsyncCompileMode waits for every compile.
+2. for real: every launch finds its variant compiled (in memory and in Triton's cache dir).
+
+A variant the dry pass did not reach (a host branch on a value the dry pass zeroed) compiles in
+the real pass as before: the dry pass can only save time. LOOM_COMPILE_THREADS=0 runs the phase
+once (the A/B switch of bench/startup.py); a Triton without AsyncCompileMode, or the CPU, too.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ipc import envs
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+                "new_empty_strided.default")
+
+
+def threads(device: torch.device) -> int:
+    """Compile threads for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
+    core, at most 16) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
+    once, compiling as it launches)."""
+    n = envs.LOOM_COMPILE_THREADS
+    if n is None:
+        n = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if n <= 0 or device.type != "cuda":
+        return 0
+    try:
+        import triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    if getattr(triton, "AsyncCompileMode", None) is None or not hasattr(JITFunction, "run"):
+        return 0
+    return n
+
+
+class ZeroedAllocations(TorchDispatchMode):
+    """Every tensor allocated uninitialized under it is zero-filled (on `devices`' types)."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        super().__init__()
+        self.devices = devices
+        self._allocs = {getattr(getattr(torch.ops.aten, op), overload)
+                        for op, overload in (n.split(".") for n in _ALLOCATIONS)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._allocs and isinstance(out, torch.Tensor) and out.device.type in self.devices:
+            out.zero_()
+        return out
+
+
+class DryLaunches:
+    """While active (in this thread): a Triton launch submits its variant's compile to
+    AsyncCompileMode and launches nothing. Counts the launches it turned dry."""
+
+    _lock = threading.Lock()
+    _active: DryLaunches | None = None
+
+    def __init__(self):
+        self.launches = 0
+        self.thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def patched(self):
+        from triton.runtime.jit import JITFunction
+        original = JITFunction.run
+        dry = self
+
+        def run(self, *args, grid, warmup, **kwargs):
+            if warmup or threading.get_ident() != dry.thread:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            dry.launches += 1
+            return original(self, *args, grid=grid, warmup=True, **kwargs)
+
+        with DryLaunches._lock:
+            if DryLaunches._active is not None:
+                raise RuntimeError("a dry pass is already running")
+            DryLaunches._active, JITFunction.run = self, run
+        try:
+            yield self
+        finally:
+            with DryLaunches._lock:
+                DryLaunches._active, JITFunction.run = None, original
+
+
+def run_compiled_ahead(phase: Callable[[], T], device: torch.device, name: str = "phase") -> T:
+    """phase(), its Triton kernels compiled first in parallel by a dry run of it (module
+    docstring); phase() alone when threads(device) is 0."""
+    compile_ahead(phase, device, name)
+    return phase()
+
+
+def compile_ahead(phase: Callable[[], object], device: torch.device, name: str = "phase") -> None:
+    """A dry run of phase() (module docstring): the Triton variants it would launch compiled
+    in parallel, nothing launched. A dry run that fails is logged; the phase then compiles
+    whatever it did not as it runs, as before. Nothing when threads(device) is 0."""
+    n = threads(device)
+    if n > 0:
+        _dry_run(phase, n, name)
+
+
+def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
+    import triton
+    t0 = time.perf_counter()
+    dry = DryLaunches()
+    try:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="loom-compile") as pool, \
+                triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations():
+            phase()
+            launched = time.perf_counter() - t0
+    except Exception as e:   # noqa: BLE001 - the real run compiles whatever this one did not
+        logger.warning("compiling the %s's kernels ahead failed (%s: %s); they compile as it runs",
+                       name, type(e).__name__, e)
+        return
+    torch.cuda.synchronize(torch.device("cuda", torch.cuda.current_device()))
+    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, compiles done after %.2f s "
+                 "(%d threads)", name, dry.launches, launched, time.perf_counter() - t0, num_threads)
