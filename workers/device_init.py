@@ -39,6 +39,11 @@ def start(device: str, local_rank: int) -> None:
 
 
 def wait() -> None:
-    """Until the context started by `start` exists (at once when none was started)."""
-    if _thread is not None:
-        _thread.join()
+    """Until the context started by `start` exists (at once when none was started). While it is
+    still being created, import what the next phase needs first: transformers' config classes
+    (1-2 s of imports, which the context's creation no longer serializes with)."""
+    if _thread is None:
+        return
+    if _thread.is_alive():
+        from transformers import AutoConfig, PretrainedConfig  # noqa: F401 - the model loader's, now
+    _thread.join()

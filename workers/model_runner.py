@@ -102,7 +102,7 @@ class ModelRunner:
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
             from workers import device_init
-            with self.startup.phase("CUDA init"):   # started in a thread during the imports
+            with self.startup.phase("CUDA init"):   # started in a thread during the imports (transformers imported meanwhile)
                 device_init.wait()
                 torch.cuda.set_device(self.device)
                 torch.empty(1, device=self.device)   # (the context, where no thread created it)
