@@ -70,7 +70,8 @@ def time_to_healthy(model_dir: str, cache_root: str, port: int, log_path: str, t
 
 
 def breakdown(log_path: str) -> list[str]:
-    """The log's `start-up of ...` lines, and the worker's lines on compiling kernels ahead."""
+    """The log's `start-up of ...` lines, and the worker's lines on compiling kernels ahead and
+    on capturing the graphs."""
     out = []
     with open(log_path, errors="replace") as f:
         for line in f:
@@ -78,6 +79,8 @@ def breakdown(log_path: str) -> list[str]:
                 out.append(line.rstrip()[line.find("start-up of ") + len("start-up of "):])
             elif "kernels ahead" in line:
                 out.append(line.rstrip()[line.find("compil"):])
+            elif " decode graphs (batch" in line or "captured piecewise" in line:
+                out.append(line.rstrip()[line.find("captured"):].split("; run in")[0])
     return out
 
 

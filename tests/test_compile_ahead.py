@@ -83,3 +83,26 @@ def test_decode_graphs_dry_run_body_runs_every_size_and_leaves_the_tokens(tiny_m
         with ZeroedAllocations(devices=("cpu",)):
             graphs.run_once()
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+def test_a_start_seen_before_runs_no_dry_runs(tiny_model_dir, tmp_path, monkeypatch):
+    """start_key: the same start keys the same; a shape-changing flag, a kernel-changing LOOM_*
+    variable or another GPU keys anew; the log level does not. A marked start turns the dry runs
+    off (threads 0) until a start of another key."""
+    from ipc.config import EngineConfig
+    cfg = lambda **kw: EngineConfig(model=tiny_model_dir, **kw).resolve()
+    key = compile_ahead.start_key(cfg(), "H200 sm90")
+    assert compile_ahead.start_key(cfg(), "H200 sm90") == key
+    assert compile_ahead.start_key(cfg(max_model_len=64), "H200 sm90") != key
+    assert compile_ahead.start_key(cfg(), "H100 sm90") != key
+    monkeypatch.setenv("LOOM_LOG_LEVEL", "DEBUG")
+    assert compile_ahead.start_key(cfg(), "H200 sm90") == key
+    monkeypatch.setenv("LOOM_GEMV", "0")
+    assert compile_ahead.start_key(cfg(), "H200 sm90") != key
+    monkeypatch.setenv("LOOM_COMPILE_THREADS", "2")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(compile_ahead, "_marker", str(tmp_path / "loom-starts" / key))
+    monkeypatch.setattr(compile_ahead, "_known_start", False)
+    assert threads(cuda) == 2
+    compile_ahead.mark_started()
+    assert (tmp_path / "loom-starts" / key).exists() and threads(cuda) == 0

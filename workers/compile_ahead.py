@@ -24,6 +24,8 @@ once (the A/B switch of bench/startup.py); a Triton without AsyncCompileMode, or
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -43,10 +45,77 @@ _ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.defa
                 "new_empty_strided.default")
 
 
+# Fields of the engine config that change which kernel variants a start compiles
+_KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
+               "max_num_batched_tokens", "tensor_parallel_size", "quantization", "enforce_eager", "cuda_graph_sizes",
+               "speculative_config", "enable_lora", "max_lora_rank", "max_loras", "attention_backend", "model_impl",
+               "runner", "convert", "language_model_only", "hf_overrides", "enable_expert_parallel",
+               "mm_encoder_budget", "mm_max_item_tokens", "calculate_kv_scales", "load_format")
+# LOOM_* variables that do not change a kernel (the others, such as LOOM_GEMV or LOOM_PDL, do)
+_KEY_IGNORES = {"LOOM_LOG_LEVEL", "LOOM_ENGINE_AUTH_KEY", "LOOM_RUN_ID", "LOOM_SERVE_PID", "LOOM_CACHE_ROOT",
+                "LOOM_PROFILE_DIR", "LOOM_TORCH_PROFILER_DIR", "LOOM_STEP_STATS", "LOOM_COMPILE_THREADS"}
+_marker: str | None = None    # this start's file under the compile cache (note_start)
+_known_start = False          # the same start completed on this cache before: no dry runs
+
+
+def start_key(config, device_name: str) -> str:
+    """What decides the kernel variants a worker's start compiles: the engine config's fields
+    that shape them, the checkpoint's config.json, the GPU, the kernel-changing LOOM_* variables,
+    and Loom's kernels and worker sources (their sizes and times). Triton's and torch's versions
+    key the cache directory the marker lives in."""
+    h = hashlib.sha256()
+    fields = config.to_dict()
+    h.update(json.dumps({k: fields.get(k) for k in _KEY_FIELDS}, sort_keys=True, default=str).encode())
+    try:
+        with open(os.path.join(str(config.model), "config.json"), "rb") as f:
+            h.update(f.read())
+    except OSError:
+        pass
+    h.update(device_name.encode())
+    h.update(repr([(n, envs.read(n)) for n in sorted(envs.ENVIRONMENT_VARIABLES) if n not in _KEY_IGNORES]).encode())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in ("kernels", "workers"):
+        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    st = os.stat(os.path.join(folder, name))
+                    h.update(f"{os.path.relpath(folder, root)}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def note_start(config, device: torch.device) -> None:
+    """Before a worker's first phase: whether this same start (start_key) completed on this
+    compile cache before. Then every kernel loads from the cache and a dry run would only repeat
+    its phase's host work (0.5-1 s each), so none runs."""
+    global _marker, _known_start
+    if device.type != "cuda":
+        return
+    from ipc.compile_cache import compile_cache_dir
+    name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    _marker = os.path.join(compile_cache_dir(), "loom-starts", start_key(config, name))
+    _known_start = os.path.exists(_marker)
+
+
+def mark_started() -> None:
+    """After a worker's last phase (graph capture): this process's later phases (a wake-up) and
+    later starts of the same key (note_start) run no dry runs."""
+    global _known_start
+    _known_start = True
+    if _marker is not None:
+        try:
+            os.makedirs(os.path.dirname(_marker), exist_ok=True)
+            with open(_marker, "w"):
+                pass
+        except OSError:   # a read-only cache: later starts dry-run again, nothing worse
+            pass
+
+
 def threads(device: torch.device) -> int:
     """Compile threads for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
     core, at most 16) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
-    once, compiling as it launches)."""
+    once, compiling as it launches); 0 too once this start is known (note_start)."""
+    if _known_start:
+        return 0
     n = envs.LOOM_COMPILE_THREADS
     if n is None:
         n = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

@@ -22,6 +22,7 @@ from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
 from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
+from workers import compile_ahead
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
@@ -106,6 +107,7 @@ class ModelRunner:
                 device_init.wait()
                 torch.cuda.set_device(self.device)
                 torch.empty(1, device=self.device)   # (the context, where no thread created it)
+        compile_ahead.note_start(config, self.device)   # a start seen before: no dry runs (kernels cached)
         self.dtype = resolve_dtype(config, self.device)
         backend = config.attention_backend
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
@@ -198,6 +200,7 @@ class ModelRunner:
                                            self.startup.phases[-1][1])
             with self.startup.phase("graph capture"):
                 self._capture_graphs()
+            compile_ahead.mark_started()
             self.startup.log(logger)
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
