@@ -106,3 +106,28 @@ def test_a_start_seen_before_runs_no_dry_runs(tiny_model_dir, tmp_path, monkeypa
     assert threads(cuda) == 2
     compile_ahead.mark_started()
     assert (tmp_path / "loom-starts" / key).exists() and threads(cuda) == 0
+
+
+def test_warm_up_and_capture_survive_a_dry_run_and_leave_the_engine_as_it_was(model_factory, monkeypatch):
+    """The dry runs on the CPU: the interpreted Triton kernels' launches turned dry (the GPU's
+    JITFunction launches are, in the same way), allocations zero-filled. The warm-up's and the
+    decode graphs' bodies run to the end on what the skipped kernels leave (no index out of
+    range, no host check failing), launch kernels, and the engine's tokens after are those before."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from frontend import LLM, SamplingParams
+    from workers.warmup import _warm_up
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    model_dir = model_factory("qwen3", num_hidden_layers=1, max_position_embeddings=128)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 6)]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(model_dir, multiprocess=False, attention_backend="triton", max_model_len=128, block_size=16,
+             max_num_seqs=2, max_num_batched_tokens=64) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        runner = llm.client.engine.executor.runner
+        dry = DryLaunches()
+        with dry.patched(InterpretedFunction), ZeroedAllocations(devices=("cpu",)):
+            _warm_up(runner)
+            runner.decode_graphs.run_once()
+        assert dry.launches > 50
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want

@@ -159,9 +159,12 @@ class DryLaunches:
         self.thread = threading.get_ident()
 
     @contextlib.contextmanager
-    def patched(self):
-        from triton.runtime.jit import JITFunction
-        original = JITFunction.run
+    def patched(self, kernel_class=None):
+        """kernel_class: whose launches turn dry (Triton's JITFunction; the tests' CPU runs pass
+        the interpreter's InterpretedFunction, whose warmup launches nothing either)."""
+        if kernel_class is None:
+            from triton.runtime.jit import JITFunction as kernel_class
+        original = kernel_class.run
         dry = self
 
         def run(self, *args, grid, warmup, **kwargs):
@@ -173,12 +176,12 @@ class DryLaunches:
         with DryLaunches._lock:
             if DryLaunches._active is not None:
                 raise RuntimeError("a dry pass is already running")
-            DryLaunches._active, JITFunction.run = self, run
+            DryLaunches._active, kernel_class.run = self, run
         try:
             yield self
         finally:
             with DryLaunches._lock:
-                DryLaunches._active, JITFunction.run = None, original
+                DryLaunches._active, kernel_class.run = None, original
 
 
 def run_compiled_ahead(phase: Callable[[], T], device: torch.device, name: str = "phase") -> T:
