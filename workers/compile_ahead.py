@@ -19,7 +19,9 @@ known. So the phase runs twice:
 
 A variant the dry pass did not reach (a host branch on a value the dry pass zeroed) compiles in
 the real pass as before: the dry pass can only save time. LOOM_COMPILE_THREADS=0 runs the phase
-once (the A/B switch of bench/startup.py); a Triton without AsyncCompileMode, or the CPU, too.
+once (the A/B switch of bench/startup.py); a Triton without AsyncCompileMode, or the CPU, too;
+under tensor parallelism it is on only when LOOM_COMPILE_THREADS is set (its peer kernels: flags
+and Lamport buffers, skipped on every rank, are untested that way).
 """
 from __future__ import annotations
 
@@ -112,12 +114,15 @@ def mark_started() -> None:
 
 def threads(device: torch.device) -> int:
     """Compile threads for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
-    core, at most 16) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
+    core, at most 16, and none under tensor parallelism) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
     once, compiling as it launches); 0 too once this start is known (note_start)."""
     if _known_start:
         return 0
     n = envs.LOOM_COMPILE_THREADS
     if n is None:
+        from workers.distributed import tp_size
+        if tp_size() > 1:   # not by default under tensor parallelism: its peer kernels (flags, Lamport
+            return 0        # buffers) are untested skipped; LOOM_COMPILE_THREADS=N turns it on
         n = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if n <= 0 or device.type != "cuda":
         return 0
