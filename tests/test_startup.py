@@ -142,3 +142,16 @@ def test_startup_bench_reads_the_workers_phases_into_one_table(tmp_path):
                    ("qwen3-0.6b", "fresh, LOOM_COMPILE_THREADS=0", 40.0, None, {})])
     assert "FAIL" in lines[2] and lines[2].split()[2:5] == ["15.0", "12", "FAIL"] and lines[2].endswith("59    1.7")
     assert "never" in lines[3] and "FAIL" in lines[3] and "PASS" not in lines[4] and "FAIL" not in lines[4]
+
+
+def test_early_cuda_init_without_a_gpu_fails_quietly(monkeypatch):
+    """A worker told --device cuda on a machine without libcuda: the early thread gives up
+    (the model runner's own CUDA init then reports why), and waiting for it returns."""
+    from workers import device_init
+    monkeypatch.setattr(device_init, "_thread", None)
+    if device_init._driver_context(0):
+        pytest.skip("this machine has a CUDA driver")
+    device_init.start("cuda", 0)
+    assert device_init._thread is not None
+    device_init.wait()
+    assert not device_init._thread.is_alive()
