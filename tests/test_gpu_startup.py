@@ -50,3 +50,27 @@ def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch):
     assert len(kernels) == before + len(scales) and sorted(os.listdir(tmp_path)) == on_disk
     for scale, g in zip(scales, got):
         torch.testing.assert_close(g, table[(x * scale) % table.numel()] * 2, rtol=0, atol=0)
+
+
+def test_an_engine_started_with_dry_runs_samples_as_one_without(model_factory, tmp_path, monkeypatch, caplog):
+    """End to end on the GPU: an engine whose profiling run, warm-up and graph capture each ran
+    dry first (kernels compiled ahead) gives the same greedy and seeded tokens as an engine
+    started with LOOM_COMPILE_THREADS=0; its worker logged the dry runs."""
+    import logging
+
+    from frontend import LLM, SamplingParams
+    model = model_factory("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                          num_key_value_heads=2, num_hidden_layers=2)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 200)]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)]
+    runs = []
+    for threads_env in ("4", "0"):
+        monkeypatch.setenv("LOOM_COMPILE_THREADS", threads_env)
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"cache-{threads_env}"))
+        with caplog.at_level(logging.DEBUG, logger="workers.compile_ahead"), \
+                LLM(model, multiprocess=False, max_model_len=512, dtype="bfloat16") as llm:
+            runs.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params])
+    dry = [r.getMessage() for r in caplog.records if "kernels ahead" in r.getMessage()]
+    assert any("warm-up" in m for m in dry) and any("profiling run" in m for m in dry), dry
+    assert runs[0] == runs[1]

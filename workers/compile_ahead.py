@@ -162,6 +162,13 @@ class DryLaunches:
     def __init__(self):
         self.launches = 0
         self.thread = threading.get_ident()
+        self.compiles: dict[str, int] = {}   # kernel name -> variants submitted to compile
+        self.futures: set[int] = set()       # those compiles (a variant launched again shares its own)
+
+    def summary(self) -> str:
+        """The kernels compiled, the most variants first: `name xN, ...`."""
+        ranked = sorted(self.compiles.items(), key=lambda kv: (-kv[1], kv[0]))
+        return ", ".join(f"{name} x{n}" for name, n in ranked) or "none"
 
     @contextlib.contextmanager
     def patched(self, kernel_class=None):
@@ -176,7 +183,12 @@ class DryLaunches:
             if warmup or threading.get_ident() != dry.thread:
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
             dry.launches += 1
-            return original(self, *args, grid=grid, warmup=True, **kwargs)
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            if type(kernel).__name__ == "FutureKernel" and id(kernel) not in dry.futures:   # a new variant
+                dry.futures.add(id(kernel))
+                name = getattr(getattr(self, "fn", None), "__name__", "?")
+                dry.compiles[name] = dry.compiles.get(name, 0) + 1
+            return kernel
 
         with DryLaunches._lock:
             if DryLaunches._active is not None:
@@ -219,5 +231,6 @@ def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
                        name, type(e).__name__, e)
         return
     torch.cuda.synchronize(torch.device("cuda", torch.cuda.current_device()))
-    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, compiles done after %.2f s "
-                 "(%d threads)", name, dry.launches, launched, time.perf_counter() - t0, num_threads)
+    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, %d variants compiled after %.2f s "
+                 "(%d threads): %s", name, dry.launches, launched, sum(dry.compiles.values()),
+                 time.perf_counter() - t0, num_threads, dry.summary())
