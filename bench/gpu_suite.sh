@@ -30,8 +30,10 @@ for section in "$@"; do case $section in
   startup) # issue 49 item 4: loom serve to healthy (dummy), Qwen3-0.6B and Llama-3.1-8B: an empty cache
            # (kernels compiled ahead in parallel), a second start, then an empty cache with
            # LOOM_COMPILE_THREADS=0 (compiled one by one: the A/B); each start's breakdown
-           # (--log-level debug), then one table last. Starts stop at a 380 s budget.
-           TAIL=60 run startup 400 python3 -m bench.startup --out "$OUT" --budget 380 ;;
+           # (--log-level debug), then one table last. First the GPU tests of the dry runs (an
+           # engine started with them samples as one without). Starts stop at a 270 s budget.
+           TAIL=4 run startup-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
+           TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 ;;
   targets) bash "$0" targets-a targets-b ;;   # every target, in two device calls: run the parts apart
   targets-a) # the offline targets (docs/performance.md, issue 49): standard workload, sampling ratios,
              # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds
