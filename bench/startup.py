@@ -31,7 +31,7 @@ import urllib.request
 TARGETS = {"qwen3-0.6b": (12.0, 6.0), "llama-3.1-8b": (15.0, 9.0)}   # (fresh, second) seconds
 # (column, prefix of the worker's phase name); "warm-up (N kernels compiled)" also gives N
 COLUMNS = (("imports", "imports"), ("cuda", "CUDA init"), ("config", "config"), ("built", "model built"),
-           ("filled", "weights filled"), ("profile", "profiling run"), ("kv", "KV cache"), ("warmup", "warm-up"),
+           ("filled", "weights filled"), ("state", "runner state"), ("profile", "profiling run"), ("kv", "KV cache"), ("warmup", "warm-up"),
            ("capture", "graph capture"))
 _PHASE = re.compile(r"\s*([^,:;]+?) (\d+\.\d+) s")
 

@@ -127,16 +127,16 @@ def test_startup_bench_reads_the_workers_phases_into_one_table(tmp_path):
         "2026 worker0 DEBUG compiled the warm-up's kernels ahead: 900 launches dry in 0.80 s, compiles done after "
         "3.10 s (16 threads)\n"
         "2026 worker0 DEBUG start-up of worker 0: imports 4.30 s, CUDA init 0.20 s, config 0.50 s, model built 0.30 s, "
-        "weights filled 0.40 s, profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels compiled) 4.00 s, "
-        "graph capture 2.50 s; 13.30 s in all\n")
+        "weights filled 0.40 s, runner state 0.30 s, profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels "
+        "compiled) 4.00 s, graph capture 2.50 s; 13.30 s in all\n")
     ph = worker_phases(str(log))
-    assert ph == {"imports": 4.3, "cuda": 0.2, "config": 0.5, "built": 0.3, "filled": 0.4, "profile": 1.1, "kv": 0.05,
+    assert ph == {"imports": 4.3, "cuda": 0.2, "config": 0.5, "built": 0.3, "filled": 0.4, "state": 0.3, "profile": 1.1, "kv": 0.05,
                   "warmup": 4.0, "compiled": 59.0, "capture": 2.5, "all": 13.3}
     assert breakdown(str(log)) == [
         "engine core 0: imports 0.90 s, workers started (imports, weights) 9.00 s; 20.00 s in all",
         "compiled the warm-up's kernels ahead: 900 launches dry in 0.80 s, compiles done after 3.10 s (16 threads)",
         "worker 0: imports 4.30 s, CUDA init 0.20 s, config 0.50 s, model built 0.30 s, weights filled 0.40 s, "
-        "profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels compiled) 4.00 s, graph capture 2.50 s; "
+        "runner state 0.30 s, profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels compiled) 4.00 s, graph capture 2.50 s; "
         "13.30 s in all"]
     lines = table([("qwen3-0.6b", "fresh", 15.0, 12.0, ph), ("qwen3-0.6b", "second", None, 6.0, {}),
                    ("qwen3-0.6b", "fresh, LOOM_COMPILE_THREADS=0", 40.0, None, {})])

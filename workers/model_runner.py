@@ -119,6 +119,7 @@ class ModelRunner:
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
+        t0 = time.perf_counter()   # the runner's state, below: a phase of its own (pinned buffers, sampler)
         self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         check_kv_cache_device(self.kv_spec.dtype, self.device)
@@ -155,6 +156,7 @@ class ModelRunner:
         if config.enable_lora:
             from workers.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, config, self.device, self.dtype, self.backend)
+        self.startup.mark("runner state", t0)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
