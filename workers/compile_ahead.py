@@ -201,6 +201,11 @@ class DryLaunches:
                 DryLaunches._active, kernel_class.run = None, original
 
 
+def dry_running() -> bool:
+    """Whether a dry run is in progress (its phase then logs nothing of its own)."""
+    return DryLaunches._active is not None
+
+
 def run_compiled_ahead(phase: Callable[[], T], device: torch.device, name: str = "phase") -> T:
     """phase(), its Triton kernels compiled first in parallel by a dry run of it (module
     docstring); phase() alone when threads(device) is 0."""

@@ -15,7 +15,7 @@ import torch
 
 from ipc import envs
 from ipc.sampling_params import SamplingParams
-from workers.compile_ahead import compile_ahead
+from workers.compile_ahead import compile_ahead, dry_running
 from workers.decode_graphs import DecodeGraphs
 from workers.distributed import tp_size
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
@@ -109,7 +109,8 @@ def _warm_up(runner: ModelRunner) -> None:
         model.compute_logits(torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=runner.device))
     if runner.device.type == "cuda":   # (the CPU: the tests' dry runs of it, tests/test_compile_ahead.py)
         torch.cuda.synchronize()
-    logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
+    if not dry_running():
+        logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
 
 def _warmup_split_kv(runner: ModelRunner) -> None:
