@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers import compile_ahead as compile_ahead_module
 from workers.compile_ahead import compile_ahead, run_compiled_ahead, threads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,6 +36,7 @@ def _phase(x: torch.Tensor, table: torch.Tensor, scales: list[int]) -> list[torc
 def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("LOOM_COMPILE_THREADS", "4")
+    monkeypatch.setattr(compile_ahead_module, "_known_start", False)   # (an engine of an earlier test may have set it)
     device = torch.device("cuda", torch.cuda.current_device())
     assert threads(device) == 4
     scales = random.sample(range(3, 10_000), 6)   # variants no earlier run compiled

@@ -148,7 +148,10 @@ class ZeroedAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in self._allocs and isinstance(out, torch.Tensor) and out.device.type in self.devices:
-            out.zero_()
+            try:
+                out.zero_()
+            except RuntimeError:   # a dtype without fill on this build: left as allocated
+                pass
         return out
 
 
