@@ -30,6 +30,7 @@ def test_dry_runs_allocations_are_zeroed_and_other_ops_untouched():
 
 def test_the_switch_and_the_cpu(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not compile_ahead._known_start   # (a CPU engine marks nothing: tests/test_engine_parity.py ran before)
     monkeypatch.setenv("LOOM_COMPILE_THREADS", "0")
     assert threads(cuda) == 0
     monkeypatch.setenv("LOOM_COMPILE_THREADS", "3")

@@ -102,14 +102,15 @@ def mark_started() -> None:
     """After a worker's last phase (graph capture): this process's later phases (a wake-up) and
     later starts of the same key (note_start) run no dry runs."""
     global _known_start
+    if _marker is None:   # (not a CUDA worker: nothing runs dry)
+        return
     _known_start = True
-    if _marker is not None:
-        try:
-            os.makedirs(os.path.dirname(_marker), exist_ok=True)
-            with open(_marker, "w"):
-                pass
-        except OSError:   # a read-only cache: later starts dry-run again, nothing worse
+    try:
+        os.makedirs(os.path.dirname(_marker), exist_ok=True)
+        with open(_marker, "w"):
             pass
+    except OSError:   # a read-only cache: later starts dry-run again, nothing worse
+        pass
 
 
 def threads(device: torch.device) -> int:
