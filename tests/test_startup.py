@@ -155,3 +155,15 @@ def test_early_cuda_init_without_a_gpu_fails_quietly(monkeypatch):
     assert device_init._thread is not None
     device_init.wait()
     assert not device_init._thread.is_alive()
+
+
+def test_startup_bench_keeps_to_its_budget(tmp_path, capsys):
+    """A spent --budget skips every start (the targets' first, the A/B after), and the results
+    file and the table are still written."""
+    from bench.startup import main
+    assert main(["--presets", "qwen3-0.6b", "--budget", "0", "--out", str(tmp_path)]) == {}
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 3 and out.index("qwen3-0.6b fresh:") < out.index("qwen3-0.6b second:") \
+        < out.index("LOOM_COMPILE_THREADS=0: skipped")
+    assert json.loads((tmp_path / "startup.json").read_text()) == {}
+    assert out.rstrip().splitlines()[-2].startswith("loom serve to healthy (dummy)")
