@@ -12,10 +12,16 @@ known. So the phase runs twice:
    alignments it will see for real. What the kernels would have written stays as allocated, and
    every tensor allocated in the dry pass is zero-filled (a TorchDispatchMode): a value that
    comes out of a skipped kernel and indexes a torch op (a sampled token id, say) is a valid
-   index, never the allocator's leftovers. The persistent state allocated before (weights, KV
-   cache, the sampler's tables) is never written by a skipped kernel, so the dry pass leaves it
-   as it was. Leaving AsyncCompileMode waits for every compile.
+   index, never the allocator's leftovers. The state allocated before (weights, KV cache, the
+   sampler's tables) is not written by a skipped kernel; what torch ops write into it is what the
+   phase's idle inputs make them write anyway (tests/test_compile_ahead.py runs the warm-up and
+   the decode graphs dry on the CPU and checks the engine's tokens after). Leaving
+   AsyncCompileMode waits for every compile.
 2. for real: every launch finds its variant compiled (in memory and in Triton's cache dir).
+
+The worker runs its profiling run this way, and its warm-up together with the graph capture's
+eager steps (workers/warmup.py: one pool, one wait). A start already completed on the same
+compile cache (note_start) runs no dry runs: every kernel loads from the cache anyway.
 
 A variant the dry pass did not reach (a host branch on a value the dry pass zeroed) compiles in
 the real pass as before: the dry pass can only save time. LOOM_COMPILE_THREADS=0 runs the phase
