@@ -27,9 +27,13 @@ for section in "$@"; do case $section in
          TAIL=30 run top-p-kernels 200 python3 -m bench.kernels_gpu --parts top_p
          TAIL=10 run qwen3-top-p 300 $LOOM bench throughput --preset qwen3-0.6b \
            --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json" ;;
-  startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
-           # engine's and workers' start-up breakdown (--log-level debug)
-           TAIL=30 run startup 420 python3 -m bench.startup --out "$OUT" ;;
+  startup) # issue 49 item 4: loom serve to healthy (dummy), Qwen3-0.6B and Llama-3.1-8B: an empty cache
+           # (kernels compiled ahead in parallel), a second start, then an empty cache with
+           # LOOM_COMPILE_THREADS=0 (compiled one by one: the A/B); each start's breakdown
+           # (--log-level debug), then one table last. First the GPU tests of the dry runs (an
+           # engine started with them samples as one without). Starts stop at a 270 s budget.
+           TAIL=4 run startup-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
+           TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 ;;
   targets) bash "$0" targets-a targets-b ;;   # every target, in two device calls: run the parts apart
   targets-a) # the offline targets (docs/performance.md, issue 49): standard workload, sampling ratios,
              # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds
@@ -54,7 +58,7 @@ for section in "$@"; do case $section in
       --output-len 256 --output-json "$OUT/targets-offline-c256.json"
     TAIL=4 run targets-hf 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 \
       --output-len 256 --compare-hf --output-json "$OUT/targets-hf.json"
-    TAIL=30 run startup 300 python3 -m bench.startup --out "$OUT"
+    TAIL=30 run startup 300 python3 -m bench.startup --out "$OUT" --no-serial --budget 280
     python3 -m bench.targets "$OUT" ;;
   logprobs) # issue 14's logprobs=5 target alone: host CPU per token of each stage, the sampler's device
             # time with and without logprobs (kernels), then the offline ratio to plain in one engine

@@ -292,6 +292,18 @@ class DecodeGraphs:
                     "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
                     self.sizes[-1], time.perf_counter() - t0, padded or "none")
 
+    @torch.inference_mode()
+    def run_once(self) -> None:
+        """Every size's model and head work once, eagerly, on idle inputs (what capture runs
+        before capturing each): the dry run that compiles capture's kernels ahead of it
+        (workers/compile_ahead.py)."""
+        for bs in reversed(self.sizes):
+            self.stage(bs, None)
+            hidden = self._model_step(bs, bs)()
+            v = self._dev_views[bs]
+            params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
+            sample_plain(self.model.compute_logits(hidden, plain=True), params, use_triton=self.backend == "triton")
+
     def _model_step(self, bs: int, split_for: int):
         """The model graph's work: the input kernel, then the forward on the static buffers."""
         from kernels.decode_inputs import decode_inputs

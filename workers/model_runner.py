@@ -22,6 +22,7 @@ from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
 from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
+from workers import compile_ahead
 from workers.cascade_attn import CascadePlanner
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
@@ -103,18 +104,24 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            from workers import device_init
+            with self.startup.phase("CUDA init"):   # started in a thread during the imports (transformers imported meanwhile)
+                device_init.wait()
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)   # (the context, where no thread created it)
+        compile_ahead.note_start(config, self.device)   # a start seen before: no dry runs (kernels cached)
         self.dtype = resolve_dtype(config, self.device)
         backend = config.attention_backend
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                               config.language_model_only, config.model_impl, config.quantization, config)
-        self.startup.mark("weights", t0)
+                               config.language_model_only, config.model_impl, config.quantization, config,
+                               startup=self.startup)   # its phases: config, model built, weights filled
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
+        t0 = time.perf_counter()   # the runner's state, below: a phase of its own (pinned buffers, sampler)
         self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         check_kv_cache_device(self.kv_spec.dtype, self.device)
@@ -153,6 +160,7 @@ class ModelRunner:
         if config.enable_lora:
             from workers.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, config, self.device, self.dtype, self.backend)
+        self.startup.mark("runner state", t0)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -198,6 +206,7 @@ class ModelRunner:
                                            self.startup.phases[-1][1])
             with self.startup.phase("graph capture"):
                 self._capture_graphs()
+            compile_ahead.mark_started()
             self.startup.log(logger)
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
