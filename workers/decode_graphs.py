@@ -302,7 +302,10 @@ class DecodeGraphs:
             hidden = self._model_step(bs, bs)()
             v = self._dev_views[bs]
             params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
-            sample_plain(self.model.compute_logits(hidden, plain=True), params, use_triton=self.backend == "triton")
+            logits = self.model.compute_logits(hidden, plain=True)
+            if self.grammar_heads:   # the grammar head's mask kernel too
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+            sample_plain(logits, params, use_triton=self.backend == "triton")
 
     def _model_step(self, bs: int, split_for: int):
         """The model graph's work: the input kernel, then the forward on the static buffers."""
