@@ -105,6 +105,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
+    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(16, _int, "programs per row of the top-p route's second race (rows whose "
+                                     "first race winner lay outside their top-p set; 0: the first race's split)"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
