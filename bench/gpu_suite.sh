@@ -22,11 +22,13 @@ for section in "$@"; do case $section in
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
   sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
               --sampling plain topp-only topp-penalties topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
-  top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels), then top-p alone, with
-         # penalties, with top-k, against plain in one engine
-         TAIL=30 run top-p-kernels 200 python3 -m bench.kernels_gpu --parts top_p
-         TAIL=10 run qwen3-top-p 300 $LOOM bench throughput --preset qwen3-0.6b \
-           --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json" ;;
+  top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels: graphed old / new route,
+         # eager), then top-p alone, with penalties, with top-k, against plain in one engine; one table last
+         TAIL=60 run top-p-kernels 120 python3 -m bench.kernels_gpu --parts top_p \
+           --output-json "$OUT/top-p-kernels.json"
+         TAIL=10 run qwen3-top-p 200 $LOOM bench throughput --preset qwen3-0.6b \
+           --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json"
+         python3 -m bench.top_p "$OUT" ;;
   startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
            # engine's and workers' start-up breakdown (--log-level debug)
            TAIL=30 run startup 420 python3 -m bench.startup --out "$OUT" ;;
