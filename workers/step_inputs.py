@@ -69,6 +69,7 @@ class StepBatch:
     plain: bool = False                        # every sampled row samples plainly, now (Sampler.plain)
     prompt_logprob_spans: list[PromptSpan] = field(default_factory=list)  # computed once, in prepare()
     spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
+    graph_penalties: bool = False              # the head samples it with penalties (Sampler.penalties_only)
 
     @property
     def kind(self) -> str:
