@@ -259,8 +259,8 @@ class DecodeGraphs:
         if penalty_state is None:
             self.head_graphs[bs].replay()
             return self.tokens[:rows]
-        if penalty_state is not self._penalty_state:   # captured on these tensors (allocated once)
-            self.penalty_heads.clear()
+        if self._penalty_state is None or any(a is not b for a, b in zip(penalty_state, self._penalty_state)):
+            self.penalty_heads.clear()   # (captured on these tensors, which the batch allocates once)
             self._penalty_state = penalty_state
         if bs not in self.penalty_heads:
             # a capture mid-run runs the head once first (_capture): that run samples this step
