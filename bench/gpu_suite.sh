@@ -24,10 +24,12 @@ for section in "$@"; do case $section in
               --sampling plain topp-only topp-penalties topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
   top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels: graphed old / new route,
          # eager), then top-p alone, with penalties, with top-k, against plain in one engine; one table last
-         TAIL=60 run top-p-kernels 120 python3 -m bench.kernels_gpu --parts top_p \
+         TAIL=60 run top-p-kernels 100 python3 -m bench.kernels_gpu --parts top_p \
            --output-json "$OUT/top-p-kernels.json"
-         TAIL=10 run qwen3-top-p 200 $LOOM bench throughput --preset qwen3-0.6b \
+         TAIL=10 run qwen3-top-p 170 $LOOM bench throughput --preset qwen3-0.6b \
            --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json"
+         LOOM_PENALTY_HEAD_GRAPHS=0 TAIL=4 run qwen3-top-p-eager-penalties 110 $LOOM bench throughput \
+           --preset qwen3-0.6b --sampling plain topp-penalties --output-json "$OUT/top-p-eager-penalties.json"
          python3 -m bench.top_p "$OUT" ;;
   startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
            # engine's and workers' start-up breakdown (--log-level debug)
