@@ -31,6 +31,8 @@ for section in "$@"; do case $section in
          LOOM_PENALTY_HEAD_GRAPHS=0 TAIL=4 run qwen3-top-p-eager-penalties 110 $LOOM bench throughput \
            --preset qwen3-0.6b --sampling plain topp-penalties --output-json "$OUT/top-p-eager-penalties.json"
          python3 -m bench.top_p "$OUT" ;;
+  top-p-tests) # issue 49 item 1's GPU tests: the penalty head and the second race's split against the eager sampler
+    run top-p-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_sampling.py ;;
   startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
            # engine's and workers' start-up breakdown (--log-level debug)
            TAIL=30 run startup 420 python3 -m bench.startup --out "$OUT" ;;
