@@ -39,7 +39,10 @@ mass is under p times the kept mass, w lies in the top-p set and is its race's
 winner too (the same noise: a subset's best is the best of the whole when it is
 in the subset), so no threshold is searched. Otherwise (a chance of about 1 - p
 per row) the row searches its threshold by the bisection passes and races
-again. No sort, no candidates, the same tokens as the reference.
+again. No sort, no candidates, the same tokens as the reference. Both run split over programs
+per active row (_TP_CHUNKS for the search, LOOM_TOP_P_RACE_CHUNKS for the second race, or the
+first race's split where that is finer): few rows are active, and at B=256 the first race's
+3 chunks per row would leave 3 programs to walk an active row's vocabulary.
 
 Rows with top-k (k <= max_top_k, max_top_k + 64 <= 1024) instead take their
 candidates from one torch.topk of the batch (the max_top_k + 64 largest
