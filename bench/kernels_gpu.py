@@ -350,8 +350,7 @@ def _top_p(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
     modes = {"plain": {}, "top_p=0.95": dict(top_p=0.95),
              "top_p=0.95 rep 1.1 pres 0.5": dict(top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5),
              "top_p=0.9 top_k=50": dict(top_p=0.9, top_k=50)}
-    before = os.environ.get("LOOM_TOP_P_RACE_CHUNKS")
-    try:
+    try:   # (each variant sets LOOM_TOP_P_RACE_CHUNKS; unset afterwards: the default again)
         for b in ((16,) if quick else (1, 64, 256)):
             counts = torch.zeros(b, vocab, dtype=torch.int32, device=dev)
             counts.scatter_add_(1, torch.randint(0, vocab, (b, 300), device=dev, generator=gen),
@@ -382,10 +381,7 @@ def _top_p(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                     if times:
                         ctx.top_p_rows.append((model, b, shape, label, times))
     finally:
-        if before is None:
-            os.environ.pop("LOOM_TOP_P_RACE_CHUNKS", None)
-        else:
-            os.environ["LOOM_TOP_P_RACE_CHUNKS"] = before
+        os.environ.pop("LOOM_TOP_P_RACE_CHUNKS", None)
 
 
 def top_p_table(rows: list[tuple]) -> list[dict]:
