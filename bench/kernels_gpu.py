@@ -363,13 +363,13 @@ def _top_p(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                             for i in range(b)]
                     d = map_arrays(Sampler.host_params(rows), lambda a: torch.from_numpy(a).to(dev))
                     times = {}
+                    want = None if any(r.adjusts for r in rows) else sampling.sample_with_noise_ref(
+                        logits, d.temperature, d.top_k, d.top_p, d.min_p,
+                        sampling.philox_noise(d.seeds, d.output_indices, vocab))
                     for variant, value in TOP_P_VARIANTS.items():
                         os.environ["LOOM_TOP_P_RACE_CHUNKS"] = value
                         tokens = sampler(logits, rows, d, state).tokens
-                        if not any(r.adjusts for r in rows):
-                            want = sampling.sample_with_noise_ref(
-                                logits, d.temperature, d.top_k, d.top_p, d.min_p,
-                                sampling.philox_noise(d.seeds, d.output_indices, vocab))
+                        if want is not None:
                             same = int((tokens == want).sum())
                             ctx.expect(f"sampler {model} B={b} {shape} {label} ({variant}) == reference",
                                        same >= b - max(1, b // 32), f"({same}/{b} identical)")
