@@ -15,8 +15,8 @@ Each size has two graphs:
   graphs. Rows that add repetition / presence / frequency penalties (and no other logits
   processing) replay the penalty head instead: lm_head, the penalties (kernels/penalties.py,
   reading the persistent batch's output counts and prompt mask), then the same sampler; it is
-  captured at a size's first such step, since that state exists only once a request has
-  penalties. Any other step (top-k, logit_bias, min_tokens, logprobs, a grammar) replays the
+  captured at a size's first such step (on a side stream, no device sync), since that state
+  exists only once a request has penalties. Any other step (top-k, logit_bias, min_tokens, logprobs, a grammar) replays the
   model and samples eagerly.
 
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
@@ -263,8 +263,7 @@ class DecodeGraphs:
             self.penalty_heads.clear()   # (captured on these tensors, which the batch allocates once)
             self._penalty_state = penalty_state
         if bs not in self.penalty_heads:
-            # a capture mid-run runs the head once first (_capture): that run samples this step
-            self.penalty_heads[bs] = self._capture(self._penalty_head(bs, penalty_state))
+            self.penalty_heads[bs] = self._capture_mid_run(self._penalty_head(bs, penalty_state))
         else:
             self.penalty_heads[bs].replay()
         return self.tokens[:rows]
@@ -340,6 +339,26 @@ class DecodeGraphs:
                                      v["presence_penalty"], v["frequency_penalty"], none_ids, none_values, none_ids)
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
         return head
+
+    def _capture_mid_run(self, fn) -> _Replay:
+        """Run fn once (this step's work; it compiles any kernel first), then capture it on a side
+        stream into the graphs' pool, without torch.cuda.graph's device sync, gc.collect and cache
+        flush, which would stall a running engine at each size's first such step."""
+        fn()
+        replay = _Replay(fn, False)
+        if not self.capturing:
+            return replay
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        replay.graph, self._pool = graph, graph.pool()
+        return replay
 
     def _capture(self, fn) -> _Replay:
         """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""
