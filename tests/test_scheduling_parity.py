@@ -129,3 +129,18 @@ def test_penalty_head_samples_as_eager_steps(model_factory, monkeypatch):
     assert graphs == eager
     monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "0")
     assert _run(model_dir, prompts, params, max_num_seqs=3)[0] == eager
+
+
+def test_penalty_head_applies_the_penalties(model_factory, monkeypatch):
+    """Greedy rows with strong penalties in the decode graphs (every step a penalty-head step after
+    the prefill) draw what eager steps draw, and the penalties change those draws: a head that
+    skipped them (e.g. replaying the plain or grammar head) fails here whatever the seeds."""
+    model_dir = model_factory("qwen3")
+    prompts = _workload(300)[:3]
+    pen = dict(repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, **pen)] * len(prompts)
+    plain = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
+    eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    assert eager != _run(model_dir, prompts, plain, max_num_seqs=3)[0]
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    assert _run(model_dir, prompts, params, max_num_seqs=3)[0] == eager

@@ -267,7 +267,7 @@ class DecodeGraphs:
         graph.replay()
         return graph.output[:rows]
 
-    def run_head(self, bs: int, rows: int, grammar: bool = False,
+    def run_head(self, bs: int, rows: int, *, grammar: bool = False,
                  penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Sample the model graph's hidden states just replayed: the tokens, on the device
         (grammar: each row masked as set_grammar set it). With penalty_state (the persistent

@@ -513,7 +513,7 @@ class ModelRunner:
         with penalties or bad words, so its tokens need not be recorded."""
         if batch.graph_penalties:   # the penalty head: its tokens go into the counts (next step's penalties)
             tokens = self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
-                                                 self.batch.penalty_state())
+                                                 penalty_state=self.batch.penalty_state())
             self.batch.record_sampled(batch.device.sampling.slots, tokens)
             return SampledTokens(tokens, None, {}, None)
         if batch.graph_samples:
