@@ -26,8 +26,8 @@ for section in "$@"; do case $section in
          # eager), then top-p alone, with penalties, with top-k, against plain in one engine; one table last
          TAIL=60 run top-p-kernels 100 python3 -m bench.kernels_gpu --parts top_p \
            --output-json "$OUT/top-p-kernels.json"
-         TAIL=10 run qwen3-top-p 170 $LOOM bench throughput --preset qwen3-0.6b \
-           --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json"
+         LOOM_PENALTY_HEAD_GRAPHS=1 LOOM_TOP_P_RACE_CHUNKS=16 TAIL=10 run qwen3-top-p 170 $LOOM bench throughput \
+           --preset qwen3-0.6b --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json"
          LOOM_PENALTY_HEAD_GRAPHS=0 TAIL=4 run qwen3-top-p-eager-penalties 110 $LOOM bench throughput \
            --preset qwen3-0.6b --sampling plain topp-penalties --output-json "$OUT/top-p-eager-penalties.json"
          python3 -m bench.top_p "$OUT" ;;

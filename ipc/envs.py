@@ -114,10 +114,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                 "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
     "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
                                          "(0: chosen per step)"),
-    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(16, _int, "programs per row of the top-p route's second race (rows whose "
+    # (the two below stay off until their GPU tests and rows have run on the H200: tests/test_gpu_sampling.py)
+    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(0, _int, "programs per row of the top-p route's second race (rows whose "
                                      "first race winner lay outside their top-p set; 0: the first race's split)"),
-    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(True, _switch, "0: decode steps whose rows have repetition / presence / "
-                                       "frequency penalties sample eagerly, not in the decode graphs' penalty head"),
+    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(False, _switch, "1: decode steps whose rows have repetition / presence / "
+                                       "frequency penalties (and no other adjustment) sample in the decode graphs' "
+                                       "penalty head, captured at a size's first such step; 0: eagerly"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),

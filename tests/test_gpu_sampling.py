@@ -40,6 +40,8 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def test_penalty_head_draws_what_the_eager_sampler_draws(model_dir, monkeypatch):
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
+    monkeypatch.setenv("LOOM_TOP_P_RACE_CHUNKS", "16")
     graphs = _tokens(model_dir)
     monkeypatch.setenv("LOOM_TOP_P_RACE_CHUNKS", "0")
     assert _tokens(model_dir) == graphs   # the same route but for the second race's split: exact

@@ -125,6 +125,7 @@ def test_penalty_head_samples_as_eager_steps(model_factory, monkeypatch):
     eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
     monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
     graphs, _ = _run(model_dir, prompts, params, max_num_seqs=3)
     assert graphs == eager
     monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "0")
@@ -142,5 +143,6 @@ def test_penalty_head_applies_the_penalties(model_factory, monkeypatch):
     plain = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
     eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
     assert eager != _run(model_dir, prompts, plain, max_num_seqs=3)[0]
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
     monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     assert _run(model_dir, prompts, params, max_num_seqs=3)[0] == eager
