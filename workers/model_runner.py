@@ -652,6 +652,17 @@ class ModelRunner:
             step.event.record()
 
     @staticmethod
+    def continues_verified(prev: PendingStep, so: SchedulerOutput) -> bool:
+        """Whether `so` schedules a request whose drafts `prev` verified: only finish(prev) moves
+        it past the drafts it accepted, so prev must be finished before so is prepared. Rank 0
+        always has (the engine schedules that request once rank 0 sent prev's tokens); a later
+        rank may not have, and would build so's inputs at positions its peers do not."""
+        if prev.spec is None:
+            return False
+        drafted = {prev.req_ids[i] for i, drafts in zip(prev.sample_rows.tolist(), prev.spec.drafts) if drafts}
+        return any(rid in drafted for rid in so.req_ids)
+
+    @staticmethod
     def is_done(step: PendingStep) -> bool:
         """Whether finish(step) would return without waiting for the device."""
         return step.event is None or step.event.query()
