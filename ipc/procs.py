@@ -5,6 +5,7 @@ through a death pipe (EOF when the parent is gone, however it died) and exits.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import multiprocessing as mp
@@ -126,6 +127,13 @@ def child_signals() -> None:
     _parent_pid = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    dump_stacks_on_sigusr1()
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr (faulthandler: also while
+    the main thread is blocked): how a hung stop is diagnosed, by an operator or a test."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def sigterm_exits() -> bool:
@@ -175,4 +183,5 @@ def catch_stop_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    dump_stacks_on_sigusr1()
     return stop
