@@ -651,12 +651,19 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
 
-    @staticmethod
-    def continues_verified(prev: PendingStep, so: SchedulerOutput) -> bool:
-        """Whether `so` schedules a request whose drafts `prev` verified: only finish(prev) moves
-        it past the drafts it accepted, so prev must be finished before so is prepared. Rank 0
-        always has (the engine schedules that request once rank 0 sent prev's tokens); a later
-        rank may not have, and would build so's inputs at positions its peers do not."""
+    def must_finish_before(self, prev: PendingStep, so: SchedulerOutput) -> bool:
+        """Whether prev must be finished before so is launched, on every rank alike (the worker
+        loop launches a step that arrives before the pending one is finished first, and ranks
+        differ in when steps arrive):
+        - so schedules a request whose drafts prev verified: only finish(prev) moves it past the
+          drafts it accepted. Rank 0 always has finished prev (the engine scheduled so on prev's
+          tokens from rank 0); a later rank may not have, and would build so's inputs at
+          positions its peers do not.
+        - the drafter runs its model in finish() across TP ranks (a draft model): its collectives
+          must come in the same order on every rank, and launch(so)'s diff changes the batch it
+          drafts for (a gloo "data size doesn't match" error when one rank had applied it)."""
+        if getattr(self.proposer, "collective", False) and tp_size() > 1:
+            return True
         if prev.spec is None:
             return False
         drafted = {prev.req_ids[i] for i, drafts in zip(prev.sample_rows.tolist(), prev.spec.drafts) if drafts}

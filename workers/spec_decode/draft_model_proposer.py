@@ -18,6 +18,8 @@ from workers.step_inputs import attention_metadata, host_inputs
 
 
 class DraftModelProposer:
+    collective = True   # propose() (in finish()) runs the draft model: TP collectives, in step order on every rank
+
     def __init__(self, spec, runner):
         from workers.model_loader import kv_cache_shape, load_model
         cfg = runner.config
