@@ -36,6 +36,8 @@ CASES: dict[str, tuple[str, dict]] = {name: (name, {}) for name, a in sorted(ARC
 CASES.update({
     # one KV head: replicated on both ranks; o_proj's and down_proj's biases are added once
     "llama-kv1-biases": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
+    # OLMo2's q/k norms span every head (the ranks add their sums of squares), with one KV head replicated
+    "olmo2-kv1": ("olmo2", {"num_key_value_heads": 1}),
     # the lm_head is the (vocabulary-parallel) embedding
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     # --enable-expert-parallel: whole experts per rank (Qwen2-MoE's shared expert stays tensor-parallel)

@@ -90,10 +90,22 @@ def _sessions_on_two_servers(url: str) -> tuple[requests.Session, requests.Sessi
 
 
 @pytest.fixture(scope="module")
-def dp_server(model_factory):
+def dp_tmp():
+    """(the dp_server run's TMPDIR, where its ipc and metrics directories land apart from others',
+    the Loom segments in /dev/shm before it started)."""
+    tmp = tempfile.mkdtemp(prefix="dp")
+    try:
+        yield tmp, shm_entries()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def dp_server(model_factory, dp_tmp):
+    """DP=2 behind two API servers; test_killing_one_engine_core_ends_serve kills it last."""
     model = model_factory("qwen3")
     server = Server(model, "--data-parallel-size", "2", "--api-server-count", "2", "--max-model-len", "256",
-                    "--enable-control-endpoints", env={"OMP_NUM_THREADS": "1"})
+                    "--enable-control-endpoints", env={"OMP_NUM_THREADS": "1", "TMPDIR": dp_tmp[0]})
     try:
         yield model, server.wait_healthy()
     finally:
@@ -270,48 +282,52 @@ def _orphan_shm(before: set[str]) -> set[str]:
     return new - mapped
 
 
-@pytest.mark.parametrize("victim", ["engine", "serve"])
-def test_killing_one_engine_core_ends_serve(model_factory, victim):
-    """SIGKILL of one engine core ends `loom serve` non-zero; SIGKILL of `loom serve` itself ends
-    every child; either way nothing is left (the launcher's socket directory stayed in the second
-    case: each engine core removed only its own dp{rank} directory)."""
-    import tempfile
+def test_killing_one_engine_core_ends_serve(dp_server, dp_tmp):
+    """Runs last on `dp_server`: SIGKILL of one engine core ends `loom serve` non-zero, /health
+    says 503 meanwhile, and nothing is left (processes, /dev/shm, the run's directories)."""
+    _, server = dp_server
+    tmp, before = dp_tmp
+    assert _text(_complete(requests, server.url, "hello", 1)) is not None
+    engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
+    assert len(engines) == 2
+    assert os.listdir(tmp)                                 # the ipc dir is there
+    os.kill(engines[1], signal.SIGKILL)
+    statuses = set()
+    while server.proc.poll() is None:   # /health says 503 while the API server lingers
+        try:
+            statuses.add(requests.get(server.url + "/health", timeout=1).status_code)
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    assert 503 in statuses, statuses
+    assert server.proc.wait(30) not in (0, None)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (server.descendants() or _orphan_shm(before) or os.listdir(tmp)):
+        time.sleep(0.2)
+    assert not server.descendants(), "processes left behind"
+    assert not _orphan_shm(before), f"/dev/shm entries left: {_orphan_shm(before)}"
+    assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
+
+
+def test_killing_loom_serve_ends_every_child(model_factory):
+    """SIGKILL of `loom serve` itself ends every child, and nothing is left (the launcher's socket
+    directory stayed once: each engine core removed only its own dp{rank} directory)."""
     model = model_factory("qwen3")
     tmp = tempfile.mkdtemp(prefix="dp")   # the run's ipc and metrics directories land here, apart from others'
-    before = shm_entries()
     server = Server(model, "--data-parallel-size", "2", "--api-server-count", "1", "--max-model-len", "256",
                     env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
     try:
         server.wait_healthy()
         assert _text(_complete(requests, server.url, "hello", 1)) is not None
-        engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
-        assert len(engines) == 2
+        assert len([pid for pid in child_pids(server.proc.pid) if child_pids(pid)]) == 2   # engines with workers
         assert os.listdir(tmp)                                 # the ipc dir is there
-        if victim == "serve":
-            children = server.descendants()
-            os.kill(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(10)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and (any(_alive(p) for p in children) or os.listdir(tmp)):
-                time.sleep(0.2)
-            assert not any(_alive(p) for p in children), "processes left behind"
-            assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
-            return
-        os.kill(engines[1], signal.SIGKILL)
-        statuses = set()
-        while server.proc.poll() is None:   # /health says 503 while the API server lingers
-            try:
-                statuses.add(requests.get(server.url + "/health", timeout=1).status_code)
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        assert 503 in statuses, statuses
-        assert server.proc.wait(30) not in (0, None)
+        children = server.descendants()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (server.descendants() or _orphan_shm(before) or os.listdir(tmp)):
+        while time.monotonic() < deadline and (any(_alive(p) for p in children) or os.listdir(tmp)):
             time.sleep(0.2)
-        assert not server.descendants(), "processes left behind"
-        assert not _orphan_shm(before), f"/dev/shm entries left: {_orphan_shm(before)}"
+        assert not any(_alive(p) for p in children), "processes left behind"
         assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
     finally:
         server.stop()
