@@ -182,3 +182,17 @@ def test_fused_decoder_layers_taken_for_llama_refused_otherwise(model_factory, m
         return original(self, hidden_states, **kwargs) + 0.1
     monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", shifted)
     assert _generic_model(llama).fused_layers == 0
+
+
+def test_fused_layers_check_does_not_read_unloaded_weights(model_factory, monkeypatch):
+    """The start-up check runs before the weights load, when the fused q/k/v and gate/up
+    projections hold whatever torch.empty's memory held: with NaN there, Llama's layers are still
+    fused (the check seeds the weights first; before, it refused them at random: a CI flake)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    model = _generic_model(model_factory("llama"))
+    assert model.fused_layers == model.config.num_hidden_layers > 0

@@ -140,6 +140,17 @@ def _decoder_output(base: nn.Module, step, input_ids: torch.Tensor) -> torch.Ten
         step.echo = False
 
 
+@torch.no_grad()
+def _seed_weights(base: nn.Module, device: torch.device) -> None:
+    """Seeded values in the decoder's weights before the check. They are not loaded yet, and
+    the fused q/k/v and gate/up projections are torch.empty: whatever memory held (NaN
+    included), so the check failed at random (a CI flake). The loader overwrites them all."""
+    g = torch.Generator(device=device).manual_seed(2)
+    for p in base.parameters():
+        if p.dtype in (torch.float32, torch.float16, torch.bfloat16) and p.device == device:
+            p.normal_(0.0, 0.02, generator=g)
+
+
 def use_fused_layers(hf: nn.Module, step) -> int:
     """Fuse the decoder's layers where they have the pre-norm structure and the fused decoder
     computes what HF's does on random tokens; the number of layers fused (0: none, logged)."""
@@ -155,6 +166,7 @@ def use_fused_layers(hf: nn.Module, step) -> int:
     # (on the CPU whatever the default device: the model may be built under torch.device("cuda"))
     ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(0), device="cpu").to(device)
     carry = FusedResidual()
+    _seed_weights(base, device)
     # the norms' weights are 1 at construction: random ones, so that a skipped norm shows
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     saved = [n.weight.detach().clone() for n in norms]
