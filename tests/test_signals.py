@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -194,7 +196,7 @@ def test_sigkill_of_loom_serve_leaves_nothing(tiny_model_dir, start_server):
 
 
 _BURST = """
-import os, signal, sys, time
+import os, signal, time
 from ipc.procs import catch_stop_signals
 stop = catch_stop_signals()
 me = os.getpid()
@@ -214,8 +216,6 @@ print("stop" if stop.is_set() else "no stop")
 def test_a_burst_of_sigterms_sets_the_stop_flag_without_deadlock(run):
     """The watch loop's stop flag under 20,000 SIGTERMs: a threading.Event there deadlocked the
     main thread in about 1 run in 5 (a handler waiting for the lock the interrupted set() held)."""
-    import subprocess
-    import sys
     r = subprocess.run([sys.executable, "-c", _BURST], cwd=os.path.dirname(os.path.dirname(__file__)),
                        capture_output=True, text=True, timeout=15)
     assert r.returncode == 0 and r.stdout.strip() == "stop", (r.returncode, r.stdout, r.stderr)

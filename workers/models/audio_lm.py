@@ -3,7 +3,6 @@ beside a text model under `language_model`, HF's checkpoint names for them, the 
 longest clip, and the weight loading that sends the text model's weights to its own loader."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from workers.models.wrapped_lm import WrappedLanguageModel
@@ -14,11 +13,10 @@ RENAMES = [("model.audio_tower.", "audio_tower."), ("model.multi_modal_projector
 
 
 class AudioLanguageModel(WrappedLanguageModel):
-    tower = "audio_tower"
-
     """The weight loading and the memory profiling's longest clip of a model with
     `audio_tower` (None: language_model_only), `multi_modal_projector`, `language_model` and
     `hf_config` (its audio_config: num_mel_bins, max_source_positions)."""
+    tower = "audio_tower"
 
     def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
         """Processed arrays of the longest clip (memory profiling)."""

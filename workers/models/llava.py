@@ -8,7 +8,6 @@ layers are concatenated); `vision_feature_select_strategy` "default" drops the f
 (`vision_tower.embeddings.*`, `model.language_model.*`, `lm_head.*`)."""
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F

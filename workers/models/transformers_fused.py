@@ -141,14 +141,17 @@ def _decoder_output(base: nn.Module, step, input_ids: torch.Tensor) -> torch.Ten
 
 
 @torch.no_grad()
-def _seed_weights(base: nn.Module, device: torch.device) -> None:
-    """Seeded values in the decoder's weights before the check. They are not loaded yet, and
-    the fused q/k/v and gate/up projections are torch.empty: whatever memory held (NaN
-    included), so the check failed at random (a CI flake). The loader overwrites them all."""
+def _seed_weights(base: nn.Module, norms: list[nn.Module], device: torch.device) -> None:
+    """Seeded values in the decoder's weights for the check, which runs before they load: the
+    fused q/k/v and gate/up projections are torch.empty then, whatever memory held (NaN included:
+    the check failed at random, a CI flake). The norms get values away from 1, so that a skipped
+    norm shows. The loader overwrites them all."""
     g = torch.Generator(device=device).manual_seed(2)
     for p in base.parameters():
         if p.dtype in (torch.float32, torch.float16, torch.bfloat16) and p.device == device:
             p.normal_(0.0, 0.02, generator=g)
+    for n in norms:
+        n.weight.uniform_(0.5, 1.5, generator=g)
 
 
 def use_fused_layers(hf: nn.Module, step) -> int:
@@ -166,34 +169,23 @@ def use_fused_layers(hf: nn.Module, step) -> int:
     # (on the CPU whatever the default device: the model may be built under torch.device("cuda"))
     ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(0), device="cpu").to(device)
     carry = FusedResidual()
-    _seed_weights(base, device)
-    # the norms' weights are 1 at construction: random ones, so that a skipped norm shows
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    saved = [n.weight.detach().clone() for n in norms]
+    _seed_weights(base, norms, device)
+    # compared before the final norm (a norm hides a layer's scale): HF's sum, and ours
+    base.norm.forward = lambda x: x
+    ref = _decoder_output(base, step, ids)
+    for layer in layers:
+        layer.forward = fused_layer_forward(layer, carry)
+    base.norm.forward = lambda x: _sum_of(x, carry.take(x))
     try:
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for n in norms:
-                n.weight.copy_(torch.rand(n.weight.shape, generator=g, device="cpu") + 0.5)
-        # compared before the final norm (a norm hides a layer's scale): HF's sum, and ours
-        base.norm.forward = lambda x: x
-        ref = _decoder_output(base, step, ids)
-        for layer in layers:
-            layer.forward = fused_layer_forward(layer, carry)
-        base.norm.forward = lambda x: _sum_of(x, carry.take(x))
-        try:
-            ours = _decoder_output(base, step, ids)
-            base.norm.forward = fused_final_norm(base.norm, carry)
-            scale = ref.abs().max().clamp_min(1e-6)
-            tol = 1e-5 if saved[0].dtype == torch.float32 else 5e-2   # (fp32: only the adds' rounding differs)
-            ok = bool(torch.isfinite(ours).all()) and float((ours - ref).abs().max() / scale) < tol
-        except Exception as e:   # a layer whose attention or MLP is called otherwise
-            logger.info("generic path: fused decoder layers failed on %s (%s)", type(base).__name__, e)
-            ok = False
-    finally:
-        with torch.no_grad():
-            for n, w in zip(norms, saved):
-                n.weight.copy_(w)
+        ours = _decoder_output(base, step, ids)
+        base.norm.forward = fused_final_norm(base.norm, carry)
+        scale = ref.abs().max().clamp_min(1e-6)
+        tol = 1e-5 if base.norm.weight.dtype == torch.float32 else 5e-2   # (fp32: only the adds' rounding differs)
+        ok = bool(torch.isfinite(ours).all()) and float((ours - ref).abs().max() / scale) < tol
+    except Exception as e:   # a layer whose attention or MLP is called otherwise
+        logger.info("generic path: fused decoder layers failed on %s (%s)", type(base).__name__, e)
+        ok = False
     if not ok:
         for layer in layers:
             layer.__dict__.pop("forward", None)
