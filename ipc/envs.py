@@ -122,6 +122,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                     "piecewise CUDA graphs"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
+    "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
+                                    "without the LoRA ops, and a step with no adapter row replays that one; 0: "
+                                    "every step replays the graphs with the LoRA ops (to time both)"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

@@ -174,11 +174,16 @@ class _Replay:
 class DecodeGraphs:
     """The captured sizes of one model, their staging and static buffers, and the replays."""
 
-    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits):
+    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits,
+                 lora_ctx=None):
         """backend: the attention backend (CUDA graphs are captured for "triton" only; the CPU
         runs the graphs' work uncaptured). kv_splits(num_seqs) -> the split-KV count of a decode
-        batch of that many sequences."""
+        batch of that many sequences. lora_ctx: the LoRAContext with --enable-lora (each size
+        is then also captured without the LoRA ops, for steps with no adapter row, unless
+        LOOM_LORA_BASE_GRAPHS=0)."""
+        from ipc import envs
         self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
+        self.lora_ctx = lora_ctx if lora_ctx is not None and envs.LOOM_LORA_BASE_GRAPHS else None
         self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
@@ -205,6 +210,11 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one token per row
         self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
         self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
+        # with lora_ctx: the same graphs captured without the LoRA ops (a base step replays these:
+        # none of the adapters' launches, and the base linears keep their fused GEMV paths)
+        self.base_model_graphs: dict[int, _Replay] = {}
+        self.base_head_graphs: dict[int, _Replay] = {}
+        self._base_replayed: dict[int, bool] = {}   # size -> whether its last model replay was the base one
         self._pool = None
 
     # ------------------------------------------------------------ per step
@@ -232,13 +242,16 @@ class DecodeGraphs:
         vars(device.sampling).update(sampling_fields)
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
-        graph = self.model_graphs[bs]
+        # (the step's adapter rows were set before: LoRAContext.active is this step's)
+        base = self.lora_ctx is not None and not self.lora_ctx.active
+        self._base_replayed[bs] = base
+        graph = (self.base_model_graphs if base else self.model_graphs)[bs]
         graph.replay()
         return graph.output[:rows]
 
     def run_head(self, bs: int, rows: int) -> torch.Tensor:
         """Sample the model graph's hidden states just replayed: the tokens, on the device."""
-        self.head_graphs[bs].replay()
+        (self.base_head_graphs if self._base_replayed.get(bs) else self.head_graphs)[bs].replay()
         return self.tokens[:rows]
 
     # ------------------------------------------------------------ capture
@@ -281,20 +294,45 @@ class DecodeGraphs:
         return step
 
     def _capture_model(self, bs: int, split_for: int) -> None:
-        """Capture the batch-bs model graph, its KV split as for a batch of split_for."""
+        """Capture the batch-bs model graph, its KV split as for a batch of split_for (and its
+        base variant without the LoRA ops)."""
         self.stage(bs, None)  # idle inputs: all padding rows
-        self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
+        step = self._model_step(bs, split_for)
+        if self.lora_ctx is None:
+            self.model_graphs[bs] = self._capture(step)
+            return
+        self.model_graphs[bs] = self._capture(self._lora_set(step, True))
+        self.base_model_graphs[bs] = self._capture(self._lora_set(step, False))
 
     def _capture_head(self, bs: int) -> None:
+        self.stage(bs, None)
+        self.head_graphs[bs] = self._capture(self._head(bs, self.model_graphs))
+        if self.lora_ctx is not None:
+            self.base_head_graphs[bs] = self._capture(self._head(bs, self.base_model_graphs))
+
+    def _head(self, bs: int, model_graphs: dict[int, _Replay]):
+        """The head graph's work: logits and plain sampling of that model graph's output."""
         v = self._dev_views[bs]
         params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
 
         def head():
-            logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
+            logits = self.model.compute_logits(model_graphs[bs].output, plain=True)
             # as the eager sampler draws: the Triton kernels with the Triton backend
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
-        self.stage(bs, None)
-        self.head_graphs[bs] = self._capture(head)
+        return head
+
+    def _lora_set(self, fn, on: bool):
+        """fn run with the LoRA ops recorded (on) or not: what its capture holds (uncaptured on
+        the CPU, each replay runs it so, as the captured graph would)."""
+        ctx = self.lora_ctx
+
+        def run():
+            was, ctx.active = ctx.active, on
+            try:
+                return fn()
+            finally:
+                ctx.active = was
+        return run
 
     def _capture(self, fn) -> _Replay:
         """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""

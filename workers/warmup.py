@@ -154,7 +154,7 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
     if runner.config.enforce_eager or not (on_cpu or device.type == "cuda" and runner.backend == "triton"):
         return CapturedGraphs(None, None)
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, device, runner.backend,
-                          runner.kv_splits)
+                          runner.kv_splits, lora_ctx=getattr(getattr(runner, "lora", None), "ctx", None))
     decode.capture()
     return CapturedGraphs(decode, None if on_cpu else _capture_piecewise(runner))
 
