@@ -125,6 +125,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
                                     "without the LoRA ops, and a step with no adapter row replays that one; 0: "
                                     "every step replays the graphs with the LoRA ops (to time both)"),
+    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows up to 256 (the decode sizes), the LoRA "
+                                       "shrink and expand run one program per (32 rows, columns, adapter slot) on "
+                                       "the tensor cores instead of one per row (kernels/lora.py); 0: never"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ipc import envs
 from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit
 
 MAX_SLICES = 3   # q/k/v
@@ -192,6 +193,72 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
                         tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
 
 
+@step_jit(ints=("T",))
+def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (row block, column block, slot s): the rows of the block whose adapter is s, as
+    one tile product against A[s] (x's other rows masked to 0, not stored)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    sel = slots == s
+    if tl.max(sel.to(tl.int32), 0) > 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        cmask = cols < N
+        a_base = a_ptr + s.to(tl.int64) * stride_as
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=sel[:, None] & (kk[None, :] < K),
+                         other=0.0)
+            at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None], mask=cmask[None, :] & (kk[:, None] < K),
+                         other=0.0)
+            if UPCAST:
+                xt, at = xt.to(tl.float32), at.to(tl.float32)
+            acc += tl.dot(xt, at, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=sel[:, None] & cmask[None, :])
+
+
+@step_jit(ints=("T",))
+def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_bs,
+                              stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                              UPCAST: tl.constexpr):
+    """Program (row block, column block, slot s): y[rows of adapter s] += their xa @ B[s]^T, a
+    tile product per slice; the programs of one block write disjoint rows."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    sel = slots == s
+    if tl.max(sel.to(tl.int32), 0) > 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rs = tl.arange(0, BLOCK_R)
+        cmask = cols < OUT
+        rkmask = rs < R
+        col_slice = (cols >= S1).to(tl.int32) + (cols >= S2).to(tl.int32)
+        b_base = b_ptr + s.to(tl.int64) * stride_bs
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(NUM_SLICES):
+            bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
+                         mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
+            xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
+                          mask=sel[:, None] & rkmask[None, :], other=0.0)
+            xat = xat.to(bt.dtype)
+            if UPCAST:
+                xat, bt = xat.to(tl.float32), bt.to(tl.float32)
+            acc += tl.dot(xat, bt, input_precision=PRECISION)
+        mask = sel[:, None] & cmask[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
 @triton.jit
 def _xa_row(ptrs, mask, stride_split, SPLITS: tl.constexpr):
     """A row's xa values: the sum of lora_shrink's SPLITS partials (one: xa itself)."""
@@ -216,19 +283,46 @@ def _block_m(rows: int, block_m: int | None) -> int:
     return block_m if block_m is not None else (1 if rows <= ROW_PROGRAMS_MAX else 16)
 
 
+SLOT_BLOCK_M = 32   # rows per program of the slot-grid kernels
+
+
+def use_slot_grid(rows: int, slot_grid: bool | None) -> bool:
+    """Whether a batch of `rows` runs the slot-grid kernels (None: LOOM_LORA_SLOT_GRID_ROWS <=
+    rows <= ROW_PROGRAMS_MAX). There one program per (SLOT_BLOCK_M rows, columns, slot) reads
+    A[s] / B[s] once for all its block's rows of adapter s, on the tensor cores: a per-row
+    program (BGMV) reads its adapter once per row, 256 times per linear at batch 256."""
+    if slot_grid is not None:
+        return slot_grid
+    lo = envs.LOOM_LORA_SLOT_GRID_ROWS
+    return 0 < lo <= rows <= ROW_PROGRAMS_MAX
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
-                block_m: int | None = None, splits: int | None = 1) -> torch.Tensor:
+                block_m: int | None = None, splits: int | None = 1, slot_grid: bool | None = False) -> torch.Tensor:
     """As lora_shrink_ref: x [T, K] (rows may be strided), a [S, N, K] contiguous, slots [T] int32
     -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were).
 
     splits > 1 (None: chosen from the shape) splits K over that many programs per row at decode
     sizes and returns their partials [splits, T, N], which lora_expand sums as it reads them: a
-    batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096)."""
+    batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096).
+    slot_grid: the slot-grid kernel (use_slot_grid; None: by the batch size), never split."""
     if not runs_triton(_lora_shrink_kernel, x):
         ref = lora_shrink_ref(x, a, slots)
         return ref if out is None else out.copy_(ref)
     t, k = x.shape
     n = a.shape[1]
+    if use_slot_grid(t, slot_grid):
+        if out is None:
+            out = torch.empty((t, n), dtype=torch.float32, device=x.device)
+        if t == 0:
+            return out
+        assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
+        block_n = min(64, max(16, triton.next_power_of_2(n)))
+        _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n), a.shape[0])](
+            x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+            BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
+            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4)
+        return out
     block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
@@ -253,8 +347,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                slice_starts: tuple[int, ...], block_m: int | None = None) -> torch.Tensor:
-    """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous)."""
+                slice_starts: tuple[int, ...], block_m: int | None = None,
+                slot_grid: bool | None = False) -> torch.Tensor:
+    """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous).
+    slot_grid: as lora_shrink's."""
     if not runs_triton(_lora_expand_kernel, y):
         return lora_expand_ref(y, xa, b, slots, slice_starts)
     t, n_out = y.shape
@@ -265,6 +361,16 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     splits = xa.shape[0] if xa.dim() == 3 else 1
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
+    if use_slot_grid(t, slot_grid):
+        if splits > 1:
+            xa = xa.sum(0)
+        block_n = min(128, max(16, triton.next_power_of_2(n_out)))
+        _lora_expand_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n_out, block_n), b.shape[0])](
+            y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
+            starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
+            UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4)
+        return y
     block_m = _block_m(t, block_m)
     if splits > 1 and block_m != 1:   # (partials come from the one-row-per-program shrink only)
         xa, splits = xa.sum(0), 1

@@ -161,3 +161,38 @@ def test_wide_output_slices_cross_column_blocks(block_m):
     want = lk.lora_expand_ref(y.clone(), xa, b, slots, starts)
     got = lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=block_m)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("slices", [(12, 6, 6), (7,)])
+def test_slot_grid_kernels_match_reference(dtype, batch, slices):
+    # one program per (32 rows, columns, slot): blocks mixing adapters and the base (segments:
+    # 56 rows, two blocks), every slot's programs writing disjoint rows of one block
+    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
+    xa_ref = lk.lora_shrink_ref(x, a, slots)
+    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), slot_grid=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(xa, xa_ref, **tol)
+    want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, slot_grid=True)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    base = (slots < 0).cpu()
+    assert torch.equal(got.cpu()[base], y.cpu()[base])
+
+
+def test_slot_grid_expand_sums_split_partials():
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], k=200)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=3)
+    assert xa.dim() == 3
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, slot_grid=True), want,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_slot_grid_rows(monkeypatch):
+    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "16")
+    assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(lk.ROW_PROGRAMS_MAX, None)
+    assert not lk.use_slot_grid(lk.ROW_PROGRAMS_MAX + 1, None) and lk.use_slot_grid(1, True)
+    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "0")
+    assert not lk.use_slot_grid(64, None)
