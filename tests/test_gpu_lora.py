@@ -1,7 +1,9 @@
 """GPU-only LoRA checks (H200 through the device tool; `bench/gpu_suite.sh lora-tests`): the Triton
 shrink/expand kernels under CUDA graphs (decode: one row per program; long prefills: 16-row tile
 products) give the merged-weight model's greedy tokens in fp32, and the graphs give eager's tokens
-in bf16, for batches mixing adapters (more than the GPU slots) and the base model."""
+in bf16, for batches mixing adapters (more than the GPU slots) and the base model; each with the
+kernel variants (LOOM_LORA_SLOT_GRID_ROWS=1: every decode batch on the slot-grid kernels; base-only
+steps replay the graphs without LoRA ops, LOOM_LORA_BASE_GRAPHS) and session 31's."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +55,16 @@ def _loras(adapters):
     return [loras[k % len(loras)] for k in range(len(PROMPTS))]
 
 
-def test_fp32_triton_graphs_match_merged_weights(model, adapters):
+# the kernel variants: as shipped; every decode batch of 1+ rows on the slot-grid kernels; session
+# 31's (no base-only graphs, one program per row)
+VARIANTS = {"default": {}, "slot-grid-all": {"LOOM_LORA_SLOT_GRID_ROWS": "1"},
+            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0"}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp32_triton_graphs_match_merged_weights(model, adapters, variant, monkeypatch):
+    for k, v in VARIANTS[variant].items():
+        monkeypatch.setenv(k, v)
     per = _loras(adapters)
     with LLM(model, dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16,
              max_num_batched_tokens=1024) as llm:
@@ -64,7 +75,10 @@ def test_fp32_triton_graphs_match_merged_weights(model, adapters):
         _check_merged_greedy_cuda(model, lr and lr.lora_path, p, list(o.outputs[0].token_ids))
 
 
-def test_bf16_graphs_match_eager(model, adapters):
+@pytest.mark.parametrize("variant", ["default", "slot-grid-all"])
+def test_bf16_graphs_match_eager(model, adapters, variant, monkeypatch):
+    for k, v in VARIANTS[variant].items():
+        monkeypatch.setenv(k, v)
     per = _loras(adapters)
     got = {}
     for eager in (True, False):
