@@ -128,6 +128,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows up to 256 (the decode sizes), the LoRA "
                                        "shrink and expand run one program per (32 rows, columns, adapter slot) on "
                                        "the tensor cores instead of one per row (kernels/lora.py); 0: never"),
+    "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
+                                        "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
+                                        "programs and partials"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

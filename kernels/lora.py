@@ -329,8 +329,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
     n_tiles = triton.cdiv(n, block_n)
     if block_m != 1:
         splits = 1
-    elif splits is None:   # ~2 programs per SM, each at least 4 K blocks
-        splits = max(1, min(k // (4 * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
+    elif splits is None:   # ~2 programs per SM, each at least LOOM_LORA_SHRINK_K_BLOCKS K blocks
+        # (each program's K blocks are dependent loads from HBM: fewer per program, less latency,
+        # and more partials for the expand to sum)
+        per = max(1, envs.LOOM_LORA_SHRINK_K_BLOCKS)
+        splits = max(1, min(k // (per * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
     k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_chunk)
     if out is None:

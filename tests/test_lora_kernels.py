@@ -196,3 +196,16 @@ def test_slot_grid_rows(monkeypatch):
     assert not lk.use_slot_grid(lk.ROW_PROGRAMS_MAX + 1, None) and lk.use_slot_grid(1, True)
     monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "0")
     assert not lk.use_slot_grid(64, None)
+
+
+def test_one_k_block_per_shrink_program(monkeypatch):
+    # LOOM_LORA_SHRINK_K_BLOCKS=1: a batch-1 shrink splits K = 1024 into 8 programs of one 128-wide
+    # block each (sm_count is 4 on the CPU: 2 per SM), and the expand sums the 8 partials
+    monkeypatch.setenv("LOOM_LORA_SHRINK_K_BLOCKS", "1")
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["one_row"], k=1024)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=None)
+    assert xa.dim() == 3 and xa.shape[0] == 8
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=1), want, atol=1e-4, rtol=1e-5)
+    monkeypatch.setenv("LOOM_LORA_SHRINK_K_BLOCKS", "4")
+    assert lk.lora_shrink(x, a, slots, block_m=1, splits=None).shape[0] == 2
