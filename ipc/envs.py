@@ -131,6 +131,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
                                         "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
                                         "programs and partials"),
+    "LOOM_LORA_PDL": EnvVar(True, _switch, "0: the LoRA shrink/expand kernels launch without programmatic "
+                            "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

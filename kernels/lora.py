@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ipc import envs
-from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit
+from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton, sm_count, step_jit
 
 MAX_SLICES = 3   # q/k/v
 
@@ -69,7 +69,8 @@ def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: t
 @step_jit(ints=("T", "K_CHUNK"))
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
                         stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,7 +131,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
 def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_xas, stride_bs,
                         stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,9 +198,10 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
 @step_jit(ints=("T",))
 def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                              PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, column block, slot s): the rows of the block whose adapter is s, as
     one tile product against A[s] (x's other rows masked to 0, not stored)."""
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -227,9 +230,10 @@ def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_
 def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_bs,
                               stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                              UPCAST: tl.constexpr):
+                              UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, column block, slot s): y[rows of adapter s] += their xa @ B[s]^T, a
     tile product per slice; the programs of one block write disjoint rows."""
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -266,6 +270,12 @@ def _xa_row(ptrs, mask, stride_split, SPLITS: tl.constexpr):
     for sp in tl.static_range(1, SPLITS):
         xv += tl.load(ptrs + sp * stride_split, mask=mask, other=0.0)
     return xv
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """Programmatic dependent launch (Hopper; LOOM_LORA_PDL, LOOM_PDL): the launch of a LoRA kernel
+    overlaps the tail of the kernel before it, whose output it waits for before its first load."""
+    return pdl_args(t) if envs.LOOM_LORA_PDL else {"PDL": False, "launch_pdl": False}
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -321,7 +331,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
         _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n), a.shape[0])](
             x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
             BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
-            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4)
+            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
         return out
     block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
@@ -345,7 +355,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
         x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0, k_chunk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
-        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4)
+        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4, **_pdl(x))
     return out
 
 
@@ -372,7 +382,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
             y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
             starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
             BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
-            UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4)
+            UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4, **_pdl(y))
         return y
     block_m = _block_m(t, block_m)
     if splits > 1 and block_m != 1:   # (partials come from the one-row-per-program shrink only)
@@ -384,5 +394,5 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
         y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(-2), xa.stride(0) if splits > 1 else 0,
         b.stride(0), b.stride(1), starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLITS=splits, PRECISION=_precision(b),
-        UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4)
+        UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4, **_pdl(y))
     return y

@@ -58,7 +58,8 @@ def _loras(adapters):
 # the kernel variants: as shipped; every decode batch of 1+ rows on the slot-grid kernels; session
 # 31's (no base-only graphs, one program per row)
 VARIANTS = {"default": {}, "slot-grid-all": {"LOOM_LORA_SLOT_GRID_ROWS": "1"},
-            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0"}}
+            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
+                    "LOOM_LORA_PDL": "0"}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
