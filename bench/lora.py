@@ -97,11 +97,12 @@ def _load_while_streaming(llm, path: str) -> float:
 
 # the kernel variants (env vars, read by the workers at start): "new" as shipped; "old" is
 # session 31's (every decode step replays the LoRA graphs; one program per row at 16-256 rows)
-# "k1": the batch-1 shrink split into one K block per program (more programs, more partials)
+# "sep": new but the expand in its own kernel after the GEMV (not in its epilogue); "k1": new with
+# the batch-1 shrink split into one K block per program (more programs, more partials)
 VARIANTS = {"new": {}, "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
-                                     "LOOM_LORA_PDL": "0"},
-            "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"}}
-TPOT_ONLY = {"k1"}   # (changes batches below 16 rows only: its throughput rows would repeat new's)
+                               "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"},
+            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"}}
+TPOT_ONLY = {"sep", "k1"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
 
 
 def _rows(res: dict, r: dict) -> list[tuple[str, float | None, str, float]]:

@@ -133,6 +133,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "programs and partials"),
     "LOOM_LORA_PDL": EnvVar(True, _switch, "0: the LoRA shrink/expand kernels launch without programmatic "
                             "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
+    "LOOM_LORA_FUSED_EXPAND": EnvVar(True, _switch, "at 1-8 rows, the LoRA expand runs in the epilogue of the "
+                                     "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

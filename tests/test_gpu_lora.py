@@ -55,11 +55,12 @@ def _loras(adapters):
     return [loras[k % len(loras)] for k in range(len(PROMPTS))]
 
 
-# the kernel variants: as shipped; every decode batch of 1+ rows on the slot-grid kernels; session
-# 31's (no base-only graphs, one program per row)
+# the kernel variants: as shipped (at 1-8 rows the expand in the GEMV's epilogue); every decode
+# batch of 1+ rows on the slot-grid kernels; session 31's (no base-only graphs, one program per row,
+# the expand its own kernel, no PDL)
 VARIANTS = {"default": {}, "slot-grid-all": {"LOOM_LORA_SLOT_GRID_ROWS": "1"},
             "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
-                    "LOOM_LORA_PDL": "0"}}
+                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -19,8 +19,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _load_private():
-    spec = importlib.util.spec_from_file_location("_loom_test_kernels_lora", _ROOT / "kernels" / "lora.py")
+def _load_private(name: str = "lora"):
+    spec = importlib.util.spec_from_file_location(f"_loom_test_kernels_{name}", _ROOT / "kernels" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -29,6 +29,7 @@ def _load_private():
 
 if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
     MODE, lk = "cuda", importlib.import_module("kernels.lora")
+    gv = importlib.import_module("kernels.gemv")
 else:
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -36,6 +37,7 @@ else:
         import triton.language as _tl
         if type(_tl.sum).__name__ == "InterpretedFunction":
             MODE, lk = "interpret", _load_private()
+            gv = _load_private("gemv")
         else:
             MODE, lk = "subprocess", None
     finally:
@@ -209,3 +211,28 @@ def test_one_k_block_per_shrink_program(monkeypatch):
     torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=1), want, atol=1e-4, rtol=1e-5)
     monkeypatch.setenv("LOOM_LORA_SHRINK_K_BLOCKS", "4")
     assert lk.lora_shrink(x, a, slots, block_m=1, splits=None).shape[0] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", ["decode_mixed", "one_row"])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_expand_in_the_gemv_epilogue(dtype, batch, prologue, splits):
+    # the base GEMV plus each row's delta in its epilogue == the product, then the reference expand
+    # (decode_mixed cut to gemv's own kernel's 8 rows)
+    slots_list = BATCHES[batch][:8] if batch == "decode_mixed" else BATCHES[batch]
+    x, a, b, y, slots, starts = _case(dtype, slots_list, k=64)
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(y.shape[1], x.shape[1], generator=g) * 0.2).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(x.shape[1], generator=g) + 0.5).to(dtype).to(DEVICE)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=splits)
+    tiles = dict(block_n=8, block_k=32, num_warps=4, num_stages=1)
+    kw = dict(prologue=prologue, norm_weight=norm_w, eps=1e-6) if prologue != "none" else {}
+    base = gv.gemv(x, weight, tiles=tiles, **kw)[0]
+    got = gv.gemv(x, weight, tiles=tiles, lora=gv.LoRAEpilogue(xa, b, slots, starts), **kw)[0]
+    want = lk.lora_expand_ref(base.clone(), xa, b, slots, starts)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    rows = (slots < 0).cpu()
+    assert torch.equal(got.cpu()[rows], base.cpu()[rows])   # base rows: the product alone
+    assert not torch.allclose(got.float(), base.float())    # (the delta is there)

@@ -74,6 +74,13 @@ class LoRALinear:
     def active(self) -> bool:
         return self.ctx.active
 
+    def epilogue(self, x: torch.Tensor):
+        """The shrink of x, and what the decode GEMV's epilogue needs to add the delta
+        (kernels/gemv.py LoRAEpilogue; it runs the expand itself where it does not fuse it)."""
+        from kernels.gemv import LoRAEpilogue
+        slots = self.ctx.slots(x.shape[0])
+        return LoRAEpilogue(self.ctx.shrink(x, self.a, slots), self.b, slots, self.slice_starts)
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this linear's output for x [T, in], [T, out]) plus each row's adapter delta, in place."""
         slots = self.ctx.slots(x.shape[0])
@@ -127,8 +134,8 @@ class LoRALinear:
 
         def matmul(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if layers.use_gemv(x2):
-                y = layers.gemv(x2, weight, out=out)[0]
-            elif out is None:
+                return layers.gemv(x2, weight, out=out, lora=self.epilogue(x2))[0]
+            if out is None:
                 y = F.linear(x2, weight)
             else:
                 y = torch.mm(x2, weight.t(), out=out)
