@@ -150,14 +150,15 @@ def _gemv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), before the one rounding
         y += _lora_delta(lxa_ptr, lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lxm, stride_lxs, stride_lbs,
-                         L_R, L_S1, L_S2, LORA_SLICES, L_SPLITS, L_BLOCK_R)
+                         L_R, L_S1, L_S2, LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _lora_delta(xa_ptr, b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_xm, stride_xs, stride_bs, R, S1, S2,
-                NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+                NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1):
     xa the shrink's output, or the sum of its SPLITS partials; B [slots, N, R] contiguous."""
     sl = tl.load(slots_ptr + offs_m, mask=m_ok, other=-1)
@@ -166,7 +167,7 @@ def _lora_delta(xa_ptr, b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_xm,
     row_ok = sl >= 0
     col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
     b_rows = b_ptr + tl.maximum(sl, 0).to(tl.int64)[:, None, None] * stride_bs + offs_n[None, :, None] * R
-    delta = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(NUM_SLICES):
         xp = xa_ptr + offs_m[:, None] * stride_xm + j * R + rs[None, :]
         xm = row_ok[:, None] & r_ok[None, :]
@@ -327,7 +328,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         from kernels.lora import lora_expand
         y, new_residual = gemv(x, weight, bias, prologue=prologue, residual=residual, norm_weight=norm_weight,
                                eps=eps, out=out, tiles=tiles, scale=scale)
-        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts), new_residual
+        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, slot_grid=None), new_residual
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape

@@ -236,3 +236,13 @@ def test_expand_in_the_gemv_epilogue(dtype, batch, prologue, splits):
     rows = (slots < 0).cpu()
     assert torch.equal(got.cpu()[rows], base.cpu()[rows])   # base rows: the product alone
     assert not torch.allclose(got.float(), base.float())    # (the delta is there)
+
+
+def test_gemv_lora_fallback_past_its_rows():
+    # 9 rows: gemv's own kernel takes 8; the product runs elsewhere and the expand after it
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], k=64)
+    weight = (torch.randn(y.shape[1], x.shape[1], generator=torch.Generator().manual_seed(5)) * 0.2).to(DEVICE)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=1)
+    got = gv.gemv(x, weight, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
+    want = lk.lora_expand_ref(torch.nn.functional.linear(x, weight), xa, b, slots, starts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
