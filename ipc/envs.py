@@ -125,9 +125,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
                                     "without the LoRA ops, and a step with no adapter row replays that one; 0: "
                                     "every step replays the graphs with the LoRA ops (to time both)"),
-    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows up to 256 (the decode sizes), the LoRA "
-                                       "shrink and expand run one program per (32 rows, columns, adapter slot) on "
-                                       "the tensor cores instead of one per row (kernels/lora.py); 0: never"),
+    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows (decode and prefill), the LoRA shrink and "
+                                       "expand run one program per (32 rows, columns), a tensor-core tile product "
+                                       "per adapter slot its rows use, instead of one program per row (decode) or "
+                                       "16-row blocks (prefill; kernels/lora.py); 0: never"),
     "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
                                         "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
                                         "programs and partials"),

@@ -196,68 +196,72 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
 
 
 @step_jit(ints=("T",))
-def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, S, stride_xm, stride_as, stride_an,
+                              stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, column block, slot s): the rows of the block whose adapter is s, as
-    one tile product against A[s] (x's other rows masked to 0, not stored)."""
+    """Program (row block, column block): for each slot s that a row of the block uses, one tile
+    product of the block's x (its other rows masked to 0) by A[s], into one accumulator (the
+    slots' rows are disjoint); rows of slot -1 are not stored."""
     pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
-    sel = slots == s
-    if tl.max(sel.to(tl.int32), 0) > 0:
+    if tl.max(slots, 0) >= 0:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         cmask = cols < N
-        a_base = a_ptr + s.to(tl.int64) * stride_as
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=sel[:, None] & (kk[None, :] < K),
-                         other=0.0)
-            at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None], mask=cmask[None, :] & (kk[:, None] < K),
-                         other=0.0)
-            if UPCAST:
-                xt, at = xt.to(tl.float32), at.to(tl.float32)
-            acc += tl.dot(xt, at, input_precision=PRECISION)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=sel[:, None] & cmask[None, :])
+        for s in range(0, S):
+            sel = slots == s
+            if tl.max(sel.to(tl.int32), 0) > 0:
+                a_base = a_ptr + s * stride_as   # (int32: slots x one slot's size < 2^31)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + ks
+                    xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                                 mask=sel[:, None] & (kk[None, :] < K), other=0.0)
+                    at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None],
+                                 mask=cmask[None, :] & (kk[:, None] < K), other=0.0)
+                    if UPCAST:
+                        xt, at = xt.to(tl.float32), at.to(tl.float32)
+                    acc += tl.dot(xt, at, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc,
+                 mask=(slots >= 0)[:, None] & cmask[None, :])
 
 
 @step_jit(ints=("T",))
-def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_bs,
+def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, S, stride_ym, stride_xam, stride_bs,
                               stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                               UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, column block, slot s): y[rows of adapter s] += their xa @ B[s]^T, a
-    tile product per slice; the programs of one block write disjoint rows."""
+    """Program (row block, column block): y[rows] += their xa @ B[slot]^T, one tile product per
+    slot the block uses and slice, into one accumulator; rows of slot -1 unchanged."""
     pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
-    sel = slots == s
-    if tl.max(sel.to(tl.int32), 0) > 0:
+    if tl.max(slots, 0) >= 0:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rs = tl.arange(0, BLOCK_R)
         cmask = cols < OUT
         rkmask = rs < R
         col_slice = (cols >= S1).to(tl.int32) + (cols >= S2).to(tl.int32)
-        b_base = b_ptr + s.to(tl.int64) * stride_bs
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(NUM_SLICES):
-            bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
-                         mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
-            xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
-                          mask=sel[:, None] & rkmask[None, :], other=0.0)
-            xat = xat.to(bt.dtype)
-            if UPCAST:
-                xat, bt = xat.to(tl.float32), bt.to(tl.float32)
-            acc += tl.dot(xat, bt, input_precision=PRECISION)
-        mask = sel[:, None] & cmask[None, :]
+        for s in range(0, S):
+            sel = slots == s
+            if tl.max(sel.to(tl.int32), 0) > 0:
+                b_base = b_ptr + s * stride_bs
+                for j in tl.static_range(NUM_SLICES):
+                    bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
+                                 mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
+                    xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
+                                  mask=sel[:, None] & rkmask[None, :], other=0.0)
+                    xat = xat.to(bt.dtype)
+                    if UPCAST:
+                        xat, bt = xat.to(tl.float32), bt.to(tl.float32)
+                    acc += tl.dot(xat, bt, input_precision=PRECISION)
+        mask = (slots >= 0)[:, None] & cmask[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
@@ -297,14 +301,16 @@ SLOT_BLOCK_M = 32   # rows per program of the slot-grid kernels
 
 
 def use_slot_grid(rows: int, slot_grid: bool | None) -> bool:
-    """Whether a batch of `rows` runs the slot-grid kernels (None: LOOM_LORA_SLOT_GRID_ROWS <=
-    rows <= ROW_PROGRAMS_MAX). There one program per (SLOT_BLOCK_M rows, columns, slot) reads
-    A[s] / B[s] once for all its block's rows of adapter s, on the tensor cores: a per-row
-    program (BGMV) reads its adapter once per row, 256 times per linear at batch 256."""
+    """Whether a batch of `rows` runs the slot-grid kernels (None: from LOOM_LORA_SLOT_GRID_ROWS
+    rows, decode and prefill). There one program per (SLOT_BLOCK_M rows, columns) runs one tile
+    product per adapter slot its rows use, on the tensor cores, reading A[s] / B[s] once for all
+    of them: a per-row program (BGMV) reads its adapter once per row, 256 times per linear at
+    batch 256, and a 16-row block mixing adapters (decode rows next to a prefill chunk) ran each
+    row's GEMV in turn."""
     if slot_grid is not None:
         return slot_grid
     lo = envs.LOOM_LORA_SLOT_GRID_ROWS
-    return 0 < lo <= rows <= ROW_PROGRAMS_MAX
+    return 0 < lo <= rows
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
@@ -328,8 +334,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
             return out
         assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
         block_n = min(64, max(16, triton.next_power_of_2(n)))
-        _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n), a.shape[0])](
-            x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n))](
+            x, a, slots, out, t, k, n, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(0),
             BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
             PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
         return out
@@ -378,8 +384,8 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
         if splits > 1:
             xa = xa.sum(0)
         block_n = min(128, max(16, triton.next_power_of_2(n_out)))
-        _lora_expand_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n_out, block_n), b.shape[0])](
-            y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
+        _lora_expand_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n_out, block_n))](
+            y, xa, b, slots, t, n_out, rank, b.shape[0], y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
             starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
             BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
             UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4, **_pdl(y))

@@ -169,8 +169,8 @@ def test_wide_output_slices_cross_column_blocks(block_m):
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("slices", [(12, 6, 6), (7,)])
 def test_slot_grid_kernels_match_reference(dtype, batch, slices):
-    # one program per (32 rows, columns, slot): blocks mixing adapters and the base (segments:
-    # 56 rows, two blocks), every slot's programs writing disjoint rows of one block
+    # one program per (32 rows, columns), a tile product per slot its rows use: blocks mixing
+    # adapters and the base (segments: 56 rows, two blocks)
     x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
     xa_ref = lk.lora_shrink_ref(x, a, slots)
     xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), slot_grid=True)
@@ -194,8 +194,8 @@ def test_slot_grid_expand_sums_split_partials():
 
 def test_slot_grid_rows(monkeypatch):
     monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "16")
-    assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(lk.ROW_PROGRAMS_MAX, None)
-    assert not lk.use_slot_grid(lk.ROW_PROGRAMS_MAX + 1, None) and lk.use_slot_grid(1, True)
+    assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(8192, None)
+    assert lk.use_slot_grid(1, True) and not lk.use_slot_grid(64, False)
     monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "0")
     assert not lk.use_slot_grid(64, None)
 
