@@ -14,11 +14,16 @@ n_slices * R columns are the slices' A stacked, and one expand, in which output 
 the R columns of xa of its own slice (slice starts `slice_starts`): one launch each, whatever
 the number of slices, and B holds only each slice's own rows.
 
-One kernel serves prefill and decode. At decode sizes (up to ROW_PROGRAMS_MAX rows) each program
-owns one row and runs a GEMV against that row's adapter (BGMV). Above, a program owns BLOCK_M
-tokens: when they share one adapter (a prefill segment) it runs a tensor-core tile product (SGMV);
-when they do not (a block straddling two segments), each of its rows runs its own GEMV. The slot tensor is read on the device: nothing here depends on its values on the
-host, so a CUDA graph captures the adapter index as an input, not a shape.
+From LOOM_LORA_SLOT_GRID_ROWS rows (16; decode batches and prefill alike) the slot-grid kernels
+run: a program owns SLOT_BLOCK_M rows and runs one tensor-core tile product per adapter slot its
+rows use (the others masked), so that a batch-256 decode over 8 adapters reads each adapter once
+per block, not once per row. Below (and everywhere with LOOM_LORA_SLOT_GRID_ROWS=0, session 31's
+kernels) each program owns one row and runs a GEMV against that row's adapter (BGMV, the shrink
+split over K), and above ROW_PROGRAMS_MAX rows a program owns BLOCK_M tokens: a tile product when
+they share one adapter (SGMV), else each row's GEMV in turn. At 1-8 rows the expand usually runs in
+the epilogue of the base linear's GEMV instead (kernels/gemv.py LoRAEpilogue). The slot tensor is
+read on the device: nothing here depends on its values on the host, so a CUDA graph captures the
+adapter index as an input, not a shape.
 """
 from __future__ import annotations
 
