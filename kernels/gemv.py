@@ -101,7 +101,7 @@ def _gemv_kernel(
     lxa_ptr, lb_ptr, ls_ptr, stride_lxm, stride_lxs, stride_lbs, L_R, L_S1, L_S2,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    LORA_SLICES: tl.constexpr = 0, L_SPLITS: tl.constexpr = 1, L_BLOCK_R: tl.constexpr = 16,
+    LORA_SLICES: tl.constexpr, L_SPLITS: tl.constexpr, L_BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -279,7 +279,7 @@ def _fuses_lora(x, weight, prologue, tiles, scale) -> bool:
 def _lora_args(lora: LoRAEpilogue | None, y: torch.Tensor) -> tuple[tuple, dict]:
     """The kernel's LoRA arguments (positional pointers/strides/ints, constexprs)."""
     if lora is None:
-        return (y, y, y, 0, 0, 0, 0, 0, 0), {}
+        return (y, y, y, 0, 0, 0, 0, 0, 0), dict(LORA_SLICES=0, L_SPLITS=1, L_BLOCK_R=16)
     xa, b = lora.xa, lora.b
     splits = xa.shape[0] if xa.dim() == 3 else 1
     rank = b.shape[2]
