@@ -103,8 +103,23 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                     "collector (leak tests)"),
     # --- kernels and graphs (A/B switches)
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
+    "LOOM_COMPILE_THREADS": EnvVar(None, _int, "threads that compile a worker's start-up Triton kernels ahead "
+                                   "of the phase that launches them (workers/compile_ahead.py; unset: one per "
+                                   "CPU core, at most 16, none at TP > 1; 0: each compiled at its first "
+                                   "launch, one by one)"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
+    "LOOM_CASCADE_ATTN": EnvVar("auto", _text, "cascade (prefix-aware) attention: auto (when a step's "
+                                "sequences share a long enough prefix and its heuristic says it pays), 0 (never: "
+                                "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
+    "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
+                                         "(0: chosen per step)"),
+    # (the two below stay off until their GPU tests and rows have run on the H200: tests/test_gpu_sampling.py)
+    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(0, _int, "programs per row of the top-p route's second race (rows whose "
+                                     "first race winner lay outside their top-p set; 0: the first race's split)"),
+    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(False, _switch, "1: decode steps whose rows have repetition / presence / "
+                                       "frequency penalties (and no other adjustment) sample in the decode graphs' "
+                                       "penalty head, captured at a size's first such step; 0: eagerly"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
@@ -120,6 +135,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
+    "LOOM_GRAMMAR_GRAPH_HEAD": EnvVar(True, _switch, "0: a structured-output decode step samples eagerly, "
+                                      "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
     "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
@@ -136,6 +153,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                             "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
     "LOOM_LORA_FUSED_EXPAND": EnvVar(True, _switch, "at 1-8 rows, the LoRA expand runs in the epilogue of the "
                                      "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
+    "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
+                                  "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

@@ -12,8 +12,23 @@ Each size has two graphs:
 - the head: lm_head and the plain sampler (greedy, temperature, min-p, and top-p without
   top-k) -> `tokens` (under tensor parallelism, a large batch samples from each rank's
   vocabulary shard, without top-p). A step whose rows all sample plainly replays both
-  graphs. Any other step (top-k, penalties, logprobs, a grammar) replays the model and
-  samples eagerly.
+  graphs. Rows that add repetition / presence / frequency penalties (and no other logits
+  processing) replay the penalty head instead: lm_head, the penalties (kernels/penalties.py,
+  reading the persistent batch's output counts and prompt mask), then the same sampler; it is
+  captured at a size's first such step (on a side stream, no device sync), since that state
+  exists only once a request has penalties. Any other step (top-k, logit_bias, min_tokens,
+  logprobs) replays the model and samples eagerly.
+- the grammar head (one GPU): the head with every row masked by its grammar bitmask row
+  first (kernels/bitmask.py; -1: an unconstrained row). A structured-output step samples
+  when the engine's bitmask comes, behind the model graph already replayed: it then costs
+  two small copies and one replay, where the eager logits and sampler cost ~40 launches on
+  the path every constrained step waits on (LOOM_GRAMMAR_GRAPH_HEAD=0: eagerly).
+
+With --enable-lora each size's model graph is also captured without the LoRA ops (a step with
+no adapter row replays it: none of the adapters' launches, and the base linears keep their fused
+GEMV paths; LOOM_LORA_BASE_GRAPHS=0: every step replays the graph with them), and each head
+over it too. A graph is picked by one key, (size, base, kind): `base` the model graph without
+the LoRA ops, `kind` "model" or the head ("plain", "grammar", "penalty").
 
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
@@ -29,14 +44,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
+from ipc import envs
 from ipc.config import EngineConfig
+from kernels.bitmask import apply_bitmask
 from workers.attention import AttentionMetadata
-from workers.distributed import all_reduce_max
+from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import Alternating
 from workers.sampler import SamplingArrays, sample_plain
 from workers.step_inputs import DeviceInputs, HostInputs
@@ -52,9 +69,13 @@ _FIELDS = (
     ("graph_feed_rows", np.int64, -1), ("seq_lens", np.int32, 1), ("decode_order", np.int32, None),
     ("seeds", np.int64, 0), ("output_indices", np.int64, 0), ("slots", np.int64, 0),
     ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0), ("top_k", np.int32, 0),
+    # the penalty head's (rows with repetition / presence / frequency penalties; off in padding rows)
+    ("penalty_slots", np.int64, 0), ("repetition_penalty", np.float32, 1.0), ("presence_penalty", np.float32, 0.0),
+    ("frequency_penalty", np.float32, 0.0),
 )
 _STEP_FIELDS = tuple(name for name, _, _ in _FIELDS[:6])
-_SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:])
+_SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:13])
+_PENALTY_FIELDS = tuple(name for name, _, _ in _FIELDS[13:])
 STAGED = frozenset(name for name, _, _ in _FIELDS) | {"block_table"}
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
@@ -120,6 +141,9 @@ class StagingLayout:
         return out
 
 
+Kind = Literal["model", "plain", "grammar", "penalty"]
+
+
 class Staged(NamedTuple):
     rows: int      # the step's B
     nbytes: int    # the bytes of the staging buffer to copy
@@ -181,9 +205,9 @@ class DecodeGraphs:
         batch of that many sequences. lora_ctx: the LoRAContext with --enable-lora (each size
         is then also captured without the LoRA ops, for steps with no adapter row, unless
         LOOM_LORA_BASE_GRAPHS=0)."""
-        from ipc import envs
         self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
         self.lora_ctx = lora_ctx if lora_ctx is not None and envs.LOOM_LORA_BASE_GRAPHS else None
+        self._bases = (False, True) if self.lora_ctx is not None else (False,)   # the model graphs of a size
         self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
@@ -208,13 +232,21 @@ class DecodeGraphs:
         self.table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)       # the head graphs' samples
         self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one token per row
-        self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
-        self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
-        # with lora_ctx: the same graphs captured without the LoRA ops (a base step replays these:
-        # none of the adapters' launches, and the base linears keep their fused GEMV paths)
-        self.base_model_graphs: dict[int, _Replay] = {}
-        self.base_head_graphs: dict[int, _Replay] = {}
+        # (size, base, kind) -> the graph: a model graph's output is its hidden states; a head
+        # samples the output of the model graph of its size and base, into `tokens`
+        self.graphs: dict[tuple[int, bool, Kind], _Replay] = {}
         self._base_replayed: dict[int, bool] = {}   # size -> whether its last model replay was the base one
+        # the grammar heads' inputs: each row's bitmask row (-1: unconstrained) in `mask`, which
+        # holds the step's distinct bitmask rows (set_grammar); one GPU only (whole-vocabulary logits)
+        self.grammar_heads = envs.LOOM_GRAMMAR_GRAPH_HEAD and tp_size() <= 1
+        if self.grammar_heads:
+            self.mask_words = -(-model.config.vocab_size // 32)
+            self.mask = torch.zeros((max_bs, self.mask_words), dtype=torch.int32, device=device)
+            self.mask_rows = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
+            self._all_rows = torch.arange(max_bs, dtype=torch.int32, device=device)
+        # the penalty heads (penalties, then the plain sampler), captured at a size's first step with
+        # penalty rows (the penalty state exists from the first request with penalties on)
+        self._penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pool = None
 
     # ------------------------------------------------------------ per step
@@ -236,23 +268,51 @@ class DecodeGraphs:
         if (bs, rows) not in self._rows:  # slicing 13 views anew cost ~25 us of every step
             dev = self._dev_views[bs]
             self._rows[bs, rows] = ({name: dev[name][..., :rows] for name in _STEP_FIELDS},
-                                    {name: dev[name][..., :rows] for name in _SAMPLING_FIELDS})
-        step_fields, sampling_fields = self._rows[bs, rows]
+                                    {name: dev[name][..., :rows] for name in _SAMPLING_FIELDS},
+                                    {name: dev[name][..., :rows] for name in _PENALTY_FIELDS})
+        step_fields, sampling_fields, penalty_fields = self._rows[bs, rows]
         vars(device).update(step_fields)   # (the fields by name: StepArrays' and SamplingArrays')
         vars(device.sampling).update(sampling_fields)
+        if host is not None and host.sampling.penalty_slots is not None:   # (else they stay None: no adjustment)
+            vars(device.sampling).update(penalty_fields)
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
         # (the step's adapter rows were set before: LoRAContext.active is this step's)
         base = self.lora_ctx is not None and not self.lora_ctx.active
-        self._base_replayed[bs] = base
-        graph = (self.base_model_graphs if base else self.model_graphs)[bs]
+        self._base_replayed[bs] = base   # (its head may sample later: a grammar step's, when the bitmask comes)
+        graph = self.graphs[bs, base, "model"]
         graph.replay()
         return graph.output[:rows]
 
-    def run_head(self, bs: int, rows: int) -> torch.Tensor:
-        """Sample the model graph's hidden states just replayed: the tokens, on the device."""
-        (self.base_head_graphs if self._base_replayed.get(bs) else self.head_graphs)[bs].replay()
+    def run_head(self, bs: int, rows: int, *, grammar: bool = False,
+                 penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Sample the model graph's hidden states just replayed: the tokens, on the device
+        (grammar: each row masked as set_grammar set it). With penalty_state (the persistent
+        batch's output counts and prompt mask), the rows' penalties first (penalty_head_samples:
+        no other adjustment). The head is the one over the model graph run_model replayed."""
+        base = self._base_replayed.get(bs, False)
+        if penalty_state is None:
+            self.graphs[bs, base, "grammar" if grammar else "plain"].replay()
+            return self.tokens[:rows]
+        if self._penalty_state is None or any(a is not b for a, b in zip(penalty_state, self._penalty_state)):
+            # (captured on these tensors, which the batch allocates once)
+            self.graphs = {key: g for key, g in self.graphs.items() if key[2] != "penalty"}
+            self._penalty_state = penalty_state
+        key = (bs, base, "penalty")
+        if key not in self.graphs:
+            self.graphs[key] = self._capture_mid_run(self._head(bs, base, penalty_state=penalty_state))
+        else:
+            self.graphs[key].replay()
         return self.tokens[:rows]
+
+    def set_grammar(self, bs: int, distinct: torch.Tensor, mask_rows: torch.Tensor) -> None:
+        """The next grammar head's masks: distinct [D, words] bitmask rows (D <= bs) and each of
+        the bs rows' index into them (-1: unconstrained), both on the device."""
+        words = min(distinct.shape[1], self.mask_words)
+        self.mask[:distinct.shape[0], :words].copy_(distinct[:, :words])
+        if words < self.mask_words:   # tokens past the engine's vocabulary: never allowed
+            self.mask[:distinct.shape[0], words:].zero_()
+        self.mask_rows[:bs].copy_(mask_rows)
 
     # ------------------------------------------------------------ capture
 
@@ -272,11 +332,29 @@ class DecodeGraphs:
             if self.kv_splits(smallest) != self.kv_splits(g):
                 self._capture_model(g, smallest)
         for bs in reversed(self.sizes):
-            self._capture_head(bs)
+            for base in self._bases:
+                self._capture_head(bs, base)
+                if self.grammar_heads:
+                    self._capture_head(bs, base, grammar=True)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
         logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
                     "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
                     self.sizes[-1], time.perf_counter() - t0, padded or "none")
+
+    @torch.inference_mode()
+    def run_once(self) -> None:
+        """Every size's model (each base variant) and head work once, eagerly, on idle inputs
+        (what capture runs before capturing each): the dry run that compiles capture's kernels
+        ahead of it (workers/compile_ahead.py)."""
+        for bs, base in ((bs, base) for bs in reversed(self.sizes) for base in self._bases):
+            self.stage(bs, None)
+            hidden = self._lora_set(self._model_step(bs, bs), base)()
+            v = self._dev_views[bs]
+            params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
+            logits = self.model.compute_logits(hidden, plain=True)
+            if self.grammar_heads:   # the grammar head's mask kernel too
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+            sample_plain(logits, params, use_triton=self.backend == "triton")
 
     def _model_step(self, bs: int, split_for: int):
         """The model graph's work: the input kernel, then the forward on the static buffers."""
@@ -294,45 +372,75 @@ class DecodeGraphs:
         return step
 
     def _capture_model(self, bs: int, split_for: int) -> None:
-        """Capture the batch-bs model graph, its KV split as for a batch of split_for (and its
-        base variant without the LoRA ops)."""
-        self.stage(bs, None)  # idle inputs: all padding rows
+        """Capture the batch-bs model graphs (with the LoRA ops, and without them: base), their
+        KV split as for a batch of split_for."""
         step = self._model_step(bs, split_for)
-        if self.lora_ctx is None:
-            self.model_graphs[bs] = self._capture(step)
-            return
-        self.model_graphs[bs] = self._capture(self._lora_set(step, True))
-        self.base_model_graphs[bs] = self._capture(self._lora_set(step, False))
+        for base in self._bases:
+            self.stage(bs, None)  # idle inputs: all padding rows
+            self.graphs[bs, base, "model"] = self._capture(self._lora_set(step, base))
 
-    def _capture_head(self, bs: int) -> None:
+    def _capture_head(self, bs: int, base: bool, grammar: bool = False) -> None:
         self.stage(bs, None)
-        self.head_graphs[bs] = self._capture(self._head(bs, self.model_graphs))
-        if self.lora_ctx is not None:
-            self.base_head_graphs[bs] = self._capture(self._head(bs, self.base_model_graphs))
+        self.graphs[bs, base, "grammar" if grammar else "plain"] = self._capture(self._head(bs, base, grammar))
 
-    def _head(self, bs: int, model_graphs: dict[int, _Replay]):
-        """The head graph's work: logits and plain sampling of that model graph's output."""
+    def _head(self, bs: int, base: bool, grammar: bool = False,
+              penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """A head's work over the (bs, base) model graph's output: lm_head; the grammar bitmask
+        (grammar), or the rows' repetition / presence / frequency penalties (penalty_state, the
+        persistent batch's output counts and prompt mask; kernels/penalties.py, float32 logits,
+        as the eager sampler's); then the plain sampler."""
+        from kernels.penalties import apply_penalties
         v = self._dev_views[bs]
         params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
+        none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)   # (no logit_bias, bad words)
+        none_values = torch.zeros((bs, 0), dtype=torch.float32, device=self.device)
 
         def head():
-            logits = self.model.compute_logits(model_graphs[bs].output, plain=True)
+            logits = self.model.compute_logits(self.graphs[bs, base, "model"].output, plain=True)
+            if grammar:
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+            if penalty_state is not None:
+                logits = apply_penalties(logits, v["penalty_slots"], *penalty_state, v["repetition_penalty"],
+                                         v["presence_penalty"], v["frequency_penalty"], none_ids, none_values,
+                                         none_ids)
             # as the eager sampler draws: the Triton kernels with the Triton backend
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
         return head
 
-    def _lora_set(self, fn, on: bool):
-        """fn run with the LoRA ops recorded (on) or not: what its capture holds (uncaptured on
-        the CPU, each replay runs it so, as the captured graph would)."""
+    def _lora_set(self, fn, base: bool):
+        """fn run without the LoRA ops (base) or with them: what its capture holds (uncaptured on
+        the CPU, each replay runs it so, as the captured graph would). Without lora_ctx, fn."""
         ctx = self.lora_ctx
+        if ctx is None:
+            return fn
 
         def run():
-            was, ctx.active = ctx.active, on
+            was, ctx.active = ctx.active, not base
             try:
                 return fn()
             finally:
                 ctx.active = was
         return run
+
+    def _capture_mid_run(self, fn) -> _Replay:
+        """Run fn once (this step's work; it compiles any kernel first), then capture it on a side
+        stream into the graphs' pool, without torch.cuda.graph's device sync, gc.collect and cache
+        flush, which would stall a running engine at each size's first such step."""
+        fn()
+        replay = _Replay(fn, False)
+        if not self.capturing:
+            return replay
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        replay.graph, self._pool = graph, graph.pool()
+        return replay
 
     def _capture(self, fn) -> _Replay:
         """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""
@@ -349,8 +457,9 @@ class DecodeGraphs:
 
     def _time(self, bs: int) -> float:
         """Seconds per replay of the batch-bs model graph, on idle inputs (padding rows: no
-        cache writes, one key of context each), so the time is that of its matmul shapes."""
-        graph = self.model_graphs[bs]
+        cache writes, one key of context each), so the time is that of its matmul shapes (the
+        graph with the LoRA ops, where there are two)."""
+        graph = self.graphs[bs, False, "model"]
         self.stage(bs, None)
         graph.replay()
         rounds = []

@@ -8,7 +8,6 @@ layers are concatenated); `vision_feature_select_strategy` "default" drops the f
 (`vision_tower.embeddings.*`, `model.language_model.*`, `lm_head.*`)."""
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -16,11 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from multimodal.info import MultiModalInfo
-from workers.attention import AttentionMetadata
-from workers.distributed import LogitsShard
-from workers.models.layers import KVCache, replicated
+from workers.models.layers import replicated
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.wrapped_lm import WrappedLanguageModel
 
 
 
@@ -118,7 +116,8 @@ class VisionTower(nn.Module):
         return [states[i] for i in layers]
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrappedLanguageModel):
+    tower = "vision_tower"
     multimodal = LlavaImages()
 
     def __init__(self, config, language_model_only: bool = False):
@@ -145,16 +144,6 @@ class LlavaForConditionalGeneration(nn.Module):
                 for p in module.parameters():  # replicated on every tensor-parallel rank
                     replicated(p)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        return self.language_model.compute_logits(hidden, plain)
-
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed images (pixel_values [1, C, H, W] each) -> embeddings [tokens, hidden] each."""
         w = self.multi_modal_projector.linear_1.weight
@@ -178,29 +167,8 @@ class LlavaForConditionalGeneration(nn.Module):
                 return new + name[len(old):]
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """`partial`: only some weights (a weight update), none required. The language model's
-        weights go to its own load_weights (the tower's q/k/v stay unfused)."""
-        params = dict(self.named_parameters())
-        text_weights, seen = [], set()
-        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
-            if name in seen:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-            seen.add(name)
-            if name.startswith("language_model."):
-                text_weights.append((name[len("language_model."):], t))
-            elif name.startswith(("vision_tower.", "multi_modal_projector.")):
-                if name in params:
-                    try:
-                        params[name].weight_loader(params[name], t)
-                    except ValueError as e:
-                        raise ValueError(f"weight {name!r}: {e}") from None
-                elif self.vision_tower is not None and not _unused_vision_weight(name):
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
-        missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing and not partial:
-            raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights), partial)
+    def unused_weight(self, name: str) -> bool:
+        return _unused_vision_weight(name)
 
 
 _RENAMES = [("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
