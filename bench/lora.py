@@ -3,14 +3,17 @@
 Llama-3.1-8B shapes with random (dummy) weights, bf16, and 8 random rank-16 adapters on all
 seven projections (q/k/v/o, gate/up/down), written in PEFT's format. In one process:
 
-  1. an engine with --enable-lora --max-loras 8 --max-lora-rank 16:
+  1. an engine with --enable-lora --max-loras 8 --max-lora-rank 16 per kernel variant (--variants;
+     VARIANTS: the env vars of each):
      - the standard offline workload with base requests only, then spread over the 8 adapters
        (request i runs adapter i % 8): throughput ratio, target >= 0.90;
      - batch-1 time per output token with an adapter and without: ratio, target <= 1.08;
      - LLM.add_lora of a 9th adapter while 64 long streams run: ms until it is loaded (target
        <= 50 ms; the inter-token gaps are not measured offline);
-  2. an engine without --enable-lora: the same base workload; the LoRA engine's base-only run
-     over it, target >= 0.98.
+  2. an engine without --enable-lora (after the first variant): the same base workload and the
+     batch-1 TPOT; the LoRA engine's base-only run over it, target >= 0.98.
+
+The table (rows x variants) is printed after each engine, the last one complete.
 
     python -m bench.lora [--num-prompts N] [--output-json PATH]
 """
@@ -92,6 +95,46 @@ def _load_while_streaming(llm, path: str) -> float:
     return ms
 
 
+# the kernel variants (env vars, read by the workers at start): "new" as shipped; "old" is
+# session 31's (every decode step replays the LoRA graphs; one program per row at 16-256 rows)
+# "sep": new but the expand in its own kernel after the GEMV (not in its epilogue); "k1": new with
+# the batch-1 shrink split into one K block per program (more programs, more partials)
+VARIANTS = {"new": {}, "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
+                               "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"},
+            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"}}
+TPOT_ONLY = {"sep", "k1"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
+
+
+def _rows(res: dict, r: dict) -> list[tuple[str, float | None, str, float]]:
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    return [("8 adapters / base, same engine (tok/s)", ratio(r.get("adapters_tok_s"), r.get("base_tok_s")), ">=",
+             TARGETS["adapters_vs_base"]),
+            ("base on LoRA engine / engine without LoRA", ratio(r.get("base_tok_s"), res.get("plain_engine_tok_s")),
+             ">=", TARGETS["lora_engine_base_vs_plain"]),
+            ("batch-1 TPOT adapter / base (same engine)", ratio(r.get("tpot_lora_ms"), r.get("tpot_base_ms")), "<=",
+             TARGETS["tpot_ratio"]),
+            ("batch-1 TPOT adapter / engine without LoRA", ratio(r.get("tpot_lora_ms"), res.get("plain_tpot_ms")),
+             "<=", TARGETS["tpot_ratio"]),
+            ("batch-1 TPOT base on LoRA engine (ms)", r.get("tpot_base_ms"), "<=", res.get("plain_tpot_ms") or 0.0),
+            ("add_lora while 64 streams run (ms)", r.get("load_ms"), "<=", TARGETS["load_ms"])]
+
+
+def _table(res: dict, variants: list[str]) -> None:
+    """The rows per variant, side by side (the target judged on the first variant's)."""
+    cols = {v: _rows(res, res["variants"].get(v, {})) for v in variants}
+    print(f"\n{'LoRA, Llama-3.1-8B shapes, rank-16 on 7 projections (issue 51)':52s}"
+          + "".join(f" {v:>9s}" for v in variants) + f" {'target':>9s}", flush=True)
+    for i, (name, _, op, want) in enumerate(cols[variants[0]]):
+        vals = [cols[v][i][1] for v in variants]
+        got = vals[0]
+        verdict = "" if got is None else ("ok" if (got >= want if op == ">=" else got <= want) else "MISS")
+        print(f"{name:52s}" + "".join(f" {v:9.3f}" if v is not None else f" {'-':>9s}" for v in vals)
+              + f" {op + format(want, '.4g'):>9s} {verdict}", flush=True)
+    res["rows"] = {v: [{"name": n, "measured": g, "target": f"{op}{w}"} for n, g, op, w in cols[v]]
+                   for v in variants}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=None, help="requests of the offline workload (None: 256)")
@@ -102,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of the standard workload")
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--tpot-len", type=int, default=256, help="output tokens of the batch-1 TPOT runs")
+    p.add_argument("--variants", default="new,old", help=f"LoRA engines to time, in order ({', '.join(VARIANTS)})")
     args = p.parse_args(argv)
 
     from bench.presets import PRESETS, write_preset
@@ -125,36 +169,48 @@ def main(argv: list[str] | None = None) -> int:
     per_request = [loras[i % len(loras)] for i in range(len(wl.prompts))]
     short = fixed_workload(3, 32, 1, seed=7, vocab_size=cfg["vocab_size"]).prompts
     opts = dict(load_format="dummy", max_model_len=min(4096, cfg.get("max_position_embeddings") or 4096), seed=0)
-    res: dict = {}
+    res: dict = {"variants": {}}
+    variants = [v for v in args.variants.split(",") if v]
 
-    with LLM(mdir, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
-             max_cpu_loras=args.num_adapters + 2, **opts) as llm:
-        llm.generate(short, use_tqdm=False, lora_request=loras[:3])   # warm-up: adapters read, slots filled
-        res["lora_engine_base_tok_s"] = _run(llm, wl, None)
-        print(f"LoRA engine, base requests: {res['lora_engine_base_tok_s']:.0f} output tok/s", flush=True)
-        res["lora_engine_adapters_tok_s"] = _run(llm, wl, per_request)
-        print(f"LoRA engine, {len(loras)} adapters: {res['lora_engine_adapters_tok_s']:.0f} output tok/s", flush=True)
-        res["tpot_base_ms"] = _tpot_ms(llm, short, None, args.tpot_len)
-        res["tpot_lora_ms"] = _tpot_ms(llm, short, loras[0], args.tpot_len)
-        print(f"batch-1 TPOT: base {res['tpot_base_ms']:.3f} ms, adapter {res['tpot_lora_ms']:.3f} ms", flush=True)
-        res["load_ms"] = _load_while_streaming(llm, paths[-1])
-        print(f"add_lora while 64 streams run: {res['load_ms']:.1f} ms", flush=True)
-    with LLM(mdir, **opts) as llm:
-        llm.generate(short, use_tqdm=False)
-        res["plain_engine_tok_s"] = _run(llm, wl, None)
-        print(f"engine without LoRA: {res['plain_engine_tok_s']:.0f} output tok/s", flush=True)
+    def engine(variant: str):
+        """The LoRA engine of a kernel variant (its env vars are read by the workers at start)."""
+        saved = {k: os.environ.get(k) for k in VARIANTS[variant]}
+        os.environ.update(VARIANTS[variant])
+        try:
+            return LLM(mdir, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
+                       max_cpu_loras=args.num_adapters + 2, **opts)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
-    rows = [("8 adapters / base, same engine (tok/s)", res["lora_engine_adapters_tok_s"] / res["lora_engine_base_tok_s"],
-             ">=", TARGETS["adapters_vs_base"]),
-            ("base on LoRA engine / engine without LoRA", res["lora_engine_base_tok_s"] / res["plain_engine_tok_s"],
-             ">=", TARGETS["lora_engine_base_vs_plain"]),
-            ("batch-1 TPOT adapter / base", res["tpot_lora_ms"] / res["tpot_base_ms"], "<=", TARGETS["tpot_ratio"]),
-            ("add_lora while 64 streams run (ms)", res["load_ms"], "<=", TARGETS["load_ms"])]
-    print(f"\n{'LoRA, Llama-3.1-8B shapes, rank-16 on 7 projections (issue 51)':64s} {'measured':>9s} {'target':>8s}")
-    for name, got, op, want in rows:
-        ok = got >= want if op == ">=" else got <= want
-        print(f"{name:64s} {got:9.3f} {op + str(want):>8s} {'ok' if ok else 'MISS'}")
-    res["rows"] = [{"name": n, "measured": g, "target": f"{op}{w}"} for n, g, op, w in rows]
+    for i, variant in enumerate(variants):
+        r = res["variants"][variant] = {}
+        with engine(variant) as llm:
+            llm.generate(short, use_tqdm=False, lora_request=loras[:3])   # warm-up: adapters read, slots filled
+            if variant not in TPOT_ONLY:
+                r["base_tok_s"] = _run(llm, wl, None)
+                r["adapters_tok_s"] = _run(llm, wl, per_request)
+                print(f"[{variant}] base {r['base_tok_s']:.0f} tok/s, {len(loras)} adapters "
+                      f"{r['adapters_tok_s']:.0f} tok/s", flush=True)
+            r["tpot_base_ms"] = _tpot_ms(llm, short, None, args.tpot_len)
+            r["tpot_lora_ms"] = _tpot_ms(llm, short, loras[0], args.tpot_len)
+            print(f"[{variant}] batch-1 TPOT base {r['tpot_base_ms']:.3f} ms, adapter {r['tpot_lora_ms']:.3f} ms",
+                  flush=True)
+            if i == 0:
+                r["load_ms"] = _load_while_streaming(llm, paths[-1])
+                print(f"[{variant}] add_lora while 64 streams run: {r['load_ms']:.1f} ms", flush=True)
+        _table(res, variants)
+        if i == 0:   # the engine without LoRA, after the first variant (a cut run still has the ratios)
+            with LLM(mdir, **opts) as llm:
+                llm.generate(short, use_tqdm=False)
+                res["plain_engine_tok_s"] = _run(llm, wl, None)
+                res["plain_tpot_ms"] = _tpot_ms(llm, short, None, args.tpot_len)
+                print(f"engine without LoRA: {res['plain_engine_tok_s']:.0f} output tok/s, batch-1 TPOT "
+                      f"{res['plain_tpot_ms']:.3f} ms", flush=True)
+            _table(res, variants)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)

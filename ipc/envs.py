@@ -139,6 +139,20 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                       "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
+    "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
+                                    "without the LoRA ops, and a step with no adapter row replays that one; 0: "
+                                    "every step replays the graphs with the LoRA ops (to time both)"),
+    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows (decode and prefill), the LoRA shrink and "
+                                       "expand run one program per (32 rows, columns), a tensor-core tile product "
+                                       "per adapter slot its rows use, instead of one program per row (decode) or "
+                                       "16-row blocks (prefill; kernels/lora.py); 0: never"),
+    "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
+                                        "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
+                                        "programs and partials"),
+    "LOOM_LORA_PDL": EnvVar(True, _switch, "0: the LoRA shrink/expand kernels launch without programmatic "
+                            "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
+    "LOOM_LORA_FUSED_EXPAND": EnvVar(True, _switch, "at 1-8 rows, the LoRA expand runs in the epilogue of the "
+                                     "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
                                   "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -97,8 +98,10 @@ def _input_tile(x_rows, r_rows, nw_ptr, kk, mk, rstd, K, PROLOGUE: tl.constexpr)
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, s_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
+    lxa_ptr, lb_ptr, ls_ptr, stride_lxm, stride_lxs, stride_lbs, L_R, L_S1, L_S2,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    LORA_SLICES: tl.constexpr, L_SPLITS: tl.constexpr, L_BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -145,8 +148,36 @@ def _gemv_kernel(
         y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), before the one rounding
+        y += _lora_delta(lxa_ptr, lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lxm, stride_lxs, stride_lbs,
+                         L_R, L_S1, L_S2, LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_delta(xa_ptr, b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_xm, stride_xs, stride_bs, R, S1, S2,
+                NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1):
+    xa the shrink's output, or the sum of its SPLITS partials; B [slots, N, R] contiguous."""
+    sl = tl.load(slots_ptr + offs_m, mask=m_ok, other=-1)
+    rs = tl.arange(0, BLOCK_R)
+    r_ok = rs < R
+    row_ok = sl >= 0
+    col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
+    b_rows = b_ptr + tl.maximum(sl, 0).to(tl.int64)[:, None, None] * stride_bs + offs_n[None, :, None] * R
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(NUM_SLICES):
+        xp = xa_ptr + offs_m[:, None] * stride_xm + j * R + rs[None, :]
+        xm = row_ok[:, None] & r_ok[None, :]
+        xv = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+        for sp in tl.static_range(1, SPLITS):
+            xv += tl.load(xp + sp * stride_xs, mask=xm, other=0.0).to(tl.float32)
+        bm = row_ok[:, None, None] & (n_ok & (col_slice == j))[None, :, None] & r_ok[None, None, :]
+        bv = tl.load(b_rows + rs[None, None, :], mask=bm, other=0.0).to(tl.float32)
+        delta += tl.sum(bv * xv[:, None, :], 2)
+    return delta
 
 
 @triton.jit
@@ -232,6 +263,35 @@ def _interpreter_tiles(n: int, k: int) -> dict:
                 num_warps=4, num_stages=1)
 
 
+def _fuses_lora(x, weight, prologue, tiles, scale) -> bool:
+    """Whether gemv's own kernel runs these arguments, its fused prologue included (where it
+    does not, the LoRA delta is kernels/lora.py's expand after the product)."""
+    if not envs.LOOM_LORA_FUSED_EXPAND or x.shape[0] > MAX_ROWS or not runs_triton(_gemv_kernel, x):
+        return False
+    n, k = weight.shape
+    t = tiles or (tile_config(n, k, x.shape[0], prologue) if scale is None
+                  else fp8_tile_config(n, k, x.shape[0], prologue))
+    if t is not None and tiles is None and is_interpreted(_gemv_kernel):   # (as gemv picks them)
+        t = _interpreter_tiles(n, k)
+    return t is not None and (prologue == "none" or t.get("fuse", True))
+
+
+def _lora_args(lora: LoRAEpilogue | None, y: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's LoRA arguments (positional pointers/strides/ints, constexprs)."""
+    if lora is None:
+        return (y, y, y, 0, 0, 0, 0, 0, 0), dict(LORA_SLICES=0, L_SPLITS=1, L_BLOCK_R=16)
+    xa, b = lora.xa, lora.b
+    splits = xa.shape[0] if xa.dim() == 3 else 1
+    rank = b.shape[2]
+    n_out = y.shape[1]
+    starts = list(lora.slice_starts[1:]) + [n_out] * (3 - len(lora.slice_starts))
+    assert xa.stride(-1) == 1 and b.is_contiguous() and len(lora.slice_starts) <= 3
+    return ((xa, b, lora.slots, xa.stride(-2), xa.stride(0) if splits > 1 else 0, b.stride(0), rank, starts[0],
+             starts[1]),
+            dict(LORA_SLICES=len(lora.slice_starts), L_SPLITS=splits,
+                 L_BLOCK_R=max(16, triton.next_power_of_2(rank))))
+
+
 def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
     """The separate ops the GEMV replaces: for shapes where they are faster, and where Triton
     does not run (each op falls back to its torch reference there)."""
@@ -243,15 +303,32 @@ def _unfused(x, weight, bias, prologue, residual, norm_weight, eps, out):
     return torch.addmm(bias, x, weight.t(), out=out), new_residual
 
 
+class LoRAEpilogue(NamedTuple):
+    """Each row's adapter delta, added to the GEMV's output before it is rounded: kernels/lora.py's
+    expand of `xa` (lora_shrink's [T, n_slices * R] or its split partials [splits, T, ...]) by `b`
+    [slots, N, R] for the rows' `slots`, slices starting at `slice_starts`."""
+    xa: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    slice_starts: tuple[int, ...]
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         out: torch.Tensor | None = None, tiles: dict | None = None, scale: torch.Tensor | None = None):
+         out: torch.Tensor | None = None, tiles: dict | None = None, scale: torch.Tensor | None = None,
+         lora: LoRAEpilogue | None = None):
     """x [M <= MAX_DECODE_ROWS, K] ([M, 2K] for silu_mul; last dim contiguous), weight [N, K]
     contiguous -> (y [M, N] in x.dtype, written into `out` when given; the new residual
     for add_rms_norm, else None). `tiles` overrides tile_config (tuning). `scale`: float32
     [N], the weight is float8_e4m3fn scaled per output channel (upcast in registers; up to
-    MAX_ROWS rows, fp8_tile_config's tiles)."""
+    MAX_ROWS rows, fp8_tile_config's tiles). `lora`: the adapters' delta, in the kernel's epilogue
+    (where another path runs, by kernels/lora.py's expand after it)."""
+    if lora is not None and not _fuses_lora(x, weight, prologue, tiles, scale):
+        from kernels.lora import lora_expand
+        y, new_residual = gemv(x, weight, bias, prologue=prologue, residual=residual, norm_weight=norm_weight,
+                               eps=eps, out=out, tiles=tiles, scale=scale)
+        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, slot_grid=None), new_residual
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape
@@ -279,12 +356,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         assert residual.shape == x.shape and residual.stride(-1) == 1
     if m == 0:
         return y, new_residual
+    lx = _lora_args(lora, y)
     _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
         scale if scale is not None else y,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
-        float(eps), PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        float(eps), *lx[0], **lx[1], PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
         num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x),

@@ -14,11 +14,16 @@ n_slices * R columns are the slices' A stacked, and one expand, in which output 
 the R columns of xa of its own slice (slice starts `slice_starts`): one launch each, whatever
 the number of slices, and B holds only each slice's own rows.
 
-One kernel serves prefill and decode. At decode sizes (up to ROW_PROGRAMS_MAX rows) each program
-owns one row and runs a GEMV against that row's adapter (BGMV). Above, a program owns BLOCK_M
-tokens: when they share one adapter (a prefill segment) it runs a tensor-core tile product (SGMV);
-when they do not (a block straddling two segments), each of its rows runs its own GEMV. The slot tensor is read on the device: nothing here depends on its values on the
-host, so a CUDA graph captures the adapter index as an input, not a shape.
+From LOOM_LORA_SLOT_GRID_ROWS rows (16; decode batches and prefill alike) the slot-grid kernels
+run: a program owns SLOT_BLOCK_M rows and runs one tensor-core tile product per adapter slot its
+rows use (the others masked), so that a batch-256 decode over 8 adapters reads each adapter once
+per block, not once per row. Below (and everywhere with LOOM_LORA_SLOT_GRID_ROWS=0, session 31's
+kernels) each program owns one row and runs a GEMV against that row's adapter (BGMV, the shrink
+split over K), and above ROW_PROGRAMS_MAX rows a program owns BLOCK_M tokens: a tile product when
+they share one adapter (SGMV), else each row's GEMV in turn. At 1-8 rows the expand usually runs in
+the epilogue of the base linear's GEMV instead (kernels/gemv.py LoRAEpilogue). The slot tensor is
+read on the device: nothing here depends on its values on the host, so a CUDA graph captures the
+adapter index as an input, not a shape.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import is_interpreted, runs_triton, sm_count, step_jit
+from ipc import envs
+from kernels.jit import is_interpreted, pdl_args, pdl_wait, runs_triton, sm_count, step_jit
 
 MAX_SLICES = 3   # q/k/v
 
@@ -68,7 +74,8 @@ def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: t
 @step_jit(ints=("T", "K_CHUNK"))
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
                         stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,7 +136,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
 def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, stride_xam, stride_xas, stride_bs,
                         stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,6 +200,78 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
                         tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
 
 
+@step_jit(ints=("T",))
+def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, S, stride_xm, stride_as, stride_an,
+                              stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, column block): for each slot s that a row of the block uses, one tile
+    product of the block's x (its other rows masked to 0) by A[s], into one accumulator (the
+    slots' rows are disjoint); rows of slot -1 are not stored."""
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    if tl.max(slots, 0) >= 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        cmask = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, S):
+            sel = slots == s
+            if tl.max(sel.to(tl.int32), 0) > 0:
+                a_base = a_ptr + s * stride_as   # (int32: slots x one slot's size < 2^31)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + ks
+                    xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                                 mask=sel[:, None] & (kk[None, :] < K), other=0.0)
+                    at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None],
+                                 mask=cmask[None, :] & (kk[:, None] < K), other=0.0)
+                    if UPCAST:
+                        xt, at = xt.to(tl.float32), at.to(tl.float32)
+                    acc += tl.dot(xt, at, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc,
+                 mask=(slots >= 0)[:, None] & cmask[None, :])
+
+
+@step_jit(ints=("T",))
+def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, S, stride_ym, stride_xam, stride_bs,
+                              stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                              UPCAST: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, column block): y[rows] += their xa @ B[slot]^T, one tile product per
+    slot the block uses and slice, into one accumulator; rows of slot -1 unchanged."""
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
+    if tl.max(slots, 0) >= 0:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rs = tl.arange(0, BLOCK_R)
+        cmask = cols < OUT
+        rkmask = rs < R
+        col_slice = (cols >= S1).to(tl.int32) + (cols >= S2).to(tl.int32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, S):
+            sel = slots == s
+            if tl.max(sel.to(tl.int32), 0) > 0:
+                b_base = b_ptr + s * stride_bs
+                for j in tl.static_range(NUM_SLICES):
+                    bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
+                                 mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
+                    xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
+                                  mask=sel[:, None] & rkmask[None, :], other=0.0)
+                    xat = xat.to(bt.dtype)
+                    if UPCAST:
+                        xat, bt = xat.to(tl.float32), bt.to(tl.float32)
+                    acc += tl.dot(xat, bt, input_precision=PRECISION)
+        mask = (slots >= 0)[:, None] & cmask[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
 @triton.jit
 def _xa_row(ptrs, mask, stride_split, SPLITS: tl.constexpr):
     """A row's xa values: the sum of lora_shrink's SPLITS partials (one: xa itself)."""
@@ -199,6 +279,12 @@ def _xa_row(ptrs, mask, stride_split, SPLITS: tl.constexpr):
     for sp in tl.static_range(1, SPLITS):
         xv += tl.load(ptrs + sp * stride_split, mask=mask, other=0.0)
     return xv
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """Programmatic dependent launch (Hopper; LOOM_LORA_PDL, LOOM_PDL): the launch of a LoRA kernel
+    overlaps the tail of the kernel before it, whose output it waits for before its first load."""
+    return pdl_args(t) if envs.LOOM_LORA_PDL else {"PDL": False, "launch_pdl": False}
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -216,27 +302,59 @@ def _block_m(rows: int, block_m: int | None) -> int:
     return block_m if block_m is not None else (1 if rows <= ROW_PROGRAMS_MAX else 16)
 
 
+SLOT_BLOCK_M = 32   # rows per program of the slot-grid kernels
+
+
+def use_slot_grid(rows: int, slot_grid: bool | None) -> bool:
+    """Whether a batch of `rows` runs the slot-grid kernels (None: from LOOM_LORA_SLOT_GRID_ROWS
+    rows, decode and prefill). There one program per (SLOT_BLOCK_M rows, columns) runs one tile
+    product per adapter slot its rows use, on the tensor cores, reading A[s] / B[s] once for all
+    of them: a per-row program (BGMV) reads its adapter once per row, 256 times per linear at
+    batch 256, and a 16-row block mixing adapters (decode rows next to a prefill chunk) ran each
+    row's GEMV in turn."""
+    if slot_grid is not None:
+        return slot_grid
+    lo = envs.LOOM_LORA_SLOT_GRID_ROWS
+    return 0 < lo <= rows
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None,
-                block_m: int | None = None, splits: int | None = 1) -> torch.Tensor:
+                block_m: int | None = None, splits: int | None = 1, slot_grid: bool | None = False) -> torch.Tensor:
     """As lora_shrink_ref: x [T, K] (rows may be strided), a [S, N, K] contiguous, slots [T] int32
     -> xa [T, N] float32 (into `out` when given; rows of slot -1 are left as they were).
 
     splits > 1 (None: chosen from the shape) splits K over that many programs per row at decode
     sizes and returns their partials [splits, T, N], which lora_expand sums as it reads them: a
-    batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096)."""
+    batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096).
+    slot_grid: the slot-grid kernel (use_slot_grid; None: by the batch size), never split."""
     if not runs_triton(_lora_shrink_kernel, x):
         ref = lora_shrink_ref(x, a, slots)
         return ref if out is None else out.copy_(ref)
     t, k = x.shape
     n = a.shape[1]
+    if use_slot_grid(t, slot_grid):
+        if out is None:
+            out = torch.empty((t, n), dtype=torch.float32, device=x.device)
+        if t == 0:
+            return out
+        assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
+        block_n = min(64, max(16, triton.next_power_of_2(n)))
+        _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n))](
+            x, a, slots, out, t, k, n, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+            BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
+            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
+        return out
     block_m = _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     n_tiles = triton.cdiv(n, block_n)
     if block_m != 1:
         splits = 1
-    elif splits is None:   # ~2 programs per SM, each at least 4 K blocks
-        splits = max(1, min(k // (4 * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
+    elif splits is None:   # ~2 programs per SM, each at least LOOM_LORA_SHRINK_K_BLOCKS K blocks
+        # (each program's K blocks are dependent loads from HBM: fewer per program, less latency,
+        # and more partials for the expand to sum)
+        per = max(1, envs.LOOM_LORA_SHRINK_K_BLOCKS)
+        splits = max(1, min(k // (per * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
     k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_chunk)
     if out is None:
@@ -248,13 +366,15 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
         x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0, k_chunk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
-        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4)
+        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4, **_pdl(x))
     return out
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                slice_starts: tuple[int, ...], block_m: int | None = None) -> torch.Tensor:
-    """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous)."""
+                slice_starts: tuple[int, ...], block_m: int | None = None,
+                slot_grid: bool | None = False) -> torch.Tensor:
+    """As lora_expand_ref, in place into y [T, OUT] (rows may be strided; columns contiguous).
+    slot_grid: as lora_shrink's."""
     if not runs_triton(_lora_expand_kernel, y):
         return lora_expand_ref(y, xa, b, slots, slice_starts)
     t, n_out = y.shape
@@ -265,6 +385,16 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     splits = xa.shape[0] if xa.dim() == 3 else 1
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
+    if use_slot_grid(t, slot_grid):
+        if splits > 1:
+            xa = xa.sum(0)
+        block_n = min(128, max(16, triton.next_power_of_2(n_out)))
+        _lora_expand_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n_out, block_n))](
+            y, xa, b, slots, t, n_out, rank, b.shape[0], y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
+            starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
+            UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4, **_pdl(y))
+        return y
     block_m = _block_m(t, block_m)
     if splits > 1 and block_m != 1:   # (partials come from the one-row-per-program shrink only)
         xa, splits = xa.sum(0), 1
@@ -275,5 +405,5 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
         y, xa, b, slots, t, n_out, rank, y.stride(0), xa.stride(-2), xa.stride(0) if splits > 1 else 0,
         b.stride(0), b.stride(1), starts[0], starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLITS=splits, PRECISION=_precision(b),
-        UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4)
+        UPCAST=is_interpreted(_lora_expand_kernel), num_warps=4, **_pdl(y))
     return y

@@ -1,7 +1,10 @@
 """GPU-only LoRA checks (H200 through the device tool; `bench/gpu_suite.sh lora-tests`): the Triton
 shrink/expand kernels under CUDA graphs (decode: one row per program; long prefills: 16-row tile
 products) give the merged-weight model's greedy tokens in fp32, and the graphs give eager's tokens
-in bf16, for batches mixing adapters (more than the GPU slots) and the base model."""
+in bf16, for batches mixing adapters (more than the GPU slots) and the base model; each with the
+kernel variants (LOOM_LORA_SLOT_GRID_ROWS=1: every decode batch on the slot-grid kernels; base-only
+steps replay the graphs without LoRA ops, LOOM_LORA_BASE_GRAPHS) and session 31's; and base-only
+constrained and penalised steps in the base graph's grammar and penalty heads, as eager."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +56,18 @@ def _loras(adapters):
     return [loras[k % len(loras)] for k in range(len(PROMPTS))]
 
 
-def test_fp32_triton_graphs_match_merged_weights(model, adapters):
+# the kernel variants: as shipped (at 1-8 rows the expand in the GEMV's epilogue); every decode
+# batch of 1+ rows on the slot-grid kernels; session 31's (no base-only graphs, one program per row,
+# the expand its own kernel, no PDL)
+VARIANTS = {"default": {}, "slot-grid-all": {"LOOM_LORA_SLOT_GRID_ROWS": "1"},
+            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
+                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp32_triton_graphs_match_merged_weights(model, adapters, variant, monkeypatch):
+    for k, v in VARIANTS[variant].items():
+        monkeypatch.setenv(k, v)
     per = _loras(adapters)
     with LLM(model, dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16,
              max_num_batched_tokens=1024) as llm:
@@ -64,7 +78,10 @@ def test_fp32_triton_graphs_match_merged_weights(model, adapters):
         _check_merged_greedy_cuda(model, lr and lr.lora_path, p, list(o.outputs[0].token_ids))
 
 
-def test_bf16_graphs_match_eager(model, adapters):
+@pytest.mark.parametrize("variant", ["default", "slot-grid-all"])
+def test_bf16_graphs_match_eager(model, adapters, variant, monkeypatch):
+    for k, v in VARIANTS[variant].items():
+        monkeypatch.setenv(k, v)
     per = _loras(adapters)
     got = {}
     for eager in (True, False):
@@ -75,3 +92,28 @@ def test_bf16_graphs_match_eager(model, adapters):
                                 lora_request=per)
             got[eager] = [o.outputs[0].token_ids for o in outs]
     assert got[True] == got[False]
+
+
+def test_base_only_constrained_and_penalised_steps_match_eager(model, adapters, monkeypatch):
+    """Captured heads over both model graphs: base-only steps replay the base graph's grammar head
+    and penalty head (captured mid-run, LOOM_PENALTY_HEAD_GRAPHS=1), a constrained step with an
+    adapter row the LoRA graph's grammar head; fp32 tokens as enforce_eager's."""
+    from ipc.sampling_params import StructuredOutputsParams
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
+    regex = SamplingParams(temperature=0, max_tokens=16,
+                           structured_outputs=StructuredOutputsParams(regex=r"\d{2}-[xyz]{1,8}"))
+    penalised = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.5,
+                               presence_penalty=1.0, frequency_penalty=1.0)
+    lora = LoRARequest("g0", 1, adapters[0])
+    steps = {"grammar": (PROMPTS[:2], regex, None), "penalty": (PROMPTS[:3], penalised, None),
+             "lora grammar": (PROMPTS[:2], regex, [None, lora])}
+    got = {}
+    for eager in (True, False):
+        with LLM(model, dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16,
+                 enforce_eager=eager) as llm:
+            for name, (prompts, params, loras) in steps.items():
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=loras)
+                got[eager, name] = [o.outputs[0].token_ids for o in outs]
+    for name in steps:
+        assert got[True, name] == got[False, name], name

@@ -19,8 +19,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _load_private():
-    spec = importlib.util.spec_from_file_location("_loom_test_kernels_lora", _ROOT / "kernels" / "lora.py")
+def _load_private(name: str = "lora"):
+    spec = importlib.util.spec_from_file_location(f"_loom_test_kernels_{name}", _ROOT / "kernels" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -29,6 +29,7 @@ def _load_private():
 
 if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
     MODE, lk = "cuda", importlib.import_module("kernels.lora")
+    gv = importlib.import_module("kernels.gemv")
 else:
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -36,6 +37,7 @@ else:
         import triton.language as _tl
         if type(_tl.sum).__name__ == "InterpretedFunction":
             MODE, lk = "interpret", _load_private()
+            gv = _load_private("gemv")
         else:
             MODE, lk = "subprocess", None
     finally:
@@ -160,4 +162,87 @@ def test_wide_output_slices_cross_column_blocks(block_m):
     xa = lk.lora_shrink_ref(x, a, slots)
     want = lk.lora_expand_ref(y.clone(), xa, b, slots, starts)
     got = lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=block_m)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("slices", [(12, 6, 6), (7,)])
+def test_slot_grid_kernels_match_reference(dtype, batch, slices):
+    # one program per (32 rows, columns), a tile product per slot its rows use: blocks mixing
+    # adapters and the base (segments: 56 rows, two blocks)
+    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
+    xa_ref = lk.lora_shrink_ref(x, a, slots)
+    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), slot_grid=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(xa, xa_ref, **tol)
+    want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, slot_grid=True)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    base = (slots < 0).cpu()
+    assert torch.equal(got.cpu()[base], y.cpu()[base])
+
+
+def test_slot_grid_expand_sums_split_partials():
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], k=200)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=3)
+    assert xa.dim() == 3
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, slot_grid=True), want,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_slot_grid_rows(monkeypatch):
+    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "16")
+    assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(8192, None)
+    assert lk.use_slot_grid(1, True) and not lk.use_slot_grid(64, False)
+    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "0")
+    assert not lk.use_slot_grid(64, None)
+
+
+def test_one_k_block_per_shrink_program(monkeypatch):
+    # LOOM_LORA_SHRINK_K_BLOCKS=1: a batch-1 shrink splits K = 1024 into 8 programs of one 128-wide
+    # block each (sm_count is 4 on the CPU: 2 per SM), and the expand sums the 8 partials
+    monkeypatch.setenv("LOOM_LORA_SHRINK_K_BLOCKS", "1")
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["one_row"], k=1024)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=None)
+    assert xa.dim() == 3 and xa.shape[0] == 8
+    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
+    torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, block_m=1), want, atol=1e-4, rtol=1e-5)
+    monkeypatch.setenv("LOOM_LORA_SHRINK_K_BLOCKS", "4")
+    assert lk.lora_shrink(x, a, slots, block_m=1, splits=None).shape[0] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", ["decode_mixed", "one_row"])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_expand_in_the_gemv_epilogue(dtype, batch, prologue, splits):
+    # the base GEMV plus each row's delta in its epilogue == the product, then the reference expand
+    # (decode_mixed cut to gemv's own kernel's 8 rows)
+    slots_list = BATCHES[batch][:8] if batch == "decode_mixed" else BATCHES[batch]
+    x, a, b, y, slots, starts = _case(dtype, slots_list, k=64)
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(y.shape[1], x.shape[1], generator=g) * 0.2).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(x.shape[1], generator=g) + 0.5).to(dtype).to(DEVICE)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=splits)
+    tiles = dict(block_n=8, block_k=32, num_warps=4, num_stages=1)
+    kw = dict(prologue=prologue, norm_weight=norm_w, eps=1e-6) if prologue != "none" else {}
+    base = gv.gemv(x, weight, tiles=tiles, **kw)[0]
+    got = gv.gemv(x, weight, tiles=tiles, lora=gv.LoRAEpilogue(xa, b, slots, starts), **kw)[0]
+    want = lk.lora_expand_ref(base.clone(), xa, b, slots, starts)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    rows = (slots < 0).cpu()
+    assert torch.equal(got.cpu()[rows], base.cpu()[rows])   # base rows: the product alone
+    assert not torch.allclose(got.float(), base.float())    # (the delta is there)
+
+
+def test_gemv_lora_fallback_past_its_rows():
+    # 9 rows: gemv's own kernel takes 8; the product runs elsewhere and the expand after it
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], k=64)
+    weight = (torch.randn(y.shape[1], x.shape[1], generator=torch.Generator().manual_seed(5)) * 0.2).to(DEVICE)
+    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=1)
+    got = gv.gemv(x, weight, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
+    want = lk.lora_expand_ref(torch.nn.functional.linear(x, weight), xa, b, slots, starts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -24,6 +24,12 @@ Each size has two graphs:
   two small copies and one replay, where the eager logits and sampler cost ~40 launches on
   the path every constrained step waits on (LOOM_GRAMMAR_GRAPH_HEAD=0: eagerly).
 
+With --enable-lora each size's model graph is also captured without the LoRA ops (a step with
+no adapter row replays it: none of the adapters' launches, and the base linears keep their fused
+GEMV paths; LOOM_LORA_BASE_GRAPHS=0: every step replays the graph with them), and each head
+over it too. A graph is picked by one key, (size, base, kind): `base` the model graph without
+the LoRA ops, `kind` "model" or the head ("plain", "grammar", "penalty").
+
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
 session 9). Here a step's inputs reach the device in one copy from a pinned buffer laid
@@ -38,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -135,6 +141,9 @@ class StagingLayout:
         return out
 
 
+Kind = Literal["model", "plain", "grammar", "penalty"]
+
+
 class Staged(NamedTuple):
     rows: int      # the step's B
     nbytes: int    # the bytes of the staging buffer to copy
@@ -189,11 +198,16 @@ class _Replay:
 class DecodeGraphs:
     """The captured sizes of one model, their staging and static buffers, and the replays."""
 
-    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits):
+    def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits,
+                 lora_ctx=None):
         """backend: the attention backend (CUDA graphs are captured for "triton" only; the CPU
         runs the graphs' work uncaptured). kv_splits(num_seqs) -> the split-KV count of a decode
-        batch of that many sequences."""
+        batch of that many sequences. lora_ctx: the LoRAContext with --enable-lora (each size
+        is then also captured without the LoRA ops, for steps with no adapter row, unless
+        LOOM_LORA_BASE_GRAPHS=0)."""
         self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
+        self.lora_ctx = lora_ctx if lora_ctx is not None and envs.LOOM_LORA_BASE_GRAPHS else None
+        self._bases = (False, True) if self.lora_ctx is not None else (False,)   # the model graphs of a size
         self.backend, self.capturing = backend, device.type == "cuda"
         self.max_model_len = config.max_model_len
         uses_mrope = bool(getattr(model, "uses_mrope", False))
@@ -218,12 +232,13 @@ class DecodeGraphs:
         self.table = torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)       # the head graphs' samples
         self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one token per row
-        self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
-        self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
+        # (size, base, kind) -> the graph: a model graph's output is its hidden states; a head
+        # samples the output of the model graph of its size and base, into `tokens`
+        self.graphs: dict[tuple[int, bool, Kind], _Replay] = {}
+        self._base_replayed: dict[int, bool] = {}   # size -> whether its last model replay was the base one
         # the grammar heads' inputs: each row's bitmask row (-1: unconstrained) in `mask`, which
         # holds the step's distinct bitmask rows (set_grammar); one GPU only (whole-vocabulary logits)
         self.grammar_heads = envs.LOOM_GRAMMAR_GRAPH_HEAD and tp_size() <= 1
-        self.grammar_head_graphs: dict[int, _Replay] = {}
         if self.grammar_heads:
             self.mask_words = -(-model.config.vocab_size // 32)
             self.mask = torch.zeros((max_bs, self.mask_words), dtype=torch.int32, device=device)
@@ -231,7 +246,6 @@ class DecodeGraphs:
             self._all_rows = torch.arange(max_bs, dtype=torch.int32, device=device)
         # the penalty heads (penalties, then the plain sampler), captured at a size's first step with
         # penalty rows (the penalty state exists from the first request with penalties on)
-        self.penalty_heads: dict[int, _Replay] = {}
         self._penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pool = None
 
@@ -263,7 +277,10 @@ class DecodeGraphs:
             vars(device.sampling).update(penalty_fields)
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
-        graph = self.model_graphs[bs]
+        # (the step's adapter rows were set before: LoRAContext.active is this step's)
+        base = self.lora_ctx is not None and not self.lora_ctx.active
+        self._base_replayed[bs] = base   # (its head may sample later: a grammar step's, when the bitmask comes)
+        graph = self.graphs[bs, base, "model"]
         graph.replay()
         return graph.output[:rows]
 
@@ -272,17 +289,20 @@ class DecodeGraphs:
         """Sample the model graph's hidden states just replayed: the tokens, on the device
         (grammar: each row masked as set_grammar set it). With penalty_state (the persistent
         batch's output counts and prompt mask), the rows' penalties first (penalty_head_samples:
-        no other adjustment)."""
+        no other adjustment). The head is the one over the model graph run_model replayed."""
+        base = self._base_replayed.get(bs, False)
         if penalty_state is None:
-            (self.grammar_head_graphs if grammar else self.head_graphs)[bs].replay()
+            self.graphs[bs, base, "grammar" if grammar else "plain"].replay()
             return self.tokens[:rows]
         if self._penalty_state is None or any(a is not b for a, b in zip(penalty_state, self._penalty_state)):
-            self.penalty_heads.clear()   # (captured on these tensors, which the batch allocates once)
+            # (captured on these tensors, which the batch allocates once)
+            self.graphs = {key: g for key, g in self.graphs.items() if key[2] != "penalty"}
             self._penalty_state = penalty_state
-        if bs not in self.penalty_heads:
-            self.penalty_heads[bs] = self._capture_mid_run(self._penalty_head(bs, penalty_state))
+        key = (bs, base, "penalty")
+        if key not in self.graphs:
+            self.graphs[key] = self._capture_mid_run(self._head(bs, base, penalty_state=penalty_state))
         else:
-            self.penalty_heads[bs].replay()
+            self.graphs[key].replay()
         return self.tokens[:rows]
 
     def set_grammar(self, bs: int, distinct: torch.Tensor, mask_rows: torch.Tensor) -> None:
@@ -312,9 +332,10 @@ class DecodeGraphs:
             if self.kv_splits(smallest) != self.kv_splits(g):
                 self._capture_model(g, smallest)
         for bs in reversed(self.sizes):
-            self._capture_head(bs)
-            if self.grammar_heads:
-                self._capture_head(bs, grammar=True)
+            for base in self._bases:
+                self._capture_head(bs, base)
+                if self.grammar_heads:
+                    self._capture_head(bs, base, grammar=True)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
         logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
                     "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
@@ -322,12 +343,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_once(self) -> None:
-        """Every size's model and head work once, eagerly, on idle inputs (what capture runs
-        before capturing each): the dry run that compiles capture's kernels ahead of it
-        (workers/compile_ahead.py)."""
-        for bs in reversed(self.sizes):
+        """Every size's model (each base variant) and head work once, eagerly, on idle inputs
+        (what capture runs before capturing each): the dry run that compiles capture's kernels
+        ahead of it (workers/compile_ahead.py)."""
+        for bs, base in ((bs, base) for bs in reversed(self.sizes) for base in self._bases):
             self.stage(bs, None)
-            hidden = self._model_step(bs, bs)()
+            hidden = self._lora_set(self._model_step(bs, bs), base)()
             v = self._dev_views[bs]
             params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
             logits = self.model.compute_logits(hidden, plain=True)
@@ -351,39 +372,55 @@ class DecodeGraphs:
         return step
 
     def _capture_model(self, bs: int, split_for: int) -> None:
-        """Capture the batch-bs model graph, its KV split as for a batch of split_for."""
-        self.stage(bs, None)  # idle inputs: all padding rows
-        self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
+        """Capture the batch-bs model graphs (with the LoRA ops, and without them: base), their
+        KV split as for a batch of split_for."""
+        step = self._model_step(bs, split_for)
+        for base in self._bases:
+            self.stage(bs, None)  # idle inputs: all padding rows
+            self.graphs[bs, base, "model"] = self._capture(self._lora_set(step, base))
 
-    def _capture_head(self, bs: int, grammar: bool = False) -> None:
-        v = self._dev_views[bs]
-        params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
-
-        def head():
-            logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
-            if grammar:
-                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
-            # as the eager sampler draws: the Triton kernels with the Triton backend
-            self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
+    def _capture_head(self, bs: int, base: bool, grammar: bool = False) -> None:
         self.stage(bs, None)
-        (self.grammar_head_graphs if grammar else self.head_graphs)[bs] = self._capture(head)
+        self.graphs[bs, base, "grammar" if grammar else "plain"] = self._capture(self._head(bs, base, grammar))
 
-    def _penalty_head(self, bs: int, state: tuple[torch.Tensor, torch.Tensor]):
-        """The penalty head's work: lm_head, the rows' repetition / presence / frequency penalties
-        (kernels/penalties.py, float32 logits, as the eager sampler's), then the plain sampler."""
+    def _head(self, bs: int, base: bool, grammar: bool = False,
+              penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """A head's work over the (bs, base) model graph's output: lm_head; the grammar bitmask
+        (grammar), or the rows' repetition / presence / frequency penalties (penalty_state, the
+        persistent batch's output counts and prompt mask; kernels/penalties.py, float32 logits,
+        as the eager sampler's); then the plain sampler."""
         from kernels.penalties import apply_penalties
         v = self._dev_views[bs]
         params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
-        none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)
+        none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)   # (no logit_bias, bad words)
         none_values = torch.zeros((bs, 0), dtype=torch.float32, device=self.device)
-        counts, prompt_mask = state
 
         def head():
-            logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
-            logits = apply_penalties(logits, v["penalty_slots"], counts, prompt_mask, v["repetition_penalty"],
-                                     v["presence_penalty"], v["frequency_penalty"], none_ids, none_values, none_ids)
+            logits = self.model.compute_logits(self.graphs[bs, base, "model"].output, plain=True)
+            if grammar:
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+            if penalty_state is not None:
+                logits = apply_penalties(logits, v["penalty_slots"], *penalty_state, v["repetition_penalty"],
+                                         v["presence_penalty"], v["frequency_penalty"], none_ids, none_values,
+                                         none_ids)
+            # as the eager sampler draws: the Triton kernels with the Triton backend
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
         return head
+
+    def _lora_set(self, fn, base: bool):
+        """fn run without the LoRA ops (base) or with them: what its capture holds (uncaptured on
+        the CPU, each replay runs it so, as the captured graph would). Without lora_ctx, fn."""
+        ctx = self.lora_ctx
+        if ctx is None:
+            return fn
+
+        def run():
+            was, ctx.active = ctx.active, not base
+            try:
+                return fn()
+            finally:
+                ctx.active = was
+        return run
 
     def _capture_mid_run(self, fn) -> _Replay:
         """Run fn once (this step's work; it compiles any kernel first), then capture it on a side
@@ -420,8 +457,9 @@ class DecodeGraphs:
 
     def _time(self, bs: int) -> float:
         """Seconds per replay of the batch-bs model graph, on idle inputs (padding rows: no
-        cache writes, one key of context each), so the time is that of its matmul shapes."""
-        graph = self.model_graphs[bs]
+        cache writes, one key of context each), so the time is that of its matmul shapes (the
+        graph with the LoRA ops, where there are two)."""
+        graph = self.graphs[bs, False, "model"]
         self.stage(bs, None)
         graph.replay()
         rounds = []

@@ -205,7 +205,7 @@ def _graph_bodies(runner: ModelRunner) -> None:
         lora.active = True
     try:
         DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                     runner.kv_splits).run_once()
+                     runner.kv_splits, lora_ctx=lora).run_once()   # (each base variant's too)
         if _captures_piecewise(runner):
             _piecewise_graphs(runner).eager_forwards()
     finally:
@@ -220,8 +220,9 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
     kernels were compiled ahead in the warm-up's dry run (_graph_bodies)."""
     if not _captures(runner):
         return CapturedGraphs(None, None)
+    lora = runner.lora.ctx if runner.lora is not None else None
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                          runner.kv_splits)
+                          runner.kv_splits, lora_ctx=lora)
     decode.capture()
     return CapturedGraphs(decode, _capture_piecewise(runner) if _captures_piecewise(runner) else None)
 

@@ -38,8 +38,9 @@ class LoRAContext:
         self.active = True   # warm-up and graph capture record the LoRA ops
         # the runner's kernel choice (--attention-backend): Triton, or the torch references
         # (the Triton shrink splits K at decode sizes: its partials go to the expand as they are)
-        self.shrink = functools.partial(lora_shrink, splits=None) if use_triton else lora_shrink_ref
-        self.expand = lora_expand if use_triton else lora_expand_ref
+        # (from LOOM_LORA_SLOT_GRID_ROWS rows to 256, the slot-grid kernels: slot_grid=None)
+        self.shrink = functools.partial(lora_shrink, splits=None, slot_grid=None) if use_triton else lora_shrink_ref
+        self.expand = functools.partial(lora_expand, slot_grid=None) if use_triton else lora_expand_ref
 
     def slots(self, rows: int) -> torch.Tensor:
         return self.token_slots[:rows]
@@ -72,6 +73,13 @@ class LoRALinear:
     @property
     def active(self) -> bool:
         return self.ctx.active
+
+    def epilogue(self, x: torch.Tensor):
+        """The shrink of x, and what the decode GEMV's epilogue needs to add the delta
+        (kernels/gemv.py LoRAEpilogue; it runs the expand itself where it does not fuse it)."""
+        from kernels.gemv import LoRAEpilogue
+        slots = self.ctx.slots(x.shape[0])
+        return LoRAEpilogue(self.ctx.shrink(x, self.a, slots), self.b, slots, self.slice_starts)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this linear's output for x [T, in], [T, out]) plus each row's adapter delta, in place."""
@@ -126,8 +134,8 @@ class LoRALinear:
 
         def matmul(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if layers.use_gemv(x2):
-                y = layers.gemv(x2, weight, out=out)[0]
-            elif out is None:
+                return layers.gemv(x2, weight, out=out, lora=self.epilogue(x2))[0]
+            if out is None:
                 y = F.linear(x2, weight)
             else:
                 y = torch.mm(x2, weight.t(), out=out)

@@ -419,6 +419,8 @@ class ColumnParallelLinear(nn.Module):
         if self.quant_method is not None:
             y = self.quant_method.apply(self, x, self.bias)
         elif use_gemv(x):
+            if _lora_active(self):   # the adapters' delta in the GEMV's epilogue (after the shrink)
+                return gemv(x, self.weight, self.bias, lora=self.lora.epilogue(x))[0]
             y = gemv(x, self.weight, self.bias)[0]
         else:
             y = F.linear(x, self.weight, self.bias)
