@@ -105,6 +105,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
+    "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
+                                      "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
+                                      "tiles and no causal split (unset: 128,64,8,3)"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),

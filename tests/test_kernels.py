@@ -1247,3 +1247,38 @@ def test_apply_rotary_matches_hf(rot):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert got[0].transpose(1, 2).is_contiguous()   # laid out [1, T, H, D] for the attention kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_causal_split_long_prefill_tiles(dtype, monkeypatch):
+    # the long-prefill path (CAUSAL_SPLIT: keys every row of a tile sees run unmasked, the diagonal
+    # masked) at small tiles: prompts, chunks over earlier keys, a decode, GQA, split KV, NaN past
+    # every length; exact to the reference as the masked loop is
+    original = pa.tile_config
+    monkeypatch.setattr(pa, "tile_config", lambda *a: {**original(*a), "block_m": 16, "block_n": 16,
+                                                       "causal_split": True})
+    _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(1, 2, 3))
+    _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
+
+
+def test_attention_long_prefill_rule(monkeypatch):
+    # long tiles only for long prompt chunks over long contexts, never for decodes, short prompts or fp32
+    long = pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384)
+    assert (long["block_m"], long["block_n"], long["num_warps"], long["num_stages"], long["causal_split"]) == \
+        (128, 64, 8, 3)[:4] + (True,)
+    for args in ((2, 128, 1, False, 4, 0.5, 16384),      # decode at 16k
+                 (2, 128, 1024, False, 1, 8.0, 1024),    # the standard workload's prompts
+                 (2, 128, 8192, True, 1, 8.0, 16384),    # fp32
+                 (2, 256, 8192, False, 1, 8.0, 16384)):  # head_dim 256
+        assert not pa.tile_config(*args).get("causal_split"), args
+    pa._long_prefill_setting.cache_clear()
+    monkeypatch.setenv("LOOM_LONG_PREFILL_TILES", "off")
+    try:
+        assert not pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384).get("causal_split")
+        monkeypatch.setenv("LOOM_LONG_PREFILL_TILES", "64,128,4,2")
+        pa._long_prefill_setting.cache_clear()
+        got = pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384)
+        assert (got["block_m"], got["block_n"], got["num_warps"], got["num_stages"]) == (64, 128, 4, 2)
+    finally:
+        monkeypatch.delenv("LOOM_LONG_PREFILL_TILES")
+        pa._long_prefill_setting.cache_clear()
