@@ -230,7 +230,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
@@ -267,6 +267,10 @@ def _paged_attention_kernel(
         seq = pid
         tile = pid * 0
     else:
+        if HEAVY_FIRST:
+            # causal tiles of a long prompt: the last ones see the most keys, so they start first and
+            # the light ones fill the launch's tail
+            pid = tl.num_programs(0) - 1 - pid
         # Tiles of sequence i are programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1);
         # binary search for the last i whose first tile is <= pid.
         lo = 0
@@ -630,7 +634,8 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     one split many ways has a few tiles per split, which gain nothing from
     software pipelining (batch 1 at 256-2,000 keys, 32 splits: 6.5-7.5 us
     unpipelined against 6.8-7.8 two stages deep). A long prefill (long_prefill) takes
-    long_prefill_tiles. causal_split (optional, default False): the kernel's CAUSAL_SPLIT."""
+    long_prefill_tiles. causal_split, heavy_first (optional, default False): the kernel's
+    CAUSAL_SPLIT and HEAVY_FIRST."""
     decode_bf16 = max_query_len == 1 and not is_fp32 and block_d <= 128
     short_chunk = max_query_len > 1 and not is_fp32 and 0 < programs_per_sm < FEW_PREFILL_PROGRAMS_PER_SM
     block_n = 64 if decode_bf16 or short_chunk else 32
@@ -640,13 +645,15 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     elif decode_bf16 and 1 < num_splits <= LONG_TILE_MAX_SPLITS:
         block_n = 128
     tiles = dict(block_m=query_rows(group, max_query_len), block_n=block_n, num_warps=4, num_stages=stages)
-    if long_prefill(max_query_len, max_seq_len, is_fp32, block_d, group):
+    if programs_per_sm >= LONG_PREFILL_PROGRAMS_PER_SM and long_prefill(max_query_len, max_seq_len, is_fp32,
+                                                                        block_d, group):
         tiles.update(long_prefill_tiles())
     return tiles
 
 
 LONG_PREFILL_KEYS = 4096  # a launch of multi-query tiles over at least this many keys is a long prefill ...
 LONG_PREFILL_QUERIES = 256  # ... when its longest chunk has at least this many queries
+LONG_PREFILL_PROGRAMS_PER_SM = 2.0  # ... and enough short tiles to fill the SMs with half as many long ones
 LONG_PREFILL_TILES = "128,64,8,3"  # its BLOCK_M,BLOCK_N,num_warps,num_stages (LOOM_LONG_PREFILL_TILES wins)
 
 
@@ -669,10 +676,12 @@ def _long_prefill_setting() -> tuple[int, int, int, int] | None:
 
 
 def long_prefill_tiles() -> dict:
-    """The long-prefill tiles (FA2 on Hopper: 128 query rows x 64 keys, 8 warps, 3 stages), and the
-    causal split: the keys every row of a tile sees run without the mask, the diagonal with it."""
+    """The long-prefill tiles (FA2 on Hopper: 128 query rows x 64 keys, 8 warps, 3 stages), the
+    causal split (the keys every row of a tile sees run without the mask, the diagonal with it) and
+    the heaviest tiles first (a causal tile's work grows with its queries' positions)."""
     block_m, block_n, warps, stages = _long_prefill_setting()
-    return dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, causal_split=True)
+    return dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, causal_split=True,
+                heavy_first=True)
 
 
 def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
@@ -733,6 +742,7 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags, KV_FP8=kv.fp8,
         CAUSAL_SPLIT=bool(tiles.get("causal_split")) and not flags["HAS_WINDOW"],
+        HEAVY_FIRST=bool(tiles.get("heavy_first")) and not one_tile and not ordered,
     )
     if num_splits > 1:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split

@@ -278,8 +278,11 @@ def test_long_context_floors_and_summary(tmp_path, capsys):
     assert lc.prefill_flops(2, 5) == 4 * (2 * 3 + 3) * 128 * 16   # 2 queries after 3 keys see 4 and 5 keys
     rows = [dict(kernel="k", variant=v, us=us, floor_us=50.0, rate="x", err=0.0, default=d)
             for v, us, d in (("short (before)", 200.0, False), ("a", 100.0, True), ("b", 80.0, False))]
+    rows += [dict(kernel="decode", variant=v, us=us, floor_us=250.0, rate="x", err=0.0, default=d)
+             for v, us, d in (("default", 317.0, True), ("8 splits", 267.0, False))]
     (tmp_path / "long-kernels.json").write_text(json.dumps(rows))
     (tmp_path / "long-e2e.json").write_text(json.dumps({"elapsed_s": 3.5}))
     lc.summary(str(tmp_path))
     out = capsys.readouterr().out
     assert "<- fastest" in out and " 62.5%" in out and "failed" in out and "yes" in out
+    assert f"{3.5 - 50e-6 * 28 * 256:10.2f}" in out   # the projection with the faster decode

@@ -1255,18 +1255,23 @@ def test_attention_causal_split_long_prefill_tiles(dtype, monkeypatch):
     # masked) at small tiles: prompts, chunks over earlier keys, a decode, GQA, split KV, NaN past
     # every length; exact to the reference as the masked loop is
     original = pa.tile_config
-    monkeypatch.setattr(pa, "tile_config", lambda *a: {**original(*a), "block_m": 16, "block_n": 16,
-                                                       "causal_split": True})
-    _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(1, 2, 3))
-    _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
+    for heavy_first in (True, False):   # (the tiles in reverse order, or in order)
+        monkeypatch.setattr(pa, "tile_config", lambda *a, _h=heavy_first: {
+            **original(*a), "block_m": 16, "block_n": 16, "causal_split": True, "heavy_first": _h})
+        _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(1, 2, 3))
+        _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
+    # a mixed batch, decodes first: the prompt chunks' launch (a slice of the batch) in reverse order
+    _check_attention([1, 1, 40, 23], [70, 9, 40, 90], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(None,),
+                     num_decodes=2, seed=1)
 
 
 def test_attention_long_prefill_rule(monkeypatch):
     # long tiles only for long prompt chunks over long contexts, never for decodes, short prompts or fp32
     long = pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384)
-    assert (long["block_m"], long["block_n"], long["num_warps"], long["num_stages"], long["causal_split"]) == \
-        (128, 64, 8, 3)[:4] + (True,)
-    for args in ((2, 128, 1, False, 4, 0.5, 16384),      # decode at 16k
+    assert (long["block_m"], long["block_n"], long["num_warps"], long["num_stages"]) == (128, 64, 8, 3)
+    assert long["causal_split"] and long["heavy_first"]
+    for args in ((2, 128, 8192, False, 1, 1.5, 16384),    # too few programs for half as many long tiles
+                 (2, 128, 1, False, 4, 0.5, 16384),      # decode at 16k
                  (2, 128, 1024, False, 1, 8.0, 1024),    # the standard workload's prompts
                  (2, 128, 8192, True, 1, 8.0, 16384),    # fp32
                  (2, 256, 8192, False, 1, 8.0, 16384)):  # head_dim 256
