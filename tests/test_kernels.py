@@ -1255,14 +1255,28 @@ def test_attention_causal_split_long_prefill_tiles(dtype, monkeypatch):
     # masked) at small tiles: prompts, chunks over earlier keys, a decode, GQA, split KV, NaN past
     # every length; exact to the reference as the masked loop is
     original = pa.tile_config
-    for heavy_first in (True, False):   # (the tiles in reverse order, or in order)
+    for heavy_first, splits in ((False, (2,)), (True, (1, 3))):   # (the tiles in order, then in reverse)
         monkeypatch.setattr(pa, "tile_config", lambda *a, _h=heavy_first: {
             **original(*a), "block_m": 16, "block_n": 16, "causal_split": True, "heavy_first": _h})
-        _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(1, 2, 3))
-        _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
+        _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=splits)
+    _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
     # a mixed batch, decodes first: the prompt chunks' launch (a slice of the batch) in reverse order
     _check_attention([1, 1, 40, 23], [70, 9, 40, 90], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(None,),
                      num_decodes=2, seed=1)
+    # soft cap and sinks (gpt-oss, Gemma 2), and an FP8 cache, through the mask-free loop too
+    from kernels import kv_quant
+    q_lens, seq_lens = [40, 23], [40, 90]
+    q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, 4, 2, 32, 8, dtype, 4)
+    sinks = _randn(4, dtype=torch.float32, g=_gen(5))
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.2, None, 3.0, sinks).float()
+    out = pa.paged_attention(q, kc, vc, qsl, sl, bt, 0.2, 40, 90, logits_soft_cap=3.0, sinks=sinks)
+    assert (out.float() - ref).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2)
+    k_scale, v_scale = (torch.tensor([x], device=DEVICE) for x in (0.02, 0.01))
+    kc8 = kv_quant.quantize_fp8_ref(torch.nan_to_num(kc.float()) * 0.05, k_scale)
+    vc8 = kv_quant.quantize_fp8_ref(torch.nan_to_num(vc.float()) * 0.02, v_scale)
+    ref = pa.paged_attention_ref(q, kc8, vc8, qsl, sl, bt, 0.2, k_scale=k_scale, v_scale=v_scale).float()
+    out = pa.paged_attention(q, kc8, vc8, qsl, sl, bt, 0.2, 40, 90, k_scale=k_scale, v_scale=v_scale)
+    assert (out.float() - ref).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max()
 
 
 def test_attention_long_prefill_rule(monkeypatch):
