@@ -42,7 +42,7 @@ E2E_TARGET_S = 3.7
 PREFILL_VARIANTS = {"short (before)": (None, {}), "128x64 w8 s3": ((128, 64, 8, 3), {}),
                     "128x64 w8 s3 in order": ((128, 64, 8, 3), {"heavy_first": False}),
                     "128x64 w8 s3 masked": ((128, 64, 8, 3), {"causal_split": False}),
-                    "128x128 w8 s3": ((128, 128, 8, 3), {}), "128x64 w8 s4": ((128, 64, 8, 4), {}),
+                    "128x128 w8 s2": ((128, 128, 8, 2), {}), "128x64 w8 s4": ((128, 64, 8, 4), {}),
                     "128x64 w4 s3": ((128, 64, 4, 3), {}), "64x64 w4 s3": ((64, 64, 4, 3), {}),
                     "128x32 w4 s4": ((128, 32, 4, 4), {})}
 # (splits or None for the default, tile overrides)
