@@ -50,7 +50,11 @@ DECODE_VARIANTS = {"default": (None, {}), "2 splits": (2, {}), "8 splits": (8, {
                    "8 splits n64 s3": (8, {"block_n": 64, "num_stages": 3}),
                    "8 splits n128 s3": (8, {"block_n": 128, "num_stages": 3}),
                    "4 splits n128 s3": (4, {"block_n": 128, "num_stages": 3}),
-                   "4 splits n64 s4": (4, {"block_n": 64, "num_stages": 4})}
+                   "4 splits n64 s4": (4, {"block_n": 64, "num_stages": 4}),
+                   # 64-key tiles 2 deep: 64 KB of shared memory, 3 programs per SM where 128 keys 2 deep fit one
+                   "4 splits n64 s2": (4, {"block_n": 64, "num_stages": 2}),
+                   "8 splits n64 s2": (8, {"block_n": 64, "num_stages": 2}),
+                   "16 splits n64 s2": (16, {"block_n": 64, "num_stages": 2})}
 
 
 def prefill_flops(q_len: int, seq_len: int) -> float:
