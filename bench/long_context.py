@@ -85,7 +85,9 @@ def _time_ms(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50)
 
 
-def kernel_rows(quick: bool) -> list[dict]:
+def kernel_rows(quick: bool, output_json: str | None = None) -> list[dict]:
+    """The kernel rows, each printed and (with output_json) written as it comes: a run cut short
+    by the suite's timeout keeps the rows it has."""
     import torch
 
     from bench.kernels_gpu import _paged_batch
@@ -117,7 +119,7 @@ def kernel_rows(quick: bool) -> list[dict]:
                 rows.append(dict(kernel=label, variant=name, us=ms * 1e3, floor_us=flops / PEAK_FLOPS * 1e6,
                                  rate=f"{flops / ms / 1e9:.0f} TFLOP/s", err=err,
                                  default=not extra and tiles == default_tiles))
-                print(_fmt(rows[-1]), flush=True)
+                _emit(rows, output_json)
             del q, kc, vc, ref
             torch.cuda.empty_cache()
     finally:
@@ -145,10 +147,17 @@ def kernel_rows(quick: bool) -> list[dict]:
             rows.append(dict(kernel="decode 16 x 16,384 keys, 1 layer", variant=f"{name} ({n} splits)",
                              us=ms * 1e3, floor_us=floor_us, err=err, default=splits is None,
                              rate=f"{decode_bytes(NUM_SEQS, PROMPT) / ms / 1e9:.2f} TB/s"))
-            print(_fmt(rows[-1]), flush=True)
+            _emit(rows, output_json)
     finally:
         pa.tile_config = tile_config
     return rows
+
+
+def _emit(rows: list[dict], output_json: str | None) -> None:
+    print(_fmt(rows[-1]), flush=True)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def _fmt(r: dict) -> str:
@@ -211,11 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     t0 = time.perf_counter()
     print(f"{'kernel':36s} {'variant (* default)':27s} {'us':>9s} {'floor us':>9s} {'%floor':>7s} {'rate':>14s}")
-    rows = kernel_rows(args.quick)
+    kernel_rows(args.quick, args.output_json)
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
