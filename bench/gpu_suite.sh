@@ -27,15 +27,19 @@ for section in "$@"; do case $section in
          TAIL=30 run top-p-kernels 200 python3 -m bench.kernels_gpu --parts top_p
          TAIL=10 run qwen3-top-p 300 $LOOM bench throughput --preset qwen3-0.6b \
            --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json" ;;
-  startup) # issue 49 item 4: loom serve to healthy (dummy), an empty cache then a second start, with the
-           # engine's and workers' start-up breakdown (--log-level debug)
-           TAIL=30 run startup 420 python3 -m bench.startup --out "$OUT" ;;
+  startup) # issue 49 item 4: loom serve to healthy (dummy), Qwen3-0.6B and Llama-3.1-8B: an empty cache
+           # (kernels compiled ahead in parallel), a second start, then an empty cache with
+           # LOOM_COMPILE_THREADS=0 (compiled one by one: the A/B); each start's breakdown
+           # (--log-level debug), then one table last. First the GPU tests of the dry runs (an
+           # engine started with them samples as one without). Starts stop at a 270 s budget.
+           TAIL=4 run startup-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
+           TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 ;;
   targets) bash "$0" targets-a targets-b ;;   # every target, in two device calls: run the parts apart
   targets-a) # the offline targets (docs/performance.md, issue 49): standard workload, sampling ratios,
              # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds
     TAIL=12 run targets-qwen3 240 $LOOM bench throughput --preset qwen3-0.6b \
       --sampling plain topp-only topp topp-penalties logprobs n4seed --output-json "$OUT/targets-qwen3.json"
-    TAIL=6 run targets-structured 200 $LOOM bench throughput --preset qwen3-0.6b --structured-output json \
+    TAIL=6 run targets-structured 200 $LOOM bench throughput --preset qwen3-0.6b --structured-output json --skip-compile-stall \
       --output-json "$OUT/targets-structured.json"
     TAIL=4 run targets-llama8b 150 $LOOM bench throughput --preset llama-3.1-8b --output-json "$OUT/targets-llama8b.json"
     TAIL=4 run targets-latency-qwen3 60 $LOOM bench latency --preset qwen3-0.6b --iters 3 \
@@ -54,7 +58,7 @@ for section in "$@"; do case $section in
       --output-len 256 --output-json "$OUT/targets-offline-c256.json"
     TAIL=4 run targets-hf 200 $LOOM bench throughput --preset qwen3-0.6b --num-prompts 256 --input-len 512 \
       --output-len 256 --compare-hf --output-json "$OUT/targets-hf.json"
-    TAIL=30 run startup 300 python3 -m bench.startup --out "$OUT"
+    TAIL=30 run startup 300 python3 -m bench.startup --out "$OUT" --no-serial --budget 280
     python3 -m bench.targets "$OUT" ;;
   logprobs) # issue 14's logprobs=5 target alone: host CPU per token of each stage, the sampler's device
             # time with and without logprobs (kernels), then the offline ratio to plain in one engine
@@ -347,13 +351,13 @@ PY
   eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
          # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
-         run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py
+         TAIL=40 run eagle-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gpu_eagle.py
          TAIL=4 run eagle-head 200 python3 -m bench.eagle_head --output-json "$OUT/eagle_head.json" ;;
   whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
            # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
            # generate (batch 64), and the encoder's share; the table last
            run whisper-parity 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_whisper.py
-           TAIL=8 run whisper-asr 270 python3 -m bench.whisper_asr --num-prompts 256 --concurrency 64 --output-len 64 ;;
+           TAIL=8 run whisper-asr 270 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} --concurrency 64 --output-len 64 ;;
   moe-decode|moe-decode-std) # issue 45 decode: the fused MoE at 1/2/4/8 tokens, grouped GEMMs vs the GEMV path's
       # tile variants (bench/moe_decode.py), Qwen3-30B-A3B and Mixtral-8x7B batch-1 TPOT (GEMV path, graphs up to
       # 4 seqs; MOE_DECODE_AB=1 adds Qwen3's TPOT on the grouped path, MOE_DECODE_PROFILE=1 its step by kernel),
@@ -428,6 +432,12 @@ PY
       --output-len 256 --output-json "$OUT/serve400-offline.json"
     python3 -m bench.serve_targets --c512 "$OUT/serve400-c512.json" --c256 "$OUT/serve400-c256.json" \
       --offline "$OUT/serve400-offline.json" --c512-interval "$OUT/serve400-c512-si4.json" ;;
+  cascade) # issue 49 item 2: 512 x (2,048 shared + 64 own) in, 128 out, prefix caching on, cascade attention
+           # off vs on (two engines, one call); one layer's decode attention plain vs cascade with its floors;
+           # the standard workload and batch 1 with cascade on (the heuristic must run none of their steps)
+           TAIL=24 run cascade 290 python3 -m bench.cascade --output-json "$OUT/cascade.json" ;;
+  cascade-tests) run cascade-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cascade.py \
+                   tests/test_cascade_attention.py ;;
   long-context) # issue 49 item 3: paged attention at 16k keys per kernel against its floor, default and variants
                 # side by side (bench/long_context.py), then 16 x 16,384 in / 256 out end to end: the default,
                 # the tiles of before (LOOM_LONG_PREFILL_TILES=off) and a 16,384-token step budget; target <= 3.7 s
@@ -445,9 +455,11 @@ PY
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)
         # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
-        TAIL=14 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --equality --step-stats \
+        TAIL=16 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --eagle --equality --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
-  spec-quick) # the same, decode-graph verify only, no tests (one engine fewer per shape)
-        TAIL=10 run spec-decode 400 python3 -m bench.spec_decode --output-json "$OUT/spec_decode.json" ;;
+  spec-quick) # the same, decode-graph verify only, no tests; the Qwen batch-8 oracle row with this session's
+              # verify-step host work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0); the EAGLE-3 head's cost per draft token
+        TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
+          --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -1,10 +1,14 @@
 """Speculative decoding against issue 47's targets, in one run (dummy weights; `bench/gpu_suite.sh spec`):
 
-    python -m bench.spec_decode [--output-json PATH] [--rows llama qwen] [--full-graph 1 0] [--equality]
+    python -m bench.spec_decode [--output-json PATH] [--rows llama qwen] [--full-graph 1 0] [--fast-host 1 0]
+                                [--eagle] [--equality]
 
 --full-graph: the oracle rows once per value of LOOM_SPEC_FULL_GRAPH (1: verify steps in the decode
 CUDA graphs, one row per token; 0: in the piecewise graphs, attention eager, as in session 30), side
-by side. --equality: last, tests/test_gpu_spec.py (fp32 greedy identical with and without speculation,
+by side. --fast-host: the Qwen batch-8 oracle row once per value of LOOM_SPEC_FAST_HOST (1: a verify step's
+sampling parameters from one row per request, the oracle matching only new outputs; 0: session 31's
+host work). --eagle: the EAGLE-3-shaped head's cost per draft token (bench/eagle_head.py, graphed) as
+a row. --equality: last, tests/test_gpu_spec.py (fp32 greedy identical with and without speculation,
 decode-graph verify, piecewise verify and eager) as one more row.
 
 Llama-3.1-8B shape, batch 1 (one engine each: none, oracle, ngram):
@@ -50,10 +54,10 @@ def miss_rate_for(acceptance_length: float, k: int = K) -> float:
     return (lo + hi) / 2
 
 
-def _llm(model_dir: str, full_graph: str = "1", **kw):
-    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH=full_graph)."""
+def _llm(model_dir: str, variant: tuple[str, str] = ("1", "1"), **kw):
+    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH and LOOM_SPEC_FAST_HOST from `variant`)."""
     from frontend import LLM
-    os.environ["LOOM_SPEC_FULL_GRAPH"] = full_graph
+    os.environ["LOOM_SPEC_FULL_GRAPH"], os.environ["LOOM_SPEC_FAST_HOST"] = variant
     return LLM(model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, seed=0, **kw)
 
 
@@ -69,8 +73,8 @@ def _host_note(llm) -> str:
     return "; [" + "; ".join(parts) + "]"
 
 
-def _variant(full_graph: str) -> str:
-    return "full graph" if full_graph == "1" else "piecewise"
+def _variant(variant: tuple[str, str]) -> str:
+    return ("full graph" if variant[0] == "1" else "piecewise") + ("" if variant[1] == "1" else ", old host")
 
 
 def _timed(llm, prompts, max_tokens: int | list[int]) -> tuple[float, list]:
@@ -111,7 +115,7 @@ def _oracle(path: str, prompts, miss_rates) -> dict:
     return {"method": "oracle", "num_speculative_tokens": K, "oracle_path": path}
 
 
-def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
+def llama_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload
     mdir = write_preset("llama-3.1-8b", os.path.join(tmp, "llama"))
@@ -131,7 +135,8 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
         llm.shutdown()
     rows = []
     for v in variants:
-        llm = _llm(mdir, v, speculative_config=_oracle(os.path.join(tmp, f"oracle-llama-{v}.json"), [p_full, p_308],
+        llm = _llm(mdir, v, speculative_config=_oracle(os.path.join(tmp, f"oracle-llama-{''.join(v)}.json"),
+                                                       [p_full, p_308],
                                                        [0.0, miss]), **seqs)
         try:
             for p in (p_full, p_308):   # the recording runs, one at a time (batch 1, as replayed)
@@ -168,7 +173,7 @@ def llama_rows(tmp: str, variants: list[str]) -> list[dict]:
     return rows
 
 
-def qwen_rows(tmp: str, variants: list[str]) -> list[dict]:
+def qwen_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload, offline_workload
     mdir = write_preset("qwen3-0.6b", os.path.join(tmp, "qwen"))
@@ -185,7 +190,7 @@ def qwen_rows(tmp: str, variants: list[str]) -> list[dict]:
         llm.shutdown()
     rows = []
     for v in variants:
-        llm = _llm(mdir, v, speculative_config=_oracle(os.path.join(tmp, f"oracle-qwen-{v}.json"), prompts,
+        llm = _llm(mdir, v, speculative_config=_oracle(os.path.join(tmp, f"oracle-qwen-{''.join(v)}.json"), prompts,
                                                        [miss] * len(prompts)))
         try:
             _timed(llm, prompts, OUTPUT_LEN + 2 * K)   # records them (batch 8, as replayed)
@@ -216,6 +221,22 @@ def qwen_rows(tmp: str, variants: list[str]) -> list[dict]:
     ]
 
 
+def eagle_row() -> dict:
+    """bench/eagle_head.py's graphed measurement as a row: an EAGLE-3-shaped head's cost per draft
+    token (its pass over a verify step's k + 1 tokens and k - 1 draft steps, over k) / a target step."""
+    try:
+        from bench.eagle_head import measure
+        r = measure(1024, K, ["graph"])[0]
+    except Exception as e:   # noqa: BLE001  (one row fails, the table still prints)
+        return {"row": "llama8b b1: EAGLE-3 head per draft token / step", "value": None, "target": "<= 0.06",
+                "ok": False, "note": f"failed: {type(e).__name__}: {e}"}
+    frac = r["per_draft_token_frac"]
+    return {"row": "llama8b b1: EAGLE-3 head per draft token / step", "value": frac, "target": "<= 0.06",
+            "ok": frac <= 0.06, "note": f"pass {r['head_pass_ms']:.3f} ms (k+1 tokens), draft step "
+                                        f"{r['draft_step_ms']:.3f} ms, target step {r['target_step_ms']:.3f} ms "
+                                        f"(graphed, context 1024)"}
+
+
 def equality_row() -> dict:
     """tests/test_gpu_spec.py as a row: fp32 greedy output identical with and without speculation
     for every method, verify steps in the decode graphs, in the piecewise graphs and eager."""
@@ -235,6 +256,9 @@ def main() -> int:
     p.add_argument("--rows", nargs="+", choices=("llama", "qwen"), default=["llama", "qwen"])
     p.add_argument("--full-graph", nargs="+", choices=("1", "0"), default=["1"],
                    help="LOOM_SPEC_FULL_GRAPH values to time the oracle rows at (the first also runs the n-gram rows)")
+    p.add_argument("--fast-host", nargs="+", choices=("1", "0"), default=["1"],
+                   help="LOOM_SPEC_FAST_HOST values to time the batch-8 oracle row at (A/B of the verify steps' host work)")
+    p.add_argument("--eagle", action="store_true", help="the EAGLE-3-shaped head's cost per draft token as a row")
     p.add_argument("--equality", action="store_true", help="run tests/test_gpu_spec.py as the table's last row")
     p.add_argument("--step-stats", action="store_true",
                    help="LOOM_STEP_STATS=1 in every engine: the oracle rows note host/device/idle ms per step")
@@ -246,8 +270,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.rows:
             t0 = time.perf_counter()
-            rows += (llama_rows if name == "llama" else qwen_rows)(tmp, args.full_graph)
+            # (the fast-host A/B on the batch-8 rows only: at batch 1 it changes ~nothing, and each engine costs ~40 s)
+            variants = [(g, f) for g in args.full_graph for f in (args.fast_host if name == "qwen" else args.fast_host[:1])]
+            rows += (llama_rows if name == "llama" else qwen_rows)(tmp, variants)
             print(f"({name} rows in {time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.eagle:
+        rows.append(eagle_row())
     if args.equality:
         rows.append(equality_row())
     print(f"\n{'workload':<58} {'measured':>9} {'target':>8}  ok   note")

@@ -1,17 +1,26 @@
 """`loom serve` to healthy, dummy weights: `python -m bench.startup [--presets ...] [--out DIR]`.
 
-For each preset: a start on an empty cache directory (LOOM_CACHE_ROOT: Triton compiles every
-kernel, as on a fresh machine), then a second start on the same directory (a restart on a
-machine that has started the model once). Each start runs `loom serve --load-format dummy` at
---log-level debug, polls /health until it answers 200, and stops the server; its log keeps the
-start-up breakdown (the `start-up of ...` lines of the engine core and the workers), printed
-after the table. Targets: issue 49.
+For each preset, three starts, each a new `loom serve` process:
+- fresh: an empty cache directory (LOOM_CACHE_ROOT: Triton compiles every kernel, as on a fresh
+  machine), the kernels compiled ahead in parallel (workers/compile_ahead.py, the default);
+- second: the same directory again (a restart on a machine that has started the model once);
+- fresh, LOOM_COMPILE_THREADS=0: another empty directory, each kernel compiled at its first launch
+  (the A/B of the parallel compiles; --no-serial skips it).
+Each start runs `loom serve --load-format dummy` at --log-level debug, polls /health until it
+answers 200, and stops the server. Its log keeps the start-up breakdown: the `start-up of ...`
+lines of the engine core and the workers, printed for every start, then one table (last) of
+each start's seconds, target and the worker's phases; `other` is what no worker phase covers
+(the launcher, the engine core's start and its spawn of the worker, the API server's first
+health answer). Targets: issue 49. Results: DIR/startup.json (`fresh`, `second` per preset, read
+by bench/targets.py, and the other rows).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,11 +29,18 @@ import time
 import urllib.request
 
 TARGETS = {"qwen3-0.6b": (12.0, 6.0), "llama-3.1-8b": (15.0, 9.0)}   # (fresh, second) seconds
+# (column, prefix of the worker's phase name); "warm-up (N kernels compiled)" also gives N
+COLUMNS = (("imports", "imports"), ("cuda", "CUDA init"), ("config", "config"), ("built", "model built"),
+           ("filled", "weights filled"), ("state", "runner state"), ("profile", "profiling run"), ("kv", "KV cache"), ("warmup", "warm-up"),
+           ("capture", "graph capture"))
+_PHASE = re.compile(r"\s*([^,:;]+?) (\d+\.\d+) s")
 
 
-def time_to_healthy(model_dir: str, cache_root: str, port: int, log_path: str, timeout: float) -> float | None:
+def time_to_healthy(model_dir: str, cache_root: str, port: int, log_path: str, timeout: float,
+                    env_extra: dict | None = None) -> float | None:
     """Seconds from launching `loom serve` to its first 200 on /health (None: it never answered)."""
-    env = dict(os.environ, LOOM_CACHE_ROOT=cache_root, LOOM_LOG_LEVEL="DEBUG", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, LOOM_CACHE_ROOT=cache_root, LOOM_LOG_LEVEL="DEBUG", PYTHONUNBUFFERED="1",
+               **(env_extra or {}))
     env.pop("TRITON_CACHE_DIR", None)
     cmd = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", model_dir, "--load-format", "dummy",
            "--max-model-len", "4096", "--port", str(port)]
@@ -54,8 +70,55 @@ def time_to_healthy(model_dir: str, cache_root: str, port: int, log_path: str, t
 
 
 def breakdown(log_path: str) -> list[str]:
+    """The log's `start-up of ...` lines, and the worker's lines on compiling kernels ahead and
+    on capturing the graphs."""
+    out = []
     with open(log_path, errors="replace") as f:
-        return [line.rstrip()[line.find("start-up of"):] for line in f if "start-up of" in line]
+        for line in f:
+            if "start-up of " in line:
+                out.append(line.rstrip()[line.find("start-up of ") + len("start-up of "):])
+            elif "kernels ahead" in line:
+                out.append(line.rstrip()[line.find("compil"):])
+            elif " decode graphs (batch" in line or "captured piecewise" in line:
+                out.append(line.rstrip()[line.find("captured"):].split("; run in")[0])
+    return out
+
+
+def worker_phases(log_path: str) -> dict[str, float]:
+    """Worker 0's phases by COLUMNS name (and `compiled`: the warm-up's kernels), its `all`."""
+    try:
+        with open(log_path, errors="replace") as f:
+            line = next((x for x in f if "start-up of worker 0:" in x), "")
+    except OSError:
+        return {}
+    body, _, total = line.split("start-up of worker 0:", 1)[-1].partition(";")
+    out: dict[str, float] = {}
+    for name, secs in _PHASE.findall(body):
+        for col, prefix in COLUMNS:
+            if name.startswith(prefix):
+                out[col] = out.get(col, 0.0) + float(secs)
+        m = re.match(r"warm-up \((\d+) kernels compiled\)", name)
+        if m:
+            out["compiled"] = float(m.group(1))
+    m = re.search(r"(\d+\.\d+) s in all", total)
+    if m:
+        out["all"] = float(m.group(1))
+    return out
+
+
+def table(rows: list[tuple[str, str, float | None, float | None, dict]]) -> list[str]:
+    """rows: (preset, start, seconds, target, worker phases) -> the table's lines."""
+    head = (f"{'loom serve to healthy (dummy)':34s} {'s':>6s} {'target':>6s} {'pass':>4s} | "
+            + " ".join(f"{c:>7s}" for c, _ in COLUMNS) + f" {'compiled':>8s} {'other':>6s}")
+    out = [head, "-" * len(head)]
+    for preset, start, took, target, ph in rows:
+        verdict = "" if target is None else "PASS" if took is not None and took <= target else "FAIL"
+        cells = " ".join(f"{ph[c]:7.2f}" if c in ph else f"{'-':>7s}" for c, _ in COLUMNS)
+        other = f"{took - ph['all']:6.1f}" if took is not None and "all" in ph else f"{'-':>6s}"
+        compiled = f"{int(ph['compiled']):8d}" if "compiled" in ph else f"{'-':>8s}"
+        out.append(f"{preset + ' ' + start:34s} {'never' if took is None else f'{took:.1f}':>6s} "
+                   f"{'' if target is None else f'{target:.0f}':>6s} {verdict:>4s} | {cells} {compiled} {other}")
+    return out
 
 
 def main(argv=None) -> dict:
@@ -63,34 +126,52 @@ def main(argv=None) -> dict:
     p.add_argument("--presets", nargs="+", default=list(TARGETS))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/loom-bench"))
     p.add_argument("--port", type=int, default=8131)
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds one start may take")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds one start may take")
+    p.add_argument("--budget", type=float, default=380.0,
+                   help="seconds for every start together: a start that would pass it is cut or skipped")
+    p.add_argument("--no-serial", action="store_true", help="skip the fresh start with LOOM_COMPILE_THREADS=0")
     args = p.parse_args(argv)
     from bench.presets import write_preset
 
     os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
     results: dict = {}
-    logs: list[tuple[str, str]] = []
-    for preset in args.presets:
-        with tempfile.TemporaryDirectory(prefix="loom-startup-model-") as model_dir, \
-                tempfile.TemporaryDirectory(prefix="loom-startup-cache-") as cache_root:
-            write_preset(preset, model_dir)
-            for start in ("fresh", "second"):
-                log_path = os.path.join(args.out, f"startup-{preset}-{start}.log")
-                results.setdefault(preset, {})[start] = time_to_healthy(model_dir, cache_root, args.port, log_path,
-                                                                         args.timeout)
-                logs.append((f"{preset} {start}", log_path))
-    print(f"{'loom serve to healthy (dummy)':32s} {'fresh s':>8s} {'target':>7s} {'second s':>9s} {'target':>7s}  pass")
-    for preset, r in results.items():
-        want = TARGETS.get(preset, (float("inf"), float("inf")))
-        ok = all(r[k] is not None and r[k] <= t for k, t in zip(("fresh", "second"), want))
-        fmt = lambda v: "never" if v is None else f"{v:.1f}"
-        print(f"{preset:32s} {fmt(r['fresh']):>8s} {want[0]:>7.0f} {fmt(r['second']):>9s} {want[1]:>7.0f}  "
-              f"{'PASS' if ok else 'FAIL'}")
-    for name, path in logs:
-        for line in breakdown(path):
-            print(f"  {name}: {line}")
+    rows = []
+    # the targets' starts of every preset first, the A/B starts after (what the budget cuts first)
+    plan = [x for preset in args.presets for x in ((preset, "fresh", "parallel", {}),
+                                                   (preset, "second", "parallel", {}))]
+    if not args.no_serial:
+        plan += [(preset, "fresh, LOOM_COMPILE_THREADS=0", "serial", {"LOOM_COMPILE_THREADS": "0"})
+                 for preset in args.presets]
+    with contextlib.ExitStack() as stack:
+        tmp = lambda prefix: stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
+        dirs = {}
+        for preset in args.presets:
+            dirs[preset] = {"model": tmp("loom-startup-model-"), "parallel": tmp("loom-startup-cache-"),
+                            "serial": tmp("loom-startup-cache-")}
+            write_preset(preset, dirs[preset]["model"])
+        for preset, start, cache, env in plan:
+            target = dict(zip(("fresh", "second"), TARGETS.get(preset, (None, None)))).get(start)
+            key = start if cache == "parallel" else "fresh_serial"
+            log_path = os.path.join(args.out, f"startup-{preset}-{key.replace('_', '-')}.log")
+            left = args.budget - (time.perf_counter() - t0)
+            if left < 20:
+                print(f"== {preset} {start}: skipped (the --budget of {args.budget:.0f} s is spent)")
+                continue
+            took = time_to_healthy(dirs[preset]["model"], dirs[preset][cache], args.port, log_path,
+                                   min(args.timeout, left), env)
+            ph = worker_phases(log_path)
+            results.setdefault(preset, {})[key] = took
+            results[preset][f"{key}_phases"] = ph
+            rows.append((preset, start, took, target, ph))
+            print(f"== {preset} {start}: {'never healthy' if took is None else f'{took:.1f} s'} ({log_path})")
+            for line in breakdown(log_path):
+                print(f"   {line}")
+            sys.stdout.flush()
     with open(os.path.join(args.out, "startup.json"), "w") as f:
         json.dump(results, f, indent=1)
+    print()
+    print("\n".join(table(rows)))
     return results
 
 

@@ -62,6 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--structured-output", choices=["json"], default=None,
                    help="then run the same workload under a JSON schema (same token counts) in the same engine, "
                         "print both rates, and the step time while new schemas compile (bench/structured.py)")
+    p.add_argument("--skip-compile-stall", action="store_true",
+                   help="with --structured-output: the rates only, not the compile-stall runs")
     p.add_argument("--progress", action="store_true", help="show a progress bar (off: it costs CPU time)")
     common.add_engine_args(p)
     p.set_defaults(func=main)

@@ -258,11 +258,20 @@ class EngineCore:
         so, pending = self.in_flight.popleft()
         with self.loop_stats.phase("wait"):
             result = pending.result()
+        structured, nxt = self.scheduler.structured, self.in_flight[0][0] if self.in_flight else None
+        ahead = nxt is not None and nxt.defer_sample and not nxt.scheduled_spec_decode_tokens
+        if ahead:   # the next step's bitmask: its grammars advanced first, its fill beside the update
+            with self.loop_stats.phase("accept"):
+                structured.activated = False
+                self.scheduler.accept_ahead(result, so.step_id)
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
         with self.loop_stats.phase("update"):
             outputs = self.scheduler.update_from_output(result, so.step_id)
-        if self.in_flight and self.in_flight[0][0].defer_sample:
-            self._bitmask = self.scheduler.structured.start_grammar_bitmask(self.in_flight[0][0],
-                                                                            self.scheduler.requests)
+        if ahead and structured.activated:   # a grammar began to apply in the update: fill again
+            self._bitmask.result()
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
+        elif nxt is not None and nxt.defer_sample and not ahead:   # a verify step's rows need every draft in
+            self._bitmask = structured.start_grammar_bitmask(nxt, self.scheduler.requests)
         return outputs
 
     _bitmask: Future | None = None   # the oldest step's bitmask being filled, not yet sent

@@ -454,6 +454,18 @@ class Scheduler:
                 req.spec_token_ids = spec_next.get(rid, [])
         return outputs
 
+    def accept_ahead(self, out: ModelRunnerOutput, step_id: int | None = None) -> None:
+        """Advance the grammars of the requests update_from_output(out) will give exactly one token
+        (no drafts), so that the next step's bitmask fill can start before the update runs."""
+        failed, refused, accepted = out.failed or {}, out.refused or {}, out.spec_accepted or {}
+        for rid, token in zip(out.req_ids, out.sampled_token_ids):
+            req = self.requests.get(rid)
+            if (token < 0 or req is None or req.status != RequestStatus.RUNNING or rid in failed or rid in refused
+                    or rid in accepted or req.num_draft_scheduled or (step_id is not None and step_id < req.admitted_step)
+                    or (out.pooled and rid in out.pooled) or not self.structured.can_accept_ahead(req)):
+                continue
+            self.structured.accept_ahead(req, token)
+
     def _verified(self, req: Request, accepted: list[int], token: int) -> list[int]:
         """A step's new tokens for req: its accepted drafts, then the sampled one. The rejected
         drafts' slots roll back (their KV is rewritten by later steps; no block holding one was

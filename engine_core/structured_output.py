@@ -34,13 +34,14 @@ _CACHE_SIZE = 1024
 
 class RequestGrammar:
     """One request's grammar: compiling (`future`), then its matcher."""
-    __slots__ = ("future", "matcher", "active", "error")
+    __slots__ = ("future", "matcher", "active", "error", "ahead")
 
     def __init__(self, future: Future, active: bool):
         self.future = future
         self.matcher = None
         self.active = active        # False while the model is still thinking
         self.error: str | None = None
+        self.ahead: bool | None = None   # the verdict of a token accepted ahead of the scheduler's update
 
 
 class StructuredOutputManager:
@@ -57,6 +58,7 @@ class StructuredOutputManager:
         self._filler: ThreadPoolExecutor | None = None
         self._batch = None                   # xgrammar.BatchGrammarMatcher, made on the filler thread
         self.vocab_size = 0
+        self.activated = False   # a grammar began to apply (its thinking ended) since the flag was cleared
         self._think_start: list[int] = []
         self._think_end: list[int] = []
 
@@ -135,16 +137,35 @@ class StructuredOutputManager:
     # ------------------------------------------------------------ per token and per step
 
     def accept(self, req, token: int) -> bool:
-        """Advance req's matcher with an accepted token; True when its grammar has ended."""
+        """Advance req's matcher with an accepted token (req's output ends with it); True when its
+        grammar has ended. A token accepted ahead (accept_ahead) gives its verdict here."""
         g = req.grammar
+        if g.ahead is not None:
+            ended, g.ahead = g.ahead, None
+            return ended
         if not g.active:
             g.active = self._thinking_ended(req.output_token_ids, in_prompt=False)
+            self.activated |= g.active
             return False
+        return self._advance(req, token, len(req.output_token_ids) - 1)
+
+    def can_accept_ahead(self, req) -> bool:
+        g = req.grammar
+        return g is not None and g.active and g.matcher is not None and g.error is None and g.ahead is None
+
+    def accept_ahead(self, req, token: int) -> None:
+        """Advance req's matcher with its next output token before the scheduler appends it, so
+        that the next step's bitmask fill starts at once (EngineCore._take_oldest); the scheduler's
+        accept() then takes the verdict. Only for a request can_accept_ahead() allows."""
+        req.grammar.ahead = self._advance(req, token, len(req.output_token_ids))
+
+    def _advance(self, req, token: int, num_before: int) -> bool:
+        g = req.grammar
         if not g.matcher.accept_token(token):
             # a token the bitmask did not allow: every token was masked (a schema that admits
             # nothing, or allowed_token_ids outside the grammar); the request fails alone
             logger.warning("request %s: token %d rejected by its grammar", req.request_id, token)
-            g.error = f"the constraint admits no token after {len(req.output_token_ids) - 1} output tokens " \
+            g.error = f"the constraint admits no token after {num_before} output tokens " \
                       "(with this request's allowed_token_ids, bad_words and min_tokens)"
             return True
         return g.matcher.is_terminated()

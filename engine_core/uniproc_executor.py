@@ -18,6 +18,7 @@ after a step is sent), and the engine gets the types a worker process would send
 """
 from __future__ import annotations
 
+import gc
 from collections import deque
 from typing import Any
 
@@ -90,4 +91,10 @@ class UniprocExecutor(Executor):
         # the model and its KV cache go with the last references to them
         self.worker = self.runner = self._pending = self._unsampled = None
         self._outputs.clear()
+        # the model's modules, its graphs and the KV cache hold reference cycles: collect them now, and
+        # give their blocks back to the device, so that the next engine in this process (a notebook's,
+        # a test's) profiles free memory rather than this one's leftovers
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         torch.set_num_threads(self._caller_threads)

@@ -95,6 +95,9 @@ class EngineConfig:
                                        "the first batch (its amax over 200 / 100, as vLLM) instead of the "
                                        "checkpoint's k_scale / v_scale or 1.0")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    disable_cascade_attn: bool = option(False, "never run cascade attention (vLLM's flag): by default a step "
+                                        "whose requests share a long prefix's KV blocks reads them once for the "
+                                        "step when its heuristic says it pays (LOOM_CASCADE_ATTN)")
     sliding_window_kv_trim: bool = option(True, "when every attention layer of the model is local with one "
                                           "window (Mistral v0.1, Qwen2 with use_sliding_window on all layers), "
                                           "free each request's KV blocks that fall behind the window; a model "

@@ -103,8 +103,17 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                     "collector (leak tests)"),
     # --- kernels and graphs (A/B switches)
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
+    "LOOM_COMPILE_THREADS": EnvVar(None, _int, "threads that compile a worker's start-up Triton kernels ahead "
+                                   "of the phase that launches them (workers/compile_ahead.py; unset: one per "
+                                   "CPU core, at most 16, none at TP > 1; 0: each compiled at its first "
+                                   "launch, one by one)"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
+    "LOOM_CASCADE_ATTN": EnvVar("auto", _text, "cascade (prefix-aware) attention: auto (when a step's "
+                                "sequences share a long enough prefix and its heuristic says it pays), 0 (never: "
+                                "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
+    "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
+                                         "(0: chosen per step)"),
     "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
                                       "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
                                       "tiles and no causal split (unset: 128,64,8,3)"),
@@ -123,8 +132,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
+    "LOOM_GRAMMAR_GRAPH_HEAD": EnvVar(True, _switch, "0: a structured-output decode step samples eagerly, "
+                                      "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
                                    "(attention eager), not in the decode graphs as one row per token"),
+    "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
+                                  "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

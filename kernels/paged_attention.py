@@ -154,14 +154,16 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, window, qk_scale, soft_cap, bt_row, k_head, v_head,
-                 offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-                 DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+                 v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 IEEE: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  KV_FP8: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) into the online softmax (m_i, l_i, acc).
     MASKED=False: every key of the tile is below kv_hi and visible to every row (the causal
-    split's mask-free part: no bounds, no causal or window test)."""
+    split's mask-free part: no bounds, no causal or window test). CAUSAL=False (cascade's
+    shared-prefix launch): every key below kv_hi is visible to every row, no causal test (the
+    window's still applies)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_hi
     if MASKED:
@@ -186,7 +188,10 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, window, qk_scale, soft_c
     if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): -1 and 1 at the extremes, never NaN
         s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * soft_cap
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if CAUSAL:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        else:
+            visible = n_ok[None, :] & (offs_m[:, None] >= 0)
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -212,14 +217,14 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, window, qk_scale, soft_c
     return m_new, l_i, acc
 
 
-@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window"),
+@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window", "kv_begin"),
           pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, sinks_ptr,
     k_scale_ptr, v_scale_ptr,
-    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
+    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap, kv_begin,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -231,6 +236,8 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    CAUSAL: tl.constexpr = True, SUFFIX: tl.constexpr = False,
+    PART_SPLITS: tl.constexpr = 0, SPLIT_BASE: tl.constexpr = 0,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
@@ -250,7 +257,18 @@ def _paged_attention_kernel(
     for FP8 attention's long-context accuracy (vllm-project/flash-attention#104): each tile's
     P @ V comes out of the MMA as an fp32 partial and is added into a separate fp32 running
     accumulator (acc * alpha + pv), never accumulated across tiles in an FP8 MMA's
-    reduced-precision accumulator (the fault on Hopper that cost 128k needle retrieval)."""
+    reduced-precision accumulator (the fault on Hopper that cost 128k needle retrieval).
+
+    Cascade attention (kernels/cascade_attention.py) launches it twice over one step's queries,
+    each writing partials at its own splits of one buffer of PART_SPLITS (0: NUM_SPLITS) splits,
+    from SPLIT_BASE on, which the split-KV reduce then merges by their log-sum-exps: CAUSAL=False,
+    every query of the launch's one "sequence" against the whole shared prefix (a prefill-style
+    launch: many queries, one KV sequence, no mask); SUFFIX, each sequence's own keys from
+    kv_begin (the shared prefix's length) on. Off, both compile as they always have.
+
+    CAUSAL_SPLIT (long-prefill tiles; causal launches only): a tile's keys that every row sees run
+    without the mask (_attend_keys MASKED=False), the diagonal's with it. HEAVY_FIRST: multi-tile
+    launches start from their last (heaviest causal) tile."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -311,7 +329,10 @@ def _paged_attention_kernel(
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # keys this tile can see: [0, kv_end) (causal w.r.t. the tile's last query)
-    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
+    else:
+        kv_end = seq_len
     if HAS_WINDOW:
         # ... from the window of the tile's first query on: [kv_start, kv_end)
         kv_start = tl.maximum(ctx_len + tile * BLOCK_Q - window + 1, 0)
@@ -322,6 +343,13 @@ def _paged_attention_kernel(
         else:
             kv_lo = kv_start
             kv_hi = kv_end
+    elif SUFFIX and NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_begin + split * chunk
+        kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    elif SUFFIX:
+        kv_lo = kv_end * 0 + kv_begin
+        kv_hi = kv_end
     elif NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = split * chunk
@@ -342,32 +370,35 @@ def _paged_attention_kernel(
     v_head = vc_ptr + kvh.to(tl.int64) * stride_vh
 
     kv_mid = kv_lo
-    if CAUSAL_SPLIT:
+    if CAUSAL_SPLIT and CAUSAL:
         # keys every row of the tile sees (below its first query's position + 1) run without the
         # causal mask, whole BLOCK_N tiles of them; the diagonal's few tiles then run masked
         seen_by_all = tl.minimum(kv_hi, ctx_len + tile * BLOCK_Q + 1)
         kv_mid = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
         for start in range(kv_lo, kv_mid, BLOCK_N):
             m_i, l_i, acc = _attend_keys(
-                q, m_i, l_i, acc, start, kv_hi, q_pos, window, qk_scale, soft_cap, bt_row, k_head, v_head,
-                offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_N, BLOCK_SIZE, False, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
+                q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+                v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_N, BLOCK_SIZE, False, CAUSAL, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
     for start in range(kv_mid, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, start, kv_hi, q_pos, window, qk_scale, soft_cap, bt_row, k_head, v_head,
-            offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-            BLOCK_N, BLOCK_SIZE, True, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
+            q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+            v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_N, BLOCK_SIZE, True, CAUSAL, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
-    if NUM_SPLITS == 1:
+    if PART_SPLITS == 0 and NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # partial results, [T, Hq, NUM_SPLITS, (D | 2)] fp32: unnormalised acc, (max, sum)
-        row = ((tok - part_tok_base) * num_q_heads + head) * NUM_SPLITS + split
+        if PART_SPLITS == 0:
+            row = ((tok - part_tok_base) * num_q_heads + head) * NUM_SPLITS + split
+        else:   # (cascade: this launch's splits of a shared buffer)
+            row = ((tok - part_tok_base) * num_q_heads + head) * PART_SPLITS + SPLIT_BASE + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
@@ -684,9 +715,50 @@ def long_prefill_tiles() -> dict:
                 heavy_first=True)
 
 
+@dataclass(slots=True)
+class Partials:
+    """Unnormalised partial results that several launches write side by side, each at its own
+    splits, for one split-KV reduce to merge (cascade attention): acc [T, Hq, splits, D] and
+    (max, sum) [T, Hq, splits, 2], fp32, rows from token 0 of the step."""
+    acc: torch.Tensor
+    ml: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_tokens: int, num_q_heads: int, num_splits: int, head_dim: int,
+              device: torch.device) -> "Partials":
+        return cls(torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device),
+                   torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=device))
+
+    @property
+    def num_splits(self) -> int:
+        return self.acc.shape[2]
+
+    def reduce_into(self, out: torch.Tensor, num_tokens: int) -> None:
+        """out[:num_tokens] = the merge of every split of each (token, head), by log-sum-exp."""
+        num_q_heads, num_splits, head_dim = self.acc.shape[1:]
+        _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
+            self.acc, self.ml, out, out, out.stride(0), out.stride(1), num_q_heads, 0,
+            HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, HAS_SINKS=False, **pdl_args(out))
+
+
+@dataclass(slots=True, frozen=True)
+class PartialLaunch:
+    """Where a launch that writes partials (cascade attention) writes, and what it reads:
+    its splits start at split_base of `partials`; keys from kv_begin on (the suffix: each
+    sequence's own), or, not causal, every key of its one sequence to every query (the prefix)."""
+    partials: Partials
+    split_base: int
+    num_splits: int
+    kv_begin: int = 0
+    causal: bool = True
+
+
 def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
-                      launch: _Launch, variant: _Variant, max_seq_len: int, num_kv_splits: int | None) -> None:
-    """One kernel launch (two with split-KV) over the sequences of `launch`."""
+                      launch: _Launch, variant: _Variant, max_seq_len: int, num_kv_splits: int | None,
+                      partial: PartialLaunch | None = None) -> None:
+    """One kernel launch (two with split-KV) over the sequences of `launch`; with `partial`, one
+    launch that writes its partial results there (no reduce)."""
     key_cache, value_cache = kv.key, kv.value
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -703,13 +775,18 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
     # programs with work: a sequence's query tiles, at most one of them partial
     programs = (num_seqs if one_tile else triton.cdiv(num_tokens, block_q) + num_seqs) * num_kv_heads
     programs_per_sm = programs / sm_count(query.device)
-    if num_kv_splits is not None:
+    if partial is not None:
+        num_splits = partial.num_splits
+    elif num_kv_splits is not None:
         num_splits = max(1, int(num_kv_splits))
     elif one_tile:
         num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
     else:
         num_splits = choose_chunk_kv_splits(programs_per_sm, max_seq_len)
-    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm, max_seq_len)
+    # (cascade's partial launches keep their own tiles: the long-prefill ones are for causal prompt chunks,
+    # and the prefix launch's split count was chosen for the short tiles' programs)
+    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm,
+                        max_seq_len if partial is None else 0)
     block_m = tiles["block_m"]
     if block_m != block_q * group:   # (bench/tune_attention.py sets other tiles)
         block_q = block_m // group
@@ -718,7 +795,12 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
     num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
     ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)
     grid = (num_seqs * num_kv_heads, 1, num_splits) if ordered else (num_tiles, num_kv_heads, num_splits)
-    if num_splits > 1:
+    part_tok_base, cascade = launch.tok_lo, {}
+    if partial is not None:
+        part_acc, part_ml, part_tok_base = partial.partials.acc, partial.partials.ml, 0
+        cascade = dict(CAUSAL=partial.causal, SUFFIX=partial.kv_begin > 0,
+                       PART_SPLITS=partial.partials.num_splits, SPLIT_BASE=partial.split_base)
+    elif num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
@@ -732,7 +814,8 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
         launch.seq_order if ordered else launch.seq_lens, sinks,
         kv.k_scale, kv.v_scale,
-        qk_scale, num_seqs, num_q_heads, launch.tok_lo, window, soft_cap,
+        qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
+        partial.kv_begin if partial is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -740,11 +823,11 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags, KV_FP8=kv.fp8,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags, KV_FP8=kv.fp8, **cascade,
         CAUSAL_SPLIT=bool(tiles.get("causal_split")) and not flags["HAS_WINDOW"],
         HEAVY_FIRST=bool(tiles.get("heavy_first")) and not one_tile and not ordered,
     )
-    if num_splits > 1:
+    if num_splits > 1 and partial is None:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
             part_acc, part_ml, out, sinks, out.stride(0), out.stride(1), num_q_heads, launch.tok_lo,

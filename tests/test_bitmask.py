@@ -49,6 +49,19 @@ def test_rows_share_a_mask_row():
     assert torch.equal(ours[1], logits[1]) and torch.equal(ours[2], logits[2])
 
 
+def test_mask_row_minus_one_leaves_the_row():
+    """A decode graph's head masks every row it samples; an unconstrained row has mask row -1."""
+    logits = torch.randn(3, 70)
+    bitmask = torch.tensor([[0b110, 0, 0]], dtype=torch.int32)
+    ours, ref = logits.clone(), logits.clone()
+    rows, mask_rows = torch.arange(3, dtype=torch.int32), torch.tensor([-1, 0, -1], dtype=torch.int32)
+    apply_bitmask(ours, bitmask, rows, mask_rows)
+    apply_bitmask_reference(ref, bitmask, rows, mask_rows)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[0], logits[0]) and torch.equal(ours[2], logits[2])
+    assert torch.isfinite(ours[1]).nonzero().flatten().tolist() == [1, 2]
+
+
 def test_distinct_rows_round_trip():
     import numpy as np
     from engine_core.structured_output import _distinct_rows

@@ -95,7 +95,7 @@ def reference_drafts(target_dir: str, head_dir: str, method: str, records, aux_l
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-graphs"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3-graphs", "eagle-graphs"])
 def test_engine_drafts_are_the_reference_drafts(kind, tiny_model_dir, tmp_path, monkeypatch):
     """Every draft the engine's head proposed (under chunked prefill, a 16-token budget, and
     preemption) is the one the torch reference computes from the HF target's hidden states over

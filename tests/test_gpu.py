@@ -29,7 +29,9 @@ def _hf_greedy_cuda(model_dir: str, dtype, prompts, n: int, stop_at_eos: bool = 
     or up to the first EOS (`stop_at_eos`: compare with an engine that stops there; suppressing
     EOS changes the argmax wherever EOS would have won)."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    # eager attention: the exact reference whatever the transformers version's default (an SDPA
+    # default drops Gemma 2's attention soft cap, which HF's eager path and Loom apply)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").cuda().eval()
     out = []
     with torch.no_grad():
         for p in prompts:

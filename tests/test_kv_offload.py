@@ -108,3 +108,29 @@ def test_sleep_level_1_keeps_the_tier_level_2_drops_it(model_factory):
                 for p in others:
                     gen(p)
         assert len(tier) == 0   # dropped at level 2 (and a's run alone evicted nothing since)
+
+
+def test_scattered_blocks_copy_through_staging():
+    """Blocks scattered over the GPU cache (runs of one) and over the tier: stored then loaded back
+    through the staged path (more than 8 runs, more than a chunk) they come back exactly."""
+    import random
+
+    import torch
+
+    from workers import kv_offload
+    from workers.kv_offload import HostKVTier
+    from ipc.messages import KVTransfers
+    rng = random.Random(0)
+    kv = [(torch.randn(700, 4, 2, 8), torch.randn(700, 4, 2, 8)) for _ in range(2)]
+    tier = HostKVTier(600, kv)
+    blocks = rng.sample(range(700), 300)          # > _STAGING_BLOCKS, hundreds of runs
+    slots = list(range(40, 190)) + rng.sample(range(200, 600), 150)
+    assert len(kv_offload._runs(blocks, slots)) > kv_offload._DIRECT_RUNS
+    tier.apply(KVTransfers(blocks, slots, [], []), kv)
+    for (k, v), (hk, hv) in zip(kv, tier.host):
+        assert torch.equal(hk[slots], k[blocks]) and torch.equal(hv[slots], v[blocks])
+    want = [(k[blocks].clone(), v[blocks].clone()) for k, v in kv]
+    dest = rng.sample(range(700), 300)
+    tier.apply(KVTransfers([], [], slots, dest), kv)
+    for (k, v), (wk, wv) in zip(kv, want):
+        assert torch.equal(k[dest], wk) and torch.equal(v[dest], wv)

@@ -274,3 +274,41 @@ def test_oracle_records_the_first_run_then_replays_it(tiny_model_dir, baseline, 
                                     st.spec_num_accepted_tokens - before[2])
     assert first == again == baseline[3]
     assert accepted == tokens and drafts <= -(-len(first) // 4) + 1, (drafts, tokens, accepted)
+
+
+def test_oracle_batched_replay_drafts_as_one_by_one(tmp_path, monkeypatch):
+    """The oracle drafter's batched replay check (LOOM_SPEC_FAST_HOST, from BATCHED_FROM requests)
+    drafts what the one-by-one check drafts, without misses: the next k recorded tokens while the
+    outputs follow the recording (fewer at its end), nothing once they leave it."""
+    import random
+    from types import SimpleNamespace
+
+    from workers.input_batch import InputBatch
+    from workers.spec_decode.oracle_proposer import BATCHED_FROM, OracleProposer
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(1, 300) for _ in range(6 + i)] for i in range(6)]
+    recs = [[rnd.randrange(1, 300) for _ in range(12 + 2 * i)] for i in range(6)]
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"prompt_token_ids": p, "output_token_ids": r} for p, r in zip(prompts, recs)]))
+    spec = SimpleNamespace(num_speculative_tokens=3, oracle_miss_rate=0.0, oracle_path=str(path))
+    drafts = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("LOOM_SPEC_FAST_HOST", fast)
+        batch = InputBatch(8, 64, 4)
+        for i, p in enumerate(prompts):
+            batch.add(f"r{i}", p, [], [0], 0, SamplingParams(), 0, [])
+        runner, proposer, got = SimpleNamespace(batch=batch), OracleProposer(spec, 300, 0), []
+        for step in range(8):
+            states = list(batch.requests.values())
+            for j, st in enumerate(states):   # 1-3 outputs a step; request r5 leaves its recording at step 3
+                for _ in range(1 + (step + j) % 3):
+                    n_out = st.num_tokens - st.num_prompt_tokens
+                    rec = recs[int(st.req_id[1:])]
+                    leave = st.req_id == "r5" and step == 3
+                    batch.append_token(st, 299 if leave or n_out >= len(rec) else rec[n_out])
+            got.append(proposer.propose(runner, states))
+        assert len(states) >= BATCHED_FROM
+        drafts[fast] = got
+    assert drafts["1"] == drafts["0"]
+    assert any(len(d) == 3 for d in drafts["1"][0].values()) and "r5" not in drafts["1"][-1]
+    assert any(0 < len(d) < 3 for step in drafts["1"] for d in step.values())   # a recording's end

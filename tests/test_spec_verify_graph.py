@@ -60,6 +60,32 @@ def test_verify_rows_as_decodes_layout():
     assert is_pure_verify(num_scheduled, 6, np.arange(3)) and not is_pure_verify(num_scheduled, 5, np.arange(3))
 
 
+def test_per_request_verify_params_equal_per_token_ones():
+    """A verify step's sampling arrays built from one row per request (LOOM_SPEC_FAST_HOST) are the
+    per-token rows' arrays: each request's fields, the output index advancing along its drafts."""
+    import dataclasses
+
+    import numpy as np
+
+    from workers.sampler import Sampler, SamplingRow
+    from workers.spec_decode.verify_layout import spec_layout
+    from workers.spec_decode.verify_sampling import first_landings, per_token_params
+    params = [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1, seed=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, top_k=5)]
+    prompt_len, seeds = [5, 9, 3], [11, 22, 33]
+    num_scheduled, end = np.array([3, 1, 4]), np.array([12, 20, 9])
+    spec = spec_layout(["a", "b", "c"], np.arange(3), end, np.concatenate(([0], np.cumsum(num_scheduled))),
+                       {"a": [4, 5], "c": [7, 8, 9]})
+    row = lambda i, pos: SamplingRow(params[i], seeds[i], pos - prompt_len[i], slot=i + 2)
+    want = Sampler.host_params([row(j, p) for j, p in zip(spec.request.tolist(), spec.landing.tolist())])
+    got = per_token_params(Sampler.host_params([row(i, p) for i, p in enumerate(first_landings(spec).tolist())]),
+                           spec)
+    assert len(want.seeds) == 8
+    for f in dataclasses.fields(want):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tolist() == b.tolist()), f.name
+
+
 @pytest.mark.parametrize("method", ["ngram", "oracle"])
 def test_greedy_identical_with_verify_steps_in_decode_graphs(method, tiny_model_dir, graph_steps, tmp_path):
     want, _ = _generate(tiny_model_dir, GREEDY)

@@ -72,3 +72,98 @@ def test_targets_table_reads_the_suites_results(tmp_path, capsys):
     assert out["top-p 0.9 + top-k 50 vs plain"][-2:] == ["FAIL", "(x)"]
     assert out["loom serve to healthy, Qwen3-0.6B"][-2:] == ["PASS", "(s)"]
     assert out["JSON-schema constrained vs free"][-2:] == ["not", "run"]
+
+
+def test_launcher_checks_import_neither_torch_nor_transformers(tiny_model_dir):
+    """`loom serve` resolves and checks the config before it starts any child process: importing
+    torch (1.5-3 s) or transformers there delays every child by as much. A quantized checkpoint
+    may (its format is checked by workers/quantization)."""
+    import subprocess
+    import sys
+    code = ("import sys; from ipc.config import EngineConfig; "
+            "from workers.models.registry import check_architecture, multimodal_info; "
+            f"EngineConfig(model={tiny_model_dir!r}, load_format='dummy').resolve(multimodal_info, check_architecture); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_launcher_check_still_refuses_an_unserved_quantization(tmp_path):
+    from workers.models.registry import check_architecture
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"],
+                                                      "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(ConfigError, match="unsupported quantization_config"):
+        check_architecture(EngineConfig(model=str(tmp_path), load_format="dummy"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="unsupported --quantization"):
+        check_architecture(EngineConfig(model=str(tmp_path), load_format="dummy", quantization="nope"))
+
+
+def test_load_model_times_config_build_and_fill_as_phases(tiny_model_dir):
+    """The worker's weights phase is split (config: transformers' import; model built; weights
+    filled), so that the start-up breakdown says which of them is slow; the model is the same."""
+    import torch
+
+    from workers import device_init
+    from workers.model_loader import load_model
+    device_init.start("cpu", 0)   # a CPU worker: no thread, and nothing to wait for
+    assert device_init._thread is None
+    device_init.wait()
+    times = StartupTimes("worker 0")
+    model = load_model(tiny_model_dir, torch.float32, "cpu", "dummy", startup=times)
+    assert [name for name, _ in times.phases] == ["config", "model built", "weights filled"]
+    plain = load_model(tiny_model_dir, torch.float32, "cpu", "dummy")
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_startup_bench_reads_the_workers_phases_into_one_table(tmp_path):
+    from bench.startup import breakdown, table, worker_phases
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "2026 loom DEBUG start-up of engine core 0: imports 0.90 s, workers started (imports, weights) 9.00 s; 20.00 s in all\n"
+        "2026 worker0 DEBUG compiled the warm-up's kernels ahead: 900 launches dry in 0.80 s, compiles done after "
+        "3.10 s (16 threads)\n"
+        "2026 worker0 DEBUG start-up of worker 0: imports 4.30 s, CUDA init 0.20 s, config 0.50 s, model built 0.30 s, "
+        "weights filled 0.40 s, runner state 0.30 s, profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels "
+        "compiled) 4.00 s, graph capture 2.50 s; 13.30 s in all\n")
+    ph = worker_phases(str(log))
+    assert ph == {"imports": 4.3, "cuda": 0.2, "config": 0.5, "built": 0.3, "filled": 0.4, "state": 0.3, "profile": 1.1, "kv": 0.05,
+                  "warmup": 4.0, "compiled": 59.0, "capture": 2.5, "all": 13.3}
+    assert breakdown(str(log)) == [
+        "engine core 0: imports 0.90 s, workers started (imports, weights) 9.00 s; 20.00 s in all",
+        "compiled the warm-up's kernels ahead: 900 launches dry in 0.80 s, compiles done after 3.10 s (16 threads)",
+        "worker 0: imports 4.30 s, CUDA init 0.20 s, config 0.50 s, model built 0.30 s, weights filled 0.40 s, "
+        "runner state 0.30 s, profiling run 1.10 s, KV cache 0.05 s, warm-up (59 kernels compiled) 4.00 s, graph capture 2.50 s; "
+        "13.30 s in all"]
+    lines = table([("qwen3-0.6b", "fresh", 15.0, 12.0, ph), ("qwen3-0.6b", "second", None, 6.0, {}),
+                   ("qwen3-0.6b", "fresh, LOOM_COMPILE_THREADS=0", 40.0, None, {})])
+    assert "FAIL" in lines[2] and lines[2].split()[2:5] == ["15.0", "12", "FAIL"] and lines[2].endswith("59    1.7")
+    assert "never" in lines[3] and "FAIL" in lines[3] and "PASS" not in lines[4] and "FAIL" not in lines[4]
+
+
+def test_early_cuda_init_without_a_gpu_fails_quietly(monkeypatch):
+    """A worker told --device cuda on a machine without libcuda: the early thread gives up
+    (the model runner's own CUDA init then reports why), and waiting for it returns."""
+    from workers import device_init
+    monkeypatch.setattr(device_init, "_thread", None)
+    if device_init._driver_context(0):
+        pytest.skip("this machine has a CUDA driver")
+    device_init.start("cuda", 0)
+    assert device_init._thread is not None
+    device_init.wait()
+    assert not device_init._thread.is_alive()
+
+
+def test_startup_bench_keeps_to_its_budget(tmp_path, capsys):
+    """A spent --budget skips every start (the targets' first, the A/B after), and the results
+    file and the table are still written."""
+    from bench.startup import main
+    assert main(["--presets", "qwen3-0.6b", "--budget", "0", "--out", str(tmp_path)]) == {}
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 3 and out.index("qwen3-0.6b fresh:") < out.index("qwen3-0.6b second:") \
+        < out.index("LOOM_COMPILE_THREADS=0: skipped")
+    assert json.loads((tmp_path / "startup.json").read_text()) == {}
+    assert out.rstrip().splitlines()[-2].startswith("loom serve to healthy (dummy)")

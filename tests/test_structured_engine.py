@@ -199,3 +199,34 @@ def test_bitmask_fill_runs_at_the_loops_priority(tiny_model_dir):
         assert all(os.getpriority(os.PRIO_PROCESS, t) == caller for t in new if os.path.exists(f"{tasks}/{t}"))
     finally:
         mgr.shutdown()
+
+
+def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
+    """With the decode graphs' work on (uncaptured, LOOM_DECODE_GRAPHS_ON_CPU=1), constrained
+    decode steps are sampled by the graphs' grammar head (the bitmask staged into the head's
+    buffers): the same tokens as the eager sampler's (LOOM_GRAMMAR_GRAPH_HEAD=0), valid output,
+    and the head did run with constrained rows."""
+    from frontend.entrypoints.llm import LLM
+    from workers.decode_graphs import DecodeGraphs
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    heads = []
+    set_grammar = DecodeGraphs.set_grammar
+
+    def counted(self, bs, distinct, mask_rows):
+        heads.append(int((mask_rows >= 0).sum()))
+        return set_grammar(self, bs, distinct, mask_rows)
+    monkeypatch.setattr(DecodeGraphs, "set_grammar", counted)
+    prompts, params = _requests()
+    out = {}
+    for head in ("1", "0"):
+        monkeypatch.setenv("LOOM_GRAMMAR_GRAPH_HEAD", head)
+        with LLM(tiny_model_dir, max_model_len=256, cuda_graph_sizes=[8]) as llm:
+            out[head] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if head == "1":
+            assert heads and max(heads) >= 3, heads   # steps whose constrained rows the head masked
+            n_heads, heads[:] = len(heads), []
+    assert not heads   # the switch off: never the grammar head
+    assert [(o.token_ids, o.finish_reason) for o in out["1"]] == [(o.token_ids, o.finish_reason) for o in out["0"]]
+    for o in out["1"][:3]:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert n_heads > 10

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels.cascade_attention import CascadePrefix
 from kernels.kv_quant import kv_scales_from_amax
 from kernels.paged_attention import paged_attention_ref
 from kernels.sdpa_attention import SdpaPlan, paged_attention_sdpa
@@ -34,6 +35,8 @@ class AttentionMetadata:
     graph_split: Callable | None = None
     # --calculate-kv-scales: this step (the first with tokens, run eagerly) sets each layer's scales
     calculate_kv_scales: bool = False
+    # cascade attention: the step's common prefix, read once for every query (workers/cascade_attn.py)
+    cascade: CascadePrefix | None = None
 
 
 class Attention(nn.Module):
@@ -75,7 +78,14 @@ class Attention(nn.Module):
             return meta.graph_split(self, q, kv_cache)
         t = q.shape[0]
         key_cache, value_cache = kv_cache
-        if meta.backend == "triton":
+        if meta.backend == "triton" and meta.cascade is not None and self.sliding_window is None \
+                and self.sinks is None:
+            from kernels.cascade_attention import cascade_attention
+            out = cascade_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                    self.scale, meta.max_query_len, meta.cascade, num_decodes=meta.num_decodes,
+                                    seq_order=meta.seq_order, out=out, logits_soft_cap=self.logits_soft_cap,
+                                    k_scale=self.k_scale, v_scale=self.v_scale)
+        elif meta.backend == "triton":
             from kernels.paged_attention import paged_attention
             out = paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                   meta.block_table, self.scale, meta.max_query_len, meta.max_seq_len,

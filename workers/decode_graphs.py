@@ -12,8 +12,12 @@ Each size has two graphs:
 - the head: lm_head and the plain sampler (greedy, temperature, min-p, and top-p without
   top-k) -> `tokens` (under tensor parallelism, a large batch samples from each rank's
   vocabulary shard, without top-p). A step whose rows all sample plainly replays both
-  graphs. Any other step (top-k, penalties, logprobs, a grammar) replays the model and
-  samples eagerly.
+  graphs. Any other step (top-k, penalties, logprobs) replays the model and samples eagerly.
+- the grammar head (one GPU): the head with every row masked by its grammar bitmask row
+  first (kernels/bitmask.py; -1: an unconstrained row). A structured-output step samples
+  when the engine's bitmask comes, behind the model graph already replayed: it then costs
+  two small copies and one replay, where the eager logits and sampler cost ~40 launches on
+  the path every constrained step waits on (LOOM_GRAMMAR_GRAPH_HEAD=0: eagerly).
 
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
@@ -34,9 +38,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ipc import envs
 from ipc.config import EngineConfig
+from kernels.bitmask import apply_bitmask
 from workers.attention import AttentionMetadata
-from workers.distributed import all_reduce_max
+from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import Alternating
 from workers.sampler import SamplingArrays, sample_plain
 from workers.step_inputs import DeviceInputs, HostInputs
@@ -205,6 +211,15 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # one token per row
         self.model_graphs: dict[int, _Replay] = {}   # output: the hidden states
         self.head_graphs: dict[int, _Replay] = {}    # writes `tokens`
+        # the grammar heads' inputs: each row's bitmask row (-1: unconstrained) in `mask`, which
+        # holds the step's distinct bitmask rows (set_grammar); one GPU only (whole-vocabulary logits)
+        self.grammar_heads = envs.LOOM_GRAMMAR_GRAPH_HEAD and tp_size() <= 1
+        self.grammar_head_graphs: dict[int, _Replay] = {}
+        if self.grammar_heads:
+            self.mask_words = -(-model.config.vocab_size // 32)
+            self.mask = torch.zeros((max_bs, self.mask_words), dtype=torch.int32, device=device)
+            self.mask_rows = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
+            self._all_rows = torch.arange(max_bs, dtype=torch.int32, device=device)
         self._pool = None
 
     # ------------------------------------------------------------ per step
@@ -236,10 +251,20 @@ class DecodeGraphs:
         graph.replay()
         return graph.output[:rows]
 
-    def run_head(self, bs: int, rows: int) -> torch.Tensor:
-        """Sample the model graph's hidden states just replayed: the tokens, on the device."""
-        self.head_graphs[bs].replay()
+    def run_head(self, bs: int, rows: int, grammar: bool = False) -> torch.Tensor:
+        """Sample the model graph's hidden states just replayed: the tokens, on the device
+        (grammar: each row masked as set_grammar set it)."""
+        (self.grammar_head_graphs if grammar else self.head_graphs)[bs].replay()
         return self.tokens[:rows]
+
+    def set_grammar(self, bs: int, distinct: torch.Tensor, mask_rows: torch.Tensor) -> None:
+        """The next grammar head's masks: distinct [D, words] bitmask rows (D <= bs) and each of
+        the bs rows' index into them (-1: unconstrained), both on the device."""
+        words = min(distinct.shape[1], self.mask_words)
+        self.mask[:distinct.shape[0], :words].copy_(distinct[:, :words])
+        if words < self.mask_words:   # tokens past the engine's vocabulary: never allowed
+            self.mask[:distinct.shape[0], words:].zero_()
+        self.mask_rows[:bs].copy_(mask_rows)
 
     # ------------------------------------------------------------ capture
 
@@ -260,10 +285,27 @@ class DecodeGraphs:
                 self._capture_model(g, smallest)
         for bs in reversed(self.sizes):
             self._capture_head(bs)
+            if self.grammar_heads:
+                self._capture_head(bs, grammar=True)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
         logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
                     "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
                     self.sizes[-1], time.perf_counter() - t0, padded or "none")
+
+    @torch.inference_mode()
+    def run_once(self) -> None:
+        """Every size's model and head work once, eagerly, on idle inputs (what capture runs
+        before capturing each): the dry run that compiles capture's kernels ahead of it
+        (workers/compile_ahead.py)."""
+        for bs in reversed(self.sizes):
+            self.stage(bs, None)
+            hidden = self._model_step(bs, bs)()
+            v = self._dev_views[bs]
+            params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
+            logits = self.model.compute_logits(hidden, plain=True)
+            if self.grammar_heads:   # the grammar head's mask kernel too
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+            sample_plain(logits, params, use_triton=self.backend == "triton")
 
     def _model_step(self, bs: int, split_for: int):
         """The model graph's work: the input kernel, then the forward on the static buffers."""
@@ -285,16 +327,18 @@ class DecodeGraphs:
         self.stage(bs, None)  # idle inputs: all padding rows
         self.model_graphs[bs] = self._capture(self._model_step(bs, split_for))
 
-    def _capture_head(self, bs: int) -> None:
+    def _capture_head(self, bs: int, grammar: bool = False) -> None:
         v = self._dev_views[bs]
         params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
 
         def head():
             logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
+            if grammar:
+                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
             # as the eager sampler draws: the Triton kernels with the Triton backend
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
         self.stage(bs, None)
-        self.head_graphs[bs] = self._capture(head)
+        (self.grammar_head_graphs if grammar else self.head_graphs)[bs] = self._capture(head)
 
     def _capture(self, fn) -> _Replay:
         """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""

@@ -11,6 +11,7 @@ import torch
 
 from ipc.config import EngineConfig, max_blocks_held
 from workers.attention import AttentionMetadata, model_sliding_window
+from workers.compile_ahead import run_compiled_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class KVCacheMemory:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            return self._profile_num_blocks()
+        if self.device.type == "cuda":   # (its Triton kernels compiled in parallel first)
+            return run_compiled_ahead(self._profile_num_blocks, self.device, "profiling run")
         budget = cfg.kv_cache_memory_bytes
         if budget is None:   # room for max_num_seqs requests as long as they can be (held trimmed)
             window = model_sliding_window(self.model) if cfg.sliding_window_kv_trim else None

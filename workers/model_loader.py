@@ -224,7 +224,7 @@ def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, low: float = -D
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", language_model_only: bool = False, model_impl: str = "auto",
-               quantization: str | None = None, engine_config=None) -> nn.Module:
+               quantization: str | None = None, engine_config=None, startup=None) -> nn.Module:
     """Our model for the HF checkpoint in model_dir, on device in dtype, in eval
     mode with requires_grad off.
 
@@ -232,25 +232,32 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     straight to the device), or the .bin files of a checkpoint without any; "dummy" needs only config.json and fills
     deterministic random weights (in the quantized format's layout, for a quantized model).
     quantization: --quantization (None: the checkpoint's quantization_config, if any;
-    workers/quantization/); the model's format is then `model.quant_config`."""
+    workers/quantization/); the model's format is then `model.quant_config`.
+    startup: the worker's ipc/startup.py StartupTimes, which then times the config (transformers'
+    import), the model's construction and the weights' fill as phases of their own."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
-    config = load_config(model_dir)
-    convert = "none"
-    if engine_config is not None:   # --hf-overrides, and a pooling runner's --convert
-        apply_hf_overrides(config, engine_config.hf_overrides, engine_config.tokenizer_dir)
-        convert = engine_config.convert
-    qcfg = get_quantization_config(_raw_config(model_dir), quantization, load_format)
-    with dense_weights_on_meta(qcfg):
+    phase = startup.phase if startup is not None else lambda name: contextlib.nullcontext()
+    with phase("config"):
+        config = load_config(model_dir)
+        convert = "none"
+        if engine_config is not None:   # --hf-overrides, and a pooling runner's --convert
+            apply_hf_overrides(config, engine_config.hf_overrides, engine_config.tokenizer_dir)
+            convert = engine_config.convert
+        qcfg = get_quantization_config(_raw_config(model_dir), quantization, load_format)
+    with phase("model built"), dense_weights_on_meta(qcfg):
         model = build_model(config, dtype, device, language_model_only, model_impl, convert)
-    quantized = install_linear_methods(model, qcfg, device)
-    if qcfg is not None:
-        logger.info("weights: %s on %d linear layers", qcfg.description, quantized)
-    if load_format == "dummy":
-        init_dummy_weights(model)
-    else:
-        model.load_weights(iterate_checkpoint(model_dir, device))
-    process_weights_after_loading(model)
+    with phase("weights filled"):
+        quantized = install_linear_methods(model, qcfg, device)
+        if qcfg is not None:
+            logger.info("weights: %s on %d linear layers", qcfg.description, quantized)
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        else:
+            model.load_weights(iterate_checkpoint(model_dir, device))
+        process_weights_after_loading(model)
+        if startup is not None and torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)   # (the phase is the device's work, not only its launches)
     model.quant_config = qcfg
     return model
 

@@ -22,6 +22,8 @@ from ipc.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from ipc.profiling import step_stats_enabled
 from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
+from workers import compile_ahead
+from workers.cascade_attn import CascadePlanner
 from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
@@ -36,6 +38,7 @@ from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
 from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
+from workers.spec_decode.verify_sampling import first_landings, per_token_params
 from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
 from workers.step_stats import StepStats
 from workers.warmup import capture_graphs, warm_up
@@ -101,18 +104,24 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config, rank)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            from workers import device_init
+            with self.startup.phase("CUDA init"):   # started in a thread during the imports (transformers imported meanwhile)
+                device_init.wait()
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)   # (the context, where no thread created it)
+        compile_ahead.note_start(config, self.device)   # a start seen before: no dry runs (kernels cached)
         self.dtype = resolve_dtype(config, self.device)
         backend = config.attention_backend
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.dtype, self.device, config.load_format,
-                               config.language_model_only, config.model_impl, config.quantization, config)
-        self.startup.mark("weights", t0)
+                               config.language_model_only, config.model_impl, config.quantization, config,
+                               startup=self.startup)   # its phases: config, model built, weights filled
         from workers.models.layers import use_kernels
         use_kernels(self.backend)
         logger.info("loaded %s in %.2fs (%s, %s)", config.model, time.perf_counter() - t0, self.device, self.dtype)
+        t0 = time.perf_counter()   # the runner's state, below: a phase of its own (pinned buffers, sampler)
         self.kv_spec = KVCacheSpec(*kv_cache_shape(self.model), config.block_size,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         check_kv_cache_device(self.kv_spec.dtype, self.device)
@@ -126,6 +135,8 @@ class ModelRunner:
         self.max_blocks_per_req = -(-config.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req,
                                 self.model.config.vocab_size, self.device)
+        # cascade attention for steps whose requests share a prefix's blocks (None: never)
+        self.cascade = CascadePlanner.build(self.model, config, self.kv_spec.dtype, self.block_size, self.backend)
         self.decode_graphs: DecodeGraphs | None = None        # pure-decode steps' graphs
         self.piecewise_graphs: PiecewiseGraphs | None = None  # the other steps' graphs
         # the row counts the lm_head runs at on CUDA: the decode graphs' batch sizes (_padded_rows)
@@ -149,6 +160,7 @@ class ModelRunner:
         if config.enable_lora:
             from workers.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, config, self.device, self.dtype, self.backend)
+        self.startup.mark("runner state", t0)
 
     # ------------------------------------------------------------ memory (KVCacheMemory), warm-up, graphs
 
@@ -194,6 +206,7 @@ class ModelRunner:
                                            self.startup.phases[-1][1])
             with self.startup.phase("graph capture"):
                 self._capture_graphs()
+            compile_ahead.mark_started()
             self.startup.log(logger)
             if self.stats is not None and not self.stats.serving:
                 self.stats.start_serving()
@@ -253,7 +266,9 @@ class ModelRunner:
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
             step.pooled = self.pooler(self.model, hidden, batch)
         elif len(batch.sample_rows) and so.defer_sample:
-            if batch.decode_graph_size is not None:  # its parameters lie in the graphs' staging, which the next step rewrites
+            if batch.decode_graph_size is not None and not batch.grammar_head:
+                # its parameters lie in the graphs' staging, which the next step rewrites (the grammar
+                # head reads them there: the worker samples this step before it launches the next)
                 batch.device = map_arrays(batch.device, torch.clone)
             step.unsampled = DeferredSample(batch, logits)   # sample_deferred() samples it once the bitmask comes
         elif batch.spec is not None:
@@ -301,11 +316,14 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:   # a verify step: k + 1 logits rows per request with k drafts
             spec = spec_layout(so.req_ids, sample_rows, end, np.concatenate(([0], np.cumsum(num_scheduled))),
                                so.scheduled_spec_decode_tokens)
+        per_request = spec is not None and envs.LOOM_SPEC_FAST_HOST   # (workers/spec_decode/verify_sampling.py)
         if spec is None:
             rows = [self._sampling_row(states[i], int(end[i])) for i in sample_rows]
+        elif per_request:   # each request's row at its first draft position, expanded below
+            rows = [self._sampling_row(states[i], p) for i, p in zip(sample_rows.tolist(),
+                                                                     first_landings(spec).tolist())]
         else:   # one row per draft and one more, each drawing the token at its landing position
-            rows = [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
-                                                                                 spec.landing.tolist())]
+            rows = self._verify_rows(states, sample_rows, spec)
         if so.scheduled_encoder_inputs:
             self._run_encoders(so)
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
@@ -315,9 +333,10 @@ class ModelRunner:
             fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
             mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
-        graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
+        cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
+        graph_size = None if calibrate or cascade else self._decode_graph_size(num_scheduled, bool(mm))
         token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
-        if spec is not None and not calibrate and not mm and (graph_size := self._verify_graph_size(
+        if spec is not None and not calibrate and not cascade and not mm and (graph_size := self._verify_graph_size(
                 num_scheduled, spec, sample_rows, int(end.max()))) is not None:
             host = rows_as_decodes(host, num_scheduled, start)
         every_row_samples = len(sample_rows) == len(num_scheduled)
@@ -326,13 +345,22 @@ class ModelRunner:
         plain = (((graph_size is not None and every_row_samples) or tp_size() > 1)
                  and (spec is None or graph_size is not None) and self._samples_plainly(so, rows))
         graph_samples = graph_size is not None and every_row_samples and plain
+        # a structured-output step whose rows otherwise sample plainly: the grammar head samples it
+        grammar_head = (not graph_samples and graph_size is not None and every_row_samples and spec is None
+                        and self._samples_in_grammar_head(so, rows))
+        graph_samples |= grammar_head
         if self.uses_mrope:
             host.positions = self.batch.mrope_positions(states, host.positions, token_starts)
         if spec is not None and not graph_samples:
             host.sample_index = self._padded_rows(spec.token_rows)
         elif not graph_samples:
             host.sample_index = self._padded_rows(host.query_start_loc[1:][sample_rows] - 1)
-        host.sampling = self.sampler.host_params(rows)
+        if per_request and graph_samples:   # the graph's head reads the plain fields only
+            host.sampling = per_token_params(self.sampler.host_params(rows), spec)
+        else:
+            if per_request:
+                rows = self._verify_rows(states, sample_rows, spec)
+            host.sampling = self.sampler.host_params(rows)
         spans = prompt_logprob_spans(states, start, num_scheduled)
         if (logprob_rows := prompt_logprob_rows(spans, states, token_starts, self.batch.token_ids)):
             host.prompt_logprob_rows, host.prompt_logprob_targets = logprob_rows
@@ -350,11 +378,14 @@ class ModelRunner:
         self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
         if calibrate:
             attention.calculate_kv_scales, self.kv_scales_pending = True, False
+        if cascade:   # (a piecewise or eager step: its attention runs between the graphs' pieces)
+            attention.cascade = self.cascade.prefix(cascade, device.query_start_loc, device.block_table,
+                                                    num_scheduled, attention.max_seq_len)
         piecewise_size = None
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec)
+                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -387,6 +418,12 @@ class ModelRunner:
         self.decode_graphs.stage(graph_size, host, device)
         return device
 
+    def _verify_rows(self, states: list[CachedRequestState], sample_rows: np.ndarray, spec: SpecLayout
+                     ) -> list[SamplingRow]:
+        """A verify step's rows: one per draft and one more, each drawing the token at its landing."""
+        return [self._sampling_row(states[sample_rows[j]], p) for j, p in zip(spec.request.tolist(),
+                                                                             spec.landing.tolist())]
+
     def _sampling_row(self, st: CachedRequestState, position: int) -> SamplingRow:
         # the token drawn lands at `position`: its output index is fixed whatever the schedule
         return SamplingRow(st.params, st.seed, position - st.num_prompt_tokens, st.slot, st.eos_token_ids,
@@ -417,6 +454,13 @@ class ModelRunner:
         top-p under tensor parallelism (the plain rows' logits may be a vocabulary shard there)."""
         return (not so.defer_sample and not (so.grammar is not None and len(so.grammar.rows))
                 and self.sampler.plain(rows, self.model.config.vocab_size, top_p=tp_size() == 1))
+
+    def _samples_in_grammar_head(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """A grammar constrains some row (now or once the bitmask comes) and the rows sample
+        plainly otherwise (workers/decode_graphs.py: the grammar head)."""
+        return (self.decode_graphs.grammar_heads
+                and (so.defer_sample or (so.grammar is not None and len(so.grammar.rows) > 0))
+                and self.sampler.plain(rows, self.model.config.vocab_size, top_p=True))
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
@@ -457,8 +501,9 @@ class ModelRunner:
         what their grammar bitmask allows. A step the decode graph's head samples has no row
         with penalties or bad words, so its tokens need not be recorded."""
         if batch.graph_samples:
-            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled)),
-                                 None, {}, None)
+            masked = self._stage_grammar(batch, grammar) if batch.grammar_head else None
+            return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
+                                                             grammar=batch.grammar_head), None, {}, masked)
         if grammar is not None and len(grammar.rows):
             self._apply_grammar(logits, batch.sample_rows, grammar)
         sampling = batch.device.sampling
@@ -524,6 +569,25 @@ class ModelRunner:
         if getattr(self.proposer, "on_device", False):   # drafted with the step (spec_drafts)
             return self.proposer.propose(self, live, step) or None
         return self.proposer.propose(self, live) or None
+
+    def _stage_grammar(self, batch: StepBatch, grammar: GrammarOutput | None) -> torch.Tensor | None:
+        """The grammar head's masks for this step (every row samples: grammar.rows are rows of
+        the head); the rows left with no token to sample (bool per row, on the host), or None."""
+        bs, n = batch.decode_graph_size, len(batch.num_scheduled)
+        mask_rows = np.full(bs, -1, dtype=np.int32)
+        if grammar is None or not len(grammar.rows):
+            distinct = np.zeros((0, 1), dtype=np.int32)
+        else:
+            distinct = np.array(grammar.bitmask)   # (a writable copy of the received frame)
+            which = np.arange(len(grammar.rows)) if grammar.mask_rows is None else np.asarray(grammar.mask_rows)
+            mask_rows[np.asarray(grammar.rows, dtype=np.int64)] = which
+        dev_distinct, dev_rows = self.h2d([np.ascontiguousarray(distinct), mask_rows])
+        self.decode_graphs.set_grammar(bs, dev_distinct, dev_rows)
+        empty = ~_allows_any(distinct, self.model.config.vocab_size)
+        if not empty.any():
+            return None
+        rows = mask_rows[:n]
+        return torch.from_numpy((rows >= 0) & empty[np.maximum(rows, 0)])
 
     def _apply_grammar(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar: GrammarOutput,
                        spec: SpecLayout | None = None) -> None:
@@ -621,3 +685,13 @@ class ModelRunner:
                 accepted[st.req_id] = step.spec.drafts[j][:a]
                 st.num_tokens += a   # (the drafts are in token_ids already: prepare() wrote them)
         return accepted or None
+
+
+def _allows_any(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool per bitmask row: some token of the vocabulary is allowed."""
+    full, rem = divmod(vocab, 32)
+    words = bitmask[:, :full]
+    out = (words != 0).any(axis=1) if full else np.zeros(len(bitmask), dtype=bool)
+    if rem and bitmask.shape[1] > full:
+        out |= (bitmask[:, full] & np.int32((1 << rem) - 1)) != 0
+    return out

@@ -90,16 +90,21 @@ class PiecewiseGraphs:
         capture stream; the kernels do not specialize on the (multiple-of-16) sizes, except
         the decode-sized linears (kernels/gemv.py: a variant per row bucket, and a split-K
         workspace), so every size up to layers.gemv_max_rows runs once eagerly too."""
-        from workers.models import layers
-        warm_up = [self.sizes[-1]] + [s for s in self.sizes[:-1] if s <= layers.gemv_max_rows]
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for size in warm_up:
-                self.model(*self._args(size, split=False))
+            self.eager_forwards()
             for size in reversed(self.sizes):
                 self._capture(size)
         torch.cuda.current_stream().wait_stream(self._stream)
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def eager_forwards(self) -> None:
+        """The eager forwards before the capture (capture's docstring); also the dry run that
+        compiles their kernels ahead (workers/compile_ahead.py)."""
+        from workers.models import layers
+        for size in [self.sizes[-1]] + [s for s in self.sizes[:-1] if s <= layers.gemv_max_rows]:
+            self.model(*self._args(size, split=False))
 
     def _args(self, size: int, split: bool) -> tuple:
         """The model's inputs at `size` tokens: one prompt over the buffers (its attention,

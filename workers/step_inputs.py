@@ -57,7 +57,7 @@ class StepBatch:
     computed_before: np.ndarray               # computed tokens before the step
     computed_after: np.ndarray
     sample_rows: np.ndarray                   # requests that sample a token (not mid-prompt)
-    sampling_rows: list[SamplingRow]
+    sampling_rows: list[SamplingRow]          # (a verify step the graph head samples: one per request)
     host: HostInputs
     device: DeviceInputs
     attention: AttentionMetadata | None       # None: a decode graph's step (the graph holds its own)
@@ -69,6 +69,7 @@ class StepBatch:
     plain: bool = False                        # every sampled row samples plainly, now (Sampler.plain)
     prompt_logprob_spans: list[PromptSpan] = field(default_factory=list)  # computed once, in prepare()
     spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
+    grammar_head: bool = False                 # graph_samples in the decode graph's grammar head
 
     @property
     def kind(self) -> str:

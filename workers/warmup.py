@@ -15,6 +15,7 @@ import torch
 
 from ipc import envs
 from ipc.sampling_params import SamplingParams
+from workers.compile_ahead import compile_ahead, dry_running
 from workers.decode_graphs import DecodeGraphs
 from workers.distributed import tp_size
 from workers.piecewise_graphs import PiecewiseGraphs, enabled as piecewise_enabled
@@ -75,11 +76,18 @@ def _warmup_inputs(runner: ModelRunner, query_lens: list[int]) -> tuple[StepArra
     return host, num_scheduled
 
 
-@torch.inference_mode()
 def warm_up(runner: ModelRunner) -> None:
-    """Run the kernels once per kind of batch (with no cache writes) before serving."""
+    """Run the kernels once per kind of batch (with no cache writes) before serving, their
+    Triton variants compiled in parallel first (workers/compile_ahead.py)."""
     if runner.device.type != "cuda" or runner.backend != "triton":
         return
+    # one dry run for the warm-up and the graph capture after it: their compiles share one pool
+    compile_ahead(lambda: (_warm_up(runner), _graph_bodies(runner)), runner.device, "warm-up and graph capture")
+    _warm_up(runner)
+
+
+@torch.inference_mode()
+def _warm_up(runner: ModelRunner) -> None:
     t0 = time.perf_counter()
     config, model, sampler = runner.config, runner.model, runner.sampler
     limit = min(config.max_num_batched_tokens, config.max_model_len - 8)
@@ -97,10 +105,13 @@ def warm_up(runner: ModelRunner) -> None:
             plain = sampler.plain(rows, model.config.vocab_size)
             sampler(plain_logits if plain else logits, rows, runner.h2d.upload(sampler.host_params(rows)))
     _warmup_split_kv(runner)
+    _warmup_cascade(runner)
     for rows in runner.logit_row_counts:  # the lm_head's shapes (ModelRunner._padded_rows)
         model.compute_logits(torch.zeros(rows, model.config.hidden_size, dtype=runner.dtype, device=runner.device))
-    torch.cuda.synchronize()
-    logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
+    if runner.device.type == "cuda":   # (the CPU: the tests' dry runs of it, tests/test_compile_ahead.py)
+        torch.cuda.synchronize()
+    if not dry_running():
+        logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
 
 
 def _warmup_split_kv(runner: ModelRunner) -> None:
@@ -127,6 +138,31 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
             _attention_once(runner, min(runner.config.max_num_batched_tokens, seq_len), seq_len, None, *kind)
 
 
+def _warmup_cascade(runner: ModelRunner) -> None:
+    """Cascade attention's kernel variants (workers/cascade_attn.py) for decode batches of 64
+    and of --max-num-seqs over a prefix of half the context: its prefix launch, its ordered
+    decode suffix, and its merge. Other batch sizes may pick other split counts: the first
+    such step compiles them."""
+    if runner.cascade is None:
+        return
+    from kernels.cascade_attention import cascade_attention
+    key_cache, value_cache = runner.kv_caches[0]
+    block_size, device = runner.block_size, runner.device
+    prefix_len = runner.config.max_model_len // 2 // block_size * block_size
+    if prefix_len == 0:
+        return
+    for num_seqs in sorted({min(64, runner.config.max_num_seqs), runner.config.max_num_seqs}):
+        num_scheduled = np.ones(num_seqs, np.int64)
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        seq_lens = torch.full((num_seqs,), prefix_len + 64, dtype=torch.int32, device=device)
+        block_table = torch.zeros((num_seqs, runner.max_blocks_per_req), dtype=torch.int32, device=device)
+        prefix = runner.cascade.prefix(prefix_len, query_start_loc, block_table, num_scheduled, prefix_len + 64)
+        q = torch.randn(num_seqs, runner.cascade.num_q_heads, runner.kv_spec.head_dim, dtype=runner.dtype,
+                        device=device)
+        cascade_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0, 1, prefix,
+                          num_decodes=num_seqs, seq_order=torch.arange(num_seqs, dtype=torch.int32, device=device))
+
+
 def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: int | None,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
                     sinks: bool = False) -> None:
@@ -148,28 +184,61 @@ def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: 
 
 # ------------------------------------------------------------ CUDA graphs
 
+def _captures(runner: ModelRunner) -> bool:
+    """Whether capture_graphs captures (or, LOOM_DECODE_GRAPHS_ON_CPU=1, runs uncaptured) graphs."""
+    device = runner.device
+    on_cpu = device.type == "cpu" and envs.LOOM_DECODE_GRAPHS_ON_CPU
+    return not runner.config.enforce_eager and (on_cpu or device.type == "cuda" and runner.backend == "triton")
+
+
+def _captures_piecewise(runner: ModelRunner) -> bool:
+    # (an encoder-decoder's cross-attention sizes its prompt steps from host ints: no fixed graph)
+    return runner.device.type == "cuda" and piecewise_enabled() and getattr(runner.model, "cross_kv", None) is None
+
+
+def _graph_bodies(runner: ModelRunner) -> None:
+    """What capture_graphs runs eagerly before it captures (each decode graph's step, the
+    piecewise graphs' forwards), on graph objects of their own that are then dropped: run in
+    the warm-up's dry run, the kernels the capture needs compile along with the warm-up's."""
+    if not _captures(runner):
+        return
+    lora = runner.lora.ctx if runner.lora is not None else None
+    active = lora.active if lora is not None else None
+    if lora is not None:   # as _capture_graphs records them
+        lora.active = True
+    try:
+        DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
+                     runner.kv_splits).run_once()
+        if _captures_piecewise(runner):
+            _piecewise_graphs(runner).eager_forwards()
+    finally:
+        if lora is not None:
+            lora.active = active
+
+
 def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
     """The decode graphs (workers/decode_graphs.py) and the piecewise graphs. On the CPU,
     LOOM_DECODE_GRAPHS_ON_CPU=1 runs the decode graphs' work uncaptured (tests). The runner
-    holds none while they are captured (it has just allocated the cache, or woken up)."""
-    device = runner.device
-    on_cpu = device.type == "cpu" and envs.LOOM_DECODE_GRAPHS_ON_CPU
-    if runner.config.enforce_eager or not (on_cpu or device.type == "cuda" and runner.backend == "triton"):
+    holds none while they are captured (it has just allocated the cache, or woken up). Their
+    kernels were compiled ahead in the warm-up's dry run (_graph_bodies)."""
+    if not _captures(runner):
         return CapturedGraphs(None, None)
-    decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, device, runner.backend,
+    decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
                           runner.kv_splits)
     decode.capture()
-    return CapturedGraphs(decode, None if on_cpu else _capture_piecewise(runner))
+    return CapturedGraphs(decode, _capture_piecewise(runner) if _captures_piecewise(runner) else None)
 
 
-def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs | None:
+def _piecewise_graphs(runner: ModelRunner) -> PiecewiseGraphs:
+    return PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
+                           runner.model.config.num_attention_heads // tp_size(), runner.device,
+                           runner.uses_mrope, runner.backend, runner.dtype)
+
+
+def _capture_piecewise(runner: ModelRunner) -> PiecewiseGraphs:
     """The graphs of every other step (prefill, mixed), in pieces around attention."""
-    if not piecewise_enabled() or getattr(runner.model, "cross_kv", None) is not None:
-        return None   # (an encoder-decoder's cross-attention sizes its prompt steps from host ints: no fixed graph)
     t0 = time.perf_counter()
-    graphs = PiecewiseGraphs(runner.model, runner.kv_caches, runner.config.max_num_batched_tokens,
-                             runner.model.config.num_attention_heads // tp_size(), runner.device,
-                             runner.uses_mrope, runner.backend, runner.dtype)
+    graphs = _piecewise_graphs(runner)
     graphs.capture()
     logger.info("captured piecewise CUDA graphs of %d to %d tokens (%d sizes) in %.1fs",
                 graphs.sizes[0], graphs.sizes[-1], len(graphs.sizes), time.perf_counter() - t0)

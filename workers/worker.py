@@ -272,6 +272,9 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
         child_signals()
     logging.basicConfig(level=envs.LOOM_LOG_LEVEL,
                         format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+    config = EngineConfig.from_dict(config_dict)
+    from workers import device_init
+    device_init.start(config.device, local_rank)   # the CUDA context, while the imports below run
     from ipc.auth import ring_curve_client
     from shm.broadcast_ring import RemoteHandle, RingClosed, attach_reader
     ctx = zmq.Context()
@@ -287,7 +290,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
             ring = attach_reader(ring_handle, rank)
         except FileNotFoundError as e:   # the engine stopped (its ring removed) before this worker got there
             raise RingClosed(f"the step ring is gone ({e})") from None
-        worker = Worker(EngineConfig.from_dict(config_dict), rank, local_rank, rendezvous)
+        worker = Worker(config, rank, local_rank, rendezvous)
         freeze_startup_heap()
         send(WorkerReply(rank, result="ready"))
         with maybe_profile(f"worker{rank}"):

@@ -7,31 +7,18 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from torch import nn
 
-from workers.attention import AttentionMetadata
-from workers.distributed import LogitsShard
-from workers.models.layers import KVCache
+from workers.models.wrapped_lm import WrappedLanguageModel
 
 # HF's names (transformers >= 4.5x) -> ours
 RENAMES = [("model.audio_tower.", "audio_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
            ("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")]
 
 
-class AudioLanguageModel(nn.Module):
-    """The text model's forward, embeddings and logits, and the weight loading, of a model with
+class AudioLanguageModel(WrappedLanguageModel):
+    """The weight loading and the memory profiling's longest clip of a model with
     `audio_tower` (None: language_model_only), `multi_modal_projector`, `language_model` and
     `hf_config` (its audio_config: num_mel_bins, max_source_positions)."""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        return self.language_model.compute_logits(hidden, plain)
 
     def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
         """Processed arrays of the longest clip (memory profiling)."""
@@ -43,7 +30,14 @@ class AudioLanguageModel(nn.Module):
     def hf_to_loom(self, name: str) -> str:
         for old, new in RENAMES:
             if name.startswith(old):
-                return new + name[len(old):]
+                name = new + name[len(old):]
+                break
+        # some transformers releases nest a whole *ForCausalLM under `model.language_model`, so its
+        # decoder's names carry one `model.` more (model.language_model.model.layers...)
+        if name.startswith("language_model.model.model."):
+            name = "language_model.model." + name[len("language_model.model.model."):]
+        elif name.startswith("language_model.model.lm_head."):
+            name = "language_model." + name[len("language_model.model."):]
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:

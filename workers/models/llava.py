@@ -16,11 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from multimodal.info import MultiModalInfo
-from workers.attention import AttentionMetadata
-from workers.distributed import LogitsShard
-from workers.models.layers import KVCache, replicated
+from workers.models.layers import replicated
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.wrapped_lm import WrappedLanguageModel
 
 
 
@@ -118,7 +117,7 @@ class VisionTower(nn.Module):
         return [states[i] for i in layers]
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrappedLanguageModel):
     multimodal = LlavaImages()
 
     def __init__(self, config, language_model_only: bool = False):
@@ -144,16 +143,6 @@ class LlavaForConditionalGeneration(nn.Module):
             for module in (self.vision_tower, self.multi_modal_projector):
                 for p in module.parameters():  # replicated on every tensor-parallel rank
                     replicated(p)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor, plain: bool = False) -> torch.Tensor | LogitsShard:
-        return self.language_model.compute_logits(hidden, plain)
 
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed images (pixel_values [1, C, H, W] each) -> embeddings [tokens, hidden] each."""

@@ -137,12 +137,17 @@ def check_architecture(config) -> None:
     arch = (hf.get("architectures") or [None])[0]
     if arch is None:
         raise ConfigError(f"{config.model}/config.json names no architecture (`architectures`)")
-    from workers.quantization import QuantizationError, get_quantization_config
-    try:   # a format Loom does not serve fails here, in one line
-        quantized = get_quantization_config(hf, getattr(config, "quantization", None),
-                                            getattr(config, "load_format", "auto")) is not None
-    except QuantizationError as e:
-        raise ConfigError(str(e)) from None
+    quantization = getattr(config, "quantization", None)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    quantized = False
+    # unquantized (the usual case): no import of workers.quantization, which imports torch (1.5-3 s
+    # in `loom serve` before any child process starts)
+    if quantization not in (None, "auto") or "quantization_config" in hf or "quantization_config" in text:
+        from workers.quantization import QuantizationError, get_quantization_config
+        try:   # a format Loom does not serve fails here, in one line
+            quantized = get_quantization_config(hf, quantization, getattr(config, "load_format", "auto")) is not None
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
     try:
         generic = uses_generic_path(arch, config.model_impl)
     except ValueError as e:

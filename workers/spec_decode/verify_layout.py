@@ -20,21 +20,25 @@ class SpecLayout:
 
 def spec_layout(req_ids: list[str], sample_rows: np.ndarray, end: np.ndarray, query_start_loc: np.ndarray,
                 spec: dict[str, list[int]]) -> SpecLayout:
-    drafts = [spec.get(req_ids[i], []) for i in sample_rows.tolist()]
-    k = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
-    n_rows = k + 1
-    first = np.zeros(len(k), dtype=np.int64)
-    np.cumsum(n_rows[:-1], out=first[1:])
-    request = np.repeat(np.arange(len(k)), n_rows)
-    offset = np.arange(int(n_rows.sum())) - first[request]          # 0 .. k_j within a request
+    # (one pass over the requests' few rows in Python, then a handful of numpy ops: a verify step
+    # pays this on its critical path, and ~20 small numpy calls cost more than the loop)
+    drafts, request, offset, back, draft = [], [], [], [], []
+    for j, i in enumerate(sample_rows.tolist()):
+        d = spec.get(req_ids[i], [])
+        drafts.append(d)
+        n = len(d) + 1
+        request += [j] * n
+        offset += range(n)
+        back += range(n - 1, -1, -1)   # rows after this one within the request: k_j - offset
+        draft += d
+        draft.append(-1)
+    request_a = np.array(request, dtype=np.int64)
+    offset_a = np.array(offset, dtype=np.int64)
+    back_a = np.array(back, dtype=np.int64)
     last_token = query_start_loc[1:][sample_rows].astype(np.int64) - 1
-    token_rows = last_token[request] - k[request] + offset
-    landing = end[sample_rows][request] - k[request] + offset
-    draft = np.full(len(token_rows), -1, dtype=np.int64)
-    is_draft = offset < k[request]
-    if is_draft.any():
-        draft[is_draft] = np.concatenate([np.asarray(d, dtype=np.int64) for d in drafts if d])
-    width = int(k.max()) + 1 if len(k) else 1
-    rows = np.full((len(k), width), -1, dtype=np.int64)
-    rows[request, offset] = np.arange(len(token_rows))
-    return SpecLayout(token_rows, draft, rows, landing, request, drafts)
+    token_rows = last_token[request_a] - back_a
+    landing = end[sample_rows].astype(np.int64)[request_a] - back_a
+    width = (int(offset_a.max()) + 1) if len(offset_a) else 1
+    rows = np.full((len(drafts), width), -1, dtype=np.int64)
+    rows[request_a, offset_a] = np.arange(len(request_a))
+    return SpecLayout(token_rows, np.array(draft, dtype=np.int64), rows, landing, request_a, drafts)

@@ -1,0 +1,251 @@
+"""A start-up phase's Triton compiles in parallel: the phase runs once dry, then for real.
+
+On a fresh machine the warm-up compiled ~60 kernel variants one after another (31 s on an H200):
+each variant compiles when it is first launched, and the launch waits for it. Most of a compile
+is MLIR's passes (which release the GIL) and ptxas (a subprocess), so compiles overlap well in
+threads; what serializes them is only that a launch needs its binary before the next launch is
+known. So the phase runs twice:
+
+1. dry: every Triton launch becomes Triton's own `warmup` call under `triton.AsyncCompileMode`,
+   which submits the variant's compile to a thread pool and launches nothing. The torch ops
+   between the launches still run, so every later launch sees the shapes, dtypes, int values and
+   alignments it will see for real. What the kernels would have written stays as allocated, and
+   every tensor allocated in the dry pass is zero-filled (a TorchDispatchMode): a value that
+   comes out of a skipped kernel and indexes a torch op (a sampled token id, say) is a valid
+   index, never the allocator's leftovers. The state allocated before (weights, KV cache, the
+   sampler's tables) is not written by a skipped kernel; what torch ops write into it is what the
+   phase's idle inputs make them write anyway (tests/test_compile_ahead.py runs the warm-up and
+   the decode graphs dry on the CPU and checks the engine's tokens after). Leaving
+   AsyncCompileMode waits for every compile.
+2. for real: every launch finds its variant compiled (in memory and in Triton's cache dir).
+
+The worker runs its profiling run this way, and its warm-up together with the graph capture's
+eager steps (workers/warmup.py: one pool, one wait). A start already completed on the same
+compile cache (note_start) runs no dry runs: every kernel loads from the cache anyway.
+
+A variant the dry pass did not reach (a host branch on a value the dry pass zeroed) compiles in
+the real pass as before: the dry pass can only save time. LOOM_COMPILE_THREADS=0 runs the phase
+once (the A/B switch of bench/startup.py); a Triton without AsyncCompileMode, or the CPU, too;
+under tensor parallelism it is on only when LOOM_COMPILE_THREADS is set (its peer kernels: flags
+and Lamport buffers, skipped on every rank, are untested that way).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ipc import envs
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
+                "new_empty_strided.default")
+
+
+# Fields of the engine config that change which kernel variants a start compiles
+_KEY_FIELDS = ("model", "dtype", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
+               "max_num_batched_tokens", "tensor_parallel_size", "quantization", "enforce_eager", "cuda_graph_sizes",
+               "speculative_config", "enable_lora", "max_lora_rank", "max_loras", "attention_backend", "model_impl",
+               "runner", "convert", "language_model_only", "hf_overrides", "enable_expert_parallel",
+               "mm_encoder_budget", "mm_max_item_tokens", "calculate_kv_scales", "load_format")
+# LOOM_* variables that do not change a kernel (the others, such as LOOM_GEMV or LOOM_PDL, do)
+_KEY_IGNORES = {"LOOM_LOG_LEVEL", "LOOM_ENGINE_AUTH_KEY", "LOOM_RUN_ID", "LOOM_SERVE_PID", "LOOM_CACHE_ROOT",
+                "LOOM_PROFILE_DIR", "LOOM_TORCH_PROFILER_DIR", "LOOM_STEP_STATS", "LOOM_COMPILE_THREADS"}
+_marker: str | None = None    # this start's file under the compile cache (note_start)
+_known_start = False          # the same start completed on this cache before: no dry runs
+
+
+def start_key(config, device_name: str) -> str:
+    """What decides the kernel variants a worker's start compiles: the engine config's fields
+    that shape them, the checkpoint's config.json, the GPU, the kernel-changing LOOM_* variables,
+    and Loom's kernels and worker sources (their sizes and times). Triton's and torch's versions
+    key the cache directory the marker lives in."""
+    h = hashlib.sha256()
+    fields = config.to_dict()
+    h.update(json.dumps({k: fields.get(k) for k in _KEY_FIELDS}, sort_keys=True, default=str).encode())
+    try:
+        with open(os.path.join(str(config.model), "config.json"), "rb") as f:
+            h.update(f.read())
+    except OSError:
+        pass
+    h.update(device_name.encode())
+    h.update(repr([(n, envs.read(n)) for n in sorted(envs.ENVIRONMENT_VARIABLES) if n not in _KEY_IGNORES]).encode())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in ("kernels", "workers"):
+        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    st = os.stat(os.path.join(folder, name))
+                    h.update(f"{os.path.relpath(folder, root)}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def note_start(config, device: torch.device) -> None:
+    """Before a worker's first phase: whether this same start (start_key) completed on this
+    compile cache before. Then every kernel loads from the cache and a dry run would only repeat
+    its phase's host work (0.5-1 s each), so none runs."""
+    global _marker, _known_start
+    if device.type != "cuda":
+        return
+    from ipc.compile_cache import compile_cache_dir
+    name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    _marker = os.path.join(compile_cache_dir(), "loom-starts", start_key(config, name))
+    _known_start = os.path.exists(_marker)
+
+
+def mark_started() -> None:
+    """After a worker's last phase (graph capture): this process's later phases (a wake-up) and
+    later starts of the same key (note_start) run no dry runs."""
+    global _known_start
+    if _marker is None:   # (not a CUDA worker: nothing runs dry)
+        return
+    _known_start = True
+    try:
+        os.makedirs(os.path.dirname(_marker), exist_ok=True)
+        with open(_marker, "w"):
+            pass
+    except OSError:   # a read-only cache: later starts dry-run again, nothing worse
+        pass
+
+
+def threads(device: torch.device) -> int:
+    """Compile threads for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
+    core, at most 16, and none under tensor parallelism) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
+    once, compiling as it launches); 0 too once this start is known (note_start)."""
+    if _known_start:
+        return 0
+    n = envs.LOOM_COMPILE_THREADS
+    if n is None:
+        from workers.distributed import tp_size
+        if tp_size() > 1:   # not by default under tensor parallelism: its peer kernels (flags, Lamport
+            return 0        # buffers) are untested skipped; LOOM_COMPILE_THREADS=N turns it on
+        n = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if n <= 0 or device.type != "cuda":
+        return 0
+    try:
+        import triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    if getattr(triton, "AsyncCompileMode", None) is None or not hasattr(JITFunction, "run"):
+        return 0
+    return n
+
+
+class ZeroedAllocations(TorchDispatchMode):
+    """Every tensor allocated uninitialized under it is zero-filled (on `devices`' types)."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        super().__init__()
+        self.devices = devices
+        self._allocs = {getattr(getattr(torch.ops.aten, op), overload)
+                        for op, overload in (n.split(".") for n in _ALLOCATIONS)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._allocs and isinstance(out, torch.Tensor) and out.device.type in self.devices:
+            try:
+                out.zero_()
+            except RuntimeError:   # a dtype without fill on this build: left as allocated
+                pass
+        return out
+
+
+class DryLaunches:
+    """While active (in this thread): a Triton launch submits its variant's compile to
+    AsyncCompileMode and launches nothing. Counts the launches it turned dry."""
+
+    _lock = threading.Lock()
+    _active: DryLaunches | None = None
+
+    def __init__(self):
+        self.launches = 0
+        self.thread = threading.get_ident()
+        self.compiles: dict[str, int] = {}   # kernel name -> variants submitted to compile
+        self.futures: set[int] = set()       # those compiles (a variant launched again shares its own)
+
+    def summary(self) -> str:
+        """The kernels compiled, the most variants first: `name xN, ...`."""
+        ranked = sorted(self.compiles.items(), key=lambda kv: (-kv[1], kv[0]))
+        return ", ".join(f"{name} x{n}" for name, n in ranked) or "none"
+
+    @contextlib.contextmanager
+    def patched(self, kernel_class=None):
+        """kernel_class: whose launches turn dry (Triton's JITFunction; the tests' CPU runs pass
+        the interpreter's InterpretedFunction, whose warmup launches nothing either)."""
+        if kernel_class is None:
+            from triton.runtime.jit import JITFunction as kernel_class
+        original = kernel_class.run
+        dry = self
+
+        def run(self, *args, grid, warmup, **kwargs):
+            if warmup or threading.get_ident() != dry.thread:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            dry.launches += 1
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            if type(kernel).__name__ == "FutureKernel" and id(kernel) not in dry.futures:   # a new variant
+                dry.futures.add(id(kernel))
+                name = getattr(getattr(self, "fn", None), "__name__", "?")
+                dry.compiles[name] = dry.compiles.get(name, 0) + 1
+            return kernel
+
+        with DryLaunches._lock:
+            if DryLaunches._active is not None:
+                raise RuntimeError("a dry pass is already running")
+            DryLaunches._active, kernel_class.run = self, run
+        try:
+            yield self
+        finally:
+            with DryLaunches._lock:
+                DryLaunches._active, kernel_class.run = None, original
+
+
+def dry_running() -> bool:
+    """Whether a dry run is in progress (its phase then logs nothing of its own)."""
+    return DryLaunches._active is not None
+
+
+def run_compiled_ahead(phase: Callable[[], T], device: torch.device, name: str = "phase") -> T:
+    """phase(), its Triton kernels compiled first in parallel by a dry run of it (module
+    docstring); phase() alone when threads(device) is 0."""
+    compile_ahead(phase, device, name)
+    return phase()
+
+
+def compile_ahead(phase: Callable[[], object], device: torch.device, name: str = "phase") -> None:
+    """A dry run of phase() (module docstring): the Triton variants it would launch compiled
+    in parallel, nothing launched. A dry run that fails is logged; the phase then compiles
+    whatever it did not as it runs, as before. Nothing when threads(device) is 0."""
+    n = threads(device)
+    if n > 0:
+        _dry_run(phase, n, name)
+
+
+def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
+    import triton
+    t0 = time.perf_counter()
+    dry = DryLaunches()
+    try:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="loom-compile") as pool, \
+                triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations():
+            phase()
+            launched = time.perf_counter() - t0
+    except Exception as e:   # noqa: BLE001 - the real run compiles whatever this one did not
+        logger.warning("compiling the %s's kernels ahead failed (%s: %s); they compile as it runs",
+                       name, type(e).__name__, e)
+        return
+    torch.cuda.synchronize(torch.device("cuda", torch.cuda.current_device()))
+    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, %d variants compiled after %.2f s "
+                 "(%d threads): %s", name, dry.launches, launched, sum(dry.compiles.values()),
+                 time.perf_counter() - t0, num_threads, dry.summary())
