@@ -22,11 +22,17 @@ for section in "$@"; do case $section in
   llama8b-stats) LOOM_STEP_STATS=1 TAIL=30 run llama8b-throughput-stats 300 $LOOM bench throughput --preset llama-3.1-8b ;;
   sampling) LOOM_STEP_STATS=1 TAIL=40 run qwen3-sampling 500 $LOOM bench throughput --preset qwen3-0.6b \
               --sampling plain topp-only topp-penalties topp penalties logprobs n4seed --output-json "$OUT/sampling.json" ;;
-  top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels), then top-p alone, with
-         # penalties, with top-k, against plain in one engine
-         TAIL=30 run top-p-kernels 200 python3 -m bench.kernels_gpu --parts top_p
-         TAIL=10 run qwen3-top-p 300 $LOOM bench throughput --preset qwen3-0.6b \
-           --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json" ;;
+  top-p) # issue 49 item 1: the sampler's device time per mode vs plain (kernels: graphed old / new route,
+         # eager), then top-p alone, with penalties, with top-k, against plain in one engine; one table last
+         TAIL=60 run top-p-kernels 100 python3 -m bench.kernels_gpu --parts top_p \
+           --output-json "$OUT/top-p-kernels.json"
+         LOOM_PENALTY_HEAD_GRAPHS=1 LOOM_TOP_P_RACE_CHUNKS=16 TAIL=10 run qwen3-top-p 170 $LOOM bench throughput \
+           --preset qwen3-0.6b --sampling plain topp-only topp-penalties topp --output-json "$OUT/top-p.json"
+         LOOM_PENALTY_HEAD_GRAPHS=0 TAIL=4 run qwen3-top-p-eager-penalties 110 $LOOM bench throughput \
+           --preset qwen3-0.6b --sampling plain topp-penalties --output-json "$OUT/top-p-eager-penalties.json"
+         python3 -m bench.top_p "$OUT" ;;
+  top-p-tests) # issue 49 item 1's GPU tests: the penalty head and the second race's split against the eager sampler
+    run top-p-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_sampling.py ;;
   startup) # issue 49 item 4: loom serve to healthy (dummy), Qwen3-0.6B and Llama-3.1-8B: an empty cache
            # (kernels compiled ahead in parallel), a second start, then an empty cache with
            # LOOM_COMPILE_THREADS=0 (compiled one by one: the A/B); each start's breakdown

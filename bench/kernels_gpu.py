@@ -32,6 +32,7 @@ class Ctx:
         self.timing = timing
         self.failures: list[str] = []
         self.rows: list[tuple] = []
+        self.top_p_rows: list[tuple] = []   # (model, B, logits, mode, {variant: ms}): the top_p part
 
     def check(self, name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0):
         got, want = got.float(), want.float()
@@ -314,48 +315,89 @@ def _logprobs(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
                       lambda: sampler(logits, rows, d), logits.numel() * 2)
 
 
+def _graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up run on a side stream): its replay, the device
+    time alone, as the decode graphs' head runs the sampler."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# the top-p route's variants, side by side: LOOM_TOP_P_RACE_CHUNKS (the second race's split)
+TOP_P_VARIANTS = {"old": "0", "new": "16"}
+
+
 def _top_p(ctx: Ctx, model: str, cfg: dict, quick: bool, dev, gen):
     """Issue 49: top-p without top-k (the race winner's check), with penalties, and top-p + top-k,
     against plain temperature, through the Sampler as the engine calls it (bf16 logits; flat rows
     as random weights give, peaked rows as a trained model's). Seeded tokens equal the reference
-    on the same Philox noise (philox_noise), but for a rare ulp-borderline flip (GPU division)."""
+    on the same Philox noise (philox_noise), but for a rare ulp-borderline flip (GPU division).
+    Timed eagerly (host launches included) and captured in a CUDA graph (the device time alone),
+    for each TOP_P_VARIANTS setting: ctx.top_p_rows, printed as one table by top_p_table()."""
+    import os
+
     from ipc.sampling_params import SamplingParams
     from workers.host_to_device import map_arrays
-    from workers.sampler import Sampler, SamplingRow, sample_plain
+    from workers.sampler import Sampler, SamplingRow
     vocab = cfg["vocab"]
     sampler = Sampler(use_triton=dev.type == "cuda")
     modes = {"plain": {}, "top_p=0.95": dict(top_p=0.95),
              "top_p=0.95 rep 1.1 pres 0.5": dict(top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5),
              "top_p=0.9 top_k=50": dict(top_p=0.9, top_k=50)}
-    for b in ((16,) if quick else (1, 64, 256)):
-        counts = torch.zeros(b, vocab, dtype=torch.int32, device=dev)
-        counts.scatter_add_(1, torch.randint(0, vocab, (b, 300), device=dev, generator=gen),
-                            torch.ones(b, 300, dtype=torch.int32, device=dev))
-        state = (counts, (torch.rand(b, vocab, device=dev, generator=gen) < 0.003).to(torch.uint8))
-        for shape, scale in (("flat", 0.5), ("peaked", 4.0)):
-            logits = (torch.randn(b, vocab, device=dev, generator=gen) * scale).to(torch.bfloat16)
-            times = {}
-            for label, kw in modes.items():
-                rows = [SamplingRow(SamplingParams(temperature=0.8, **kw), seed=i, output_index=7, slot=i)
-                        for i in range(b)]
-                d = map_arrays(Sampler.host_params(rows), lambda a: torch.from_numpy(a).to(dev))
-                tokens = sampler(logits, rows, d, state).tokens
-                if not any(r.adjusts for r in rows):
-                    want = sampling.sample_with_noise_ref(logits, d.temperature, d.top_k, d.top_p, d.min_p,
-                                                          sampling.philox_noise(d.seeds, d.output_indices, vocab))
-                    same = int((tokens == want).sum())
-                    ctx.expect(f"sampler {model} B={b} {shape} {label} == reference", same >= b - max(1, b // 32),
-                               f"({same}/{b} identical)")
-                if ctx.timing:
-                    times[label] = triton.testing.do_bench(lambda: sampler(logits, rows, d, state), warmup=5, rep=30)
-                    ctx.bench("sampler", f"{model} B={b} {shape} {label}", lambda: sampler(logits, rows, d, state),
-                              logits.numel() * 2)
-                    if Sampler.plain(rows, vocab, top_p=True):   # the decode graphs' head
-                        ctx.bench("sample_plain (graph head)", f"{model} B={b} {shape} {label}",
-                                  lambda: sample_plain(logits, d, True), logits.numel() * 2)
-            for label, ms in times.items():
-                print(f"top-p device time {model} B={b} {shape}: {label} {ms * 1e3:.1f} us = "
-                      f"{ms / times['plain']:.2f}x plain", flush=True)
+    try:   # (each variant sets LOOM_TOP_P_RACE_CHUNKS; unset afterwards: the default again)
+        for b in ((16,) if quick else (1, 64, 256)):
+            counts = torch.zeros(b, vocab, dtype=torch.int32, device=dev)
+            counts.scatter_add_(1, torch.randint(0, vocab, (b, 300), device=dev, generator=gen),
+                                torch.ones(b, 300, dtype=torch.int32, device=dev))
+            state = (counts, (torch.rand(b, vocab, device=dev, generator=gen) < 0.003).to(torch.uint8))
+            for shape, scale in (("flat", 0.5), ("peaked", 4.0)):
+                logits = (torch.randn(b, vocab, device=dev, generator=gen) * scale).to(torch.bfloat16)
+                for label, kw in modes.items():
+                    rows = [SamplingRow(SamplingParams(temperature=0.8, **kw), seed=i, output_index=7, slot=i)
+                            for i in range(b)]
+                    d = map_arrays(Sampler.host_params(rows), lambda a: torch.from_numpy(a).to(dev))
+                    times = {}
+                    want = None if any(r.adjusts for r in rows) else sampling.sample_with_noise_ref(
+                        logits, d.temperature, d.top_k, d.top_p, d.min_p,
+                        sampling.philox_noise(d.seeds, d.output_indices, vocab))
+                    for variant, value in TOP_P_VARIANTS.items():
+                        os.environ["LOOM_TOP_P_RACE_CHUNKS"] = value
+                        tokens = sampler(logits, rows, d, state).tokens
+                        if want is not None:
+                            same = int((tokens == want).sum())
+                            ctx.expect(f"sampler {model} B={b} {shape} {label} ({variant}) == reference",
+                                       same >= b - max(1, b // 32), f"({same}/{b} identical)")
+                        if ctx.timing:
+                            call = lambda: sampler(logits, rows, d, state)   # noqa: E731
+                            times[f"graph {variant}"] = triton.testing.do_bench(_graphed(call), warmup=5, rep=30)
+                            if variant == "new":
+                                times["eager"] = triton.testing.do_bench(call, warmup=5, rep=30)
+                    if times:
+                        ctx.top_p_rows.append((model, b, shape, label, times))
+    finally:
+        os.environ.pop("LOOM_TOP_P_RACE_CHUNKS", None)
+
+
+def top_p_table(rows: list[tuple]) -> list[dict]:
+    """The top_p part's times as one table (device ms per call, graphed old / new, eager new, and
+    the new graph's ratio to plain's at the same shape); returns the rows as dicts (JSON)."""
+    plain = {(m, b, s): t["graph new"] for m, b, s, label, t in rows if label == "plain"}
+    print(f"\n{'sampler device ms per call':<28} {'B':>4} {'logits':<7} {'mode':<28} {'graph old':>9} "
+          f"{'graph new':>9} {'eager new':>9} {'new/plain':>9}")
+    out = []
+    for m, b, s, label, t in rows:
+        ratio = t["graph new"] / plain[m, b, s] if (m, b, s) in plain else float("nan")
+        print(f"{m:<28} {b:>4} {s:<7} {label:<28} {t['graph old']:9.4f} {t['graph new']:9.4f} "
+              f"{t['eager']:9.4f} {ratio:9.2f}")
+        out.append(dict(model=m, batch=b, logits=s, mode=label, graph_old_ms=t["graph old"],
+                        graph_new_ms=t["graph new"], eager_new_ms=t["eager"], new_over_plain=ratio))
+    return out
 
 
 PARTS = {"prologue": _prologue, "norms": _norms, "silu": _silu, "sampling": _sampling, "logprobs": _logprobs,
@@ -390,10 +432,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes, correctness only")
     ap.add_argument("--parts", nargs="+", choices=list(PARTS), default=None, help="only these kernels (default: all)")
+    ap.add_argument("--output-json", default=None, help="write the top_p part's table to this JSON file")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     ctx = run(quick=args.quick, timing=not args.quick, parts=args.parts)
     ctx.table()
+    if ctx.top_p_rows:
+        table = top_p_table(ctx.top_p_rows)
+        if args.output_json:
+            import json
+            with open(args.output_json, "w") as f:
+                json.dump(table, f, indent=1)
     if ctx.failures:
         print(f"\n{len(ctx.failures)} FAILED:\n  " + "\n  ".join(ctx.failures))
         sys.exit(1)

@@ -57,7 +57,8 @@ def miss_rate_for(acceptance_length: float, k: int = K) -> float:
 def _llm(model_dir: str, variant: tuple[str, str] = ("1", "1"), **kw):
     """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH and LOOM_SPEC_FAST_HOST from `variant`)."""
     from frontend import LLM
-    os.environ["LOOM_SPEC_FULL_GRAPH"], os.environ["LOOM_SPEC_FAST_HOST"] = variant
+    os.environ["LOOM_SPEC_FULL_GRAPH"] = variant[0]
+    os.environ["LOOM_SPEC_FAST_HOST"] = variant[1]
     return LLM(model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, seed=0, **kw)
 
 

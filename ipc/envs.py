@@ -117,6 +117,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
                                       "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
                                       "tiles and no causal split (unset: 128,64,8,3)"),
+    # (the two below stay off until their GPU tests and rows have run on the H200: tests/test_gpu_sampling.py)
+    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(0, _int, "programs per row of the top-p route's second race (rows whose "
+                                     "first race winner lay outside their top-p set; 0: the first race's split)"),
+    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(False, _switch, "1: decode steps whose rows have repetition / presence / "
+                                       "frequency penalties (and no other adjustment) sample in the decode graphs' "
+                                       "penalty head, captured at a size's first such step; 0: eagerly"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),

@@ -39,7 +39,10 @@ mass is under p times the kept mass, w lies in the top-p set and is its race's
 winner too (the same noise: a subset's best is the best of the whole when it is
 in the subset), so no threshold is searched. Otherwise (a chance of about 1 - p
 per row) the row searches its threshold by the bisection passes and races
-again. No sort, no candidates, the same tokens as the reference.
+again. No sort, no candidates, the same tokens as the reference. Both run split over programs
+per active row (_TP_CHUNKS for the search, LOOM_TOP_P_RACE_CHUNKS for the second race, or the
+first race's split where that is finer): few rows are active, and at B=256 the first race's
+3 chunks per row would leave 3 programs to walk an active row's vocabulary.
 
 Rows with top-k (k <= max_top_k, max_top_k + 64 <= 1024) instead take their
 candidates from one torch.topk of the batch (the max_top_k + 64 largest
@@ -59,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ipc import envs
 from kernels.jit import runs_triton, sm_count, step_jit
 
 _MASK64 = (1 << 64) - 1
@@ -721,11 +725,19 @@ def _launch_chunked(logits, temperature, min_p, seeds, positions, noise, stride_
         _top_p_round_kernel[(bsz, nch)](logits, logits.stride(0), temperature, active, lo, hi, target, row_max,
                                         cnt, mass, vocab, bsz, tp_chunk, r, NCH=nch, NPIV=_TP_NPIV,
                                         BLOCK=block, UPDATE=r > 0, num_warps=4)
-    _top_p_race_kernel[(bsz, num_chunks)](logits, logits.stride(0), noise, stride_n, temperature, seeds, positions,
-                                          active, lo, hi, target, row_max, cnt, mass, part_score, part_tok, vocab,
-                                          bsz, chunk, num_chunks, _TP_ROUNDS, NCH=nch, NPIV=_TP_NPIV,
-                                          RAND_Q=_RAND_Q, USE_NOISE=use_noise, num_warps=4)
-    _top_p_repick_kernel[(bsz,)](active, part_score, part_tok, out, num_chunks, BLOCK_C=_MAX_CHUNKS, num_warps=1)
+    # the race again over the active rows' top-p sets: split as the search (few rows are active: at
+    # B=256 the first race's 3 chunks per row left 3 programs to walk an active row's vocabulary)
+    race_chunks, race_chunk = num_chunks, chunk
+    if (want := envs.LOOM_TOP_P_RACE_CHUNKS) > num_chunks:
+        race_chunks = min(want, max_chunks, _MAX_CHUNKS)
+        race_chunk = triton.cdiv(triton.cdiv(vocab, race_chunks), step) * step
+        race_chunks = triton.cdiv(vocab, race_chunk)
+        part_score, part_tok = torch.empty(bsz, race_chunks, **f32), torch.empty(bsz, race_chunks, **i32)
+    _top_p_race_kernel[(bsz, race_chunks)](logits, logits.stride(0), noise, stride_n, temperature, seeds, positions,
+                                           active, lo, hi, target, row_max, cnt, mass, part_score, part_tok, vocab,
+                                           bsz, race_chunk, race_chunks, _TP_ROUNDS, NCH=nch, NPIV=_TP_NPIV,
+                                           RAND_Q=_RAND_Q, USE_NOISE=use_noise, num_warps=4)
+    _top_p_repick_kernel[(bsz,)](active, part_score, part_tok, out, race_chunks, BLOCK_C=_MAX_CHUNKS, num_warps=1)
     return out
 
 

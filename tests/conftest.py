@@ -287,13 +287,24 @@ class Server:
         out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
+    def wait(self, timeout: float) -> int:
+        """`loom serve`'s exit code; past the timeout, every process of the server prints its
+        threads' stacks to stderr (ipc/procs.py dump_stacks_on_sigusr1: where a stop hangs), then
+        TimeoutExpired."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for pid in self.descendants():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            raise
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(timeout)
         # whatever is left of the session is a bug, but never leave it running
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -156,9 +156,10 @@ def test_heuristic():
 # whole engines: cascade on == off
 # --------------------------------------------------------------------------
 
-def _greedy_with_cascade(model_dir: str, prompts: list[list[int]], mode: str, monkeypatch, **options):
-    """Greedy tokens of an in-process engine (Triton kernels; interpreted on CPU) with
-    LOOM_CASCADE_ATTN=mode, and how many attention calls ran as cascade."""
+def greedy_with_cascade(model_dir: str, prompts: list[list[int]], mode: str, monkeypatch, max_tokens: int,
+                        **options) -> tuple[list, int]:
+    """Greedy tokens of an in-process engine (LLM options as given) with LOOM_CASCADE_ATTN=mode,
+    and how many attention calls ran as cascade (tests/test_gpu_cascade.py's too)."""
     from frontend import LLM, SamplingParams
     calls = []
     real = ca.cascade_attention
@@ -169,14 +170,13 @@ def _greedy_with_cascade(model_dir: str, prompts: list[list[int]], mode: str, mo
 
     monkeypatch.setattr(ca, "cascade_attention", counted)
     monkeypatch.setenv("LOOM_CASCADE_ATTN", mode)
-    llm = LLM(model_dir, multiprocess=False, attention_backend="triton", block_size=8, max_model_len=64,
-              max_num_seqs=16, **options)
+    llm = LLM(model_dir, multiprocess=False, **options)
     try:
         # the prefix's blocks first, then every request hits them (one physical copy)
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=1),
                      use_tqdm=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], len(calls)
@@ -190,8 +190,9 @@ def test_engine_greedy_equal_with_cascade_on_and_off(model_factory, monkeypatch)
     rng = np.random.default_rng(3)
     shared = rng.integers(3, 250, 24).tolist()
     prompts = [shared + rng.integers(3, 250, 1 + i % 6).tolist() for i in range(16)]
-    off, n_off = _greedy_with_cascade(model_dir, prompts, "0", monkeypatch)
-    on, n_on = _greedy_with_cascade(model_dir, prompts, "force", monkeypatch)
+    options = dict(attention_backend="triton", block_size=8, max_model_len=64, max_num_seqs=16)
+    off, n_off = greedy_with_cascade(model_dir, prompts, "0", monkeypatch, 2, **options)
+    on, n_on = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 2, **options)
     assert n_off == 0 and n_on > 0, (n_off, n_on)
     assert on == off
 

@@ -321,7 +321,7 @@ def test_killing_one_api_server_stops_everything(multi):
     assert len(api_servers) == 3, api_servers
     os.kill(api_servers[1], signal.SIGKILL)
     t0 = time.monotonic()
-    code = multi.proc.wait(15)
+    code = multi.wait(15)
     assert code != 0
     assert time.monotonic() - t0 < 10
     deadline = time.monotonic() + 10

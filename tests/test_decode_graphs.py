@@ -106,3 +106,18 @@ def test_which_rows_the_graph_head_samples():
     assert whole(temperature=0.7, top_p=0.9) and whole(temperature=0.7, top_p=0.9, top_k=100)
     assert not whole(temperature=0.7, top_p=0.9, top_k=20) and not whole(temperature=0.7, top_p=0.9,
                                                                           presence_penalty=0.5)
+
+
+def test_which_rows_the_penalty_head_samples():
+    """The penalty head takes head rows plus repetition / presence / frequency penalties (some row
+    must have them); logit_bias, min_tokens, allowed_token_ids, top-k and logprobs stay eager."""
+    from ipc.sampling_params import SamplingParams
+    from workers.sampler import Sampler, SamplingRow
+    def head(*kws):
+        return Sampler.penalties_only([SamplingRow(SamplingParams(**kw), 0, 0, 0, (2,)) for kw in kws], vocab=100)
+    pen = dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5)
+    assert head(pen) and head(pen, dict(temperature=0.7)) and head(dict(temperature=0, frequency_penalty=0.2))
+    assert not head(dict(temperature=0.7, top_p=0.9))   # no penalties: the plain head
+    for kw in ({"top_k": 20}, {"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"min_tokens": 2},
+               {"allowed_token_ids": [1, 2]}):
+        assert not head({**pen, **kw}) and not head(pen, dict(temperature=0.7, **kw)), kw

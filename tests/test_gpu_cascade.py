@@ -14,6 +14,7 @@ import torch
 
 from kernels import cascade_attention as ca
 from kernels import paged_attention as pa
+from tests.test_cascade_attention import greedy_with_cascade
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HQ, HKV, D, BS = 16, 8, 128, 16   # Qwen3-0.6B
@@ -94,31 +95,6 @@ def test_cascade_captures_in_a_cuda_graph():
     torch.testing.assert_close(out, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, D ** -0.5), atol=2e-5, rtol=1e-5)
 
 
-def _greedy(model_dir: str, prompts: list[list[int]], mode: str, monkeypatch) -> tuple[list, int]:
-    """fp32 greedy tokens under CUDA graphs (in-process engine), and how many attention calls
-    ran as cascade."""
-    from frontend import LLM, SamplingParams
-    calls = []
-    real = ca.cascade_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(ca, "cascade_attention", counted)
-    monkeypatch.setenv("LOOM_CASCADE_ATTN", mode)
-    llm = LLM(model_dir, multiprocess=False, dtype="float32", max_model_len=1024, max_num_seqs=64,
-              enable_prefix_caching=True, num_gpu_blocks_override=4096)
-    try:
-        # the prefix's blocks first, then every request takes them as hits (one physical copy)
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=1),
-                     use_tqdm=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], len(calls)
-
-
 def test_engine_fp32_greedy_equal_cascade_on_and_off_under_graphs(model_factory, monkeypatch):
     # 48 requests: a 640-token shared prefix and 5-60 tokens of their own, 24 greedy tokens each;
     # CUDA graphs on (decode graphs for the plain steps, piecewise ones for the cascade steps)
@@ -126,7 +102,9 @@ def test_engine_fp32_greedy_equal_cascade_on_and_off_under_graphs(model_factory,
     rng = np.random.default_rng(7)
     shared = rng.integers(3, 300, 640).tolist()
     prompts = [shared + rng.integers(3, 300, 5 + (i * 11) % 56).tolist() for i in range(48)]
-    off, n_off = _greedy(model_dir, prompts, "0", monkeypatch)
-    on, n_on = _greedy(model_dir, prompts, "force", monkeypatch)
+    options = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, enable_prefix_caching=True,
+                   num_gpu_blocks_override=4096)
+    off, n_off = greedy_with_cascade(model_dir, prompts, "0", monkeypatch, 24, **options)
+    on, n_on = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 24, **options)
     assert n_off == 0 and n_on > 0, (n_off, n_on)
     assert on == off

@@ -974,11 +974,15 @@ def test_sample_top_k_candidates_ties_and_extremes():
         assert ref[11] == int(torch.argmax(lg[11].float()))  # greedy
 
 
-def test_top_p_route_checks_the_race_winner_and_falls_back():
+@pytest.mark.parametrize("race_chunks", ["0", "16"])
+def test_top_p_route_checks_the_race_winner_and_falls_back(race_chunks, monkeypatch):
     # top-p without top-k (max_top_k 0): the plain chunked race, then the winner's top-p check; a
     # row whose winner lies outside its top-p set searches the threshold. Peaked rows and small p
     # make both outcomes happen; the same tokens as the reference with explicit noise, over one
-    # chunk and several, bf16 included, and with Philox: the reference on philox_noise()
+    # chunk and several, bf16 included, and with Philox: the reference on philox_noise(). The
+    # second race split as the first (LOOM_TOP_P_RACE_CHUNKS=0) or over more chunks (16: the
+    # vocabulary's 3 here, against 1 or 2 for the first race)
+    monkeypatch.setenv("LOOM_TOP_P_RACE_CHUNKS", race_chunks)
     g = _gen(31)
     b, v = 8, 2500
     logits = _randn(b, v, g=g, scale=3.0)
@@ -990,7 +994,8 @@ def test_top_p_route_checks_the_race_winner_and_falls_back():
     seeds, positions = torch.arange(b, device=DEVICE) + 11, torch.arange(b, device=DEVICE) * 3
     off = torch.ones_like(top_p)
     inside = outside = 0
-    for dtype in (torch.float32, torch.bfloat16):
+    # (the second race's split does not depend on the dtype: bf16 once, with the default split)
+    for dtype in (torch.float32, torch.bfloat16) if race_chunks == "0" else (torch.float32,):
         lg = logits.to(dtype)
         noise = torch.empty(b, v).exponential_(generator=g).to(DEVICE)
         ref = smp.sample_with_noise_ref(lg, temp, top_k, top_p, min_p, noise).tolist()

@@ -455,7 +455,8 @@ def test_seeded_top_p_on_the_triton_sampler_matches_the_reference(model_factory,
     (kernels.sampling.philox_noise), step by step: the top-p route that checks the race winner
     (no top-k candidates) and its penalties variant give the reference's tokens. Each request
     runs alone, the decode graphs' work on (uncaptured): the top-p request's decode steps are
-    sampled by the graphs' head, the penalised one's eagerly."""
+    sampled by the graphs' head, the penalised one's by their penalty head (penalties in float32,
+    then the same sampler; its counts recorded after each step)."""
     monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
     from kernels.sampling import philox_noise, sample_with_noise_ref
     from tests.hf_oracle import hf_model

@@ -109,3 +109,40 @@ def test_decode_graph_head_samples_as_eager_steps(model_factory, monkeypatch):
     monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
     graphs, _ = _run(model_dir, prompts, params, max_num_seqs=3)
     assert graphs == eager
+
+
+def test_penalty_head_samples_as_eager_steps(model_factory, monkeypatch):
+    """Seeded top-p rows with repetition / presence / frequency penalties (some without) sampled
+    by the decode graphs' penalty head (uncaptured on the CPU; the counts recorded after it) draw
+    what eager steps draw, and with LOOM_PENALTY_HEAD_GRAPHS=0 (the eager sampler after the model
+    graph) too."""
+    model_dir = model_factory("qwen3")
+    prompts = _workload(300)[:4]
+    pens = [dict(repetition_penalty=1.3, presence_penalty=0.5), dict(frequency_penalty=0.7), {},
+            dict(repetition_penalty=0.8, top_p=0.5)]
+    params = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=MAX_NEW, ignore_eos=True,
+                             **{"top_p": 0.8, **pens[i]}) for i in range(len(prompts))]
+    eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    monkeypatch.setenv("LOOM_STEPS_IN_FLIGHT", "3")
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
+    graphs, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    assert graphs == eager
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "0")
+    assert _run(model_dir, prompts, params, max_num_seqs=3)[0] == eager
+
+
+def test_penalty_head_applies_the_penalties(model_factory, monkeypatch):
+    """Greedy rows with strong penalties in the decode graphs (every step a penalty-head step after
+    the prefill) draw what eager steps draw, and the penalties change those draws: a head that
+    skipped them (e.g. replaying the plain or grammar head) fails here whatever the seeds."""
+    model_dir = model_factory("qwen3")
+    prompts = _workload(300)[:3]
+    pen = dict(repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, **pen)] * len(prompts)
+    plain = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
+    eager, _ = _run(model_dir, prompts, params, max_num_seqs=3)
+    assert eager != _run(model_dir, prompts, plain, max_num_seqs=3)[0]
+    monkeypatch.setenv("LOOM_PENALTY_HEAD_GRAPHS", "1")
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    assert _run(model_dir, prompts, params, max_num_seqs=3)[0] == eager

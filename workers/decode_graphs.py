@@ -12,7 +12,12 @@ Each size has two graphs:
 - the head: lm_head and the plain sampler (greedy, temperature, min-p, and top-p without
   top-k) -> `tokens` (under tensor parallelism, a large batch samples from each rank's
   vocabulary shard, without top-p). A step whose rows all sample plainly replays both
-  graphs. Any other step (top-k, penalties, logprobs) replays the model and samples eagerly.
+  graphs. Rows that add repetition / presence / frequency penalties (and no other logits
+  processing) replay the penalty head instead: lm_head, the penalties (kernels/penalties.py,
+  reading the persistent batch's output counts and prompt mask), then the same sampler; it is
+  captured at a size's first such step (on a side stream, no device sync), since that state
+  exists only once a request has penalties. Any other step (top-k, logit_bias, min_tokens,
+  logprobs) replays the model and samples eagerly.
 - the grammar head (one GPU): the head with every row masked by its grammar bitmask row
   first (kernels/bitmask.py; -1: an unconstrained row). A structured-output step samples
   when the engine's bitmask comes, behind the model graph already replayed: it then costs
@@ -58,9 +63,13 @@ _FIELDS = (
     ("graph_feed_rows", np.int64, -1), ("seq_lens", np.int32, 1), ("decode_order", np.int32, None),
     ("seeds", np.int64, 0), ("output_indices", np.int64, 0), ("slots", np.int64, 0),
     ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0), ("top_k", np.int32, 0),
+    # the penalty head's (rows with repetition / presence / frequency penalties; off in padding rows)
+    ("penalty_slots", np.int64, 0), ("repetition_penalty", np.float32, 1.0), ("presence_penalty", np.float32, 0.0),
+    ("frequency_penalty", np.float32, 0.0),
 )
 _STEP_FIELDS = tuple(name for name, _, _ in _FIELDS[:6])
-_SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:])
+_SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:13])
+_PENALTY_FIELDS = tuple(name for name, _, _ in _FIELDS[13:])
 STAGED = frozenset(name for name, _, _ in _FIELDS) | {"block_table"}
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
@@ -220,6 +229,10 @@ class DecodeGraphs:
             self.mask = torch.zeros((max_bs, self.mask_words), dtype=torch.int32, device=device)
             self.mask_rows = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
             self._all_rows = torch.arange(max_bs, dtype=torch.int32, device=device)
+        # the penalty heads (penalties, then the plain sampler), captured at a size's first step with
+        # penalty rows (the penalty state exists from the first request with penalties on)
+        self.penalty_heads: dict[int, _Replay] = {}
+        self._penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pool = None
 
     # ------------------------------------------------------------ per step
@@ -241,20 +254,35 @@ class DecodeGraphs:
         if (bs, rows) not in self._rows:  # slicing 13 views anew cost ~25 us of every step
             dev = self._dev_views[bs]
             self._rows[bs, rows] = ({name: dev[name][..., :rows] for name in _STEP_FIELDS},
-                                    {name: dev[name][..., :rows] for name in _SAMPLING_FIELDS})
-        step_fields, sampling_fields = self._rows[bs, rows]
+                                    {name: dev[name][..., :rows] for name in _SAMPLING_FIELDS},
+                                    {name: dev[name][..., :rows] for name in _PENALTY_FIELDS})
+        step_fields, sampling_fields, penalty_fields = self._rows[bs, rows]
         vars(device).update(step_fields)   # (the fields by name: StepArrays' and SamplingArrays')
         vars(device.sampling).update(sampling_fields)
+        if host is not None and host.sampling.penalty_slots is not None:   # (else they stay None: no adjustment)
+            vars(device.sampling).update(penalty_fields)
 
     def run_model(self, bs: int, rows: int) -> torch.Tensor:
         graph = self.model_graphs[bs]
         graph.replay()
         return graph.output[:rows]
 
-    def run_head(self, bs: int, rows: int, grammar: bool = False) -> torch.Tensor:
+    def run_head(self, bs: int, rows: int, *, grammar: bool = False,
+                 penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Sample the model graph's hidden states just replayed: the tokens, on the device
-        (grammar: each row masked as set_grammar set it)."""
-        (self.grammar_head_graphs if grammar else self.head_graphs)[bs].replay()
+        (grammar: each row masked as set_grammar set it). With penalty_state (the persistent
+        batch's output counts and prompt mask), the rows' penalties first (penalty_head_samples:
+        no other adjustment)."""
+        if penalty_state is None:
+            (self.grammar_head_graphs if grammar else self.head_graphs)[bs].replay()
+            return self.tokens[:rows]
+        if self._penalty_state is None or any(a is not b for a, b in zip(penalty_state, self._penalty_state)):
+            self.penalty_heads.clear()   # (captured on these tensors, which the batch allocates once)
+            self._penalty_state = penalty_state
+        if bs not in self.penalty_heads:
+            self.penalty_heads[bs] = self._capture_mid_run(self._penalty_head(bs, penalty_state))
+        else:
+            self.penalty_heads[bs].replay()
         return self.tokens[:rows]
 
     def set_grammar(self, bs: int, distinct: torch.Tensor, mask_rows: torch.Tensor) -> None:
@@ -339,6 +367,43 @@ class DecodeGraphs:
             self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
         self.stage(bs, None)
         (self.grammar_head_graphs if grammar else self.head_graphs)[bs] = self._capture(head)
+
+    def _penalty_head(self, bs: int, state: tuple[torch.Tensor, torch.Tensor]):
+        """The penalty head's work: lm_head, the rows' repetition / presence / frequency penalties
+        (kernels/penalties.py, float32 logits, as the eager sampler's), then the plain sampler."""
+        from kernels.penalties import apply_penalties
+        v = self._dev_views[bs]
+        params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
+        none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)
+        none_values = torch.zeros((bs, 0), dtype=torch.float32, device=self.device)
+        counts, prompt_mask = state
+
+        def head():
+            logits = self.model.compute_logits(self.model_graphs[bs].output, plain=True)
+            logits = apply_penalties(logits, v["penalty_slots"], counts, prompt_mask, v["repetition_penalty"],
+                                     v["presence_penalty"], v["frequency_penalty"], none_ids, none_values, none_ids)
+            self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
+        return head
+
+    def _capture_mid_run(self, fn) -> _Replay:
+        """Run fn once (this step's work; it compiles any kernel first), then capture it on a side
+        stream into the graphs' pool, without torch.cuda.graph's device sync, gc.collect and cache
+        flush, which would stall a running engine at each size's first such step."""
+        fn()
+        replay = _Replay(fn, False)
+        if not self.capturing:
+            return replay
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        replay.graph, self._pool = graph, graph.pool()
+        return replay
 
     def _capture(self, fn) -> _Replay:
         """Run fn once (on CUDA: compiles its kernels outside the capture), then capture it."""

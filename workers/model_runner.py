@@ -348,7 +348,10 @@ class ModelRunner:
         # a structured-output step whose rows otherwise sample plainly: the grammar head samples it
         grammar_head = (not graph_samples and graph_size is not None and every_row_samples and spec is None
                         and self._samples_in_grammar_head(so, rows))
-        graph_samples |= grammar_head
+        # rows with penalties (and nothing else to adjust): the decode graphs' penalty head
+        graph_penalties = (not graph_samples and not grammar_head and graph_size is not None and every_row_samples
+                           and spec is None and self._penalty_head_samples(so, rows))
+        graph_samples |= grammar_head or graph_penalties
         if self.uses_mrope:
             host.positions = self.batch.mrope_positions(states, host.positions, token_starts)
         if spec is not None and not graph_samples:
@@ -385,7 +388,8 @@ class ModelRunner:
         if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head)
+                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head,
+                         graph_penalties)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -461,6 +465,13 @@ class ModelRunner:
         return (self.decode_graphs.grammar_heads
                 and (so.defer_sample or (so.grammar is not None and len(so.grammar.rows) > 0))
                 and self.sampler.plain(rows, self.model.config.vocab_size, top_p=True))
+    def _penalty_head_samples(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """Rows as _samples_plainly's but for penalties on some (Sampler.penalties_only), the logits
+        whole (one rank), LOOM_PENALTY_HEAD_GRAPHS on: the decode graphs' penalty head samples them."""
+        return (envs.LOOM_PENALTY_HEAD_GRAPHS and tp_size() == 1 and self.batch.penalty_state() is not None
+                and not so.defer_sample
+                and not (so.grammar is not None and len(so.grammar.rows))
+                and self.sampler.penalties_only(rows, self.model.config.vocab_size))
 
     def _padded_rows(self, index: np.ndarray) -> np.ndarray:
         """The sampled rows' hidden-state index, padded (with row 0) to one of
@@ -500,6 +511,11 @@ class ModelRunner:
         while their values are still on the way to the host. The constrained rows sample from
         what their grammar bitmask allows. A step the decode graph's head samples has no row
         with penalties or bad words, so its tokens need not be recorded."""
+        if batch.graph_penalties:   # the penalty head: its tokens go into the counts (next step's penalties)
+            tokens = self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
+                                                 penalty_state=self.batch.penalty_state())
+            self.batch.record_sampled(batch.device.sampling.slots, tokens)
+            return SampledTokens(tokens, None, {}, None)
         if batch.graph_samples:
             masked = self._stage_grammar(batch, grammar) if batch.grammar_head else None
             return SampledTokens(self.decode_graphs.run_head(batch.decode_graph_size, len(batch.num_scheduled),
@@ -634,6 +650,17 @@ class ModelRunner:
         if step.tokens is not None or step.prompt_logprobs is not None or step.pooled is not None:
             step.event = torch.cuda.Event()
             step.event.record()
+
+    @staticmethod
+    def continues_verified(prev: PendingStep, so: SchedulerOutput) -> bool:
+        """Whether `so` schedules a request whose drafts `prev` verified: only finish(prev) moves
+        it past the drafts it accepted, so prev must be finished before so is prepared. Rank 0
+        always has (the engine schedules that request once rank 0 sent prev's tokens); a later
+        rank may not have, and would build so's inputs at positions its peers do not."""
+        if prev.spec is None:
+            return False
+        drafted = {prev.req_ids[i] for i, drafts in zip(prev.sample_rows.tolist(), prev.spec.drafts) if drafts}
+        return any(rid in drafted for rid in so.req_ids)
 
     @staticmethod
     def is_done(step: PendingStep) -> bool:

@@ -226,6 +226,18 @@ class Sampler:
                    and not r.adjusts for r in rows)
 
     @staticmethod
+    def penalties_only(rows: list[SamplingRow], vocab: int) -> bool:
+        """Whether the rows sample as Sampler.plain(top_p=True) but for repetition / presence /
+        frequency penalties on some of them (no logit_bias, min_tokens bans, allow-lists or bad
+        words): the decode graphs' penalty head samples them (DecodeGraphs.run_head)."""
+        def only_penalties(r: SamplingRow) -> bool:
+            p = r.params
+            return not (p.logit_bias or p.allowed_token_ids or r.bad_words or r.banned())
+        return (any(r.params.needs_penalties for r in rows)
+                and all(not 0 < r.params.top_k < vocab and r.params.logprobs is None and only_penalties(r)
+                        for r in rows))
+
+    @staticmethod
     def host_params(rows: list[SamplingRow]) -> SamplingArrays[np.ndarray]:
         """Per-row parameters as host arrays (they travel to the device with the step's inputs).
         The adjustment inputs (penalties, logit_bias, min_tokens bans) only when a row needs them."""

@@ -70,6 +70,7 @@ class StepBatch:
     prompt_logprob_spans: list[PromptSpan] = field(default_factory=list)  # computed once, in prepare()
     spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
     grammar_head: bool = False                 # graph_samples in the decode graph's grammar head
+    graph_penalties: bool = False              # the head samples it with penalties (Sampler.penalties_only)
 
     @property
     def kind(self) -> str:

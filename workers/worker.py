@@ -241,6 +241,8 @@ def serve_steps(worker: Worker, ring, send) -> None:
                     pending, unsampled = unsampled, None
                     continue
                 so = step_dec.decode(frames)
+                if pending is not None and runner.continues_verified(pending, so):
+                    finish_pending()   # (a rank past 0, still holding the step the engine heard of from rank 0)
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
                 if pending is not None:
                     finish_pending()  # the engine needs these tokens for the next bitmask

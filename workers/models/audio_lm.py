@@ -3,10 +3,8 @@ beside a text model under `language_model`, HF's checkpoint names for them, the 
 longest clip, and the weight loading that sends the text model's weights to its own loader."""
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
-import torch
 
 from workers.models.wrapped_lm import WrappedLanguageModel
 
@@ -16,6 +14,8 @@ RENAMES = [("model.audio_tower.", "audio_tower."), ("model.multi_modal_projector
 
 
 class AudioLanguageModel(WrappedLanguageModel):
+    tower = "audio_tower"
+
     """The weight loading and the memory profiling's longest clip of a model with
     `audio_tower` (None: language_model_only), `multi_modal_projector`, `language_model` and
     `hf_config` (its audio_config: num_mel_bins, max_source_positions)."""
@@ -39,26 +39,3 @@ class AudioLanguageModel(WrappedLanguageModel):
         elif name.startswith("language_model.model.lm_head."):
             name = "language_model." + name[len("language_model.model."):]
         return name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """The language model's weights go to its own load_weights; the encoder's load here."""
-        params = dict(self.named_parameters())
-        text_weights, seen = [], set()
-        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
-            if name in seen:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-            seen.add(name)
-            if name.startswith("language_model."):
-                text_weights.append((name[len("language_model."):], t))
-            elif name.startswith(("audio_tower.", "multi_modal_projector.")):
-                if name in params:
-                    try:
-                        params[name].weight_loader(params[name], t)
-                    except ValueError as e:
-                        raise ValueError(f"weight {name!r}: {e}") from None
-                elif self.audio_tower is not None:
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
-        missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing and not partial:
-            raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights), partial)

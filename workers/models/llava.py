@@ -8,7 +8,6 @@ layers are concatenated); `vision_feature_select_strategy` "default" drops the f
 (`vision_tower.embeddings.*`, `model.language_model.*`, `lm_head.*`)."""
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -118,6 +117,7 @@ class VisionTower(nn.Module):
 
 
 class LlavaForConditionalGeneration(WrappedLanguageModel):
+    tower = "vision_tower"
     multimodal = LlavaImages()
 
     def __init__(self, config, language_model_only: bool = False):
@@ -167,29 +167,8 @@ class LlavaForConditionalGeneration(WrappedLanguageModel):
                 return new + name[len(old):]
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
-        """`partial`: only some weights (a weight update), none required. The language model's
-        weights go to its own load_weights (the tower's q/k/v stay unfused)."""
-        params = dict(self.named_parameters())
-        text_weights, seen = [], set()
-        for name, t in ((self.hf_to_loom(n), t) for n, t in weights):
-            if name in seen:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-            seen.add(name)
-            if name.startswith("language_model."):
-                text_weights.append((name[len("language_model."):], t))
-            elif name.startswith(("vision_tower.", "multi_modal_projector.")):
-                if name in params:
-                    try:
-                        params[name].weight_loader(params[name], t)
-                    except ValueError as e:
-                        raise ValueError(f"weight {name!r}: {e}") from None
-                elif self.vision_tower is not None and not _unused_vision_weight(name):
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter")
-        missing = [n for n in params if not n.startswith("language_model.") and n not in seen]
-        if missing and not partial:
-            raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
-        return seen | self.language_model.load_weights(iter(text_weights), partial)
+    def unused_weight(self, name: str) -> bool:
+        return _unused_vision_weight(name)
 
 
 _RENAMES = [("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
