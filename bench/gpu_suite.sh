@@ -448,6 +448,19 @@ PY
            TAIL=24 run cascade 290 python3 -m bench.cascade --output-json "$OUT/cascade.json" ;;
   cascade-tests) run cascade-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cascade.py \
                    tests/test_cascade_attention.py ;;
+  long-context) # issue 49 item 3: paged attention at 16k keys per kernel against its floor, default and variants
+                # side by side (bench/long_context.py), then 16 x 16,384 in / 256 out end to end: the default,
+                # the tiles of before (LOOM_LONG_PREFILL_TILES=off) and a 16,384-token step budget; target <= 3.7 s
+      TAIL=4 run long-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_long_context.py \
+        tests/test_kernels.py -k "long_prefill or causal_split"
+      TAIL=40 run long-kernels 200 python3 -m bench.long_context --output-json "$OUT/long-kernels.json"
+      LONG_ARGS="--preset qwen3-0.6b --num-prompts 16 --input-len 16384 --output-len 256 --max-model-len 16640"
+      TAIL=3 run long-e2e 150 $LOOM bench throughput $LONG_ARGS --output-json "$OUT/long-e2e.json"
+      LOOM_LONG_PREFILL_TILES=off TAIL=3 run long-e2e-short 150 $LOOM bench throughput $LONG_ARGS \
+        --output-json "$OUT/long-e2e-short.json"
+      TAIL=3 run long-e2e-mnbt16k 150 $LOOM bench throughput $LONG_ARGS --max-num-batched-tokens 16384 \
+        --output-json "$OUT/long-e2e-mnbt16k.json"
+      python3 -m bench.long_context --summary "$OUT" ;;
   dp) OUT=$OUT/dp bash bench/gpu_dp.sh ;;  # 2 GPUs: data parallelism, DP=2 vs DP=1 offline and serving
   spec) # issue 47: speculative decoding vs its targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights), the
         # oracle rows with verify steps in the decode graphs (LOOM_SPEC_FULL_GRAPH=1) and in the piecewise graphs (0)

@@ -114,6 +114,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                 "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
     "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
                                          "(0: chosen per step)"),
+    "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
+                                      "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
+                                      "tiles and no causal split (unset: 128,64,8,3)"),
     # (the two below stay off until their GPU tests and rows have run on the H200: tests/test_gpu_sampling.py)
     "LOOM_TOP_P_RACE_CHUNKS": EnvVar(0, _int, "programs per row of the top-p route's second race (rows whose "
                                      "first race winner lay outside their top-p set; 0: the first race's split)"),

@@ -153,6 +153,70 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+                 v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 IEEE: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr):
+    """One BLOCK_N tile of keys [start, start + BLOCK_N) into the online softmax (m_i, l_i, acc).
+    MASKED=False: every key of the tile is below kv_hi and visible to every row (the causal
+    split's mask-free part: no bounds, no causal or window test). CAUSAL=False (cascade's
+    shared-prefix launch): every key below kv_hi is visible to every row, no causal test (the
+    window's still applies)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_hi
+    if MASKED:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    k_ptrs = k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + offs_d[:, None]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale
+    if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): -1 and 1 at the extremes, never NaN
+        s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * soft_cap
+    if MASKED:
+        if CAUSAL:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        else:
+            visible = n_ok[None, :] & (offs_m[:, None] >= 0)
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    if KV_FP8:  # (p then goes to the query's dtype, never to e4m3)
+        v = v.to(q.dtype)
+    if DOT_F32:
+        p = p.to(v.dtype)
+        v = v.to(tl.float32)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
 @step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window", "kv_begin"),
           pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr"))
 def _paged_attention_kernel(
@@ -171,7 +235,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, ORDERED: tl.constexpr,
     IEEE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     CAUSAL: tl.constexpr = True, SUFFIX: tl.constexpr = False,
     PART_SPLITS: tl.constexpr = 0, SPLIT_BASE: tl.constexpr = 0,
 ):
@@ -200,7 +264,11 @@ def _paged_attention_kernel(
     from SPLIT_BASE on, which the split-KV reduce then merges by their log-sum-exps: CAUSAL=False,
     every query of the launch's one "sequence" against the whole shared prefix (a prefill-style
     launch: many queries, one KV sequence, no mask); SUFFIX, each sequence's own keys from
-    kv_begin (the shared prefix's length) on. Off, both compile as they always have."""
+    kv_begin (the shared prefix's length) on. Off, both compile as they always have.
+
+    CAUSAL_SPLIT (long-prefill tiles; causal launches only): a tile's keys that every row sees run
+    without the mask (_attend_keys MASKED=False), the diagonal's with it. HEAVY_FIRST: multi-tile
+    launches start from their last (heaviest causal) tile."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -217,6 +285,10 @@ def _paged_attention_kernel(
         seq = pid
         tile = pid * 0
     else:
+        if HEAVY_FIRST:
+            # causal tiles of a long prompt: the last ones see the most keys, so they start first and
+            # the light ones fill the launch's tail
+            pid = tl.num_programs(0) - 1 - pid
         # Tiles of sequence i are programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1);
         # binary search for the last i whose first tile is <= pid.
         lo = 0
@@ -297,48 +369,22 @@ def _paged_attention_kernel(
     k_head = kc_ptr + kvh.to(tl.int64) * stride_kh
     v_head = vc_ptr + kvh.to(tl.int64) * stride_vh
 
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_hi
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_blk = offs_n % BLOCK_SIZE
-        k = tl.load(k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if KV_FP8:
-            k = k.to(q_ptr.dtype.element_ty)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale
-        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): -1 and 1 at the extremes, never NaN
-            s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * soft_cap
-        if CAUSAL:
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        else:
-            visible = n_ok[None, :] & (offs_m[:, None] >= 0)
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if KV_FP8:  # (p then goes to the query's dtype, never to e4m3)
-            v = v.to(q_ptr.dtype.element_ty)
-        if DOT_F32:
-            p = p.to(v.dtype)
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    kv_mid = kv_lo
+    if CAUSAL_SPLIT and CAUSAL:
+        # keys every row of the tile sees (below its first query's position + 1) run without the
+        # causal mask, whole BLOCK_N tiles of them; the diagonal's few tiles then run masked
+        seen_by_all = tl.minimum(kv_hi, ctx_len + tile * BLOCK_Q + 1)
+        kv_mid = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, kv_mid, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(
+                q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+                v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_N, BLOCK_SIZE, False, CAUSAL, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
+    for start in range(kv_mid, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale, soft_cap, bt_row, k_head,
+            v_head, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_N, BLOCK_SIZE, True, CAUSAL, IEEE, DOT_F32, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -605,7 +651,7 @@ def query_rows(group: int, max_query_len: int) -> int:
 
 
 def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num_splits: int,
-                programs_per_sm: float = 0.0) -> dict:
+                programs_per_sm: float = 0.0, max_seq_len: int = 0) -> dict:
     """Tile sizes of one launch: BLOCK_M rows (query tokens x the GROUP heads of a
     KV head), BLOCK_N keys per iteration, warps and pipeline stages. From
     bench/tune_attention.py on an H200: 64x32 tiles beat 128x64 by 13-17% on
@@ -618,7 +664,9 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
     decodes of 800-1,700 keys in 2 splits: 59 us, against 63 with 64-key tiles);
     one split many ways has a few tiles per split, which gain nothing from
     software pipelining (batch 1 at 256-2,000 keys, 32 splits: 6.5-7.5 us
-    unpipelined against 6.8-7.8 two stages deep)."""
+    unpipelined against 6.8-7.8 two stages deep). A long prefill (long_prefill) takes
+    long_prefill_tiles. causal_split, heavy_first (optional, default False): the kernel's
+    CAUSAL_SPLIT and HEAVY_FIRST."""
     decode_bf16 = max_query_len == 1 and not is_fp32 and block_d <= 128
     short_chunk = max_query_len > 1 and not is_fp32 and 0 < programs_per_sm < FEW_PREFILL_PROGRAMS_PER_SM
     block_n = 64 if decode_bf16 or short_chunk else 32
@@ -627,7 +675,44 @@ def tile_config(group: int, block_d: int, max_query_len: int, is_fp32: bool, num
         block_n, stages = 128, 3
     elif decode_bf16 and 1 < num_splits <= LONG_TILE_MAX_SPLITS:
         block_n = 128
-    return dict(block_m=query_rows(group, max_query_len), block_n=block_n, num_warps=4, num_stages=stages)
+    tiles = dict(block_m=query_rows(group, max_query_len), block_n=block_n, num_warps=4, num_stages=stages)
+    if programs_per_sm >= LONG_PREFILL_PROGRAMS_PER_SM and long_prefill(max_query_len, max_seq_len, is_fp32,
+                                                                        block_d, group):
+        tiles.update(long_prefill_tiles())
+    return tiles
+
+
+LONG_PREFILL_KEYS = 4096  # a launch of multi-query tiles over at least this many keys is a long prefill ...
+LONG_PREFILL_QUERIES = 256  # ... when its longest chunk has at least this many queries
+LONG_PREFILL_PROGRAMS_PER_SM = 2.0  # ... and enough short tiles to fill the SMs with half as many long ones
+LONG_PREFILL_TILES = "128,64,8,3"  # its BLOCK_M,BLOCK_N,num_warps,num_stages (LOOM_LONG_PREFILL_TILES wins)
+
+
+def long_prefill(max_query_len: int, max_seq_len: int, is_fp32: bool, block_d: int, group: int) -> bool:
+    """Whether a launch gets the long-prefill tiles: a 16k prompt's chunks are compute bound
+    (2 x 16,384^2 x 128 FLOPs per query head, half of them masked), where the standard
+    workload's prompts (100-1,024 tokens) keep the small tiles tuned for them. Only where the
+    long tiles fit: 16-bit queries, head_dim <= 128, a KV head's group dividing BLOCK_M."""
+    return (max_query_len >= LONG_PREFILL_QUERIES and max_seq_len >= LONG_PREFILL_KEYS and not is_fp32
+            and block_d <= 128 and group <= 8 and _long_prefill_setting() is not None)
+
+
+@functools.cache
+def _long_prefill_setting() -> tuple[int, int, int, int] | None:
+    raw = (envs.LOOM_LONG_PREFILL_TILES or LONG_PREFILL_TILES).strip().lower()
+    if raw in ("0", "off", "none"):
+        return None
+    block_m, block_n, warps, stages = (int(x) for x in raw.split(","))
+    return block_m, block_n, warps, stages
+
+
+def long_prefill_tiles() -> dict:
+    """The long-prefill tiles (FA2 on Hopper: 128 query rows x 64 keys, 8 warps, 3 stages), the
+    causal split (the keys every row of a tile sees run without the mask, the diagonal with it) and
+    the heaviest tiles first (a causal tile's work grows with its queries' positions)."""
+    block_m, block_n, warps, stages = _long_prefill_setting()
+    return dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, causal_split=True,
+                heavy_first=True)
 
 
 @dataclass(slots=True)
@@ -698,7 +783,10 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         num_splits = choose_num_kv_splits(num_seqs, num_kv_heads, launch.max_query_len, max_seq_len, query.device)
     else:
         num_splits = choose_chunk_kv_splits(programs_per_sm, max_seq_len)
-    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm)
+    # (cascade's partial launches keep their own tiles: the long-prefill ones are for causal prompt chunks,
+    # and the prefix launch's split count was chosen for the short tiles' programs)
+    tiles = tile_config(group, block_d, launch.max_query_len, is_fp32, num_splits, programs_per_sm,
+                        max_seq_len if partial is None else 0)
     block_m = tiles["block_m"]
     if block_m != block_q * group:   # (bench/tune_attention.py sets other tiles)
         block_q = block_m // group
@@ -736,6 +824,8 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         BLOCK_N=tiles["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         ORDERED=ordered, IEEE=is_fp32, DOT_F32=is_interpreted(_paged_attention_kernel) and not is_fp32,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl, **flags, KV_FP8=kv.fp8, **cascade,
+        CAUSAL_SPLIT=bool(tiles.get("causal_split")) and not flags["HAS_WINDOW"],
+        HEAVY_FIRST=bool(tiles.get("heavy_first")) and not one_tile and not ordered,
     )
     if num_splits > 1 and partial is None:
         # rows of tokens no sequence owns (padding) come out as garbage, as with one split

@@ -267,3 +267,22 @@ def test_moe_presets_are_hf_configs():
             m.intermediate_size) == (32, 4096, 8, 2, 14336)
     for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
         assert PRESETS[name]["architectures"][0] in MODELS
+
+
+def test_long_context_floors_and_summary(tmp_path, capsys):
+    # the floor: ~1 s of prefill attention at half of peak + ~1.8 s of decode KV reads, 3.7 s at 75%
+    from bench import long_context as lc
+    prefill, kv = lc.e2e_floor_s()
+    assert 0.95 < prefill < 1.05 and 1.75 < kv < 1.85 and (prefill + kv) / 0.75 == pytest.approx(3.73, abs=0.01)
+    assert lc.decode_bytes(16, 16384) == 16 * 16384 * 8 * 128 * 2 * 2
+    assert lc.prefill_flops(2, 5) == 4 * (2 * 3 + 3) * 128 * 16   # 2 queries after 3 keys see 4 and 5 keys
+    rows = [dict(kernel="k", variant=v, us=us, floor_us=50.0, rate="x", err=0.0, default=d)
+            for v, us, d in (("short (before)", 200.0, False), ("a", 100.0, True), ("b", 80.0, False))]
+    rows += [dict(kernel="decode", variant=v, us=us, floor_us=250.0, rate="x", err=0.0, default=d)
+             for v, us, d in (("default", 317.0, True), ("8 splits", 267.0, False))]
+    (tmp_path / "long-kernels.json").write_text(json.dumps(rows))
+    (tmp_path / "long-e2e.json").write_text(json.dumps({"elapsed_s": 3.5}))
+    lc.summary(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "<- fastest" in out and " 62.5%" in out and "failed" in out and "yes" in out
+    assert f"{3.5 - 50e-6 * 28 * 256:10.2f}" in out   # the projection with the faster decode

@@ -97,6 +97,25 @@ def test_cascade_bf16_within_bf16_tolerance():
     assert (got.float() - want).abs().max().item() < 2e-2
 
 
+@needs_triton
+def test_cascade_with_long_prefill_flags(monkeypatch):
+    # the long-prefill path's flags forced on at small tiles (CAUSAL_SPLIT, HEAVY_FIRST): the prefix
+    # launch stays non-causal, the suffix's chunks split their keys from kv_begin on; exact. And no
+    # cascade launch asks the tile rule for the long-prefill tiles (it sees no keys: max_seq_len 0)
+    original, seen = pa.tile_config, []
+
+    def forced(*args):
+        seen.append(args[6])
+        return {**original(*args), "block_m": 16, "block_n": 16, "causal_split": True, "heavy_first": True}
+
+    monkeypatch.setattr(pa, "tile_config", forced)
+    q, kc, vc, qsl, sl, bt = _shared_prefix_batch(16, [2, 6, 21, 40], [1, 1, 17, 33], 2, 2, 16, 4, seed=4)
+    want = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.3)
+    got = ca.cascade_attention(q, kc, vc, qsl, sl, bt, 0.3, 33, _prefix(16, q.shape[0], bt, 4, 2, 1), num_decodes=2)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert seen and set(seen) == {0}, seen
+
+
 def test_split_choices():
     cpu = torch.device("cpu")   # sm_count: 4
     assert ca.choose_prefix_splits(512, 2, 8, 2048, cpu) == 1          # 128 programs: enough

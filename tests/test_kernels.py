@@ -1252,3 +1252,57 @@ def test_apply_rotary_matches_hf(rot):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert got[0].transpose(1, 2).is_contiguous()   # laid out [1, T, H, D] for the attention kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_causal_split_long_prefill_tiles(dtype, monkeypatch):
+    # the long-prefill path (CAUSAL_SPLIT: keys every row of a tile sees run unmasked, the diagonal
+    # masked) at small tiles: prompts, chunks over earlier keys, a decode, GQA, split KV, NaN past
+    # every length; exact to the reference as the masked loop is
+    original = pa.tile_config
+    for heavy_first, splits in ((False, (2,)), (True, (1, 3))):   # (the tiles in order, then in reverse)
+        monkeypatch.setattr(pa, "tile_config", lambda *a, _h=heavy_first: {
+            **original(*a), "block_m": 16, "block_n": 16, "causal_split": True, "heavy_first": _h})
+        _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=splits)
+    _check_attention([33], [161], hq=6, hkv=2, d=16, bs=16, dtype=dtype, splits=(None,), seed=2)
+    # a mixed batch, decodes first: the prompt chunks' launch (a slice of the batch) in reverse order
+    _check_attention([1, 1, 40, 23], [70, 9, 40, 90], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=(None,),
+                     num_decodes=2, seed=1)
+    # soft cap and sinks (gpt-oss, Gemma 2), and an FP8 cache, through the mask-free loop too
+    from kernels import kv_quant
+    q_lens, seq_lens = [40, 23], [40, 90]
+    q, kc, vc, qsl, sl, bt = _make_batch(q_lens, seq_lens, 4, 2, 32, 8, dtype, 4)
+    sinks = _randn(4, dtype=torch.float32, g=_gen(5))
+    ref = pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, 0.2, None, 3.0, sinks).float()
+    out = pa.paged_attention(q, kc, vc, qsl, sl, bt, 0.2, 40, 90, logits_soft_cap=3.0, sinks=sinks)
+    assert (out.float() - ref).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2)
+    k_scale, v_scale = (torch.tensor([x], device=DEVICE) for x in (0.02, 0.01))
+    kc8 = kv_quant.quantize_fp8_ref(torch.nan_to_num(kc.float()) * 0.05, k_scale)
+    vc8 = kv_quant.quantize_fp8_ref(torch.nan_to_num(vc.float()) * 0.02, v_scale)
+    ref = pa.paged_attention_ref(q, kc8, vc8, qsl, sl, bt, 0.2, k_scale=k_scale, v_scale=v_scale).float()
+    out = pa.paged_attention(q, kc8, vc8, qsl, sl, bt, 0.2, 40, 90, k_scale=k_scale, v_scale=v_scale)
+    assert (out.float() - ref).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max()
+
+
+def test_attention_long_prefill_rule(monkeypatch):
+    # long tiles only for long prompt chunks over long contexts, never for decodes, short prompts or fp32
+    long = pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384)
+    assert (long["block_m"], long["block_n"], long["num_warps"], long["num_stages"]) == (128, 64, 8, 3)
+    assert long["causal_split"] and long["heavy_first"]
+    for args in ((2, 128, 8192, False, 1, 1.5, 16384),    # too few programs for half as many long tiles
+                 (2, 128, 1, False, 4, 0.5, 16384),      # decode at 16k
+                 (2, 128, 1024, False, 1, 8.0, 1024),    # the standard workload's prompts
+                 (2, 128, 8192, True, 1, 8.0, 16384),    # fp32
+                 (2, 256, 8192, False, 1, 8.0, 16384)):  # head_dim 256
+        assert not pa.tile_config(*args).get("causal_split"), args
+    pa._long_prefill_setting.cache_clear()
+    monkeypatch.setenv("LOOM_LONG_PREFILL_TILES", "off")
+    try:
+        assert not pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384).get("causal_split")
+        monkeypatch.setenv("LOOM_LONG_PREFILL_TILES", "64,128,4,2")
+        pa._long_prefill_setting.cache_clear()
+        got = pa.tile_config(2, 128, 8192, False, 1, 8.0, 16384)
+        assert (got["block_m"], got["block_n"], got["num_warps"], got["num_stages"]) == (64, 128, 4, 2)
+    finally:
+        monkeypatch.delenv("LOOM_LONG_PREFILL_TILES")
+        pa._long_prefill_setting.cache_clear()

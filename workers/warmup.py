@@ -116,10 +116,11 @@ def _warm_up(runner: ModelRunner) -> None:
 
 def _warmup_split_kv(runner: ModelRunner) -> None:
     """Attention over long contexts splits the KV: decodes 2, 4, ... ways, a short prompt
-    chunk in two. Compile each split count a batch of this --max-model-len can pick (graph
-    capture compiles the decode graphs' own), for each kind of attention layer the model has
-    (full, sliding-window, soft-capped, with sinks: each a kernel variant of its own)."""
-    from kernels.paged_attention import CHUNK_SPLIT_MIN_KEYS, MAX_KV_SPLITS, MIN_SPLIT_TOKENS
+    chunk in two; a long prompt's chunks take the long-prefill tiles. Compile each split count
+    (and those tiles) a batch of this --max-model-len can pick (graph capture compiles the decode
+    graphs' own), for each kind of attention layer the model has (full, sliding-window,
+    soft-capped, with sinks: each a kernel variant of its own)."""
+    from kernels.paged_attention import CHUNK_SPLIT_MIN_KEYS, LONG_PREFILL_KEYS, MAX_KV_SPLITS, MIN_SPLIT_TOKENS
     from workers.attention import Attention
     seq_len = runner.config.max_model_len
     group = runner.model.config.num_attention_heads // tp_size() // runner.kv_spec.num_kv_heads
@@ -133,6 +134,8 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
             splits *= 2
         if seq_len >= CHUNK_SPLIT_MIN_KEYS and chunk < seq_len:
             _attention_once(runner, chunk, seq_len, None, *kind)
+        if seq_len >= LONG_PREFILL_KEYS:   # a long prompt's chunks take the long-prefill tiles
+            _attention_once(runner, min(runner.config.max_num_batched_tokens, seq_len), seq_len, None, *kind)
 
 
 def _warmup_cascade(runner: ModelRunner) -> None:
