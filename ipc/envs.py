@@ -117,10 +117,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
                                       "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
                                       "tiles and no causal split (unset: 128,64,8,3)"),
-    # (the two below stay off until their GPU tests and rows have run on the H200: tests/test_gpu_sampling.py)
-    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(0, _int, "programs per row of the top-p route's second race (rows whose "
+    # (the two below: on since session 34's H200 rows, top-p alone 0.983x, with penalties 0.937x of plain)
+    "LOOM_TOP_P_RACE_CHUNKS": EnvVar(16, _int, "programs per row of the top-p route's second race (rows whose "
                                      "first race winner lay outside their top-p set; 0: the first race's split)"),
-    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(False, _switch, "1: decode steps whose rows have repetition / presence / "
+    "LOOM_PENALTY_HEAD_GRAPHS": EnvVar(True, _switch, "1: decode steps whose rows have repetition / presence / "
                                        "frequency penalties (and no other adjustment) sample in the decode graphs' "
                                        "penalty head, captured at a size's first such step; 0: eagerly"),
     "LOOM_GEMV": EnvVar(True, _switch, "0: no decode GEMV kernel (cuBLAS for every linear)"),
@@ -145,10 +145,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
                                     "without the LoRA ops, and a step with no adapter row replays that one; 0: "
                                     "every step replays the graphs with the LoRA ops (to time both)"),
-    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(16, _int, "from this many rows (decode and prefill), the LoRA shrink and "
+    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(0, _int, "from this many rows (decode and prefill), the LoRA shrink and "
                                        "expand run one program per (32 rows, columns), a tensor-core tile product "
                                        "per adapter slot its rows use, instead of one program per row (decode) or "
-                                       "16-row blocks (prefill; kernels/lora.py); 0: never"),
+                                       "16-row blocks (prefill; kernels/lora.py); 0: never (the default: at 16 "
+                                       "it halved 8-adapter throughput on the H200, session 34)"),
     "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
                                         "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
                                         "programs and partials"),
