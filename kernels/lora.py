@@ -200,16 +200,20 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
                         tl.store(yp, (yv.to(tl.float32) + acc1).to(yv.dtype), mask=cmask)
 
 
-@step_jit(ints=("T",))
+@step_jit(ints=("T", "K_CHUNK"))
 def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, S, stride_xm, stride_as, stride_an,
-                              stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, column block): for each slot s that a row of the block uses, one tile
-    product of the block's x (its other rows masked to 0) by A[s], into one accumulator (the
-    slots' rows are disjoint); rows of slot -1 are not stored."""
+                              stride_om, stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                              PDL: tl.constexpr):
+    """Program (row block, column block, K chunk): for each slot s that a row of the block uses,
+    one tile product of the block's x (its other rows masked to 0) by A[s] over the chunk, into one
+    accumulator (the slots' rows are disjoint), stored as the chunk's partial; rows of slot -1 are
+    not stored. (Split over K: a decode batch of 256 rows is only 8 row blocks, and without the
+    split each of 8 programs walked all of K once per slot.)"""
     pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
     if tl.max(slots, 0) >= 0:
@@ -221,26 +225,28 @@ def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, S, stri
             sel = slots == s
             if tl.max(sel.to(tl.int32), 0) > 0:
                 a_base = a_ptr + s * stride_as   # (int32: slots x one slot's size < 2^31)
-                for k0 in range(0, K, BLOCK_K):
+                k_end = tl.minimum((pid_k + 1) * K_CHUNK, K)
+                for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):
                     kk = k0 + ks
                     xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
-                                 mask=sel[:, None] & (kk[None, :] < K), other=0.0)
+                                 mask=sel[:, None] & (kk[None, :] < k_end), other=0.0)
                     at = tl.load(a_base + cols[None, :] * stride_an + kk[:, None],
-                                 mask=cmask[None, :] & (kk[:, None] < K), other=0.0)
+                                 mask=cmask[None, :] & (kk[:, None] < k_end), other=0.0)
                     if UPCAST:
                         xt, at = xt.to(tl.float32), at.to(tl.float32)
                     acc += tl.dot(xt, at, input_precision=PRECISION)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc,
+        tl.store(out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :], acc,
                  mask=(slots >= 0)[:, None] & cmask[None, :])
 
 
 @step_jit(ints=("T",))
-def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, S, stride_ym, stride_xam, stride_bs,
-                              stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                              UPCAST: tl.constexpr, PDL: tl.constexpr):
+def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, S, stride_ym, stride_xam, stride_xas,
+                              stride_bs, stride_bo, S1, S2, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+                              PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, column block): y[rows] += their xa @ B[slot]^T, one tile product per
-    slot the block uses and slice, into one accumulator; rows of slot -1 unchanged."""
+    slot the block uses and slice, into one accumulator; rows of slot -1 unchanged. xa is the sum
+    of the shrink's SPLITS partials, summed here as they are read."""
     pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -260,8 +266,11 @@ def _lora_expand_slots_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, S, str
                 for j in tl.static_range(NUM_SLICES):
                     bt = tl.load(b_base + cols[None, :] * stride_bo + rs[:, None],
                                  mask=(cmask & (col_slice == j))[None, :] & rkmask[:, None], other=0.0)
-                    xat = tl.load(xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :],
-                                  mask=sel[:, None] & rkmask[None, :], other=0.0)
+                    xat_ptrs = xa_ptr + rows[:, None] * stride_xam + j * R + rs[None, :]
+                    xmask = sel[:, None] & rkmask[None, :]
+                    xat = tl.load(xat_ptrs, mask=xmask, other=0.0)
+                    for sp in tl.static_range(1, SPLITS):
+                        xat += tl.load(xat_ptrs + sp * stride_xas, mask=xmask, other=0.0)
                     xat = xat.to(bt.dtype)
                     if UPCAST:
                         xat, bt = xat.to(tl.float32), bt.to(tl.float32)
@@ -326,35 +335,26 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
     splits > 1 (None: chosen from the shape) splits K over that many programs per row at decode
     sizes and returns their partials [splits, T, N], which lora_expand sums as it reads them: a
     batch-1 shrink is otherwise one program walking all of K (q/k/v's 48 columns of K = 4,096).
-    slot_grid: the slot-grid kernel (use_slot_grid; None: by the batch size), never split."""
+    slot_grid: the slot-grid kernel (use_slot_grid; None: by the batch size), split over K as the
+    one-row programs are (its decode batches are few row blocks)."""
     if not runs_triton(_lora_shrink_kernel, x):
         ref = lora_shrink_ref(x, a, slots)
         return ref if out is None else out.copy_(ref)
     t, k = x.shape
     n = a.shape[1]
-    if use_slot_grid(t, slot_grid):
-        if out is None:
-            out = torch.empty((t, n), dtype=torch.float32, device=x.device)
-        if t == 0:
-            return out
-        assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
-        block_n = min(64, max(16, triton.next_power_of_2(n)))
-        _lora_shrink_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n, block_n))](
-            x, a, slots, out, t, k, n, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-            BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
-            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
-        return out
-    block_m = _block_m(t, block_m)
+    grid = use_slot_grid(t, slot_grid)
+    block_m = SLOT_BLOCK_M if grid else _block_m(t, block_m)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     n_tiles = triton.cdiv(n, block_n)
-    if block_m != 1:
+    if block_m != 1 and not grid:   # (prefill's 16-row blocks: enough programs without a split)
         splits = 1
     elif splits is None:   # ~2 programs per SM, each at least LOOM_LORA_SHRINK_K_BLOCKS K blocks
         # (each program's K blocks are dependent loads from HBM: fewer per program, less latency,
         # and more partials for the expand to sum)
         per = max(1, envs.LOOM_LORA_SHRINK_K_BLOCKS)
-        splits = max(1, min(k // (per * block_k), triton.cdiv(2 * sm_count(x.device), max(t, 1) * n_tiles)))
+        programs = max(triton.cdiv(t, block_m), 1) * n_tiles
+        splits = max(1, min(k // (per * block_k), triton.cdiv(2 * sm_count(x.device), programs)))
     k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_chunk)
     if out is None:
@@ -362,6 +362,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
     if t == 0:
         return out
     assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
+    if grid:
+        _lora_shrink_slots_kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
+            x, a, slots, out, t, k, n, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
+            out.stride(0) if splits > 1 else 0, k_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
+        return out
     _lora_shrink_kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
         x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0, k_chunk,
@@ -386,13 +392,12 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     rank = b.shape[2]
     starts = list(slice_starts[1:]) + [n_out] * (MAX_SLICES - len(slice_starts))
     if use_slot_grid(t, slot_grid):
-        if splits > 1:
-            xa = xa.sum(0)
         block_n = min(128, max(16, triton.next_power_of_2(n_out)))
         _lora_expand_slots_kernel[(triton.cdiv(t, SLOT_BLOCK_M), triton.cdiv(n_out, block_n))](
-            y, xa, b, slots, t, n_out, rank, b.shape[0], y.stride(0), xa.stride(0), b.stride(0), b.stride(1), starts[0],
-            starts[1], NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
-            BLOCK_R=max(16, triton.next_power_of_2(rank)), PRECISION=_precision(b),
+            y, xa, b, slots, t, n_out, rank, b.shape[0], y.stride(0), xa.stride(-2),
+            xa.stride(0) if splits > 1 else 0, b.stride(0), b.stride(1), starts[0], starts[1],
+            NUM_SLICES=len(slice_starts), BLOCK_M=SLOT_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), SPLITS=splits, PRECISION=_precision(b),
             UPCAST=is_interpreted(_lora_expand_slots_kernel), num_warps=4, **_pdl(y))
         return y
     block_m = _block_m(t, block_m)

@@ -192,6 +192,23 @@ def test_slot_grid_expand_sums_split_partials():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", ["segments", "decode_mixed"])
+def test_slot_grid_shrink_split_over_k(batch):
+    # the slot-grid shrink split over K (a decode batch of 256 rows is 8 row blocks: without the
+    # split each program walked all of K once per slot): 3 chunks of a K = 300 (the last one short),
+    # partials summed by the slot-grid expand as it reads them; rows of slot -1 never stored
+    x, a, b, y, slots, starts = _case(torch.float32, BATCHES[batch], k=300)
+    xa = lk.lora_shrink(x, a, slots, splits=3, slot_grid=True)
+    assert xa.shape[0] == 3
+    xa_ref = lk.lora_shrink_ref(x, a, slots)
+    used = (slots >= 0).cpu()
+    torch.testing.assert_close(xa.sum(0).cpu()[used], xa_ref.cpu()[used], atol=1e-4, rtol=1e-5)
+    want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
+    got = lk.lora_expand(y.clone(), xa, b, slots, starts, slot_grid=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(got.cpu()[~used], y.cpu()[~used])
+
+
 def test_slot_grid_rows(monkeypatch):
     monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "16")
     assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(8192, None)
