@@ -84,6 +84,11 @@ def test_copy_runs():
     from workers.kv_offload import _runs
     assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (2, 7, 1)]
     assert _runs([], []) == []
+    from workers.kv_offload import _by_slot
+    # a prompt's slots, evicted tail first, go down along it: in slot order, one run; a slot stored
+    # twice in a step keeps its later store last
+    assert _by_slot([10, 11, 12], [7, 6, 5]) == ([12, 11, 10], [5, 6, 7])
+    assert _by_slot([1, 2, 3], [4, 3, 4]) == ([2, 1, 3], [3, 4, 4])
 
 
 def test_sleep_level_1_keeps_the_tier_level_2_drops_it(model_factory):
@@ -134,3 +139,27 @@ def test_scattered_blocks_copy_through_staging():
     tier.apply(KVTransfers([], [], slots, dest), kv)
     for (k, v), (wk, wv) in zip(kv, want):
         assert torch.equal(k[dest], wk) and torch.equal(v[dest], wv)
+
+
+def test_rehit_computes_its_last_block_and_loads_in_few_copies(model_factory):
+    """bench/kv_offload.py's TTFT case scaled down: a prompt pushed out of the GPU cache by two
+    others (tail first, so its tier slots go down along the prefix) and re-sent computes only its
+    last block, and its loads take a run of host slots per copy, not one copy per block and
+    layer's keys or values (the 32k re-hit's 127k copies: 1.2 s on the H200)."""
+    from frontend import LLM, SamplingParams
+    rng = random.Random(3)
+    n = 48 * BS
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for _ in range(3)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=n + 16, block_size=BS,
+             num_gpu_blocks_override=2 * 48 + 4, kv_offloading_size=0.01) as llm:
+        for p in prompts:
+            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        engine = llm.client.engine
+        tier, host = engine.scheduler.kv.pool.cpu_tier, engine.executor.runner.cpu_tier
+        loaded, copies = tier.num_loaded, host.num_host_copies
+        out = llm.generate([{"prompt_token_ids": prompts[0]}], one, use_tqdm=False)[0]
+        num_tensors = sum(len(kv) for kv in engine.executor.runner.kv_caches)
+    assert out.num_cached_tokens == n - BS   # every full block but the last (a token is left to compute)
+    assert tier.num_loaded - loaded >= 40    # most of them from the tier
+    assert host.num_host_copies - copies <= 4 * num_tensors   # a run or two of stores and of loads, per tensor
