@@ -90,7 +90,8 @@ def copy_times(path: str, prompt_len: int, gpu_blocks: int) -> dict:
     """The tier's copies of the TTFT re-hit alone, at the model's KV shapes (GPU only): the re-hit's
     step stores the blocks it evicts (another prompt's tail, slots going up) and loads the prompt's
     blocks (its slots going down along it, as it was evicted tail first) into those same blocks.
-    Host ms launching them and ms until done, stores alone, loads alone, both (one stream: their sum)."""
+    Host ms launching them and ms until done, stores alone, loads alone, and both (on two streams, the
+    loads a chunk behind the stores: about the larger of the two, if the link's directions overlap)."""
     import torch
 
     from bench.common import read_model_config

@@ -24,7 +24,8 @@ def test_side_stream_copies_are_ordered_by_events():
     kv = [(torch.randn(32, 16, 8, 128, device=dev), torch.randn(32, 16, 8, 128, device=dev)) for _ in range(4)]
     want = [(k[:8].clone(), v[:8].clone()) for k, v in kv]
     tier = HostKVTier(16, kv)
-    assert tier.stream is not None and tier.stream != torch.cuda.current_stream()
+    assert torch.cuda.current_stream() not in (tier.store_stream, tier.load_stream)
+    assert tier.store_stream is not None and tier.load_stream is not None
     tier.apply(KVTransfers(list(range(8)), list(range(8, 16)), [], []), kv)
     tier.wait_forward()
     for k, v in kv:   # the "forward" writes over the stored blocks
