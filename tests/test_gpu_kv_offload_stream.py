@@ -38,6 +38,14 @@ def test_side_stream_copies_are_ordered_by_events():
         assert not k[:8].any()
 
 
+def test_loads_follow_the_stores_they_depend_on_across_streams():
+    """Stores (D2H) and loads (H2D) on their two streams, each chunk of loads after the chunks of
+    stores it depends on: what all the stores, then all the loads, would give (blocks of
+    Llama-3.1-8B's shape, so the chunks take long enough to race)."""
+    from tests.test_kv_offload import check_loads_follow_stores
+    check_loads_follow_stores("cuda", (16, 8, 128))
+
+
 def _batched(model_dir: str, **options):
     from frontend import LLM, SamplingParams
     rng = random.Random(11)

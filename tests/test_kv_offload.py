@@ -165,42 +165,48 @@ def test_rehit_computes_its_last_block_and_loads_in_few_copies(model_factory):
     assert host.num_host_copies - copies <= 4 * num_tensors   # a run or two of stores and of loads, per tensor
 
 
-def test_loads_follow_the_stores_they_depend_on():
-    """A step's loads go a chunk at a time after the chunks of stores they must follow (on CUDA the
-    two directions run on two streams; on CPU in the order the streams are issued): loads over
-    blocks that the step stores first (evicted to make room), and loads of slots that the step
-    stores first (stored and re-hit in one step), over several chunks, give what all the stores,
-    then all the loads, would."""
+def check_loads_follow_stores(device: str, block_shape: tuple = (2, 1, 4)) -> None:
+    """One step's transfers over three chunks each way: loads over blocks that the step stores first
+    (evicted to make room) and of slots that it stores first (stored and re-hit in one step) give
+    what all the stores, then all the loads, would. (tests/test_gpu_kv_offload_stream.py: on CUDA.)"""
     import torch
 
     from ipc.messages import KVTransfers
-    from workers.kv_offload import HostKVTier, _chunks, _load_waits
+    from workers.kv_offload import HostKVTier
     rng = random.Random(1)
-    kv = [(torch.randn(1500, 2, 1, 4), torch.randn(1500, 2, 1, 4)) for _ in range(2)]
+    kv = [tuple(torch.randn(1500, *block_shape, device=device) for _ in "kv") for _ in range(2)]
     tier = HostKVTier(1500, kv)
     for host_kv in tier.host:
         for t in host_kv:
             t.copy_(torch.randn_like(t))
     store_blocks = rng.sample(range(1500), 700)
     store_slots = rng.sample(range(1500), 700)
-    free_slots = sorted(set(range(1500)) - set(store_slots))
-    # loads: over 300 of the stored blocks, and 300 others; from 250 stored slots and 350 untouched
+    # loads: over 300 of the stored blocks and 300 others; from 250 stored slots and 350 untouched
     load_blocks = rng.sample(store_blocks, 300) + rng.sample(sorted(set(range(1500)) - set(store_blocks)), 300)
-    load_slots = rng.sample(store_slots, 250) + rng.sample(free_slots, 350)
+    load_slots = rng.sample(store_slots, 250) + rng.sample(sorted(set(range(1500)) - set(store_slots)), 350)
     rng.shuffle(load_slots)
     want = []
-    for (k, v), (hk, hv) in zip(kv, tier.host):
-        k2, v2, hk2, hv2 = k.clone(), v.clone(), hk.clone(), hv.clone()
-        hk2[store_slots], hv2[store_slots] = k2[store_blocks], v2[store_blocks]
-        k2[load_blocks], v2[load_blocks] = hk2[load_slots], hv2[load_slots]
-        want.append((k2, v2, hk2, hv2))
-    xfer = KVTransfers(store_blocks, store_slots, load_slots, load_blocks)
-    waits = _load_waits(_chunks(store_blocks, store_slots), _chunks(load_blocks, load_slots))
-    assert len(waits) == 3 and min(waits) >= 0   # each chunk of loads follows some stores
+    for dev_kv, host_kv in zip(kv, tier.host):
+        for dev, host in zip(dev_kv, host_kv):
+            d, h = dev.cpu().clone(), host.clone()
+            h[store_slots] = d[store_blocks]
+            d[load_blocks] = h[load_slots]
+            want.append((d, h))
+    tier.apply(KVTransfers(store_blocks, store_slots, load_slots, load_blocks), kv)
+    if device == "cuda":
+        tier.wait_forward()
+        torch.cuda.synchronize()
+    got = [(dev.cpu(), host) for dev_kv, host_kv in zip(kv, tier.host) for dev, host in zip(dev_kv, host_kv)]
+    for (d, h), (wd, wh) in zip(got, want):
+        assert torch.equal(d, wd) and torch.equal(h, wh)
+
+
+def test_loads_follow_the_stores_they_depend_on():
+    """A step's loads go a chunk at a time after the chunks of stores they must follow (on CUDA the
+    two directions run on two streams; on CPU in the order the streams are issued)."""
+    from workers.kv_offload import _chunks, _load_waits
+    check_loads_follow_stores("cpu")
     # the bench's re-hit: the blocks it evicts (slots going up) get the prompt's (slots going down):
     # each chunk of loads follows one chunk of stores, not all of them
     taken = list(range(1499, 899, -1))
     assert _load_waits(_chunks(taken, list(range(600, 1200))), _chunks(taken, list(range(599, -1, -1)))) == [2, 1, 0]
-    tier.apply(xfer, kv)
-    for (k, v), (hk, hv), w in zip(kv, tier.host, want):
-        assert torch.equal(k, w[0]) and torch.equal(v, w[1]) and torch.equal(hk, w[2]) and torch.equal(hv, w[3])
