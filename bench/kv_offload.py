@@ -39,9 +39,11 @@ def run(path: str, prompt_len: int, gpu_blocks: int, offload_gb: float | None, n
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     out = {}
     with _llm(path, offload_gb, max_model_len=max(prompt_len, 1024) + 144, num_gpu_blocks_override=gpu_blocks) as llm:
+        cached = []   # each timed prompt's num_cached_tokens
+
         def timed(p):
             t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+            cached.append(llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0].num_cached_tokens)
             return time.perf_counter() - t0
         timed(longs[3][:1024])   # warm-up
         if offload_gb:
@@ -49,6 +51,7 @@ def run(path: str, prompt_len: int, gpu_blocks: int, offload_gb: float | None, n
             timed(longs[1])
             timed(longs[2])
             out["ttft_cpu_tier_s"] = timed(longs[0])
+            out["rehit_cached_tokens"] = cached[-1]   # all but the last block's: prompt_len - 16
         out["multi_turn"] = multi_turn(llm, gpu_blocks * 16, prompt_len, rng)
         prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(1024)]} for _ in range(n)]
         params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -83,6 +86,43 @@ def multi_turn(llm, gpu_tokens: int, max_prompt: int, rng: random.Random, convs:
             "working_set_x_gpu": convs * len(history[0]) / gpu_tokens}
 
 
+def copy_times(path: str, prompt_len: int, gpu_blocks: int) -> dict:
+    """The tier's copies of the TTFT re-hit alone, at the model's KV shapes (GPU only): the re-hit's
+    step stores the blocks it evicts (another prompt's tail, slots going up) and loads the prompt's
+    blocks (its slots going down along it, as it was evicted tail first) into those same blocks.
+    Host ms launching them and ms until done, stores alone, loads alone, and both (on two streams, the
+    loads a chunk behind the stores: about the larger of the two, if the link's directions overlap)."""
+    import torch
+
+    from bench.common import read_model_config
+    from ipc.messages import KVTransfers
+    from workers.kv_offload import HostKVTier
+    hf = read_model_config(path)
+    heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # (CPU: a smoke run)
+    kv = [tuple(torch.zeros((gpu_blocks, 16, heads, head_dim), dtype=torch.bfloat16, device=device) for _ in "kv")
+          for _ in range(hf["num_hidden_layers"])]
+    n = prompt_len // 16 - 64
+    tier = HostKVTier(2 * n, kv)
+    taken = list(range(gpu_blocks - 1, gpu_blocks - 1 - n, -1))
+    cases = {"stores": KVTransfers(taken, list(range(n, 2 * n)), [], []),
+             "loads": KVTransfers([], [], list(range(n - 1, -1, -1)), taken)}
+    cases["both"] = KVTransfers(taken, list(range(n, 2 * n)), list(range(n - 1, -1, -1)), taken)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = {"blocks": n, "gib_each_way": n * tier.nbytes() / tier.num_slots / 2 ** 30}
+    for name, xfer in [*cases.items(), *cases.items()]:   # (the second round is timed)
+        sync()
+        copies, t0 = tier.num_host_copies, time.perf_counter()
+        tier.apply(xfer, kv)
+        launched = time.perf_counter()
+        tier.wait_forward()
+        sync()
+        out[name] = {"host_ms": (launched - t0) * 1e3, "done_ms": (time.perf_counter() - t0) * 1e3,
+                     "host_copies": tier.num_host_copies - copies}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3.1-8b")
@@ -99,10 +139,17 @@ def main() -> None:
         print("tier on", on, flush=True)
         off = run(path, args.prompt_len, gpu_blocks, None, args.num_prompts)
         print("tier off", off, flush=True)
+        on["copies"] = copy_times(path, args.prompt_len, gpu_blocks)   # (last: its memory is this process's)
+        print("the re-hit's tier copies alone", on["copies"], flush=True)
     rows = {"on": on, "off": off}
     print(f"\n{'kv-offload (' + args.preset + ', dummy)':<44} {'measured':>12} {'target':>14}")
     print(f"{f'TTFT {args.prompt_len} tokens, recompute s':<44} {on['ttft_recompute_s']:>12.3f} {'':>14}")
     print(f"{f'TTFT {args.prompt_len} tokens, CPU tier hit s':<44} {on['ttft_cpu_tier_s']:>12.3f} {'<= 0.25':>14}")
+    print(f"{'  re-hit tokens computed (not cached)':<44} {args.prompt_len - on['rehit_cached_tokens']:>12} {'16':>14}")
+    for name in ("stores", "loads", "both"):
+        c = on["copies"][name]
+        print(f"{f'  re-hit tier copies, {name}: host / done ms':<44} {c['host_ms']:>5.1f} / {c['done_ms']:>5.1f}"
+              f" ({c['host_copies']} copies)")
     mt_on, mt_off = on["multi_turn"], off["multi_turn"]
     print(f"{'multi-turn working set / GPU cache':<44} {mt_on['working_set_x_gpu']:>12.2f} {'~4':>14}")
     print(f"{'multi-turn p50 TTFT, GPU-only s':<44} {mt_off['p50_ttft_s']:>12.3f} {'':>14}")

@@ -24,7 +24,8 @@ def test_side_stream_copies_are_ordered_by_events():
     kv = [(torch.randn(32, 16, 8, 128, device=dev), torch.randn(32, 16, 8, 128, device=dev)) for _ in range(4)]
     want = [(k[:8].clone(), v[:8].clone()) for k, v in kv]
     tier = HostKVTier(16, kv)
-    assert tier.stream is not None and tier.stream != torch.cuda.current_stream()
+    assert torch.cuda.current_stream() not in (tier.store_stream, tier.load_stream)
+    assert tier.store_stream is not None and tier.load_stream is not None
     tier.apply(KVTransfers(list(range(8)), list(range(8, 16)), [], []), kv)
     tier.wait_forward()
     for k, v in kv:   # the "forward" writes over the stored blocks
@@ -35,6 +36,14 @@ def test_side_stream_copies_are_ordered_by_events():
     for (k, v), (wk, wv) in zip(kv, want):
         assert torch.equal(k[20:28], wk) and torch.equal(v[20:28], wv)
         assert not k[:8].any()
+
+
+def test_loads_follow_the_stores_they_depend_on_across_streams():
+    """Stores (D2H) and loads (H2D) on their two streams, each chunk of loads after the chunks of
+    stores it depends on: what all the stores, then all the loads, would give (blocks of
+    Llama-3.1-8B's shape, so the chunks take long enough to race)."""
+    from tests.test_kv_offload import check_loads_follow_stores
+    check_loads_follow_stores("cuda", (16, 8, 128))
 
 
 def _batched(model_dir: str, **options):

@@ -84,6 +84,11 @@ def test_copy_runs():
     from workers.kv_offload import _runs
     assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (2, 7, 1)]
     assert _runs([], []) == []
+    from workers.kv_offload import _by_slot
+    # a prompt's slots, evicted tail first, go down along it: in slot order, one run; a slot stored
+    # twice in a step keeps its later store last
+    assert _by_slot([10, 11, 12], [7, 6, 5]) == ([12, 11, 10], [5, 6, 7])
+    assert _by_slot([1, 2, 3], [4, 3, 4]) == ([2, 1, 3], [3, 4, 4])
 
 
 def test_sleep_level_1_keeps_the_tier_level_2_drops_it(model_factory):
@@ -123,7 +128,7 @@ def test_scattered_blocks_copy_through_staging():
     rng = random.Random(0)
     kv = [(torch.randn(700, 4, 2, 8), torch.randn(700, 4, 2, 8)) for _ in range(2)]
     tier = HostKVTier(600, kv)
-    blocks = rng.sample(range(700), 300)          # > _STAGING_BLOCKS, hundreds of runs
+    blocks = rng.sample(range(700), 300)          # > _CHUNK_BLOCKS, hundreds of runs
     slots = list(range(40, 190)) + rng.sample(range(200, 600), 150)
     assert len(kv_offload._runs(blocks, slots)) > kv_offload._DIRECT_RUNS
     tier.apply(KVTransfers(blocks, slots, [], []), kv)
@@ -134,3 +139,74 @@ def test_scattered_blocks_copy_through_staging():
     tier.apply(KVTransfers([], [], slots, dest), kv)
     for (k, v), (wk, wv) in zip(kv, want):
         assert torch.equal(k[dest], wk) and torch.equal(v[dest], wv)
+
+
+def test_rehit_computes_its_last_block_and_loads_in_few_copies(model_factory):
+    """bench/kv_offload.py's TTFT case scaled down: a prompt pushed out of the GPU cache by two
+    others (tail first, so its tier slots go down along the prefix) and re-sent computes only its
+    last block, and its loads take a run of host slots per copy, not one copy per block and
+    layer's keys or values (the 32k re-hit's 127k copies: 1.2 s on the H200)."""
+    from frontend import LLM, SamplingParams
+    rng = random.Random(3)
+    n = 48 * BS
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for _ in range(3)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=n + 16, block_size=BS,
+             num_gpu_blocks_override=2 * 48 + 4, kv_offloading_size=0.01) as llm:
+        for p in prompts:
+            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        engine = llm.client.engine
+        tier, host = engine.scheduler.kv.pool.cpu_tier, engine.executor.runner.cpu_tier
+        loaded, copies = tier.num_loaded, host.num_host_copies
+        out = llm.generate([{"prompt_token_ids": prompts[0]}], one, use_tqdm=False)[0]
+        num_tensors = sum(len(kv) for kv in engine.executor.runner.kv_caches)
+    assert out.num_cached_tokens == n - BS   # every full block but the last (a token is left to compute)
+    assert tier.num_loaded - loaded >= 40    # most of them from the tier
+    assert host.num_host_copies - copies <= 4 * num_tensors   # a run or two of stores and of loads, per tensor
+
+
+def check_loads_follow_stores(device: str, block_shape: tuple = (2, 1, 4)) -> None:
+    """One step's transfers over three chunks each way: loads over blocks that the step stores first
+    (evicted to make room) and of slots that it stores first (stored and re-hit in one step) give
+    what all the stores, then all the loads, would. (tests/test_gpu_kv_offload_stream.py: on CUDA.)"""
+    import torch
+
+    from ipc.messages import KVTransfers
+    from workers.kv_offload import HostKVTier
+    rng = random.Random(1)
+    kv = [tuple(torch.randn(1500, *block_shape, device=device) for _ in "kv") for _ in range(2)]
+    tier = HostKVTier(1500, kv)
+    for host_kv in tier.host:
+        for t in host_kv:
+            t.copy_(torch.randn_like(t))
+    store_blocks = rng.sample(range(1500), 700)
+    store_slots = rng.sample(range(1500), 700)
+    # loads: over 300 of the stored blocks and 300 others; from 250 stored slots and 350 untouched
+    load_blocks = rng.sample(store_blocks, 300) + rng.sample(sorted(set(range(1500)) - set(store_blocks)), 300)
+    load_slots = rng.sample(store_slots, 250) + rng.sample(sorted(set(range(1500)) - set(store_slots)), 350)
+    rng.shuffle(load_slots)
+    want = []
+    for dev_kv, host_kv in zip(kv, tier.host):
+        for dev, host in zip(dev_kv, host_kv):
+            d, h = dev.cpu().clone(), host.clone()
+            h[store_slots] = d[store_blocks]
+            d[load_blocks] = h[load_slots]
+            want.append((d, h))
+    tier.apply(KVTransfers(store_blocks, store_slots, load_slots, load_blocks), kv)
+    if device == "cuda":
+        tier.wait_forward()
+        torch.cuda.synchronize()
+    got = [(dev.cpu(), host) for dev_kv, host_kv in zip(kv, tier.host) for dev, host in zip(dev_kv, host_kv)]
+    for (d, h), (wd, wh) in zip(got, want):
+        assert torch.equal(d, wd) and torch.equal(h, wh)
+
+
+def test_loads_follow_the_stores_they_depend_on():
+    """A step's loads go a chunk at a time after the chunks of stores they must follow (on CUDA the
+    two directions run on two streams; on CPU in the order the streams are issued)."""
+    from workers.kv_offload import _chunks, _load_waits
+    check_loads_follow_stores("cpu")
+    # the bench's re-hit: the blocks it evicts (slots going up) get the prompt's (slots going down):
+    # each chunk of loads follows one chunk of stores, not all of them
+    taken = list(range(1499, 899, -1))
+    assert _load_waits(_chunks(taken, list(range(600, 1200))), _chunks(taken, list(range(599, -1, -1)))) == [2, 1, 0]

@@ -259,7 +259,7 @@ class ModelRunner:
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64), refused=self.mm.take_refused())
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows, refused=self.mm.take_refused())
         self._lap(batch, "prepare")
-        if self.cpu_tier is not None:   # the tier's copies (this step's or earlier) run on their own stream
+        if self.cpu_tier is not None:   # the tier's copies (this step's or earlier) run on their own streams
             self.cpu_tier.wait_forward()
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
