@@ -315,10 +315,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, *args: str, timeout: float = 180.0):
+def running_server(model_dir: str, *args: str, timeout: float = 180.0, env: dict | None = None):
     """A healthy `loom serve` for a module-scoped fixture (`with running_server(...) as s: yield s`),
     stopped at the end whatever happens."""
-    s = Server(model_dir, *args)
+    s = Server(model_dir, *args, env=env)
     try:
         s.wait_healthy(timeout)
         yield s

@@ -9,6 +9,8 @@ KV head on both ranks (with the row-parallel biases that must be added once) and
 to the embedding. Every norm weight and bias is random, so that a rank's share of them is tested.
 The MoE architectures run again with --enable-expert-parallel (whole experts per rank, an uneven
 split too), and with their experts updated by checkpoint name (a weight update) under TP and EP.
+InternLM2 (remote code) runs on a Llama's weights, with HF Llama as the oracle, and each weight
+quantization format on a Llama with biases, with HF on the dequantized weights as the oracle.
 
 One pair of worker processes (tests/_tp_arch_worker.py) runs every case in turn, fed while the
 next checkpoint is built; each parametrized test asserts its own case's result.
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, _ends_with_this_test_process
-from tests.tiny_models import ARCHS, make_tiny_model
+from tests.tiny_models import ARCHS, llama_to_internlm2, make_tiny_model
 
 WORLD = 2
 VOCAB = 337       # odd: the vocabulary is padded to split
@@ -48,9 +50,19 @@ CASES.update({
     # expert weights updated by their checkpoint names (experts.{e}.gate_proj...) land in the stacked ones
     "qwen3_moe-update-experts": ("qwen3_moe", {}),
     "qwen3_moe-ep-update-experts": ("qwen3_moe", {}),
+    # InternLM2 (remote code: no HF class) on a Llama's weights, HF Llama the oracle: each rank
+    # unpacks its own query heads from wqkv, and the one KV head replicated on both
+    "internlm2-kv1": ("llama", {"num_key_value_heads": 1}),
 })
+# each weight-quantization format's checkpoint (tests/test_quantization.py writes them), HF on the
+# dequantized dense twin the oracle: column-parallel layers split the packed weights' output rows,
+# scales and zero points; row-parallel ones their input rows and groups
+QUANT_FORMATS = ["ct-fp8-dynamic", "fp8-per-tensor", "fp8-block", "ct-w4a16-g32-asym", "gptq-g32-desc-act-asym",
+                 "awq-g32"]
+CASES.update({f"quant-{fmt}": ("llama", {"attention_bias": True}) for fmt in QUANT_FORMATS})
 EXPERT_PARALLEL = {name for name in CASES if "-ep" in name}
 UPDATED = {name for name in CASES if name.endswith("-update-experts")}   # loaded from another seed, then updated
+AS_INTERNLM2 = {"internlm2-kv1"}   # the Llama checkpoint rewritten as InternLM2's (tests/tiny_models.llama_to_internlm2)
 
 
 def build_checkpoint(out_dir: str, arch: str, overrides: dict, seed: int = 0) -> str:
@@ -69,6 +81,15 @@ def build_checkpoint(out_dir: str, arch: str, overrides: dict, seed: int = 0) ->
                 t.normal_(0.0, 0.1, generator=g)
     save_file(weights, path, metadata={"format": "pt"})
     return out_dir
+
+
+def quantize(model_dir: str, out_dir: str, fmt: str) -> tuple[str, str]:
+    """(the checkpoint in format fmt, its dequantized dense twin): tests/test_quantization.py's writer."""
+    from pathlib import Path
+
+    from tests.test_quantization import FORMATS, quantize_checkpoint
+    write, quantization_config, _ = FORMATS[fmt]
+    return quantize_checkpoint(model_dir, Path(out_dir), write, quantization_config)
 
 
 def other_experts(model_dir: str, out_dir: str, seed: int = 1) -> str:
@@ -169,6 +190,17 @@ def tp_results(tmp_path_factory) -> dict[str, str | None]:
                 if name not in dirs:
                     dirs[name] = build_checkpoint(os.path.join(tmp, name), arch, overrides)
                 job = {"name": name, "model_dir": dirs[name], "expert_parallel": name in EXPERT_PARALLEL}
+                if name.startswith("quant-"):
+                    quantized = f"{name}-quantized"
+                    if quantized not in dirs:
+                        dirs[quantized], dirs[f"{name}-dense"] = quantize(dirs[name], os.path.join(tmp, quantized),
+                                                                          name.removeprefix("quant-"))
+                    job.update(model_dir=dirs[quantized], hf_dir=dirs[f"{name}-dense"])
+                if name in AS_INTERNLM2:
+                    converted = f"{name}-converted"
+                    if converted not in dirs:
+                        dirs[converted] = llama_to_internlm2(dirs[name], os.path.join(tmp, converted))
+                    job.update(model_dir=dirs[converted], hf_dir=dirs[name])
                 if name in UPDATED:
                     base = f"{name}-base"
                     if base not in dirs:

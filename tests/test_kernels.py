@@ -834,7 +834,9 @@ def test_gemv(prologue, dtype):
         scale = (4e-2 if INTERPRET else 1e-2) * y_ref.abs().max().item()
         torch.testing.assert_close(y, y_ref, **(dict(atol=scale, rtol=0) if dtype == torch.bfloat16 else tol))
 
-    for m in (1, 3, 8, 12, 40):
+    # bf16 changes the loads and the tolerance, not the masks, tiles or splits (the fp32 rows
+    # cover those): one row count for each of the two kernels
+    for m in (1, 3, 8, 12, 40) if dtype == torch.float32 else (3, 40):
         x = _randn(m, 2 * k if prologue == "silu_mul" else k, dtype=dtype, g=g, scale=2.0)
         r = _randn(m, k, dtype=dtype, g=g)
         kw = dict(prologue=prologue, residual=r if prologue == "add_rms_norm" else None, norm_weight=nw, eps=1e-6)
@@ -1091,7 +1093,7 @@ def test_sample_sharded_equals_the_whole_vocabulary(world, vocab):
         whole = {"noise": smp.sample_with_noise(logits, temp, top_k, top_p, min_p, noise, top_k_top_p=False),
                  "philox": smp.sample(logits, temp, top_k, top_p, min_p, seeds, positions, top_k_top_p=False)}
         assert whole["noise"].tolist() == smp.sample_with_noise_ref(logits, temp, top_k, top_p, min_p, noise).tolist()
-        for chunks in (None, 1):
+        for chunks in (None, 1) if dtype == torch.float32 else (None,):   # (the split does not depend on it)
             got = _sharded_calls(smp.sample_sharded, shards, part, *args, world=world, noise=noise, num_chunks=chunks)
             assert got == [whole["noise"].tolist()] * world, chunks
             got = _sharded_calls(smp.sample_sharded, shards, part, *args, world=world, num_chunks=chunks)
@@ -1260,7 +1262,8 @@ def test_attention_causal_split_long_prefill_tiles(dtype, monkeypatch):
     # masked) at small tiles: prompts, chunks over earlier keys, a decode, GQA, split KV, NaN past
     # every length; exact to the reference as the masked loop is
     original = pa.tile_config
-    for heavy_first, splits in ((False, (2,)), (True, (1, 3))):   # (the tiles in order, then in reverse)
+    # (the tiles in order, then in reverse; the order and the KV splits do not depend on the dtype)
+    for heavy_first, splits in ((False, (2,)), (True, (1, 3))) if dtype == torch.float32 else ((True, (3,)),):
         monkeypatch.setattr(pa, "tile_config", lambda *a, _h=heavy_first: {
             **original(*a), "block_m": 16, "block_n": 16, "causal_split": True, "heavy_first": _h})
         _check_attention([40, 23, 1, 9], [40, 90, 57, 9], hq=4, hkv=2, d=32, bs=8, dtype=dtype, splits=splits)
