@@ -97,13 +97,18 @@ BATCHES = {
 @pytest.mark.parametrize("slices", [(12, 6, 6), (10, 10), (7,)])
 @pytest.mark.parametrize("block_m", [1, 16])   # one row per program (decode sizes), 16-row blocks (prefill)
 def test_shrink_expand_match_reference(dtype, batch, slices, block_m):
+    _check_against_reference(dtype, batch, slices, block_m=block_m)
+
+
+def _check_against_reference(dtype, batch, slices, **kernel_kw):
+    """The shrink and the expand (called with kernel_kw) against their references; base rows untouched."""
     x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
     xa_ref = lk.lora_shrink_ref(x, a, slots)
-    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), block_m=block_m)
+    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), **kernel_kw)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(xa, xa_ref, **tol)
     want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
-    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, block_m=block_m)
+    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, **kernel_kw)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base = (slots < 0).cpu()
     assert torch.equal(got.cpu()[base], y.cpu()[base])   # the base rows are untouched
@@ -171,16 +176,7 @@ def test_wide_output_slices_cross_column_blocks(block_m):
 def test_slot_grid_kernels_match_reference(dtype, batch, slices):
     # one program per (32 rows, columns), a tile product per slot its rows use: blocks mixing
     # adapters and the base (segments: 56 rows, two blocks)
-    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
-    xa_ref = lk.lora_shrink_ref(x, a, slots)
-    xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), slot_grid=True)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(xa, xa_ref, **tol)
-    want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
-    got = lk.lora_expand(y.clone(), xa_ref, b, slots, starts, slot_grid=True)
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-    base = (slots < 0).cpu()
-    assert torch.equal(got.cpu()[base], y.cpu()[base])
+    _check_against_reference(dtype, batch, slices, slot_grid=True)
 
 
 def test_slot_grid_expand_sums_split_partials():
