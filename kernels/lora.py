@@ -201,8 +201,8 @@ def _lora_expand_kernel(y_ptr, xa_ptr, b_ptr, slots_ptr, T, OUT, R, stride_ym, s
 
 
 @step_jit(ints=("T", "K_CHUNK"))
-def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, S, stride_xm, stride_as, stride_an,
-                              stride_om, stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _lora_shrink_slots_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an,
+                              stride_om, stride_os, K_CHUNK, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                               PDL: tl.constexpr):
     """Program (row block, column block, K chunk): for each slot s that a row of the block uses,
@@ -362,17 +362,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
     if t == 0:
         return out
     assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
-    if grid:
-        _lora_shrink_slots_kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
-            x, a, slots, out, t, k, n, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
-            out.stride(0) if splits > 1 else 0, k_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION=_precision(a), UPCAST=is_interpreted(_lora_shrink_slots_kernel), num_warps=4, **_pdl(x))
-        return out
-    _lora_shrink_kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
+    # (the slot-grid kernel takes the same arguments, and the number of slots it loops over)
+    kernel, slot_count = (_lora_shrink_slots_kernel, {"S": a.shape[0]}) if grid else (_lora_shrink_kernel, {})
+    kernel[(triton.cdiv(t, block_m), n_tiles, splits)](
         x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
-        out.stride(0) if splits > 1 else 0, k_chunk,
+        out.stride(0) if splits > 1 else 0, k_chunk, **slot_count,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
-        UPCAST=is_interpreted(_lora_shrink_kernel), num_warps=4, **_pdl(x))
+        UPCAST=is_interpreted(kernel), num_warps=4, **_pdl(x))
     return out
 
 
