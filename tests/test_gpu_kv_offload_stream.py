@@ -46,6 +46,38 @@ def test_loads_follow_the_stores_they_depend_on_across_streams():
     check_loads_follow_stores("cuda", (16, 8, 128))
 
 
+def test_layer_waits_let_each_layer_be_written_after_its_own_copies():
+    """A step's copies over 8 layers of Llama-3.1-8B-sized blocks, then, layer by layer on the compute
+    stream, wait_layer and write over the blocks that layer stored (as a piecewise forward's piece
+    writes the layer's new keys): the tier holds the values from before the writes, the loaded
+    blocks the tier's."""
+    from ipc.messages import KVTransfers
+    from workers.kv_offload import HostKVTier
+    dev = torch.device("cuda")
+    kv = [tuple(torch.randn(1200, 16, 8, 128, device=dev, dtype=torch.bfloat16) for _ in "kv") for _ in range(8)]
+    tier = HostKVTier(1200, kv)
+    for host_kv in tier.host:
+        for t in host_kv:
+            t.copy_(torch.randn(t.shape, dtype=t.dtype))
+    rng = random.Random(3)
+    store_blocks, store_slots = rng.sample(range(1200), 500), rng.sample(range(600), 500)
+    load_blocks, load_slots = rng.sample(store_blocks, 400), rng.sample(range(600, 1200), 400)
+    want_host = [tuple(t[store_blocks].cpu() for t in dev_kv) for dev_kv in kv]
+    want_loaded = [tuple(t[load_slots] for t in host_kv) for host_kv in tier.host]
+    torch.cuda.synchronize()
+    tier.apply(KVTransfers(store_blocks, store_slots, load_slots, load_blocks), kv)
+    rows = torch.tensor(sorted(set(store_blocks) - set(load_blocks)), device=dev)
+    for dev_kv in kv:
+        tier.wait_layer(dev_kv)
+        for t in dev_kv:   # the piece writes this layer's new keys and values over evicted blocks
+            t.index_fill_(0, rows, 0)
+    torch.cuda.synchronize()
+    for dev_kv, host_kv, stored, loaded in zip(kv, tier.host, want_host, want_loaded):
+        for t, h, s, ld in zip(dev_kv, host_kv, stored, loaded):
+            assert torch.equal(h[store_slots], s)
+            assert torch.equal(t[load_blocks].cpu(), ld)
+
+
 def _batched(model_dir: str, **options):
     from frontend import LLM, SamplingParams
     rng = random.Random(11)

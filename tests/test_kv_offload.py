@@ -202,11 +202,26 @@ def check_loads_follow_stores(device: str, block_shape: tuple = (2, 1, 4)) -> No
 
 
 def test_loads_follow_the_stores_they_depend_on():
-    """A step's loads go a chunk at a time after the chunks of stores they must follow (on CUDA the
-    two directions run on two streams; on CPU in the order the streams are issued)."""
-    from workers.kv_offload import _chunks, _load_waits
+    """A step's loads of a layer go after that layer's stores (on CUDA the two directions run on two
+    streams; on CPU in the order the streams are issued)."""
     check_loads_follow_stores("cpu")
-    # the bench's re-hit: the blocks it evicts (slots going up) get the prompt's (slots going down):
-    # each chunk of loads follows one chunk of stores, not all of them
-    taken = list(range(1499, 899, -1))
-    assert _load_waits(_chunks(taken, list(range(600, 1200))), _chunks(taken, list(range(599, -1, -1)))) == [2, 1, 0]
+
+
+def test_copies_go_layer_by_layer_with_an_event_each():
+    """apply() records each layer's copies, which wait_layer() consumes once (a piecewise forward
+    waits there, layer by layer) and wait_forward() forgets (it waits for all of them)."""
+    import torch
+
+    from ipc.messages import KVTransfers
+    from workers.kv_offload import HostKVTier
+    kv = [tuple(torch.randn(40, 2, 1, 4) for _ in "kv") for _ in range(3)]
+    tier = HostKVTier(40, kv)
+    tier.apply(KVTransfers([1, 2], [5, 6], [5], [9]), kv)
+    assert set(tier._layers) == {id(k) for k, _ in kv}
+    for k, v in kv:
+        tier.wait_layer((k, v))
+        assert torch.equal(k[9], k[1]) and torch.equal(v[9], v[1])   # slot 5 took block 1, then went to block 9
+    assert not tier._layers
+    tier.apply(KVTransfers([3], [7], [], []), kv)
+    tier.wait_forward()
+    assert not tier._layers

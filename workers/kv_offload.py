@@ -7,11 +7,15 @@ loads (H2D) share the link's two directions: a re-hit's step stores the blocks i
 the prompt's blocks over them (the bench's 32k re-hit: 4.2 GB each way, ~85 ms each at ~50 GB/s;
 one stream ran them one after the other). Both streams start after an event recorded on the
 compute stream when the step is launched (the stores read blocks every earlier step has written,
-before this step writes over them) and after the previous step's copies. The copies go in chunks
-of blocks, and a chunk of loads waits only on the chunks of stores it must follow (those that read
-the blocks it writes or write the slots it reads: _load_waits), so the loads follow the stores a
-chunk behind. The compute stream waits on both streams only right before the step's forward
-(wait_forward), so the step's input preparation is not queued behind them. The host tensors and
+before this step writes over them) and after the previous step's copies. They go layer by layer
+(in chunks of blocks within a layer): a layer's loads follow its stores on the other stream (they
+may write the blocks those read, or read the slots those write; other layers' copies touch other
+tensors), so the loads run a layer behind the stores. An event after each layer's copies lets a
+forward run in piecewise CUDA graphs wait for each layer right before its first use (wait_layer):
+the copies of layer L run under the compute of layers before L (a multi-turn request's 27k tokens
+of loads under the prefill of its new turn; the stores of a 0%-hit prefill's evictions under its
+own forward). Other forwards wait for all the copies first (wait_forward). Either way the step's
+input preparation is not queued behind them. The host tensors and
 the KV cache live as long as the worker, so no tensor crosses streams that the allocator could
 reuse early. Into and out of pinned memory the copies are asynchronous: the host never waits for
 them. On CPU they are plain copies, in the order the streams issue them."""
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +34,12 @@ _DIRECT_RUNS = 8        # at most this many runs of consecutive blocks and slots
 _CHUNK_BLOCKS = 256     # blocks per chunk (Llama-3.1-8B: 8 MiB per layer's keys or values)
 
 Chunk = tuple[list[int], list[int]]   # (GPU blocks, host slots) copied together
+
+
+@dataclass
+class _ChunkPlan:
+    runs: list[tuple[int, int, int]]   # direct: (block, slot, length); staged: (slot, row in the chunk, length)
+    rows: torch.Tensor | None          # staged: the chunk's blocks, on the device (None: direct)
 
 
 class HostKVTier:
@@ -50,37 +61,54 @@ class HostKVTier:
                     "pinned " if pin else "")
 
     def apply(self, xfer: KVTransfers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Queue the step's copies: stores in chunks, each chunk of loads after the stores it must follow."""
+        """Queue the step's copies layer by layer: each layer's stores, then (on the other stream, after
+        them) its loads, with an event after each layer's (wait_layer)."""
         if self.store_stream is not None:
             launched = torch.cuda.current_stream(self.store_stream.device).record_event()   # earlier steps' writes
             for stream in (self.store_stream, self.load_stream):
                 for event in (launched, *self._copied):
                     stream.wait_event(event)
-        stores = _chunks(xfer.store_blocks, xfer.store_slots)
-        loads = _chunks(xfer.load_blocks, xfer.load_slots)
-        waits = _load_waits(stores, loads)
-        stored = []   # an event after each chunk of stores
-        for k in range(-1, len(stores)):   # (k = -1: the loads that follow no store)
-            if k >= 0:
+        stores = self._plan(_chunks(xfer.store_blocks, xfer.store_slots), self.store_stream, kv_caches)
+        loads = self._plan(_chunks(xfer.load_blocks, xfer.load_slots), self.load_stream, kv_caches)
+        self._layers = {}
+        for dev_kv, host_kv in zip(kv_caches, self.host):
+            events = []
+            if stores:
                 with self._on(self.store_stream):
-                    self._move(stores[k], kv_caches, store=True)
-                    stored.append(self._record(self.store_stream))
-            for chunk in (c for c, w in zip(loads, waits) if w == k):
+                    for plan in stores:
+                        self._move(plan, dev_kv, host_kv, store=True)
+                    events.append(self._record(self.store_stream))
+            if loads:
                 with self._on(self.load_stream):
-                    if k >= 0 and self.load_stream is not None:
-                        self.load_stream.wait_event(stored[k])
-                    self._move(chunk, kv_caches, store=False)
+                    if events and self.load_stream is not None:   # (a layer's loads may write the blocks
+                        self.load_stream.wait_event(events[0])    # its stores read, or read slots they write)
+                    for plan in loads:
+                        self._move(plan, dev_kv, host_kv, store=False)
+                    events.append(self._record(self.load_stream))
+            self._layers[id(dev_kv[0])] = events
         if self.store_stream is not None:
             self._copied = [self._record(self.store_stream), self._record(self.load_stream)]
 
+    def wait_layer(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Before the step first touches this layer's cache (writes its new keys and values, then reads
+        it in attention): the compute stream waits on that layer's copies only, so that the other
+        layers' copies run under the layers computed before them (workers/piecewise_graphs.py)."""
+        events = self._layers.pop(id(kv_cache[0]), None)
+        if events and events[0] is not None:
+            current = torch.cuda.current_stream(self.store_stream.device)
+            for event in events:
+                current.wait_event(event)
+
     def wait_forward(self) -> None:
-        """Before the step's forward, which reads the loaded blocks and may write over the stored
-        ones: the current (compute) stream waits on the copies, on the device, never the host."""
+        """Before a forward that does not wait layer by layer (and after one that did, for any layer
+        it did not reach): the current (compute) stream waits on all the copies, on the device, never
+        the host."""
         if self._copied:
             current = torch.cuda.current_stream(self.store_stream.device)
             for event in self._copied:
                 current.wait_event(event)
             self._copied = []
+        self._layers = {}
 
     @staticmethod
     def _on(stream: torch.cuda.Stream | None):
@@ -90,40 +118,47 @@ class HostKVTier:
     def _record(stream: torch.cuda.Stream) -> torch.cuda.Event | None:
         return None if stream is None else stream.record_event()
 
-    def _move(self, chunk: Chunk, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], store: bool) -> None:
-        """One chunk, on the current stream. A few runs of consecutive blocks and slots: copied straight
-        between the cache and the tier. Blocks scattered over the GPU cache (the free list hands out
-        blocks in eviction order: a 32k prompt's 2,048 blocks came in ~2,000 runs, 3.6 s on the H200
-        when each was a copy) go through a staging tensor: one gather or scatter of the blocks on the
-        device, and one copy per run of consecutive host slots (the chunks are in slot order)."""
-        blocks, slots = chunk
-        num_tensors = sum(len(kv) for kv in kv_caches)
-        direct = _runs(blocks, slots)
-        if len(direct) <= _DIRECT_RUNS:
-            self.num_host_copies += len(direct) * num_tensors
-            for dev_kv, host_kv in zip(kv_caches, self.host):
-                for dev, host in zip(dev_kv, host_kv):
-                    for block, slot, n in direct:
-                        if store:
-                            host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
-                        else:
-                            dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
-            return
+    def _plan(self, chunks: list[Chunk], stream: torch.cuda.Stream | None,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_ChunkPlan]:
+        """How each chunk is copied, for every layer alike. A few runs of consecutive blocks and slots:
+        copied straight between the cache and the tier. Blocks scattered over the GPU cache (the free
+        list hands out blocks in eviction order: a 32k prompt's 2,048 blocks came in ~2,000 runs,
+        3.6 s on the H200 when each was a copy) go through a staging tensor: one gather or scatter of
+        the blocks on the device (their indices sent once, on the chunk's stream), and one copy per
+        run of consecutive host slots (the chunks are in slot order)."""
         device = kv_caches[0][0].device
-        rows = torch.tensor(blocks, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-        runs = _runs(slots, range(len(blocks)))   # (slot, row in the chunk, length)
-        self.num_host_copies += len(runs) * num_tensors
-        for dev_kv, host_kv in zip(kv_caches, self.host):
-            for dev, host in zip(dev_kv, host_kv):
-                staging = self._staging(dev, store)[:len(blocks)]
-                if store:
-                    torch.index_select(dev, 0, rows, out=staging)
-                    for slot, row, n in runs:
-                        host[slot:slot + n].copy_(staging[row:row + n], non_blocking=True)
-                else:
-                    for slot, row, n in runs:
-                        staging[row:row + n].copy_(host[slot:slot + n], non_blocking=True)
-                    dev.index_copy_(0, rows, staging)
+        plans = []
+        for blocks, slots in chunks:
+            direct = _runs(blocks, slots)
+            if len(direct) <= _DIRECT_RUNS:
+                plans.append(_ChunkPlan(direct, None))
+                continue
+            with self._on(stream):
+                rows = torch.tensor(blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
+                plans.append(_ChunkPlan(_runs(slots, range(len(blocks))), rows.to(device, non_blocking=True)))
+        return plans
+
+    def _move(self, plan: _ChunkPlan, dev_kv: tuple[torch.Tensor, ...], host_kv: tuple[torch.Tensor, ...],
+              store: bool) -> None:
+        """One chunk of one layer's keys and values, on the current stream."""
+        self.num_host_copies += len(plan.runs) * len(dev_kv)
+        for dev, host in zip(dev_kv, host_kv):
+            if plan.rows is None:   # runs of (block, slot, length)
+                for block, slot, n in plan.runs:
+                    if store:
+                        host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
+                    else:
+                        dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
+                continue
+            staging = self._staging(dev, store)[:len(plan.rows)]   # runs of (slot, row in the chunk, length)
+            if store:
+                torch.index_select(dev, 0, plan.rows, out=staging)
+                for slot, row, n in plan.runs:
+                    host[slot:slot + n].copy_(staging[row:row + n], non_blocking=True)
+            else:
+                for slot, row, n in plan.runs:
+                    staging[row:row + n].copy_(host[slot:slot + n], non_blocking=True)
+                dev.index_copy_(0, plan.rows, staging)
 
     def _staging(self, dev: torch.Tensor, store: bool) -> torch.Tensor:
         """A chunk of blocks shaped as `dev`'s, one per direction, reused by every copy of its stream
@@ -144,21 +179,6 @@ def _chunks(blocks: list[int], slots: list[int]) -> list[Chunk]:
     """The pairs in slot order (_by_slot), _CHUNK_BLOCKS at a time."""
     blocks, slots = _by_slot(blocks, slots)
     return [(blocks[c:c + _CHUNK_BLOCKS], slots[c:c + _CHUNK_BLOCKS]) for c in range(0, len(blocks), _CHUNK_BLOCKS)]
-
-
-def _load_waits(stores: list[Chunk], loads: list[Chunk]) -> list[int]:
-    """For each chunk of loads, the last chunk of stores it must follow (-1: none): one that reads a
-    block the loads write (a block evicted to make room for them) or writes a slot they read (a
-    block stored and re-hit in one step). (No store reads a block loaded in its step: a loaded
-    hash is in the tier already, so its eviction stores nothing; and no store writes a slot being
-    loaded: engine_core/kv_offload.py pins them.)"""
-    last_block: dict[int, int] = {}
-    last_slot: dict[int, int] = {}
-    for k, (blocks, slots) in enumerate(stores):
-        last_block.update(dict.fromkeys(blocks, k))
-        last_slot.update(dict.fromkeys(slots, k))
-    return [max(max((last_block.get(b, -1) for b in blocks), default=-1),
-                max((last_slot.get(s, -1) for s in slots), default=-1)) for blocks, slots in loads]
 
 
 def _by_slot(blocks: list[int], slots: list[int]) -> tuple[list[int], list[int]]:

@@ -256,11 +256,13 @@ class ModelRunner:
             self.cpu_tier.apply(so.kv_transfers, self.kv_caches)
         batch = self.prepare(so, prev)
         if batch is None:
+            if self.cpu_tier is not None:   # copies and no forward: the next step's waits layer by layer
+                self.cpu_tier.wait_forward()   # cover only its own copies
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64), refused=self.mm.take_refused())
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows, refused=self.mm.take_refused())
         self._lap(batch, "prepare")
-        if self.cpu_tier is not None:   # the tier's copies (this step's or earlier) run on their own streams
-            self.cpu_tier.wait_forward()
+        if self.cpu_tier is not None and batch.piecewise_size is None:   # (piecewise: waited layer by layer)
+            self.cpu_tier.wait_forward()   # the tier's copies (this step's or earlier) run on their own streams
         hidden, logits = self.forward(batch)
         self._lap(batch, "forward")
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
@@ -491,7 +493,8 @@ class ModelRunner:
         if batch.decode_graph_size is not None:
             hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens))
         elif batch.piecewise_size is not None:
-            hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention)
+            hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention,
+                                               self.cpu_tier)
         elif batch.inputs_embeds is not None:
             hidden = self.model(device.input_ids, device.positions, self.kv_caches, attention, batch.inputs_embeds)
         else:

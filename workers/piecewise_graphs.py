@@ -144,8 +144,11 @@ class PiecewiseGraphs:
     # ------------------------------------------------------------ replay
 
     def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states [T, hidden] of a step of T <= size tokens."""
+            meta: AttentionMetadata, cpu_tier=None) -> torch.Tensor:
+        """The final hidden states [T, hidden] of a step of T <= size tokens. cpu_tier (the CPU KV
+        tier, workers/kv_offload.py, when it copies this step): each piece waits for the copies of the
+        layer whose keys and values it writes (the piece ends at that layer's attention), so the other
+        layers' copies run under it."""
         t = input_ids.shape[0]
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.positions[..., :t].copy_(positions, non_blocking=True)
@@ -154,7 +157,11 @@ class PiecewiseGraphs:
         cap = self.captured[size]
         query, out = self.query[:t], self.attn_out[:t]
         for piece, (attn, kv_cache) in zip(cap.pieces, cap.holes):
+            if cpu_tier is not None:
+                cpu_tier.wait_layer(kv_cache)
             piece.replay()
             attn(query, kv_cache, meta, out=out)
+        if cpu_tier is not None:   # any layer no hole reached
+            cpu_tier.wait_forward()
         cap.pieces[-1].replay()
         return self.hidden[:t]
