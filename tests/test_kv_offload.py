@@ -216,6 +216,7 @@ def test_copies_go_layer_by_layer_with_an_event_each():
     from workers.kv_offload import HostKVTier
     kv = [tuple(torch.randn(40, 2, 1, 4) for _ in "kv") for _ in range(3)]
     tier = HostKVTier(40, kv)
+    tier.wait_layer(kv[0])   # a forward before any copies
     tier.apply(KVTransfers([1, 2], [5, 6], [5], [9]), kv)
     assert set(tier._layers) == {id(k) for k, _ in kv}
     for k, v in kv:

@@ -54,6 +54,9 @@ class HostKVTier:
         # each stream's last copies, until the compute stream waits on them (wait_forward); a step whose
         # copies no forward followed (nothing to run) has the next step's copies wait on them instead
         self._copied: list[torch.cuda.Event] = []
+        # this step's events after each layer's copies (stores, then loads), keyed by the id of the
+        # layer's key cache, until the compute stream waits on them (wait_layer, wait_forward)
+        self._layers: dict[int, list[torch.cuda.Event | None]] = {}
         self._stagings: dict[tuple, torch.Tensor] = {}   # (direction, dtype, block shape) -> a chunk on the device
         self.num_host_copies = 0   # copies into or out of host memory, since start (tests, logs)
         nbytes = sum(t.numel() * t.element_size() for kv in self.host for t in kv)
