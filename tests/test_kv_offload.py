@@ -226,3 +226,6 @@ def test_copies_go_layer_by_layer_with_an_event_each():
     tier.apply(KVTransfers([3], [7], [], []), kv)
     tier.wait_forward()
     assert not tier._layers
+    tier.apply(KVTransfers([3], [7], [], []), kv)
+    tier.wait_layer((kv[0][0][:1], kv[0][1][:1]))   # a cache it does not know: it waits for every layer
+    assert not tier._layers

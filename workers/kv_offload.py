@@ -97,7 +97,9 @@ class HostKVTier:
         it in attention): the compute stream waits on that layer's copies only, so that the other
         layers' copies run under the layers computed before them (workers/piecewise_graphs.py)."""
         events = self._layers.pop(id(kv_cache[0]), None)
-        if events and events[0] is not None:
+        if events is None and self._layers:   # a cache the copies do not know (a view?): never too early
+            self.wait_forward()
+        elif events and events[0] is not None:
             current = torch.cuda.current_stream(self.store_stream.device)
             for event in events:
                 current.wait_event(event)
