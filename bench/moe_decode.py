@@ -25,7 +25,7 @@ from kernels import fused_moe as fm
 # the default first; none spills at Qwen3-30B-A3B's shape (ptxas sm_90a): 127/86 registers (up/down)
 # for the default (2 CTAs of 8 warps per SM, 32 KB of loads each), 58-106 for the narrower ones
 # (more CTAs per SM: fewer bubbles between a CTA's loads and its reduction), 126/165 for 16-wide
-VARIANTS = ["4,2048,4,256,8", "2,2048,2,256,4", "8,1024,8,128,8", "2,2048,4,128,8", "4,1024,2,256,4",
+VARIANTS = ["2,2048,2,256,4", "4,2048,4,256,8", "8,1024,8,128,8", "2,2048,4,128,8", "4,1024,2,256,4",
             "2,1024,2,128,4", "16,512,16,128,8"]
 TARGET = 0.75
 

@@ -127,7 +127,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_MOE_GEMV_MAX_TOKENS": EnvVar(4, _int, "up to this many tokens the fused MoE runs its GEMV path "
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
     "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
-                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 4,2048,4,256,8)"),
+                                  "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 2,2048,2,256,4)"),
     "LOOM_W4A16_DENSE_ROWS": EnvVar(1024, _int, "rows from which a W4A16 linear dequantizes its weight whole "
                                     "and runs cuBLAS (below: the fused dequantizing GEMM; kernels/w4a16.py)"),
     "LOOM_W4A16_GEMV_TILES": EnvVar("", _text, "BLOCK_N,BLOCK_KW,WARPS,STAGES of the W4A16 decode GEMV "

@@ -455,11 +455,11 @@ def test_fused_moe_dispatches_on_token_count():
 def test_gemv_tiles_parse_and_fit():
     """LOOM_MOE_GEMV_TILES's five powers of two; the down K tile widens as top-k narrows (the
     same bytes per step) and no tile outgrows the K it walks."""
-    cfg = fm.MoeGemvConfig.parse("4,2048,4,256,8")
+    cfg = fm.MoeGemvConfig.parse("2,2048,2,256,4")
     assert cfg == fm.MoeGemvConfig()
     assert cfg.fitted(2048, 768, 8) == cfg
-    assert cfg.fitted(4096, 14336, 2) == fm.MoeGemvConfig(4, 2048, 4, 1024, 8)   # Mixtral
-    assert cfg.fitted(40, 24, 3) == fm.MoeGemvConfig(4, 64, 4, 32, 8)
+    assert cfg.fitted(4096, 14336, 2) == fm.MoeGemvConfig(2, 2048, 2, 1024, 4)   # Mixtral
+    assert cfg.fitted(40, 24, 3) == fm.MoeGemvConfig(2, 64, 2, 32, 4)
     for bad in ("4,2048,4,256", "4,2048,4,255,8", "0,2048,4,256,8", "a,b,c,d,e"):
         with pytest.raises(ValueError):
             fm.MoeGemvConfig.parse(bad)
