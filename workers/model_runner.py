@@ -562,7 +562,9 @@ class ModelRunner:
         if step.unsampled is None:
             return
         (batch, logits), step.unsampled = step.unsampled, None
-        self._sample_into(step, logits, batch, grammar)
+        # (a verify step waits here too when its drafts were placed beside a constrained request
+        # with a token in flight: LOOM_SPEC_ASYNC)
+        (self._sample_into if batch.spec is None else self._verify_into)(step, logits, batch, grammar)
         if getattr(self.proposer, "on_device", False):
             self.proposer.on_sampled(self, step)
         self.copy_back(step)
