@@ -195,7 +195,7 @@ class Scheduler:
             if n > 0 and req.mm_items:
                 fit = self.encoder.fit(req, req.num_computed_tokens, n, plan.encoder_budget)
                 n = fit.n
-            if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
+            if n <= 0 or self._at_limit(req, pending):  # waiting for its in-flight token, or those may end it
                 continue
             slots = self._draft_slots(req, pending, plan.token_budget)
             drafts = self._drafts(req, n, plan.token_budget) if slots is None else []
@@ -259,7 +259,7 @@ class Scheduler:
             in_flight = req.num_output_placeholders + pending   # the most tokens the steps in flight give
             slots = max(0, min(self.spec.num_speculative_tokens, budget - 1,
                                req.max_tokens - len(req.output_token_ids) - in_flight - 1,
-                               self.config.max_model_len - req.num_computed_tokens - 1))
+                               self.config.max_model_len - req.num_computed_tokens - 2))
         return slots if slots or pending else None
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
@@ -406,9 +406,11 @@ class Scheduler:
         while self.running:  # newest first, so the oldest ends up at the front of the queue
             self._preempt(self.running.pop())
 
-    def _at_limit(self, req: Request) -> bool:
-        """With tokens still in flight, whether those already reach max_tokens or max_model_len."""
-        pending = req.num_output_placeholders
+    def _at_limit(self, req: Request, pending_drafts: int = 0) -> bool:
+        """With tokens still in flight, whether those may already reach max_tokens or max_model_len
+        (pending_drafts: their draft slots, LOOM_SPEC_ASYNC; every one may be accepted, and a step
+        placed behind them must not land past max_model_len)."""
+        pending = req.num_output_placeholders + pending_drafts
         return pending > 0 and (len(req.output_token_ids) + pending >= req.max_tokens
                                 or req.num_tokens + pending >= self.config.max_model_len)
 

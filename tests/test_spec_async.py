@@ -177,3 +177,18 @@ def test_tensor_parallel_draft_model_identical(tiny_model_dir, baseline):
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         assert llm.stats.spec_num_accepted_tokens > 0
     assert got == baseline[:2]
+
+
+@pytest.mark.parametrize("steps_in_flight", [2, 3])
+def test_request_reaching_max_model_len_inside_drafts(steps_in_flight, tiny_model_dir, tmp_path):
+    """A request that runs to max_model_len with every draft accepted: the steps scheduled behind
+    its verify steps never place a token past max_model_len, whatever the steps in flight accept."""
+    kw = dict(max_model_len=64, steps_in_flight=steps_in_flight)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)   # (the room left)
+    prompts = [PROMPTS[3], PROMPTS[3][:37]]
+    want, _, _ = _run(tiny_model_dir, params, prompts, **kw)
+    assert [len(o.token_ids) for o in want] == [24, 27]
+    spec = _oracle(tmp_path, [o.token_ids for o in want], 0.0, prompts)
+    got, stats, overlapped = _run(tiny_model_dir, params, prompts, speculative_config=spec, **kw)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert overlapped > 0 and stats.mean_acceptance_length > 2.5
