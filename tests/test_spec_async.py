@@ -26,16 +26,15 @@ def spec_async(monkeypatch):
 
 
 def _run(model_dir, params=GREEDY, prompts=PROMPTS, **kw):
-    """(outputs, stats, overlapped): overlapped counts the steps submitted while a step that
-    verifies drafts was still in flight."""
+    """(outputs, stats, overlapped): overlapped counts the steps submitted while a step whose
+    drafts the worker places was still in flight (never without LOOM_SPEC_ASYNC)."""
     from frontend.entrypoints.llm import LLM
     with LLM(model_dir, **{**STRESS, **kw}) as llm:
         engine = llm.client.engine
         submit, overlapped = engine.executor.submit, [0]
 
         def counting(so):
-            overlapped[0] += any(any(s.spec_draft_slots.values()) or s.scheduled_spec_decode_tokens
-                                 for s, _ in engine.in_flight)
+            overlapped[0] += any(any(s.spec_draft_slots.values()) for s, _ in engine.in_flight)
             return submit(so)
         engine.executor.submit = counting
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
