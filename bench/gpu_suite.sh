@@ -468,9 +468,10 @@ PY
         # side by side; last row: tests/test_gpu_spec.py (graphs and eager equal with speculation on). One table.
         TAIL=16 run spec-decode 540 python3 -m bench.spec_decode --full-graph 1 0 --eagle --equality --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
-  spec-quick) # the same, decode-graph verify only, no tests; the Qwen batch-8 oracle row with this session's
-              # verify-step host work and with session 31's (LOOM_SPEC_FAST_HOST=1 / 0); the EAGLE-3 head's cost per draft token
-        TAIL=16 run spec-decode 400 python3 -m bench.spec_decode --fast-host 1 0 --eagle --step-stats \
+  spec-quick) # the same, decode-graph verify only, no tests; the oracle and n-gram rows with one step in flight
+              # while drafts wait and with the next step scheduled during the verify step (LOOM_SPEC_ASYNC=0 / 1);
+              # the EAGLE-3 head's cost per draft token
+        TAIL=20 run spec-decode 560 python3 -m bench.spec_decode --spec-async 0 1 --eagle --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -1,13 +1,15 @@
 """Speculative decoding against issue 47's targets, in one run (dummy weights; `bench/gpu_suite.sh spec`):
 
     python -m bench.spec_decode [--output-json PATH] [--rows llama qwen] [--full-graph 1 0] [--fast-host 1 0]
-                                [--eagle] [--equality]
+                                [--spec-async 0 1] [--eagle] [--equality]
 
 --full-graph: the oracle rows once per value of LOOM_SPEC_FULL_GRAPH (1: verify steps in the decode
 CUDA graphs, one row per token; 0: in the piecewise graphs, attention eager, as in session 30), side
 by side. --fast-host: the Qwen batch-8 oracle row once per value of LOOM_SPEC_FAST_HOST (1: a verify step's
 sampling parameters from one row per request, the oracle matching only new outputs; 0: session 31's
-host work). --eagle: the EAGLE-3-shaped head's cost per draft token (bench/eagle_head.py, graphed) as
+host work). --spec-async: the oracle and n-gram rows once per value of LOOM_SPEC_ASYNC (1: the next step
+is scheduled while a verify step runs, the worker placing its own drafts: two steps in flight; 0: one step
+in flight while drafts wait to be verified), side by side. --eagle: the EAGLE-3-shaped head's cost per draft token (bench/eagle_head.py, graphed) as
 a row. --equality: last, tests/test_gpu_spec.py (fp32 greedy identical with and without speculation,
 decode-graph verify, piecewise verify and eager) as one more row.
 
@@ -54,11 +56,13 @@ def miss_rate_for(acceptance_length: float, k: int = K) -> float:
     return (lo + hi) / 2
 
 
-def _llm(model_dir: str, variant: tuple[str, str] = ("1", "1"), **kw):
-    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH and LOOM_SPEC_FAST_HOST from `variant`)."""
+def _llm(model_dir: str, variant: tuple[str, str, str] = ("1", "1", "0"), **kw):
+    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH, LOOM_SPEC_FAST_HOST and LOOM_SPEC_ASYNC
+    from `variant`)."""
     from frontend import LLM
     os.environ["LOOM_SPEC_FULL_GRAPH"] = variant[0]
     os.environ["LOOM_SPEC_FAST_HOST"] = variant[1]
+    os.environ["LOOM_SPEC_ASYNC"] = variant[2]
     return LLM(model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, seed=0, **kw)
 
 
@@ -74,8 +78,17 @@ def _host_note(llm) -> str:
     return "; [" + "; ".join(parts) + "]"
 
 
-def _variant(variant: tuple[str, str]) -> str:
-    return ("full graph" if variant[0] == "1" else "piecewise") + ("" if variant[1] == "1" else ", old host")
+def _variant(variant: tuple[str, str, str]) -> str:
+    return (("full graph" if variant[0] == "1" else "piecewise") + ("" if variant[1] == "1" else ", old host")
+            + (", async" if variant[2] == "1" else ""))
+
+
+def _by_async(variants: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The first variant of each LOOM_SPEC_ASYNC value: the n-gram rows run once per value."""
+    first: dict[str, tuple[str, str, str]] = {}
+    for v in variants:
+        first.setdefault(v[2], v)
+    return list(first.values())
 
 
 def _timed(llm, prompts, max_tokens: int | list[int]) -> tuple[float, list]:
@@ -116,7 +129,7 @@ def _oracle(path: str, prompts, miss_rates) -> dict:
     return {"method": "oracle", "num_speculative_tokens": K, "oracle_path": path}
 
 
-def llama_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
+def llama_rows(tmp: str, variants: list[tuple[str, str, str]]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload
     mdir = write_preset("llama-3.1-8b", os.path.join(tmp, "llama"))
@@ -160,21 +173,22 @@ def llama_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
                      f"{speedup / max(at308['acceptance_length'], 1e-9):.2f} (target 0.75), {at308['step_ms']:.2f} "
                      f"ms/step, {at308['verify_steps']}/{at308['decode_steps']} steps verify{host}"},
         ]
-    llm = _llm(mdir, variants[0], speculative_config={"method": "ngram", "num_speculative_tokens": K,
-                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 5}, **seqs)
-    try:
-        rep = _decode(llm, p_rep)
-    finally:
-        llm.shutdown()
-    rows.append({"row": f"llama8b b1: ngram repetitive speedup [{_variant(variants[0])}]",
-                 "value": plain_rep["tpot_ms"] / rep["tpot_ms"], "target": ">= 2.0",
-                 "ok": plain_rep["tpot_ms"] / rep["tpot_ms"] >= 2.0,
-                 "note": f"acc len {rep['acceptance_length']:.2f} (dummy weights), "
-                         f"{rep['verify_steps']}/{rep['decode_steps']} steps verify"})
+    for v in _by_async(variants):
+        llm = _llm(mdir, v, speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                                "prompt_lookup_min": 2, "prompt_lookup_max": 5}, **seqs)
+        try:
+            rep = _decode(llm, p_rep)
+        finally:
+            llm.shutdown()
+        rows.append({"row": f"llama8b b1: ngram repetitive speedup [{_variant(v)}]",
+                     "value": plain_rep["tpot_ms"] / rep["tpot_ms"], "target": ">= 2.0",
+                     "ok": plain_rep["tpot_ms"] / rep["tpot_ms"] >= 2.0,
+                     "note": f"acc len {rep['acceptance_length']:.2f} (dummy weights), "
+                             f"{rep['verify_steps']}/{rep['decode_steps']} steps verify"})
     return rows
 
 
-def qwen_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
+def qwen_rows(tmp: str, variants: list[tuple[str, str, str]]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload, offline_workload
     mdir = write_preset("qwen3-0.6b", os.path.join(tmp, "qwen"))
@@ -207,19 +221,19 @@ def qwen_rows(tmp: str, variants: list[tuple[str, str]]) -> list[dict]:
                      "target": ">= 1.8", "ok": plain_b8 / spec_b8 >= 1.8,
                      "note": f"acc len {acc:.2f}, {1000 * spec_b8:.0f} vs {1000 * plain_b8:.0f} ms a run, "
                              f"{per_step:.2f} drafts per request-step{host}"})
-    llm = _llm(mdir, variants[0], speculative_config={"method": "ngram", "num_speculative_tokens": K,
-                                                      "disable_by_batch_size": 4})
-    try:
-        _timed(llm, wl.prompts[:16], 32)
-        ngram_tput = _timed(llm, wl.prompts, wl.max_tokens)[0]
-    finally:
-        llm.shutdown()
-    return rows + [
-        {"row": "qwen3-0.6b offline: ngram / none throughput", "value": plain_tput / ngram_tput, "target": ">= 0.97",
-         "ok": plain_tput / ngram_tput >= 0.97,
-         "note": f"{wl.output_tokens / plain_tput:.0f} vs {wl.output_tokens / ngram_tput:.0f} tok/s, "
-                 f"disable_by_batch_size 4"},
-    ]
+    for v in _by_async(variants):
+        llm = _llm(mdir, v, speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                                "disable_by_batch_size": 4})
+        try:
+            _timed(llm, wl.prompts[:16], 32)
+            ngram_tput = _timed(llm, wl.prompts, wl.max_tokens)[0]
+        finally:
+            llm.shutdown()
+        rows.append({"row": f"qwen3-0.6b offline: ngram / none throughput [{_variant(v)}]",
+                     "value": plain_tput / ngram_tput, "target": ">= 0.97", "ok": plain_tput / ngram_tput >= 0.97,
+                     "note": f"{wl.output_tokens / plain_tput:.0f} vs {wl.output_tokens / ngram_tput:.0f} tok/s, "
+                             f"disable_by_batch_size 4"})
+    return rows
 
 
 def eagle_row() -> dict:
@@ -259,6 +273,9 @@ def main() -> int:
                    help="LOOM_SPEC_FULL_GRAPH values to time the oracle rows at (the first also runs the n-gram rows)")
     p.add_argument("--fast-host", nargs="+", choices=("1", "0"), default=["1"],
                    help="LOOM_SPEC_FAST_HOST values to time the batch-8 oracle row at (A/B of the verify steps' host work)")
+    p.add_argument("--spec-async", nargs="+", choices=("0", "1"), default=["0"],
+                   help="LOOM_SPEC_ASYNC values to time the oracle and n-gram rows at (A/B of the overlap of the "
+                        "next step with a verify step)")
     p.add_argument("--eagle", action="store_true", help="the EAGLE-3-shaped head's cost per draft token as a row")
     p.add_argument("--equality", action="store_true", help="run tests/test_gpu_spec.py as the table's last row")
     p.add_argument("--step-stats", action="store_true",
@@ -272,7 +289,8 @@ def main() -> int:
         for name in args.rows:
             t0 = time.perf_counter()
             # (the fast-host A/B on the batch-8 rows only: at batch 1 it changes ~nothing, and each engine costs ~40 s)
-            variants = [(g, f) for g in args.full_graph for f in (args.fast_host if name == "qwen" else args.fast_host[:1])]
+            variants = [(g, f, a) for g in args.full_graph
+                        for f in (args.fast_host if name == "qwen" else args.fast_host[:1]) for a in args.spec_async]
             rows += (llama_rows if name == "llama" else qwen_rows)(tmp, variants)
             print(f"({name} rows in {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.eagle:

@@ -246,7 +246,9 @@ class EngineCore:
         if self.max_in_flight > 2 and any(so.defer_sample for so, _ in self.in_flight):
             return 2
         if self.scheduler.awaits_verification():   # a step's drafts come with the step before's output: one
-            # in flight while there are drafts to verify (below disable_by_batch_size), the usual overlap else
+            # in flight while there are drafts to verify (below disable_by_batch_size), the usual overlap else.
+            # Under LOOM_SPEC_ASYNC only a constrained request's drafts wait here: the worker places the
+            # others' in steps scheduled ahead (Scheduler._draft_slots)
             return 1
         return self.max_in_flight
 

@@ -44,7 +44,7 @@ class Request:
                  "sampling_params", "eos_token_ids", "max_tokens", "seed", "status",
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "priority", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
-                 "grammar", "spec_token_ids", "num_draft_scheduled", "prompt_logprobs_sent", "prompt_logprobs_seen",
+                 "grammar", "spec_token_ids", "draft_slots", "prompt_logprobs_sent", "prompt_logprobs_seen",
                  "mm_items", "group", "fair_key", "lora_request", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
@@ -78,7 +78,9 @@ class Request:
         self.prompt_logprobs_seen = 0    # ... computed since the request last (re)started
         self.grammar = None               # engine_core/structured_output.RequestGrammar when constrained
         self.spec_token_ids: list[int] = []   # draft tokens the next step verifies (vLLM's spec_token_ids)
-        self.num_draft_scheduled = 0      # drafts in the step in flight: rejected ones roll back
+        # the draft slots of each step in flight that samples for it, oldest first (one entry per
+        # output placeholder; 0: no drafts): its rejected slots roll back when its output comes
+        self.draft_slots: list[int] = []
         Request.live.add(self)
 
     @property

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ipc import envs
 from ipc.config import EngineConfig
 from engine_core.encoder_cache_manager import EncoderCacheManager, EncoderFit
 from engine_core.fairness import FairShare
@@ -37,6 +38,7 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
     encode: dict[str, list[int]] = field(default_factory=dict)    # req id -> mm items to encode
     spec: dict[str, list[int]] = field(default_factory=dict)      # req id -> draft tokens to verify
+    draft_slots: dict[str, int] = field(default_factory=dict)     # req id -> draft slots the worker fills
 
 
 def _first_logprobs(raw, n: int):
@@ -53,6 +55,13 @@ def _count_loras(reqs) -> dict[str, int]:
         if r.lora_request is not None:
             out[r.lora_request.lora_name] = out.get(r.lora_request.lora_name, 0) + 1
     return out
+
+
+def _may_draft(req: Request) -> bool:
+    """Whether the worker drafts for req (workers/spec_decode may_speculate): not with penalties
+    or bad words, which depend on the outputs before each draft position."""
+    params = req.sampling_params
+    return not params.needs_penalties and not params.bad_words_token_ids
 
 
 def _priority_order(req: Request) -> tuple[int, float]:
@@ -87,6 +96,10 @@ class Scheduler:
         # a draft model (or EAGLE head) writes its KV k - 1 slots past the verified ones: they are allocated with the step's
         self.num_lookahead = (self.spec.num_speculative_tokens
                               if self.spec and self.spec.method in ("draft_model", "eagle", "eagle3") else 0)
+        # LOOM_SPEC_ASYNC: a decoding request's next step is scheduled while its verify step runs, with
+        # draft slots the worker fills (_draft_slots). Not with a sliding-window trim, which would free
+        # blocks behind the optimistic position that the step's true one still reads.
+        self.spec_async = self.spec is not None and envs.LOOM_SPEC_ASYNC and kv_window is None
 
     # ------------------------------------------------------------ requests in and out
 
@@ -176,14 +189,17 @@ class Scheduler:
         while i < len(self.running) and plan.token_budget > 0:
             req = self.running[i]
             i += 1
-            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, plan.token_budget)
+            pending = self._pending_drafts(req)
+            n = min(req.num_tokens + req.num_output_placeholders + pending - req.num_computed_tokens,
+                    plan.token_budget)
             if n > 0 and req.mm_items:
                 fit = self.encoder.fit(req, req.num_computed_tokens, n, plan.encoder_budget)
                 n = fit.n
-            if n <= 0 or self._at_limit(req):  # waiting for its in-flight token, or it has all it may get
+            if n <= 0 or self._at_limit(req, pending):  # waiting for its in-flight token, or those may end it
                 continue
-            drafts = self._drafts(req, n, plan.token_budget)
-            n += len(drafts)
+            slots = self._draft_slots(req, pending, plan.token_budget)
+            drafts = self._drafts(req, n, plan.token_budget) if slots is None else []
+            n += len(drafts) + (slots or 0)
             while (new_blocks := self.kv.allocate_slots(req, n + self._lookahead(req.num_computed_tokens + n))) is None:
                 victim = self.running.pop()   # after req in the list: not scheduled in this step
                 self._preempt(victim)
@@ -198,7 +214,8 @@ class Scheduler:
             plan.token_budget -= n
             if drafts:
                 plan.spec[req.request_id] = drafts
-            req.num_draft_scheduled = len(drafts)
+            if slots is not None:
+                plan.draft_slots[req.request_id] = slots
             plan.cached.req_ids.append(req.request_id)
             plan.cached.new_block_ids.append([b.block_id for b in new_blocks])
             plan.cached.num_computed_tokens.append(req.num_computed_tokens)
@@ -212,12 +229,38 @@ class Scheduler:
     def awaits_verification(self) -> bool:
         """Whether the next step should verify drafts: speculating, and a running request holds
         drafts. The engine core then keeps one step in flight (a request's drafts follow its last
-        output); while no proposal comes (n-gram finding no match) steps overlap as usual."""
+        output); while no proposal comes (n-gram finding no match) steps overlap as usual. Under
+        LOOM_SPEC_ASYNC only a constrained request holds drafts here (the others' stay in the worker)."""
         return self.speculating() and any(r.spec_token_ids for r in self.running)
 
     def _lookahead(self, end: int) -> int:
         """Slots past a step's last token that a draft model writes (none past max_model_len)."""
         return max(0, min(self.num_lookahead, self.config.max_model_len - end))
+
+    def _pending_drafts(self, req: Request) -> int:
+        """LOOM_SPEC_ASYNC: the draft slots of req's steps in flight, which the scheduler counts as
+        computed (as if all were accepted) until their outputs say how many were."""
+        return sum(req.draft_slots) if self.spec_async and req.grammar is None else 0
+
+    def _draft_slots(self, req: Request, pending: int, budget: int) -> int | None:
+        """LOOM_SPEC_ASYNC: how many drafts a decoding request's next step may verify, to be filled
+        by the worker with its own (ModelRunner._place_drafts). The step is scheduled before the
+        step in flight comes back: before its drafts exist, and before it is known how many of its
+        own it accepts, so the scheduler places it as if every one is accepted (the KV blocks of the
+        longest case, the room left by the most tokens it could give) and the worker moves it back
+        to where the request's last token is. None: a step the scheduler plans itself (a prompt
+        chunk; a constrained request, whose drafts its grammar cuts here; no drafts in flight and
+        none to verify)."""
+        if (not self.spec_async or req.grammar is not None or req.num_computed_tokens < req.num_prompt_tokens
+                or req.num_computed_tokens + 1 != req.num_tokens + req.num_output_placeholders + pending):
+            return None
+        slots = 0
+        if self.speculating() and _may_draft(req):
+            in_flight = req.num_output_placeholders + pending   # the most tokens the steps in flight give
+            slots = max(0, min(self.spec.num_speculative_tokens, budget - 1,
+                               req.max_tokens - len(req.output_token_ids) - in_flight - 1,
+                               self.config.max_model_len - req.num_computed_tokens - 2))
+        return slots if slots or pending else None
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The draft tokens a decoding request verifies in this step after its one new token: its
@@ -315,6 +358,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1   # this step samples a token we will only see later
+                req.draft_slots.append(len(plan.spec.get(rid, ())) + plan.draft_slots.get(rid, 0))
             # MFU metrics: tokens c-n..c-1 attend to c-n+1..c keys each; the chunk reads c KV tokens
             self._stats.num_attn_query_key_pairs += n * req.num_computed_tokens - n * (n - 1) // 2
             self._stats.num_kv_tokens_read += req.num_computed_tokens
@@ -334,7 +378,8 @@ class Scheduler:
         so = SchedulerOutput(plan.new_reqs, plan.cached, req_ids, list(plan.num_scheduled.values()),
                              finished_req_ids=finished, step_id=self.step_id, scheduled_encoder_inputs=plan.encode,
                              free_encoder_hashes=self.encoder.take_free(), released_mm=released,
-                             defer_sample=defer_sample, scheduled_spec_decode_tokens=plan.spec)
+                             defer_sample=defer_sample, scheduled_spec_decode_tokens=plan.spec,
+                             spec_draft_slots=plan.draft_slots)
         if self.kv.pool.cpu_tier is not None:
             so.kv_transfers = self.kv.pool.cpu_tier.take_transfers()
         if not defer_sample:
@@ -361,9 +406,11 @@ class Scheduler:
         while self.running:  # newest first, so the oldest ends up at the front of the queue
             self._preempt(self.running.pop())
 
-    def _at_limit(self, req: Request) -> bool:
-        """With tokens still in flight, whether those already reach max_tokens or max_model_len."""
-        pending = req.num_output_placeholders
+    def _at_limit(self, req: Request, pending_drafts: int = 0) -> bool:
+        """With tokens still in flight, whether those may already reach max_tokens or max_model_len
+        (pending_drafts: their draft slots, LOOM_SPEC_ASYNC; every one may be accepted, and a step
+        placed behind them must not land past max_model_len)."""
+        pending = req.num_output_placeholders + pending_drafts
         return pending > 0 and (len(req.output_token_ids) + pending >= req.max_tokens
                                 or req.num_tokens + pending >= self.config.max_model_len)
 
@@ -371,7 +418,7 @@ class Scheduler:
         self.kv.free(req)
         self.encoder.drop_request(req)
         req.num_output_placeholders = 0   # a token still in flight for it is dropped; recompute makes it again
-        req.spec_token_ids, req.num_draft_scheduled = [], 0
+        req.spec_token_ids, req.draft_slots = [], []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -404,7 +451,7 @@ class Scheduler:
         logprobs = out.logprobs or {}
         prompt_logprobs = out.prompt_logprobs or {}
         failed, refused = out.failed or {}, out.refused or {}
-        spec_accepted, spec_next = out.spec_accepted or {}, out.spec_token_ids or {}
+        spec_accepted, spec_next, placed = out.spec_accepted or {}, out.spec_token_ids or {}, out.spec_num_drafts or {}
         pooled = out.pooled
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
@@ -434,7 +481,7 @@ class Scheduler:
                 if plp is not None:
                     outputs.setdefault(req.client_index, []).append(EngineCoreOutput(rid, [], prompt_logprobs=plp))
                 continue  # a prompt chunk: nothing sampled yet
-            tokens = self._verified(req, spec_accepted.get(rid, []), token)
+            tokens = self._verified(req, spec_accepted.get(rid, []), token, placed.get(rid))
             req.num_output_placeholders -= 1
             if not req.first_token_time:
                 req.first_token_time = time.monotonic()
@@ -450,7 +497,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._free(req, status)
-            else:   # (none: drafts an older step proposed are stale)
+            elif not self.spec_async or req.grammar is not None:   # (none: drafts an older step proposed
+                # are stale; under LOOM_SPEC_ASYNC an unconstrained request's drafts stay in the worker)
                 req.spec_token_ids = spec_next.get(rid, [])
         return outputs
 
@@ -461,18 +509,21 @@ class Scheduler:
         for rid, token in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(rid)
             if (token < 0 or req is None or req.status != RequestStatus.RUNNING or rid in failed or rid in refused
-                    or rid in accepted or req.num_draft_scheduled or (step_id is not None and step_id < req.admitted_step)
+                    or rid in accepted or (req.draft_slots and req.draft_slots[0])
+                    or (step_id is not None and step_id < req.admitted_step)
                     or (out.pooled and rid in out.pooled) or not self.structured.can_accept_ahead(req)):
                 continue
             self.structured.accept_ahead(req, token)
 
-    def _verified(self, req: Request, accepted: list[int], token: int) -> list[int]:
+    def _verified(self, req: Request, accepted: list[int], token: int, placed: int | None) -> list[int]:
         """A step's new tokens for req: its accepted drafts, then the sampled one. The rejected
         drafts' slots roll back (their KV is rewritten by later steps; no block holding one was
-        hashed: only blocks full of accepted tokens are)."""
-        drafted, req.num_draft_scheduled = req.num_draft_scheduled, 0
+        hashed: only blocks full of accepted tokens are); so do the slots the worker had no draft
+        for (placed: the drafts it put in the step's draft slots, LOOM_SPEC_ASYNC)."""
+        slots = req.draft_slots.pop(0) if req.draft_slots else 0
+        drafted = slots if placed is None else placed
+        req.num_computed_tokens -= slots - len(accepted)
         if drafted:
-            req.num_computed_tokens -= drafted - len(accepted)
             st = self._stats
             st.spec_num_drafts += 1
             st.spec_num_draft_tokens += drafted

@@ -53,6 +53,8 @@ class UniprocExecutor(Executor):
 
     def submit(self, so: SchedulerOutput) -> PendingOutput:
         so = self._wire(MsgType.WORKER_STEP, so, self._step_dec)
+        if self._pending is not None and self.runner.must_finish_before(self._pending, so):
+            self._finish_pending()
         step = self.runner.launch(so, self._pending)   # behind the pending step, as the worker loop does
         if self._pending is not None:
             self._finish_pending()

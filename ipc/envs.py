@@ -159,6 +159,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                      "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
                                   "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
+    "LOOM_SPEC_ASYNC": EnvVar(False, _switch, "1: with --speculative-config, the next step is scheduled while a "
+                              "verify step runs (as if it accepts every draft) and the worker places its own "
+                              "drafts and positions in it, so that two steps stay in flight; 0: one step in "
+                              "flight while drafts wait to be verified"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "

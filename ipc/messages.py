@@ -256,6 +256,11 @@ class SchedulerOutput(_Msg):
     # req id -> the draft tokens this step verifies (speculative decoding; their slots follow the
     # request's last token in num_scheduled_tokens)
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # LOOM_SPEC_ASYNC: req id -> how many drafts the worker may place after the request's last token,
+    # from its own proposals. The step was scheduled before the one in flight came back, as if that
+    # one accepted every draft: the worker starts the request at its last token as it knows it, and
+    # its scheduled tokens are 1 + the drafts it places (ModelRunner._place_drafts)
+    spec_draft_slots: dict[str, int] = {}
     kv_transfers: KVTransfers | None = None   # CPU KV tier copies, before this step's forward
 
 
@@ -273,6 +278,7 @@ class ModelRunnerOutput(_Msg):
     spec_accepted: dict[str, list[int]] | None = None
     spec_token_ids: dict[str, list[int]] | None = None
     pooled: dict[str, bytes] | None = None  # --runner pooling: req_id -> its pooled vector (float32 bytes)
+    spec_num_drafts: dict[str, int] | None = None   # req_id -> the drafts placed in its spec_draft_slots
 
 
 class WorkerCall(_Msg):

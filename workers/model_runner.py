@@ -93,6 +93,7 @@ class PendingStep:
     num_accepted: torch.Tensor | None = None  # its accepted drafts per sampled request (pinned after copy_back)
     pooled: torch.Tensor | None = None        # --runner pooling: a vector per sample row (a pinned copy after copy_back)
     spec_drafts: torch.Tensor | None = None   # EAGLE: the next step's drafts per sampled request (pinned after copy_back)
+    placed: dict[str, int] | None = None      # LOOM_SPEC_ASYNC: req id -> the drafts placed in its spec_draft_slots
 
 
 class ModelRunner:
@@ -150,6 +151,9 @@ class ModelRunner:
         self.cross_kv = make_cross_kv(self.model, config.max_num_seqs, config.block_size, self.dtype, self.device)
         self.spec_config = config.speculative
         self.proposer = make_proposer(config, self)   # None: speculation off
+        # req id -> the drafts proposed after the last step that sampled for it, until a step with
+        # spec_draft_slots places them (LOOM_SPEC_ASYNC: the scheduler never sees them)
+        self.drafts: dict[str, list[int]] = {}
         self.pooler = None   # --runner pooling: finished prompts are pooled, never sampled (workers/pooler.py)
         if config.runner == "pooling":
             from ipc.pooling import PoolerConfig
@@ -260,6 +264,8 @@ class ModelRunner:
                 self.cpu_tier.wait_forward()   # cover only its own copies
             return PendingStep(list(so.req_ids), [], np.zeros(0, np.int64), refused=self.mm.take_refused())
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows, refused=self.mm.take_refused())
+        if so.spec_draft_slots:
+            step.placed = {rid: len(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in so.spec_draft_slots}
         self._lap(batch, "prepare")
         if self.cpu_tier is not None and batch.piecewise_size is None:   # (piecewise: waited layer by layer)
             self.cpu_tier.wait_forward()   # the tier's copies (this step's or earlier) run on their own streams
@@ -298,6 +304,7 @@ class ModelRunner:
         device (a decode graph's staging, else one copy per dtype); None when nothing is
         scheduled."""
         self._apply_diff(so)
+        self._place_drafts(so)
         for rid, drafts in so.scheduled_spec_decode_tokens.items():   # the drafts are the inputs after the last token
             st = self.batch.requests[rid]
             self.batch.token_ids[st.slot, st.num_tokens:st.num_tokens + len(drafts)] = drafts
@@ -396,6 +403,7 @@ class ModelRunner:
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.batch.remove(rid)
+            self.drafts.pop(rid, None)
         for r in so.new_requests:
             self.batch.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids,
                            r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids)
@@ -407,6 +415,26 @@ class ModelRunner:
             if blocks:
                 self.batch.append_blocks(rid, blocks)
             self.batch.requests[rid].num_computed_tokens = num_computed
+
+    def _place_drafts(self, so: SchedulerOutput) -> None:
+        """LOOM_SPEC_ASYNC: the requests of so.spec_draft_slots were scheduled before the step
+        before came back, as if it accepted all its drafts. That step is finished here
+        (must_finish_before), so each starts at its last token as this worker knows it and
+        verifies the drafts proposed after it (self.drafts), as many as it has slots for. so's
+        token counts and drafts are rewritten to match: the rest of the step reads them as if the
+        scheduler had known (the scheduler learns the counts from the output's spec_num_drafts)."""
+        if not so.spec_draft_slots:
+            return
+        index = {rid: i for i, rid in enumerate(so.req_ids)}
+        spec = dict(so.scheduled_spec_decode_tokens)
+        for rid, slots in so.spec_draft_slots.items():
+            st = self.batch.requests[rid]
+            st.num_computed_tokens = st.num_tokens - 1
+            drafts = self.drafts.pop(rid, [])[:slots]
+            so.num_scheduled_tokens[index[rid]] = 1 + len(drafts)
+            if drafts:
+                spec[rid] = drafts
+        so.scheduled_spec_decode_tokens = spec
 
     def _run_encoders(self, so: SchedulerOutput) -> None:
         encoder_token = self.stats.begin() if self.stats is not None else None
@@ -537,7 +565,9 @@ class ModelRunner:
         if step.unsampled is None:
             return
         (batch, logits), step.unsampled = step.unsampled, None
-        self._sample_into(step, logits, batch, grammar)
+        # (a verify step waits here too when its drafts were placed beside a constrained request
+        # with a token in flight: LOOM_SPEC_ASYNC)
+        (self._sample_into if batch.spec is None else self._verify_into)(step, logits, batch, grammar)
         if getattr(self.proposer, "on_device", False):
             self.proposer.on_sampled(self, step)
         self.copy_back(step)
@@ -662,11 +692,16 @@ class ModelRunner:
           drafts it accepted. Rank 0 always has finished prev (the engine scheduled so on prev's
           tokens from rank 0); a later rank may not have, and would build so's inputs at
           positions its peers do not.
+        - so places drafts (spec_draft_slots, LOOM_SPEC_ASYNC) for a request prev sampled: the
+          engine scheduled so before prev's output, and only finish(prev) gives the request's
+          tokens and the drafts to place (on every rank, rank 0 included).
         - the drafter runs its model in finish() across TP ranks (a draft model): its collectives
           must come in the same order on every rank, and launch(so)'s diff changes the batch it
           drafts for (a gloo "data size doesn't match" error when one rank had applied it)."""
         if getattr(self.proposer, "collective", False) and tp_size() > 1:
             return True
+        if so.spec_draft_slots and any(prev.req_ids[i] in so.spec_draft_slots for i in prev.sample_rows.tolist()):
+            return True   # so's placing needs prev's tokens and drafts (_place_drafts)
         if prev.spec is None:
             return False
         drafted = {prev.req_ids[i] for i, drafts in zip(prev.sample_rows.tolist(), prev.spec.drafts) if drafts}
@@ -699,6 +734,7 @@ class ModelRunner:
                                                     step.num_accepted.tolist()))
             if self.proposer is not None:
                 spec_next = self.propose(step)
+                self._keep_drafts(step, spec_next or {})
             if step.masked is not None and step.masked.any():
                 step.refused = {**(step.refused or {}), **{
                     step.states[step.sample_rows[j]].req_id: "no token is left to sample: allowed_token_ids, "
@@ -711,7 +747,15 @@ class ModelRunner:
         if self.stats is not None:
             self.stats.finished(step.stats_mark)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
-                                 step.failed, step.refused, accepted, spec_next, pooled)
+                                 step.failed, step.refused, accepted, spec_next, pooled, step.placed)
+
+    def _keep_drafts(self, step: PendingStep, proposed: dict[str, list[int]]) -> None:
+        """The drafts each request step sampled may verify next, for a later step's spec_draft_slots
+        (none: an older proposal is stale once the request has new tokens)."""
+        for i in step.sample_rows.tolist():
+            st = step.states[i]
+            if self.batch.requests.get(st.req_id) is st:
+                self.drafts[st.req_id] = proposed.get(st.req_id, [])
 
     def _append_accepted(self, step: PendingStep) -> dict[str, list[int]] | None:
         """A verify step's accepted drafts into the persistent batch (the emitted token follows)."""
