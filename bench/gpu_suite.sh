@@ -473,5 +473,11 @@ PY
               # the EAGLE-3 head's cost per draft token
         TAIL=20 run spec-decode 560 python3 -m bench.spec_decode --spec-async 0 1 --eagle --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
+  spec-profile) # issue 47: where a Qwen3-0.6B batch-8 verify step's device time goes (8 x 5 tokens: 1.98 ms in
+                # session 35, against 1.29 ms for a plain batch-8 step): per kernel, eager, then CUDA-graph replays
+      TAIL=60 run spec-profile-kernels 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 8 --context 512 \
+        --query-len 1 5 --top 20
+      TAIL=12 run spec-profile-graph 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 8 --context 512 \
+        --query-len 1 5 --graph ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done

@@ -15,6 +15,11 @@ included, as a served decode step runs), once per --pdl setting, alternating,
 and checks that the settings give the same logits:
 
     loom bench profile-step --preset qwen3-0.6b --batch 1 --context 256 --graph --pdl off on
+
+--query-len Q: each sequence has Q new tokens, with logits at every one (a speculative verify
+step of Q - 1 drafts), once per value, so a verify step and a plain one print side by side:
+
+    loom bench profile-step --preset qwen3-0.6b --batch 8 --context 256 --query-len 1 5
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 128], help="decode batch size(s) to profile")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence")
     p.add_argument("--prefill", action="store_true", help="whole prompts of --context tokens, not decodes")
+    p.add_argument("--query-len", type=int, nargs="+", default=[1], metavar="Q",
+                   help="decode: new tokens per sequence, each with logits (a verify step of Q - 1 drafts)")
     p.add_argument("--iters", type=int, default=20, help="profiled steps per batch size")
     p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
     p.add_argument("--device", default="cuda", help="where the model runs: cuda, cuda:N or cpu")
@@ -70,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    for bs in args.batch:
+    cases = [(bs, 1) for bs in args.batch] if args.prefill else [(bs, q) for bs in args.batch for q in args.query_len]
+    for bs, q in cases:
         num_blocks = bs * blocks_per_seq
         shape = (num_blocks, block, kv_heads, head_dim)
         caches = [(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
@@ -78,16 +86,20 @@ def main(args: argparse.Namespace) -> int:
         table = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(bs, blocks_per_seq)
         if args.prefill:  # q_len = seq_len = context: every token is new
             q_len, seq_len, positions = args.context, args.context, torch.arange(args.context, device=device)
-        else:
-            q_len, seq_len, positions = 1, args.context + 1, torch.tensor([args.context], device=device)
+        else:   # q new tokens after context - q + 1 cached ones: the sequence is context + 1 long
+            q_len, seq_len = q, args.context + 1
+            positions = torch.arange(seq_len - q, seq_len, device=device)
         seq_lens = torch.full((bs,), seq_len, dtype=torch.int32, device=device)
         pos = positions.repeat(bs)
         slots = (table.long().gather(1, (positions // block).repeat(bs, 1)) * block + positions % block).view(-1)
         qsl = torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len
         meta = AttentionMetadata(qsl, seq_lens, table, slots, q_len, seq_len, backend,
-                                 num_decodes=0 if args.prefill else bs)
+                                 num_decodes=bs if q_len == 1 else 0)
         ids = torch.randint(0, model.config.vocab_size, (len(pos),), device=device)
-        last = qsl[1:] - 1
+        # the sampled rows: each prompt's last token; every query token of a verify step
+        last = qsl[1:] - 1 if args.prefill else torch.arange(len(pos), device=device)
+        title = (f"prefill batch {bs}, context {args.context}" if args.prefill else
+                 f"decode batch {bs}, context {args.context}" + (f", {q} tokens each" if q > 1 else ""))
 
         def step():
             with torch.inference_mode():
@@ -95,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
                 return model.compute_logits(hidden[last])
 
         if args.graph:
-            _time_graphs(step, args, f"decode batch {bs}, context {args.context}")
+            _time_graphs(step, args, title)
             caches = None
             continue
         for _ in range(3):  # compiles and warms up outside the profile
@@ -115,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
             floor_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
             floor = (f"{floor_ms:.3f} ms: weights {weight_bytes / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB "
                      f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
-        _report(prof, f"{'prefill' if args.prefill else 'decode'} batch {bs}, context {args.context}", args, floor)
+        _report(prof, title, args, floor)
         if args.host:
             _report_host(step, sync, args)
         caches = None  # free this batch size's KV before the next one
