@@ -20,6 +20,11 @@ and checks that the settings give the same logits:
 step of Q - 1 drafts), once per value, so a verify step and a plain one print side by side:
 
     loom bench profile-step --preset qwen3-0.6b --batch 8 --context 256 --query-len 1 5
+
+--lora-adapters N: every targetable linear gets N random rank --lora-rank adapters in GPU slots
+(workers/lora), token t running adapter t % N (the LoRA kernels' per-step cost, issue 51):
+
+    loom bench profile-step --preset llama-3.1-8b --batch 1 256 --lora-adapters 8
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 128], help="decode batch size(s) to profile")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence")
     p.add_argument("--prefill", action="store_true", help="whole prompts of --context tokens, not decodes")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="N random adapters on every targetable linear, token t on adapter t %% N")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--query-len", type=int, nargs="+", default=[1], metavar="Q",
                    help="decode: new tokens per sequence, each with logits (a verify step of Q - 1 drafts)")
     p.add_argument("--iters", type=int, default=20, help="profiled steps per batch size")
@@ -70,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
         model = load_model(mdir, dtype, device, "dummy" if args.preset else "auto")
     if backend == "triton":
         use_triton_kernels()
+    lora = _random_adapters(model, args, dtype, device, backend) if args.lora_adapters else None
     num_layers, kv_heads, head_dim = model_kv_shape(model.config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block = 16
@@ -98,8 +107,13 @@ def main(args: argparse.Namespace) -> int:
         ids = torch.randint(0, model.config.vocab_size, (len(pos),), device=device)
         # the sampled rows: each prompt's last token; every query token of a verify step
         last = qsl[1:] - 1 if args.prefill else torch.arange(len(pos), device=device)
+        if lora is not None:   # token t runs adapter t % N (the rest of the buffer: the base model)
+            lora.token_slots.fill_(-1)
+            lora.token_slots[:len(pos)] = torch.arange(len(pos), device=device) % args.lora_adapters
         title = (f"prefill batch {bs}, context {args.context}" if args.prefill else
                  f"decode batch {bs}, context {args.context}" + (f", {q} tokens each" if q > 1 else ""))
+        if lora is not None:
+            title += f", {args.lora_adapters} adapters of rank {args.lora_rank}"
 
         def step():
             with torch.inference_mode():
@@ -132,6 +146,24 @@ def main(args: argparse.Namespace) -> int:
             _report_host(step, sync, args)
         caches = None  # free this batch size's KV before the next one
     return 0
+
+
+def _random_adapters(model, args, dtype, device, backend):
+    """--lora-adapters: a LoRALinear on every targetable linear (workers/lora/manager.py's), its
+    slots filled with random adapters (A and B ~ N(0, 0.01^2)); returns the context whose
+    token_slots each step sets."""
+
+    from workers.lora.layers import LoRAContext
+    from workers.lora.manager import _attach
+    max_tokens = max(args.batch) * (args.context if args.prefill else max(args.query_len))
+    ctx = LoRAContext(max_tokens, device, use_triton=backend == "triton")
+    linears = _attach(model, ctx, args.lora_adapters, args.lora_rank, dtype, device)
+    if not linears:
+        raise SystemExit(f"--lora-adapters: {type(model).__name__} has no linear adapters can target")
+    for lin in linears.values():
+        lin.a.normal_(0, 0.01)
+        lin.b.normal_(0, 0.01)
+    return ctx
 
 
 def _time_graphs(step, args, title: str) -> None:

@@ -121,15 +121,17 @@ def test_kernel_table_sums_device_time_and_gaps(tmp_path):
     assert lines[1].split() == ["0.030", "ms", "attn"] and lines[2].split() == ["0.010", "ms", "gemm"]
 
 
-@pytest.mark.parametrize("mode", [["--query-len", "1", "5"], ["--prefill"]])
+@pytest.mark.parametrize("mode", [["--query-len", "1", "5"], ["--prefill"], ["--lora-adapters", "3"]])
 def test_bench_profile_step_tiny(model_factory, mode):
     r = _loom("profile-step", "--model", model_factory("qwen3"), "--device", "cpu", "--batch", "2",
               "--context", "20", "--iters", "2", *mode)
     assert r.returncode == 0, r.stdout + r.stderr
     kind = "prefill" if "--prefill" in mode else "decode"
-    assert f"{kind} batch 2, context 20:" in r.stdout and "launches (floor" in r.stdout
-    if kind == "decode":   # and a verify step of 4 drafts per sequence beside it
+    assert f"{kind} batch 2, context 20" in r.stdout and "launches (floor" in r.stdout
+    if "--query-len" in mode:   # and a verify step of 4 drafts per sequence beside it
         assert "decode batch 2, context 20, 5 tokens each:" in r.stdout
+    if "--lora-adapters" in mode:   # the LoRA ops (torch references on the CPU) are in the step
+        assert "3 adapters of rank 16:" in r.stdout and "aten::index_select" in r.stdout
 
 
 def test_bench_step_host_tiny(model_factory):
