@@ -479,5 +479,12 @@ PY
         --query-len 1 5 --top 20
       TAIL=12 run spec-profile-graph 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 8 --context 512 \
         --query-len 1 5 --graph ;;
+  lora-profile) # issue 51: the LoRA kernels' cost per step by kernel, Llama-3.1-8B shapes, 8 rank-16 adapters
+                # (token t on adapter t % 8) vs none, batch 1 and 256: eager per kernel, then graph replays
+      TAIL=40 run lora-profile-base 120 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 256 --context 512 --top 12
+      TAIL=60 run lora-profile-kernels 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 256 --context 512 \
+        --lora-adapters 8 --top 20
+      TAIL=12 run lora-profile-graph 150 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 256 --context 512 \
+        --lora-adapters 8 --graph ;;
   *) echo "unknown section $section"; exit 2 ;;
 esac; done
