@@ -186,6 +186,18 @@ def is_tokenizer_process(pid: int) -> bool:
         return False
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie: a zombie has exited and holds nothing (no memory, no fd, no socket).
+    An orphaned one waits for init to reap it (this VM's init reaps every ~2 s, so a stopped
+    `loom serve`'s resource tracker stayed listed 1-2 s after it was gone); one whose parent
+    lives is caught through that parent, listed too."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _is_exiting(pid: int) -> bool:
     """Killed and not yet reaped (its command line is gone first)."""
     try:
@@ -283,9 +295,10 @@ class Server:
         raise TimeoutError("loom serve did not become healthy")
 
     def descendants(self) -> list[int]:
-        self.proc.poll()  # reap `loom serve` once it has exited: a zombie still counts for pgrep
+        """The live processes of the server's session (alive(): zombies left out)."""
+        self.proc.poll()  # reap `loom serve` once it has exited
         out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return [int(p) for p in out.split() if alive(int(p))]
 
     def wait(self, timeout: float) -> int:
         """`loom serve`'s exit code; past the timeout, every process of the server prints its

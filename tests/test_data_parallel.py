@@ -19,7 +19,7 @@ from frontend.dp_router import DPRouter
 from ipc.control import merge_results
 from ipc.messages import EngineLoad
 from ipc.sockets import free_tcp_port
-from tests.conftest import Server, child_pids, popen_serve, shm_entries
+from tests.conftest import Server, alive, child_pids, popen_serve, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "dp-s3cret"
@@ -329,9 +329,9 @@ def test_killing_loom_serve_ends_every_child(model_factory):
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (any(_alive(p) for p in children) or os.listdir(tmp)):
+        while time.monotonic() < deadline and (any(alive(p) for p in children) or os.listdir(tmp)):
             time.sleep(0.2)
-        assert not any(_alive(p) for p in children), "processes left behind"
+        assert not any(alive(p) for p in children), "processes left behind"
         assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
     finally:
         server.stop()
@@ -497,9 +497,3 @@ def test_merge_results():
     assert merge_results("anything", [5]) == 5
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
