@@ -59,7 +59,21 @@ def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
+# Modules of a few slow tests (servers, a Ray head: 15-60 s for 1-5 tests). `make test` hands
+# whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
+# first, turned off in the Makefile) left these for the end, one worker running them while the
+# other had nothing left to do.
+RUN_FIRST = ("test_ray_executor.py", "test_mm_store_lifecycle.py", "test_lifecycle.py", "test_signals.py",
+             "test_attach.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    # RUN_FIRST's modules, then the others by number of tests, most first (each module's tests
+    # keep their order: the sort is stable)
+    per_module: dict = {}
+    for item in items:
+        per_module[item.path] = per_module.get(item.path, 0) + 1
+    items.sort(key=lambda item: (item.path.name not in RUN_FIRST, -per_module[item.path], str(item.path)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
