@@ -35,11 +35,12 @@ serve-vision: $(VENV)/.installed $(VISION_DIR)/model.safetensors
 	$(VENV)/bin/loom serve $(VISION_DIR) --host $(HOST) --port $(PORT)
 
 # Two pytest-xdist workers (a file's tests stay on one worker, with its module's servers): the
-# suite keeps one core busy on its own, and CI has two.
+# suite keeps one core busy on its own, and CI has two. The files go out in tests/conftest.py's
+# order (its RUN_FIRST: the few slow tests first), not xdist's.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) $(VISION_DIR) *.egg-info

@@ -15,6 +15,7 @@ import abc
 import itertools
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from ipc.config import ConfigError, EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.procs import catch_stop_signals, coordinate_stops_here, start_process, stop_processes
 from ipc.serial import Decoder, Encoder
-from ipc.sockets import ipc_address, make_socket
+from ipc.sockets import Rendezvous, bind_rendezvous, ipc_address, make_socket
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 100
@@ -90,7 +91,7 @@ class MultiprocExecutor(Executor):
         self._call_ids = itertools.count(1)
         nodes = self._place(config)
         self.ring = BroadcastRing.create(nodes.local, ipc_dir, remote=nodes.remote_spec())
-        self.rendezvous, self._store = self._serve_rendezvous(config, nodes)
+        self.rendezvous, listener = self._bind_rendezvous(config, nodes)
         self.replies = []
         self.procs = []
         self._guard = None
@@ -114,6 +115,8 @@ class MultiprocExecutor(Executor):
             self._remote_sock = remote
             self._watch_remote(remote.get_monitor_socket())
         self._start_remote_workers(run_worker, config, nodes)
+        # torch's import (1-3 s on 2 CPU cores) runs while the workers import theirs
+        self._store = self._serve_rendezvous(self.rendezvous, listener)
         self.poller = zmq.Poller()
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
@@ -137,16 +140,23 @@ class MultiprocExecutor(Executor):
         """The ranks of other nodes: started there by hand (`loom serve --headless`) with mp."""
 
     @staticmethod
-    def _serve_rendezvous(config: EngineConfig, nodes: "Nodes"):
+    def _bind_rendezvous(config: EngineConfig, nodes: "Nodes") -> tuple[Rendezvous | None, socket.socket | None]:
         """The engine core picks where the ranks meet: a TCPStore it serves itself, on a free
         port of 127.0.0.1 for one node (bound, so nothing can take it before the ranks come),
-        on --master-addr:--master-port across nodes."""
+        on --master-addr:--master-port across nodes. Only the socket here: the store needs torch."""
         if config.tensor_parallel_size == 1:
             return None, None
-        from workers.distributed import Rendezvous, serve_rendezvous
         host, port = (nodes.addr, nodes.port) if nodes.count > 1 else ("127.0.0.1", 0)
-        store = serve_rendezvous(host, port)
-        return Rendezvous(host, store.port, config.tensor_parallel_size), store
+        listener = bind_rendezvous(host, port)
+        return Rendezvous(host, listener.getsockname()[1], config.tensor_parallel_size), listener
+
+    @staticmethod
+    def _serve_rendezvous(rendezvous: Rendezvous | None, listener: socket.socket | None):
+        """The TCPStore on the socket _bind_rendezvous bound (None at TP=1)."""
+        if rendezvous is None:
+            return None
+        from workers.distributed import serve_rendezvous
+        return serve_rendezvous(rendezvous.host, rendezvous.port, listener=listener)
 
     # ------------------------------------------------------------ liveness
 
@@ -339,7 +349,6 @@ def serve_secondary_node(config: EngineConfig) -> int:
     [R * local, (R + 1) * local). They read the steps from node 0's XPUB, reply to its PULL and
     join the group at its rendezvous. Returns when a worker exits (non-zero: the engine is gone
     or a worker failed) or on SIGTERM / Ctrl-C (0)."""
-    from workers.distributed import Rendezvous
     from workers.worker import run_worker
     nodes = Nodes(config)
     first = nodes.node_rank * nodes.local

@@ -12,6 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from frontend.engine_client import AsyncEngineCoreClient, EngineDeadError
+from ipc import envs
 from ipc.config import EngineConfig
 from ipc.control import merge_results
 from frontend.dp_router import DPRouter, check_rank
@@ -26,7 +27,6 @@ from metrics.request_metrics import RequestMetrics
 from multimodal.processor import make_mm_processor
 from workers.models.registry import multimodal_info
 
-ENGINE_STALL_S = 5.0   # the engine beats every second (engine_core/core.py): this much silence is a stall
 ATTACH_TIMEOUT_S = 30.0   # for the engine at --engine-address (or a remote rank) to answer the handshake
 
 
@@ -146,9 +146,9 @@ class AsyncLLM:
 
     @property
     def engine_stalled(self) -> bool:
-        """An engine (any data-parallel rank) has sent nothing, not even its heartbeat, for ENGINE_STALL_S:
-        it stopped stepping."""
-        return self.client.silent_for() > ENGINE_STALL_S
+        """An engine (any data-parallel rank) has sent nothing, not even its heartbeat (one a second:
+        engine_core/core.py), for LOOM_ENGINE_STALL_S: it stopped stepping."""
+        return self.client.silent_for() > envs.LOOM_ENGINE_STALL_S
 
     @property
     def num_in_flight(self) -> int:
@@ -232,7 +232,7 @@ class AsyncLLM:
             engine = self.router.pinned(rank, len(ecrs))
         else:
             engine = self.router.pick(prompt_token_ids, len(ecrs), local_only=bool(mm_items),
-                                      avoid=self.client.silent_engines(ENGINE_STALL_S))
+                                      avoid=self.client.silent_engines(envs.LOOM_ENGINE_STALL_S))
         if mm_items:
             self.mm.addref(mm_items, len(ecrs) - 1)
             for ecr in ecrs:

@@ -71,6 +71,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_SERVE_PID": EnvVar(None, _int, "the pid of `loom serve` (or a headless node), exported to its "
                              "children: a SIGTERM a child gets while its parent lives is passed there, which "
                              "drains and stops everyone (ipc/procs.py child_signals)"),
+    "LOOM_ENGINE_STALL_S": EnvVar(5.0, _float, "seconds an engine may send nothing, not even its heartbeat "
+                                  "(one a second), before an API server takes it as stalled: /health answers 503 "
+                                  "and new requests go to other data-parallel ranks"),
     "LOOM_CHAT_TEMPLATE_TIMEOUT_S": EnvVar(5.0, _float, "seconds a request's own chat template "
                                            "(--trust-request-chat-template) may take to render, in the tokenizer "
                                            "process, before the request gets a 400"),

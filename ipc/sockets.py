@@ -6,6 +6,7 @@ import shutil
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -71,6 +72,23 @@ def close_socket(sock: zmq.Socket, monitor: zmq.Socket | None = None) -> None:
         sock.disable_monitor()
         monitor.close(linger=0)
     sock.close(linger=0)
+
+
+@dataclass
+class Rendezvous:
+    """Where the tensor-parallel ranks meet: the engine core's TCPStore (workers/distributed.py)."""
+    host: str
+    port: int
+    world_size: int
+
+
+def bind_rendezvous(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port) (0: a free port) for the ranks' TCPStore. Bound before
+    torch is imported, so the engine core starts its workers first and serves the store on this
+    socket once it has imported torch (workers/distributed.serve_rendezvous); ranks that
+    connect before that wait in the backlog."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

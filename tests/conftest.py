@@ -59,7 +59,21 @@ def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
+# Modules of a few slow tests (servers, a Ray head: 15-60 s for 1-5 tests). `make test` hands
+# whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
+# first, turned off in the Makefile) left these for the end, one worker running them while the
+# other had nothing left to do.
+RUN_FIRST = ("test_ray_executor.py", "test_mm_store_lifecycle.py", "test_lifecycle.py", "test_signals.py",
+             "test_attach.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    # RUN_FIRST's modules, then the others by number of tests, most first (each module's tests
+    # keep their order: the sort is stable)
+    per_module: dict = {}
+    for item in items:
+        per_module[item.path] = per_module.get(item.path, 0) + 1
+    items.sort(key=lambda item: (item.path.name not in RUN_FIRST, -per_module[item.path], str(item.path)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -186,6 +200,18 @@ def is_tokenizer_process(pid: int) -> bool:
         return False
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie: a zombie has exited and holds nothing (no memory, no fd, no socket).
+    An orphaned one waits for init to reap it (this VM's init reaps every ~2 s, so a stopped
+    `loom serve`'s resource tracker stayed listed 1-2 s after it was gone); one whose parent
+    lives is caught through that parent, listed too."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _is_exiting(pid: int) -> bool:
     """Killed and not yet reaped (its command line is gone first)."""
     try:
@@ -283,9 +309,10 @@ class Server:
         raise TimeoutError("loom serve did not become healthy")
 
     def descendants(self) -> list[int]:
-        self.proc.poll()  # reap `loom serve` once it has exited: a zombie still counts for pgrep
+        """The live processes of the server's session (alive(): zombies left out)."""
+        self.proc.poll()  # reap `loom serve` once it has exited
         out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return [int(p) for p in out.split() if alive(int(p))]
 
     def wait(self, timeout: float) -> int:
         """`loom serve`'s exit code; past the timeout, every process of the server prints its

@@ -19,13 +19,16 @@ from frontend.dp_router import DPRouter
 from ipc.control import merge_results
 from ipc.messages import EngineLoad
 from ipc.sockets import free_tcp_port
-from tests.conftest import Server, child_pids, popen_serve, shm_entries
+from tests.conftest import Server, alive, child_pids, popen_serve, shm_entries
 from tests.hf_oracle import hf_greedy
 
 KEY = "dp-s3cret"
 INDEX = "X-Loom-Server-Index"
 RANK = "X-data-parallel-rank"
 MAX_TOKENS = 6
+# LOOM_ENGINE_STALL_S of dp_server: silence past this is a stall. The engine beats every second
+# (an idle one up to 2 s apart), so 3 s leaves a second for a loaded box's scheduling.
+STALL_S = 3.0
 
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls sing".split()
@@ -102,10 +105,12 @@ def dp_tmp():
 
 @pytest.fixture(scope="module")
 def dp_server(model_factory, dp_tmp):
-    """DP=2 behind two API servers; test_killing_one_engine_core_ends_serve kills it last."""
+    """DP=2 behind two API servers; test_killing_one_engine_core_ends_serve kills it last. A stall is
+    STALL_S of silence (test_health_follows_each_engines_heartbeat waits it out)."""
     model = model_factory("qwen3")
     server = Server(model, "--data-parallel-size", "2", "--api-server-count", "2", "--max-model-len", "256",
-                    "--enable-control-endpoints", env={"OMP_NUM_THREADS": "1", "TMPDIR": dp_tmp[0]})
+                    "--enable-control-endpoints",
+                    env={"OMP_NUM_THREADS": "1", "TMPDIR": dp_tmp[0], "LOOM_ENGINE_STALL_S": str(STALL_S)})
     try:
         yield model, server.wait_healthy()
     finally:
@@ -230,10 +235,9 @@ def _wait_health(sessions, url: str, status: int, timeout: float) -> None:
 
 def test_health_follows_each_engines_heartbeat(dp_server):
     """One engine core that stops stepping (SIGSTOP) while the other beats: /health is 503 on every
-    API server within the stall time (async_llm.ENGINE_STALL_S), and 200 again once it steps.
+    API server within the stall time (LOOM_ENGINE_STALL_S), and 200 again once it steps.
     Meanwhile the API servers route every unpinned request to the engine that still steps: the
     stopped one's last reported load (idle) drew half of them, which then hung."""
-    from frontend.async_llm import ENGINE_STALL_S
     _, server = dp_server
     engines = [pid for pid in child_pids(server.proc.pid) if child_pids(pid)]   # those with workers
     assert len(engines) == 2
@@ -241,7 +245,7 @@ def test_health_follows_each_engines_heartbeat(dp_server):
     _wait_health(sessions, server.url, 200, 10)
     os.kill(engines[1], signal.SIGSTOP)
     try:
-        _wait_health(sessions, server.url, 503, ENGINE_STALL_S + 10)
+        _wait_health(sessions, server.url, 503, STALL_S + 10)
         assert "stopped stepping" in sessions[0].get(server.url + "/health", timeout=5).text
         before = _successes(server.url, "0")
         for i in range(6):   # through both API servers, each with its own router
@@ -325,9 +329,9 @@ def test_killing_loom_serve_ends_every_child(model_factory):
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (any(_alive(p) for p in children) or os.listdir(tmp)):
+        while time.monotonic() < deadline and (any(alive(p) for p in children) or os.listdir(tmp)):
             time.sleep(0.2)
-        assert not any(_alive(p) for p in children), "processes left behind"
+        assert not any(alive(p) for p in children), "processes left behind"
         assert not os.listdir(tmp), f"left behind: {os.listdir(tmp)}"
     finally:
         server.stop()
@@ -493,9 +497,3 @@ def test_merge_results():
     assert merge_results("anything", [5]) == 5
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False

@@ -116,15 +116,22 @@ def test_sigterm_to_a_child_stops_loom_serve_with_its_drain(tiny_model_dir, star
 
 def test_health_follows_the_engine_heartbeat_and_sigterm_drains(tiny_model_dir, start_server):
     before = loom_ipc_dirs()
-    server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "3")
+    # a stall after 3 s of silence (LOOM_ENGINE_STALL_S; 5 by default): the engine beats every
+    # second, an idle one up to 2 s apart
+    server = start_server(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "3",
+                          env={"LOOM_ENGINE_STALL_S": "3"})
     engine = _procs(server)["engine"]
     os.kill(engine, signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
         deadline = time.monotonic() + 15
         while requests.get(server.url + "/health", timeout=5).status_code == 200:
             assert time.monotonic() < deadline, "/health stayed 200 with the engine stopped"
             time.sleep(0.25)
         assert "heartbeat" in requests.get(server.url + "/health", timeout=5).text
+        # the stall is the variable's: past 3 s of silence, not at once (the last beat came at most
+        # 2 s before the stop)
+        assert time.monotonic() - stopped >= 1.0
     finally:
         os.kill(engine, signal.SIGCONT)
     deadline = time.monotonic() + 10

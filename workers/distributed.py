@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -50,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ipc import envs
+from ipc.sockets import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +65,6 @@ logger = logging.getLogger(__name__)
 # the sharded sampler's chunk exchange holds at most 64 chunks per row (kernels/sampling.py)
 MAX_SHARDED_SAMPLING_RANKS = 16
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass
-class Rendezvous:
-    """Where the ranks meet: the engine core's TCPStore."""
-    host: str
-    port: int
-    world_size: int
 
 
 @dataclass
@@ -110,10 +104,14 @@ def set_expert_parallel(enabled: bool) -> None:
     _state.expert_parallel = enabled
 
 
-def serve_rendezvous(host: str, port: int, timeout_s: float = 900.0):
+def serve_rendezvous(host: str, port: int, timeout_s: float = 900.0, listener: socket.socket | None = None):
     """The engine core's side: a TCPStore the ranks connect to (port 0: a free one, bound here,
-    so no other process can take it between picking and binding). Keep the object alive."""
-    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    so no other process can take it between picking and binding). Keep the object alive.
+    listener: a socket already listening on (host, port) (ipc.sockets.bind_rendezvous), which the
+    store takes over; ranks that connected before the store existed wait in its backlog."""
+    fd = listener.detach() if listener is not None else None
+    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=fd)
 
 
 def init_distributed(rank: int, rdv: Rendezvous, device: torch.device, dtype: torch.dtype,
