@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", action="store_true", help="whole prompts of --context tokens, not decodes")
     p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
                    help="N random adapters on every targetable linear, token t on adapter t %% N")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (with --lora-adapters)")
     p.add_argument("--query-len", type=int, nargs="+", default=[1], metavar="Q",
                    help="decode: new tokens per sequence, each with logits (a verify step of Q - 1 drafts)")
     p.add_argument("--iters", type=int, default=20, help="profiled steps per batch size")
