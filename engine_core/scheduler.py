@@ -358,7 +358,8 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1   # this step samples a token we will only see later
-                req.draft_slots.append(len(plan.spec.get(rid, ())) + plan.draft_slots.get(rid, 0))
+                if self.spec is not None:   # (without speculation no step has draft slots: none to record)
+                    req.draft_slots.append(len(plan.spec.get(rid, ())) + plan.draft_slots.get(rid, 0))
             # MFU metrics: tokens c-n..c-1 attend to c-n+1..c keys each; the chunk reads c KV tokens
             self._stats.num_attn_query_key_pairs += n * req.num_computed_tokens - n * (n - 1) // 2
             self._stats.num_kv_tokens_read += req.num_computed_tokens
