@@ -170,16 +170,16 @@ def parse_request(body: bytes, cls: type[msgspec.Struct]):
         if param is not None:
             msg = f"Invalid value for '{param}': {msg}"
         raise APIError(msg, 400, param) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # invalid UTF-8: msgspec < 0.23 raises UnicodeDecodeError with the offset inside the string
+        # it was decoding, 0.23 a DecodeError without one; either way, find the bad byte in the body
+        try:
+            bytes(body).decode("utf-8")
+        except UnicodeDecodeError as whole:
+            raise APIError(f"The request body is not valid UTF-8: {whole.reason} at byte {whole.start}", 400) from None
         raise APIError(f"Invalid JSON in the request body: {e}", 400) from None
     except RecursionError:
         raise APIError("The request body is nested too deeply.", 400) from None
-    except UnicodeDecodeError:
-        try:   # msgspec's offset is inside the string it was decoding: find it in the body
-            bytes(body).decode("utf-8")
-        except UnicodeDecodeError as whole:
-            e = whole
-        raise APIError(f"The request body is not valid UTF-8: {e.reason} at byte {e.start}", 400) from None
     for name in req.__struct_fields__:
         if getattr(req, name) is msgspec.UNSET:
             raise APIError(f"'{name}' is a required field", 400, name)
