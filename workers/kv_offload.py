@@ -59,8 +59,7 @@ class HostKVTier:
         self._layers: dict[int, list[torch.cuda.Event | None]] = {}
         self._stagings: dict[tuple, torch.Tensor] = {}   # (direction, dtype, block shape) -> a chunk on the device
         self.num_host_copies = 0   # copies into or out of host memory, since start (tests, logs)
-        nbytes = sum(t.numel() * t.element_size() for kv in self.host for t in kv)
-        logger.info("CPU KV tier: %d blocks, %.2f GiB of %shost memory", num_slots, nbytes / 2 ** 30,
+        logger.info("CPU KV tier: %d blocks, %.2f GiB of %shost memory", num_slots, self.nbytes() / 2 ** 30,
                     "pinned " if pin else "")
 
     def apply(self, xfer: KVTransfers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -734,7 +734,8 @@ class ModelRunner:
                                                     step.num_accepted.tolist()))
             if self.proposer is not None:
                 spec_next = self.propose(step)
-                self._keep_drafts(step, spec_next or {})
+                if envs.LOOM_SPEC_ASYNC:   # (else the scheduler sends the drafts back: none to keep here)
+                    self._keep_drafts(step, spec_next or {})
             if step.masked is not None and step.masked.any():
                 step.refused = {**(step.refused or {}), **{
                     step.states[step.sample_rows[j]].req_id: "no token is left to sample: allowed_token_ids, "
