@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (with --lora-adapters)")
     p.add_argument("--query-len", type=int, nargs="+", default=[1], metavar="Q",
                    help="decode: new tokens per sequence, each with logits (a verify step of Q - 1 drafts)")
+    p.add_argument("--quantization", default=None,
+                   help="--quantization of the dummy model (fp8, gptq, awq...; None: bf16)")
     p.add_argument("--iters", type=int, default=20, help="profiled steps per batch size")
     p.add_argument("--top", type=int, default=14, help="kernels to list per batch size")
     p.add_argument("--device", default="cuda", help="where the model runs: cuda, cuda:N or cpu")
@@ -75,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = "triton" if device.type == "cuda" else "torch"
     with common.model_dir(args) as mdir:
-        model = load_model(mdir, dtype, device, "dummy" if args.preset else "auto")
+        model = load_model(mdir, dtype, device, "dummy" if args.preset else "auto",
+                           quantization=args.quantization)
     if backend == "triton":
         use_triton_kernels()
     lora = _random_adapters(model, args, dtype, device, backend) if args.lora_adapters else None

@@ -36,6 +36,8 @@ SHAPES = {
     "llama8b-tp2-fused": [("qkv", 3072, 4096, "none"), ("gate_up", 14336, 4096, "none")],
     "llama70b-tp2-fused": [("qkv", 5120, 8192, "none"), ("gate_up", 28672, 8192, "none")],
     "qwen3-8b-tp2-fused": [("qkv", 3072, 4096, "none"), ("gate_up", 12288, 4096, "none")],
+    # Qwen3-30B-A3B's attention and router (the experts run kernels/fused_moe.py)
+    "qwen3-30b-a3b": [("qkv", 5120, 2048, "add_rms_norm"), ("o", 2048, 4096, "none"), ("router", 128, 2048, "none")],
 }
 # the GEMV's, swept at 1 and MAX_ROWS rows; tiles whose [rows, BLOCK_N, BLOCK_K] product needs
 # more than 128 fp32 registers per thread are skipped (they spill)
