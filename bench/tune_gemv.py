@@ -84,20 +84,30 @@ def per_call_us(fn, copies: int, iters: int = 10) -> float:
 class Case:
     """Weights (enough copies to exceed L2) and inputs of one shape at `m` rows."""
 
-    def __init__(self, n: int, k: int, prologue: str, m: int, gen: torch.Generator):
-        self.prologue, self.m = prologue, m
-        self.copies = max(4, min(64, -(-(256 << 20) // (n * k * 2))))
+    def __init__(self, n: int, k: int, prologue: str, m: int, gen: torch.Generator, fp8: bool = False):
+        self.prologue, self.m, self.fp8 = prologue, m, fp8
+        elem = 1 if fp8 else 2
+        self.copies = max(4, min(64, -(-(256 << 20) // (n * k * elem))))
         self.w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                   for _ in range(self.copies)]
+        self.scale = None
+        if fp8:   # per output channel, as --quantization fp8 stores them (workers/quantization/fp8.py)
+            self.scale = torch.stack([w.float().abs().amax(1) / 448.0 for w in self.w]).clamp_min(1e-12)
+            self.w = [(w.float() / s[:, None]).to(torch.float8_e4m3fn) for w, s in zip(self.w, self.scale)]
         self.x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, device="cuda", dtype=torch.bfloat16,
                              generator=gen)
         self.r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         self.nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
         self.kw = dict(prologue=prologue, residual=self.r if prologue == "add_rms_norm" else None,
                        norm_weight=self.nw, eps=1e-6)
-        self.bytes = n * k * 2
+        self.bytes = n * k * elem
+
+    def kwargs(self, i: int) -> dict:
+        return self.kw if self.scale is None else dict(self.kw, scale=self.scale[i])
 
     def unfused(self, i: int):
+        if self.fp8:   # what it replaces: the route fp8_tile_config picks without an fp8 entry
+            return gv.gemv(self.x, self.w[i], **self.kwargs(i))
         x = self.x
         if self.prologue == "add_rms_norm":
             x, _ = fused_add_rms_norm(x, self.r, self.nw, 1e-6)
@@ -106,7 +116,7 @@ class Case:
         return F.linear(x, self.w[i])
 
     def fused(self, tiles):
-        return lambda i: gv.gemv(self.x, self.w[i], tiles=tiles, **self.kw)
+        return lambda i: gv.gemv(self.x, self.w[i], tiles=tiles, **self.kwargs(i))
 
     def split(self, tiles):
         """The prologue's own kernel, then the GEMV without it."""
@@ -115,9 +125,10 @@ class Case:
     def error(self, tiles) -> float:
         """Largest error against the fp32 reference, relative to the largest output."""
         residual = self.r.float() if self.kw["residual"] is not None else None
-        want, _ = gv.gemv_ref(self.x.float(), self.w[0].float(), prologue=self.prologue, residual=residual,
+        w = self.w[0].float() if self.scale is None else self.w[0].float() * self.scale[0][:, None]
+        want, _ = gv.gemv_ref(self.x.float(), w, prologue=self.prologue, residual=residual,
                               norm_weight=self.nw.float(), eps=1e-6)
-        got, _ = gv.gemv(self.x, self.w[0], tiles=tiles, **self.kw)
+        got, _ = gv.gemv(self.x, self.w[0], tiles=tiles, **self.kwargs(0))
         return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
@@ -132,6 +143,9 @@ def main() -> int:
     ap.add_argument("--block-k", nargs="+", type=int, help="sweep only these BLOCK_K (default: all)")
     ap.add_argument("--num-stages", nargs="+", type=int, help="sweep only these num_stages (default: all)")
     ap.add_argument("--num-warps", nargs="+", type=int, help="sweep only these num_warps (default: all)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="float8_e4m3fn weights scaled per output channel (--quantization fp8's decode GEMV): "
+                         "tiles against fp8_tile_config's untuned choice, written as fp8:ROWS:NxK:PROLOGUE")
     ap.add_argument("--write", metavar="PATH", help="write the chosen tiles as JSON (kernels/gemv_tiles.json)")
     args = ap.parse_args()
     def chosen_grid(grid):
@@ -150,9 +164,11 @@ def main() -> int:
             print(f"\n== {model} {name} [{n}x{k}] {prologue}: floor {floor:.1f} us", flush=True)
             for rows in args.rows:
                 # the tiles swept without a prologue, then the best few with it, against the unfused ops
-                base = Case(n, k, "none", rows, gen)
+                base = Case(n, k, "none", rows, gen, args.fp8)
                 swept = []
                 grid = chosen_grid(GRID if rows <= gv.MAX_ROWS else MMA_GRID)
+                if args.fp8:   # half the bytes per element: twice the K per tile is worth a try
+                    grid += chosen_grid([dict(t, block_k=4096) for t in GRID if t["block_k"] == 2048])
                 for t in (t for t in grid if fits(t, rows, n, sms)):
                     try:
                         swept.append((per_call_us(base.fused(t), base.copies), t))
@@ -160,7 +176,7 @@ def main() -> int:
                         print(f"  {t}: {type(exc).__name__}", flush=True)
                 swept.sort(key=lambda r: r[0])
                 del base
-                case = Case(n, k, prologue, rows, gen)
+                case = Case(n, k, prologue, rows, gen, args.fp8)
                 unfused = per_call_us(case.unfused, case.copies)
                 timed = [(per_call_us(case.fused(t), case.copies), i) for i, (_, t) in enumerate(swept[:args.top])]
                 us, i = min(timed)
@@ -171,7 +187,7 @@ def main() -> int:
                     if split_us < us:
                         us, best = split_us, dict(swept[0][1], fuse=False)
                 wins = us < unfused * (1 - args.margin)
-                chosen[f"{rows}:{n}x{k}:{prologue}"] = best if wins else None
+                chosen[f"{'fp8:' if args.fp8 else ''}{rows}:{n}x{k}:{prologue}"] = best if wins else None
                 tot = totals.setdefault(f"{model} rows={rows}", [0.0, 0.0])
                 tot[0] += unfused
                 tot[1] += min(us, unfused) if wins else unfused

@@ -244,9 +244,13 @@ def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | No
 
 
 def fp8_tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict:
-    """Tiles for an fp8 [n, k] weight (never None: cuBLAS cannot take fp8 at these rows). Not
-    tuned yet: the bf16 weight's tuned tiles (or the large-weight ones), and LOOM_FP8_GEMV=wide
-    doubles their BLOCK_K (the same bytes per tile as bf16's; more registers)."""
+    """Tiles for an fp8 [n, k] weight (never None: cuBLAS cannot take fp8 at these rows): the fp8
+    sweep's (bench/tune_gemv.py --fp8, keys "fp8:ROWS:NxK:PROLOGUE"), else the bf16 weight's tuned
+    tiles (or the large-weight ones); LOOM_FP8_GEMV=wide doubles their BLOCK_K (the same bytes
+    per tile as bf16's; more registers)."""
+    key = f"fp8:{row_bucket(m)}:{n}x{k}:{prologue}"
+    if key in _TUNED and _TUNED[key] is not None:
+        return _TUNED[key]
     t = tile_config(n, k, m, prologue) if m == 1 else None
     if t is None:
         t = (dict(block_n=4, block_k=2048, num_warps=8, num_stages=3, fuse=n * k < (16 << 20)) if m == 1
