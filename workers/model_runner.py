@@ -382,6 +382,8 @@ class ModelRunner:
                 if spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
                     host.graph_feed_rows = np.full(len(host.seq_lens), -1, np.int64)
                     host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
+        if stats_token is not None:
+            self.stats.device_start(stats_token)
         device = self._upload(host, graph_size)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
@@ -718,6 +720,7 @@ class ModelRunner:
         logprobs = None
         if step.event is not None:
             step.event.synchronize()
+        t0 = time.perf_counter()
         accepted = spec_next = None
         if step.tokens is not None:
             token_list = step.tokens_host.tolist()
@@ -746,7 +749,7 @@ class ModelRunner:
             vectors = step.pooled.numpy()
             pooled = {step.states[i].req_id: vectors[j].tobytes() for j, i in enumerate(step.sample_rows.tolist())}
         if self.stats is not None:
-            self.stats.finished(step.stats_mark)
+            self.stats.finished(step.stats_mark, host_s=time.perf_counter() - t0)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
                                  step.failed, step.refused, accepted, spec_next, pooled, step.placed)
 
