@@ -33,7 +33,7 @@ from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_log
                               prompt_logprob_rows, prompt_logprob_spans, prompt_logprobs)
 from workers.mm_inputs import MultimodalInputs
 from workers.piecewise_graphs import PiecewiseGraphs
-from workers.rejection_sampler import verify_samples
+from workers.rejection_sampler import bonus_padded, verify_samples
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
 from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
@@ -590,7 +590,7 @@ class ModelRunner:
         draw that differs (workers/rejection_sampler.py verify_samples: the rejection sampler
         for greedy drafts). logprobs of every row (finish() keeps the emitted ones)."""
         spec, sampling = batch.spec, batch.device.sampling
-        draft, layout_rows = self.h2d([spec.draft, spec.rows])
+        draft, layout_rows = self.h2d([spec.draft, bonus_padded(spec.rows)])
         if batch.graph_samples:
             samples = self.decode_graphs.run_head(batch.decode_graph_size, len(spec.token_rows))
             failed, masked = {}, None
@@ -601,7 +601,8 @@ class ModelRunner:
                                                                self.batch.penalty_state(), self.batch.recent_outputs)
         verdict = verify_samples(samples, draft, layout_rows)
         step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
-        self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
+        if not batch.graph_samples:   # (the head's rows have no penalties or bad words: nothing to record)
+            self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
         if masked is not None:
             step.masked = masked.index_select(0, verdict.final_rows)
         if failed:
