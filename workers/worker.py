@@ -295,7 +295,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     code = 0
     try:
         try:
-            ring = attach_reader(ring_handle, rank)
+            ring = attach_reader(ring_handle, rank, envs.LOOM_WORKER_SPIN_MS / 1e3)
         except FileNotFoundError as e:   # the engine stopped (its ring removed) before this worker got there
             raise RingClosed(f"the step ring is gone ({e})") from None
         worker = Worker(config, rank, local_rank, rendezvous)
