@@ -473,6 +473,15 @@ PY
               # the EAGLE-3 head's cost per draft token
         TAIL=20 run spec-decode 560 python3 -m bench.spec_decode --spec-async 0 1 --eagle --step-stats \
           --output-json "$OUT/spec_decode.json" ;;
+  spec-overlap) # issue 47's Qwen3-0.6B batch-8 oracle row (target >= 1.8x) with one step in flight while drafts wait and
+                # with the next step scheduled during the verify step (LOOM_SPEC_ASYNC=0 / 1), each with the default
+                # waits and with the worker and engine core busy-polling 3 ms for each other's message (--spin-ms);
+                # step stats per verify step: host prepare / finish, device, idle before
+        TAIL=12 run spec-overlap 590 python3 -m bench.spec_decode --rows qwen --spec-async 0 1 --spin-ms - 3 \
+          --step-stats --output-json "$OUT/spec_overlap.json" ;;
+  spec-async-tests) # tests/test_gpu_spec.py with LOOM_SPEC_ASYNC=1 (7 engines in its first test: ~6 s each on the CPU,
+                    # more with graph capture; session 35's 120 s bound cut it before any test finished)
+        LOOM_SPEC_ASYNC=1 TAIL=6 run spec-async-tests 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py ;;
   spec-profile) # issue 47: where a Qwen3-0.6B batch-8 verify step's device time goes (8 x 5 tokens: 1.98 ms in
                 # session 35, against 1.29 ms for a plain batch-8 step): per kernel, eager, then CUDA-graph replays
       TAIL=60 run spec-profile-kernels 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 8 --context 512 \

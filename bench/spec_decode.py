@@ -1,7 +1,7 @@
 """Speculative decoding against issue 47's targets, in one run (dummy weights; `bench/gpu_suite.sh spec`):
 
     python -m bench.spec_decode [--output-json PATH] [--rows llama qwen] [--full-graph 1 0] [--fast-host 1 0]
-                                [--spec-async 0 1] [--eagle] [--equality]
+                                [--spec-async 0 1] [--spin-ms - 3] [--eagle] [--equality] [--step-stats]
 
 --full-graph: the oracle rows once per value of LOOM_SPEC_FULL_GRAPH (1: verify steps in the decode
 CUDA graphs, one row per token; 0: in the piecewise graphs, attention eager, as in session 30), side
@@ -9,7 +9,12 @@ by side. --fast-host: the Qwen batch-8 oracle row once per value of LOOM_SPEC_FA
 sampling parameters from one row per request, the oracle matching only new outputs; 0: session 31's
 host work). --spec-async: the oracle and n-gram rows once per value of LOOM_SPEC_ASYNC (1: the next step
 is scheduled while a verify step runs, the worker placing its own drafts: two steps in flight; 0: one step
-in flight while drafts wait to be verified), side by side. --eagle: the EAGLE-3-shaped head's cost per draft token (bench/eagle_head.py, graphed) as
+in flight while drafts wait to be verified), side by side. --spin-ms: the oracle rows once per value of
+LOOM_WORKER_SPIN_MS and LOOM_ENGINE_REPLY_SPIN_MS together ("-": their defaults, 0.5 and 0: the worker's
+and the engine core's busy-poll before they block on the other's message, which a verify step's round trip
+crosses twice). --step-stats: each oracle row notes, per kind of step (verify steps apart), the worker's
+host ms per step launching it (prepare: its inputs), finishing it (tokens, next drafts) and the device's
+ms per step and idle ms before it (idle: the device waited for the host). --eagle: the EAGLE-3-shaped head's cost per draft token (bench/eagle_head.py, graphed) as
 a row. --equality: last, tests/test_gpu_spec.py (fp32 greedy identical with and without speculation,
 decode-graph verify, piecewise verify and eager) as one more row.
 
@@ -56,13 +61,21 @@ def miss_rate_for(acceptance_length: float, k: int = K) -> float:
     return (lo + hi) / 2
 
 
-def _llm(model_dir: str, variant: tuple[str, str, str] = ("1", "1", "0"), **kw):
-    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH, LOOM_SPEC_FAST_HOST and LOOM_SPEC_ASYNC
-    from `variant`)."""
+Variant = tuple[str, str, str, str]   # LOOM_SPEC_FULL_GRAPH, LOOM_SPEC_FAST_HOST, LOOM_SPEC_ASYNC, spin ms ("-")
+
+
+def _llm(model_dir: str, variant: Variant = ("1", "1", "0", "-"), **kw):
+    """An engine (its processes inherit LOOM_SPEC_FULL_GRAPH, LOOM_SPEC_FAST_HOST, LOOM_SPEC_ASYNC and the
+    spin settings from `variant`)."""
     from frontend import LLM
     os.environ["LOOM_SPEC_FULL_GRAPH"] = variant[0]
     os.environ["LOOM_SPEC_FAST_HOST"] = variant[1]
     os.environ["LOOM_SPEC_ASYNC"] = variant[2]
+    for name in ("LOOM_WORKER_SPIN_MS", "LOOM_ENGINE_REPLY_SPIN_MS"):
+        if variant[3] == "-":
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = variant[3]
     return LLM(model_dir, load_format="dummy", max_model_len=MAX_MODEL_LEN, seed=0, **kw)
 
 
@@ -73,19 +86,19 @@ def _host_note(llm) -> str:
         return ""
     stats = (llm.collective_rpc("step_stats") or [None])[0] or {}
     parts = [f"{kind} {s['steps']} steps: host {s['host_ms_per_step']:.2f} (prepare {s.get('host_ms_prepare', 0):.2f}) "
-             f"dev {s['device_ms_per_step']:.2f} idle {s['idle_ms_before']:.2f} ms"
+             f"finish {s.get('host_ms_finish', 0):.2f} dev {s['device_ms_per_step']:.2f} idle {s['idle_ms_before']:.2f} ms"
              for kind, s in stats.items() if isinstance(s, dict) and "steps" in s]
     return "; [" + "; ".join(parts) + "]"
 
 
-def _variant(variant: tuple[str, str, str]) -> str:
+def _variant(variant: Variant) -> str:
     return (("full graph" if variant[0] == "1" else "piecewise") + ("" if variant[1] == "1" else ", old host")
-            + (", async" if variant[2] == "1" else ""))
+            + (", async" if variant[2] == "1" else "") + ("" if variant[3] == "-" else f", spin {variant[3]} ms"))
 
 
-def _by_async(variants: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+def _by_async(variants: list[Variant]) -> list[Variant]:
     """The first variant of each LOOM_SPEC_ASYNC value: the n-gram rows run once per value."""
-    first: dict[str, tuple[str, str, str]] = {}
+    first: dict[str, Variant] = {}
     for v in variants:
         first.setdefault(v[2], v)
     return list(first.values())
@@ -129,7 +142,7 @@ def _oracle(path: str, prompts, miss_rates) -> dict:
     return {"method": "oracle", "num_speculative_tokens": K, "oracle_path": path}
 
 
-def llama_rows(tmp: str, variants: list[tuple[str, str, str]]) -> list[dict]:
+def llama_rows(tmp: str, variants: list[Variant]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload
     mdir = write_preset("llama-3.1-8b", os.path.join(tmp, "llama"))
@@ -188,7 +201,7 @@ def llama_rows(tmp: str, variants: list[tuple[str, str, str]]) -> list[dict]:
     return rows
 
 
-def qwen_rows(tmp: str, variants: list[tuple[str, str, str]]) -> list[dict]:
+def qwen_rows(tmp: str, variants: list[Variant]) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload, offline_workload
     mdir = write_preset("qwen3-0.6b", os.path.join(tmp, "qwen"))
@@ -273,9 +286,12 @@ def main() -> int:
                    help="LOOM_SPEC_FULL_GRAPH values to time the oracle rows at (the first also runs the n-gram rows)")
     p.add_argument("--fast-host", nargs="+", choices=("1", "0"), default=["1"],
                    help="LOOM_SPEC_FAST_HOST values to time the batch-8 oracle row at (A/B of the verify steps' host work)")
-    p.add_argument("--spec-async", nargs="+", choices=("0", "1"), default=["0"],
+    p.add_argument("--spec-async", nargs="+", choices=("0", "1"), default=["1"],
                    help="LOOM_SPEC_ASYNC values to time the oracle and n-gram rows at (A/B of the overlap of the "
                         "next step with a verify step)")
+    p.add_argument("--spin-ms", nargs="+", default=["-"],
+                   help="LOOM_WORKER_SPIN_MS and LOOM_ENGINE_REPLY_SPIN_MS values (together) to time the oracle rows "
+                        "at; '-': their defaults (A/B of the waits a verify step's round trip crosses)")
     p.add_argument("--eagle", action="store_true", help="the EAGLE-3-shaped head's cost per draft token as a row")
     p.add_argument("--equality", action="store_true", help="run tests/test_gpu_spec.py as the table's last row")
     p.add_argument("--step-stats", action="store_true",
@@ -289,8 +305,9 @@ def main() -> int:
         for name in args.rows:
             t0 = time.perf_counter()
             # (the fast-host A/B on the batch-8 rows only: at batch 1 it changes ~nothing, and each engine costs ~40 s)
-            variants = [(g, f, a) for g in args.full_graph
-                        for f in (args.fast_host if name == "qwen" else args.fast_host[:1]) for a in args.spec_async]
+            variants = [(g, f, a, m) for g in args.full_graph
+                        for f in (args.fast_host if name == "qwen" else args.fast_host[:1]) for a in args.spec_async
+                        for m in args.spin_ms]
             rows += (llama_rows if name == "llama" else qwen_rows)(tmp, variants)
             print(f"({name} rows in {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.eagle:

@@ -224,9 +224,11 @@ class EngineCore:
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
         outputs = self._take_oldest()
-        if not self.in_flight and self.scheduler.awaits_verification() and self._can_schedule():
+        if self._verifies_next() and self._can_schedule():
             # the step verifying the drafts just in goes to the workers now, before these outputs
-            # are published: the device idles only for this loop's update and schedule
+            # are published: the device idles only for this loop's update and schedule (under
+            # LOOM_SPEC_ASYNC the step after the one in flight, which must reach the worker
+            # before that one ends: the worker places its drafts once it has finished it)
             with self.loop_stats.phase("schedule"):
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
@@ -234,11 +236,19 @@ class EngineCore:
                 self._send_bitmask()
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
-                if so.defer_sample:
+                if so.defer_sample and len(self.in_flight) == 1:   # (else its bitmask follows the step before)
                     self._sample_deferred(so)
             for ci, outs in self.scheduler.update_from_output(ModelRunnerOutput([], [])).items():
                 outputs.setdefault(ci, []).extend(outs)   # (requests the schedule failed, if any)
         return outputs
+
+    def _verifies_next(self) -> bool:
+        """Whether the next step goes out before the outputs just taken are published: the one
+        that verifies their drafts (one step in flight while drafts wait), or under
+        LOOM_SPEC_ASYNC a step of the pipeline as soon as it has room."""
+        if self.scheduler.spec_async:
+            return len(self.in_flight) < self._in_flight_limit()
+        return not self.in_flight and self.scheduler.awaits_verification()
 
     def _in_flight_limit(self) -> int:
         """max_in_flight, or two while a step waits for its grammar bitmask: a worker holds one

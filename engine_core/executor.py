@@ -118,6 +118,7 @@ class MultiprocExecutor(Executor):
         # torch's import (1-3 s on 2 CPU cores) runs while the workers import theirs
         self._store = self._serve_rendezvous(self.rendezvous, listener)
         self.poller = zmq.Poller()
+        self._reply_spin_s = envs.LOOM_ENGINE_REPLY_SPIN_MS / 1e3
         for sock in self.replies:
             self.poller.register(sock, zmq.POLLIN)
         self.ring.wait_until_ready(timeout=startup_timeout)
@@ -212,11 +213,15 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------ calls
 
     def _recv_any(self, deadline: float | None = None) -> WorkerReply:
-        """The next reply of any worker, checking every 0.1 s that all of them live."""
+        """The next reply of any worker, checking every 0.1 s that all of them live (busy-polling
+        first for LOOM_ENGINE_REPLY_SPIN_MS)."""
+        spin_end = time.monotonic() + self._reply_spin_s
         while True:
-            for sock, _ in self.poller.poll(_POLL_MS):
+            spinning = time.monotonic() < spin_end
+            for sock, _ in self.poller.poll(0 if spinning else _POLL_MS):
                 return self.dec.decode(sock.recv_multipart(copy=False))
-            self._check_alive()
+            if not spinning:
+                self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("no reply from the workers in time")
 

@@ -773,11 +773,12 @@ class RemoteReader:
         self._ctx.term()
 
 
-def attach_reader(handle: "RingHandle | RemoteHandle", rank: int):
-    """A reader of the ring: shared memory on the writer's node, the TCP XPUB elsewhere."""
+def attach_reader(handle: "RingHandle | RemoteHandle", rank: int, spin_s: float = 0.0005):
+    """A reader of the ring: shared memory on the writer's node (spinning spin_s before it
+    sleeps), the TCP XPUB elsewhere."""
     if isinstance(handle, RemoteHandle):
         return RemoteReader(handle, rank)
-    return BroadcastRing.attach(handle, rank)
+    return BroadcastRing.attach(handle, rank, spin_s)
 
 
 def _unlink_quiet(path: str) -> None:

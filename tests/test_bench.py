@@ -222,8 +222,8 @@ def test_logprobs_host_bench_tiny(model_factory):
 
 
 def test_step_stats_splits_host_time_by_phase():
-    """LOOM_STEP_STATS: a step's host time is split into the phases its caller marks; a step
-    with no marks (the encoder's) has only its total."""
+    """LOOM_STEP_STATS: a step's host time is split into the phases its caller marks, and its
+    finishing's host time is apart; a step with no marks (the encoder's) has only its total."""
     import time
 
     import torch
@@ -234,12 +234,13 @@ def test_step_stats_splits_host_time_by_phase():
     for phase in ("prepare", "forward", "sample"):
         time.sleep(0.002)
         stats.lap(token, phase)
-    stats.finished(stats.end(token, "piecewise", 40))
+    stats.finished(stats.end(token, "piecewise", 40), host_s=0.003)   # (its finish: tokens recorded, drafts)
     stats.finished(stats.end(stats.begin(), "encoder", 3))
     s = stats.summary()
     step = s["piecewise"]
     assert step["steps"] == 1 and step["tokens"] == 40
     assert all(step[f"host_ms_{p}"] >= 2.0 for p in ("prepare", "forward", "sample"))
+    assert step["host_ms_finish"] == pytest.approx(3.0)
     assert sum(step[f"host_ms_{p}"] for p in ("prepare", "forward", "sample")) <= step["host_ms_per_step"]
     assert not any(k.startswith("host_ms_") and k != "host_ms_per_step" for k in s["encoder"])
 

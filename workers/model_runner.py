@@ -33,7 +33,7 @@ from workers.logprobs import (PromptLogprobSpans, pack_logprobs, pack_prompt_log
                               prompt_logprob_rows, prompt_logprob_spans, prompt_logprobs)
 from workers.mm_inputs import MultimodalInputs
 from workers.piecewise_graphs import PiecewiseGraphs
-from workers.rejection_sampler import verify_samples
+from workers.rejection_sampler import bonus_padded, verify_samples
 from workers.sampler import SampledTokens, Sampler, SamplingRow, TopLogprobs
 from workers.spec_decode import make_proposer, may_speculate
 from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
@@ -382,6 +382,8 @@ class ModelRunner:
                 if spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
                     host.graph_feed_rows = np.full(len(host.seq_lens), -1, np.int64)
                     host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
+        if stats_token is not None:
+            self.stats.device_start(stats_token)
         device = self._upload(host, graph_size)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
@@ -588,7 +590,7 @@ class ModelRunner:
         draw that differs (workers/rejection_sampler.py verify_samples: the rejection sampler
         for greedy drafts). logprobs of every row (finish() keeps the emitted ones)."""
         spec, sampling = batch.spec, batch.device.sampling
-        draft, layout_rows = self.h2d([spec.draft, spec.rows])
+        draft, layout_rows = self.h2d([spec.draft, bonus_padded(spec.rows)])
         if batch.graph_samples:
             samples = self.decode_graphs.run_head(batch.decode_graph_size, len(spec.token_rows))
             failed, masked = {}, None
@@ -599,7 +601,8 @@ class ModelRunner:
                                                                self.batch.penalty_state(), self.batch.recent_outputs)
         verdict = verify_samples(samples, draft, layout_rows)
         step.spec, step.tokens, step.num_accepted = spec, verdict.tokens, verdict.num_accepted
-        self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
+        if not batch.graph_samples:   # (the head's rows have no penalties or bad words: nothing to record)
+            self.batch.record_sampled(sampling.slots.index_select(0, verdict.final_rows), verdict.tokens)
         if masked is not None:
             step.masked = masked.index_select(0, verdict.final_rows)
         if failed:
@@ -718,6 +721,7 @@ class ModelRunner:
         logprobs = None
         if step.event is not None:
             step.event.synchronize()
+        t0 = time.perf_counter()
         accepted = spec_next = None
         if step.tokens is not None:
             token_list = step.tokens_host.tolist()
@@ -746,7 +750,7 @@ class ModelRunner:
             vectors = step.pooled.numpy()
             pooled = {step.states[i].req_id: vectors[j].tobytes() for j, i in enumerate(step.sample_rows.tolist())}
         if self.stats is not None:
-            self.stats.finished(step.stats_mark)
+            self.stats.finished(step.stats_mark, host_s=time.perf_counter() - t0)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, pack_prompt_logprobs(step.prompt_logprobs),
                                  step.failed, step.refused, accepted, spec_next, pooled, step.placed)
 

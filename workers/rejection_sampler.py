@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.sampling import mix_seed
@@ -130,13 +131,20 @@ def verify_samples(samples: torch.Tensor, draft: torch.Tensor, rows: torch.Tenso
     the one the plain sampler draws at its output index: a seeded request's output is the same
     with and without speculation, and the whole verdict is a few device ops on the samples (no
     host sync; in a decode graph's step the graph's head draws them).
-    samples, draft [R] (draft -1 on bonus rows); rows [B, K + 1] (-1 past a request's last)."""
-    match = samples == draft
-    valid = rows >= 0
-    acc_pad = match[rows.clamp(min=0)] & valid
-    num_accepted = torch.cumprod(acc_pad.long(), dim=1).sum(dim=1)
+    samples, draft [R] (draft -1 on bonus rows); rows [B, K + 1], each request's logits rows
+    padded past its last with that last one, its bonus row (bonus_padded)."""
+    # a bonus row never matches (draft -1): each request's first mismatch is at or before it,
+    # and argmax returns the first of equal maxima (six launches, where cumprod and masks took ten)
+    mismatch = (samples != draft).to(torch.uint8)
+    num_accepted = mismatch[rows].argmax(dim=1)
     final_rows = rows.gather(1, num_accepted[:, None]).squeeze(1)
     return SpecVerdict(samples[final_rows], num_accepted, final_rows)
+
+
+def bonus_padded(rows: np.ndarray) -> np.ndarray:
+    """A SpecLayout's rows [B, K + 1] (-1 past a request's last) padded with each request's last
+    row instead, as verify_samples reads them."""
+    return np.where(rows >= 0, rows, rows.max(axis=1, keepdims=True))
 
 
 class RejectionSampler:

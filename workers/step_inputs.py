@@ -74,10 +74,10 @@ class StepBatch:
 
     @property
     def kind(self) -> str:
-        """How it runs, as the step stats count it."""
-        if self.decode_graph_size is not None:
-            return "graph"
-        return "piecewise" if self.piecewise_size is not None else "eager"
+        """How it runs, as the step stats count it (a verify step apart: " verify")."""
+        how = ("graph" if self.decode_graph_size is not None
+               else "piecewise" if self.piecewise_size is not None else "eager")
+        return how if self.spec is None else f"{how} verify"
 
 
 class FeedIndices(NamedTuple):

@@ -1,11 +1,15 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
-Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums
-the host time spent launching a step (split into the phases the caller marks),
-the device time between two events around it, and the device's idle time
-before it (from the previous step's end: the step was launched too late), and
-it counts the Triton kernels compiled after warm-up (a compile mid-run costs
-0.1-1 s). Device and idle time are also summed by the step's token count (powers of two):
+Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager; a verify step
+of speculative decoding apart), it sums the host time spent launching a step (split
+into the phases the caller marks), the host time spent finishing it (its tokens
+recorded, the next drafts proposed: host work between the device's end of a step and
+the next launch when steps do not overlap), the device time between two events around
+it, and the device's idle time before it (from the previous step's end: the step was
+launched too late), and it counts the Triton kernels compiled after warm-up (a compile
+mid-run costs 0.1-1 s). A step's start event is recorded where it first queues device
+work (device_start: after the host has built its inputs), so that host time spent
+preparing a step while the device waits counts as idle, not as the step's device time. Device and idle time are also summed by the step's token count (powers of two):
 a small batch's step can be shorter than the host's work between steps.
 The summary is logged when the worker exits and returned by the `step_stats`
 worker method (collective_rpc).
@@ -36,6 +40,7 @@ class StepStats:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.host_s: dict[str, float] = defaultdict(float)
+        self.finish_s: dict[str, float] = defaultdict(float)   # kind -> host s in ModelRunner.finish
         self.phase_s: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # kind -> phase -> s
         self.device_s: dict[str, float] = defaultdict(float)
         self.steps: dict[str, int] = defaultdict(int)
@@ -77,6 +82,12 @@ class StepStats:
             start.record()
         return StepToken(time.perf_counter(), start)
 
+    def device_start(self, token: StepToken) -> None:
+        """The step's first device work is queued next: its device time starts here."""
+        if token.start is not None:
+            token.start = torch.cuda.Event(enable_timing=True)
+            token.start.record()
+
     @staticmethod
     def lap(token: StepToken, phase: str) -> None:
         """The host time since begin() or the previous lap was `phase`'s."""
@@ -97,9 +108,11 @@ class StepStats:
             stop.record()
         return kind, start, stop, num_tokens
 
-    def finished(self, mark, wait: bool = False) -> None:
-        """Call when the step is delivered; device times are read, in launch order, once their
-        events fire."""
+    def finished(self, mark, wait: bool = False, host_s: float = 0.0) -> None:
+        """Call when the step is delivered (host_s: the host time its finishing took); device
+        times are read, in launch order, once their events fire."""
+        if mark is not None and host_s:
+            self.finish_s[mark[0]] += host_s
         if mark is not None and mark[1] is not None:
             self._unread.append(mark)
         while self._unread and (wait or self._unread[0][2].query()):
@@ -121,7 +134,8 @@ class StepStats:
                        "host_ms_per_step": 1e3 * self.host_s[kind] / n,
                        "device_ms_per_step": 1e3 * self.device_s[kind] / n,
                        "idle_ms_before": 1e3 * self.idle_s[kind] / n,
-                       **{f"host_ms_{p}": 1e3 * t / n for p, t in self.phase_s[kind].items()}}
+                       **{f"host_ms_{p}": 1e3 * t / n for p, t in self.phase_s[kind].items()},
+                       **({"host_ms_finish": 1e3 * self.finish_s[kind] / n} if kind in self.finish_s else {})}
                 for kind, n in self.steps.items()} | {
             "by_tokens": {f"{kind} <={b}": {"steps": n, "device_ms": round(1e3 * d, 1), "idle_ms": round(1e3 * i, 1)}
                           for (kind, b), (n, d, i) in sorted(self.by_tokens.items())},

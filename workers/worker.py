@@ -241,9 +241,15 @@ def serve_steps(worker: Worker, ring, send) -> None:
                     pending, unsampled = unsampled, None
                     continue
                 so = step_dec.decode(frames)
+                finished = None   # pending's output, when so's inputs need it: sent once so is launched
                 if pending is not None and runner.must_finish_before(pending, so):
-                    finish_pending()
+                    # (a verify step's next under LOOM_SPEC_ASYNC: the device idles from pending's
+                    # end to so's launch, so the reply and the engine's and API server's work it
+                    # wakes wait until the device has so)
+                    finished, pending = runner.finish(pending), None
                 step = runner.launch(so, pending)  # queued on the device behind `pending`
+                if finished is not None and rank == 0:
+                    send(WorkerReply(rank, output=finished))
                 if pending is not None:
                     finish_pending()  # the engine needs these tokens for the next bitmask
                 if so.defer_sample:
@@ -289,7 +295,7 @@ def run_worker(rank: int, local_rank: int, config_dict: dict, ring_handle, reply
     code = 0
     try:
         try:
-            ring = attach_reader(ring_handle, rank)
+            ring = attach_reader(ring_handle, rank, envs.LOOM_WORKER_SPIN_MS / 1e3)
         except FileNotFoundError as e:   # the engine stopped (its ring removed) before this worker got there
             raise RingClosed(f"the step ring is gone ({e})") from None
         worker = Worker(config, rank, local_rank, rendezvous)
