@@ -201,7 +201,7 @@ def llama_rows(tmp: str, variants: list[Variant]) -> list[dict]:
     return rows
 
 
-def qwen_rows(tmp: str, variants: list[Variant]) -> list[dict]:
+def qwen_rows(tmp: str, variants: list[Variant], offline: bool = True) -> list[dict]:
     from bench.presets import write_preset
     from bench.workloads import fixed_workload, offline_workload
     mdir = write_preset("qwen3-0.6b", os.path.join(tmp, "qwen"))
@@ -212,8 +212,9 @@ def qwen_rows(tmp: str, variants: list[Variant]) -> list[dict]:
     try:
         _timed(llm, prompts, OUTPUT_LEN)
         plain_b8 = sorted(_timed(llm, prompts, OUTPUT_LEN)[0] for _ in range(3))[1]
-        _timed(llm, wl.prompts[:16], 32)
-        plain_tput = _timed(llm, wl.prompts, wl.max_tokens)[0]
+        if offline:
+            _timed(llm, wl.prompts[:16], 32)
+            plain_tput = _timed(llm, wl.prompts, wl.max_tokens)[0]
     finally:
         llm.shutdown()
     rows = []
@@ -234,7 +235,7 @@ def qwen_rows(tmp: str, variants: list[Variant]) -> list[dict]:
                      "target": ">= 1.8", "ok": plain_b8 / spec_b8 >= 1.8,
                      "note": f"acc len {acc:.2f}, {1000 * spec_b8:.0f} vs {1000 * plain_b8:.0f} ms a run, "
                              f"{per_step:.2f} drafts per request-step{host}"})
-    for v in _by_async(variants):
+    for v in _by_async(variants) if offline else []:
         llm = _llm(mdir, v, speculative_config={"method": "ngram", "num_speculative_tokens": K,
                                                 "disable_by_batch_size": 4})
         try:
@@ -296,6 +297,8 @@ def main() -> int:
     p.add_argument("--equality", action="store_true", help="run tests/test_gpu_spec.py as the table's last row")
     p.add_argument("--step-stats", action="store_true",
                    help="LOOM_STEP_STATS=1 in every engine: the oracle rows note host/device/idle ms per step")
+    p.add_argument("--no-offline", action="store_true",
+                   help="skip the Qwen3 standard-workload n-gram rows (their engines take most of the qwen rows' time)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if args.step_stats:
@@ -308,7 +311,7 @@ def main() -> int:
             variants = [(g, f, a, m) for g in args.full_graph
                         for f in (args.fast_host if name == "qwen" else args.fast_host[:1]) for a in args.spec_async
                         for m in args.spin_ms]
-            rows += (llama_rows if name == "llama" else qwen_rows)(tmp, variants)
+            rows += llama_rows(tmp, variants) if name == "llama" else qwen_rows(tmp, variants, not args.no_offline)
             print(f"({name} rows in {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.eagle:
         rows.append(eagle_row())
