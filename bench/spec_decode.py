@@ -287,7 +287,7 @@ def main() -> int:
                    help="LOOM_SPEC_FULL_GRAPH values to time the oracle rows at (the first also runs the n-gram rows)")
     p.add_argument("--fast-host", nargs="+", choices=("1", "0"), default=["1"],
                    help="LOOM_SPEC_FAST_HOST values to time the batch-8 oracle row at (A/B of the verify steps' host work)")
-    p.add_argument("--spec-async", nargs="+", choices=("0", "1"), default=["1"],
+    p.add_argument("--spec-async", nargs="+", choices=("0", "1"), default=["0"],
                    help="LOOM_SPEC_ASYNC values to time the oracle and n-gram rows at (A/B of the overlap of the "
                         "next step with a verify step)")
     p.add_argument("--spin-ms", nargs="+", default=["-"],

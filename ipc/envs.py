@@ -162,10 +162,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                      "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "
                                   "sampling rows, the oracle drafter matching each request anew), for A/B runs"),
-    "LOOM_SPEC_ASYNC": EnvVar(True, _switch, "with --speculative-config, the next step is scheduled while a "
+    "LOOM_SPEC_ASYNC": EnvVar(False, _switch, "1: with --speculative-config, the next step is scheduled while a "
                               "verify step runs (as if it accepts every draft) and the worker places its own "
                               "drafts and positions in it, so that two steps stay in flight; 0: one step in "
-                              "flight while drafts wait to be verified (their round trip through the engine)"),
+                              "flight while drafts wait to be verified"),
     "LOOM_WORKER_SPIN_MS": EnvVar(0.5, _float, "milliseconds a worker waiting for its next step busy-polls the "
                                   "step ring before it sleeps (a sleeping reader's wake-up costs ~40 us: "
                                   "shm/broadcast_ring.py); a verify step's next comes after the engine's round trip"),

@@ -16,13 +16,6 @@ from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 
 ENGINE_IN_PROCESS = True   # outputs only: the engine in the test process (tests/conftest.py engine_in_process)
 
-
-@pytest.fixture(autouse=True)
-def one_step_in_flight(monkeypatch):
-    """The path without LOOM_SPEC_ASYNC (the engine holds a verify step until the step before's
-    output brings its drafts); tests/test_spec_async.py runs the default, async, path."""
-    monkeypatch.setenv("LOOM_SPEC_ASYNC", "0")
-
 # prompts that repeat themselves (the n-gram proposer finds them), two sharing a 32-token prefix
 PREFIX = [7, 8, 9, 10, 11, 12, 13, 14] * 4
 PROMPTS = [PREFIX + [1, 2, 3], PREFIX + [4, 5], [21, 22, 23, 24, 25, 21, 22, 23, 24, 25, 21, 22],
