@@ -69,7 +69,7 @@ def kernel_rows(num_seqs: int, prefix_len: int, own_len: int) -> list[dict]:
     bytes_floor = (prefix_len + num_seqs * own_len) * key_bytes / HBM_BYTES_PER_S
     flops_floor = 4 * num_seqs * hq * (prefix_len + own_len) * d / BF16_FLOPS
     for splits in sorted({1, 2, 4, 8, auto}):
-        prefix = ca.CascadePrefix(prefix_len, torch.tensor([0, num_seqs], dtype=torch.int32, device=dev),
+        prefix = ca.CascadePrefix(torch.tensor([0, num_seqs], dtype=torch.int32, device=dev),
                                   torch.tensor([prefix_len], dtype=torch.int32, device=dev), bt[:1, :prefix_blocks],
                                   splits, suffix)
         run = lambda: ca.cascade_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5, 1, prefix,  # noqa: E731

@@ -217,14 +217,14 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale
     return m_new, l_i, acc
 
 
-@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window", "kv_begin"),
-          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr"))
+@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window"),
+          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr", "kv_begin_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, sinks_ptr,
-    k_scale_ptr, v_scale_ptr,
-    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap, kv_begin,
+    k_scale_ptr, v_scale_ptr, kv_begin_ptr,
+    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -264,7 +264,8 @@ def _paged_attention_kernel(
     from SPLIT_BASE on, which the split-KV reduce then merges by their log-sum-exps: CAUSAL=False,
     every query of the launch's one "sequence" against the whole shared prefix (a prefill-style
     launch: many queries, one KV sequence, no mask); SUFFIX, each sequence's own keys from
-    kv_begin (the shared prefix's length) on. Off, both compile as they always have.
+    kv_begin on (the shared prefix's length, read from kv_begin_ptr on the device, so a decode
+    CUDA graph replays with each step's prefix). Off, both compile as they always have (no load).
 
     CAUSAL_SPLIT (long-prefill tiles; causal launches only): a tile's keys that every row sees run
     without the mask (_attend_keys MASKED=False), the diagonal's with it. HEAVY_FIRST: multi-tile
@@ -344,11 +345,12 @@ def _paged_attention_kernel(
             kv_lo = kv_start
             kv_hi = kv_end
     elif SUFFIX and NUM_SPLITS > 1:
+        kv_begin = tl.load(kv_begin_ptr)
         chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = kv_begin + split * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     elif SUFFIX:
-        kv_lo = kv_end * 0 + kv_begin
+        kv_lo = kv_end * 0 + tl.load(kv_begin_ptr)
         kv_hi = kv_end
     elif NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -746,11 +748,12 @@ class Partials:
 class PartialLaunch:
     """Where a launch that writes partials (cascade attention) writes, and what it reads:
     its splits start at split_base of `partials`; keys from kv_begin on (the suffix: each
-    sequence's own), or, not causal, every key of its one sequence to every query (the prefix)."""
+    sequence's own; int32 [1] on the device), or, not causal, every key of its one sequence to
+    every query (the prefix)."""
     partials: Partials
     split_base: int
     num_splits: int
-    kv_begin: int = 0
+    kv_begin: torch.Tensor | None = None
     causal: bool = True
 
 
@@ -798,7 +801,7 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
     part_tok_base, cascade = launch.tok_lo, {}
     if partial is not None:
         part_acc, part_ml, part_tok_base = partial.partials.acc, partial.partials.ml, 0
-        cascade = dict(CAUSAL=partial.causal, SUFFIX=partial.kv_begin > 0,
+        cascade = dict(CAUSAL=partial.causal, SUFFIX=partial.kv_begin is not None,
                        PART_SPLITS=partial.partials.num_splits, SPLIT_BASE=partial.split_base)
     elif num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
@@ -814,8 +817,8 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
         launch.seq_order if ordered else launch.seq_lens, sinks,
         kv.k_scale, kv.v_scale,
+        partial.kv_begin if partial is not None and partial.kv_begin is not None else launch.seq_lens,
         qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
-        partial.kv_begin if partial is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

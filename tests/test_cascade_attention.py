@@ -48,7 +48,7 @@ def _shared_prefix_batch(prefix_len: int, own: list[int], q_lens: list[int], hkv
 
 def _prefix(prefix_len: int, num_tokens: int, bt: torch.Tensor, bs: int, prefix_splits: int,
             suffix_splits: int) -> ca.CascadePrefix:
-    return ca.CascadePrefix(prefix_len, torch.tensor([0, num_tokens], dtype=torch.int32, device=bt.device),
+    return ca.CascadePrefix(torch.tensor([0, num_tokens], dtype=torch.int32, device=bt.device),
                             torch.tensor([prefix_len], dtype=torch.int32, device=bt.device),
                             bt[:1, :prefix_len // bs], prefix_splits, suffix_splits)
 
@@ -119,7 +119,7 @@ def test_cascade_with_long_prefill_flags(monkeypatch):
 def test_split_choices():
     cpu = torch.device("cpu")   # sm_count: 4
     assert ca.choose_prefix_splits(512, 2, 8, 2048, cpu) == 1          # 128 programs: enough
-    assert ca.choose_prefix_splits(16, 2, 2, 2048, cpu) == 4           # 2 programs, 2 per SM wanted on 4
+    assert ca.choose_prefix_splits(16, 2, 2, 2048, cpu) == 8           # 2 programs, 4 per SM wanted on 4
     assert ca.choose_prefix_splits(16, 2, 1, 300, cpu) == 1            # too few keys to split
     assert ca.choose_suffix_splits(4, 2, 7, 5000, cpu) == 1            # a prompt chunk: unsplit
 

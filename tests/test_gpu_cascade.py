@@ -44,7 +44,7 @@ def _prefix(prefix_len: int, num_tokens: int, num_seqs: int, max_q: int, max_seq
             prefix_splits: int | None = None) -> ca.CascadePrefix:
     dev = bt.device
     splits = prefix_splits or ca.choose_prefix_splits(num_tokens, HQ // HKV, HKV, prefix_len, dev)
-    return ca.CascadePrefix(prefix_len, torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+    return ca.CascadePrefix(torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
                             torch.tensor([prefix_len], dtype=torch.int32, device=dev), bt[:1, :prefix_len // BS],
                             splits, ca.choose_suffix_splits(num_seqs, HKV, max_q, max_seq - prefix_len, dev))
 

@@ -71,12 +71,13 @@ class StepBatch:
     spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
     grammar_head: bool = False                 # graph_samples in the decode graph's grammar head
     graph_penalties: bool = False              # the head samples it with penalties (Sampler.penalties_only)
+    cascade_graph: bool = False                # its decode graph is the one with cascade attention
 
     @property
     def kind(self) -> str:
         """How it runs, as the step stats count it."""
         if self.decode_graph_size is not None:
-            return "graph"
+            return "cascade_graph" if self.cascade_graph else "graph"
         return "piecewise" if self.piecewise_size is not None else "eager"
 
 

@@ -1,6 +1,6 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
-Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager), it sums
+Per kind of step (decode CUDA graph, one with cascade attention, piecewise CUDA graphs, or eager), it sums
 the host time spent launching a step (split into the phases the caller marks),
 the device time between two events around it, and the device's idle time
 before it (from the previous step's end: the step was launched too late), and

@@ -208,7 +208,7 @@ def _graph_bodies(runner: ModelRunner) -> None:
         lora.active = True
     try:
         DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                     runner.kv_splits, lora_ctx=lora).run_once()   # (each base variant's too)
+                     runner.kv_splits, lora_ctx=lora, cascade=runner.cascade).run_once()   # (each base variant's too)
         if _captures_piecewise(runner):
             _piecewise_graphs(runner).eager_forwards()
     finally:
@@ -225,7 +225,7 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
         return CapturedGraphs(None, None)
     lora = runner.lora.ctx if runner.lora is not None else None
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                          runner.kv_splits, lora_ctx=lora)
+                          runner.kv_splits, lora_ctx=lora, cascade=runner.cascade)
     decode.capture()
     return CapturedGraphs(decode, _capture_piecewise(runner) if _captures_piecewise(runner) else None)
 
