@@ -524,9 +524,10 @@ class ModelRunner:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows
         (None when none samples, or when the decode graph's head samples them)."""
         device, attention = batch.device, batch.attention
-        if batch.decode_graph_size is not None:
-            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens),
-                                                  batch.cascade_graph)
+        if batch.cascade_graph:
+            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens), cascade=True)
+        elif batch.decode_graph_size is not None:
+            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens))
         elif batch.piecewise_size is not None:
             hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention,
                                                self.cpu_tier)
