@@ -21,7 +21,9 @@ on (auto) runs the standard workload (256 random prompts, bench/workloads.py) an
 request, counting the steps the planner sent to cascade (must be 0: those steps keep the decode
 graphs, so their numbers cannot move).
 
-Last, the table: measured vs target (cascade on <= 1.30 s: 3x faster than 3.91 s, 2026-11-28).
+Last, the table: measured vs target (cascade on <= 1.30 s: 3x faster than 3.91 s, 2026-11-28), and
+with LOOM_STEP_STATS=1 each mode's steps by kind ("cascade_graph": decode graphs with cascade),
+their host and device time, and the Triton compiles while serving.
 """
 from __future__ import annotations
 
@@ -101,9 +103,29 @@ def engine_run(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         outs = llm.generate(timed, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        stats = step_stats(llm)
     finally:
         llm.shutdown()
-    return dict(mode=mode, seconds=elapsed, tokens=[o.outputs[0].token_ids for o in outs])
+    return dict(mode=mode, seconds=elapsed, tokens=[o.outputs[0].token_ids for o in outs], stats=stats)
+
+
+def step_stats(llm) -> dict:
+    """With LOOM_STEP_STATS=1: the worker's steps by kind over the engine's life (the warm-up run
+    included): count, host and device ms per step, and the Triton compiles while serving."""
+    from ipc.profiling import step_stats_enabled
+    if not step_stats_enabled():
+        return {}
+    return (llm.collective_rpc("step_stats") or [None])[0] or {}
+
+
+def stats_lines(mode: str, stats: dict) -> list[str]:
+    lines = [f"  {mode}: {kind} {s['steps']} steps, host {s['host_ms_per_step']:.2f} ms "
+             f"(forward {s.get('host_ms_forward', 0):.2f}), device {s['device_ms_per_step']:.2f} ms, "
+             f"idle before {s['idle_ms_before']:.2f} ms"
+             for kind, s in stats.items() if isinstance(s, dict) and "steps" in s]
+    if "triton_compiles_while_serving" in stats:
+        lines.append(f"  {mode}: Triton compiles while serving: {stats['triton_compiles_while_serving']}")
+    return lines
 
 
 def standard_check(model_dir: str, num_prompts: int) -> dict:
@@ -177,7 +199,7 @@ def main() -> int:
             print(f"cascade {mode}: {runs[mode]['seconds']:.2f} s", flush=True)
         except Exception as e:  # noqa: BLE001  (the other mode still runs; the table says which failed)
             print(f"cascade {mode}: failed: {e!r}", flush=True)
-    result["engine"] = {m: {"seconds": r["seconds"]} for m, r in runs.items()}
+    result["engine"] = {m: {"seconds": r["seconds"], "step_stats": r["stats"]} for m, r in runs.items()}
     if not args.no_standard:
         try:
             result["standard"] = standard_check(model_dir, args.standard_prompts)
@@ -208,6 +230,10 @@ def main() -> int:
                                                                                    "batch1")):
             got = f"{st[key]['cascade']} / {st[key]['steps']}"
             print(f"{name:44s} {got:>16s}  {'0 (heuristic keeps off)':24s} {'yes' if st[key]['cascade'] == 0 < st[key]['steps'] else 'NO'}")
+    if any(r["stats"] for r in runs.values()):
+        print("step stats (LOOM_STEP_STATS=1; each engine's life, its warm-up run included):")
+        for mode, r in runs.items():
+            print("\n".join(stats_lines(mode, r["stats"])))
     write_json(args.output_json, result)
     return 0 if runs else 1
 

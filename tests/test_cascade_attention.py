@@ -256,6 +256,40 @@ def test_cascade_decode_graph_equals_plain_decode_graph(model_factory, monkeypat
     assert on == off
 
 
+@needs_triton
+def test_warm_up_compiles_the_variants_of_eager_cascade_steps(model_factory, monkeypatch):
+    # the warm-up's cascade shapes, run dry (launches only submit their variants), reach every
+    # kernel variant that eager cascade steps of other shapes pick: pure decodes of 8-64 rows,
+    # with own keys short and long, and decodes with prompt chunks, over prefixes of 256-1,008 keys
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from frontend import LLM
+    from workers.compile_ahead import DryLaunches, ZeroedAllocations
+    from workers.warmup import _cascade_once, _warmup_cascade
+    variants: set = set()
+    original = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):   # (the constexprs go by name)
+        variants.add((self.fn.__name__, tuple(sorted(kwargs.items()))))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    model_dir = model_factory("qwen3", num_hidden_layers=1, max_position_embeddings=2048)
+    with LLM(model_dir, multiprocess=False, attention_backend="triton", max_model_len=2048, block_size=16,
+             max_num_seqs=64, max_num_batched_tokens=2048) as llm:
+        runner = llm.client.engine.executor.runner
+        with DryLaunches().patched(InterpretedFunction), ZeroedAllocations(devices=("cpu",)):
+            _warmup_cascade(runner)
+            warmed, variants = set(variants), set()
+            for rows in range(9, 65, 3):
+                for prefix_len in (256, 496, 1008):
+                    _cascade_once(runner, [1] * rows, prefix_len, 7)
+                    _cascade_once(runner, [1] * rows, prefix_len, 700)
+                    _cascade_once(runner, [1] * rows + [37, 64], prefix_len, 20)
+    assert warmed and any(name == "_paged_attention_kernel" for name, _ in warmed)
+    missed = variants - warmed
+    assert not missed, "; ".join(str(dict(kw)) for _, kw in sorted(missed))
+
+
 def test_planner_switches(model_factory, monkeypatch):
     # --disable-cascade-attn wins over LOOM_CASCADE_ATTN; the torch backend never plans; force
     # plans from one shared block (the heuristic would refuse this little), capped by the

@@ -152,7 +152,10 @@ def _warmup_cascade(runner: ModelRunner) -> None:
         return
     from kernels.cascade_attention import MAX_PREFIX_SPLITS, MIN_PREFIX_SPLIT_KEYS
     config, block_size = runner.config, runner.block_size
-    decodes = sorted({min(d, config.max_num_seqs) for d in (8, 64, config.max_num_seqs)})
+    # decode counts at each power of two and half way between (the tiles, the programs per SM and the
+    # splits they pick change at such steps), from the planner's least (MIN_REQUESTS)
+    decodes = sorted({d for p in range(3, max(3, config.max_num_seqs.bit_length()) + 1)
+                      for d in (1 << p, 3 << (p - 1)) if d <= config.max_num_seqs} | {config.max_num_seqs})
     length = MIN_PREFIX_SPLIT_KEYS
     while length <= min(MAX_PREFIX_SPLITS * MIN_PREFIX_SPLIT_KEYS, config.max_model_len // 2):
         prefix_len = length // block_size * block_size
