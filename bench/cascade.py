@@ -12,7 +12,8 @@ admission, so the later requests take them as hits and every request decodes ove
 copy of the prefix. Greedy: the two modes' tokens are compared (bf16, so a near tie may flip one).
 
 Before the engines, one layer's attention at the run's middle decode step (512 x (2,048 + 128)
-keys) plain and as cascade at each prefix split count, with its floors: bytes at 4.8 TB/s (the
+keys) plain and as cascade at each prefix split count, then both captured in a CUDA graph as the
+decode graphs run them, with its floors: bytes at 4.8 TB/s (the
 plain path reads the prefix once per request; cascade once) and the prefix launch's FLOPs at the
 bf16 dense peak (989 TFLOP/s).
 
@@ -80,7 +81,34 @@ def kernel_rows(num_seqs: int, prefix_len: int, own_len: int) -> list[dict]:
         t = triton.testing.do_bench(run)
         rows.append(dict(path=f"cascade, prefix in {splits} split(s){' (auto)' if splits == auto else ''}",
                          us=t * 1e3, floor_us=max(bytes_floor, flops_floor) * 1e6, max_err=err))
+    # as the decode graphs run them: captured once, launches replayed (the cascade one over a device
+    # prefix length and row 0 of the whole table, as CascadePlanner.graph_prefix builds it)
+    out = torch.empty_like(q)
+    graph_prefix = ca.CascadePrefix(torch.tensor([0, num_seqs], dtype=torch.int32, device=dev),
+                                    torch.tensor([prefix_len], dtype=torch.int32, device=dev), bt[:1], auto, suffix)
+    for path, fn, floor_us in (
+            ("plain, in a CUDA graph", lambda: paged_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5, 1,
+                                                               prefix_len + own_len, num_decodes=num_seqs,
+                                                               seq_order=order, out=out), floor * 1e6),
+            ("cascade (auto), in a CUDA graph", lambda: ca.cascade_attention(
+                q, kc, vc, qsl, seq_lens, bt, d ** -0.5, 1, graph_prefix, num_decodes=num_seqs, seq_order=order,
+                out=out), max(bytes_floor, flops_floor) * 1e6)):
+        replay = _graphed(fn)
+        replay()
+        err = (out.float() - ref).abs().max().item()
+        rows.append(dict(path=path, us=triton.testing.do_bench(replay) * 1e3, floor_us=floor_us, max_err=err))
     return rows
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph (run once first: its kernels compile outside the capture): its replay."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def engine_run(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
