@@ -23,6 +23,7 @@ prompt chunks runs in the piecewise CUDA graphs, whose attention is eager.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from kernels.jit import runs_triton, sm_count
 from kernels.kv_quant import dequantize_ref
 from kernels.paged_attention import (FP8_DTYPE, PartialLaunch, Partials, _attention_launch, _KVCaches, _Launch,
                                      _paged_attention_kernel, _Variant, choose_num_kv_splits, query_rows,
-                                     soft_cap)
+                                     side_stream, soft_cap)
 
 MIN_PREFIX_SPLIT_KEYS = 256   # the least of the prefix's keys worth a split of its own
 MAX_PREFIX_SPLITS = 16
@@ -87,9 +88,13 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       scale: float, max_query_len: int, prefix: CascadePrefix, num_decodes: int = 0,
                       seq_order: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       logits_soft_cap: float | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, prefix_beside: bool = False) -> torch.Tensor:
     """paged_attention's result (same arguments; no window or sinks) computed as prefix +
-    suffix + merge (Triton). prefix: the step's CascadePrefix."""
+    suffix + merge (Triton). prefix: the step's CascadePrefix. prefix_beside (CUDA; an A/B of
+    bench.cascade, not yet the runner's): the prefix launch runs on a side stream beside the
+    suffix's (they write disjoint splits; a captured graph holds them as two branches), the
+    merge after both: the prefix's few compute-bound programs and the suffix's many
+    bandwidth-bound ones share the SMs, where one after the other each launch's tail idles them."""
     if not runs_triton(_paged_attention_kernel, query):
         ref = cascade_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
                                     int(prefix.length[0]), logits_soft_cap, k_scale, v_scale)
@@ -109,8 +114,13 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                               query.device)
     # (max_seq_len 0: a partial launch's splits are given, and its tiles never the long-prefill ones)
     everyone = _Launch(prefix.query_start_loc, prefix.length, prefix.block_table, num_tokens, 0, num_tokens)
-    _attention_launch(query, kv, out, everyone, variant, 0, None,
-                      PartialLaunch(partials, 0, prefix.prefix_splits, causal=False))
+    main = torch.cuda.current_stream(query.device) if prefix_beside and query.is_cuda else None
+    side = side_stream(query.device) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)   # (the KV-cache writes first)
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        _attention_launch(query, kv, out, everyone, variant, 0, None,
+                          PartialLaunch(partials, 0, prefix.prefix_splits, causal=False))
     own = PartialLaunch(partials, prefix.prefix_splits, prefix.suffix_splits, kv_begin=prefix.length)
     nd = int(num_decodes)
     if 0 < nd < num_seqs and max_query_len > 1:   # decodes with decode tiles, the prompt chunks apart
@@ -122,6 +132,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                             seq_order if pure_decode else None)]
     for launch in launches:
         _attention_launch(query, kv, out, launch, variant, 0, None, own)
+    if side is not None:
+        main.wait_stream(side)
     partials.reduce_into(out, num_tokens)
     return out
 

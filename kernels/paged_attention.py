@@ -575,6 +575,14 @@ def _concurrent_launches() -> bool:
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one side stream for attention launches that run beside the main stream's."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return side
+
+
 @contextmanager
 def _beside(query: torch.Tensor):
     """A mixed batch's two launches (prompt tiles, decodes) write disjoint rows, so the prompt
@@ -587,9 +595,7 @@ def _beside(query: torch.Tensor):
         yield nullcontext()
         return
     main = torch.cuda.current_stream(query.device)
-    side = _SIDE_STREAMS.get(main.device.index)
-    if side is None:
-        side = _SIDE_STREAMS[main.device.index] = torch.cuda.Stream(main.device)
+    side = side_stream(main.device)
     side.wait_stream(main)
     try:
         yield torch.cuda.stream(side)

@@ -76,17 +76,18 @@ def test_cascade_mixed_batch_exact_fp32_and_bf16_close():
         assert (got - want).abs().max().item() < tol, dtype
 
 
-def test_cascade_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("prefix_beside", [False, True])
+def test_cascade_captures_in_a_cuda_graph(prefix_beside):
     # no host sync in the launches: captured once as a decode graph holds it (the length a device
     # tensor, the blocks row 0 of the whole table), replayed over new queries, new own keys and
-    # other prefix lengths
+    # other prefix lengths; also with the prefix launch on a side stream (a branch of the graph)
     own = [5 + 3 * i for i in range(32)]
     q, kc, vc, qsl, sl, bt = _batch(512, own, [1] * 32, torch.float32, seed=2)
     length = torch.tensor([512], dtype=torch.int32, device="cuda")
     prefix = ca.CascadePrefix(torch.tensor([0, 32], dtype=torch.int32, device="cuda"), length, bt[:1], 4, 1)
     out = torch.empty_like(q)
     run = lambda: ca.cascade_attention(q, kc, vc, qsl, sl, bt, D ** -0.5, 1, prefix, num_decodes=32,  # noqa: E731
-                                       out=out)
+                                       out=out, prefix_beside=prefix_beside)
     run()   # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
