@@ -55,6 +55,11 @@ class CascadePrefix:
     block_table: torch.Tensor       # int32 [1, >= length // block_size]: the shared blocks (row 0's)
     prefix_splits: int              # KV splits of the prefix launch
     suffix_splits: int              # ... of the suffix launch(es)
+    # the prefix launch on a side stream beside the suffix's (CUDA; a captured graph holds them as two
+    # branches), the merge after both: the prefix's few compute-bound programs and the suffix's many
+    # bandwidth-bound ones share the SMs, where one after the other each launch's tail idles them
+    # (LOOM_CASCADE_BESIDE=1: an A/B, off until bench.cascade's rows say it pays)
+    beside: bool = False
 
 
 def choose_prefix_splits(num_tokens: int, group: int, num_kv_heads: int, length: int,
@@ -88,13 +93,9 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       scale: float, max_query_len: int, prefix: CascadePrefix, num_decodes: int = 0,
                       seq_order: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       logits_soft_cap: float | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, prefix_beside: bool = False) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention's result (same arguments; no window or sinks) computed as prefix +
-    suffix + merge (Triton). prefix: the step's CascadePrefix. prefix_beside (CUDA; an A/B of
-    bench.cascade, not yet the runner's): the prefix launch runs on a side stream beside the
-    suffix's (they write disjoint splits; a captured graph holds them as two branches), the
-    merge after both: the prefix's few compute-bound programs and the suffix's many
-    bandwidth-bound ones share the SMs, where one after the other each launch's tail idles them."""
+    suffix + merge (Triton). prefix: the step's CascadePrefix."""
     if not runs_triton(_paged_attention_kernel, query):
         ref = cascade_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
                                     int(prefix.length[0]), logits_soft_cap, k_scale, v_scale)
@@ -114,7 +115,7 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                               query.device)
     # (max_seq_len 0: a partial launch's splits are given, and its tiles never the long-prefill ones)
     everyone = _Launch(prefix.query_start_loc, prefix.length, prefix.block_table, num_tokens, 0, num_tokens)
-    main = torch.cuda.current_stream(query.device) if prefix_beside and query.is_cuda else None
+    main = torch.cuda.current_stream(query.device) if prefix.beside and query.is_cuda else None
     side = side_stream(query.device) if main is not None else None
     if side is not None:
         side.wait_stream(main)   # (the KV-cache writes first)

@@ -84,10 +84,11 @@ def test_cascade_captures_in_a_cuda_graph(prefix_beside):
     own = [5 + 3 * i for i in range(32)]
     q, kc, vc, qsl, sl, bt = _batch(512, own, [1] * 32, torch.float32, seed=2)
     length = torch.tensor([512], dtype=torch.int32, device="cuda")
-    prefix = ca.CascadePrefix(torch.tensor([0, 32], dtype=torch.int32, device="cuda"), length, bt[:1], 4, 1)
+    prefix = ca.CascadePrefix(torch.tensor([0, 32], dtype=torch.int32, device="cuda"), length, bt[:1], 4, 1,
+                              beside=prefix_beside)
     out = torch.empty_like(q)
     run = lambda: ca.cascade_attention(q, kc, vc, qsl, sl, bt, D ** -0.5, 1, prefix, num_decodes=32,  # noqa: E731
-                                       out=out, prefix_beside=prefix_beside)
+                                       out=out)
     run()   # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -83,6 +83,7 @@ class CascadePlanner:
             self.num_q_heads, self.num_kv_heads = eligible[0].num_heads, eligible[0].num_kv_heads
             self.head_dim = eligible[0].head_dim
         self.kv_elem_bytes = torch.tensor([], dtype=kv_dtype).element_size()
+        self.beside = envs.LOOM_CASCADE_BESIDE   # the prefix launch on a side stream (CascadePrefix.beside)
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: EngineConfig, kv_dtype: torch.dtype, block_size: int,
@@ -122,7 +123,8 @@ class CascadePlanner:
             query_start_loc[::len(num_scheduled)].contiguous(), torch.full((1,), length, dtype=torch.int32, device=device),
             block_table[:1, :length // self.block_size],
             choose_prefix_splits(num_tokens, self.num_q_heads // self.num_kv_heads, self.num_kv_heads, length, device),
-            choose_suffix_splits(len(num_scheduled), self.num_kv_heads, max_query_len, max_seq_len - length, device))
+            choose_suffix_splits(len(num_scheduled), self.num_kv_heads, max_query_len, max_seq_len - length, device),
+            self.beside)
 
     def graph_prefix(self, rows: int, length: torch.Tensor, block_table: torch.Tensor,
                      max_model_len: int) -> CascadePrefix:
@@ -136,4 +138,4 @@ class CascadePlanner:
         return CascadePrefix(
             torch.tensor([0, rows], dtype=torch.int32, device=device), length, block_table[:1],
             choose_prefix_splits(rows, self.num_q_heads // self.num_kv_heads, self.num_kv_heads, max_model_len, device),
-            choose_suffix_splits(rows, self.num_kv_heads, 1, max_model_len, device))
+            choose_suffix_splits(rows, self.num_kv_heads, 1, max_model_len, device), self.beside)
