@@ -361,9 +361,10 @@ class DecodeGraphs:
                 if self.grammar_heads:
                     self._capture_head(bs, base, grammar=True)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
-        logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
-                    "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
-                    self.sizes[-1], time.perf_counter() - t0, padded or "none")
+        logger.info("%s %d decode graphs (batch 1..%d; %d with cascade attention too) in %.1fs; run in a larger "
+                    "graph because it is faster: %s", "captured" if self.capturing else "set up (uncaptured, on the CPU)",
+                    len(self.sizes), self.sizes[-1], len(self.cascade_sizes), time.perf_counter() - t0,
+                    padded or "none")
 
     @torch.inference_mode()
     def run_once(self) -> None:

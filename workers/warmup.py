@@ -157,7 +157,7 @@ def _warmup_cascade(runner: ModelRunner) -> None:
     decodes = sorted({d for p in range(3, max(3, config.max_num_seqs.bit_length()) + 1)
                       for d in (1 << p, 3 << (p - 1)) if d <= config.max_num_seqs} | {config.max_num_seqs})
     length = MIN_PREFIX_SPLIT_KEYS
-    while length <= min(MAX_PREFIX_SPLITS * MIN_PREFIX_SPLIT_KEYS, config.max_model_len // 2):
+    while length <= min(MAX_PREFIX_SPLITS * MIN_PREFIX_SPLIT_KEYS, config.max_model_len - 2):   # (longer: as 4,096)
         prefix_len = length // block_size * block_size
         longest_own = config.max_model_len - prefix_len - 1
         for num_decodes in decodes:
