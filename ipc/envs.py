@@ -117,6 +117,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                 "as --disable-cascade-attn), force (whenever they share a block: A/B runs, tests)"),
     "LOOM_CASCADE_PREFIX_SPLITS": EnvVar(0, _int, "KV splits of cascade attention's shared-prefix launch "
                                          "(0: chosen per step)"),
+    "LOOM_CASCADE_BESIDE": EnvVar(False, _switch, "1: cascade attention's shared-prefix launch runs on a side "
+                                  "stream beside its own-keys launch (an A/B)"),
     "LOOM_LONG_PREFILL_TILES": EnvVar("", _text, "BLOCK_M,BLOCK_N,WARPS,STAGES of paged attention's long-prefill "
                                       "tiles (chunks of >= 256 queries over >= 4,096 keys), or off: the short "
                                       "tiles and no causal split (unset: 128,64,8,3)"),

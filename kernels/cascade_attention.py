@@ -17,11 +17,13 @@ The result equals paged_attention's up to the order of the fp32 sums. Not for a 
 or attention sinks (vLLM neither): a layer with one runs the plain path.
 
 The runner decides per step whether it pays (workers/cascade_attn.py) and builds the
-CascadePrefix; a cascade step runs in the piecewise CUDA graphs, whose attention is eager
-(as vLLM, whose full-graph mode falls back to piecewise for cascade steps).
+CascadePrefix. A pure-decode step runs in a decode CUDA graph captured with cascade (the prefix's
+length and block-table row are device inputs, its split counts fixed per graph size); a step with
+prompt chunks runs in the piecewise CUDA graphs, whose attention is eager.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,31 +34,39 @@ from kernels.jit import runs_triton, sm_count
 from kernels.kv_quant import dequantize_ref
 from kernels.paged_attention import (FP8_DTYPE, PartialLaunch, Partials, _attention_launch, _KVCaches, _Launch,
                                      _paged_attention_kernel, _Variant, choose_num_kv_splits, query_rows,
-                                     soft_cap)
+                                     side_stream, soft_cap)
 
 MIN_PREFIX_SPLIT_KEYS = 256   # the least of the prefix's keys worth a split of its own
 MAX_PREFIX_SPLITS = 16
-PREFIX_PROGRAMS_PER_SM = 2    # what the prefix launch's splits aim for
+PREFIX_PROGRAMS_PER_SM = 4    # what the prefix launch's splits aim for (512 decodes of Qwen3-0.6B over
+                              # 2,048 keys on an H200: 4 splits 163 us, 2 splits 268, 8 splits 168)
 
 
 @dataclass(frozen=True, slots=True)
 class CascadePrefix:
     """A step's common prefix: the first `length` keys of every sequence lie in the same KV
     blocks, and every query of the step sees all of them (length <= each sequence's tokens
-    computed before the step). Device tensors are made per step without a host sync."""
-    length: int                     # keys, a multiple of the block size
+    computed before the step). Device tensors only, none read on the host, so a decode CUDA
+    graph captures the launches once over static buffers that each step refills
+    (workers/decode_graphs.py); only the split counts are fixed."""
     query_start_loc: torch.Tensor   # int32 [2]: [0, T]: the prefix launch's one sequence is every query
-    seq_lens: torch.Tensor          # int32 [1]: [length]
-    block_table: torch.Tensor       # int32 [1, length // block_size]: the shared blocks
+    length: torch.Tensor            # int32 [1]: the prefix's keys, a multiple of the block size (the
+                                    # prefix launch's seq_lens, the suffix's first key)
+    block_table: torch.Tensor       # int32 [1, >= length // block_size]: the shared blocks (row 0's)
     prefix_splits: int              # KV splits of the prefix launch
     suffix_splits: int              # ... of the suffix launch(es)
+    # the prefix launch on a side stream beside the suffix's (CUDA; a captured graph holds them as two
+    # branches), the merge after both: the prefix's few compute-bound programs and the suffix's many
+    # bandwidth-bound ones share the SMs, where one after the other each launch's tail idles them
+    # (LOOM_CASCADE_BESIDE=1: an A/B, off until bench.cascade's rows say it pays)
+    beside: bool = False
 
 
 def choose_prefix_splits(num_tokens: int, group: int, num_kv_heads: int, length: int,
                          device: torch.device) -> int:
     """Split the prefix's keys until the prefix launch has about PREFIX_PROGRAMS_PER_SM
     programs per SM (its programs: query tiles x KV heads; 512 decodes of Qwen3-0.6B are
-    16 x 8 = 128 on 132 SMs, each over the whole prefix), with at least
+    16 x 8 = 128 on 132 SMs, each over the whole prefix: 4 splits), with at least
     MIN_PREFIX_SPLIT_KEYS keys per split. LOOM_CASCADE_PREFIX_SPLITS forces a count (A/B).
     A power of two, so few variants compile."""
     forced = envs.LOOM_CASCADE_PREFIX_SPLITS
@@ -88,7 +98,7 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     suffix + merge (Triton). prefix: the step's CascadePrefix."""
     if not runs_triton(_paged_attention_kernel, query):
         ref = cascade_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                                    prefix.length, logits_soft_cap, k_scale, v_scale)
+                                    int(prefix.length[0]), logits_soft_cap, k_scale, v_scale)
         return ref if out is None else out.copy_(ref)
     num_tokens, num_q_heads, head_dim = query.shape
     assert key_cache.dtype in (query.dtype, FP8_DTYPE) and key_cache.stride(-1) == 1
@@ -103,9 +113,15 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     variant = _Variant(scale, None, logits_soft_cap, None)
     partials = Partials.empty(num_tokens, num_q_heads, prefix.prefix_splits + prefix.suffix_splits, head_dim,
                               query.device)
-    everyone = _Launch(prefix.query_start_loc, prefix.seq_lens, prefix.block_table, num_tokens, 0, num_tokens)
-    _attention_launch(query, kv, out, everyone, variant, prefix.length, None,
-                      PartialLaunch(partials, 0, prefix.prefix_splits, causal=False))
+    # (max_seq_len 0: a partial launch's splits are given, and its tiles never the long-prefill ones)
+    everyone = _Launch(prefix.query_start_loc, prefix.length, prefix.block_table, num_tokens, 0, num_tokens)
+    main = torch.cuda.current_stream(query.device) if prefix.beside and query.is_cuda else None
+    side = side_stream(query.device) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)   # (the KV-cache writes first)
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        _attention_launch(query, kv, out, everyone, variant, 0, None,
+                          PartialLaunch(partials, 0, prefix.prefix_splits, causal=False))
     own = PartialLaunch(partials, prefix.prefix_splits, prefix.suffix_splits, kv_begin=prefix.length)
     nd = int(num_decodes)
     if 0 < nd < num_seqs and max_query_len > 1:   # decodes with decode tiles, the prompt chunks apart
@@ -117,6 +133,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                             seq_order if pure_decode else None)]
     for launch in launches:
         _attention_launch(query, kv, out, launch, variant, 0, None, own)
+    if side is not None:
+        main.wait_stream(side)
     partials.reduce_into(out, num_tokens)
     return out
 

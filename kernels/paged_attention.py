@@ -217,14 +217,14 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, offs_m, window, qk_scale
     return m_new, l_i, acc
 
 
-@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window", "kv_begin"),
-          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr"))
+@step_jit(ints=("num_seqs", "part_tok_base", "stride_bt", "window", "part_splits", "split_base"),
+          pointers=("qsl_ptr", "seq_lens_ptr", "bt_ptr", "order_ptr", "sinks_ptr", "kv_begin_ptr"))
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, sinks_ptr,
-    k_scale_ptr, v_scale_ptr,
-    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap, kv_begin,
+    k_scale_ptr, v_scale_ptr, kv_begin_ptr,
+    qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap, part_splits, split_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -237,7 +237,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     CAUSAL: tl.constexpr = True, SUFFIX: tl.constexpr = False,
-    PART_SPLITS: tl.constexpr = 0, SPLIT_BASE: tl.constexpr = 0,
+    PARTIAL: tl.constexpr = False,
 ):
     """One program = BLOCK_Q query tokens x the GROUP query heads of one KV head
     (BLOCK_M = BLOCK_Q * GROUP rows, padded), over one KV split.
@@ -260,11 +260,12 @@ def _paged_attention_kernel(
     reduced-precision accumulator (the fault on Hopper that cost 128k needle retrieval).
 
     Cascade attention (kernels/cascade_attention.py) launches it twice over one step's queries,
-    each writing partials at its own splits of one buffer of PART_SPLITS (0: NUM_SPLITS) splits,
-    from SPLIT_BASE on, which the split-KV reduce then merges by their log-sum-exps: CAUSAL=False,
+    PARTIAL, each writing partials at its own splits of one buffer of part_splits splits, from
+    split_base on (ints, not constexprs: a variant per prefix split count, not per pair), which the split-KV reduce then merges by their log-sum-exps: CAUSAL=False,
     every query of the launch's one "sequence" against the whole shared prefix (a prefill-style
     launch: many queries, one KV sequence, no mask); SUFFIX, each sequence's own keys from
-    kv_begin (the shared prefix's length) on. Off, both compile as they always have.
+    kv_begin on (the shared prefix's length, read from kv_begin_ptr on the device, so a decode
+    CUDA graph replays with each step's prefix). Off, both compile as they always have (no load).
 
     CAUSAL_SPLIT (long-prefill tiles; causal launches only): a tile's keys that every row sees run
     without the mask (_attend_keys MASKED=False), the diagonal's with it. HEAVY_FIRST: multi-tile
@@ -344,11 +345,12 @@ def _paged_attention_kernel(
             kv_lo = kv_start
             kv_hi = kv_end
     elif SUFFIX and NUM_SPLITS > 1:
+        kv_begin = tl.load(kv_begin_ptr)
         chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = kv_begin + split * chunk
         kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     elif SUFFIX:
-        kv_lo = kv_end * 0 + kv_begin
+        kv_lo = kv_end * 0 + tl.load(kv_begin_ptr)
         kv_hi = kv_end
     elif NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -388,17 +390,17 @@ def _paged_attention_kernel(
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
-    if PART_SPLITS == 0 and NUM_SPLITS == 1:
+    if not PARTIAL and NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # partial results, [T, Hq, NUM_SPLITS, (D | 2)] fp32: unnormalised acc, (max, sum)
-        if PART_SPLITS == 0:
+        if not PARTIAL:
             row = ((tok - part_tok_base) * num_q_heads + head) * NUM_SPLITS + split
         else:   # (cascade: this launch's splits of a shared buffer)
-            row = ((tok - part_tok_base) * num_q_heads + head) * PART_SPLITS + SPLIT_BASE + split
+            row = ((tok - part_tok_base) * num_q_heads + head) * part_splits + split_base + split
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
@@ -573,6 +575,14 @@ def _concurrent_launches() -> bool:
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one side stream for attention launches that run beside the main stream's."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return side
+
+
 @contextmanager
 def _beside(query: torch.Tensor):
     """A mixed batch's two launches (prompt tiles, decodes) write disjoint rows, so the prompt
@@ -585,9 +595,7 @@ def _beside(query: torch.Tensor):
         yield nullcontext()
         return
     main = torch.cuda.current_stream(query.device)
-    side = _SIDE_STREAMS.get(main.device.index)
-    if side is None:
-        side = _SIDE_STREAMS[main.device.index] = torch.cuda.Stream(main.device)
+    side = side_stream(main.device)
     side.wait_stream(main)
     try:
         yield torch.cuda.stream(side)
@@ -746,11 +754,12 @@ class Partials:
 class PartialLaunch:
     """Where a launch that writes partials (cascade attention) writes, and what it reads:
     its splits start at split_base of `partials`; keys from kv_begin on (the suffix: each
-    sequence's own), or, not causal, every key of its one sequence to every query (the prefix)."""
+    sequence's own; int32 [1] on the device), or, not causal, every key of its one sequence to
+    every query (the prefix)."""
     partials: Partials
     split_base: int
     num_splits: int
-    kv_begin: int = 0
+    kv_begin: torch.Tensor | None = None
     causal: bool = True
 
 
@@ -795,11 +804,11 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
     num_tiles = num_seqs if one_tile else launch.tok_hi // block_q + num_seqs
     ordered = launch.seq_order is not None and one_tile  # (the order maps whole sequences to programs)
     grid = (num_seqs * num_kv_heads, 1, num_splits) if ordered else (num_tiles, num_kv_heads, num_splits)
-    part_tok_base, cascade = launch.tok_lo, {}
+    part_tok_base, cascade, part_splits, split_base = launch.tok_lo, {}, 0, 0
     if partial is not None:
         part_acc, part_ml, part_tok_base = partial.partials.acc, partial.partials.ml, 0
-        cascade = dict(CAUSAL=partial.causal, SUFFIX=partial.kv_begin > 0,
-                       PART_SPLITS=partial.partials.num_splits, SPLIT_BASE=partial.split_base)
+        cascade = dict(CAUSAL=partial.causal, SUFFIX=partial.kv_begin is not None, PARTIAL=True)
+        part_splits, split_base = partial.partials.num_splits, partial.split_base
     elif num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
@@ -814,8 +823,8 @@ def _attention_launch(query: torch.Tensor, kv: _KVCaches, out: torch.Tensor,
         launch.query_start_loc, launch.seq_lens, launch.block_table,
         launch.seq_order if ordered else launch.seq_lens, sinks,
         kv.k_scale, kv.v_scale,
-        qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap,
-        partial.kv_begin if partial is not None else 0,
+        partial.kv_begin if partial is not None and partial.kv_begin is not None else launch.seq_lens,
+        qk_scale, num_seqs, num_q_heads, part_tok_base, window, soft_cap, part_splits, split_base,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

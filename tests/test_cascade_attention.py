@@ -48,7 +48,7 @@ def _shared_prefix_batch(prefix_len: int, own: list[int], q_lens: list[int], hkv
 
 def _prefix(prefix_len: int, num_tokens: int, bt: torch.Tensor, bs: int, prefix_splits: int,
             suffix_splits: int) -> ca.CascadePrefix:
-    return ca.CascadePrefix(prefix_len, torch.tensor([0, num_tokens], dtype=torch.int32, device=bt.device),
+    return ca.CascadePrefix(torch.tensor([0, num_tokens], dtype=torch.int32, device=bt.device),
                             torch.tensor([prefix_len], dtype=torch.int32, device=bt.device),
                             bt[:1, :prefix_len // bs], prefix_splits, suffix_splits)
 
@@ -116,10 +116,40 @@ def test_cascade_with_long_prefill_flags(monkeypatch):
     assert seen and set(seen) == {0}, seen
 
 
+@needs_triton
+@pytest.mark.parametrize("prefix_splits,suffix_splits", [(1, 1), (4, 2)])
+def test_graph_inputs_one_prefix_object_serves_every_length(prefix_splits, suffix_splits):
+    # as a decode graph captures it (DecodeGraphs: CascadePlanner.graph_prefix): the length a
+    # device tensor the step refills, the blocks row 0 of the whole table, the splits fixed, and
+    # padding rows past the batch (one key of context, slot 0's block, as the staging pads them).
+    # Each length gives the plain path's result in fp32; padding rows stay finite
+    own = [13, 5, 9, 17, 2, 23, 4, 8, 16, 3, 7, 11]
+    q, kc, vc, qsl, sl, bt = _shared_prefix_batch(12, own, [1] * 12, 2, 2, 16, 4, seed=5)
+    pad = 4
+    q = torch.cat([q, torch.randn(pad, *q.shape[1:], dtype=q.dtype, device=q.device)])
+    qsl = torch.arange(12 + pad + 1, dtype=torch.int32, device=q.device)
+    sl_all = torch.cat([sl, torch.ones(pad, dtype=torch.int32, device=q.device)])
+    bt_all = torch.cat([bt, torch.zeros((pad, bt.shape[1]), dtype=torch.int32, device=q.device)])
+    order = torch.cat([torch.argsort(-sl.long(), stable=True).to(torch.int32),
+                       torch.arange(12, 12 + pad, dtype=torch.int32, device=q.device)])
+    length = torch.zeros(1, dtype=torch.int32, device=q.device)
+    prefix = ca.CascadePrefix(torch.tensor([0, 12 + pad], dtype=torch.int32, device=q.device), length, bt_all[:1],
+                              prefix_splits, suffix_splits)
+    want = pa.paged_attention_ref(q[:12], kc, vc, qsl[:13], sl, bt, 0.25)
+    out = torch.empty_like(q)
+    for prefix_len in (12, 8, 4):   # (any whole-block prefix every sequence has computed)
+        length.fill_(prefix_len)
+        out.fill_(float("nan"))
+        ca.cascade_attention(q, kc, vc, qsl, sl_all, bt_all, 0.25, 1, prefix, num_decodes=12 + pad, seq_order=order,
+                             out=out)
+        torch.testing.assert_close(out[:12], want, atol=2e-5, rtol=1e-5)
+        assert torch.isfinite(out[12:]).all()
+
+
 def test_split_choices():
     cpu = torch.device("cpu")   # sm_count: 4
     assert ca.choose_prefix_splits(512, 2, 8, 2048, cpu) == 1          # 128 programs: enough
-    assert ca.choose_prefix_splits(16, 2, 2, 2048, cpu) == 4           # 2 programs, 2 per SM wanted on 4
+    assert ca.choose_prefix_splits(16, 2, 2, 2048, cpu) == 8           # 2 programs, 4 per SM wanted on 4
     assert ca.choose_prefix_splits(16, 2, 1, 300, cpu) == 1            # too few keys to split
     assert ca.choose_suffix_splits(4, 2, 7, 5000, cpu) == 1            # a prompt chunk: unsplit
 
@@ -195,6 +225,69 @@ def test_engine_greedy_equal_with_cascade_on_and_off(model_factory, monkeypatch)
     on, n_on = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 2, **options)
     assert n_off == 0 and n_on > 0, (n_off, n_on)
     assert on == off
+
+
+@needs_triton
+def test_cascade_decode_graph_equals_plain_decode_graph(model_factory, monkeypatch):
+    # the decode graphs' work uncaptured on the CPU (LOOM_DECODE_GRAPHS_ON_CPU=1), cascade graphs
+    # from 8 rows: 12 requests (a size-16 graph, 4 padding rows) decode over a 24-token shared
+    # prefix through the cascade graph's static inputs (the staged prefix length, row 0 of the
+    # graph's table, fixed splits), and give the plain decode graph's greedy tokens
+    from workers import decode_graphs
+    from workers.decode_graphs import DecodeGraphs
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    monkeypatch.setattr(decode_graphs, "CASCADE_GRAPH_MIN_ROWS", 8)
+    replays = []   # (size, rows, the staged prefix length of a cascade replay, else 0) of every model replay
+    run_model = DecodeGraphs.run_model
+
+    def recording(self, bs, rows, cascade=False):
+        replays.append((bs, rows, int(self._dev_views[bs]["prefix_len"][0]) if cascade else 0))
+        return run_model(self, bs, rows, cascade)
+    monkeypatch.setattr(DecodeGraphs, "run_model", recording)
+    model_dir = model_factory("qwen3", num_hidden_layers=1)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 250, 24).tolist()
+    prompts = [shared + rng.integers(3, 250, 1 + i % 5).tolist() for i in range(12)]
+    options = dict(attention_backend="triton", block_size=8, max_model_len=64, max_num_seqs=16)
+    off, _ = greedy_with_cascade(model_dir, prompts, "0", monkeypatch, 4, **options)
+    plain_replays, replays[:] = list(replays), []
+    on, _ = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 4, **options)
+    assert (16, 12, 24) in replays and not any(n for _, _, n in plain_replays), (replays, plain_replays)
+    assert on == off
+
+
+@needs_triton
+def test_warm_up_compiles_the_variants_of_eager_cascade_steps(model_factory, monkeypatch):
+    # the warm-up's cascade shapes, run dry (launches only submit their variants), reach every
+    # kernel variant that eager cascade steps of other shapes pick: pure decodes of 8-64 rows,
+    # with own keys short and long, and decodes with prompt chunks, over prefixes of 256-1,008 keys
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from frontend import LLM
+    from workers.compile_ahead import DryLaunches, ZeroedAllocations
+    from workers.warmup import _cascade_once, _warmup_cascade
+    variants: set = set()
+    original = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):   # (the constexprs go by name)
+        variants.add((self.fn.__name__, tuple(sorted(kwargs.items()))))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    model_dir = model_factory("qwen3", num_hidden_layers=1, max_position_embeddings=2048)
+    with LLM(model_dir, multiprocess=False, attention_backend="triton", max_model_len=2048, block_size=16,
+             max_num_seqs=64, max_num_batched_tokens=2048) as llm:
+        runner = llm.client.engine.executor.runner
+        with DryLaunches().patched(InterpretedFunction), ZeroedAllocations(devices=("cpu",)):
+            _warmup_cascade(runner)
+            warmed, variants = set(variants), set()
+            for rows in range(9, 65, 3):
+                for prefix_len in (256, 496, 1008):
+                    _cascade_once(runner, [1] * rows, prefix_len, 7)
+                    _cascade_once(runner, [1] * rows, prefix_len, 700)
+                    _cascade_once(runner, [1] * rows + [37, 64], prefix_len, 20)
+    assert warmed and any(name == "_paged_attention_kernel" for name, _ in warmed)
+    missed = variants - warmed
+    assert not missed, "; ".join(str(dict(kw)) for _, kw in sorted(missed))
 
 
 def test_planner_switches(model_factory, monkeypatch):

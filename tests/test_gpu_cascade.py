@@ -1,8 +1,9 @@
 """GPU-only checks of cascade (prefix-aware) attention (issue 49 item 2): the kernel exact to
-plain paged attention in fp32 at Qwen3-0.6B's heads (compiled, not interpreted), capturable in a
-CUDA graph (no host sync: its per-step inputs are device tensors), and whole engines under CUDA
-graphs giving the same fp32 greedy tokens with cascade on and off for many requests sharing a
-long prefix.
+plain paged attention in fp32 at Qwen3-0.6B's heads (compiled, not interpreted), captured in a
+CUDA graph as the decode graphs hold it (its per-step inputs, the prefix's length included, are
+device tensors), and whole engines under CUDA graphs (cascade decode graphs) giving the same fp32
+greedy tokens with cascade on and off, and on without graphs, for many requests sharing a long
+prefix.
 
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cascade.py
 """
@@ -44,7 +45,7 @@ def _prefix(prefix_len: int, num_tokens: int, num_seqs: int, max_q: int, max_seq
             prefix_splits: int | None = None) -> ca.CascadePrefix:
     dev = bt.device
     splits = prefix_splits or ca.choose_prefix_splits(num_tokens, HQ // HKV, HKV, prefix_len, dev)
-    return ca.CascadePrefix(prefix_len, torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+    return ca.CascadePrefix(torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
                             torch.tensor([prefix_len], dtype=torch.int32, device=dev), bt[:1, :prefix_len // BS],
                             splits, ca.choose_suffix_splits(num_seqs, HKV, max_q, max_seq - prefix_len, dev))
 
@@ -75,11 +76,16 @@ def test_cascade_mixed_batch_exact_fp32_and_bf16_close():
         assert (got - want).abs().max().item() < tol, dtype
 
 
-def test_cascade_captures_in_a_cuda_graph():
-    # no host sync in the launches: captured once, replayed over new queries and new own keys
+@pytest.mark.parametrize("prefix_beside", [False, True])
+def test_cascade_captures_in_a_cuda_graph(prefix_beside):
+    # no host sync in the launches: captured once as a decode graph holds it (the length a device
+    # tensor, the blocks row 0 of the whole table), replayed over new queries, new own keys and
+    # other prefix lengths; also with the prefix launch on a side stream (a branch of the graph)
     own = [5 + 3 * i for i in range(32)]
     q, kc, vc, qsl, sl, bt = _batch(512, own, [1] * 32, torch.float32, seed=2)
-    prefix = _prefix(512, 32, 32, 1, int(sl.max()), bt)
+    length = torch.tensor([512], dtype=torch.int32, device="cuda")
+    prefix = ca.CascadePrefix(torch.tensor([0, 32], dtype=torch.int32, device="cuda"), length, bt[:1], 4, 1,
+                              beside=prefix_beside)
     out = torch.empty_like(q)
     run = lambda: ca.cascade_attention(q, kc, vc, qsl, sl, bt, D ** -0.5, 1, prefix, num_decodes=32,  # noqa: E731
                                        out=out)
@@ -90,14 +96,29 @@ def test_cascade_captures_in_a_cuda_graph():
         run()
     q.copy_(torch.randn_like(q))
     sl.sub_(torch.arange(32, device="cuda", dtype=torch.int32) % 4)   # shorter own parts, same prefix
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, D ** -0.5), atol=2e-5, rtol=1e-5)
+    for prefix_len in (512, 256, 16):   # (whole blocks every sequence shares)
+        length.fill_(prefix_len)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, pa.paged_attention_ref(q, kc, vc, qsl, sl, bt, D ** -0.5), atol=2e-5,
+                                   rtol=1e-5)
 
 
 def test_engine_fp32_greedy_equal_cascade_on_and_off_under_graphs(model_factory, monkeypatch):
     # 48 requests: a 640-token shared prefix and 5-60 tokens of their own, 24 greedy tokens each;
-    # CUDA graphs on (decode graphs for the plain steps, piecewise ones for the cascade steps)
+    # CUDA graphs on: the decode steps replay the size-64 decode graph captured with cascade (its
+    # staged prefix length 640), the prompt steps the piecewise graphs with eager cascade between
+    # them. The same tokens as cascade off, and as cascade on without graphs (enforce_eager)
+    from workers.decode_graphs import DecodeGraphs
+    staged = []   # the prefix length each cascade-graph replay reads
+    run_model = DecodeGraphs.run_model
+
+    def recording(self, bs, rows, cascade=False):
+        if cascade:
+            staged.append(int(self._dev_views[bs]["prefix_len"][0]))
+        return run_model(self, bs, rows, cascade)
+    monkeypatch.setattr(DecodeGraphs, "run_model", recording)
     model_dir = model_factory("qwen3", max_position_embeddings=1024)
     rng = np.random.default_rng(7)
     shared = rng.integers(3, 300, 640).tolist()
@@ -105,6 +126,10 @@ def test_engine_fp32_greedy_equal_cascade_on_and_off_under_graphs(model_factory,
     options = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, enable_prefix_caching=True,
                    num_gpu_blocks_override=4096)
     off, n_off = greedy_with_cascade(model_dir, prompts, "0", monkeypatch, 24, **options)
+    assert not staged
     on, n_on = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 24, **options)
     assert n_off == 0 and n_on > 0, (n_off, n_on)
+    assert len(staged) >= 20 and set(staged) == {640}, staged
+    eager, _ = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 24, enforce_eager=True, **options)
     assert on == off
+    assert eager == on

@@ -10,10 +10,16 @@ prefix's KV (B x P x bytes per key); with it the prefix is read once, but the de
 against it run on tensor cores at prefill efficiency, plus two more launches (a prompt chunk's
 FLOPs are the same either way).
 
-A cascade step runs in the piecewise CUDA graphs (attention between the pieces is eager, so the
-prefix length and the split counts are plain host ints), never in a decode graph, whose
-attention is captured for the plain path: vLLM too runs cascade steps under piecewise graphs
-only. The decode graphs stay as they are for every other step.
+Where a cascade step runs (workers/model_runner.py):
+- pure decodes: in the decode CUDA graph of its size captured with cascade (graph_prefix: the
+  prefix's length is a staged device int and its blocks row 0 of the graph's block table, so one
+  capture serves every prefix; the split counts fixed per size). Those graphs exist from
+  CASCADE_GRAPH_MIN_ROWS rows on; a smaller decode step keeps the plain decode graph, whose
+  whole step at that size costs less than an eager attention step's host work.
+  (vLLM runs cascade steps under piecewise graphs only: at 512 rows its eager attention
+  between the pieces cost ~40 ms of host time per step here, more than cascade saves.)
+- a step with prompt chunks: in the piecewise CUDA graphs, attention eager between the pieces
+  (prefix: its length and split counts from the step's host ints).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ MIN_REQUESTS = 8                 # vLLM's: nor are fewer requests
 HBM_BYTES_PER_S = 4.8e12         # H200
 PREFIX_FLOPS_PER_S = 2.5e14      # the prefix launch's tensor-core rate (prefill tiles, a fraction of the peak)
 EXTRA_LAUNCH_S = 10e-6           # the prefix launch and the merge, per layer
+CASCADE_GRAPH_MIN_ROWS = 64      # the smallest decode graph captured with cascade too
 
 
 def common_prefix_blocks(block_table: np.ndarray) -> int:
@@ -76,6 +83,7 @@ class CascadePlanner:
             self.num_q_heads, self.num_kv_heads = eligible[0].num_heads, eligible[0].num_kv_heads
             self.head_dim = eligible[0].head_dim
         self.kv_elem_bytes = torch.tensor([], dtype=kv_dtype).element_size()
+        self.beside = envs.LOOM_CASCADE_BESIDE   # the prefix launch on a side stream (CascadePrefix.beside)
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: EngineConfig, kv_dtype: torch.dtype, block_size: int,
@@ -106,12 +114,28 @@ class CascadePlanner:
 
     def prefix(self, length: int, query_start_loc: torch.Tensor, block_table: torch.Tensor,
                num_scheduled: np.ndarray, max_seq_len: int) -> CascadePrefix:
-        """The step's CascadePrefix over its device inputs (no host sync: the prefix launch's
-        query_start_loc is [0, T] gathered on the device, its seq_lens a fill)."""
+        """The step's CascadePrefix over its device inputs, for an eager (piecewise) step (no host
+        sync: the prefix launch's query_start_loc is [0, T] gathered on the device, its length a
+        fill), its split counts for this step's shape."""
         device = block_table.device
         num_tokens, max_query_len = int(num_scheduled.sum()), int(num_scheduled.max())
         return CascadePrefix(
-            length, query_start_loc[::len(num_scheduled)].contiguous(), torch.full((1,), length, dtype=torch.int32, device=device),
+            query_start_loc[::len(num_scheduled)].contiguous(), torch.full((1,), length, dtype=torch.int32, device=device),
             block_table[:1, :length // self.block_size],
             choose_prefix_splits(num_tokens, self.num_q_heads // self.num_kv_heads, self.num_kv_heads, length, device),
-            choose_suffix_splits(len(num_scheduled), self.num_kv_heads, max_query_len, max_seq_len - length, device))
+            choose_suffix_splits(len(num_scheduled), self.num_kv_heads, max_query_len, max_seq_len - length, device),
+            self.beside)
+
+    def graph_prefix(self, rows: int, length: torch.Tensor, block_table: torch.Tensor,
+                     max_model_len: int) -> CascadePrefix:
+        """The CascadePrefix a decode graph of `rows` decodes captures: length (int32 [1]) is the
+        graph's staged prefix length, block_table its static table (row 0, a real request in any
+        cascade step, holds the shared blocks). Its split counts are fixed here, for a prefix and own
+        keys as long as the context allows: more prefix splits than a short prefix needs leave
+        some empty (a program that reads no key), and the suffix splits as a plain decode graph
+        of this size would (1 from 64 rows of 8 KV heads up)."""
+        device = block_table.device
+        return CascadePrefix(
+            torch.tensor([0, rows], dtype=torch.int32, device=device), length, block_table[:1],
+            choose_prefix_splits(rows, self.num_q_heads // self.num_kv_heads, self.num_kv_heads, max_model_len, device),
+            choose_suffix_splits(rows, self.num_kv_heads, 1, max_model_len, device), self.beside)

@@ -30,6 +30,13 @@ GEMV paths; LOOM_LORA_BASE_GRAPHS=0: every step replays the graph with them), an
 over it too. A graph is picked by one key, (size, base, kind): `base` the model graph without
 the LoRA ops, `kind` "model" or the head ("plain", "grammar", "penalty").
 
+With cascade attention on (workers/cascade_attn.py), each size from CASCADE_GRAPH_MIN_ROWS up is
+also captured with it (kind "cascade"): the model's step with every attention layer run as
+prefix + suffix + merge (kernels/cascade_attention.py). The prefix's length travels in the
+staging (`prefix_len`, int32: 0 in any other step), its blocks are row 0 of the graph's block
+table, and its split counts are fixed per size, so one capture serves every shared prefix. It
+writes its hidden states into the plain model graph's output, so the same heads sample either.
+
 Why: at batch 1 the host's launch of a step, op by op, was longer than the device's
 step (Qwen3-0.6B: 1.34 ms of host time against ~0.9 ms of device work; bench/RESULTS.md,
 session 9). Here a step's inputs reach the device in one copy from a pinned buffer laid
@@ -53,6 +60,7 @@ from ipc import envs
 from ipc.config import EngineConfig
 from kernels.bitmask import apply_bitmask
 from workers.attention import AttentionMetadata
+from workers.cascade_attn import CASCADE_GRAPH_MIN_ROWS, CascadePlanner
 from workers.distributed import all_reduce_max, tp_size
 from workers.host_to_device import Alternating
 from workers.sampler import SamplingArrays, sample_plain
@@ -124,8 +132,9 @@ class StagingLayout:
             shape = (3, rows) if name == "positions" and mrope else (rows,)
             offsets[name] = (at, np.dtype(dtype), shape)
             at += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 16) * 16
-        offsets["table_width"] = (at, np.dtype(np.int32), (1,))
-        return cls(rows, offsets, at + 16)
+        offsets["prefix_len"] = (at, np.dtype(np.int32), (1,))   # a cascade step's shared prefix, in keys
+        offsets["table_width"] = (at + 16, np.dtype(np.int32), (1,))
+        return cls(rows, offsets, at + 32)
 
     def views(self, flat):
         """Views of a flat uint8 buffer (numpy or torch) as the fields; the packed table as
@@ -141,7 +150,7 @@ class StagingLayout:
         return out
 
 
-Kind = Literal["model", "plain", "grammar", "penalty"]
+Kind = Literal["model", "cascade", "plain", "grammar", "penalty"]
 
 
 class Staged(NamedTuple):
@@ -155,10 +164,12 @@ def _staged_value(host: HostInputs | None, i: int, name: str) -> np.ndarray | No
     return getattr(host, name) if i < len(_STEP_FIELDS) else getattr(host.sampling, name, None)
 
 
-def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: HostInputs | None) -> Staged:
+def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: HostInputs | None,
+                 prefix_len: int = 0) -> Staged:
     """Write a step's fields into a staging buffer's views (layout.views of it): B rows from
     `host` (a field it lacks takes its padding value; None: idle inputs, all padding rows),
-    padding rows past B, the block table [B, width] packed."""
+    padding rows past B, the block table [B, width] packed, and a cascade step's prefix length
+    (keys; 0: none)."""
     bs = layout.rows
     table = np.zeros((0, 1), np.int32) if host is None else host.block_table
     rows, width = table.shape
@@ -170,6 +181,7 @@ def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: Host
             v[..., :real] = value
         v[..., real:] = np.arange(real, bs) if pad is None else pad
     views["table_width"][0] = width
+    views["prefix_len"][0] = prefix_len
     packed = views["block_table"][:bs * width].reshape(bs, width)
     packed[:rows] = table
     packed[rows:] = 0
@@ -199,12 +211,13 @@ class DecodeGraphs:
     """The captured sizes of one model, their staging and static buffers, and the replays."""
 
     def __init__(self, model, kv_caches, config: EngineConfig, device: torch.device, backend: str, kv_splits,
-                 lora_ctx=None):
+                 lora_ctx=None, cascade: CascadePlanner | None = None):
         """backend: the attention backend (CUDA graphs are captured for "triton" only; the CPU
         runs the graphs' work uncaptured). kv_splits(num_seqs) -> the split-KV count of a decode
         batch of that many sequences. lora_ctx: the LoRAContext with --enable-lora (each size
         is then also captured without the LoRA ops, for steps with no adapter row, unless
-        LOOM_LORA_BASE_GRAPHS=0)."""
+        LOOM_LORA_BASE_GRAPHS=0). cascade: the runner's planner, with cascade attention on (the
+        sizes from CASCADE_GRAPH_MIN_ROWS up are then also captured with it)."""
         self.model, self.kv_caches, self.device, self.kv_splits = model, kv_caches, device, kv_splits
         self.lora_ctx = lora_ctx if lora_ctx is not None and envs.LOOM_LORA_BASE_GRAPHS else None
         self._bases = (False, True) if self.lora_ctx is not None else (False,)   # the model graphs of a size
@@ -218,6 +231,8 @@ class DecodeGraphs:
         max_bs = self.sizes[-1]   # larger decode batches run eagerly (size_for)
         max_blocks = -(-config.max_model_len // config.block_size)
         self.graph_for: list[int] = []   # batch size -> the captured size that runs it
+        self.cascade = cascade
+        self.cascade_sizes = [bs for bs in self.sizes if bs >= CASCADE_GRAPH_MIN_ROWS] if cascade is not None else []
         self.layouts = {bs: StagingLayout.build(bs, uses_mrope) for bs in self.sizes}
         capacity = self.layouts[max_bs].table_offset + 4 * max_bs * max_blocks
         self._dev = torch.zeros(capacity, dtype=torch.uint8, device=device)
@@ -254,13 +269,18 @@ class DecodeGraphs:
     def size_for(self, num_reqs: int) -> int | None:
         return self.graph_for[num_reqs] if 0 < num_reqs < len(self.graph_for) else None
 
-    def stage(self, bs: int, host: HostInputs | None, device: DeviceInputs | None = None) -> None:
-        """Write a step's staged fields (host arrays of B rows; the block table [B, width]) for
-        the size-bs graph, padding rows past B (host None: idle inputs, all padding), and copy
-        them to the device in one transfer. Sets the device views of the row fields (not the
-        table), cut to B rows, on `device` (the step's other fields, uploaded apart)."""
+    def has_cascade(self, bs: int) -> bool:
+        """Whether the size-bs graphs include one captured with cascade attention."""
+        return (bs, False, "cascade") in self.graphs
+
+    def stage(self, bs: int, host: HostInputs | None, device: DeviceInputs | None = None, prefix_len: int = 0) -> None:
+        """Write a step's staged fields (host arrays of B rows; the block table [B, width]; a
+        cascade step's prefix length) for the size-bs graph, padding rows past B (host None: idle
+        inputs, all padding), and copy them to the device in one transfer. Sets the device views of
+        the row fields (not the table), cut to B rows, on `device` (the step's other fields,
+        uploaded apart)."""
         parity = self._turns.turn()
-        rows, nbytes = write_staged(self._host_views[parity][bs], self.layouts[bs], host)
+        rows, nbytes = write_staged(self._host_views[parity][bs], self.layouts[bs], host, prefix_len)
         self._dev[:nbytes].copy_(self._host[parity][:nbytes], non_blocking=True)
         self._turns.copied()
         if device is None:
@@ -276,11 +296,13 @@ class DecodeGraphs:
         if host is not None and host.sampling.penalty_slots is not None:   # (else they stay None: no adjustment)
             vars(device.sampling).update(penalty_fields)
 
-    def run_model(self, bs: int, rows: int) -> torch.Tensor:
+    def run_model(self, bs: int, rows: int, cascade: bool = False) -> torch.Tensor:
+        """Replay the size-bs model graph (cascade: the one with cascade attention, over the
+        staged prefix length); the hidden states of the step's rows."""
         # (the step's adapter rows were set before: LoRAContext.active is this step's)
         base = self.lora_ctx is not None and not self.lora_ctx.active
         self._base_replayed[bs] = base   # (its head may sample later: a grammar step's, when the bitmask comes)
-        graph = self.graphs[bs, base, "model"]
+        graph = self.graphs[bs, base, "cascade" if cascade else "model"]
         graph.replay()
         return graph.output[:rows]
 
@@ -331,15 +353,18 @@ class DecodeGraphs:
             smallest = next((b for b in range(1, len(self.graph_for)) if self.graph_for[b] == g), g)
             if self.kv_splits(smallest) != self.kv_splits(g):
                 self._capture_model(g, smallest)
+        for bs in reversed(self.cascade_sizes):   # (after the model graphs whose output they write)
+            self._capture_cascade(bs)
         for bs in reversed(self.sizes):
             for base in self._bases:
                 self._capture_head(bs, base)
                 if self.grammar_heads:
                     self._capture_head(bs, base, grammar=True)
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
-        logger.info("%s %d decode graphs (batch 1..%d) in %.1fs; run in a larger graph because it is faster: %s",
-                    "captured" if self.capturing else "set up (uncaptured, on the CPU)", len(self.sizes),
-                    self.sizes[-1], time.perf_counter() - t0, padded or "none")
+        logger.info("%s %d decode graphs (batch 1..%d; %d with cascade attention too) in %.1fs; run in a larger "
+                    "graph because it is faster: %s", "captured" if self.capturing else "set up (uncaptured, on the CPU)",
+                    len(self.sizes), self.sizes[-1], len(self.cascade_sizes), time.perf_counter() - t0,
+                    padded or "none")
 
     @torch.inference_mode()
     def run_once(self) -> None:
@@ -348,6 +373,8 @@ class DecodeGraphs:
         ahead of it (workers/compile_ahead.py)."""
         for bs, base in ((bs, base) for bs in reversed(self.sizes) for base in self._bases):
             self.stage(bs, None)
+            if bs in self.cascade_sizes:
+                self._lora_set(self._model_step(bs, bs, cascade=True), base)()
             hidden = self._lora_set(self._model_step(bs, bs), base)()
             v = self._dev_views[bs]
             params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
@@ -356,13 +383,16 @@ class DecodeGraphs:
                 apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
             sample_plain(logits, params, use_triton=self.backend == "triton")
 
-    def _model_step(self, bs: int, split_for: int):
-        """The model graph's work: the input kernel, then the forward on the static buffers."""
+    def _model_step(self, bs: int, split_for: int, cascade: bool = False):
+        """The model graph's work: the input kernel, then the forward on the static buffers
+        (cascade: every attention layer as cascade, over the staged prefix length)."""
         from kernels.decode_inputs import decode_inputs
         v = self._dev_views[bs]
         meta = AttentionMetadata(self._query_start_loc[:bs + 1], v["seq_lens"], self.table[:bs], v["slot_mapping"],
                                  1, self.max_model_len, self.backend, num_decodes=bs,
                                  num_kv_splits=self.kv_splits(split_for), seq_order=v["decode_order"])
+        if cascade:
+            meta.cascade = self.cascade.graph_prefix(bs, v["prefix_len"], self.table, self.max_model_len)
 
         def step():
             meta.sdpa_plan = None  # the CPU attention's per-step layout (never set under a capture)
@@ -378,6 +408,18 @@ class DecodeGraphs:
         for base in self._bases:
             self.stage(bs, None)  # idle inputs: all padding rows
             self.graphs[bs, base, "model"] = self._capture(self._lora_set(step, base))
+
+    def _capture_cascade(self, bs: int) -> None:
+        """Capture the batch-bs model graphs with cascade attention (each base variant). Each
+        writes its hidden states into the plain model graph's output (looked up at each run:
+        uncaptured on the CPU, that graph's output is a new tensor per replay), which the heads
+        sample from."""
+        step = self._model_step(bs, bs, cascade=True)
+        for base in self._bases:
+            def run(base=base):
+                return self.graphs[bs, base, "model"].output.copy_(step())
+            self.stage(bs, None)
+            self.graphs[bs, base, "cascade"] = self._capture(self._lora_set(run, base))
 
     def _capture_head(self, bs: int, base: bool, grammar: bool = False) -> None:
         self.stage(bs, None)

@@ -343,7 +343,12 @@ class ModelRunner:
             mm = []
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
-        graph_size = None if calibrate or cascade else self._decode_graph_size(num_scheduled, bool(mm))
+        graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))
+        # a pure-decode cascade step replays its size's cascade graph; below CASCADE_GRAPH_MIN_ROWS, the
+        # plain one (cascade dropped); a step with prompt chunks runs piecewise, attention eager
+        cascade_graph = bool(cascade) and graph_size is not None and self.decode_graphs.has_cascade(graph_size)
+        if graph_size is not None and not cascade_graph:
+            cascade = 0
         token_starts = host.query_start_loc   # (a verify step in a decode graph: its tokens' rows)
         if spec is not None and not calibrate and not cascade and not mm and (graph_size := self._verify_graph_size(
                 num_scheduled, spec, sample_rows, int(end.max()))) is not None:
@@ -384,7 +389,7 @@ class ModelRunner:
                     host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
         if stats_token is not None:
             self.stats.device_start(stats_token)
-        device = self._upload(host, graph_size)
+        device = self._upload(host, graph_size, cascade)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
         attention = attention_metadata(host, device, num_scheduled, self.backend) if graph_size is None else None
@@ -392,7 +397,7 @@ class ModelRunner:
         self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
         if calibrate:
             attention.calculate_kv_scales, self.kv_scales_pending = True, False
-        if cascade:   # (a piecewise or eager step: its attention runs between the graphs' pieces)
+        if cascade and not cascade_graph:   # (a piecewise or eager step: its attention runs between the pieces)
             attention.cascade = self.cascade.prefix(cascade, device.query_start_loc, device.block_table,
                                                     num_scheduled, attention.max_seq_len)
         piecewise_size = None
@@ -400,7 +405,7 @@ class ModelRunner:
             piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
         return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
                          stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head,
-                         graph_penalties)
+                         graph_penalties, cascade_graph)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -445,13 +450,14 @@ class ModelRunner:
             images = sum(map(len, so.scheduled_encoder_inputs.values()))
             self.stats.finished(self.stats.end(encoder_token, "encoder", images))
 
-    def _upload(self, host: HostInputs, graph_size: int | None) -> DeviceInputs:
+    def _upload(self, host: HostInputs, graph_size: int | None, cascade: int = 0) -> DeviceInputs:
         """The step's host arrays on the device: one copy per dtype, except for a decode graph,
-        which reads its staging (the rest, if any, goes in one copy per dtype)."""
+        which reads its staging (the rest, if any, goes in one copy per dtype; cascade: the
+        prefix length its cascade graph reads)."""
         if graph_size is None:
             return self.h2d.upload(host)
         device = self.h2d.upload(host, skip=_NOT_UPLOADED_WITH_DECODE_GRAPH)
-        self.decode_graphs.stage(graph_size, host, device)
+        self.decode_graphs.stage(graph_size, host, device, cascade)
         return device
 
     def _verify_rows(self, states: list[CachedRequestState], sample_rows: np.ndarray, spec: SpecLayout
@@ -520,7 +526,9 @@ class ModelRunner:
         """The model (or its CUDA graph): hidden states, and the logits of the sampled rows
         (None when none samples, or when the decode graph's head samples them)."""
         device, attention = batch.device, batch.attention
-        if batch.decode_graph_size is not None:
+        if batch.cascade_graph:
+            hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens), cascade=True)
+        elif batch.decode_graph_size is not None:
             hidden = self.decode_graphs.run_model(batch.decode_graph_size, len(batch.host.seq_lens))
         elif batch.piecewise_size is not None:
             hidden = self.piecewise_graphs.run(batch.piecewise_size, device.input_ids, device.positions, attention,

@@ -71,12 +71,15 @@ class StepBatch:
     spec: SpecLayout | None = None             # a verify step's drafts (speculative decoding)
     grammar_head: bool = False                 # graph_samples in the decode graph's grammar head
     graph_penalties: bool = False              # the head samples it with penalties (Sampler.penalties_only)
+    cascade_graph: bool = False                # its decode graph is the one with cascade attention
 
     @property
     def kind(self) -> str:
         """How it runs, as the step stats count it (a verify step apart: " verify")."""
-        how = ("graph" if self.decode_graph_size is not None
-               else "piecewise" if self.piecewise_size is not None else "eager")
+        if self.decode_graph_size is not None:
+            how = "cascade_graph" if self.cascade_graph else "graph"
+        else:
+            how = "piecewise" if self.piecewise_size is not None else "eager"
         return how if self.spec is None else f"{how} verify"
 
 

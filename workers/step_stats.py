@@ -1,15 +1,16 @@
 """Where a worker's step time goes: opt-in with LOOM_STEP_STATS=1.
 
-Per kind of step (decode CUDA graph, piecewise CUDA graphs, or eager; a verify step
-of speculative decoding apart), it sums the host time spent launching a step (split
-into the phases the caller marks), the host time spent finishing it (its tokens
-recorded, the next drafts proposed: host work between the device's end of a step and
-the next launch when steps do not overlap), the device time between two events around
-it, and the device's idle time before it (from the previous step's end: the step was
-launched too late), and it counts the Triton kernels compiled after warm-up (a compile
-mid-run costs 0.1-1 s). A step's start event is recorded where it first queues device
-work (device_start: after the host has built its inputs), so that host time spent
-preparing a step while the device waits counts as idle, not as the step's device time. Device and idle time are also summed by the step's token count (powers of two):
+Per kind of step (decode CUDA graph, one with cascade attention, piecewise CUDA graphs, or
+eager; a verify step of speculative decoding apart), it sums the host time spent launching a
+step (split into the phases the caller marks), the host time spent finishing it (its tokens
+recorded, the next drafts proposed: host work between the device's end of a step and the next
+launch when steps do not overlap), the device time between two events around it, and the
+device's idle time before it (from the previous step's end: the step was launched too late),
+and it counts the Triton kernels compiled after warm-up (a compile mid-run costs 0.1-1 s). A
+step's start event is recorded where it first queues device work (device_start: after the host
+has built its inputs), so that host time spent preparing a step while the device waits counts
+as idle, not as the step's device time. Device and idle time are also summed by the step's
+token count (powers of two):
 a small batch's step can be shorter than the host's work between steps.
 The summary is logged when the worker exits and returned by the `step_stats`
 worker method (collective_rpc).

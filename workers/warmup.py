@@ -139,28 +139,56 @@ def _warmup_split_kv(runner: ModelRunner) -> None:
 
 
 def _warmup_cascade(runner: ModelRunner) -> None:
-    """Cascade attention's kernel variants (workers/cascade_attn.py) for decode batches of 64
-    and of --max-num-seqs over a prefix of half the context: its prefix launch, its ordered
-    decode suffix, and its merge. Other batch sizes may pick other split counts: the first
-    such step compiles them."""
+    """Cascade attention's kernel variants on its eager route (workers/cascade_attn.py: steps with
+    prompt chunks, in the piecewise graphs; pure decodes without a cascade graph of their size;
+    the decode graphs compile their own at capture). Its launches pick their variants from the
+    step's shape: the prefix launch's splits from its queries and the prefix's length (capped at
+    one split per 256 keys), the suffix's tiles and splits from its decodes, its own keys and its
+    chunks' lengths, and the merge's from the two. So each prefix length that caps the splits
+    differently runs under decode counts that take each decode tile, pure (short and long own
+    keys) and with prompt chunks (one short, one long, many): at 512 x 2,048 shared keys, 15
+    variants the old warm-up (decodes of 64 and --max-num-seqs) missed compiled mid-run."""
     if runner.cascade is None:
         return
+    from kernels.cascade_attention import MAX_PREFIX_SPLITS, MIN_PREFIX_SPLIT_KEYS
+    config, block_size = runner.config, runner.block_size
+    # decode counts at each power of two and half way between (the tiles, the programs per SM and the
+    # splits they pick change at such steps), from the planner's least (MIN_REQUESTS)
+    decodes = sorted({d for p in range(3, max(3, config.max_num_seqs.bit_length()) + 1)
+                      for d in (1 << p, 3 << (p - 1)) if d <= config.max_num_seqs} | {config.max_num_seqs})
+    length = MIN_PREFIX_SPLIT_KEYS
+    while length <= min(MAX_PREFIX_SPLITS * MIN_PREFIX_SPLIT_KEYS, config.max_model_len - 2):   # (longer: as 4,096)
+        prefix_len = length // block_size * block_size
+        longest_own = config.max_model_len - prefix_len - 1
+        for num_decodes in decodes:
+            shapes = [([1] * num_decodes, 64), ([1] * num_decodes, longest_own)]
+            shapes += [([1] * num_decodes + chunks, 64) for chunks in ([16], [64], [64] * 32, [512])]
+            for query_lens, own in shapes:
+                if prefix_len + own + max(query_lens) <= config.max_model_len and \
+                        sum(query_lens) <= config.max_num_batched_tokens:
+                    _cascade_once(runner, query_lens, prefix_len, own)
+        length *= 2
+
+
+def _cascade_once(runner: ModelRunner, query_lens: list[int], prefix_len: int, own: int) -> None:
+    """Cascade attention over layer 0's cache for sequences of these query lengths (decodes
+    first), each after a shared prefix of prefix_len keys and `own` keys of its own, with the
+    split counts the runner's planner picks for that step."""
     from kernels.cascade_attention import cascade_attention
     key_cache, value_cache = runner.kv_caches[0]
-    block_size, device = runner.block_size, runner.device
-    prefix_len = runner.config.max_model_len // 2 // block_size * block_size
-    if prefix_len == 0:
-        return
-    for num_seqs in sorted({min(64, runner.config.max_num_seqs), runner.config.max_num_seqs}):
-        num_scheduled = np.ones(num_seqs, np.int64)
-        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
-        seq_lens = torch.full((num_seqs,), prefix_len + 64, dtype=torch.int32, device=device)
-        block_table = torch.zeros((num_seqs, runner.max_blocks_per_req), dtype=torch.int32, device=device)
-        prefix = runner.cascade.prefix(prefix_len, query_start_loc, block_table, num_scheduled, prefix_len + 64)
-        q = torch.randn(num_seqs, runner.cascade.num_q_heads, runner.kv_spec.head_dim, dtype=runner.dtype,
-                        device=device)
-        cascade_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0, 1, prefix,
-                          num_decodes=num_seqs, seq_order=torch.arange(num_seqs, dtype=torch.int32, device=device))
+    device, num_seqs = runner.device, len(query_lens)
+    num_scheduled = np.asarray(query_lens, np.int64)
+    query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(num_scheduled)]), dtype=torch.int32, device=device)
+    seq_lens_host = prefix_len + own + num_scheduled
+    seq_lens = torch.tensor(seq_lens_host, dtype=torch.int32, device=device)
+    block_table = torch.zeros((num_seqs, runner.max_blocks_per_req), dtype=torch.int32, device=device)
+    prefix = runner.cascade.prefix(prefix_len, query_start_loc, block_table, num_scheduled, int(seq_lens_host.max()))
+    q = torch.randn(int(num_scheduled.sum()), runner.cascade.num_q_heads, runner.kv_spec.head_dim,
+                    dtype=runner.dtype, device=device)
+    num_decodes = int((num_scheduled == 1).sum())
+    cascade_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, 1.0,
+                      int(num_scheduled.max()), prefix, num_decodes=num_decodes,
+                      seq_order=torch.arange(num_decodes, dtype=torch.int32, device=device))
 
 
 def _attention_once(runner: ModelRunner, num_tokens: int, seq_len: int, splits: int | None,
@@ -208,7 +236,7 @@ def _graph_bodies(runner: ModelRunner) -> None:
         lora.active = True
     try:
         DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                     runner.kv_splits, lora_ctx=lora).run_once()   # (each base variant's too)
+                     runner.kv_splits, lora_ctx=lora, cascade=runner.cascade).run_once()   # (each base variant's too)
         if _captures_piecewise(runner):
             _piecewise_graphs(runner).eager_forwards()
     finally:
@@ -225,7 +253,7 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
         return CapturedGraphs(None, None)
     lora = runner.lora.ctx if runner.lora is not None else None
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
-                          runner.kv_splits, lora_ctx=lora)
+                          runner.kv_splits, lora_ctx=lora, cascade=runner.cascade)
     decode.capture()
     return CapturedGraphs(decode, _capture_piecewise(runner) if _captures_piecewise(runner) else None)
 
