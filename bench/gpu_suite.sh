@@ -354,11 +354,11 @@ PY
   lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
         # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load;
         # kernel variants side by side: new (the defaults: base-only graphs, PDL, the expand in the GEMV's
-        # epilogue, no slot grid), grid (new with the slot-grid kernels from 16 rows, split over K), old (session
-        # 31's); sep: new with the expand not in the epilogue (TPOT rows only); the table is printed after each
-        # engine (a cut run keeps those done); `--variants new,grid,old,sep,k1` adds k1 (one K block per batch-1
-        # shrink program, ~60 s more)
-      TAIL=12 run lora 360 python3 -m bench.lora --variants new,grid,old --tpot-len 128 --output-json "$OUT/lora.json" ;;
+        # epilogue, rows sorted by adapter from 16 rows), rowwise (new with one program per row at 16-256 rows,
+        # the default before session 36), old (session 31's); sep: new with the expand not in the epilogue (TPOT
+        # rows only); the table is printed after each engine (a cut run keeps those done);
+        # `--variants new,rowwise,old,sep,k1` adds k1 (one K block per batch-1 shrink program, ~60 s more)
+      TAIL=12 run lora 360 python3 -m bench.lora --variants new,rowwise,old --tpot-len 128 --output-json "$OUT/lora.json" ;;
   eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
          # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)

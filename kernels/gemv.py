@@ -328,7 +328,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         from kernels.lora import lora_expand
         y, new_residual = gemv(x, weight, bias, prologue=prologue, residual=residual, norm_weight=norm_weight,
                                eps=eps, out=out, tiles=tiles, scale=scale)
-        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, slot_grid=None), new_residual
+        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, sorted_rows=None), new_residual
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape

@@ -38,9 +38,10 @@ class LoRAContext:
         self.active = True   # warm-up and graph capture record the LoRA ops
         # the runner's kernel choice (--attention-backend): Triton, or the torch references
         # (the Triton shrink splits K at decode sizes: its partials go to the expand as they are)
-        # (from LOOM_LORA_SLOT_GRID_ROWS rows to 256, the slot-grid kernels: slot_grid=None)
-        self.shrink = functools.partial(lora_shrink, splits=None, slot_grid=None) if use_triton else lora_shrink_ref
-        self.expand = functools.partial(lora_expand, slot_grid=None) if use_triton else lora_expand_ref
+        # (from LOOM_LORA_SORTED_ROWS rows to 256, the rows in adapter order: sorted_rows=None)
+        self.shrink = (functools.partial(lora_shrink, splits=None, sorted_rows=None) if use_triton
+                       else lora_shrink_ref)
+        self.expand = functools.partial(lora_expand, sorted_rows=None) if use_triton else lora_expand_ref
 
     def slots(self, rows: int) -> torch.Tensor:
         return self.token_slots[:rows]
