@@ -233,9 +233,29 @@ def row_bucket(m: int) -> int:
 def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | None:
     """The tiles for a [n, k] weight at m rows; None: the unfused ops are faster there."""
     key = f"{row_bucket(m)}:{n}x{k}"
-    for k_ in (f"{key}:{prologue}", key):
-        if k_ in _TUNED:
-            return _TUNED[k_]
+    if f"{key}:{prologue}" in _TUNED:
+        return _TUNED[f"{key}:{prologue}"]
+    if prologue == "none":   # a plain input where the shape was tuned with a prologue's own kernel first
+        split = _split_tiles(key)
+        if split is not None:
+            return split
+    return _TUNED[key] if key in _TUNED else _untuned(n, k, m)
+
+
+def _split_tiles(key: str) -> dict | None:
+    """The tiles of a "fuse": false entry of this shape (the prologue's own kernel, then the GEMV on
+    its output), without that flag: that entry measured the plain GEMV faster than cuBLAS after the
+    same kernel, so it is on a plain input too. (LoRA's linears take plain input: the shrink needs
+    the normed x. Llama-3.1-8B at one row, qkv / gate_up / down: 13.1 / 53.0 / 27.8 us in
+    bench.tune_gemv's plain sweep, against cuBLAS's 16.0 / 55.1 / 31.3 in session 36's profile.)"""
+    for prologue in PROLOGUES[1:]:
+        t = _TUNED.get(f"{key}:{prologue}")
+        if t is not None and not t.get("fuse", True):
+            return {name: v for name, v in t.items() if name != "fuse"}
+    return None
+
+
+def _untuned(n: int, k: int, m: int) -> dict | None:
     # an untuned shape: the GEMV at one row for weights up to 16 MiB, where cuBLAS's launch-bound
     # kernels lose (Qwen3-0.6B's, all of them); cuBLAS above, and for several rows
     if m == 1 and n * k <= 8 << 20:
