@@ -99,9 +99,11 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, s_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
     lxa_ptr, lb_ptr, ls_ptr, stride_lxm, stride_lxs, stride_lbs, L_R, L_S1, L_S2,
+    ws_ptr, stride_ws, xo_ptr, stride_xo,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     LORA_SLICES: tl.constexpr, L_SPLITS: tl.constexpr, L_BLOCK_R: tl.constexpr,
+    W_SLOT: tl.constexpr, WRITE_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -112,6 +114,11 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_x
     r_rows = r_ptr + offs_m[:, None] * stride_r
 
+    if W_SLOT:   # the weight is row 0's adapter in a stack [slots, N, K] (none: slot -1, nothing loaded
+        # or stored; the slot is the step's input, written before the kernel before this one ran)
+        ws = tl.load(ws_ptr)
+        w_ptr += tl.maximum(ws, 0).to(tl.int64) * stride_ws
+        n_ok = offs_n < tl.where(ws >= 0, N, 0)
     # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     w_first = _weight_tile(w_rows, offs_k, n_ok, K, EVEN)
@@ -136,12 +143,17 @@ def _gemv_kernel(
 
     # the products accumulate per k lane and are summed over k once, after the loop (a sum per
     # tile made every iteration wait on a cross-warp reduction)
+    x_out = offs_m < tl.where(pid == 0, M, 0)   # WRITE_X: program 0 writes the input it built (the norm's or SiLU's output)
     a = _input_tile(x_rows, r_rows, nw_ptr, offs_k, m_ok[:, None] & (offs_k < K)[None, :], rstd, K, PROLOGUE)
+    if WRITE_X:
+        tl.store(xo_ptr + offs_m[:, None] * stride_xo + offs_k[None, :], a, mask=x_out[:, None] & (offs_k < K)[None, :])
     acc = _products(a, w_first, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         w = _weight_tile(w_rows, kk, n_ok, K, EVEN)
         a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < K)[None, :], rstd, K, PROLOGUE)
+        if WRITE_X:
+            tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < K)[None, :])
         acc += _products(a, w, BLOCK_M)
     y = _sum_over_k(acc, BLOCK_M)
     if HAS_SCALE:   # fp8 weights: the output channel's scale, once per column
@@ -376,15 +388,56 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         assert residual.shape == x.shape and residual.stride(-1) == 1
     if m == 0:
         return y, new_residual
+    _launch(x, weight, bias, y, code, t, residual=residual, new_residual=new_residual, norm_weight=norm_weight,
+            eps=eps, scale=scale, lora=lora)
+    return y, new_residual
+
+
+def _launch(x, weight, bias, y, code, t, *, residual=None, new_residual=None, norm_weight=None, eps=0.0, scale=None,
+            lora=None, weight_slot=None, x_out=None):
+    """_gemv_kernel over a [N, K] weight (weight_slot: row 0's slot picks it in a stack [S, N, K];
+    x_out: where program 0 writes the input it builds)."""
+    m = x.shape[0]
+    n, k = weight.shape[-2:]
     lx = _lora_args(lora, y)
     _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
         scale if scale is not None else y,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
-        float(eps), *lx[0], **lx[1], PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(-2), y.stride(0),
+        float(eps), *lx[0], weight_slot if weight_slot is not None else y,
+        weight.stride(0) if weight_slot is not None else 0, x_out if x_out is not None else y,
+        x_out.stride(0) if x_out is not None else 0,
+        PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0 and weight_slot is None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-        num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x),
-    )
-    return y, new_residual
+        num_warps=t["num_warps"], num_stages=t["num_stages"], W_SLOT=weight_slot is not None,
+        WRITE_X=x_out is not None, **lx[1], **pdl_args(x))
+
+
+# The batch-1 shrink's tiles: ~1-2 K-wide rows of A per program (q/k/v's 48 rows of A: 24 programs;
+# down's 16 rows of K = 14,336, 8). Not tuned on the GPU yet.
+SHRINK_TILES = dict(block_n=2, block_k=1024, num_warps=4, num_stages=2)
+
+
+def lora_shrink_prologue(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, prologue: str, *,
+                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A one-row LoRA shrink with the op that builds the linear's input fused in, in one kernel:
+    (xa [1, N] float32 = input @ a[slots[0]]^T, the input itself (the norm's or SiLU's output, in
+    x.dtype), the new residual for add_rms_norm). a [S, N, K] contiguous; slot -1: xa is not
+    written (the expand reads no xa for base rows). At batch 1 it replaces the norm's (or SiLU's)
+    own kernel and the shrink's, so the linear with its adapter runs the two kernels that the base
+    linear runs (this one, then the GEMV with the expand in its epilogue)."""
+    code = PROLOGUES.index(prologue)
+    k = a.shape[2]
+    assert x.shape[0] == 1 and a.is_contiguous() and x.stride(-1) == 1
+    assert x.shape[1] == (2 * k if code == _SILU else k)
+    xa = torch.empty((1, a.shape[1]), dtype=torch.float32, device=x.device)
+    x_in = torch.empty((1, k), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if code == _ADD_NORM else None
+    t = _interpreter_tiles(a.shape[1], k) if is_interpreted(_gemv_kernel) else SHRINK_TILES
+    _launch(x, a, None, xa, code, dict(t, block_k=min(t["block_k"], triton.next_power_of_2(k))),
+            residual=residual, new_residual=new_residual, norm_weight=norm_weight, eps=eps, weight_slot=slots,
+            x_out=x_in)
+    return xa, x_in, new_residual

@@ -273,3 +273,39 @@ def test_gemv_lora_fallback_past_its_rows():
     got = gv.gemv(x, weight, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
     want = lk.lora_expand_ref(torch.nn.functional.linear(x, weight), xa, b, slots, starts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "add_rms_norm", "silu_mul"])
+@pytest.mark.parametrize("slot", [1, -1])
+def test_shrink_with_the_prologue_fused(dtype, prologue, slot):
+    # batch 1: one kernel builds the linear's input (norm or SiLU), writes it (and the new
+    # residual) and multiplies it by the row's adapter A: as the prologue's reference, then the
+    # reference shrink; then the GEMV on that input with the expand in its epilogue, as the base
+    # product plus the reference expand. Slot -1: the input and residual still, no delta.
+    k = 96
+    x, a, b, y, slots, starts = _case(dtype, [slot], k=k)
+    g = torch.Generator().manual_seed(7)
+    x_arg = (torch.randn(1, 2 * k, generator=g).to(dtype).to(DEVICE) if prologue == "silu_mul" else x)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE)
+    kw = {}
+    if prologue in ("rms_norm", "add_rms_norm"):
+        kw = dict(norm_weight=norm_w, eps=1e-6, residual=residual if prologue == "add_rms_norm" else None)
+    want_in, want_res = gv._prologue(x_arg, prologue, kw.get("residual"), norm_w, 1e-6, gv._REF_OPS)
+    xa, x_in, new_res = gv.lora_shrink_prologue(x_arg, a, slots, prologue, **kw)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(x_in.float(), want_in.float(), **tol)
+    if prologue == "add_rms_norm":
+        torch.testing.assert_close(new_res.float(), want_res.float(), **tol)
+    else:
+        assert new_res is None
+    if slot >= 0:
+        torch.testing.assert_close(xa, lk.lora_shrink_ref(x_in, a, slots), **tol)
+    weight = (torch.randn(y.shape[1], k, generator=g) * 0.2).to(dtype).to(DEVICE)
+    tiles = dict(block_n=8, block_k=32, num_warps=4, num_stages=1)
+    base = gv.gemv(x_in, weight, tiles=tiles)[0]
+    got = gv.gemv(x_in, weight, tiles=tiles, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
+    want = lk.lora_expand_ref(base.clone(), lk.lora_shrink_ref(x_in, a, slots), b, slots, starts)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert torch.equal(got, base) == (slot < 0)
