@@ -156,6 +156,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "at decode sizes (kernels/lora.py): fewer, more programs and partials"),
     "LOOM_LORA_PDL": EnvVar(True, _switch, "0: the LoRA shrink/expand kernels launch without programmatic "
                             "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
+    "LOOM_LORA_FUSED_SHRINK": EnvVar(True, _switch, "at batch 1, the LoRA shrink of q/k/v, gate/up and down runs "
+                                     "in one kernel with the norm or SiLU that builds the linear's input "
+                                     "(kernels/gemv.py lora_shrink_prologue); 0: that op's kernel, then the "
+                                     "shrink's own"),
     "LOOM_LORA_FUSED_EXPAND": EnvVar(True, _switch, "at 1-8 rows, the LoRA expand runs in the epilogue of the "
                                      "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "

@@ -429,6 +429,10 @@ def lora_shrink_prologue(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, 
     written (the expand reads no xa for base rows). At batch 1 it replaces the norm's (or SiLU's)
     own kernel and the shrink's, so the linear with its adapter runs the two kernels that the base
     linear runs (this one, then the GEMV with the expand in its epilogue)."""
+    if not runs_triton(_gemv_kernel, x):   # the references: the prologue's op, then the shrink's
+        from kernels.lora import lora_shrink_ref
+        x_in, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
+        return lora_shrink_ref(x_in, a, slots), x_in, new_residual
     code = PROLOGUES.index(prologue)
     k = a.shape[2]
     assert x.shape[0] == 1 and a.is_contiguous() and x.stride(-1) == 1
