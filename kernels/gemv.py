@@ -122,6 +122,9 @@ def _gemv_kernel(
     # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     w_first = _weight_tile(w_rows, offs_k, n_ok, K, EVEN)
+    if LORA_SLICES > 0:   # so are the rows' slots (the step's input) and their B rows: the epilogue's
+        # loads that do not wait for the kernel before (the shrink's xa does)
+        l_slots, l_b = _lora_b(lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lbs, L_R, L_BLOCK_R)
     pdl_wait(PDL)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -161,34 +164,39 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), before the one rounding
-        y += _lora_delta(lxa_ptr, lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lxm, stride_lxs, stride_lbs,
-                         L_R, L_S1, L_S2, LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
+        y += _lora_delta(lxa_ptr, l_slots, l_b, offs_m, offs_n, stride_lxm, stride_lxs, L_R, L_S1, L_S2,
+                         LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _lora_delta(xa_ptr, b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_xm, stride_xs, stride_bs, R, S1, S2,
-                NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1):
-    xa the shrink's output, or the sum of its SPLITS partials; B [slots, N, R] contiguous."""
+def _lora_b(b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_bs, R, BLOCK_R: tl.constexpr):
+    """The rows' slots and [BLOCK_M, BLOCK_N, BLOCK_R] of B[slot[m], n, :] (0 for rows of slot -1; in B's
+    dtype: it stays in registers through the main loop); B [slots, N, R] contiguous."""
     sl = tl.load(slots_ptr + offs_m, mask=m_ok, other=-1)
     rs = tl.arange(0, BLOCK_R)
-    r_ok = rs < R
-    row_ok = sl >= 0
-    col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
     b_rows = b_ptr + tl.maximum(sl, 0).to(tl.int64)[:, None, None] * stride_bs + offs_n[None, :, None] * R
+    bm = (sl >= 0)[:, None, None] & n_ok[None, :, None] & (rs < R)[None, None, :]
+    return sl, tl.load(b_rows + rs[None, None, :], mask=bm, other=0.0)
+
+
+@triton.jit
+def _lora_delta(xa_ptr, sl, bv, offs_m, offs_n, stride_xm, stride_xs, R, S1, S2, NUM_SLICES: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1),
+    from _lora_b's slots and B: xa the shrink's output, or the sum of its SPLITS partials."""
+    rs = tl.arange(0, BLOCK_R)
+    xm = (sl >= 0)[:, None] & (rs < R)[None, :]
+    col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(NUM_SLICES):
         xp = xa_ptr + offs_m[:, None] * stride_xm + j * R + rs[None, :]
-        xm = row_ok[:, None] & r_ok[None, :]
         xv = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
         for sp in tl.static_range(1, SPLITS):
             xv += tl.load(xp + sp * stride_xs, mask=xm, other=0.0).to(tl.float32)
-        bm = row_ok[:, None, None] & (n_ok & (col_slice == j))[None, :, None] & r_ok[None, None, :]
-        bv = tl.load(b_rows + rs[None, None, :], mask=bm, other=0.0).to(tl.float32)
-        delta += tl.sum(bv * xv[:, None, :], 2)
+        bj = tl.where((col_slice == j)[None, :, None], bv.to(tl.float32), 0.0)
+        delta += tl.sum(bj * xv[:, None, :], 2)
     return delta
 
 
