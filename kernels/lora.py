@@ -76,7 +76,6 @@ def lora_expand_ref(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: t
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, stride_as, stride_an, stride_om,
                         stride_os, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,12 +83,20 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
     cmask = cols < N
     if BLOCK_M == 1:   # decode-sized batches: one row per program (BGMV), its K split over grid axis 2
         pid_k = tl.program_id(2)
+        # the row's slot (the step's input) and the chunk's first tile of its A (a weight) load before
+        # the wait, under the tail of the kernel before; a base row's program loads no A
         s = tl.load(slots_ptr + pid_m)
+        a_base = a_ptr + tl.maximum(s, 0).to(tl.int64) * stride_as
+        k_start = pid_k * K_CHUNK
+        k_end = tl.minimum(k_start + K_CHUNK, K)
+        a_ptrs = a_base + cols[:, None] * stride_an + (k_start + ks)[None, :]
+        a_first = tl.load(a_ptrs, mask=(cols < tl.where(s >= 0, N, 0))[:, None] & ((k_start + ks) < k_end)[None, :],
+                          other=0.0)
+        pdl_wait(PDL)   # (every program waits, also those of base rows that store nothing)
         if s >= 0:
-            a_base = a_ptr + s.to(tl.int64) * stride_as
-            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            k_end = tl.minimum((pid_k + 1) * K_CHUNK, K)
-            for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):
+            xv = tl.load(x_ptr + pid_m * stride_xm + k_start + ks, mask=(k_start + ks) < k_end, other=0.0)
+            acc1 = tl.sum(a_first.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 kk = k0 + ks
                 xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < k_end, other=0.0).to(tl.float32)
                 av = tl.load(a_base + cols[:, None] * stride_an + kk[None, :],
@@ -97,6 +104,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
                 acc1 += tl.sum(av * xv[None, :], 1)
             tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + cols, acc1, mask=cmask)
         return
+    pdl_wait(PDL)   # (first: every program waits, also those of base rows that store nothing)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < T
     slots = tl.load(slots_ptr + rows, mask=rmask, other=-1)
