@@ -99,13 +99,22 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, s_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
     lxa_ptr, lb_ptr, ls_ptr, stride_lxm, stride_lxs, stride_lbs, L_R, L_S1, L_S2,
-    ws_ptr, stride_ws, xo_ptr, stride_xo,
+    ws_ptr, stride_ws, xo_ptr, stride_xo, K_CHUNK, stride_ys,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     LORA_SLICES: tl.constexpr, L_SPLITS: tl.constexpr, L_BLOCK_R: tl.constexpr,
-    W_SLOT: tl.constexpr, WRITE_X: tl.constexpr,
+    W_SLOT: tl.constexpr, WRITE_X: tl.constexpr, K_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if K_SPLIT:   # (the one-row LoRA shrink) grid axis 1 splits K into chunks, each stored as a partial
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * K_CHUNK
+        k_hi = tl.minimum(k_lo + K_CHUNK, K)
+        y_ptr += pid_k * stride_ys
+    else:
+        pid_k = 0
+        k_lo = 0
+        k_hi = K
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +130,7 @@ def _gemv_kernel(
         n_ok = offs_n < tl.where(ws >= 0, N, 0)
     # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    w_first = _weight_tile(w_rows, offs_k, n_ok, K, EVEN)
+    w_first = _weight_tile(w_rows, k_lo + offs_k, n_ok, k_hi, EVEN)
     if LORA_SLICES > 0:   # so are the rows' slots (the step's input) and their B rows: the epilogue's
         # loads that do not wait for the kernel before (the shrink's xa does)
         l_slots, l_b = _lora_b(lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lbs, L_R, L_BLOCK_R)
@@ -129,7 +138,7 @@ def _gemv_kernel(
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        write_ok = offs_m < tl.where(pid == 0, M, 0)  # the residual's rows, in program 0 only
+        write_ok = offs_m < tl.where(pid + pid_k == 0, M, 0)  # the residual's rows, in program 0 only
         # the rows' RMS, over the whole (added) rows; program 0 writes the new residual
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -146,17 +155,19 @@ def _gemv_kernel(
 
     # the products accumulate per k lane and are summed over k once, after the loop (a sum per
     # tile made every iteration wait on a cross-warp reduction)
-    x_out = offs_m < tl.where(pid == 0, M, 0)   # WRITE_X: program 0 writes the input it built (the norm's or SiLU's output)
-    a = _input_tile(x_rows, r_rows, nw_ptr, offs_k, m_ok[:, None] & (offs_k < K)[None, :], rstd, K, PROLOGUE)
+    # WRITE_X: the programs of column block 0 write the input they build (the norm's or SiLU's output)
+    x_out = offs_m < tl.where(pid == 0, M, 0)
+    kk = k_lo + offs_k
+    a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < k_hi)[None, :], rstd, K, PROLOGUE)
     if WRITE_X:
-        tl.store(xo_ptr + offs_m[:, None] * stride_xo + offs_k[None, :], a, mask=x_out[:, None] & (offs_k < K)[None, :])
+        tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < k_hi)[None, :])
     acc = _products(a, w_first, BLOCK_M)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        w = _weight_tile(w_rows, kk, n_ok, K, EVEN)
-        a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < K)[None, :], rstd, K, PROLOGUE)
+        w = _weight_tile(w_rows, kk, n_ok, k_hi, EVEN)
+        a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < k_hi)[None, :], rstd, K, PROLOGUE)
         if WRITE_X:
-            tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < K)[None, :])
+            tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < k_hi)[None, :])
         acc += _products(a, w, BLOCK_M)
     y = _sum_over_k(acc, BLOCK_M)
     if HAS_SCALE:   # fp8 weights: the output channel's scale, once per column
@@ -402,54 +413,63 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _launch(x, weight, bias, y, code, t, *, residual=None, new_residual=None, norm_weight=None, eps=0.0, scale=None,
-            lora=None, weight_slot=None, x_out=None):
+            lora=None, weight_slot=None, x_out=None, k_chunk=None):
     """_gemv_kernel over a [N, K] weight (weight_slot: row 0's slot picks it in a stack [S, N, K];
-    x_out: where program 0 writes the input it builds)."""
+    x_out: where program 0 writes the input it builds; k_chunk: K split into chunks of that many
+    columns, y [splits, M, N] their partials)."""
     m = x.shape[0]
     n, k = weight.shape[-2:]
     lx = _lora_args(lora, y)
-    _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
+    splits = triton.cdiv(k, k_chunk) if k_chunk is not None else 1
+    assert splits == 1 or (lora is None and bias is None and scale is None and y.dim() == 3)
+    _gemv_kernel[(triton.cdiv(n, t["block_n"]), splits)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
         scale if scale is not None else y,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(-2), y.stride(0),
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(-2), y.stride(-2),
         float(eps), *lx[0], weight_slot if weight_slot is not None else y,
         weight.stride(0) if weight_slot is not None else 0, x_out if x_out is not None else y,
-        x_out.stride(0) if x_out is not None else 0,
+        x_out.stride(0) if x_out is not None else 0, k_chunk or k, y.stride(0) if splits > 1 else 0,
         PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0 and weight_slot is None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
         num_warps=t["num_warps"], num_stages=t["num_stages"], W_SLOT=weight_slot is not None,
-        WRITE_X=x_out is not None, **lx[1], **pdl_args(x))
+        WRITE_X=x_out is not None, K_SPLIT=splits > 1, **lx[1], **pdl_args(x))
 
 
-# The batch-1 shrink's tiles: ~1-2 K-wide rows of A per program (q/k/v's 48 rows of A: 24 programs;
-# down's 16 rows of K = 14,336, 8). Not tuned on the GPU yet.
-SHRINK_TILES = dict(block_n=2, block_k=1024, num_warps=4, num_stages=2)
+# The batch-1 shrink's tiles, one K block per program: 8 rows of A x 1,024 columns, prefetched before
+# the PDL wait (q/k/v's 48 rows of A over K = 4,096: 24 programs; down's 16 over 14,336: 28), their
+# partials summed by the GEMV's epilogue. Not tuned on the GPU yet.
+SHRINK_TILES = dict(block_n=8, block_k=1024, num_warps=8, num_stages=1)
 
 
 def lora_shrink_prologue(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, prologue: str, *,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                         eps: float = 0.0, k_chunk: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A one-row LoRA shrink with the op that builds the linear's input fused in, in one kernel:
-    (xa [1, N] float32 = input @ a[slots[0]]^T, the input itself (the norm's or SiLU's output, in
-    x.dtype), the new residual for add_rms_norm). a [S, N, K] contiguous; slot -1: xa is not
-    written (the expand reads no xa for base rows). At batch 1 it replaces the norm's (or SiLU's)
-    own kernel and the shrink's, so the linear with its adapter runs the two kernels that the base
-    linear runs (this one, then the GEMV with the expand in its epilogue)."""
+    (xa = input @ a[slots[0]]^T in float32, [1, N], or its partials over K [splits, 1, N] (which the
+    GEMV's LoRAEpilogue sums); the input itself (the norm's or SiLU's output, in x.dtype); the new
+    residual for add_rms_norm). a [S, N, K] contiguous; slot -1: xa is not written (the expand reads
+    no xa for base rows). k_chunk: K columns per program (None: one K block). At batch 1 it
+    replaces the norm's (or SiLU's) own kernel and the shrink's, so the linear with its adapter
+    runs the two kernels that the base linear runs (this one, then the GEMV with the expand in its
+    epilogue)."""
     if not runs_triton(_gemv_kernel, x):   # the references: the prologue's op, then the shrink's
         from kernels.lora import lora_shrink_ref
         x_in, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
         return lora_shrink_ref(x_in, a, slots), x_in, new_residual
     code = PROLOGUES.index(prologue)
-    k = a.shape[2]
+    n, k = a.shape[1:]
     assert x.shape[0] == 1 and a.is_contiguous() and x.stride(-1) == 1
     assert x.shape[1] == (2 * k if code == _SILU else k)
-    xa = torch.empty((1, a.shape[1]), dtype=torch.float32, device=x.device)
+    t = _interpreter_tiles(n, k) if is_interpreted(_gemv_kernel) else SHRINK_TILES
+    t = dict(t, block_k=min(t["block_k"], triton.next_power_of_2(k), k_chunk or t["block_k"]))
+    k_chunk = triton.cdiv(k_chunk or t["block_k"], t["block_k"]) * t["block_k"]
+    splits = triton.cdiv(k, k_chunk)
+    xa = torch.empty((splits, 1, n) if splits > 1 else (1, n), dtype=torch.float32, device=x.device)
     x_in = torch.empty((1, k), dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if code == _ADD_NORM else None
-    t = _interpreter_tiles(a.shape[1], k) if is_interpreted(_gemv_kernel) else SHRINK_TILES
-    _launch(x, a, None, xa, code, dict(t, block_k=min(t["block_k"], triton.next_power_of_2(k))),
-            residual=residual, new_residual=new_residual, norm_weight=norm_weight, eps=eps, weight_slot=slots,
-            x_out=x_in)
+    _launch(x, a, None, xa, code, t, residual=residual, new_residual=new_residual, norm_weight=norm_weight, eps=eps,
+            weight_slot=slots, x_out=x_in, k_chunk=k_chunk if splits > 1 else None)
     return xa, x_in, new_residual

@@ -278,7 +278,8 @@ def test_gemv_lora_fallback_past_its_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "add_rms_norm", "silu_mul"])
 @pytest.mark.parametrize("slot", [1, -1])
-def test_shrink_with_the_prologue_fused(dtype, prologue, slot):
+@pytest.mark.parametrize("k_chunk", [None, 32])   # (32: K split over 3 programs, partials summed by the GEMV)
+def test_shrink_with_the_prologue_fused(dtype, prologue, slot, k_chunk):
     # batch 1: one kernel builds the linear's input (norm or SiLU), writes it (and the new
     # residual) and multiplies it by the row's adapter A: as the prologue's reference, then the
     # reference shrink; then the GEMV on that input with the expand in its epilogue, as the base
@@ -293,7 +294,8 @@ def test_shrink_with_the_prologue_fused(dtype, prologue, slot):
     if prologue in ("rms_norm", "add_rms_norm"):
         kw = dict(norm_weight=norm_w, eps=1e-6, residual=residual if prologue == "add_rms_norm" else None)
     want_in, want_res = gv._prologue(x_arg, prologue, kw.get("residual"), norm_w, 1e-6, gv._REF_OPS)
-    xa, x_in, new_res = gv.lora_shrink_prologue(x_arg, a, slots, prologue, **kw)
+    xa, x_in, new_res = gv.lora_shrink_prologue(x_arg, a, slots, prologue, k_chunk=k_chunk, **kw)
+    assert xa.dim() == (3 if k_chunk else 2)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(x_in.float(), want_in.float(), **tol)
     if prologue == "add_rms_norm":
@@ -301,7 +303,7 @@ def test_shrink_with_the_prologue_fused(dtype, prologue, slot):
     else:
         assert new_res is None
     if slot >= 0:
-        torch.testing.assert_close(xa, lk.lora_shrink_ref(x_in, a, slots), **tol)
+        torch.testing.assert_close(xa.sum(0) if k_chunk else xa, lk.lora_shrink_ref(x_in, a, slots), **tol)
     weight = (torch.randn(y.shape[1], k, generator=g) * 0.2).to(dtype).to(DEVICE)
     tiles = dict(block_n=8, block_k=32, num_warps=4, num_stages=1)
     base = gv.gemv(x_in, weight, tiles=tiles)[0]
