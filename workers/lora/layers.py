@@ -165,7 +165,8 @@ class LoRALinear:
 
         def matmul(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if layers.use_gemv(x2):
-                return layers.gemv(x2, weight, out=out, lora=epilogue or self.epilogue(x2))[0]
+                lora = epilogue if epilogue is not None else self.epilogue(x2)
+                return layers.gemv(x2, weight, out=out, lora=lora)[0]
             if out is None:
                 y = F.linear(x2, weight)
             else:
