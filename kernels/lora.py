@@ -216,7 +216,7 @@ def _sorted_tile(slots_ptr, T, S, tile, BLOCK_M: tl.constexpr, BLOCK_T: tl.const
     no sort kernel, no host sync, a grid fixed by T and S (graph-capturable). Slot s's rows, in
     row order, fill ceil(count_s / BLOCK_M) tiles, the slots' tiles one after another; this returns
     program `tile`'s slot (S or more: past the last tile, nothing to do), and its BLOCK_M rows with
-    their mask (a slot's last tile may be short)."""
+    their mask (a slot's last tile may be short; none past the last tile)."""
     t = tl.arange(0, BLOCK_T)
     sl = tl.load(slots_ptr + t, mask=t < T, other=-1)
     counts = tl.histogram(tl.where(sl >= 0, sl, S), BLOCK_S)   # (base rows and padding: bin S, no tiles)
@@ -224,13 +224,16 @@ def _sorted_tile(slots_ptr, T, S, tile, BLOCK_M: tl.constexpr, BLOCK_T: tl.const
     tiles = tl.where(sidx < S, (counts + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     s = tl.sum((ends <= tile).to(tl.int32), 0)   # the first slot whose tiles end after `tile`
-    first = tl.sum(tl.where(sidx == s, ends - tiles, 0), 0)
-    sel = sl == s
-    pos = tl.cumsum(sel.to(tl.int32), 0) - 1 - (tile - first) * BLOCK_M   # place in this tile
     m = tl.arange(0, BLOCK_M)
-    hit = sel[None, :] & (pos[None, :] == m[:, None])   # [BLOCK_M, BLOCK_T]: row t is the tile's m-th
-    rows = tl.sum(tl.where(hit, t[None, :], 0), 1)
-    rmask = tl.sum(hit.to(tl.int32), 1) > 0
+    rows = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    rmask = m < 0
+    if s < S:   # (the grid's spare programs, past the last tile, skip the rows' search)
+        first = tl.sum(tl.where(sidx == s, ends - tiles, 0), 0)
+        sel = sl == s
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1 - (tile - first) * BLOCK_M   # place in this tile
+        hit = sel[None, :] & (pos[None, :] == m[:, None])   # [BLOCK_M, BLOCK_T]: row t is the tile's m-th
+        rows = tl.sum(tl.where(hit, t[None, :], 0), 1)
+        rmask = tl.sum(hit.to(tl.int32), 1) > 0
     return s, rows, rmask
 
 
