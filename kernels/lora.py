@@ -94,8 +94,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, N, stride_xm, st
                           other=0.0)
         pdl_wait(PDL)   # (every program waits, also those of base rows that store nothing)
         if s >= 0:
-            xv = tl.load(x_ptr + pid_m * stride_xm + k_start + ks, mask=(k_start + ks) < k_end, other=0.0)
-            acc1 = tl.sum(a_first.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+            x_first = tl.load(x_ptr + pid_m * stride_xm + k_start + ks, mask=(k_start + ks) < k_end, other=0.0)
+            acc1 = tl.sum(a_first.to(tl.float32) * x_first.to(tl.float32)[None, :], 1)
             for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 kk = k0 + ks
                 xv = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < k_end, other=0.0).to(tl.float32)
