@@ -216,25 +216,34 @@ def _sorted_tile(slots_ptr, T, S, tile, BLOCK_M: tl.constexpr, BLOCK_T: tl.const
     no sort kernel, no host sync, a grid fixed by T and S (graph-capturable). Slot s's rows, in
     row order, fill ceil(count_s / BLOCK_M) tiles, the slots' tiles one after another; this returns
     program `tile`'s slot (S or more: past the last tile, nothing to do), and its BLOCK_M rows with
-    their mask (a slot's last tile may be short; none past the last tile)."""
+    their mask (a slot's last tile may be short; none past the last tile). The slots are read in
+    chunks of BLOCK_T (a [BLOCK_M, BLOCK_T] search per chunk: with all T at once, 256 rows spilled
+    the shrink's registers)."""
     t = tl.arange(0, BLOCK_T)
-    sl = tl.load(slots_ptr + t, mask=t < T, other=-1)
-    counts = tl.histogram(tl.where(sl >= 0, sl, S), BLOCK_S)   # (base rows and padding: bin S, no tiles)
+    counts = tl.zeros((BLOCK_S,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        sl = tl.load(slots_ptr + t0 + t, mask=t0 + t < T, other=-1)
+        counts += tl.histogram(tl.where(sl >= 0, sl, S), BLOCK_S)   # (base rows and padding: bin S, no tiles)
     sidx = tl.arange(0, BLOCK_S)
     tiles = tl.where(sidx < S, (counts + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     s = tl.sum((ends <= tile).to(tl.int32), 0)   # the first slot whose tiles end after `tile`
     m = tl.arange(0, BLOCK_M)
     rows = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    rmask = m < 0
+    found = tl.zeros((BLOCK_M,), dtype=tl.int32)
     if s < S:   # (the grid's spare programs, past the last tile, skip the rows' search)
+        # the tile's first row is slot s's (tile - first) * BLOCK_M-th; `before`: slot s's rows in
+        # the chunks already read, less that
         first = tl.sum(tl.where(sidx == s, ends - tiles, 0), 0)
-        sel = sl == s
-        pos = tl.cumsum(sel.to(tl.int32), 0) - 1 - (tile - first) * BLOCK_M   # place in this tile
-        hit = sel[None, :] & (pos[None, :] == m[:, None])   # [BLOCK_M, BLOCK_T]: row t is the tile's m-th
-        rows = tl.sum(tl.where(hit, t[None, :], 0), 1)
-        rmask = tl.sum(hit.to(tl.int32), 1) > 0
-    return s, rows, rmask
+        before = (first - tile) * BLOCK_M
+        for t0 in range(0, T, BLOCK_T):
+            sel = tl.load(slots_ptr + t0 + t, mask=t0 + t < T, other=-1) == s
+            pos = before + tl.cumsum(sel.to(tl.int32), 0) - 1   # each row's place in this tile
+            hit = sel[None, :] & (pos[None, :] == m[:, None])   # [BLOCK_M, BLOCK_T]: row t0 + t is the m-th
+            rows += tl.sum(tl.where(hit, t0 + t[None, :], 0), 1)
+            found += tl.sum(hit.to(tl.int32), 1)
+            before += tl.sum(sel.to(tl.int32), 0)
+    return s, rows, found > 0
 
 
 @step_jit(ints=("T", "K_CHUNK"))
@@ -362,7 +371,7 @@ def _sorted_launch(t: int, num_slots: int) -> tuple[int, int, dict]:
     the slots' tiles are at most cdiv(t, BLOCK_M) + one short tile per slot that has rows."""
     block_m = 16 if t < 128 else 32
     tiles = triton.cdiv(t, block_m) + min(num_slots, t)
-    return block_m, tiles, dict(BLOCK_T=max(16, triton.next_power_of_2(t)),
+    return block_m, tiles, dict(BLOCK_T=min(64, max(16, triton.next_power_of_2(t))),
                                 BLOCK_S=triton.next_power_of_2(num_slots + 1))
 
 
@@ -411,13 +420,15 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torc
         return out
     assert x.stride(1) == 1 and a.is_contiguous() and out.stride(-1) == 1
     kernel = _lora_shrink_sorted_kernel if sort else _lora_shrink_kernel
-    # (the sorted kernel takes the same arguments, and the number of slots and the sort's sizes)
+    # (the sorted kernel takes the same arguments, and the number of slots and the sort's sizes; its
+    # chunks keep their 128-wide K blocks' count, in 64-wide tiles over 8 warps: at 128 x 4 warps its
+    # [32 rows, 128] x [128, 64] tiles took 255 registers and spilled, ptxas for sm_90)
     extra = dict(S=a.shape[0], **sort_kw) if sort else {}
     kernel[(row_tiles, n_tiles, splits)](
         x, a, slots, out, t, k, n, x.stride(0), a.stride(0), a.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0, k_chunk, **extra,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(a),
-        UPCAST=is_interpreted(kernel), num_warps=4, **_pdl(x))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(64, block_k) if sort else block_k, PRECISION=_precision(a),
+        UPCAST=is_interpreted(kernel), num_warps=8 if sort else 4, **_pdl(x))
     return out
 
 
