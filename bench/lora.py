@@ -97,14 +97,17 @@ def _load_while_streaming(llm, path: str) -> float:
 
 # the kernel variants (env vars, read by the workers at start): "new" as shipped; "rowwise": new with
 # one program per row at 16-256 rows (LOOM_LORA_SORTED_ROWS=0: the default before session 36); "old" is
-# session 31's (every decode step replays the LoRA graphs; one program per row at 16-256 rows); "sep":
-# new but the expand in its own kernel after the GEMV (not in its epilogue); "k1": new with the batch-1
-# shrink split into one K block per program (more programs, more partials)
+# session 31's (every decode step replays the LoRA graphs; one program per row at 16-256 rows; at batch 1
+# the shrink and the expand in their own kernels); "sep": new but the expand in its own kernel after the
+# GEMV (not in its epilogue); "k1": new with the batch-1 shrink split into one K block per program (more
+# programs, more partials); "nofuse": new with the batch-1 shrink in its own kernel, after the norm's or
+# SiLU's (LOOM_LORA_FUSED_SHRINK=0)
 VARIANTS = {"new": {}, "rowwise": {"LOOM_LORA_SORTED_ROWS": "0"},
             "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SORTED_ROWS": "0", "LOOM_LORA_PDL": "0",
-                    "LOOM_LORA_FUSED_EXPAND": "0"},
-            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"}}
-TPOT_ONLY = {"sep", "k1"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
+                    "LOOM_LORA_FUSED_EXPAND": "0", "LOOM_LORA_FUSED_SHRINK": "0"},
+            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"},
+            "nofuse": {"LOOM_LORA_FUSED_SHRINK": "0"}}
+TPOT_ONLY = {"sep", "k1", "nofuse"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
 
 
 def _rows(res: dict, r: dict) -> list[tuple[str, float | None, str, float]]:

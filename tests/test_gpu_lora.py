@@ -56,12 +56,13 @@ def _loras(adapters):
     return [loras[k % len(loras)] for k in range(len(PROMPTS))]
 
 
-# the kernel variants: as shipped (at 1-8 rows the expand in the GEMV's epilogue); every decode
-# batch of 1+ rows on the sorted kernels (rows in adapter order, tile products); session 31's (no
-# base-only graphs, one program per row, the expand its own kernel, no PDL)
+# the kernel variants: as shipped (at batch 1 the shrink fused with the norm or SiLU, at 1-8 rows the
+# expand in the GEMV's epilogue); every decode batch of 1+ rows on the sorted kernels (rows in adapter
+# order, tile products); session 31's (no base-only graphs, one program per row, the shrink and the
+# expand their own kernels, no PDL)
 VARIANTS = {"default": {}, "sorted-all": {"LOOM_LORA_SORTED_ROWS": "1"},
             "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SORTED_ROWS": "0",
-                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"}}
+                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0", "LOOM_LORA_FUSED_SHRINK": "0"}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
