@@ -482,11 +482,12 @@ PY
   lora-kernels) # issue 51: one decoder layer's LoRA routes at Llama-3.1-8B shapes, us per layer in CUDA graphs
                 # (bench/lora_kernels.py): batch 1 base / old (session 35's) / new, 16-256 rows base / rowwise /
                 # sorted (8 rank-16 adapters, row t on t % 8); each route's output checked against the references
-      TAIL=45 run lora-kernels 110 python3 -m bench.lora_kernels ;;
-  lora-decide) # issue 51 in one call (~5 min): lora-kernels, then bench.lora's rows with the defaults (new) and
-               # the engine without LoRA; the old routes' rows are session 31/34's (0.658, 1.28-1.52)
-      TAIL=45 run lora-kernels 110 python3 -m bench.lora_kernels
-      TAIL=12 run lora 240 python3 -m bench.lora --variants new --tpot-len 128 --output-json "$OUT/lora.json" ;;
+      TAIL=45 run lora-kernels 180 python3 -m bench.lora_kernels ;;
+  lora-decide) # issue 51 in one call (~5 min): lora-kernels at 1 and 256 rows, then bench.lora's rows with the
+               # defaults (new) and the engine without LoRA; the old routes' rows are session 31/34's (0.658,
+               # 1.28-1.52); the table is printed after each engine (a cut run keeps those done)
+      TAIL=30 run lora-kernels 120 python3 -m bench.lora_kernels --rows 1 256
+      TAIL=12 run lora 270 python3 -m bench.lora --variants new --tpot-len 128 --output-json "$OUT/lora.json" ;;
   lora-profile) # issue 51: the LoRA kernels' cost per step by kernel, Llama-3.1-8B shapes, 8 rank-16 adapters
                 # (token t on adapter t % 8) vs none, batch 1 and 256: eager per kernel, then graph replays
       TAIL=40 run lora-profile-base 120 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 256 --context 512 --top 12
