@@ -22,7 +22,9 @@ vLLM's kernels; every program sorts the slots itself, so nothing runs before the
 runs a GEMV against that row's adapter (BGMV, the shrink split over K), and above
 ROW_PROGRAMS_MAX rows a program owns BLOCK_M tokens: a tile product when they share one adapter
 (SGMV: a prefill chunk's rows), else each row's GEMV in turn. At 1-8 rows the expand usually runs
-in the epilogue of the base linear's GEMV instead (kernels/gemv.py LoRAEpilogue). The slot tensor is
+in the epilogue of the base linear's GEMV instead (kernels/gemv.py LoRAEpilogue), and at batch 1 the
+shrink of a linear whose input is a norm's or SiLU's output runs in that op's kernel
+(kernels/gemv.py lora_shrink_prologue). The slot tensor is
 read on the device: nothing here depends on its values on the host, so a CUDA graph captures the
 adapter index as an input, not a shape.
 """
@@ -338,9 +340,10 @@ def _precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
-# Up to this many rows (decode batches, the decode graphs' sizes) each program takes one row
-# (BGMV): every row reads its own adapter, from L2 after the first; above it, programs take
-# BLOCK_M rows and run tile products where their rows share an adapter (prefill segments).
+# Up to this many rows (decode batches, the decode graphs' sizes; from LOOM_LORA_SORTED_ROWS rows the
+# sorted kernels take them) each program takes one row (BGMV): every row reads its own adapter, from
+# L2 after the first; above it, programs take BLOCK_M rows and run tile products where their rows
+# share an adapter (prefill segments).
 ROW_PROGRAMS_MAX = 256
 
 
