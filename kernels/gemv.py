@@ -135,6 +135,10 @@ def _gemv_kernel(
         # loads that do not wait for the kernel before (the shrink's xa does)
         l_slots, l_b = _lora_b(lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lbs, L_R, L_BLOCK_R)
     pdl_wait(PDL)
+    if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), added to the product below:
+        # computed before the main loop, so that the shrink's xa loads wait under the first weight tile's
+        l_delta = _lora_delta(lxa_ptr, l_slots, l_b, offs_m, offs_n, stride_lxm, stride_lxs, L_R, L_S1, L_S2,
+                              LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -174,9 +178,8 @@ def _gemv_kernel(
         y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), before the one rounding
-        y += _lora_delta(lxa_ptr, l_slots, l_b, offs_m, offs_n, stride_lxm, stride_lxs, L_R, L_S1, L_S2,
-                         LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
+    if LORA_SLICES > 0:   # (before the one rounding)
+        y += l_delta
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
