@@ -354,11 +354,11 @@ PY
   lora) # issue 51: Llama-3.1-8B shapes, 8 random rank-16 adapters on all 7 projections: offline throughput
         # over 8 adapters vs base (one engine), base on a LoRA engine vs without, batch-1 TPOT, load under load;
         # kernel variants side by side: new (the defaults: base-only graphs, PDL, the expand in the GEMV's
-        # epilogue, no slot grid), grid (new with the slot-grid kernels from 16 rows, split over K), old (session
-        # 31's); sep: new with the expand not in the epilogue (TPOT rows only); the table is printed after each
-        # engine (a cut run keeps those done); `--variants new,grid,old,sep,k1` adds k1 (one K block per batch-1
-        # shrink program, ~60 s more)
-      TAIL=12 run lora 360 python3 -m bench.lora --variants new,grid,old --tpot-len 128 --output-json "$OUT/lora.json" ;;
+        # epilogue, rows sorted by adapter from 16 rows), rowwise (new with one program per row at 16-256 rows,
+        # the default before session 36), old (session 31's); sep: new with the expand not in the epilogue (TPOT
+        # rows only); the table is printed after each engine (a cut run keeps those done);
+        # `--variants new,rowwise,old,sep,k1` adds k1 (one K block per batch-1 shrink program, ~60 s more)
+      TAIL=12 run lora 360 python3 -m bench.lora --variants new,rowwise,old --tpot-len 128 --output-json "$OUT/lora.json" ;;
   eagle) # issue 47: an EAGLE-3-shaped head (one layer, three-layer fusion) on Llama-3.1-8B shapes, batch 1:
          # cost per draft token vs a target decode step (<= 6%), graphed and eager, one table (last);
          # first the GPU tests (fp32 greedy identical, drafts = the reference's under graphs and eager)
@@ -488,6 +488,15 @@ PY
         --query-len 1 5 --top 20
       TAIL=12 run spec-profile-graph 150 $LOOM bench profile-step --preset qwen3-0.6b --batch 8 --context 512 \
         --query-len 1 5 --graph ;;
+  lora-kernels) # issue 51: one decoder layer's LoRA routes at Llama-3.1-8B shapes, us per layer in CUDA graphs
+                # (bench/lora_kernels.py): batch 1 base / old (session 35's) / new, 16-256 rows base / rowwise /
+                # sorted (8 rank-16 adapters, row t on t % 8); each route's output checked against the references
+      TAIL=45 run lora-kernels 180 python3 -m bench.lora_kernels ;;
+  lora-decide) # issue 51 in one call (~5 min): lora-kernels at 1 and 256 rows, then bench.lora's rows with the
+               # defaults (new) and the engine without LoRA; the old routes' rows are session 31/34's (0.658,
+               # 1.28-1.52); the table is printed after each engine (a cut run keeps those done)
+      TAIL=30 run lora-kernels 120 python3 -m bench.lora_kernels --rows 1 256
+      TAIL=12 run lora 270 python3 -m bench.lora --variants new --tpot-len 128 --output-json "$OUT/lora.json" ;;
   lora-profile) # issue 51: the LoRA kernels' cost per step by kernel, Llama-3.1-8B shapes, 8 rank-16 adapters
                 # (token t on adapter t % 8) vs none, batch 1 and 256: eager per kernel, then graph replays
       TAIL=40 run lora-profile-base 120 $LOOM bench profile-step --preset llama-3.1-8b --batch 1 256 --context 512 --top 12

@@ -95,16 +95,19 @@ def _load_while_streaming(llm, path: str) -> float:
     return ms
 
 
-# the kernel variants (env vars, read by the workers at start): "new" as shipped; "grid": new with
-# the slot-grid kernels from 16 rows (split over K); "old" is session 31's (every decode step replays
-# the LoRA graphs; one program per row at 16-256 rows); "sep": new but the expand in its own kernel
-# after the GEMV (not in its epilogue); "k1": new with the batch-1 shrink split into one K block per
-# program (more programs, more partials)
-VARIANTS = {"new": {}, "grid": {"LOOM_LORA_SLOT_GRID_ROWS": "16"},
-            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0", "LOOM_LORA_PDL": "0",
-                    "LOOM_LORA_FUSED_EXPAND": "0"},
-            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"}}
-TPOT_ONLY = {"sep", "k1"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
+# the kernel variants (env vars, read by the workers at start): "new" as shipped; "rowwise": new with
+# one program per row at 16-256 rows (LOOM_LORA_SORTED_ROWS=0: the default before session 36); "old" is
+# session 31's (every decode step replays the LoRA graphs; one program per row at 16-256 rows; at batch 1
+# the shrink and the expand in their own kernels); "sep": new but the expand in its own kernel after the
+# GEMV (not in its epilogue); "k1": new with the batch-1 shrink split into one K block per program (more
+# programs, more partials); "nofuse": new with the batch-1 shrink in its own kernel, after the norm's or
+# SiLU's (LOOM_LORA_FUSED_SHRINK=0)
+VARIANTS = {"new": {}, "rowwise": {"LOOM_LORA_SORTED_ROWS": "0"},
+            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SORTED_ROWS": "0", "LOOM_LORA_PDL": "0",
+                    "LOOM_LORA_FUSED_EXPAND": "0", "LOOM_LORA_FUSED_SHRINK": "0"},
+            "sep": {"LOOM_LORA_FUSED_EXPAND": "0"}, "k1": {"LOOM_LORA_SHRINK_K_BLOCKS": "1"},
+            "nofuse": {"LOOM_LORA_FUSED_SHRINK": "0"}}
+TPOT_ONLY = {"sep", "k1", "nofuse"}   # (they change batches below 16 rows only: their throughput rows would repeat new's)
 
 
 def _rows(res: dict, r: dict) -> list[tuple[str, float | None, str, float]]:
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length instead of the standard workload")
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--tpot-len", type=int, default=256, help="output tokens of the batch-1 TPOT runs")
-    p.add_argument("--variants", default="new,grid", help=f"LoRA engines to time, in order ({', '.join(VARIANTS)})")
+    p.add_argument("--variants", default="new,rowwise", help=f"LoRA engines to time, in order ({', '.join(VARIANTS)})")
     args = p.parse_args(argv)
 
     from bench.presets import PRESETS, write_preset

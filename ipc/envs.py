@@ -150,16 +150,18 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_LORA_BASE_GRAPHS": EnvVar(True, _switch, "with --enable-lora, each decode graph size is also captured "
                                     "without the LoRA ops, and a step with no adapter row replays that one; 0: "
                                     "every step replays the graphs with the LoRA ops (to time both)"),
-    "LOOM_LORA_SLOT_GRID_ROWS": EnvVar(0, _int, "from this many rows (decode and prefill), the LoRA shrink and "
-                                       "expand run one program per (32 rows, columns), a tensor-core tile product "
-                                       "per adapter slot its rows use, instead of one program per row (decode) or "
-                                       "16-row blocks (prefill; kernels/lora.py); 0: never (the default: at 16 "
-                                       "it halved 8-adapter throughput on the H200, session 34)"),
+    "LOOM_LORA_SORTED_ROWS": EnvVar(16, _int, "from this many rows to 256 (the decode batches), the LoRA shrink "
+                                    "and expand take the rows in adapter order, a tensor-core tile product per "
+                                    "32 rows of one adapter (kernels/lora.py), instead of one program per row; "
+                                    "0: never (session 31's kernels)"),
     "LOOM_LORA_SHRINK_K_BLOCKS": EnvVar(4, _int, "K blocks (128 wide) per program of the LoRA shrink split over K "
-                                        "at decode sizes below the slot grid (kernels/lora.py): fewer, more "
-                                        "programs and partials"),
+                                        "at decode sizes (kernels/lora.py): fewer, more programs and partials"),
     "LOOM_LORA_PDL": EnvVar(True, _switch, "0: the LoRA shrink/expand kernels launch without programmatic "
                             "dependent launch (LOOM_PDL=0 turns it off everywhere)"),
+    "LOOM_LORA_FUSED_SHRINK": EnvVar(True, _switch, "at batch 1, the LoRA shrink of q/k/v, gate/up and down runs "
+                                     "in one kernel with the norm or SiLU that builds the linear's input "
+                                     "(kernels/gemv.py lora_shrink_prologue); 0: that op's kernel, then the "
+                                     "shrink's own"),
     "LOOM_LORA_FUSED_EXPAND": EnvVar(True, _switch, "at 1-8 rows, the LoRA expand runs in the epilogue of the "
                                      "base linear's GEMV (kernels/gemv.py); 0: its own kernel after it"),
     "LOOM_SPEC_FAST_HOST": EnvVar(True, _switch, "0: a verify step's host work as in session 31 (per-token "

@@ -99,11 +99,22 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, s_ptr,
     M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
     lxa_ptr, lb_ptr, ls_ptr, stride_lxm, stride_lxs, stride_lbs, L_R, L_S1, L_S2,
+    ws_ptr, stride_ws, xo_ptr, stride_xo, K_CHUNK, stride_ys,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     LORA_SLICES: tl.constexpr, L_SPLITS: tl.constexpr, L_BLOCK_R: tl.constexpr,
+    W_SLOT: tl.constexpr, WRITE_X: tl.constexpr, K_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if K_SPLIT:   # (the one-row LoRA shrink) grid axis 1 splits K into chunks, each stored as a partial
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * K_CHUNK
+        k_hi = tl.minimum(k_lo + K_CHUNK, K)
+        y_ptr += pid_k * stride_ys
+    else:
+        pid_k = 0
+        k_lo = 0
+        k_hi = K
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,14 +123,26 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_x
     r_rows = r_ptr + offs_m[:, None] * stride_r
 
+    if W_SLOT:   # the weight is row 0's adapter in a stack [slots, N, K] (none: slot -1, nothing loaded
+        # or stored; the slot is the step's input, written before the kernel before this one ran)
+        ws = tl.load(ws_ptr)
+        w_ptr += tl.maximum(ws, 0).to(tl.int64) * stride_ws
+        n_ok = offs_n < tl.where(ws >= 0, N, 0)
     # the first weight tile is constant: under PDL it loads while the kernel producing x finishes
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    w_first = _weight_tile(w_rows, offs_k, n_ok, K, EVEN)
+    w_first = _weight_tile(w_rows, k_lo + offs_k, n_ok, k_hi, EVEN)
+    if LORA_SLICES > 0:   # so are the rows' slots (the step's input) and their B rows: the epilogue's
+        # loads that do not wait for the kernel before (the shrink's xa does)
+        l_slots, l_b = _lora_b(lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lbs, L_R, L_BLOCK_R)
     pdl_wait(PDL)
+    if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), added to the product below:
+        # computed before the main loop, so that the shrink's xa loads wait under the first weight tile's
+        l_delta = _lora_delta(lxa_ptr, l_slots, l_b, offs_m, offs_n, stride_lxm, stride_lxs, L_R, L_S1, L_S2,
+                              LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        write_ok = offs_m < tl.where(pid == 0, M, 0)  # the residual's rows, in program 0 only
+        write_ok = offs_m < tl.where(pid + pid_k == 0, M, 0)  # the residual's rows, in program 0 only
         # the rows' RMS, over the whole (added) rows; program 0 writes the new residual
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -136,47 +159,58 @@ def _gemv_kernel(
 
     # the products accumulate per k lane and are summed over k once, after the loop (a sum per
     # tile made every iteration wait on a cross-warp reduction)
-    a = _input_tile(x_rows, r_rows, nw_ptr, offs_k, m_ok[:, None] & (offs_k < K)[None, :], rstd, K, PROLOGUE)
+    # WRITE_X: the programs of column block 0 write the input they build (the norm's or SiLU's output)
+    x_out = offs_m < tl.where(pid == 0, M, 0)
+    kk = k_lo + offs_k
+    a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < k_hi)[None, :], rstd, K, PROLOGUE)
+    if WRITE_X:
+        tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < k_hi)[None, :])
     acc = _products(a, w_first, BLOCK_M)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        w = _weight_tile(w_rows, kk, n_ok, K, EVEN)
-        a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < K)[None, :], rstd, K, PROLOGUE)
+        w = _weight_tile(w_rows, kk, n_ok, k_hi, EVEN)
+        a = _input_tile(x_rows, r_rows, nw_ptr, kk, m_ok[:, None] & (kk < k_hi)[None, :], rstd, K, PROLOGUE)
+        if WRITE_X:
+            tl.store(xo_ptr + offs_m[:, None] * stride_xo + kk[None, :], a, mask=x_out[:, None] & (kk < k_hi)[None, :])
         acc += _products(a, w, BLOCK_M)
     y = _sum_over_k(acc, BLOCK_M)
     if HAS_SCALE:   # fp8 weights: the output channel's scale, once per column
         y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if LORA_SLICES > 0:   # each row's adapter delta (kernels/lora.py's expand), before the one rounding
-        y += _lora_delta(lxa_ptr, lb_ptr, ls_ptr, offs_m, m_ok, offs_n, n_ok, stride_lxm, stride_lxs, stride_lbs,
-                         L_R, L_S1, L_S2, LORA_SLICES, L_SPLITS, L_BLOCK_R, BLOCK_M, BLOCK_N)
+    if LORA_SLICES > 0:   # (before the one rounding)
+        y += l_delta
     tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _lora_delta(xa_ptr, b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_xm, stride_xs, stride_bs, R, S1, S2,
-                NUM_SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1):
-    xa the shrink's output, or the sum of its SPLITS partials; B [slots, N, R] contiguous."""
+def _lora_b(b_ptr, slots_ptr, offs_m, m_ok, offs_n, n_ok, stride_bs, R, BLOCK_R: tl.constexpr):
+    """The rows' slots and [BLOCK_M, BLOCK_N, BLOCK_R] of B[slot[m], n, :] (0 for rows of slot -1; in B's
+    dtype: it stays in registers through the main loop); B [slots, N, R] contiguous."""
     sl = tl.load(slots_ptr + offs_m, mask=m_ok, other=-1)
     rs = tl.arange(0, BLOCK_R)
-    r_ok = rs < R
-    row_ok = sl >= 0
-    col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
     b_rows = b_ptr + tl.maximum(sl, 0).to(tl.int64)[:, None, None] * stride_bs + offs_n[None, :, None] * R
+    bm = (sl >= 0)[:, None, None] & n_ok[None, :, None] & (rs < R)[None, None, :]
+    return sl, tl.load(b_rows + rs[None, None, :], mask=bm, other=0.0)
+
+
+@triton.jit
+def _lora_delta(xa_ptr, sl, bv, offs_m, offs_n, stride_xm, stride_xs, R, S1, S2, NUM_SLICES: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] of sum_r B[slot[m], n, r] * xa[m, slice(n) * R + r] (0 for rows of slot -1),
+    from _lora_b's slots and B: xa the shrink's output, or the sum of its SPLITS partials."""
+    rs = tl.arange(0, BLOCK_R)
+    xm = (sl >= 0)[:, None] & (rs < R)[None, :]
+    col_slice = (offs_n >= S1).to(tl.int32) + (offs_n >= S2).to(tl.int32)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(NUM_SLICES):
         xp = xa_ptr + offs_m[:, None] * stride_xm + j * R + rs[None, :]
-        xm = row_ok[:, None] & r_ok[None, :]
         xv = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
         for sp in tl.static_range(1, SPLITS):
             xv += tl.load(xp + sp * stride_xs, mask=xm, other=0.0).to(tl.float32)
-        bm = row_ok[:, None, None] & (n_ok & (col_slice == j))[None, :, None] & r_ok[None, None, :]
-        bv = tl.load(b_rows + rs[None, None, :], mask=bm, other=0.0).to(tl.float32)
-        delta += tl.sum(bv * xv[:, None, :], 2)
+        bj = tl.where((col_slice == j)[None, :, None], bv.to(tl.float32), 0.0)
+        delta += tl.sum(bj * xv[:, None, :], 2)
     return delta
 
 
@@ -233,9 +267,29 @@ def row_bucket(m: int) -> int:
 def tile_config(n: int, k: int, m: int = 1, prologue: str = "none") -> dict | None:
     """The tiles for a [n, k] weight at m rows; None: the unfused ops are faster there."""
     key = f"{row_bucket(m)}:{n}x{k}"
-    for k_ in (f"{key}:{prologue}", key):
-        if k_ in _TUNED:
-            return _TUNED[k_]
+    if f"{key}:{prologue}" in _TUNED:
+        return _TUNED[f"{key}:{prologue}"]
+    if prologue == "none":   # a plain input where the shape was tuned with a prologue's own kernel first
+        split = _split_tiles(key)
+        if split is not None:
+            return split
+    return _TUNED[key] if key in _TUNED else _untuned(n, k, m)
+
+
+def _split_tiles(key: str) -> dict | None:
+    """The tiles of a "fuse": false entry of this shape (the prologue's own kernel, then the GEMV on
+    its output), without that flag: that entry measured the plain GEMV faster than cuBLAS after the
+    same kernel, so it is on a plain input too. (LoRA's linears take plain input: the shrink needs
+    the normed x. Llama-3.1-8B at one row, qkv / gate_up / down: 13.1 / 53.0 / 27.8 us in
+    bench.tune_gemv's plain sweep, against cuBLAS's 16.0 / 55.1 / 31.3 in session 36's profile.)"""
+    for prologue in PROLOGUES[1:]:
+        t = _TUNED.get(f"{key}:{prologue}")
+        if t is not None and not t.get("fuse", True):
+            return {name: v for name, v in t.items() if name != "fuse"}
+    return None
+
+
+def _untuned(n: int, k: int, m: int) -> dict | None:
     # an untuned shape: the GEMV at one row for weights up to 16 MiB, where cuBLAS's launch-bound
     # kernels lose (Qwen3-0.6B's, all of them); cuBLAS above, and for several rows
     if m == 1 and n * k <= 8 << 20:
@@ -332,7 +386,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         from kernels.lora import lora_expand
         y, new_residual = gemv(x, weight, bias, prologue=prologue, residual=residual, norm_weight=norm_weight,
                                eps=eps, out=out, tiles=tiles, scale=scale)
-        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, slot_grid=None), new_residual
+        return lora_expand(y, lora.xa, lora.b, lora.slots, lora.slice_starts, sorted_rows=None), new_residual
     code = PROLOGUES.index(prologue)
     m = x.shape[0]
     n, k = weight.shape
@@ -360,15 +414,69 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         assert residual.shape == x.shape and residual.stride(-1) == 1
     if m == 0:
         return y, new_residual
+    _launch(x, weight, bias, y, code, t, residual=residual, new_residual=new_residual, norm_weight=norm_weight,
+            eps=eps, scale=scale, lora=lora)
+    return y, new_residual
+
+
+def _launch(x, weight, bias, y, code, t, *, residual=None, new_residual=None, norm_weight=None, eps=0.0, scale=None,
+            lora=None, weight_slot=None, x_out=None, k_chunk=None):
+    """_gemv_kernel over a [N, K] weight (weight_slot: row 0's slot picks it in a stack [S, N, K];
+    x_out: where program 0 writes the input it builds; k_chunk: K split into chunks of that many
+    columns, y [splits, M, N] their partials)."""
+    m = x.shape[0]
+    n, k = weight.shape[-2:]
     lx = _lora_args(lora, y)
-    _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](
+    splits = triton.cdiv(k, k_chunk) if k_chunk is not None else 1
+    assert splits == 1 or (lora is None and bias is None and scale is None and y.dim() == 3)
+    _gemv_kernel[(triton.cdiv(n, t["block_n"]), splits)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, y, new_residual if new_residual is not None else y,
         scale if scale is not None else y,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0),
-        float(eps), *lx[0], **lx[1], PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(-2), y.stride(-2),
+        float(eps), *lx[0], weight_slot if weight_slot is not None else y,
+        weight.stride(0) if weight_slot is not None else 0, x_out if x_out is not None else y,
+        x_out.stride(0) if x_out is not None else 0, k_chunk or k, y.stride(0) if splits > 1 else 0,
+        PROLOGUE=code, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        EVEN=n % t["block_n"] == 0 and k % t["block_k"] == 0 and weight_slot is None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-        num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x),
-    )
-    return y, new_residual
+        num_warps=t["num_warps"], num_stages=t["num_stages"], W_SLOT=weight_slot is not None,
+        WRITE_X=x_out is not None, K_SPLIT=splits > 1, **lx[1], **pdl_args(x))
+
+
+# The batch-1 shrink's tiles, one K block per program: 8 rows of A x 1,024 columns, prefetched before
+# the PDL wait (q/k/v's 48 rows of A over K = 4,096: 24 programs; down's 16 over 14,336: 28), their
+# partials summed by the GEMV's epilogue. Not tuned on the GPU yet.
+SHRINK_TILES = dict(block_n=8, block_k=1024, num_warps=8, num_stages=1)
+
+
+def lora_shrink_prologue(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, prologue: str, *,
+                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                         eps: float = 0.0, k_chunk: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A one-row LoRA shrink with the op that builds the linear's input fused in, in one kernel:
+    (xa = input @ a[slots[0]]^T in float32, [1, N], or its partials over K [splits, 1, N] (which the
+    GEMV's LoRAEpilogue sums); the input itself (the norm's or SiLU's output, in x.dtype); the new
+    residual for add_rms_norm). a [S, N, K] contiguous; slot -1: xa is not written (the expand reads
+    no xa for base rows). k_chunk: K columns per program (None: one K block). At batch 1 it
+    replaces the norm's (or SiLU's) own kernel and the shrink's, so the linear with its adapter
+    runs the two kernels that the base linear runs (this one, then the GEMV with the expand in its
+    epilogue)."""
+    if not runs_triton(_gemv_kernel, x):   # the references: the prologue's op, then the shrink's
+        from kernels.lora import lora_shrink_ref
+        x_in, new_residual = _prologue(x, prologue, residual, norm_weight, eps, _OPS)
+        return lora_shrink_ref(x_in, a, slots), x_in, new_residual
+    code = PROLOGUES.index(prologue)
+    n, k = a.shape[1:]
+    assert x.shape[0] == 1 and a.is_contiguous() and x.stride(-1) == 1
+    assert x.shape[1] == (2 * k if code == _SILU else k)
+    t = _interpreter_tiles(n, k) if is_interpreted(_gemv_kernel) else SHRINK_TILES
+    t = dict(t, block_k=min(t["block_k"], triton.next_power_of_2(k), k_chunk or t["block_k"]))
+    k_chunk = triton.cdiv(k_chunk or t["block_k"], t["block_k"]) * t["block_k"]
+    splits = triton.cdiv(k, k_chunk)
+    xa = torch.empty((splits, 1, n) if splits > 1 else (1, n), dtype=torch.float32, device=x.device)
+    x_in = torch.empty((1, k), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if code == _ADD_NORM else None
+    _launch(x, a, None, xa, code, t, residual=residual, new_residual=new_residual, norm_weight=norm_weight, eps=eps,
+            weight_slot=slots, x_out=x_in, k_chunk=k_chunk if splits > 1 else None)
+    return xa, x_in, new_residual

@@ -2,7 +2,7 @@
 shrink/expand kernels under CUDA graphs (decode: one row per program; long prefills: 16-row tile
 products) give the merged-weight model's greedy tokens in fp32, and the graphs give eager's tokens
 in bf16, for batches mixing adapters (more than the GPU slots) and the base model; each with the
-kernel variants (LOOM_LORA_SLOT_GRID_ROWS=1: every decode batch on the slot-grid kernels; base-only
+kernel variants (LOOM_LORA_SORTED_ROWS=1: every decode batch on the sorted kernels; base-only
 steps replay the graphs without LoRA ops, LOOM_LORA_BASE_GRAPHS) and session 31's; and base-only
 constrained and penalised steps in the base graph's grammar and penalty heads, as eager."""
 from __future__ import annotations
@@ -56,12 +56,13 @@ def _loras(adapters):
     return [loras[k % len(loras)] for k in range(len(PROMPTS))]
 
 
-# the kernel variants: as shipped (at 1-8 rows the expand in the GEMV's epilogue); every decode
-# batch of 1+ rows on the slot-grid kernels; session 31's (no base-only graphs, one program per row,
-# the expand its own kernel, no PDL)
-VARIANTS = {"default": {}, "slot-grid-all": {"LOOM_LORA_SLOT_GRID_ROWS": "1"},
-            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SLOT_GRID_ROWS": "0",
-                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0"}}
+# the kernel variants: as shipped (at batch 1 the shrink fused with the norm or SiLU, at 1-8 rows the
+# expand in the GEMV's epilogue); every decode batch of 1+ rows on the sorted kernels (rows in adapter
+# order, tile products); session 31's (no base-only graphs, one program per row, the shrink and the
+# expand their own kernels, no PDL)
+VARIANTS = {"default": {}, "sorted-all": {"LOOM_LORA_SORTED_ROWS": "1"},
+            "old": {"LOOM_LORA_BASE_GRAPHS": "0", "LOOM_LORA_SORTED_ROWS": "0",
+                    "LOOM_LORA_PDL": "0", "LOOM_LORA_FUSED_EXPAND": "0", "LOOM_LORA_FUSED_SHRINK": "0"}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -78,7 +79,7 @@ def test_fp32_triton_graphs_match_merged_weights(model, adapters, variant, monke
         _check_merged_greedy_cuda(model, lr and lr.lora_path, p, list(o.outputs[0].token_ids))
 
 
-@pytest.mark.parametrize("variant", ["default", "slot-grid-all"])
+@pytest.mark.parametrize("variant", ["default", "sorted-all"])
 def test_bf16_graphs_match_eager(model, adapters, variant, monkeypatch):
     for k, v in VARIANTS[variant].items():
         monkeypatch.setenv(k, v)

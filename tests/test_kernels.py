@@ -873,6 +873,19 @@ def test_gemv_row_buckets():
     assert gv.tile_config(44, 200, 40) is None  # untuned shapes keep cuBLAS above 8 rows
 
 
+def test_gemv_plain_input_takes_the_split_tiles():
+    """A plain input (LoRA's linears: the shrink needs the normed x) of a shape tuned with the
+    prologue's own kernel first ("fuse": false) takes those tiles: the plain GEMV they time beat
+    cuBLAS. Llama-3.1-8B's qkv, gate_up and down at one row; not at 2-8 rows (cuBLAS there)."""
+    for n, k, prologue in ((6144, 4096, "add_rms_norm"), (28672, 4096, "add_rms_norm"), (4096, 14336, "silu_mul")):
+        split = gv.tile_config(n, k, 1, prologue)
+        assert split is not None and split["fuse"] is False
+        plain = gv.tile_config(n, k, 1, "none")
+        assert plain == {name: v for name, v in split.items() if name != "fuse"}
+        assert gv.tile_config(n, k, 4, "none") is None
+    assert gv.tile_config(4096, 4096, 1, "none")["block_n"] == 16   # o_proj: its own ":none" entry
+
+
 # --------------------------------------------------------------------------
 # sampling
 # --------------------------------------------------------------------------

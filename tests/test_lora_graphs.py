@@ -91,3 +91,36 @@ def test_base_only_constrained_and_penalised_steps_sample_in_the_base_heads(tiny
     for name in steps:
         assert out[True, name] == out[False, name], name
     assert out[False, "lora grammar"][1] != out[False, "grammar"][1]   # the adapter matters
+
+
+def test_batch_one_fuses_the_shrink_into_the_norm_and_silu(model_factory, tmp_path, monkeypatch):
+    """At batch 1 through the decode GEMV, q/k/v's and gate/up's shrink run with the norm before
+    them and down's with the SiLU (kernels/gemv.py lora_shrink_prologue; on the CPU its torch
+    reference), the expand in the GEMV's epilogue: the merged-weight model's greedy tokens, and
+    LOOM_LORA_FUSED_SHRINK=0 takes the separate kernels to the same tokens."""
+    import kernels.gemv as gv
+    from workers.models import layers
+    # the GPU's route, the decode GEMV (torch ops on the CPU), from the runner's use_kernels("torch") on
+    monkeypatch.setitem(layers._TORCH_REFERENCES, "gemv", gv.gemv)
+    monkeypatch.setitem(layers._TORCH_REFERENCES, "gemv_max_rows", gv.MAX_DECODE_ROWS)
+    calls = []
+    shrink = gv.lora_shrink_prologue
+    monkeypatch.setattr(gv, "lora_shrink_prologue", lambda x, a, slots, prologue, **kw: (
+        calls.append(prologue), shrink(x, a, slots, prologue, **kw))[1])
+    model_dir = model_factory("llama")
+    adapter = make_adapter(model_dir, str(tmp_path / "a"), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    lora = LoRARequest("a", 1, adapter)
+    got = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("LOOM_LORA_FUSED_SHRINK", fused)
+        calls.clear()
+        with LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=64, block_size=4,
+                 max_num_seqs=4, enforce_eager=True) as llm:
+            eos = llm.config.eos_token_ids
+            got[fused] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False,
+                                      lora_request=lora)[0].outputs[0].token_ids
+        assert bool(calls) == (fused == "1")
+        if calls:
+            assert {"rms_norm", "add_rms_norm", "silu_mul"} <= set(calls)
+    assert got["1"] == got["0"] == merged_greedy(model_dir, adapter, PROMPTS[1], MAX_NEW, eos)

@@ -101,8 +101,9 @@ def test_shrink_expand_match_reference(dtype, batch, slices, block_m):
 
 
 def _check_against_reference(dtype, batch, slices, **kernel_kw):
-    """The shrink and the expand (called with kernel_kw) against their references; base rows untouched."""
-    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch], slices=slices)
+    """The shrink and the expand (called with kernel_kw) against their references; base rows untouched.
+    batch: a name in BATCHES, or the slots themselves."""
+    x, a, b, y, slots, starts = _case(dtype, BATCHES[batch] if isinstance(batch, str) else batch, slices=slices)
     xa_ref = lk.lora_shrink_ref(x, a, slots)
     xa = lk.lora_shrink(x, a, slots, out=torch.zeros_like(xa_ref), **kernel_kw)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
@@ -170,47 +171,60 @@ def test_wide_output_slices_cross_column_blocks(block_m):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+# the sorted kernels' cases besides BATCHES: a decode graph's padded rows (-1 past the step's
+# rows), every row on one slot (slots 0 and 2 empty), rows in adapter order already
+SORTED_BATCHES = {**BATCHES, "graph_padded": [2, 0, 1, 2, 0, 1, 1] + [-1] * 25, "one_slot": [1] * 37,
+                  "in_order": [0] * 5 + [1] * 33 + [2] * 2}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("batch", list(SORTED_BATCHES))
 @pytest.mark.parametrize("slices", [(12, 6, 6), (7,)])
-def test_slot_grid_kernels_match_reference(dtype, batch, slices):
-    # one program per (32 rows, columns), a tile product per slot its rows use: blocks mixing
-    # adapters and the base (segments: 56 rows, two blocks)
-    _check_against_reference(dtype, batch, slices, slot_grid=True)
+def test_sorted_kernels_match_reference(dtype, batch, slices):
+    # rows taken in adapter order, a tile of one adapter's rows per program (short last tiles,
+    # base rows in between, empty slots); the grid is fixed by the rows and slots alone
+    _check_against_reference(dtype, SORTED_BATCHES[batch], slices, sorted_rows=True)
 
 
-def test_slot_grid_expand_sums_split_partials():
-    x, a, b, y, slots, starts = _case(torch.float32, BATCHES["decode_mixed"], k=200)
-    xa = lk.lora_shrink(x, a, slots, block_m=1, splits=3)
-    assert xa.dim() == 3
-    want = lk.lora_expand_ref(y.clone(), lk.lora_shrink_ref(x, a, slots), b, slots, starts)
-    torch.testing.assert_close(lk.lora_expand(y.clone(), xa, b, slots, starts, slot_grid=True), want,
-                               atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("batch", ["segments", "decode_mixed"])
-def test_slot_grid_shrink_split_over_k(batch):
-    # the slot-grid shrink split over K (a decode batch of 256 rows is 8 row blocks: without the
-    # split each program walked all of K once per slot): 3 chunks of a K = 300 (the last one short),
-    # partials summed by the slot-grid expand as it reads them; rows of slot -1 never stored
-    x, a, b, y, slots, starts = _case(torch.float32, BATCHES[batch], k=300)
-    xa = lk.lora_shrink(x, a, slots, splits=3, slot_grid=True)
+def test_sorted_round_robin_over_eight_slots():
+    # the bench's decode batch scaled down: 256 rows, row i on slot i % 8 except every 5th on the
+    # base: each slot's 25-27 rows span two 32-row tiles of other rows; split over K, partials
+    # summed by the expand as it reads them
+    slots_list = [-1 if i % 5 == 4 else i % 8 for i in range(256)]
+    x, a, b, y, slots, starts = _case(torch.float32, slots_list, k=300, num_slots=8)
+    xa = lk.lora_shrink(x, a, slots, splits=3, sorted_rows=True)
     assert xa.shape[0] == 3
     xa_ref = lk.lora_shrink_ref(x, a, slots)
     used = (slots >= 0).cpu()
     torch.testing.assert_close(xa.sum(0).cpu()[used], xa_ref.cpu()[used], atol=1e-4, rtol=1e-5)
     want = lk.lora_expand_ref(y.clone(), xa_ref, b, slots, starts)
-    got = lk.lora_expand(y.clone(), xa, b, slots, starts, slot_grid=True)
+    got = lk.lora_expand(y.clone(), xa, b, slots, starts, sorted_rows=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     assert torch.equal(got.cpu()[~used], y.cpu()[~used])
 
 
-def test_slot_grid_rows(monkeypatch):
-    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "16")
-    assert not lk.use_slot_grid(8, None) and lk.use_slot_grid(16, None) and lk.use_slot_grid(8192, None)
-    assert lk.use_slot_grid(1, True) and not lk.use_slot_grid(64, False)
-    monkeypatch.setenv("LOOM_LORA_SLOT_GRID_ROWS", "0")
-    assert not lk.use_slot_grid(64, None)
+def test_sorted_tiles_cover_every_row_once():
+    # the sort itself, on the host: for every slot layout the grid's tiles hold each adapter row
+    # exactly once and no base row (a program past the last tile stores nothing): the shrink
+    # into a buffer of -7s leaves the base rows at -7 and writes every other row
+    for slots_list in ([3] * 40, [3] * 32 + [0] * 16, [-1] * 9 + [0], [i % 4 for i in range(70)],
+                       [1, 1, 0, 0, 3, 3, -1, 2]):
+        x, a, b, y, slots, starts = _case(torch.float32, slots_list, num_slots=4)
+        out = torch.full((len(slots_list), a.shape[1]), -7.0, device=DEVICE)
+        lk.lora_shrink(x, a, slots, out=out, sorted_rows=True)
+        base = (slots < 0).cpu()
+        assert (out.cpu()[base] == -7).all()
+        torch.testing.assert_close(out.cpu()[~base], lk.lora_shrink_ref(x, a, slots).cpu()[~base], atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_sorted_rows_setting(monkeypatch):
+    monkeypatch.setenv("LOOM_LORA_SORTED_ROWS", "16")
+    assert not lk.use_sorted(8, None) and lk.use_sorted(16, None) and lk.use_sorted(lk.SORTED_ROWS_MAX, None)
+    assert not lk.use_sorted(lk.SORTED_ROWS_MAX + 1, None)   # (prefill: 16-row blocks)
+    assert lk.use_sorted(1, True) and not lk.use_sorted(64, False)
+    monkeypatch.setenv("LOOM_LORA_SORTED_ROWS", "0")
+    assert not lk.use_sorted(64, None)
 
 
 def test_one_k_block_per_shrink_program(monkeypatch):
@@ -259,3 +273,41 @@ def test_gemv_lora_fallback_past_its_rows():
     got = gv.gemv(x, weight, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
     want = lk.lora_expand_ref(torch.nn.functional.linear(x, weight), xa, b, slots, starts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "add_rms_norm", "silu_mul"])
+@pytest.mark.parametrize("slot", [1, -1])
+@pytest.mark.parametrize("k_chunk", [None, 32])   # (32: K split over 3 programs, partials summed by the GEMV)
+def test_shrink_with_the_prologue_fused(dtype, prologue, slot, k_chunk):
+    # batch 1: one kernel builds the linear's input (norm or SiLU), writes it (and the new
+    # residual) and multiplies it by the row's adapter A: as the prologue's reference, then the
+    # reference shrink; then the GEMV on that input with the expand in its epilogue, as the base
+    # product plus the reference expand. Slot -1: the input and residual still, no delta.
+    k = 96
+    x, a, b, y, slots, starts = _case(dtype, [slot], k=k)
+    g = torch.Generator().manual_seed(7)
+    x_arg = (torch.randn(1, 2 * k, generator=g).to(dtype).to(DEVICE) if prologue == "silu_mul" else x)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE)
+    kw = {}
+    if prologue in ("rms_norm", "add_rms_norm"):
+        kw = dict(norm_weight=norm_w, eps=1e-6, residual=residual if prologue == "add_rms_norm" else None)
+    want_in, want_res = gv._prologue(x_arg, prologue, kw.get("residual"), norm_w, 1e-6, gv._REF_OPS)
+    xa, x_in, new_res = gv.lora_shrink_prologue(x_arg, a, slots, prologue, k_chunk=k_chunk, **kw)
+    assert xa.dim() == (3 if k_chunk else 2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(x_in.float(), want_in.float(), **tol)
+    if prologue == "add_rms_norm":
+        torch.testing.assert_close(new_res.float(), want_res.float(), **tol)
+    else:
+        assert new_res is None
+    if slot >= 0:
+        torch.testing.assert_close(xa.sum(0) if k_chunk else xa, lk.lora_shrink_ref(x_in, a, slots), **tol)
+    weight = (torch.randn(y.shape[1], k, generator=g) * 0.2).to(dtype).to(DEVICE)
+    tiles = dict(block_n=8, block_k=32, num_warps=4, num_stages=1)
+    base = gv.gemv(x_in, weight, tiles=tiles)[0]
+    got = gv.gemv(x_in, weight, tiles=tiles, lora=gv.LoRAEpilogue(xa, b, slots, starts))[0]
+    want = lk.lora_expand_ref(base.clone(), lk.lora_shrink_ref(x_in, a, slots), b, slots, starts)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert torch.equal(got, base) == (slot < 0)

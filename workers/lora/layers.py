@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ipc import envs
 from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 from workers.distributed import linear_all_reduce
 from workers.lora.peft import LoRAModuleWeights
@@ -38,9 +39,10 @@ class LoRAContext:
         self.active = True   # warm-up and graph capture record the LoRA ops
         # the runner's kernel choice (--attention-backend): Triton, or the torch references
         # (the Triton shrink splits K at decode sizes: its partials go to the expand as they are)
-        # (from LOOM_LORA_SLOT_GRID_ROWS rows to 256, the slot-grid kernels: slot_grid=None)
-        self.shrink = functools.partial(lora_shrink, splits=None, slot_grid=None) if use_triton else lora_shrink_ref
-        self.expand = functools.partial(lora_expand, slot_grid=None) if use_triton else lora_expand_ref
+        # (from LOOM_LORA_SORTED_ROWS rows to 256, the rows in adapter order: sorted_rows=None)
+        self.shrink = (functools.partial(lora_shrink, splits=None, sorted_rows=None) if use_triton
+                       else lora_shrink_ref)
+        self.expand = functools.partial(lora_expand, sorted_rows=None) if use_triton else lora_expand_ref
 
     def slots(self, rows: int) -> torch.Tensor:
         return self.token_slots[:rows]
@@ -80,6 +82,32 @@ class LoRALinear:
         from kernels.gemv import LoRAEpilogue
         slots = self.ctx.slots(x.shape[0])
         return LoRAEpilogue(self.ctx.shrink(x, self.a, slots), self.b, slots, self.slice_starts)
+
+    def fused_shrink(self, linear, x: torch.Tensor) -> bool:
+        """Whether the batch-1 shrink runs in the kernel of the norm or SiLU before the linear
+        (kernels/gemv.py lora_shrink_prologue, LOOM_LORA_FUSED_SHRINK): one row through the decode
+        GEMV, an unquantized weight."""
+        return (envs.LOOM_LORA_FUSED_SHRINK and x.dim() == 2 and x.shape[0] == 1 and layers.use_gemv(x)
+                and linear.quant_method is None)
+
+    def shrink_prologue(self, x: torch.Tensor, prologue: str, residual: torch.Tensor | None = None,
+                        norm=None):
+        """The batch-1 shrink with the linear's input built in the same kernel: (the input, the new
+        residual or None, the GEMV's LoRAEpilogue)."""
+        from kernels.gemv import LoRAEpilogue, lora_shrink_prologue
+        slots = self.ctx.slots(1)
+        kw = dict(residual=residual, norm_weight=norm.weight, eps=norm.eps) if norm is not None else {}
+        xa, x_in, new_residual = lora_shrink_prologue(x, self.a, slots, prologue, **kw)
+        return x_in, new_residual, LoRAEpilogue(xa, self.b, slots, self.slice_starts)
+
+    def normed_forward(self, linear, x: torch.Tensor, residual: torch.Tensor | None, norm):
+        """A column-parallel linear's forward_normed at one row: the norm and the shrink in one kernel,
+        then the GEMV with the expand in its epilogue (the base linear's two kernels: the norm's,
+        then its GEMV). Returns (y, the new residual)."""
+        prologue = "rms_norm" if residual is None else "add_rms_norm"
+        normed, new_residual, epilogue = self.shrink_prologue(x, prologue, residual, norm)
+        y = layers.gemv(normed, linear.weight, linear.bias, lora=epilogue)[0]
+        return y, (x if residual is None else new_residual)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this linear's output for x [T, in], [T, out]) plus each row's adapter delta, in place."""
@@ -127,14 +155,18 @@ class LoRALinear:
 
     def row_forward(self, linear, x: torch.Tensor, silu_mul: bool):
         """A row-parallel linear's forward with the delta: the activation first (not fused into
-        the GEMV: the delta needs its output too), then the product and this rank's delta, then
-        the sum over the ranks."""
-        if silu_mul:
+        the GEMV: the delta needs its output too; at batch 1 fused with the shrink), then the
+        product and this rank's delta, then the sum over the ranks."""
+        epilogue = None
+        if silu_mul and self.fused_shrink(linear, x):   # batch 1: the SiLU and the shrink in one kernel
+            x, _, epilogue = self.shrink_prologue(x, "silu_mul")
+        elif silu_mul:
             x = layers.silu_and_mul(x)
 
         def matmul(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if layers.use_gemv(x2):
-                return layers.gemv(x2, weight, out=out, lora=self.epilogue(x2))[0]
+                lora = epilogue if epilogue is not None else self.epilogue(x2)
+                return layers.gemv(x2, weight, out=out, lora=lora)[0]
             if out is None:
                 y = F.linear(x2, weight)
             else:

@@ -443,6 +443,8 @@ class ColumnParallelLinear(nn.Module):
                             eps=norm.eps, scale=gw[1])[0], x
             return gemv(x, gw[0], self.bias, prologue="add_rms_norm", residual=residual,
                         norm_weight=norm.weight, eps=norm.eps, scale=gw[1])
+        if _lora_active(self) and self.lora.fused_shrink(self, x):   # batch 1: the norm and the shrink fused
+            return self.lora.normed_forward(self, x, residual, norm)
         if residual is None:
             return self(norm(x)), x
         normed, residual = norm(x, residual)
