@@ -54,14 +54,28 @@ class KVCacheManager:
         return self.pool.usage()
 
     def update_block_hashes(self, req: Request) -> None:
-        """Extend req.block_hashes over every full block of its known tokens."""
+        """Extend req.block_hashes over every full block of its known tokens. (Slices of the
+        token lists, not a lookup per token: 512 prompts of 2,112 tokens arriving together took
+        ~1.4 s of the engine's CPU to hash token by token, which the GPU waited for.)"""
         bs = self.block_size
         hashes = req.block_hashes
-        while (len(hashes) + 1) * bs <= req.num_tokens:
-            i = len(hashes)
-            tokens = [req.token_id(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else block_hash_root(req.lora_request), tokens,
-                                     self._extra_keys(req, i)))
+        i = len(hashes)
+        if (i + 1) * bs > req.num_tokens:
+            return
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        num_prompt = len(prompt)
+        parent = hashes[-1] if hashes else block_hash_root(req.lora_request)
+        while (i + 1) * bs <= req.num_tokens:
+            lo, hi = i * bs, (i + 1) * bs
+            if hi <= num_prompt:
+                tokens = prompt[lo:hi]
+            elif lo >= num_prompt:
+                tokens = output[lo - num_prompt:hi - num_prompt]
+            else:
+                tokens = list(prompt[lo:]) + output[:hi - num_prompt]
+            parent = hash_block(parent, tokens, self._extra_keys(req, i) if req.mm_items else ())
+            hashes.append(parent)
+            i += 1
 
     def _extra_keys(self, req: Request, i: int) -> tuple:
         """Block i's extra keys: images in the block (same text, different image, different KV).
@@ -134,6 +148,8 @@ class KVCacheManager:
         computed_blocks are prefix-cache hits for a request not yet running. Blocks behind the
         window of the first new token are freed first (hits there are not taken at all), so
         that the room asked for is the trimmed count."""
+        if not computed_blocks and self.sliding_window is None and req.request_id in self.req_blocks:
+            return self._extend(self.req_blocks[req.request_id], req.num_computed_tokens + num_new_tokens)
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -150,6 +166,19 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(req.request_id, held)
         blocks.extend(hits)
         blocks.extend(new_blocks)
+        return new_blocks
+
+    def _extend(self, held: list[KVBlock | None], num_tokens: int) -> list[KVBlock] | None:
+        """allocate_slots for a request already holding `held`, with no hits and no window (a
+        running request's next tokens, every step for every decode): the blocks num_tokens
+        need past those held; None if the pool is short."""
+        need = cdiv(num_tokens, self.block_size) - len(held)
+        if need <= 0:
+            return []
+        if need > self.pool.num_free_blocks:
+            return None
+        new_blocks = self.pool.take_new(need)
+        held.extend(new_blocks)
         return new_blocks
 
     def _first_needed_block(self, next_pos: int) -> int:

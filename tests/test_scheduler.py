@@ -262,3 +262,20 @@ def test_fan_outs_take_turns_and_single_requests_stay_first_come_first_served():
         so, _ = fake_step(s2)
         order += [n.req_id for n in so.new_requests]
     assert order == [f"r{i}" for i in range(6)]
+
+
+def test_block_hashes_chain_over_prompt_and_output_tokens():
+    """A block that straddles the prompt's end hashes the prompt's tail and the first outputs, as
+    the whole token list cut into blocks does (update_block_hashes slices the two lists)."""
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    r = req("a", list(range(100, 110)))          # 10 prompt tokens: blocks 0-1 full, block 2 half
+    kv.update_block_hashes(r)
+    assert len(r.block_hashes) == 2
+    r.output_token_ids += [7, 8, 9, 10, 11, 12, 13]   # 17 tokens: blocks 2 (2 prompt + 2 output) and 3 (output)
+    kv.update_block_hashes(r)
+    tokens = r.prompt_token_ids + r.output_token_ids
+    want, parent = [], None
+    for i in range(len(tokens) // 4):
+        parent = hash_block(parent, tokens[4 * i:4 * i + 4])
+        want.append(parent)
+    assert r.block_hashes == want and len(want) == 4
