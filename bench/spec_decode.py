@@ -30,8 +30,9 @@ Qwen3-0.6B shape (engines: none, oracle, ngram with disable_by_batch_size 4):
 
 The oracle replays the target's greedy output, recorded by the oracle engine itself on each
 prompt's first run (workers/spec_decode/oracle_proposer.py: with the verify steps' numerics, as a
-plain decode step's bf16 argmax can differ in a near tie); the measured acceptance length is
-printed next to each speedup. With random weights a
+plain decode step's bf16 argmax can differ in a near tie) and settled by one full untimed run (where
+a replay breaks a near tie the other way, it records on from there); the measured acceptance length
+is printed next to each speedup. With random weights a
 model's continuation is not predictable from its prompt as a trained model's is: the n-gram rows
 measure the engine at whatever acceptance that gives (printed)."""
 from __future__ import annotations
@@ -117,7 +118,9 @@ def _decode(llm, prompt, n: int | None = None) -> dict:
     """Batch 1: time per output token after the first and per decode step (medians of 3), and the
     acceptance length of the verify steps."""
     n = n or OUTPUT_LEN
-    _timed(llm, [prompt], 4)   # warm-up at this length
+    # warm-up at this length; with the oracle, the run that settles its recording (a near tie the
+    # replay's steps break the other way is recorded on from there: oracle_proposer.py)
+    _timed(llm, [prompt], n)
     s = llm.stats
 
     def run(max_tokens: int) -> tuple[float, int, int, int]:
@@ -223,6 +226,7 @@ def qwen_rows(tmp: str, variants: list[Variant], offline: bool = True) -> list[d
                                                        [miss] * len(prompts)))
         try:
             _timed(llm, prompts, OUTPUT_LEN + 2 * K)   # records them (batch 8, as replayed)
+            _timed(llm, prompts, OUTPUT_LEN)   # settles the recordings (oracle_proposer.py)
             s = llm.stats
             d0, a0, s0 = s.spec_num_drafts, s.spec_num_accepted_tokens, s.steps
             spec_b8 = sorted(_timed(llm, prompts, OUTPUT_LEN)[0] for _ in range(3))[1]
