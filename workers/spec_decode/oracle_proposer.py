@@ -15,8 +15,8 @@ records on from there (its outputs so far become the recording). The recording r
 each token in the first row of a verify step of junk drafts, a replay in any row of a step of
 accepted ones, and a replay's prompt ends in its prefix-cache hit: in bf16 a near tie can come
 out the other way, and a replay that only stopped drafting there would run plain steps to its
-end, every later run alike (issue 47: 24 of 160 steps verified at batch 1). So one full run
-after the recording settles it, and the runs after it replay it to the end."""
+end, every later run alike (issue 47: 24 of 160 steps verified at batch 1). Each full run after
+the recording settles it up to the next such tie (bench.spec_decode.SETTLE_RUNS)."""
 from __future__ import annotations
 
 import json
