@@ -56,7 +56,7 @@ class OracleProposer:
         self.k, self.miss, self.vocab = spec.num_speculative_tokens, spec.oracle_miss_rate, vocab_size
         self.recorded = load_recording(spec.oracle_path)
         self.own = {p for p, (rec, _) in self.recorded.items() if rec is None}   # recorded by this engine
-        self.recording: dict[str, tuple[int, ...]] = {}   # req id -> its prompt, while its first run records
+        self.recording: dict[str, tuple[int, ...]] = {}   # req id -> its prompt, while its run records
         self.replays: dict[str, _Replay] = {}   # req id -> where its replay stands (LOOM_SPEC_FAST_HOST)
         self.table = np.zeros((0, 0), dtype=np.int64)   # the replays' recordings, by persistent-batch slot
         self.rng = np.random.default_rng(seed)   # every rank draws the same misses
