@@ -312,3 +312,54 @@ def test_oracle_batched_replay_drafts_as_one_by_one(tmp_path, monkeypatch):
     assert drafts["1"] == drafts["0"]
     assert any(len(d) == 3 for d in drafts["1"][0].values()) and "r5" not in drafts["1"][-1]
     assert any(0 < len(d) < 3 for step in drafts["1"] for d in step.values())   # a recording's end
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_oracle_records_on_where_a_greedy_run_leaves_its_own_recording(fast, tmp_path, monkeypatch):
+    """An entry the engine recorded follows the engine (issue 47: a bf16 near tie a replay breaks
+    the other way stopped the drafts for the rest of every run): a greedy run that leaves it, or
+    outlives it, records on from there with junk drafts, and the next run replays the new recording
+    to its end. A sampled run off it drafts nothing and records nothing; so does any run off a
+    given recording. One by one and batched (LOOM_SPEC_FAST_HOST, BATCHED_FROM requests)."""
+    from types import SimpleNamespace
+
+    from workers.input_batch import InputBatch
+    from workers.spec_decode.oracle_proposer import BATCHED_FROM, OracleProposer
+    monkeypatch.setenv("LOOM_SPEC_FAST_HOST", fast)
+    own, given = [5, 6, 7], [8, 9]
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"prompt_token_ids": own}, {"prompt_token_ids": given, "output_token_ids": [1] * 12}]))
+    proposer = OracleProposer(SimpleNamespace(num_speculative_tokens=3, oracle_miss_rate=0.0,
+                                              oracle_path=str(path)), 300, 0)
+    batch = InputBatch(8, 64, 4)
+    runner, runs = SimpleNamespace(batch=batch), iter(range(100))
+
+    def run(prompt, outputs, params=SamplingParams(temperature=0)):
+        """BATCHED_FROM requests with these outputs, a token a step: the drafts after each step."""
+        ids = [f"run{next(runs)}" for _ in range(BATCHED_FROM)]
+        for rid in ids:
+            batch.add(rid, prompt, [], [0], 0, params, 0, [])
+        got = []
+        for token in outputs:
+            states = [batch.requests[rid] for rid in ids]
+            for st in states:
+                batch.append_token(st, token)
+            drafts = proposer.propose(runner, states)
+            got.append(drafts.get(ids[0], []))
+            assert all(d == got[-1] for d in drafts.values())
+        for rid in ids:
+            batch.remove(rid)
+        return got
+
+    def junk(last):
+        return [(last + 1 + i) % 300 for i in range(3)]
+
+    first = list(range(100, 110))
+    assert run(own, first) == [junk(t) for t in first]   # the first run records
+    second = first[:4] + [200, 201, 202, 203]   # leaves the recording at output 4
+    assert run(own, second) == [first[i + 1:i + 4] for i in range(4)] + [junk(t) for t in second[4:]]
+    third = second + [204, 205]   # replays the second run to its end, then outlives it
+    assert run(own, third) == [second[i + 1:i + 4] for i in range(7)] + [junk(t) for t in third[7:]]
+    assert run(own, third[:2] + [250], SamplingParams(temperature=1.0)) == [third[1:4], third[2:5], []]
+    assert run(own, third) == [third[i + 1:i + 4] for i in range(9)] + [junk(205)]   # (the sampled run left it)
+    assert run(given, [1, 1, 2, 3]) == [[1, 1, 1], [1, 1, 1], [], []]   # given: nothing once off it

@@ -8,7 +8,15 @@ entry without "output_token_ids" is recorded by the prompt's first run in this e
 verify steps' numerics: bf16 decode and verify steps can differ in a near tie); each
 draft token is replaced by a wrong one with probability oracle_miss_rate, or the entry's own
 "miss_rate" (a fixed acceptance rate: acceptance length 1 + sum_{i<=k} (1 - miss)^i for greedy
-requests)."""
+requests).
+
+An entry this engine recorded follows the engine: a greedy run that leaves it or outlives it
+records on from there (its outputs so far become the recording). The recording run computes
+each token in the first row of a verify step of junk drafts, a replay in any row of a step of
+accepted ones, and a replay's prompt ends in its prefix-cache hit: in bf16 a near tie can come
+out the other way, and a replay that only stopped drafting there would run plain steps to its
+end, every later run alike (issue 47: 24 of 160 steps verified at batch 1). Each full run after
+the recording settles it up to the next such tie (bench.spec_decode.SETTLE_RUNS)."""
 from __future__ import annotations
 
 import json
@@ -39,6 +47,7 @@ class _Replay:
     slot: int
     length: int                  # of the recording
     miss_rate: float
+    follows: bool                # records on where it leaves or outlives the recording (_follows)
     matched: int = 0
 
 
@@ -46,7 +55,8 @@ class OracleProposer:
     def __init__(self, spec, vocab_size: int, seed: int):
         self.k, self.miss, self.vocab = spec.num_speculative_tokens, spec.oracle_miss_rate, vocab_size
         self.recorded = load_recording(spec.oracle_path)
-        self.recording: dict[str, tuple[int, ...]] = {}   # req id -> its prompt, while its first run records
+        self.own = {p for p, (rec, _) in self.recorded.items() if rec is None}   # recorded by this engine
+        self.recording: dict[str, tuple[int, ...]] = {}   # req id -> its prompt, while its run records
         self.replays: dict[str, _Replay] = {}   # req id -> where its replay stands (LOOM_SPEC_FAST_HOST)
         self.table = np.zeros((0, 0), dtype=np.int64)   # the replays' recordings, by persistent-batch slot
         self.rng = np.random.default_rng(seed)   # every rank draws the same misses
@@ -100,6 +110,11 @@ class OracleProposer:
         counts = valid.sum(axis=1).tolist()
         out = {}
         for r, m, bad, d, c in zip(replays, n_out.tolist(), left.tolist(), drafts, counts):
+            if r.follows and (bad or not c):   # left or outlived its recording: records on
+                del self.replays[r.state.req_id]
+                if (recorded := self._match(runner, r.state, True)):
+                    out[r.state.req_id] = recorded
+                continue
             if bad:
                 r.matched = -1
                 continue
@@ -108,7 +123,7 @@ class OracleProposer:
                 out[r.state.req_id] = d[:c]
         return out
 
-    def _start_replay(self, st, rec: list[int], miss_rate: float) -> None:
+    def _start_replay(self, st, prompt: tuple[int, ...], rec: list[int], miss_rate: float) -> None:
         """Put a request's recording in its slot's row of the table (grown to fit)."""
         rows, cols = self.table.shape
         if st.slot >= rows or len(rec) > cols:
@@ -116,7 +131,7 @@ class OracleProposer:
             grown[:rows, :cols] = self.table
             self.table = grown
         self.table[st.slot, :len(rec)] = rec
-        self.replays[st.req_id] = _Replay(st, st.slot, len(rec), miss_rate)
+        self.replays[st.req_id] = _Replay(st, st.slot, len(rec), miss_rate, self._follows(st, prompt))
 
     def _match(self, runner, st, fast: bool) -> list[int]:
         """A request's drafts from its prompt's entry: recording it on its first run, else
@@ -127,20 +142,27 @@ class OracleProposer:
             return []
         rec, miss_rate = self.recorded[prompt]
         outputs = tokens[st.num_prompt_tokens:].tolist()
-        if rec is None or st.req_id in self.recording:
-            # the first run records: junk drafts (nearly all rejected) make every step a verify
-            # step, so the recording has the verify steps' numerics, which the replays then meet
-            self.recording[st.req_id] = prompt
-            self.recorded[prompt] = (outputs, miss_rate)
-            return [(outputs[-1] + 1 + i) % self.vocab for i in range(self.k)]
-        miss_rate = self.miss if miss_rate is None else miss_rate
         n_out = len(outputs)
-        if rec[:n_out] != outputs:
-            return []
-        if fast:
-            self._start_replay(st, rec, miss_rate)
-            self.replays[st.req_id].matched = n_out
-        return self._missed(rec[n_out:n_out + self.k], miss_rate)
+        if rec is not None and st.req_id not in self.recording:
+            if rec[:n_out] == outputs and (n_out < len(rec) or not self._follows(st, prompt)):
+                miss_rate = self.miss if miss_rate is None else miss_rate
+                if fast:
+                    self._start_replay(st, prompt, rec, miss_rate)
+                    self.replays[st.req_id].matched = n_out
+                return self._missed(rec[n_out:n_out + self.k], miss_rate)
+            if not self._follows(st, prompt):
+                return []
+        # the first run records (and a run that left or outlived this engine's recording records
+        # on): junk drafts (nearly all rejected) make every step a verify step, so the recording
+        # has the verify steps' numerics, which the replays then meet
+        self.recording[st.req_id] = prompt
+        self.recorded[prompt] = (outputs, miss_rate)
+        return [(outputs[-1] + 1 + i) % self.vocab for i in range(self.k)]
+
+    def _follows(self, st, prompt: tuple[int, ...]) -> bool:
+        """Whether a request records on where it leaves or outlives its prompt's recording: a
+        greedy one, on a recording this engine made (a given one is the truth it drafts)."""
+        return prompt in self.own and st.params.greedy
 
     def _missed(self, drafts: list[int], miss_rate: float) -> list[int]:
         """Each draft replaced by a wrong one with probability miss_rate."""
