@@ -333,8 +333,10 @@ def test_tokenization_for_a_gone_client_is_skipped():
 
 def _tokenizer_process(server) -> int | None:
     """The API server's tokenizer process (frontend/openai/tokenizer_proc.py), once a large input started it."""
-    api = serve_processes(server)["api_server"]
-    return next((k for k in child_pids(api) if is_tokenizer_process(k)), None)
+    # (None while a replacement is starting: until it execs, its command line is the API server's,
+    # and serve_processes takes the API server with that child for the engine core)
+    api = serve_processes(server).get("api_server")
+    return None if api is None else next((k for k in child_pids(api) if is_tokenizer_process(k)), None)
 
 
 def test_large_inputs_tokenize_exactly_as_in_process(server, tiny_model_dir):
