@@ -15,6 +15,7 @@ import shutil
 import sys
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -162,12 +163,22 @@ def _on_sigterm(signum, frame):
         raise SystemExit(0)
 
 
+STOP_GRACE_S = 0.5   # for a child to read STOP before the SIGTERM that follows it
+
+
 def stop_processes(procs: list[BaseProcess], timeout: float = 5.0) -> None:
-    """STOP (and SIGTERM, for a child that does not read its death pipe), wait, then SIGKILL what
-    is left."""
-    for p in procs:
+    """STOP, then SIGTERM for a child still there after STOP_GRACE_S (one that does not read its
+    death pipe), wait, then SIGKILL what is left. (A SIGTERM sent with the STOP could reach a
+    child before it read the STOP; the child then passed it on to `loom serve` as an operator's
+    stop, and a `loom serve -tp 2` whose rank had died exited 0, not 1.)"""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        _tell(p, STOP)
+    grace_end = time.monotonic() + STOP_GRACE_S
+    for p in alive:
+        p.join(max(0.0, grace_end - time.monotonic()))
+    for p in alive:
         if p.is_alive():
-            _tell(p, STOP)
             p.terminate()
     for p in procs:
         p.join(timeout)
