@@ -106,8 +106,10 @@ def note_start(config, device: torch.device) -> None:
 
 def mark_started() -> None:
     """After a worker's last phase (graph capture): this process's later phases (a wake-up) and
-    later starts of the same key (note_start) run no dry runs."""
+    later starts of the same key (note_start) run no dry runs; and from now on every Triton
+    variant that still compiles (or loads from the disk cache) is logged (watch_mid_run_compiles)."""
     global _known_start
+    watch_mid_run_compiles()
     if _marker is None:   # (not a CUDA worker: nothing runs dry)
         return
     _known_start = True
@@ -117,6 +119,44 @@ def mark_started() -> None:
             pass
     except OSError:   # a read-only cache: later starts dry-run again, nothing worse
         pass
+
+
+class MidRunCompiles:
+    """Triton's hooks around a variant's compile, installed once the worker serves: each variant
+    the warm-up and graph capture did not reach stalls the step that first launches it (a
+    compile: 0.1-1 s; a load from the disk cache: a few ms), so each is logged as a warning with
+    its specialization, for the warm-up to cover it (bench runs grep "compiled mid-run")."""
+
+    def __init__(self):
+        self.started: dict[object, float] = {}
+        self.count = 0
+
+    def before(self, *, key, **_) -> bool:
+        self.started[key] = time.perf_counter()
+        return False   # (True would skip the compile)
+
+    def after(self, *, key, repr, **_) -> None:
+        ms = 1e3 * (time.perf_counter() - self.started.pop(key, time.perf_counter()))
+        self.count += 1
+        logger.warning("Triton compiled a kernel variant mid-run (%.0f ms, #%d): %s key %.600s", ms, self.count,
+                       repr, key)
+
+
+_mid_run: MidRunCompiles | None = None
+
+
+def watch_mid_run_compiles() -> None:
+    """Install MidRunCompiles on CUDA (once per process; the dry runs' own hook is gone by now)."""
+    global _mid_run
+    if _marker is None or _mid_run is not None:
+        return
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+    except (ImportError, AttributeError):   # (a Triton without knobs: no watch)
+        return
+    _mid_run = MidRunCompiles()
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = _mid_run.before, _mid_run.after
 
 
 def threads(device: torch.device) -> int:

@@ -259,8 +259,9 @@ class DecodeGraphs:
             self.mask = torch.zeros((max_bs, self.mask_words), dtype=torch.int32, device=device)
             self.mask_rows = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
             self._all_rows = torch.arange(max_bs, dtype=torch.int32, device=device)
-        # the penalty heads (penalties, then the plain sampler), captured at a size's first step with
-        # penalty rows (the penalty state exists from the first request with penalties on)
+        # the penalty heads (penalties, then the plain sampler; one GPU only), captured at a size's
+        # first step with penalty rows (the penalty state exists from the first request with penalties on)
+        self.penalty_heads = envs.LOOM_PENALTY_HEAD_GRAPHS and tp_size() <= 1
         self._penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pool = None
 
@@ -360,6 +361,8 @@ class DecodeGraphs:
                 self._capture_head(bs, base)
                 if self.grammar_heads:
                     self._capture_head(bs, base, grammar=True)
+            if self.penalty_heads:   # its kernels now (its graph: at the size's first penalty step)
+                self._head(bs, self._bases[0], penalty_state=self._stand_in_state())()
         padded = {b: g for b, g in enumerate(self.graph_for) if b and g != next(s for s in self.sizes if s >= b)}
         logger.info("%s %d decode graphs (batch 1..%d; %d with cascade attention too) in %.1fs; run in a larger "
                     "graph because it is faster: %s", "captured" if self.capturing else "set up (uncaptured, on the CPU)",
@@ -376,12 +379,10 @@ class DecodeGraphs:
             if bs in self.cascade_sizes:
                 self._lora_set(self._model_step(bs, bs, cascade=True), base)()
             hidden = self._lora_set(self._model_step(bs, bs), base)()
-            v = self._dev_views[bs]
-            params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
             logits = self.model.compute_logits(hidden, plain=True)
-            if self.grammar_heads:   # the grammar head's mask kernel too
-                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
-            sample_plain(logits, params, use_triton=self.backend == "triton")
+            self._head_tokens(logits, bs, grammar=self.grammar_heads)   # (the grammar head's mask kernel too)
+            if self.penalty_heads:   # its float32 logits take the sampler's other variants
+                self._head_tokens(logits, bs, penalty_state=self._stand_in_state())
 
     def _model_step(self, bs: int, split_for: int, cascade: bool = False):
         """The model graph's work: the input kernel, then the forward on the static buffers
@@ -431,23 +432,35 @@ class DecodeGraphs:
         (grammar), or the rows' repetition / presence / frequency penalties (penalty_state, the
         persistent batch's output counts and prompt mask; kernels/penalties.py, float32 logits,
         as the eager sampler's); then the plain sampler."""
+        def head():
+            logits = self.model.compute_logits(self.graphs[bs, base, "model"].output, plain=True)
+            self.tokens[:bs].copy_(self._head_tokens(logits, bs, grammar, penalty_state))
+        return head
+
+    def _head_tokens(self, logits: torch.Tensor, bs: int, grammar: bool = False,
+                     penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """A head's sampling of its logits (bs rows): masked by the grammar bitmask, or adjusted
+        by the penalties, then drawn as the eager sampler draws (the Triton kernels with the
+        Triton backend)."""
         from kernels.penalties import apply_penalties
         v = self._dev_views[bs]
         params = SamplingArrays(**{name: v[name] for name in _SAMPLING_FIELDS})
-        none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)   # (no logit_bias, bad words)
-        none_values = torch.zeros((bs, 0), dtype=torch.float32, device=self.device)
+        if grammar:
+            apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
+        if penalty_state is not None:
+            none_ids = torch.full((bs, 0), -1, dtype=torch.int32, device=self.device)   # (no logit_bias, bad words)
+            none_values = torch.zeros((bs, 0), dtype=torch.float32, device=self.device)
+            logits = apply_penalties(logits, v["penalty_slots"], *penalty_state, v["repetition_penalty"],
+                                     v["presence_penalty"], v["frequency_penalty"], none_ids, none_values, none_ids)
+        return sample_plain(logits, params, use_triton=self.backend == "triton")
 
-        def head():
-            logits = self.model.compute_logits(self.graphs[bs, base, "model"].output, plain=True)
-            if grammar:
-                apply_bitmask(logits, self.mask, self._all_rows[:bs], self.mask_rows[:bs])
-            if penalty_state is not None:
-                logits = apply_penalties(logits, v["penalty_slots"], *penalty_state, v["repetition_penalty"],
-                                         v["presence_penalty"], v["frequency_penalty"], none_ids, none_values,
-                                         none_ids)
-            # as the eager sampler draws: the Triton kernels with the Triton backend
-            self.tokens[:bs].copy_(sample_plain(logits, params, use_triton=self.backend == "triton"))
-        return head
+    def _stand_in_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-slot all-zero penalty state (output counts, prompt mask) of the batch's dtypes and
+        row width, for the penalty head's kernels before any request has penalties (the padding
+        rows' slot 0: no penalty)."""
+        shape = (1, self.model.config.vocab_size)
+        return (torch.zeros(shape, dtype=torch.int32, device=self.device),
+                torch.zeros(shape, dtype=torch.uint8, device=self.device))
 
     def _lora_set(self, fn, base: bool):
         """fn run without the LoRA ops (base) or with them: what its capture holds (uncaptured on

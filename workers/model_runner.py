@@ -506,7 +506,7 @@ class ModelRunner:
     def _penalty_head_samples(self, so: SchedulerOutput, rows: list[SamplingRow]) -> bool:
         """Rows as _samples_plainly's but for penalties on some (Sampler.penalties_only), the logits
         whole (one rank), LOOM_PENALTY_HEAD_GRAPHS on: the decode graphs' penalty head samples them."""
-        return (envs.LOOM_PENALTY_HEAD_GRAPHS and tp_size() == 1 and self.batch.penalty_state() is not None
+        return (self.decode_graphs.penalty_heads and self.batch.penalty_state() is not None
                 and not so.defer_sample
                 and not (so.grammar is not None and len(so.grammar.rows))
                 and self.sampler.penalties_only(rows, self.model.config.vocab_size))

@@ -40,6 +40,13 @@ _WARMUP_PARAMS = (SamplingParams(temperature=0.7), SamplingParams(temperature=0.
                                  logit_bias={1: 1.0}, min_tokens=2),
                   SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1))
 
+# Rows whose sampler launches change with the batch size: the chunked top-p route splits each row
+# over about four programs per SM (kernels/sampling.py), so its launches' int arguments, and with
+# them Triton's specializations, change with the sampled rows. Top-p alone reads the logits in the
+# model's dtype; with penalties, the float32 adjusted logits (as the decode graphs' penalty head).
+_SIZED_PARAMS = (SamplingParams(temperature=0.7, top_p=0.95),
+                 SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5))
+
 
 class CapturedGraphs(NamedTuple):
     decode: DecodeGraphs | None      # pure-decode steps' graphs
@@ -104,6 +111,7 @@ def _warm_up(runner: ModelRunner) -> None:
             rows = [SamplingRow(params, 0, 0, 0, (0,))] * len(query_lens)  # slot 0: the sampler's stand-in state
             plain = sampler.plain(rows, model.config.vocab_size)
             sampler(plain_logits if plain else logits, rows, runner.h2d.upload(sampler.host_params(rows)))
+    _warmup_sampler_sizes(runner)
     _warmup_split_kv(runner)
     _warmup_cascade(runner)
     for rows in runner.logit_row_counts:  # the lm_head's shapes (ModelRunner._padded_rows)
@@ -112,6 +120,21 @@ def _warm_up(runner: ModelRunner) -> None:
         torch.cuda.synchronize()
     if not dry_running():
         logger.info("warmed up the kernels in %.1fs", time.perf_counter() - t0)
+
+
+def _warmup_sampler_sizes(runner: ModelRunner) -> None:
+    """The eager sampler over _SIZED_PARAMS rows at every row count up to --max-num-seqs (an eager
+    step may sample any count). On a fresh compile cache, the variants first met mid-run compiled
+    there, 0.2-1 s each: top-p alone ran at 0.89x plain temperature, with penalties at 0.63x (warm
+    cache: 0.98x and 0.93x; bench/RESULTS.md, session 37)."""
+    model, sampler = runner.model, runner.sampler
+    hidden = torch.zeros(runner.config.max_num_seqs, model.config.hidden_size, dtype=runner.dtype,
+                         device=runner.device)
+    logits = model.compute_logits(hidden)
+    for params in _SIZED_PARAMS:
+        for n in range(1, len(hidden) + 1):
+            rows = [SamplingRow(params, 0, 0, 0, (0,))] * n   # slot 0: the sampler's stand-in state
+            sampler(logits[:n], rows, runner.h2d.upload(sampler.host_params(rows)))
 
 
 def _warmup_split_kv(runner: ModelRunner) -> None:
