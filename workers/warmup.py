@@ -53,16 +53,29 @@ class CapturedGraphs(NamedTuple):
     piecewise: PiecewiseGraphs | None  # the other steps' graphs
 
 
+# Query lengths of short prompt chunks that come many to a step (the tails after prefix-cache hits,
+# verify steps): one per attention tile height (BLOCK_M: query tokens x a KV head's group)
+_SHORT_CHUNKS = (2, 4, 8, 16, 32, 48)
+
+
 def _warmup_batches(runner: ModelRunner) -> list[list[int]]:
-    """WARMUP_BATCHES, and a prompt joining as many decodes as take attention's shorter
-    decode tiles (kernels/paged_attention.py: enough programs per SM). Without it, the first
-    such mixed step of a run compiled that variant: 0.4 s, about 7% of the offline workload."""
+    """WARMUP_BATCHES; a prompt joining as many decodes as take attention's shorter decode
+    tiles (kernels/paged_attention.py: enough programs per SM); and steps of as many short
+    chunks as fill the SMs (no longer a "short chunk" launch: other key tiles). Without them the
+    first such step of a run compiled its variant: a mixed one 0.4 s, about 7% of the offline
+    workload; the prompts' tails after prefix-cache hits 0.54 s (session 37)."""
     from kernels.jit import sm_count
-    from kernels.paged_attention import LONG_TILE_PROGRAMS_PER_SM
-    many = -(-LONG_TILE_PROGRAMS_PER_SM * sm_count(runner.device) // runner.kv_spec.num_kv_heads) + 1
+    from kernels.paged_attention import FEW_PREFILL_PROGRAMS_PER_SM, LONG_TILE_PROGRAMS_PER_SM
+    config, sms, kv_heads = runner.config, sm_count(runner.device), runner.kv_spec.num_kv_heads
+    many = -(-LONG_TILE_PROGRAMS_PER_SM * sms // kv_heads) + 1
     batches = list(WARMUP_BATCHES)
-    if many < runner.config.max_num_seqs:
+    if many < config.max_num_seqs:
         batches.append([1] * many + [64])
+    chunks = -(-int(FEW_PREFILL_PROGRAMS_PER_SM * sms) // kv_heads) + 1
+    for q in _SHORT_CHUNKS:
+        n = min(chunks, config.max_num_seqs, config.max_num_batched_tokens // q)
+        if n > 1:
+            batches.append([q] * n)
     return batches
 
 
