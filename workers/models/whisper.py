@@ -45,11 +45,12 @@ class WhisperAudio(AudioInfo):
     prefix_caching = False
 
     # A step that holds a prompt chunk runs eagerly (cross-attention over its prompt tokens has no
-    # graph): ~1,100 launches for large-v3's 32 layers, 20-25 ms of host time. Under load about one
-    # clip joins per step (64 running, 64 tokens each), so nearly every step was such a step and
-    # the GPU idled ~70% of a c64 run. Fed one token per step beside the decodes, the 4-token
-    # prompt (<|startoftranscript|><|en|><|transcribe|><|notimestamps|>) keeps every step a
-    # decode graph's; a longer (<|startofprev|>) prompt still goes in chunks.
+    # graph): ~110 aten calls a layer, ~3,500 for large-v3's 32, tens of ms of host time. Under
+    # load about one clip joins per step (64 running, 64 tokens each), so nearly every step was
+    # such a step (the likely cause of the GPU's ~70% idle time in a c64 run). Fed one token per
+    # step beside the decodes, the 4-token prompt (<|startoftranscript|><|en|><|transcribe|>
+    # <|notimestamps|>) keeps every step a decode graph's; a longer (<|startofprev|>) prompt
+    # still goes in chunks.
     stepwise_prompt_tokens = 8
 
     def image_token_id(self, hf: dict) -> int:
