@@ -171,7 +171,12 @@ class WhisperForConditionalGeneration(nn.Module):
         [1, 1500, d] each: one "embedding" per clip (its one placeholder), which fill_cross_kv
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
-        feats = torch.cat([torch.from_numpy(np.asarray(it["input_features"])) for it in items]).to(w.device, w.dtype)
+        clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
+        # gathered into pinned memory: a copy from pageable memory would wait for the device to
+        # finish every step launched before (a stall of the host in each step a clip joins)
+        host = torch.empty((sum(c.shape[0] for c in clips), *clips[0].shape[1:]), dtype=clips[0].dtype,
+                           pin_memory=w.device.type == "cuda")
+        feats = torch.cat(clips, out=host).to(w.device, non_blocking=True).to(w.dtype)
         return list(self.audio_tower(feats).unsqueeze(1))
 
     def cross_kv_of(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
