@@ -148,7 +148,7 @@ def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interv
 
 def test_api_server_process_computes_media_on_one_intra_op_thread():
     """An API server's torch runs one intra-op thread (its media threads are the parallelism: with one
-    OpenMP team per core in each of them, Whisper's log-mel took 4-7x the CPU), unless OMP_NUM_THREADS
+    OpenMP team per core, a log-mel beside busy processes took 12x the CPU and 17x the time), unless OMP_NUM_THREADS
     says otherwise: as the process starts, before torch is imported."""
     import subprocess
     import sys

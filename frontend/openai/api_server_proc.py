@@ -56,9 +56,10 @@ def one_intra_op_thread() -> None:
     torch work is its media processors' (a clip's log-mel spectrogram, an image's resize), on
     LOOM_MEDIA_LOADING_THREAD_COUNT threads of their own, in each of --api-server-count
     processes: with torch's default, one OpenMP thread per core, every call fanned out over
-    every core and the teams spin-waited on the cores the engine core and the worker need
-    (Whisper-large-v3's log-mel of a 20 s clip, on a loaded 2-core box: ~15 ms of CPU with one
-    thread, 55-110 ms with two; bench/whisper_host.py)."""
+    every core, and a team waited for its member that another process held off its core
+    (Whisper-large-v3's log-mel of a 20 s clip on a 2-core box whose cores two other processes
+    keep busy, as a server's engine core and worker do: 8.5 ms wall and 4.6 ms of CPU with one
+    thread, 142 ms and 56 ms with two; `bench/whisper_host.py --busy 2 --threads 0|1`)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
