@@ -170,7 +170,7 @@ def encoder_ms_per_clip(batch: int) -> float:
 
 def serve(model_dir: str, port: int, concurrency: int, log: str, api_servers: int) -> subprocess.Popen:
     """loom serve of the preset (dummy weights). The log-mel features are computed in the API
-    servers, on the CPU (WhisperFeatureExtractor, ~20 ms a clip on one core): several API servers
+    servers, on the CPU (multimodal/log_mel.py, ~5 ms a clip on one core): several API servers
     share that work."""
     cmd = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", model_dir, "--load-format", "dummy",
            "--port", str(port), "--max-num-seqs", str(concurrency), "--served-model-name", "whisper",
