@@ -67,9 +67,12 @@ def clips(num: int, seed: int, lo: float = 10.0, hi: float = 30.0) -> list[np.nd
 
 
 async def loom_rtfx(url: str, audio: list[np.ndarray], concurrency: int, output_len: int) -> dict:
-    """Every clip through /v1/audio/transcriptions (json), `concurrency` in flight."""
+    """Every clip through /v1/audio/transcriptions (json), `concurrency` in flight; with the CPU
+    ms per clip of this client and of the API servers (bench/server_cpu.py), so that a run shows
+    whether either bounds it."""
     import aiohttp
 
+    from bench import server_cpu
     from bench.asr import RATE, _wav
     files = [_wav(a, RATE) for a in audio]
     sem = asyncio.Semaphore(concurrency)
@@ -93,11 +96,15 @@ async def loom_rtfx(url: str, audio: list[np.ndarray], concurrency: int, output_
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await one(session, files[0])   # warm: the first request's compile and cache fills
         latencies.clear()
-        t0 = time.perf_counter()
+        servers = server_cpu.api_server_pids(url)
+        cpu0, t0, client0 = server_cpu.cpu_seconds(servers), time.perf_counter(), time.process_time()
         await asyncio.gather(*(one(session, f) for f in files))
-        wall = time.perf_counter() - t0
+        wall, client = time.perf_counter() - t0, time.process_time() - client0
+        served = server_cpu.cpu_seconds(servers) - cpu0
     seconds = sum(len(a) for a in audio) / RATE
-    return {"wall_s": wall, "audio_s": seconds, "rtfx": seconds / wall, "p50_latency_s": float(np.median(latencies))}
+    return {"wall_s": wall, "audio_s": seconds, "rtfx": seconds / wall, "p50_latency_s": float(np.median(latencies)),
+            "client_cpu_ms_per_clip": 1e3 * client / len(files),
+            "api_server_cpu_ms_per_clip": 1e3 * served / len(files) if servers else None}
 
 
 def hf_rtfx(model_dir: str, audio: list[np.ndarray], batch: int, output_len: int, device: str = "cuda") -> dict:
@@ -163,7 +170,7 @@ def encoder_ms_per_clip(batch: int) -> float:
 
 def serve(model_dir: str, port: int, concurrency: int, log: str, api_servers: int) -> subprocess.Popen:
     """loom serve of the preset (dummy weights). The log-mel features are computed in the API
-    servers, on the CPU (WhisperFeatureExtractor, ~20 ms a clip on one core): several API servers
+    servers, on the CPU (multimodal/log_mel.py, ~5 ms a clip on one core): several API servers
     share that work."""
     cmd = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", model_dir, "--load-format", "dummy",
            "--port", str(port), "--max-num-seqs", str(concurrency), "--served-model-name", "whisper",
@@ -239,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     if hf:
         print(f"{f'HF generate RTFx, batch {args.concurrency}':<52} {hf['rtfx']:>10.0f} {'':>10}")
         print(f"{'Loom / HF':<52} {loom['rtfx'] / hf['rtfx']:>10.1f} {'>= 5':>10}")
+    print(f"{'client CPU ms per clip':<52} {loom['client_cpu_ms_per_clip']:>10.1f} {'':>10}")
+    if loom["api_server_cpu_ms_per_clip"] is not None:
+        print(f"{'API servers CPU ms per clip (all of them)':<52} {loom['api_server_cpu_ms_per_clip']:>10.1f} {'':>10}")
     print(f"{'encoder ms per clip (device, batch of concurrency)':<52} {enc_ms:>10.2f} {'':>10}")
     print(f"{'encoder share of the run (clips x ms per clip / wall)':<52} {share:>10.1%} {'(report)':>10}")
     if served_share is not None:

@@ -192,6 +192,7 @@ class Scheduler:
             pending = self._pending_drafts(req)
             n = min(req.num_tokens + req.num_output_placeholders + pending - req.num_computed_tokens,
                     plan.token_budget)
+            n = self._prompt_chunk(req, req.num_computed_tokens, n)
             if n > 0 and req.mm_items:
                 fit = self.encoder.fit(req, req.num_computed_tokens, n, plan.encoder_budget)
                 n = fit.n
@@ -219,6 +220,17 @@ class Scheduler:
             plan.cached.req_ids.append(req.request_id)
             plan.cached.new_block_ids.append([b.block_id for b in new_blocks])
             plan.cached.num_computed_tokens.append(req.num_computed_tokens)
+
+    def _prompt_chunk(self, req: Request, start: int, n: int) -> int:
+        """n tokens from `start`, or one where the request is in a short prompt (at most
+        config.stepwise_prompt_tokens: Whisper's decoder prompt) and others run beside it: the
+        step stays all one-token rows, which a decode graph replays (a prompt chunk would make it
+        an eager step, whose launches cost more host time than the step's device time)."""
+        limit = self.config.stepwise_prompt_tokens
+        if n <= 1 or not limit or not start < req.num_prompt_tokens <= limit:
+            return n
+        others = len(self.running) - (req.status == RequestStatus.RUNNING)
+        return 1 if others > 0 else n
 
     def speculating(self) -> bool:
         """Whether drafts are verified now: speculation on, and fewer than disable_by_batch_size
@@ -297,7 +309,7 @@ class Scheduler:
                 continue
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
-            n = min(req.num_tokens - num_hit, plan.token_budget)
+            n = self._prompt_chunk(req, num_hit, min(req.num_tokens - num_hit, plan.token_budget))
             if req.mm_items:
                 fit = self.encoder.fit(req, num_hit, n, plan.encoder_budget)
                 n = fit.n

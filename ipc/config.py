@@ -191,6 +191,7 @@ class EngineConfig:
     mm_max_item_tokens: int = 0     # placeholder tokens of the largest image the processor can produce
     mm_encoder_budget: int = 0      # encoder output tokens per step (0: no images)
     mm_modality: str = "image"      # what the model's items are: "image" or "audio" (its MultiModalInfo's)
+    stepwise_prompt_tokens: int = 0  # prompts this short go a token per step beside others (MultiModalInfo's)
     # set by each engine core for its workers
     data_parallel_rank: int = 0     # this engine's rank among --data-parallel-size
 
@@ -315,6 +316,7 @@ class EngineConfig:
         if info is not None and not getattr(info, "prefix_caching", True):
             self.enable_prefix_caching = False   # (an encoder-decoder's: every decoder token depends on its audio)
         self.mm_max_item_tokens = info.max_item_tokens(self.model, hf) if info is not None else 0
+        self.stepwise_prompt_tokens = getattr(info, "stepwise_prompt_tokens", 0) if info is not None else 0
         if self.language_model_only or self.mm_max_item_tokens == 0:
             self.mm_encoder_budget = 0
         else:

@@ -49,7 +49,12 @@ class AudioInfo(MultiModalInfo):
         return AutoFeatureExtractor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
     def run_processor(self, processor, item: Audio, call_kwargs: dict):
-        # Qwen2AudioProcessor's own call: padded to the 30 s window, with the attention mask
+        # the extractor's call: padded to the 30 s window, with the attention mask; a plain
+        # WhisperFeatureExtractor's arrays come from multimodal/log_mel.py (equal to a rounding,
+        # for half the host time)
+        from multimodal.log_mel import supports, whisper_log_mel
+        if not call_kwargs and supports(processor) and item.sample_rate == processor.sampling_rate:
+            return whisper_log_mel(processor, item.samples)
         return processor([item.samples], sampling_rate=item.sample_rate, padding="max_length",
                          return_attention_mask=True, return_tensors="np", **call_kwargs)
 

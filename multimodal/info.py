@@ -33,6 +33,10 @@ class MultiModalInfo:
     # setting, a patch size or a normalisation, would change what the vision encoder receives)
     accepted_kwargs: tuple[str, ...] = ()
 
+    # prompts of at most this many tokens are scheduled one token per step beside other requests
+    # (EngineConfig.stepwise_prompt_tokens; 0: in chunks as large as the budget allows)
+    stepwise_prompt_tokens = 0
+
     def image_token_id(self, hf: dict) -> int:
         """The placeholder token that each image's tokens replace in the prompt."""
         raise NotImplementedError

@@ -91,6 +91,25 @@ def test_chunked_prefill_and_decode_share_a_step():
     assert dict(zip(so.req_ids, so.num_scheduled_tokens)) == {"a": 1, "b": 7}
 
 
+def test_short_prompts_go_a_token_per_step_beside_others():
+    """config.stepwise_prompt_tokens (Whisper's decoder prompt): a prompt that short, joining running
+    requests, is fed one token per step, so that every step is all one-token rows (a decode graph's);
+    alone it goes whole, and a longer prompt in chunks as before."""
+    s = Scheduler(cfg(stepwise_prompt_tokens=4), 64)
+    a, b, c = req("a", [1, 2, 3, 4], max_tokens=20), req("b", [5, 6, 7, 8], max_tokens=20), req("c", list(range(10, 16)))
+    s.add_request(a)
+    so, _ = fake_step(s)
+    assert dict(zip(so.req_ids, so.num_scheduled_tokens)) == {"a": 4}          # alone: whole
+    s.add_request(b)
+    s.add_request(c)
+    for k in range(4):
+        so, _ = fake_step(s)
+        steps = dict(zip(so.req_ids, so.num_scheduled_tokens))
+        assert steps["a"] == 1 and steps["b"] == 1, k                         # b: one prompt token a step
+        assert steps.get("c", 0) == (6 if k == 0 else 1)                      # c: 6 > 4 tokens, one chunk
+    assert b.num_computed_tokens == 4 and len(b.output_token_ids) == 1
+
+
 def test_preemption_requeues_at_front_and_counts():
     s = Scheduler(cfg(block_size=4, max_num_batched_tokens=64), 4)   # 16 tokens of KV in all
     a, b = req("a", list(range(1, 8)), max_tokens=6), req("b", list(range(20, 27)), max_tokens=6)

@@ -144,3 +144,18 @@ def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interv
         assert sizes == [1] * len(ids)
     else:   # 11 tokens: the first alone, then 4, 4, and the last 2 at the end
         assert sizes == [1, 4, 4, 2]
+
+
+def test_api_server_process_computes_media_on_one_intra_op_thread():
+    """An API server's torch runs one intra-op thread (its media threads are the parallelism: with one
+    OpenMP team per core, a log-mel beside busy processes took 12x the CPU and 17x the time), unless OMP_NUM_THREADS
+    says otherwise: as the process starts, before torch is imported."""
+    import subprocess
+    import sys
+    code = ("from frontend.openai.api_server_proc import one_intra_op_thread; one_intra_op_thread(); "
+            "import torch; print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,  # noqa: E731
+                                     check=True).stdout.split()[-1]
+    assert run(env) == "1"
+    assert run(dict(env, OMP_NUM_THREADS="2")) == "2"

@@ -101,6 +101,32 @@ def test_cross_attention_decode_kernel_matches_torch():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_clips_joining_decodes_keep_the_steps_in_decode_graphs(model_dir, monkeypatch):
+    """A clip's 4-token decoder prompt goes one token per step beside running requests
+    (stepwise_prompt_tokens): after the first step (a whole prompt, and the next clip's first
+    token beside it) every step is a decode graph's, clips joining included; the outputs are
+    the same as one clip at a time."""
+    import workers.model_runner as runner
+    monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
+    steps, prepare = [], runner.ModelRunner.prepare
+
+    def spy(self, so, prev):
+        batch = prepare(self, so, prev)
+        if batch is not None:
+            steps.append((batch.decode_graph_size is not None, [int(n) for n in batch.num_scheduled]))
+        return batch
+
+    monkeypatch.setattr(runner.ModelRunner, "prepare", spy)
+    prompts = [{"prompt": whisper_prompt(), "multi_modal_data": {"audio": (clip, rate)}} for clip, rate, _ in CASES[:4]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    with LLM(model_dir, max_num_seqs=2, block_size=8, mm_processor_cache_gb=0.02) as llm:
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert steps[0] == (False, [4, 1])
+        assert all(graph for graph, _ in steps[1:]) and sum(len(n) == 2 for _, n in steps) > 2 * MAX_NEW
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+
+
 def test_whisper_turns_prefix_caching_off(model_dir):
     from ipc.config import EngineConfig
     from workers.models.registry import multimodal_info

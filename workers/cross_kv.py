@@ -48,7 +48,10 @@ class CrossKV:
     def fill(self, rows: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Requests' keys and values [len(rows), frames, heads, head_dim] per layer into their rows
         (one batched write per layer, whatever the number of requests)."""
-        index = torch.tensor(rows, dtype=torch.int64).to(self.rows.device, non_blocking=True)
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.rows.device.type == "cuda":   # (pageable memory: the copy would wait for the device first)
+            index = index.pin_memory()
+        index = index.to(self.rows.device, non_blocking=True)
         for layer, (k, v) in enumerate(kv):
             kc, vc = self.row_view(layer)
             kc[index, :self.frames] = k

@@ -85,6 +85,7 @@ _STEP_FIELDS = tuple(name for name, _, _ in _FIELDS[:6])
 _SAMPLING_FIELDS = tuple(name for name, _, _ in _FIELDS[6:13])
 _PENALTY_FIELDS = tuple(name for name, _, _ in _FIELDS[13:])
 STAGED = frozenset(name for name, _, _ in _FIELDS) | {"block_table"}
+SAMPLING_STAGED = frozenset(_SAMPLING_FIELDS + _PENALTY_FIELDS)   # (staged only when every row samples)
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
 
@@ -165,17 +166,18 @@ def _staged_value(host: HostInputs | None, i: int, name: str) -> np.ndarray | No
 
 
 def write_staged(views: dict[str, np.ndarray], layout: StagingLayout, host: HostInputs | None,
-                 prefix_len: int = 0) -> Staged:
+                 prefix_len: int = 0, sampling: bool = True) -> Staged:
     """Write a step's fields into a staging buffer's views (layout.views of it): B rows from
     `host` (a field it lacks takes its padding value; None: idle inputs, all padding rows),
     padding rows past B, the block table [B, width] packed, and a cascade step's prefix length
-    (keys; 0: none)."""
+    (keys; 0: none). sampling=False: the sampling parameters are not one per row (a row in its
+    prompt samples nothing) and are left as padding (the eager sampler gets them uploaded)."""
     bs = layout.rows
     table = np.zeros((0, 1), np.int32) if host is None else host.block_table
     rows, width = table.shape
     for i, (name, _, pad) in enumerate(_FIELDS):
         v = views[name]
-        value = _staged_value(host, i, name)
+        value = _staged_value(host, i, name) if sampling or i < len(_STEP_FIELDS) else None
         real = rows if value is not None else 0  # a field the host lacks: padding values in every row
         if real:
             v[..., :real] = value
@@ -274,14 +276,15 @@ class DecodeGraphs:
         """Whether the size-bs graphs include one captured with cascade attention."""
         return (bs, False, "cascade") in self.graphs
 
-    def stage(self, bs: int, host: HostInputs | None, device: DeviceInputs | None = None, prefix_len: int = 0) -> None:
+    def stage(self, bs: int, host: HostInputs | None, device: DeviceInputs | None = None, prefix_len: int = 0,
+              sampling: bool = True) -> None:
         """Write a step's staged fields (host arrays of B rows; the block table [B, width]; a
         cascade step's prefix length) for the size-bs graph, padding rows past B (host None: idle
         inputs, all padding), and copy them to the device in one transfer. Sets the device views of
         the row fields (not the table), cut to B rows, on `device` (the step's other fields,
-        uploaded apart)."""
+        uploaded apart; sampling=False: the sampling parameters too, write_staged's)."""
         parity = self._turns.turn()
-        rows, nbytes = write_staged(self._host_views[parity][bs], self.layouts[bs], host, prefix_len)
+        rows, nbytes = write_staged(self._host_views[parity][bs], self.layouts[bs], host, prefix_len, sampling)
         self._dev[:nbytes].copy_(self._host[parity][:nbytes], non_blocking=True)
         self._turns.copied()
         if device is None:
@@ -293,6 +296,8 @@ class DecodeGraphs:
                                     {name: dev[name][..., :rows] for name in _PENALTY_FIELDS})
         step_fields, sampling_fields, penalty_fields = self._rows[bs, rows]
         vars(device).update(step_fields)   # (the fields by name: StepArrays' and SamplingArrays')
+        if not sampling:
+            return
         vars(device.sampling).update(sampling_fields)
         if host is not None and host.sampling.penalty_slots is not None:   # (else they stay None: no adjustment)
             vars(device.sampling).update(penalty_fields)

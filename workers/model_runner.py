@@ -24,7 +24,7 @@ from ipc.startup import StartupTimes
 from kernels.kv_quant import check_device as check_kv_cache_device, kv_cache_torch_dtype
 from workers import compile_ahead
 from workers.cascade_attn import CascadePlanner
-from workers.decode_graphs import STAGED, DecodeGraphs, decode_batch_sizes
+from workers.decode_graphs import SAMPLING_STAGED, STAGED, DecodeGraphs, decode_batch_sizes
 from workers.distributed import tp_size
 from workers.host_to_device import HostToDevice, map_arrays
 from workers.input_batch import CachedRequestState, InputBatch
@@ -456,8 +456,12 @@ class ModelRunner:
         prefix length its cascade graph reads)."""
         if graph_size is None:
             return self.h2d.upload(host)
-        device = self.h2d.upload(host, skip=_NOT_UPLOADED_WITH_DECODE_GRAPH)
-        self.decode_graphs.stage(graph_size, host, device, cascade)
+        # a row in its prompt (Whisper's, fed a token per step) samples nothing: then the sampled
+        # rows' parameters are fewer than the rows and go up apart, for the eager sampler
+        every_row = len(host.sampling.temperature) == len(host.block_table)
+        device = self.h2d.upload(host, skip=_NOT_UPLOADED_WITH_DECODE_GRAPH if every_row
+                                 else _NOT_UPLOADED_WITH_DECODE_GRAPH - SAMPLING_STAGED)
+        self.decode_graphs.stage(graph_size, host, device, cascade, sampling=every_row)
         return device
 
     def _verify_rows(self, states: list[CachedRequestState], sample_rows: np.ndarray, spec: SpecLayout

@@ -27,7 +27,7 @@ class LoomParser(argparse.ArgumentParser):
 
 # EngineConfig fields that are not command-line options
 _INTERNAL = {"model", "model_max_len", "vocab_size", "eos_token_ids", "mm_max_item_tokens", "mm_encoder_budget",
-             "mm_modality", "default_sampling_params", "data_parallel_rank"}
+             "mm_modality", "stepwise_prompt_tokens", "default_sampling_params", "data_parallel_rank"}
 
 
 def add_engine_args(p, defaults: dict | None = None, skip: set[str] = frozenset()) -> None:

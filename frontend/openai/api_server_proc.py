@@ -50,8 +50,22 @@ async def _shut_down(llm, server, grace: float, code: int, why: str) -> None:
     os._exit(code)
 
 
+def one_intra_op_thread() -> None:
+    """Torch's (and OpenBLAS's) intra-op threads in this process: one, unless OMP_NUM_THREADS
+    says otherwise; set before torch is first imported, which reads it then. An API server's
+    torch work is its media processors' (a clip's log-mel spectrogram, an image's resize), on
+    LOOM_MEDIA_LOADING_THREAD_COUNT threads of their own, in each of --api-server-count
+    processes: with torch's default, one OpenMP thread per core, every call fanned out over
+    every core, and a team waited for its member that another process held off its core
+    (Whisper-large-v3's log-mel of a 20 s clip on a 2-core box whose cores two other processes
+    keep busy, as a server's engine core and worker do: 8.5 ms wall and 4.6 ms of CPU with one
+    thread, 142 ms and 56 ms with two; `bench/whisper_host.py --busy 2 --threads 0|1`)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def run_api_server_process(config_dict: dict, server_opts: dict, client_index: int, input_address: str,
                            output_address: str, listen_sock, death_pipe) -> None:
+    one_intra_op_thread()
     loop_box: list = []   # the event loop, once it runs (the parent-watch thread posts to it)
     opts = dict(server_opts)
     shutdown_timeout = float(opts.pop("shutdown_timeout", 5.0))

@@ -44,6 +44,15 @@ class WhisperAudio(AudioInfo):
     # caching off for encoder-decoder models as well).
     prefix_caching = False
 
+    # A step that holds a prompt chunk runs eagerly (cross-attention over its prompt tokens has no
+    # graph): ~110 aten calls a layer, ~3,500 for large-v3's 32, tens of ms of host time. Under
+    # load about one clip joins per step (64 running, 64 tokens each), so nearly every step was
+    # such a step (the likely cause of the GPU's ~70% idle time in a c64 run). Fed one token per
+    # step beside the decodes, the 4-token prompt (<|startoftranscript|><|en|><|transcribe|>
+    # <|notimestamps|>) keeps every step a decode graph's; a longer (<|startofprev|>) prompt
+    # still goes in chunks.
+    stepwise_prompt_tokens = 8
+
     def image_token_id(self, hf: dict) -> int:
         return int(hf.get("decoder_start_token_id", 50258))
 
@@ -162,7 +171,12 @@ class WhisperForConditionalGeneration(nn.Module):
         [1, 1500, d] each: one "embedding" per clip (its one placeholder), which fill_cross_kv
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
-        feats = torch.cat([torch.from_numpy(np.asarray(it["input_features"])) for it in items]).to(w.device, w.dtype)
+        clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
+        # gathered into pinned memory: a copy from pageable memory would wait for the device to
+        # finish every step launched before (a stall of the host in each step a clip joins)
+        host = torch.empty((sum(c.shape[0] for c in clips), *clips[0].shape[1:]), dtype=clips[0].dtype,
+                           pin_memory=w.device.type == "cuda")
+        feats = torch.cat(clips, out=host).to(w.device, non_blocking=True).to(w.dtype)
         return list(self.audio_tower(feats).unsqueeze(1))
 
     def cross_kv_of(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
