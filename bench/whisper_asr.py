@@ -181,8 +181,8 @@ def serve(model_dir: str, port: int, concurrency: int, log: str, api_servers: in
 
 def encoder_share_from_log(log: str) -> float | None:
     """The encoder's share of the serving run's device time, from the worker's step stats
-    (LOOM_STEP_STATS=1): encoder device time over every step's (a step's time includes the
-    encoder pass it launched)."""
+    (LOOM_STEP_STATS=1): encoder device time over every step's, the encoder's included (the
+    encoder passes are steps of their own kind: ModelRunner._run_encoders)."""
     import ast
     import re
     totals = {}
@@ -191,7 +191,7 @@ def encoder_share_from_log(log: str) -> float | None:
             if m.group(1) != "by_tokens" and m.group(1) != "triton_compiles_while_serving":
                 s = ast.literal_eval(m.group(2))
                 totals[m.group(1)] = s["steps"] * s["device_ms_per_step"]
-    steps = sum(v for k, v in totals.items() if k != "encoder")
+    steps = sum(totals.values())
     return totals["encoder"] / steps if "encoder" in totals and steps else None
 
 

@@ -135,14 +135,21 @@ class MidRunCompiles:
         self.started[key] = time.perf_counter()
         return False   # (True would skip the compile)
 
-    def after(self, *, key, repr, **_) -> None:
+    def after(self, *, key, repr, **kwargs) -> None:
+        # the kernel's name and what picked this variant: its constexprs and the arguments'
+        # specializations (alignment, divisibility), which the warm-up must cover
         ms = 1e3 * (time.perf_counter() - self.started.pop(key, time.perf_counter()))
         self.count += 1
-        logger.warning("Triton compiled a kernel variant mid-run (%.0f ms, #%d): %s key %.600s", ms, self.count,
-                       repr, key)
+        logger.warning("Triton compiled a kernel variant mid-run (%.0f ms, #%d): %s %.3000s", ms, self.count,
+                       repr.split("(")[0], kwargs.get("compile") or key)
 
 
 _mid_run: MidRunCompiles | None = None
+
+
+def mid_run_compiles() -> int:
+    """The Triton variants compiled (or loaded from the disk cache) since the worker served."""
+    return 0 if _mid_run is None else _mid_run.count
 
 
 def watch_mid_run_compiles() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc.profiling import step_stats_mode
+from workers.compile_ahead import mid_run_compiles
 
 logger = logging.getLogger(__name__)
 
@@ -50,31 +51,17 @@ class StepStats:
         # by kind and token count (rounded up to a power of two): [steps, device s, idle s before]
         self.by_tokens: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self._last_stop = None  # the end event of the newest step read
-        self.compiles: list[str] = []
         self.serving = False
         self._unread: deque = deque()  # marks whose events may not have fired yet, in launch order
 
     def start_serving(self) -> None:
-        """From now on a Triton compile is a warm-up miss: count and name it. With
+        """From now on (the worker's warm-up and graph capture are done): with
         LOOM_STEP_STATS=sync, every call that makes the host wait for the device warns
-        (torch.cuda.set_sync_debug_mode), naming its line."""
+        (torch.cuda.set_sync_debug_mode), naming its line. (A Triton compile while serving is a
+        warm-up miss: workers/compile_ahead.py logs and counts them.)"""
         self.serving = True
         if self.cuda and step_stats_mode() == "sync":
             torch.cuda.set_sync_debug_mode("warn")
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-
-        def hook(*args, **kwargs):
-            # the kernel's name and what picked this variant: its constexprs and the arguments'
-            # specializations (alignment, divisibility), which the warm-up must cover
-            what = str(kwargs.get("repr", getattr(kwargs.get("fn"), "name", "?"))).split("(")[0]
-            detail = kwargs.get("compile") or kwargs.get("key")
-            self.compiles.append(what)
-            logger.warning("Triton compiled during serving: %s %s", what, str(detail)[:4000])
-            return False
-        knobs.runtime.jit_post_compile_hook = hook
 
     def begin(self):
         """Call before launching a step; returns the token for end()."""
@@ -140,7 +127,7 @@ class StepStats:
                 for kind, n in self.steps.items()} | {
             "by_tokens": {f"{kind} <={b}": {"steps": n, "device_ms": round(1e3 * d, 1), "idle_ms": round(1e3 * i, 1)}
                           for (kind, b), (n, d, i) in sorted(self.by_tokens.items())},
-            "triton_compiles_while_serving": len(self.compiles)}
+            "triton_compiles_while_serving": mid_run_compiles()}
 
     def log(self) -> None:
         for kind, s in self.summary().items():
