@@ -132,3 +132,22 @@ def test_warm_up_and_capture_survive_a_dry_run_and_leave_the_engine_as_it_was(mo
             _graph_bodies(runner)   # the decode graphs' steps, on graph objects of their own
         assert dry.launches > 50
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+def test_mid_run_compiles_are_counted_and_named(monkeypatch, caplog):
+    """Once the worker serves (mark_started), Triton's compile hooks count and log every variant
+    still compiled, with its kernel's name; the step stats read the count."""
+    from triton import knobs
+    monkeypatch.setattr(compile_ahead, "_mid_run", None)
+    monkeypatch.setattr(compile_ahead, "_marker", None)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    compile_ahead.watch_mid_run_compiles()
+    assert knobs.runtime.jit_post_compile_hook is None   # (no CUDA worker: nothing to watch)
+    monkeypatch.setattr(compile_ahead, "_marker", "/nonexistent/marker")
+    compile_ahead.watch_mid_run_compiles()
+    assert knobs.runtime.jit_cache_hook(key=("k",), repr="_kernel[num_warps=4](x: *fp32)") is False   # compiles
+    with caplog.at_level("WARNING", logger="workers.compile_ahead"):
+        knobs.runtime.jit_post_compile_hook(key=("k",), repr="_kernel[num_warps=4](x: *fp32)", compile={"x": 1})
+    assert compile_ahead.mid_run_compiles() == 1
+    assert "mid-run" in caplog.text and "_kernel[num_warps=4]" in caplog.text
