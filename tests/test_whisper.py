@@ -190,3 +190,25 @@ def test_cross_attention_mixed_step_matches_reference():
         r = rows[request[t]]
         w = torch.softmax(torch.einsum("hd,fhd->hf", q[t], keys[r]) * 0.25, dim=-1)
         torch.testing.assert_close(got[t], torch.einsum("hf,fhd->hd", w, values[r]).reshape(-1))
+
+
+def test_cross_kv_projection_fills_every_layer_of_its_rows():
+    """CrossKV.project (one batched GEMM per clip over the stacked projections, written in place)
+    equals each layer's linear projection written with fill(), and leaves the other rows alone."""
+    import torch
+
+    from workers.cross_kv import CrossKV
+    torch.manual_seed(0)
+    layers, d, frames = 3, 32, 20
+    k_w, v_w, v_b = torch.randn(layers, d, d), torch.randn(layers, d, d), torch.randn(layers, d)
+    encoded = [torch.randn(frames, d) for _ in range(2)]
+    got = CrossKV(layers, 4, frames, 2, 16, 8, torch.float32, torch.device("cpu"))
+    got.project([3, 1], encoded, k_w, v_w, v_b)
+    want = CrossKV(layers, 4, frames, 2, 16, 8, torch.float32, torch.device("cpu"))
+    x = torch.stack(encoded)
+    want.fill([3, 1], [((x @ k_w[i].T).view(2, frames, 2, 16), (x @ v_w[i].T + v_b[i]).view(2, frames, 2, 16))
+                       for i in range(layers)])
+    for (gk, gv), (wk, wv) in zip(got.caches, want.caches):
+        torch.testing.assert_close(gk, wk)
+        torch.testing.assert_close(gv, wv)
+    assert got.row_view(2)[0][3, :frames].abs().sum() > 0 and got.row_view(2)[0][0].abs().sum() == 0
