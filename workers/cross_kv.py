@@ -39,6 +39,7 @@ class CrossKV:
         self.seq_lens = torch.full((rows,), frames, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.zeros(rows, dtype=torch.int64, device=device)   # the step's requests' rows (static)
+        self._rows_set: np.ndarray | None = None   # what `rows` holds (begin_step's last upload)
         self.filled_for: dict[int, str] = {}   # row -> the request whose keys and values it holds
 
     def nbytes(self) -> int:
@@ -83,8 +84,12 @@ class CrossKV:
 
     def begin_step(self, rows: np.ndarray) -> None:
         """The step's request rows, uploaded from a pinned copy without a host sync (the
-        caching host allocator keeps it alive until the copy is done)."""
-        t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        caching host allocator keeps it alive until the copy is done); nothing to upload when
+        they are the previous step's (a batch that only decodes)."""
+        if self._rows_set is not None and np.array_equal(self._rows_set, rows):
+            return
+        self._rows_set = np.array(rows, dtype=np.int64)
+        t = torch.from_numpy(self._rows_set)
         if self.rows.device.type == "cuda":
             t = t.pin_memory()
         self.rows[:len(rows)].copy_(t, non_blocking=True)
@@ -148,21 +153,23 @@ def make_cross_kv(model, max_num_seqs: int, block_size: int, dtype: torch.dtype,
 
 
 @torch.inference_mode()
-def fill_scheduled(cross: CrossKV, model, mm, states, start: np.ndarray, end: np.ndarray) -> None:
+def fill_scheduled(cross: CrossKV, model, mm, states, slots: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
     """The requests whose clip's placeholder this step computes get their cross keys and values
-    (from the encoder output the worker just cached), then the step's rows are set. A request
-    whose encoder output is missing has been failed by MultimodalInputs.spans.
+    (from the encoder output the worker just cached), then the step's rows (`slots`: each
+    request's persistent-batch row) are set. A request whose encoder output is missing has been
+    failed by MultimodalInputs.spans.
 
     A decoder prompt chunked before its placeholder (a long <|startofprev|> prompt in a full
     step) has tokens that cross-attend before the scheduler encodes the clip: the clip is
     encoded here, out of schedule, from the store (the scheduled encode later writes the same
     values again)."""
     rows, encoded = [], []
-    for i, st in enumerate(states):
+    for st, lo, hi in zip(states, start.tolist(), end.tolist()):   # (Python ints: 64 rows a step)
         for it in st.mm_items:
-            if start[i] <= it.offset < end[i] and it.hash in mm.encoder_cache:
+            at = it.offset
+            if lo <= at < hi and it.hash in mm.encoder_cache:
                 encoded.append(mm.encoder_cache[it.hash][0])
-            elif start[i] < it.offset and it.offset >= end[i] and cross.filled_for.get(st.slot) != st.req_id:
+            elif lo < at and at >= hi and cross.filled_for.get(st.slot) != st.req_id:
                 encoded.append(model.encode_images([mm.store.get(it.store_name, it.store_addr)])[0][0])
             else:
                 continue
@@ -170,4 +177,4 @@ def fill_scheduled(cross: CrossKV, model, mm, states, start: np.ndarray, end: np
             cross.filled_for[st.slot] = st.req_id
     if rows:   # every new request's projections, every layer's at once per clip
         cross.project(rows, encoded, *model.cross_kv_weights())
-    cross.begin_step(np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states)))
+    cross.begin_step(slots)

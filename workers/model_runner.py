@@ -349,7 +349,7 @@ class ModelRunner:
         if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
             from workers.cross_kv import fill_scheduled
             self._stats_lap(stats_token, "prepare")
-            fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
+            fill_scheduled(self.cross_kv, self.model, self.mm, states, slots, start, end)
             mm = []
             self._stats_lap(stats_token, "cross_kv")
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
