@@ -212,3 +212,23 @@ def test_cross_kv_projection_fills_every_layer_of_its_rows():
         torch.testing.assert_close(gk, wk)
         torch.testing.assert_close(gv, wv)
     assert got.row_view(2)[0][3, :frames].abs().sum() > 0 and got.row_view(2)[0][0].abs().sum() == 0
+
+
+def test_encoder_graphs_pad_and_slice_as_the_eager_encoder(model_dir):
+    """EncoderGraphs (uncaptured on the CPU: the padded batch run as the graph would) gives each
+    clip the eager encoder's output, at 1 clip, between sizes (3, padded to 4), at the largest
+    size, and past it (eager), with stale rows from an earlier batch in the padding."""
+    import torch
+    from transformers import WhisperConfig
+
+    from workers.encoder_graphs import EncoderGraphs
+    from workers.models.whisper import WhisperForConditionalGeneration
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(WhisperConfig.from_pretrained(model_dir)).eval()
+    shape = (model.config.num_mel_bins, 2 * model.config.max_source_positions)
+    graphs = EncoderGraphs(model.audio_tower, shape, torch.float32, torch.device("cpu"), capture=False)
+    with torch.inference_mode():
+        for n in (8, 1, 3, 9):
+            feats = torch.randn(n, *shape)
+            torch.testing.assert_close(graphs(feats), model.audio_tower(feats), rtol=1e-5, atol=1e-5)
+    assert graphs.size_for(3) == 4 and graphs.size_for(9) is None

@@ -217,6 +217,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         self.decode_graphs = self.piecewise_graphs = None  # the old graphs' memory goes first
+        self._drop_encoder_graphs()
         if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
             self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
@@ -232,7 +233,12 @@ class ModelRunner:
         """Level 1: weights to CPU memory, KV cache freed. Level 2: both discarded."""
         if not self.memory.weights_asleep:
             self.decode_graphs, self.piecewise_graphs = None, None  # they point at the freed memory; recaptured on wake-up
+            self._drop_encoder_graphs()
         self.memory.sleep(level)
+
+    def _drop_encoder_graphs(self) -> None:
+        if getattr(self.model, "encoder_graphs", None) is not None:   # (workers/encoder_graphs.py: Whisper's)
+            self.model.encoder_graphs = None
 
     def wake_up(self, tags: list[str], weights_dir: str | None = None, load_format: str | None = None) -> int:
         """The parts in `tags` back; level-2 weights are loaded from `weights_dir` (default: the

@@ -160,6 +160,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.kv_cache_shape = (config.decoder_layers, config.decoder_attention_heads, d // config.decoder_attention_heads)
         self.cross_attention_frames = config.max_source_positions   # the pool's row length (workers/cross_kv.py)
         self.cross_kv = None   # the runner's CrossKV, set before the first step
+        self.encoder_graphs = None   # small batches of clips replayed whole (workers/encoder_graphs.py)
         for p in self.parameters():
             replicated(p)
 
@@ -192,7 +193,16 @@ class WhisperForConditionalGeneration(nn.Module):
         host = torch.empty((sum(c.shape[0] for c in clips), *clips[0].shape[1:]), dtype=clips[0].dtype,
                            pin_memory=w.device.type == "cuda")
         feats = torch.cat(clips, out=host).to(w.device, non_blocking=True).to(w.dtype)
-        return list(self.audio_tower(feats).unsqueeze(1))
+        tower = self.audio_tower if self.encoder_graphs is None else self.encoder_graphs
+        return list(tower(feats).unsqueeze(1))
+
+    def capture_encoder_graphs(self, capture: bool) -> None:
+        """The encoder's graphs for small batches of clips (capture False: run uncaptured, on the CPU)."""
+        from workers.encoder_graphs import EncoderGraphs
+        w = self.audio_tower.conv1.weight
+        self.encoder_graphs = None   # (the old graphs' memory goes first)
+        item = (self.config.num_mel_bins, 2 * self.config.max_source_positions)   # every clip: the 30 s window
+        self.encoder_graphs = EncoderGraphs(self.audio_tower, item, w.dtype, w.device, capture)
 
     def cross_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked cross-attention projections: keys' and values' weights [layers, d, d], and
