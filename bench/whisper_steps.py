@@ -9,10 +9,13 @@ a step is small on the CPU and the host's work per step shows.
   python3 -m bench.whisper_steps [--num-prompts 128] [--concurrency 64] [--output-len 32]
                                  [--encoder-layers 2] [--profile 25]
 
-Prints the step stats per kind of step (host ms per step, by phase; on the CPU the device
-times are 0), the wall time of ModelRunner.prepare per step by kind (a step that runs the
-encoder apart), and with --profile N the N functions with the most own time per prepare call
-(cProfile), for the steps of each kind. An H200's numbers are the served run's (bench/whisper_asr.py
+Prints the step stats per kind of step (host ms per step, by phase: a step that ran the encoder
+is "graph+encoder", its encoder and cross K/V fill phases apart; on the CPU the device times
+are 0, and the forward and sample phases are the CPU's compute), the wall time and aten calls
+(--count-ops: a proxy for a GPU step's launches) of ModelRunner.prepare per step by kind, and
+with --profile N the N functions with the most own time per prepare call (cProfile), for the
+steps of each kind. On the CPU the encoder's graphs run uncaptured (padded batches):
+LOOM_ENCODER_GRAPHS=0 counts the eager encoder's calls. An H200's numbers are the served run's (bench/whisper_asr.py
 with LOOM_STEP_STATS=1)."""
 from __future__ import annotations
 
