@@ -16,6 +16,7 @@ is never scattered into the decoder's input. Tensor parallelism is not supported
 the whole model)."""
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable
 
@@ -29,6 +30,8 @@ from multimodal.media import MediaError
 from workers.attention import Attention, AttentionMetadata
 from workers.models.layers import KVCache, replicated, replicated_loader
 from workers.models.qwen2_audio import AudioEncoderLayer
+
+logger = logging.getLogger(__name__)
 
 # Whisper's language tokens (<|en|> ... <|yue|>), as its tokenizer lists them
 LANGUAGES = ("en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr "
@@ -202,7 +205,11 @@ class WhisperForConditionalGeneration(nn.Module):
         w = self.audio_tower.conv1.weight
         self.encoder_graphs = None   # (the old graphs' memory goes first)
         item = (self.config.num_mel_bins, 2 * self.config.max_source_positions)   # every clip: the 30 s window
-        self.encoder_graphs = EncoderGraphs(self.audio_tower, item, w.dtype, w.device, capture)
+        try:
+            self.encoder_graphs = EncoderGraphs(self.audio_tower, item, w.dtype, w.device, capture)
+        except RuntimeError:   # (the encoder still runs, eagerly: a capture failure costs speed, not the server)
+            logger.exception("the encoder's CUDA graphs could not be captured; it runs eagerly")
+            self.encoder_graphs = None
 
     def cross_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked cross-attention projections: keys' and values' weights [layers, d, d], and
