@@ -195,6 +195,27 @@ def encoder_share_from_log(log: str) -> float | None:
     return totals["encoder"] / steps if "encoder" in totals and steps else None
 
 
+def step_stats_from_log(log: str) -> dict[str, dict]:
+    """kind -> the worker's step stats summary (LOOM_STEP_STATS=1), from the server log."""
+    import ast
+    import re
+    with open(log) as f:
+        return {m.group(1): ast.literal_eval(m.group(2))
+                for m in re.finditer(r"step stats (\S+): (\{.*\})", f.read())
+                if m.group(1) not in ("by_tokens", "triton_compiles_while_serving")}
+
+
+def print_step_stats(stats: dict[str, dict]) -> None:
+    """Per kind of step: device and idle ms, and the host's ms by phase (a step that ran the
+    encoder is "KIND+encoder": its encoder and cross K/V phases apart)."""
+    phases = ("prepare", "encoder", "cross_kv", "forward", "sample", "finish")
+    print(f"\n{'served step stats (ms per step)':<20} {'steps':>6} {'device':>8} {'idle':>8} "
+          + " ".join(f"{p:>9}" for p in phases))
+    for kind, s in sorted(stats.items()):
+        print(f"{kind:<20} {s['steps']:>6} {s['device_ms_per_step']:>8.2f} {s['idle_ms_before']:>8.2f} "
+              + " ".join(f"{s.get(f'host_ms_{p}', 0.0):>9.2f}" for p in phases))
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, seconds: int = 200) -> None:
     import urllib.request
     for _ in range(seconds):
@@ -236,9 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     enc_ms = encoder_ms_per_clip(args.concurrency)
     share = enc_ms * len(audio) / 1e3 / loom["wall_s"]
     served_share = encoder_share_from_log(os.path.join(args.out, "whisper-server.log"))
+    steps = step_stats_from_log(os.path.join(args.out, "whisper-server.log"))
+    print_step_stats(steps)
     with open(os.path.join(args.out, "whisper_asr.json"), "w") as f:
         json.dump({"loom": loom, "hf": hf, "encoder_ms_per_clip": enc_ms, "encoder_share": share,
-                   "encoder_share_of_device_time": served_share}, f, indent=2)
+                   "encoder_share_of_device_time": served_share, "step_stats": steps}, f, indent=2)
     print(f"\n{'Whisper-large-v3 (random bf16), 10-30 s clips':<52} {'measured':>10} {'target':>10}")
     print(f"{f'Loom RTFx, c{args.concurrency}, {args.output_len} tokens, {args.api_server_count} API servers':<52} "
           f"{loom['rtfx']:>10.0f} "

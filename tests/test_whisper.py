@@ -190,3 +190,45 @@ def test_cross_attention_mixed_step_matches_reference():
         r = rows[request[t]]
         w = torch.softmax(torch.einsum("hd,fhd->hf", q[t], keys[r]) * 0.25, dim=-1)
         torch.testing.assert_close(got[t], torch.einsum("hf,fhd->hd", w, values[r]).reshape(-1))
+
+
+def test_cross_kv_projection_fills_every_layer_of_its_rows():
+    """CrossKV.project (one batched GEMM per clip over the stacked projections, written in place)
+    equals each layer's linear projection written with fill(), and leaves the other rows alone."""
+    import torch
+
+    from workers.cross_kv import CrossKV
+    torch.manual_seed(0)
+    layers, d, frames = 3, 32, 20
+    k_w, v_w, v_b = torch.randn(layers, d, d), torch.randn(layers, d, d), torch.randn(layers, d)
+    encoded = [torch.randn(frames, d) for _ in range(2)]
+    got = CrossKV(layers, 4, frames, 2, 16, 8, torch.float32, torch.device("cpu"))
+    got.project([3, 1], encoded, k_w, v_w, v_b)
+    want = CrossKV(layers, 4, frames, 2, 16, 8, torch.float32, torch.device("cpu"))
+    x = torch.stack(encoded)
+    want.fill([3, 1], [((x @ k_w[i].T).view(2, frames, 2, 16), (x @ v_w[i].T + v_b[i]).view(2, frames, 2, 16))
+                       for i in range(layers)])
+    for (gk, gv), (wk, wv) in zip(got.caches, want.caches):
+        torch.testing.assert_close(gk, wk)
+        torch.testing.assert_close(gv, wv)
+    assert got.row_view(2)[0][3, :frames].abs().sum() > 0 and got.row_view(2)[0][0].abs().sum() == 0
+
+
+def test_encoder_graphs_pad_and_slice_as_the_eager_encoder(model_dir):
+    """EncoderGraphs (uncaptured on the CPU: the padded batch run as the graph would) gives each
+    clip the eager encoder's output, at 1 clip, between sizes (3, padded to 4), at the largest
+    size, and past it (eager), with stale rows from an earlier batch in the padding."""
+    import torch
+    from transformers import WhisperConfig
+
+    from workers.encoder_graphs import EncoderGraphs
+    from workers.models.whisper import WhisperForConditionalGeneration
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(WhisperConfig.from_pretrained(model_dir)).eval()
+    shape = (model.config.num_mel_bins, 2 * model.config.max_source_positions)
+    graphs = EncoderGraphs(model.audio_tower, shape, torch.float32, torch.device("cpu"), capture=False)
+    with torch.inference_mode():
+        for n in (8, 1, 3, 9):
+            feats = torch.randn(n, *shape)
+            torch.testing.assert_close(graphs(feats), model.audio_tower(feats), rtol=1e-5, atol=1e-5)
+    assert graphs.size_for(3) == 4 and graphs.size_for(9) is None

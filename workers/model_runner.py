@@ -217,6 +217,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         self.decode_graphs = self.piecewise_graphs = None  # the old graphs' memory goes first
+        self._drop_encoder_graphs()
         if self.lora is not None:   # the graphs record the LoRA ops (a base step's index is all -1)
             self.lora.ctx.active = True
         self.decode_graphs, self.piecewise_graphs = capture_graphs(self)
@@ -232,7 +233,12 @@ class ModelRunner:
         """Level 1: weights to CPU memory, KV cache freed. Level 2: both discarded."""
         if not self.memory.weights_asleep:
             self.decode_graphs, self.piecewise_graphs = None, None  # they point at the freed memory; recaptured on wake-up
+            self._drop_encoder_graphs()
         self.memory.sleep(level)
+
+    def _drop_encoder_graphs(self) -> None:
+        if getattr(self.model, "encoder_graphs", None) is not None:   # (workers/encoder_graphs.py: Whisper's)
+            self.model.encoder_graphs = None
 
     def wake_up(self, tags: list[str], weights_dir: str | None = None, load_format: str | None = None) -> int:
         """The parts in `tags` back; level-2 weights are loaded from `weights_dir` (default: the
@@ -292,12 +298,17 @@ class ModelRunner:
             st.num_computed_tokens = int(computed)
         if batch.stats_token is not None:
             self.stats.lap(batch.stats_token, "sample")  # with prompt logprobs and the copy back
-            step.stats_mark = self.stats.end(batch.stats_token, batch.kind, int(batch.num_scheduled.sum()))
+            # a step that ran the encoder counts apart: its host time holds the encoder's launch
+            kind = batch.kind + ("+encoder" if so.scheduled_encoder_inputs else "")
+            step.stats_mark = self.stats.end(batch.stats_token, kind, int(batch.num_scheduled.sum()))
         return step
 
     def _lap(self, batch: StepBatch, phase: str) -> None:
-        if batch.stats_token is not None:
-            self.stats.lap(batch.stats_token, phase)
+        self._stats_lap(batch.stats_token, phase)
+
+    def _stats_lap(self, token, phase: str) -> None:
+        if token is not None:
+            self.stats.lap(token, phase)
 
     def prepare(self, so: SchedulerOutput, prev: PendingStep | None) -> StepBatch | None:
         """Apply the step's diff and build its inputs and metadata on the host, then on the
@@ -334,13 +345,19 @@ class ModelRunner:
         else:   # one row per draft and one more, each drawing the token at its landing position
             rows = self._verify_rows(states, sample_rows, spec)
         if so.scheduled_encoder_inputs:
+            # (LOOM_STEP_STATS: the encoder's and the cross K/V's host time are phases of their own;
+            # "prepare" sums the rest, its laps before and after them)
+            self._stats_lap(stats_token, "prepare")
             self._run_encoders(so)
+            self._stats_lap(stats_token, "encoder")
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
         if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
             from workers.cross_kv import fill_scheduled
-            fill_scheduled(self.cross_kv, self.model, self.mm, states, start, end)
+            self._stats_lap(stats_token, "prepare")
+            fill_scheduled(self.cross_kv, self.model, self.mm, states, slots, start, end)
             mm = []
+            self._stats_lap(stats_token, "cross_kv")
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))

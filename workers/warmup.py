@@ -291,6 +291,8 @@ def capture_graphs(runner: ModelRunner) -> CapturedGraphs:
     decode = DecodeGraphs(runner.model, runner.kv_caches, runner.config, runner.device, runner.backend,
                           runner.kv_splits, lora_ctx=lora, cascade=runner.cascade)
     decode.capture()
+    if hasattr(runner.model, "capture_encoder_graphs") and envs.LOOM_ENCODER_GRAPHS:
+        runner.model.capture_encoder_graphs(capture=runner.device.type == "cuda")
     return CapturedGraphs(decode, _capture_piecewise(runner) if _captures_piecewise(runner) else None)
 
 

@@ -16,6 +16,8 @@ is never scattered into the decoder's input. Tensor parallelism is not supported
 the whole model)."""
 from __future__ import annotations
 
+import logging
+import re
 from typing import Iterable
 
 import numpy as np
@@ -26,8 +28,10 @@ from torch import nn
 from multimodal.audio_info import AudioInfo
 from multimodal.media import MediaError
 from workers.attention import Attention, AttentionMetadata
-from workers.models.layers import KVCache, replicated
+from workers.models.layers import KVCache, replicated, replicated_loader
 from workers.models.qwen2_audio import AudioEncoderLayer
+
+logger = logging.getLogger(__name__)
 
 # Whisper's language tokens (<|en|> ... <|yue|>), as its tokenizer lists them
 LANGUAGES = ("en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr "
@@ -93,11 +97,18 @@ class WhisperEncoder(nn.Module):
         return self.layer_norm(x)
 
 
-def _projections(d: int) -> nn.Module:
+def _projections(d: int, cross: bool = False) -> nn.Module:
+    """An attention's projections; cross-attention's keys and values are the model's stacked
+    ones (WhisperForConditionalGeneration.cross_k_proj), not the layer's."""
     m = nn.Module()
-    m.q_proj, m.k_proj, m.v_proj, m.out_proj = nn.Linear(d, d), nn.Linear(d, d, bias=False), \
-        nn.Linear(d, d), nn.Linear(d, d)
+    m.q_proj, m.out_proj = nn.Linear(d, d), nn.Linear(d, d)
+    if not cross:
+        m.k_proj, m.v_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d)
     return m
+
+
+# a decoder layer's cross-attention key / value projection in the checkpoint (after hf_to_loom)
+_CROSS_KV = re.compile(r"layers\.(\d+)\.encoder_attn\.([kv])_proj\.(weight|bias)")
 
 
 class WhisperDecoderLayer(nn.Module):
@@ -105,7 +116,7 @@ class WhisperDecoderLayer(nn.Module):
         super().__init__()
         self.index, self.heads, self.head_dim = index, heads, d // heads
         self.scale = self.head_dim ** -0.5
-        self.self_attn, self.encoder_attn = _projections(d), _projections(d)
+        self.self_attn, self.encoder_attn = _projections(d), _projections(d, cross=True)
         self.attn = Attention(heads, heads, self.head_dim, self.scale)
         self.self_attn_layer_norm, self.encoder_attn_layer_norm = nn.LayerNorm(d), nn.LayerNorm(d)
         self.final_layer_norm = nn.LayerNorm(d)
@@ -142,9 +153,17 @@ class WhisperForConditionalGeneration(nn.Module):
         self.layers = nn.ModuleList(WhisperDecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, i)
                                     for i in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(d)
+        # every decoder layer's cross-attention key / value projection (the checkpoint's
+        # layers.i.encoder_attn.{k,v}_proj), stacked [layers, d_out, d_in]: workers/cross_kv.py
+        # projects a clip's encoder output into all layers with one batched GEMM each
+        n = config.decoder_layers
+        self.cross_k_proj = nn.Parameter(torch.empty(n, d, d), requires_grad=False)
+        self.cross_v_proj = nn.Parameter(torch.empty(n, d, d), requires_grad=False)
+        self.cross_v_bias = nn.Parameter(torch.empty(n, d), requires_grad=False)
         self.kv_cache_shape = (config.decoder_layers, config.decoder_attention_heads, d // config.decoder_attention_heads)
         self.cross_attention_frames = config.max_source_positions   # the pool's row length (workers/cross_kv.py)
         self.cross_kv = None   # the runner's CrossKV, set before the first step
+        self.encoder_graphs = None   # small batches of clips replayed whole (workers/encoder_graphs.py)
         for p in self.parameters():
             replicated(p)
 
@@ -177,14 +196,25 @@ class WhisperForConditionalGeneration(nn.Module):
         host = torch.empty((sum(c.shape[0] for c in clips), *clips[0].shape[1:]), dtype=clips[0].dtype,
                            pin_memory=w.device.type == "cuda")
         feats = torch.cat(clips, out=host).to(w.device, non_blocking=True).to(w.dtype)
-        return list(self.audio_tower(feats).unsqueeze(1))
+        tower = self.audio_tower if self.encoder_graphs is None else self.encoder_graphs
+        return list(tower(feats).unsqueeze(1))
 
-    def cross_kv_of(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Clips' encoder outputs [clips, frames, d] -> every layer's cross keys and values
-        [clips, frames, heads, head_dim]."""
-        shape = (*encoded.shape[:-1], self.layers[0].heads, self.layers[0].head_dim)
-        return [(layer.encoder_attn.k_proj(encoded).view(shape), layer.encoder_attn.v_proj(encoded).view(shape))
-                for layer in self.layers]
+    def capture_encoder_graphs(self, capture: bool) -> None:
+        """The encoder's graphs for small batches of clips (capture False: run uncaptured, on the CPU)."""
+        from workers.encoder_graphs import EncoderGraphs
+        w = self.audio_tower.conv1.weight
+        self.encoder_graphs = None   # (the old graphs' memory goes first)
+        item = (self.config.num_mel_bins, 2 * self.config.max_source_positions)   # every clip: the 30 s window
+        try:
+            self.encoder_graphs = EncoderGraphs(self.audio_tower, item, w.dtype, w.device, capture)
+        except RuntimeError:   # (the encoder still runs, eagerly: a capture failure costs speed, not the server)
+            logger.exception("the encoder's CUDA graphs could not be captured; it runs eagerly")
+            self.encoder_graphs = None
+
+    def cross_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked cross-attention projections: keys' and values' weights [layers, d, d], and
+        the values' bias [layers, d] (the keys have none)."""
+        return self.cross_k_proj, self.cross_v_proj, self.cross_v_bias
 
     def dummy_image(self, num_tokens: int) -> dict[str, np.ndarray]:
         frames = 2 * self.config.max_source_positions
@@ -204,19 +234,33 @@ class WhisperForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> set[str]:
         params = dict(self.named_parameters())
         seen: set[str] = set()
+        stacked = {("k", "weight"): "cross_k_proj", ("v", "weight"): "cross_v_proj", ("v", "bias"): "cross_v_bias"}
+        layers_seen: dict[str, set[int]] = {name: set() for name in stacked.values()}
         for hf_name, t in weights:
             name = self.hf_to_loom(hf_name)
             if name is None:
                 continue
             if name in seen:
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
+            seen.add(name)
+            if (m := _CROSS_KV.fullmatch(name)) and (m[2], m[3]) in stacked:   # one layer of a stacked tensor
+                into = stacked[m[2], m[3]]
+                layer = int(m[1])
+                if layer >= len(self.layers):
+                    raise ValueError(f"weight {name!r}: the model has {len(self.layers)} decoder layers")
+                try:
+                    replicated_loader(params[into].data[layer], t)
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r}: {e}") from None
+                layers_seen[into].add(layer)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {hf_name!r} has no matching parameter")
-            seen.add(name)
             try:
                 params[name].weight_loader(params[name], t)
             except ValueError as e:
                 raise ValueError(f"weight {name!r}: {e}") from None
+        seen.update(into for into, got in layers_seen.items() if len(got) == len(self.layers))
         missing = [n for n in params if n not in seen]
         if missing and not partial:
             raise ValueError(f"parameters not loaded from the checkpoint: {missing[:10]}")
