@@ -59,12 +59,14 @@ def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
-# Modules of a few slow tests (servers, a Ray head: 15-60 s for 1-5 tests). `make test` hands
-# whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
+# Modules of a few slow tests (servers, a Ray head, TP=2 engines: 7-60 s for 1-5 tests). `make test`
+# hands whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
 # first, turned off in the Makefile) left these for the end, one worker running them while the
-# other had nothing left to do.
+# other had nothing left to do (llava, leaks, layout and the README trainer were among the last
+# files: a simulation of the scheduler over a run's durations puts the two workers' ends 16 s
+# apart without them here, 1 s with them).
 RUN_FIRST = ("test_ray_executor.py", "test_mm_store_lifecycle.py", "test_lifecycle.py", "test_signals.py",
-             "test_attach.py")
+             "test_attach.py", "test_llava_parity.py", "test_leaks.py", "test_layout.py", "test_readme_trainer.py")
 
 
 def pytest_collection_modifyitems(config, items):
