@@ -59,12 +59,14 @@ def popen_serve(model_dir: str, *args: str, **popen_kwargs) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=_ends_with_this_test_process, **popen_kwargs)
 
 
-# Modules of a few slow tests (servers, a Ray head: 15-60 s for 1-5 tests). `make test` hands
-# whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
+# Modules of a few slow tests (servers, a Ray head, TP=2 engines: 7-60 s for 1-5 tests). `make test`
+# hands whole files to two pytest-xdist workers in the order below; xdist's own order (most tests
 # first, turned off in the Makefile) left these for the end, one worker running them while the
-# other had nothing left to do.
+# other had nothing left to do (llava, leaks, layout and the README trainer were among the last
+# files: a simulation of the scheduler over a run's durations puts the two workers' ends 16 s
+# apart without them here, 1 s with them).
 RUN_FIRST = ("test_ray_executor.py", "test_mm_store_lifecycle.py", "test_lifecycle.py", "test_signals.py",
-             "test_attach.py")
+             "test_attach.py", "test_llava_parity.py", "test_leaks.py", "test_layout.py", "test_readme_trainer.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -278,7 +280,7 @@ def assert_clean(before_ipc: set[str], server=None) -> None:
         left = server.descendants() if server else []
         if not left and not shm_entries() and loom_ipc_dirs() <= before_ipc:
             return
-        time.sleep(0.2)
+        time.sleep(0.05)   # (a stopped server is usually clean within a few tenths of a second)
     assert not (server.descendants() if server else []), "processes left behind"
     assert not shm_entries(), f"/dev/shm entries left: {shm_entries()}"
     assert loom_ipc_dirs() <= before_ipc, "ipc socket directory left behind"
@@ -305,7 +307,7 @@ class Server:
                     return self
             except requests.RequestException:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)   # a refused connection costs nothing: poll often, every start waits less
         raise TimeoutError("loom serve did not become healthy")
 
     def descendants(self) -> list[int]:

@@ -248,7 +248,10 @@ def test_cascade_decode_graph_equals_plain_decode_graph(model_factory, monkeypat
     rng = np.random.default_rng(5)
     shared = rng.integers(3, 250, 24).tolist()
     prompts = [shared + rng.integers(3, 250, 1 + i % 5).tolist() for i in range(12)]
-    options = dict(attention_backend="triton", block_size=8, max_model_len=64, max_num_seqs=16)
+    # two graph sizes: the size-16 graph the 12 rows replay and the smallest cascade one (8); the
+    # default 1, 2 and 4 would only be set up (each once, by the interpreter) and never replayed
+    options = dict(attention_backend="triton", block_size=8, max_model_len=64, max_num_seqs=16,
+                   cuda_graph_sizes=[8, 16])
     off, _ = greedy_with_cascade(model_dir, prompts, "0", monkeypatch, 4, **options)
     plain_replays, replays[:] = list(replays), []
     on, _ = greedy_with_cascade(model_dir, prompts, "force", monkeypatch, 4, **options)

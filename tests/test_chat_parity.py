@@ -94,7 +94,8 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def llm(model_dir):
     from frontend.entrypoints.llm import LLM
-    engine = LLM(model_dir, max_model_len=512, block_size=16)
+    # prompt ids are the frontend's: the engine in this process (no engine core or worker to start)
+    engine = LLM(model_dir, multiprocess=False, max_model_len=512, block_size=16)
     yield engine
     engine.shutdown()
 

@@ -193,9 +193,10 @@ def test_data_parallel(qwen_vl_dir):
 
 
 def test_triton_mrope_kernel_path(qwen_vl_dir):
-    """The fused rotary kernel with 3-row positions (run by the Triton interpreter on CPU)."""
-    with LLM(qwen_vl_dir, max_model_len=256, max_num_seqs=2, block_size=8, attention_backend="triton",
-             mm_processor_cache_gb=0.02) as llm:
+    """The fused rotary kernel with 3-row positions (run by the Triton interpreter on CPU). The
+    kernel is the worker's: the engine in this process (no worker process to start)."""
+    with LLM(qwen_vl_dir, multiprocess=False, max_model_len=256, max_num_seqs=2, block_size=8,
+             attention_backend="triton", mm_processor_cache_gb=0.02) as llm:
         check(llm, qwen_vl_dir, [(chat(IMG + "kernel"), [random_image(16, 84, 112)])])
 
 

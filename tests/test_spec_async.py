@@ -214,7 +214,10 @@ def test_perfect_oracle_verifies_nearly_every_step_at_batch_1(flag, tiny_model_d
     path.write_text(json.dumps([{"prompt_token_ids": prompt, "miss_rate": 0.0}]))
     spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path)}
     run = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    with LLM(tiny_model_dir, dtype="bfloat16", max_model_len=128, steps_in_flight=3, speculative_config=spec) as llm:
+    # graph sizes up to 8 (1, 2, 4, 8): a batch-1 verify step of 5 rows runs in the size-8 graph as
+    # before; the default sizes up to 512 (256 sequences of 5 rows) took ~90% of the test to set up
+    with LLM(tiny_model_dir, dtype="bfloat16", max_model_len=128, steps_in_flight=3, speculative_config=spec,
+             cuda_graph_sizes=[8]) as llm:
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=56, ignore_eos=True), use_tqdm=False)
         for _ in range(SETTLE_RUNS):
             llm.generate([prompt], run, use_tqdm=False)
