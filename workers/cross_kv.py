@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers.host_to_device import pinned
+
 
 class CrossKV:
     def __init__(self, num_layers: int, rows: int, frames: int, heads: int, head_dim: int, block_size: int,
@@ -54,10 +56,7 @@ class CrossKV:
     def fill(self, rows: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Requests' keys and values [len(rows), frames, heads, head_dim] per layer into their rows
         (one batched write per layer, whatever the number of requests)."""
-        index = torch.tensor(rows, dtype=torch.int64)
-        if self.rows.device.type == "cuda":   # (pageable memory: the copy would wait for the device first)
-            index = index.pin_memory()
-        index = index.to(self.rows.device, non_blocking=True)
+        index = pinned(torch.tensor(rows, dtype=torch.int64), self.rows.device).to(self.rows.device, non_blocking=True)
         for layer, (k, v) in enumerate(kv):
             kc, vc = self.row_view(layer)
             kc[index, :self.frames] = k
@@ -89,10 +88,7 @@ class CrossKV:
         if self._rows_set is not None and np.array_equal(self._rows_set, rows):
             return
         self._rows_set = np.array(rows, dtype=np.int64)
-        t = torch.from_numpy(self._rows_set)
-        if self.rows.device.type == "cuda":
-            t = t.pin_memory()
-        self.rows[:len(rows)].copy_(t, non_blocking=True)
+        self.rows[:len(rows)].copy_(pinned(torch.from_numpy(self._rows_set), self.rows.device), non_blocking=True)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, meta) -> torch.Tensor:
         """q [T, heads, head_dim] of this step's tokens (meta: the step's AttentionMetadata) ->

@@ -26,6 +26,18 @@ Struct = TypeVar("Struct")
 _LEAF = (np.ndarray, torch.Tensor)
 
 
+def pinned(host: torch.Tensor | list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A host tensor (a list: concatenated along dim 0) ready for a non_blocking copy to `device`:
+    gathered into pinned memory when it is a GPU, where a copy from pageable memory would wait for
+    every step launched before it (the caching host allocator keeps the buffer until the copy is
+    done); as it is elsewhere."""
+    parts = host if isinstance(host, list) else [host]
+    if device.type != "cuda":
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+    return torch.cat(parts, out=out)
+
+
 def _shell(struct: Struct, skip: frozenset[str], leaves: list) -> Struct:
     """A copy of a structure with its array fields None (nested structures copied alike), and,
     appended to `leaves`, (the copy's field dict, field name, array) for each array field not

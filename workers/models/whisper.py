@@ -28,6 +28,7 @@ from torch import nn
 from multimodal.audio_info import AudioInfo
 from multimodal.media import MediaError
 from workers.attention import Attention, AttentionMetadata
+from workers.host_to_device import pinned
 from workers.models.layers import KVCache, replicated, replicated_loader
 from workers.models.qwen2_audio import AudioEncoderLayer
 
@@ -191,11 +192,7 @@ class WhisperForConditionalGeneration(nn.Module):
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
-        # gathered into pinned memory: a copy from pageable memory would wait for the device to
-        # finish every step launched before (a stall of the host in each step a clip joins)
-        host = torch.empty((sum(c.shape[0] for c in clips), *clips[0].shape[1:]), dtype=clips[0].dtype,
-                           pin_memory=w.device.type == "cuda")
-        feats = torch.cat(clips, out=host).to(w.device, non_blocking=True).to(w.dtype)
+        feats = pinned(clips, w.device).to(w.device, non_blocking=True).to(w.dtype)
         tower = self.audio_tower if self.encoder_graphs is None else self.encoder_graphs
         return list(tower(feats).unsqueeze(1))
 
