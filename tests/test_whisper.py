@@ -68,6 +68,13 @@ def test_whisper_features_match_hf(model_dir):
     assert as_audio((CASES[0][0], RATE), RATE).samples.shape == CASES[0][0].shape
 
 
+def _write_rows(cross, rows: list[int], kv) -> None:
+    """Keys and values [len(rows), frames, heads, head_dim] per layer into the pool's rows."""
+    for layer, (k, v) in enumerate(kv):
+        kc, vc = cross.row_view(layer)
+        kc[rows, :cross.frames], vc[rows, :cross.frames] = k, v
+
+
 _KERNEL_CHECK = r"""
 import torch
 from types import SimpleNamespace
@@ -76,7 +83,9 @@ from kernels.paged_attention import _paged_attention_kernel
 from workers.cross_kv import CrossKV
 torch.manual_seed(0)
 cross = CrossKV(2, 3, 20, 2, 16, 8, torch.float32, torch.device("cpu"))
-cross.fill([0, 1, 2], [(torch.randn(3, 20, 2, 16), torch.randn(3, 20, 2, 16)) for _ in range(2)])
+for layer in range(2):   # rows 0-2 of each layer: random keys and values
+    kc, vc = cross.row_view(layer)
+    kc[[0, 1, 2], :20], vc[[0, 1, 2], :20] = torch.randn(3, 20, 2, 16), torch.randn(3, 20, 2, 16)
 import numpy as np
 cross.begin_step(np.array([2, 0, 1]))
 q = torch.randn(3, 2, 16)
@@ -177,7 +186,7 @@ def test_cross_attention_mixed_step_matches_reference():
     torch.manual_seed(0)
     cross = CrossKV(1, 5, 20, 2, 16, 8, torch.float32, torch.device("cpu"))
     keys, values = torch.randn(5, 20, 2, 16), torch.randn(5, 20, 2, 16)
-    cross.fill([0, 1, 2, 3, 4], [(keys, values)])
+    _write_rows(cross, [0, 1, 2, 3, 4], [(keys, values)])
     rows = [3, 0, 4, 1]
     cross.begin_step(np.array(rows))
     lens = [1, 1, 3, 2]
@@ -206,8 +215,8 @@ def test_cross_kv_projection_fills_every_layer_of_its_rows():
     got.project([3, 1], encoded, k_w, v_w, v_b)
     want = CrossKV(layers, 4, frames, 2, 16, 8, torch.float32, torch.device("cpu"))
     x = torch.stack(encoded)
-    want.fill([3, 1], [((x @ k_w[i].T).view(2, frames, 2, 16), (x @ v_w[i].T + v_b[i]).view(2, frames, 2, 16))
-                       for i in range(layers)])
+    _write_rows(want, [3, 1], [((x @ k_w[i].T).view(2, frames, 2, 16), (x @ v_w[i].T + v_b[i]).view(2, frames, 2, 16))
+                               for i in range(layers)])
     for (gk, gv), (wk, wv) in zip(got.caches, want.caches):
         torch.testing.assert_close(gk, wk)
         torch.testing.assert_close(gv, wv)

@@ -53,15 +53,6 @@ class CrossKV:
         rows = self.table.shape[0]
         return k.view(rows, -1, self.heads, self.head_dim), v.view(rows, -1, self.heads, self.head_dim)
 
-    def fill(self, rows: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Requests' keys and values [len(rows), frames, heads, head_dim] per layer into their rows
-        (one batched write per layer, whatever the number of requests)."""
-        index = pinned(torch.tensor(rows, dtype=torch.int64), self.rows.device).to(self.rows.device, non_blocking=True)
-        for layer, (k, v) in enumerate(kv):
-            kc, vc = self.row_view(layer)
-            kc[index, :self.frames] = k
-            vc[index, :self.frames] = v
-
     def project(self, rows: list[int], encoded: list[torch.Tensor], k_weight: torch.Tensor, v_weight: torch.Tensor,
                 v_bias: torch.Tensor | None) -> None:
         """Clips' encoder outputs [frames, d] (one per row) projected into every layer's keys and

@@ -272,11 +272,11 @@ class ModelRunner:
         step = PendingStep(list(so.req_ids), batch.states, batch.sample_rows, refused=self.mm.take_refused())
         if so.spec_draft_slots:
             step.placed = {rid: len(so.scheduled_spec_decode_tokens.get(rid, ())) for rid in so.spec_draft_slots}
-        self._lap(batch, "prepare")
+        self._lap(batch.stats_token, "prepare")
         if self.cpu_tier is not None and batch.piecewise_size is None:   # (piecewise: waited layer by layer)
             self.cpu_tier.wait_forward()   # the tier's copies (this step's or earlier) run on their own streams
         hidden, logits = self.forward(batch)
-        self._lap(batch, "forward")
+        self._lap(batch.stats_token, "forward")
         if self.pooler is not None:   # every step: mean pooling sums the mid-prompt chunks too
             step.pooled = self.pooler(self.model, hidden, batch)
         elif len(batch.sample_rows) and so.defer_sample:
@@ -303,10 +303,7 @@ class ModelRunner:
             step.stats_mark = self.stats.end(batch.stats_token, kind, int(batch.num_scheduled.sum()))
         return step
 
-    def _lap(self, batch: StepBatch, phase: str) -> None:
-        self._stats_lap(batch.stats_token, phase)
-
-    def _stats_lap(self, token, phase: str) -> None:
+    def _lap(self, token, phase: str) -> None:
         if token is not None:
             self.stats.lap(token, phase)
 
@@ -347,17 +344,17 @@ class ModelRunner:
         if so.scheduled_encoder_inputs:
             # (LOOM_STEP_STATS: the encoder's and the cross K/V's host time are phases of their own;
             # "prepare" sums the rest, its laps before and after them)
-            self._stats_lap(stats_token, "prepare")
+            self._lap(stats_token, "prepare")
             self._run_encoders(so)
-            self._stats_lap(stats_token, "encoder")
+            self._lap(stats_token, "encoder")
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
         if self.cross_kv is not None:   # the encoder output fills cross-attention K/V, never input embeddings
             from workers.cross_kv import fill_scheduled
-            self._stats_lap(stats_token, "prepare")
+            self._lap(stats_token, "prepare")
             fill_scheduled(self.cross_kv, self.model, self.mm, states, slots, start, end)
             mm = []
-            self._stats_lap(stats_token, "cross_kv")
+            self._lap(stats_token, "cross_kv")
         calibrate = self.kv_scales_pending   # (--calculate-kv-scales: this step sets the scales, eagerly)
         cascade = 0 if self.cascade is None else self.cascade.prefix_len(host.block_table, start, num_scheduled)
         graph_size = None if calibrate else self._decode_graph_size(num_scheduled, bool(mm))

@@ -188,7 +188,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def encode_images(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Processed clips (input_features [1, mels, 3000] each) -> the encoder's output
-        [1, 1500, d] each: one "embedding" per clip (its one placeholder), which fill_cross_kv
+        [1, 1500, d] each: one "embedding" per clip (its one placeholder), which fill_scheduled
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
