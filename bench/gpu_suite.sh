@@ -367,11 +367,11 @@ PY
   whisper) # issue 52: tiny Whisper fp32 parity with HF on CUDA (graphs, Triton), then Whisper-large-v3 shapes
            # (random weights): RTFx at concurrency 64 on 10-30 s clips via /v1/audio/transcriptions vs HF's batched
            # generate (batch 64), and the encoder's share; the table last
-           # (LOOM_ENCODER_GRAPHS=1: the encoder's CUDA graphs, off by default until this passes with them)
-           LOOM_ENCODER_GRAPHS=1 run whisper-parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_whisper.py
-           LOOM_ENCODER_GRAPHS=1 TAIL=30 run whisper-asr 200 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} \
+           # (then the encoder eager, LOOM_ENCODER_GRAPHS=0, as the A/B of its CUDA graphs)
+           run whisper-parity 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_whisper.py
+           TAIL=30 run whisper-asr 200 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} \
              --concurrency 64 --output-len 64
-           TAIL=30 run whisper-asr-eager-encoder 150 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} \
+           LOOM_ENCODER_GRAPHS=0 TAIL=30 run whisper-asr-eager-encoder 150 python3 -m bench.whisper_asr --num-prompts ${WH_PROMPTS:-256} \
              --concurrency 64 --output-len 64 --skip-hf ;;
   moe-decode|moe-decode-std) # issue 45 decode: the fused MoE at 1/2/4/8 tokens, grouped GEMMs vs the GEMV path's
       # tile variants (bench/moe_decode.py), Qwen3-30B-A3B and Mixtral-8x7B batch-1 TPOT (GEMV path, graphs up to

@@ -14,8 +14,8 @@ is "graph+encoder", its encoder and cross K/V fill phases apart; on the CPU the 
 are 0, and the forward and sample phases are the CPU's compute), the wall time and aten calls
 (--count-ops: a proxy for a GPU step's launches) of ModelRunner.prepare per step by kind, and
 with --profile N the N functions with the most own time per prepare call (cProfile), for the
-steps of each kind. The encoder runs eagerly by default; with LOOM_ENCODER_GRAPHS=1 its graphs
-run uncaptured on the CPU (padded batches), and the count is theirs. An H200's numbers are the served run's (bench/whisper_asr.py
+steps of each kind. With LOOM_ENCODER_GRAPHS on (the default) the encoder's graphs
+run uncaptured on the CPU (padded batches), and the count is theirs; LOOM_ENCODER_GRAPHS=0 runs it eagerly. An H200's numbers are the served run's (bench/whisper_asr.py
 with LOOM_STEP_STATS=1)."""
 from __future__ import annotations
 

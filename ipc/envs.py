@@ -143,9 +143,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                         "forwards (no fused add+norm; workers/models/transformers_fused.py)"),
     "LOOM_PIECEWISE_GRAPHS": EnvVar(True, _switch, "0: mixed and prompt steps run eagerly, not as "
                                     "piecewise CUDA graphs"),
-    "LOOM_ENCODER_GRAPHS": EnvVar(False, _switch, "1: an encoder with one fixed input shape (Whisper's) runs "
-                                  "in CUDA graphs for batches of up to 8 clips (workers/encoder_graphs.py), not "
-                                  "eagerly; off until tests/test_gpu_whisper.py has passed with it on the H200"),
+    "LOOM_ENCODER_GRAPHS": EnvVar(True, _switch, "0: an encoder with one fixed input shape (Whisper's) runs "
+                                  "eagerly, not in CUDA graphs for batches of up to 8 clips "
+                                  "(workers/encoder_graphs.py)"),
     "LOOM_GRAMMAR_GRAPH_HEAD": EnvVar(True, _switch, "0: a structured-output decode step samples eagerly, "
                                       "not in the decode graph's grammar head"),
     "LOOM_SPEC_FULL_GRAPH": EnvVar(True, _switch, "0: speculative verify steps run in the piecewise graphs "
