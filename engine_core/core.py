@@ -214,9 +214,11 @@ class EngineCore:
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
                     or so.kv_transfers):
-                self._send_bitmask()   # (filled while this step was scheduled) the sample goes first
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
+                # (filled while this step was scheduled) after the step, which the worker holds until
+                # this sample: it builds the step's host inputs meanwhile (workers/step_pipeline.py)
+                self._send_bitmask()
                 if so.defer_sample and len(self.in_flight) == 1:
                     self._sample_deferred(so)
                 if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
@@ -233,9 +235,9 @@ class EngineCore:
                 so = self.scheduler.schedule(allow_new=self.control.admits_new)
             if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
                     or so.kv_transfers):
-                self._send_bitmask()
                 with self.loop_stats.phase("submit"):
                     self.in_flight.append((so, self.executor.submit(so)))
+                self._send_bitmask()
                 if so.defer_sample and len(self.in_flight) == 1:   # (else its bitmask follows the step before)
                     self._sample_deferred(so)
             for ci, outs in self.scheduler.update_from_output(ModelRunnerOutput([], [])).items():

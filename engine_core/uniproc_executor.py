@@ -2,8 +2,8 @@
 
 No ring, no sockets, no child process: a breakpoint in the model runner is hit from
 the caller's thread (`LLM(..., multiprocess=False)`). It keeps the worker loop's order
-(workers/worker.py serve_steps): a step is launched behind the one still pending, whose
-tokens are then taken, so async scheduling keeps two steps in flight as in the process
+(workers/step_pipeline.py, as serve_steps): a step is launched behind the one still pending,
+whose tokens are then taken, so async scheduling keeps two steps in flight as in the process
 mode and the tokens are the same.
 
 What a worker sets for its whole process is set in the caller's: torch's thread count (given
@@ -26,6 +26,7 @@ from engine_core.executor import Executor, PendingOutput
 from ipc.config import EngineConfig
 from ipc.messages import GrammarOutput, ModelRunnerOutput, MsgType, SchedulerOutput, WorkerCall, WorkerReply
 from ipc.serial import Decoder, Encoder
+from workers.step_pipeline import StepPipeline
 
 
 class UniprocExecutor(Executor):
@@ -40,45 +41,30 @@ class UniprocExecutor(Executor):
         self._enc = Encoder()
         self._step_dec, self._sample_dec = Decoder(SchedulerOutput), Decoder(GrammarOutput)
         self._call_dec, self._reply_dec = Decoder(WorkerCall), Decoder(WorkerReply)
-        self._pending = None     # a launched step whose tokens are not yet taken
-        self._unsampled = None   # a launched step waiting for its grammar bitmask
         self._outputs: deque[ModelRunnerOutput] = deque()   # taken, not yet collected (oldest first)
+        self.steps = StepPipeline(self.runner, self._outputs.append)
 
     def _wire(self, kind: MsgType, msg: Any, dec: Decoder) -> Any:
         return dec.decode(self._enc.encode(kind.value, msg))
 
-    def _finish_pending(self) -> None:
-        step, self._pending = self._pending, None
-        self._outputs.append(self.runner.finish(step))
-
     def submit(self, so: SchedulerOutput) -> PendingOutput:
-        so = self._wire(MsgType.WORKER_STEP, so, self._step_dec)
-        if self._pending is not None and self.runner.must_finish_before(self._pending, so):
-            self._finish_pending()
-        step = self.runner.launch(so, self._pending)   # behind the pending step, as the worker loop does
-        if self._pending is not None:
-            self._finish_pending()
-        if so.defer_sample:
-            self._unsampled = step
-        else:
-            self._pending = step
+        self.steps.step(self._wire(MsgType.WORKER_STEP, so, self._step_dec))
         return PendingOutput(self)
 
     def sample(self, grammar: GrammarOutput) -> None:
-        self.runner.sample_deferred(self._unsampled, self._wire(MsgType.WORKER_SAMPLE, grammar, self._sample_dec))
-        self._pending, self._unsampled = self._unsampled, None
+        self.steps.sample(self._wire(MsgType.WORKER_SAMPLE, grammar, self._sample_dec))
 
     def collect(self) -> ModelRunnerOutput:
         if not self._outputs:
-            self._finish_pending()
+            self.steps.finish_pending()
         return self._outputs.popleft()
 
     def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """The worker's method, called here (timeout: not applicable, the call runs in this
         thread). A failure reads as a worker process's would."""
-        if self._pending is not None:   # a worker answers calls between steps
-            self._finish_pending()
+        if self.steps.pending is not None:   # a worker answers calls between steps
+            self.steps.finish_pending()
         call = self._wire(MsgType.WORKER_CALL, WorkerCall(method, list(args), kwargs or {}, 1), self._call_dec)
         try:
             reply = WorkerReply(0, result=self.worker.call(call), call_id=call.call_id)
@@ -91,7 +77,7 @@ class UniprocExecutor(Executor):
         if self.runner.stats is not None:
             self.runner.stats.log()
         # the model and its KV cache go with the last references to them
-        self.worker = self.runner = self._pending = self._unsampled = None
+        self.worker = self.runner = self.steps = None
         self._outputs.clear()
         # the model's modules, its graphs and the KV cache hold reference cycles: collect them now, and
         # give their blocks back to the device, so that the next engine in this process (a notebook's,

@@ -205,7 +205,8 @@ def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
     """With the decode graphs' work on (uncaptured, LOOM_DECODE_GRAPHS_ON_CPU=1), constrained
     decode steps are sampled by the graphs' grammar head (the bitmask staged into the head's
     buffers): the same tokens as the eager sampler's (LOOM_GRAMMAR_GRAPH_HEAD=0), valid output,
-    and the head did run with constrained rows."""
+    and the head did run with constrained rows; the steps after them had their host inputs
+    built while they waited for their bitmasks (the eager path's were held, then built)."""
     from frontend.entrypoints.llm import LLM
     from workers.decode_graphs import DecodeGraphs
     monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
@@ -216,6 +217,13 @@ def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
         heads.append(int((mask_rows >= 0).sum()))
         return set_grammar(self, bs, distinct, mask_rows)
     monkeypatch.setattr(DecodeGraphs, "set_grammar", counted)
+    from workers.model_runner import ModelRunner
+    ahead, prepare_ahead = [], ModelRunner.prepare_ahead
+
+    def counted_ahead(self, so):   # a step built on the host while the one before waited for its bitmask
+        ahead.append(len(so.req_ids))
+        return prepare_ahead(self, so)
+    monkeypatch.setattr(ModelRunner, "prepare_ahead", counted_ahead)
     prompts, params = _requests()
     out = {}
     for head in ("1", "0"):
@@ -225,6 +233,9 @@ def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
         if head == "1":
             assert heads and max(heads) >= 3, heads   # steps whose constrained rows the head masked
             n_heads, heads[:] = len(heads), []
+            assert len(ahead) > 10, ahead   # (workers/step_pipeline.py: the eager path never builds ahead)
+            ahead[:] = []
+    assert not ahead
     assert not heads   # the switch off: never the grammar head
     assert [(o.token_ids, o.finish_reason) for o in out["1"]] == [(o.token_ids, o.finish_reason) for o in out["0"]]
     for o in out["1"][:3]:

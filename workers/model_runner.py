@@ -39,7 +39,8 @@ from workers.spec_decode import make_proposer, may_speculate
 from workers.spec_decode.verify_graph import MAX_VERIFY_GRAPH_CONTEXT, is_pure_verify, rows_as_decodes
 from workers.spec_decode.verify_layout import SpecLayout, spec_layout
 from workers.spec_decode.verify_sampling import first_landings, per_token_params
-from workers.step_inputs import DeviceInputs, HostInputs, StepBatch, attention_metadata, feed_indices, host_inputs
+from workers.step_inputs import (DeviceInputs, HostInputs, HostStep, StepBatch, attention_metadata, feed_indices,
+                                 host_inputs)
 from workers.step_stats import StepStats
 from workers.warmup import capture_graphs, warm_up
 
@@ -258,13 +259,19 @@ class ModelRunner:
     # ------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
+    def launch(self, so: SchedulerOutput, prev: PendingStep | None = None,
+               host_step: HostStep | None = None) -> PendingStep:
         """Queue one step on the device without waiting for it: prepare, forward, sample,
         copy back (finish() waits). Decode inputs that are tokens of `prev` (still in
-        flight) are taken from prev's device tensor."""
-        if so.kv_transfers is not None:   # the CPU KV tier's copies, before anything of this step
-            self.cpu_tier.apply(so.kv_transfers, self.kv_caches)
-        batch = self.prepare(so, prev)
+        flight) are taken from prev's device tensor. host_step: so's host part, built ahead
+        (prepare_ahead)."""
+        if host_step is not None:
+            self._lap(host_step.batch.stats_token, "held")
+            batch = self.stage(host_step, prev)
+        else:
+            if so.kv_transfers is not None:   # the CPU KV tier's copies, before anything of this step
+                self.cpu_tier.apply(so.kv_transfers, self.kv_caches)
+            batch = self.prepare(so, prev)
         if batch is None:
             if self.cpu_tier is not None:   # copies and no forward: the next step's waits layer by layer
                 self.cpu_tier.wait_forward()   # cover only its own copies
@@ -311,6 +318,30 @@ class ModelRunner:
         """Apply the step's diff and build its inputs and metadata on the host, then on the
         device (a decode graph's staging, else one copy per dtype); None when nothing is
         scheduled."""
+        host_step = self.prepare_host(so)
+        return None if host_step is None else self.stage(host_step, prev)
+
+    def can_prepare_ahead(self, unsampled: PendingStep, so: SchedulerOutput) -> bool:
+        """Whether so's host inputs may be built while `unsampled` (launched, its sample waiting
+        for a grammar bitmask) is not yet sampled: so queues no device work before its staging
+        (no encoder, cross K/V, KV tier copies, LoRA slots, drafts or multimodal items), and the
+        grammar head samples `unsampled`, which reads no per-request device state that so's diff
+        resets (penalty counts: InputBatch.add)."""
+        deferred = unsampled.unsampled
+        return (bool(so.req_ids) and deferred is not None and deferred.batch.grammar_head and self.cross_kv is None
+                and self.lora is None and not self.kv_scales_pending and so.kv_transfers is None
+                and not so.scheduled_encoder_inputs and not so.scheduled_spec_decode_tokens
+                and not so.spec_draft_slots and not any(r.mm_items for r in so.new_requests))
+
+    def prepare_ahead(self, so: SchedulerOutput) -> HostStep:
+        """so's host part while the step before waits for its bitmask (can_prepare_ahead)."""
+        host_step = self.prepare_host(so)
+        self._lap(host_step.batch.stats_token, "prepare")
+        return host_step
+
+    def prepare_host(self, so: SchedulerOutput) -> HostStep | None:
+        """prepare()'s host part: the diff applied and the inputs built on the host (and, for a
+        step that runs an encoder, its encoder and cross K/V); None when nothing is scheduled."""
         self._apply_diff(so)
         self._place_drafts(so)
         for rid, drafts in so.scheduled_spec_decode_tokens.items():   # the drafts are the inputs after the last token
@@ -395,31 +426,42 @@ class ModelRunner:
         spans = prompt_logprob_spans(states, start, num_scheduled)
         if (logprob_rows := prompt_logprob_rows(spans, states, token_starts, self.batch.token_ids)):
             host.prompt_logprob_rows, host.prompt_logprob_targets = logprob_rows
+        batch = StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, None, None, graph_size,
+                          stats_token, None, None, graph_samples, plain, spans, spec, grammar_head,
+                          graph_penalties, cascade_graph)
+        return HostStep(batch, token_starts, mm, cascade, calibrate, so.free_encoder_hashes)
+
+    def stage(self, host_step: HostStep, prev: PendingStep | None) -> StepBatch:
+        """prepare()'s device part: the inputs that are prev's tokens (sampled by now) located, the
+        host inputs uploaded, and the attention metadata built."""
+        batch, token_starts = host_step.batch, host_step.token_starts
+        host, num_scheduled, graph_size, cascade = batch.host, batch.num_scheduled, batch.decode_graph_size, \
+            host_step.cascade
         if prev is not None and prev.tokens is not None:
-            if (feed := feed_indices(prev, states, start, token_starts, graph_size is not None)):
+            if (feed := feed_indices(prev, batch.states, batch.computed_before, token_starts, graph_size is not None)):
                 host.graph_feed_rows, host.fed_token_index, host.fed_from_rows = feed
-                if spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
+                if batch.spec is not None and feed.graph_feed_rows is not None:   # per token row, not per request
                     host.graph_feed_rows = np.full(len(host.seq_lens), -1, np.int64)
                     host.graph_feed_rows[token_starts[:-1]] = feed.graph_feed_rows
-        if stats_token is not None:
-            self.stats.device_start(stats_token)
-        device = self._upload(host, graph_size, cascade)
+        if batch.stats_token is not None:
+            self.stats.device_start(batch.stats_token)
+        batch.device = device = self._upload(host, graph_size, cascade)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
         attention = attention_metadata(host, device, num_scheduled, self.backend) if graph_size is None else None
-        embeds = self.mm.embeddings(mm, device.input_ids) if mm else None
-        self.mm.free(so.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
-        if calibrate:
+        batch.attention = attention
+        mm = host_step.mm
+        batch.inputs_embeds = self.mm.embeddings(mm, device.input_ids) if mm else None
+        self.mm.free(host_step.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
+        if host_step.calibrate:
             attention.calculate_kv_scales, self.kv_scales_pending = True, False
-        if cascade and not cascade_graph:   # (a piecewise or eager step: its attention runs between the pieces)
+        if cascade and not batch.cascade_graph:   # (a piecewise or eager step: its attention runs between the pieces)
             attention.cascade = self.cascade.prefix(cascade, device.query_start_loc, device.block_table,
                                                     num_scheduled, attention.max_seq_len)
-        piecewise_size = None
-        if graph_size is None and embeds is None and self.piecewise_graphs is not None and not calibrate:
-            piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
-        return StepBatch(states, num_scheduled, start, end, sample_rows, rows, host, device, attention, graph_size,
-                         stats_token, embeds, piecewise_size, graph_samples, plain, spans, spec, grammar_head,
-                         graph_penalties, cascade_graph)
+        if (graph_size is None and batch.inputs_embeds is None and self.piecewise_graphs is not None
+                and not host_step.calibrate):
+            batch.piecewise_size = self.piecewise_graphs.size_for(int(num_scheduled.sum()))
+        return batch
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:

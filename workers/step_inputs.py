@@ -83,6 +83,20 @@ class StepBatch:
         return how if self.spec is None else f"{how} verify"
 
 
+@dataclass
+class HostStep:
+    """A step built on the host, none of its device work queued yet (ModelRunner.prepare_host):
+    the worker builds the next step so while the step before waits for its grammar bitmask,
+    and stages it (ModelRunner.stage) once that step is sampled. batch.device and
+    batch.attention are filled by the staging."""
+    batch: StepBatch
+    token_starts: np.ndarray          # each request's first token row (a verify step in a decode graph: its rows)
+    mm: list                          # multimodal spans whose encoder outputs become input embeddings
+    cascade: int                      # the shared prefix its attention reads once (0: none)
+    calibrate: bool                   # --calculate-kv-scales: this step sets the scales
+    free_encoder_hashes: list[str]    # encoder outputs the scheduler frees after this step
+
+
 class FeedIndices(NamedTuple):
     """Where a step's inputs are the previous step's sampled tokens (StepArrays' fields of the
     same names): graph_feed_rows for a decode graph after a step its head sampled, else the

@@ -18,6 +18,7 @@ from ipc.profiling import maybe_profile
 from ipc.serial import Decoder, Encoder
 from ipc.sockets import make_socket
 from ipc.worker_methods import remote
+from workers.step_pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -207,28 +208,21 @@ class Worker:
 
 
 def serve_steps(worker: Worker, ring, send) -> None:
-    """The worker loop. A step is launched on the device as soon as it arrives, behind
-    the one still running there, so the device never waits for this loop; a step's
-    tokens are sent once the device has produced them. A step whose sampling needs the
-    previous step's tokens (a grammar bitmask) runs its model, then samples when its
-    WORKER_SAMPLE message comes."""
+    """The worker loop: steps and samples in the order workers/step_pipeline.py keeps; a
+    pending step's tokens are sent as soon as the device has them, unless the next step comes
+    first (it is launched behind it, unwaited); calls between steps."""
     runner, rank = worker.runner, worker.rank
     step_dec, call_dec, sample_dec = Decoder(SchedulerOutput), Decoder(WorkerCall), Decoder(GrammarOutput)
-    pending = None  # a launched step whose tokens are not yet sent
-    unsampled = None  # a launched step waiting for its WORKER_SAMPLE
 
-    def finish_pending():
-        nonlocal pending
-        out, pending = runner.finish(pending), None
+    def emit(out) -> None:
         if rank == 0:
             send(WorkerReply(rank, output=out))
 
+    steps = StepPipeline(runner, emit)
     while True:
-        if pending is not None and not ring.ready():
-            # Until the next step arrives, deliver the pending one as soon as the device
-            # is done with it; a step that arrives first is launched behind it, unwaited.
-            if runner.is_done(pending):
-                finish_pending()
+        if steps.pending is not None and not ring.ready():
+            if runner.is_done(steps.pending):
+                steps.finish_pending()
             else:
                 os.sched_yield()
             continue
@@ -237,31 +231,15 @@ def serve_steps(worker: Worker, ring, send) -> None:
         if kind in (MsgType.WORKER_STEP.value, MsgType.WORKER_SAMPLE.value):
             try:
                 if kind == MsgType.WORKER_SAMPLE.value:
-                    runner.sample_deferred(unsampled, sample_dec.decode(frames))
-                    pending, unsampled = unsampled, None
-                    continue
-                so = step_dec.decode(frames)
-                finished = None   # pending's output, when so's inputs need it: sent once so is launched
-                if pending is not None and runner.must_finish_before(pending, so):
-                    # (a verify step's next under LOOM_SPEC_ASYNC: the device idles from pending's
-                    # end to so's launch, so the reply and the engine's and API server's work it
-                    # wakes wait until the device has so)
-                    finished, pending = runner.finish(pending), None
-                step = runner.launch(so, pending)  # queued on the device behind `pending`
-                if finished is not None and rank == 0:
-                    send(WorkerReply(rank, output=finished))
-                if pending is not None:
-                    finish_pending()  # the engine needs these tokens for the next bitmask
-                if so.defer_sample:
-                    unsampled = step
+                    steps.sample(sample_dec.decode(frames))
                 else:
-                    pending = step
+                    steps.step(step_dec.decode(frames))
             except Exception:
                 send(WorkerReply(rank, error=traceback.format_exc()))
                 raise
             continue
-        if pending is not None:
-            finish_pending()
+        if steps.pending is not None:
+            steps.finish_pending()
         call = call_dec.decode(frames)
         if call.method == "shutdown":
             if runner.stats is not None:
