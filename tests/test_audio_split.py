@@ -1,7 +1,7 @@
 """split_audio (seed #34628): the clips are contiguous (concatenated, they are the input, no
 sample lost or repeated), none is longer than max_audio_clip_s, and each cut is at the start of
 the lowest-RMS window of its search region (a property test over random signals), plus the
-audio loading helpers' refusals."""
+audio loading helpers' refusals and decode_audio's floats (libsndfile's own, for every subtype)."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,3 +70,24 @@ def test_audio_helpers_refuse_bad_input():
     a = as_audio((np.ones((2, 44100), np.float32) * [[1.0], [0.0]], 44100), 16000)   # channels first
     assert a.sample_rate == 16000 and abs(len(a.samples) - 16000) <= 1 and np.allclose(a.samples[100:-100], 0.5,
                                                                                        atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt,subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("WAV", "PCM_24"), ("WAV", "FLOAT")])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_decode_audio_equals_soundfiles_float_decoding(fmt, subtype, channels):
+    """16-bit PCM is read as integers and scaled by decode_audio itself: the floats libsndfile's own
+    float32 decoding gives, every sample (full scale both ways included); other subtypes are
+    libsndfile's floats. Channels are averaged."""
+    import io
+
+    import soundfile as sf
+    rng = np.random.default_rng(channels)
+    x = rng.uniform(-1, 1, (4000, channels)).astype(np.float32)
+    x[:2] = [[-1.0] * channels, [1.0] * channels]
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format=fmt, subtype=subtype)
+    data = buf.getvalue()
+    ref = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)[0].mean(axis=1)
+    got = decode_audio(data, 16000)
+    assert got.samples.dtype == np.float32 and got.sample_rate == 16000
+    np.testing.assert_array_equal(got.samples, ref)
