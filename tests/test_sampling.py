@@ -238,6 +238,7 @@ def test_penalties_adjust_logits_as_specified():
                 min_tokens=6, stop_token_ids=[9])
     batch.add("a", [1, 2, 3], [3, 4], [0], 0, params, 0, [11])      # resumed: two outputs known
     batch.add("b", [40], [], [1], 0, SP(logit_bias={3: -1.0}), 0, [11])
+    batch.write_rows()                                                  # (the step's staging)
     slots = torch.tensor([batch.requests["a"].slot, batch.requests["b"].slot])
     batch.record_sampled(slots[:1], torch.tensor([4]))                  # a's third output, on the device
     batch.record_sampled(slots[:1], torch.tensor([5]))

@@ -206,7 +206,7 @@ def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
     decode steps are sampled by the graphs' grammar head (the bitmask staged into the head's
     buffers): the same tokens as the eager sampler's (LOOM_GRAMMAR_GRAPH_HEAD=0), valid output,
     and the head did run with constrained rows; the steps after them had their host inputs
-    built while they waited for their bitmasks (the eager path's were held, then built)."""
+    built while they waited for their bitmasks."""
     from frontend.entrypoints.llm import LLM
     from workers.decode_graphs import DecodeGraphs
     monkeypatch.setenv("LOOM_DECODE_GRAPHS_ON_CPU", "1")
@@ -233,11 +233,36 @@ def test_grammar_head_samples_as_the_eager_path(tiny_model_dir, monkeypatch):
         if head == "1":
             assert heads and max(heads) >= 3, heads   # steps whose constrained rows the head masked
             n_heads, heads[:] = len(heads), []
-            assert len(ahead) > 10, ahead   # (workers/step_pipeline.py: the eager path never builds ahead)
-            ahead[:] = []
-    assert not ahead
+        assert len(ahead) > 10, ahead   # (workers/step_pipeline.py, both ways of sampling)
+        ahead[:] = []
     assert not heads   # the switch off: never the grammar head
     assert [(o.token_ids, o.finish_reason) for o in out["1"]] == [(o.token_ids, o.finish_reason) for o in out["0"]]
     for o in out["1"][:3]:
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert n_heads > 10
+
+
+def test_steps_built_ahead_with_slots_taken_by_new_penalised_requests(tiny_model_dir):
+    """More requests than slots (4), constrained ones with top-k and penalties (the eager sampler:
+    their steps wait for the bitmask) beside greedy penalised ones, all finishing at different
+    lengths: new requests take finished requests' slots in steps built while the step before
+    waits for its sample, which still records tokens into those slots. The new requests' penalty
+    rows are set after it (InputBatch.write_rows): the same tokens with async scheduling on
+    (steps built ahead) and off (none deferred)."""
+    from frontend.entrypoints.llm import LLM
+    prompts, params = [], []
+    for i in range(10):
+        prompts.append(f"Request {i}: tell me a story")
+        if i % 2:
+            params.append(SamplingParams(temperature=1.0, seed=i, top_k=20, max_tokens=30 + 7 * i,
+                                         repetition_penalty=1.3, frequency_penalty=0.4,
+                                         structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=12 + 5 * i, ignore_eos=True,
+                                         repetition_penalty=1.5, presence_penalty=0.7))
+    out = {}
+    for async_scheduling in (True, False):
+        with LLM(tiny_model_dir, async_scheduling=async_scheduling, max_model_len=256, max_num_seqs=4) as llm:
+            out[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                     for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out[True] == out[False]

@@ -12,10 +12,12 @@ are made when the first request with penalties arrives (vocab 152k x 256 slots:
 155 MB + 39 MB), and a slot's rows are set only for requests that read them.
 The same holds for the last outputs of each slot (int64 [slots, 31]), which the
 bad words' prefixes are matched against, on the device, for the same reason.
+A new request's device rows are written when its step is staged (write_rows).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ class InputBatch:
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
         self.recent_outputs: torch.Tensor | None = None
+        self._row_writes: list[partial] = []   # device rows of added slots, until write_rows()
 
     def add(self, req_id: str, prompt: list[int], outputs: list[int], block_ids: list[int],
             num_computed: int, params: SamplingParams, seed: int, eos: list[int]) -> None:
@@ -64,16 +67,29 @@ class InputBatch:
         self.requests[req_id] = CachedRequestState(req_id, slot, n_prompt, n, num_computed,
                                                    len(block_ids), params, seed, eos)
         if params.needs_penalties:
-            self._set_penalty_rows(slot, prompt, outputs)
+            if self.output_counts is None:
+                shape = (self.max_num_reqs, self.vocab_size)
+                self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+                self.prompt_mask = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            self._row_writes.append(partial(self._set_penalty_rows, slot, prompt, outputs))
         if params.bad_words_token_ids:
             self.requests[req_id].bad_words = BadWords.of(params.bad_words_token_ids)
-            self._set_recent_outputs(slot, outputs)
+            if self.recent_outputs is None:
+                self.recent_outputs = torch.full((self.max_num_reqs, MAX_BAD_WORD_TOKENS - 1), -1,
+                                                 dtype=torch.int64, device=self.device)
+            self._row_writes.append(partial(self._set_recent_outputs, slot, outputs))
+
+    def write_rows(self) -> None:
+        """The device rows of the slots added since the last call: queued until the step whose
+        diff added them is staged. A step launched before may still have to sample (it waits for
+        its grammar bitmask while this step's host inputs are built: workers/step_pipeline.py),
+        and it records its tokens into its rows' slots, one of which may be a finished request's
+        slot taken here: the new request's rows are set after that."""
+        for write in self._row_writes:
+            write()
+        self._row_writes.clear()
 
     def _set_penalty_rows(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
-        if self.output_counts is None:
-            shape = (self.max_num_reqs, self.vocab_size)
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.uint8, device=self.device)
         def ids(xs: list[int]) -> torch.Tensor:
             a = np.asarray(xs, dtype=np.int64)
             return torch.from_numpy(a[(a >= 0) & (a < self.vocab_size)]).to(self.device)
@@ -85,9 +101,6 @@ class InputBatch:
 
     def _set_recent_outputs(self, slot: int, outputs: list[int]) -> None:
         """A slot's last outputs as the bad words see them: a resumed request's own, -1 before."""
-        if self.recent_outputs is None:
-            self.recent_outputs = torch.full((self.max_num_reqs, MAX_BAD_WORD_TOKENS - 1), -1,
-                                             dtype=torch.int64, device=self.device)
         row = np.full(MAX_BAD_WORD_TOKENS - 1, -1, dtype=np.int64)
         tail = outputs[-len(row):]
         row[len(row) - len(tail):] = tail

@@ -324,14 +324,15 @@ class ModelRunner:
     def can_prepare_ahead(self, unsampled: PendingStep, so: SchedulerOutput) -> bool:
         """Whether so's host inputs may be built while `unsampled` (launched, its sample waiting
         for a grammar bitmask) is not yet sampled: so queues no device work before its staging
-        (no encoder, cross K/V, KV tier copies, LoRA slots, drafts or multimodal items), and the
-        grammar head samples `unsampled`, which reads no per-request device state that so's diff
-        resets (penalty counts: InputBatch.add)."""
+        (no encoder, cross K/V, KV tier copies, LoRA slots, drafts or multimodal items; its new
+        requests' penalty rows wait for the staging: InputBatch.write_rows), and no drafter runs
+        after `unsampled`'s sample on the batch that so's diff changes."""
         deferred = unsampled.unsampled
-        return (bool(so.req_ids) and deferred is not None and deferred.batch.grammar_head and self.cross_kv is None
-                and self.lora is None and not self.kv_scales_pending and so.kv_transfers is None
-                and not so.scheduled_encoder_inputs and not so.scheduled_spec_decode_tokens
-                and not so.spec_draft_slots and not any(r.mm_items for r in so.new_requests))
+        return (bool(so.req_ids) and deferred is not None and deferred.batch.spec is None and self.proposer is None
+                and self.cross_kv is None and self.lora is None and not self.kv_scales_pending
+                and so.kv_transfers is None and not so.scheduled_encoder_inputs
+                and not so.scheduled_spec_decode_tokens and not so.spec_draft_slots
+                and not any(r.mm_items for r in so.new_requests))
 
     def prepare_ahead(self, so: SchedulerOutput) -> HostStep:
         """so's host part while the step before waits for its bitmask (can_prepare_ahead)."""
@@ -434,6 +435,7 @@ class ModelRunner:
     def stage(self, host_step: HostStep, prev: PendingStep | None) -> StepBatch:
         """prepare()'s device part: the inputs that are prev's tokens (sampled by now) located, the
         host inputs uploaded, and the attention metadata built."""
+        self.batch.write_rows()   # (after the step before has sampled: it records into their slots)
         batch, token_starts = host_step.batch, host_step.token_starts
         host, num_scheduled, graph_size, cascade = batch.host, batch.num_scheduled, batch.decode_graph_size, \
             host_step.cascade
