@@ -1,8 +1,8 @@
 """Structured outputs on the GPU, in the worker process: constrained decode steps sampled by the
-decode graphs' grammar head, with the next step's host inputs built while each waits for its
-bitmask (workers/step_pipeline.py; the step stats' "held" phase), draw what the eager sampler
-draws (LOOM_GRAMMAR_GRAPH_HEAD=0, whose steps are held and built after the sample), in float32
-on tiny random weights, and every constrained output parses under its schema."""
+decode graphs' grammar head draw what the eager sampler draws (LOOM_GRAMMAR_GRAPH_HEAD=0), in
+float32 on tiny random weights, with the next step's host inputs built while each waits for its
+bitmask either way (workers/step_pipeline.py; the step stats' "held" phase), and every
+constrained output parses under its schema."""
 from __future__ import annotations
 
 import json
@@ -34,14 +34,14 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_grammar_head_with_steps_built_ahead_draws_what_the_eager_sampler_draws(model_dir, monkeypatch):
+def test_grammar_head_draws_what_the_eager_sampler_draws_with_steps_built_ahead(model_dir, monkeypatch):
     monkeypatch.setenv("LOOM_STEP_STATS", "1")
     monkeypatch.setenv("LOOM_GRAMMAR_GRAPH_HEAD", "1")
     head, stats = _run(model_dir)
     assert stats.get("graph", {}).get("host_ms_held", 0) > 0, stats   # steps were built ahead
     monkeypatch.setenv("LOOM_GRAMMAR_GRAPH_HEAD", "0")
     eager, stats = _run(model_dir)
-    assert "host_ms_held" not in stats.get("graph", {}), stats
+    assert stats.get("graph", {}).get("host_ms_held", 0) > 0, stats
     for o in head[:3] + eager[:3]:
         jsonschema.validate(json.loads(o.text), SCHEMA)
     # (the eager sampler's logits come from another row count: cuBLAS may round fp32 sums
