@@ -18,6 +18,7 @@ import requests
 
 from frontend import LLM, SamplingParams
 from ipc.config import ConfigError, EngineConfig
+from ipc.sampling_params import StructuredOutputsParams
 from ipc.sockets import free_tcp_port
 from tests.conftest import child_pids
 from tests.hf_oracle import hf_greedy
@@ -78,12 +79,17 @@ def test_qwen3_one_kv_head_uneven_vocab_under_prefix_caching_chunking_and_preemp
     equal HF; seeded rows equal an ample TP=1 run. Most rows sample plainly (greedy, temperature,
     min-p): their steps sample from each rank's vocabulary shard (LogitsShard); a top-p row's
     steps gather the logits. The model has one KV head (replicated on both ranks) and a
-    vocabulary of 337 (padded to split: the last rank's padding row must never be drawn)."""
+    vocabulary of 337 (padded to split: the last rank's padding row must never be drawn). One
+    seeded row is regex-constrained with a repetition penalty."""
     model_dir = model_factory("qwen3", num_key_value_heads=1, vocab_size=337)
     prompts = _workload(337)
     greedy = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
     seeded = [SamplingParams(temperature=0.9, top_p=0.9 if i == 5 else 1.0, min_p=0.05 * (i % 2), seed=100 + i,
                              max_tokens=MAX_NEW, ignore_eos=True) for i in range(len(prompts))]
+    # a constrained row with a penalty: its steps sample after their bitmask comes, every rank's
+    # next step built meanwhile (workers/step_pipeline.py), with the gathered logits
+    seeded[2] = SamplingParams(temperature=0.9, seed=102, max_tokens=MAX_NEW, repetition_penalty=1.3,
+                               structured_outputs=StructuredOutputsParams(regex="[a-z]{2,9}( [a-z]{2,9})*"))
     got, stats = _generate(model_dir, prompts + prompts, greedy + seeded, tensor_parallel_size=2,
                            enable_prefix_caching=True, max_num_batched_tokens=8, max_num_seqs=4,
                            num_gpu_blocks_override=20)
