@@ -37,7 +37,7 @@ class _Collector:
     RequestOutputCollector)."""
 
     __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter", "engine",
-                 "interval", "_pending", "_started")
+                 "interval", "_pending", "_started", "_loop")
 
     def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics], engine: int = 0,
                  interval: int = 1):
@@ -54,6 +54,9 @@ class _Collector:
         self.interval = interval
         self._pending = 0
         self._started = False
+        # made in generate(), on the loop: asyncio.get_running_loop() is a getpid() system call
+        # per call on Python 3.11, and take() waits once per chunk
+        self._loop = asyncio.get_running_loop()
 
     def process(self, out: EngineCoreOutput, now: float) -> bool:
         """Turn one engine output into a delta. True: a stop string ended it here (abort in the engine)."""
@@ -93,7 +96,7 @@ class _Collector:
     async def take(self) -> list[CompletionOutput]:
         """Every delta made since the last call, waiting for one if there is none."""
         while not self.deltas and self.error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             await self._waiter
         if self.error is not None:
             raise self.error
@@ -287,6 +290,8 @@ class AsyncLLM:
 
 def _merge(deltas: list) -> list:
     """Several deltas of the same choice become one."""
+    if len(deltas) == 1:   # the common case: one delta per chunk (one token per engine step)
+        return deltas
     merged: dict[int, Any] = {}
     for d in deltas:
         m = merged.get(d.index)

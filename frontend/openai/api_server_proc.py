@@ -14,7 +14,7 @@ import signal
 import time
 
 from ipc.config import EngineConfig
-from ipc.procs import child_signals, sigterm_exits, stop_requested, watch_parent
+from ipc.procs import child_signals, freeze_startup_heap, sigterm_exits, stop_requested, watch_parent
 from ipc import envs, profiling
 from ipc.profiling import maybe_profile
 from metrics.multiproc import ENV as METRICS_DIR_ENV
@@ -112,6 +112,10 @@ def run_api_server_process(config_dict: dict, server_opts: dict, client_index: i
                 loop.create_task(_exit_when_dead(llm))
             from metrics.attach import attach_metrics
             attach_metrics(llm, enable_mfu=opts.pop("enable_mfu_metrics", False))
+            # as the engine core and the workers: the stats line's metrics merge (every
+            # --log-stats-interval) set off full collector passes over transformers' and the
+            # tokenizer's start-up objects, ~0.3 s of this loop's CPU each at c512 (a profile)
+            freeze_startup_heap()
             await serve(llm, sock=listen_sock, on_built=lambda s: server.__setitem__(0, s), **opts)
         finally:
             llm.close()
