@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from frontend import LLM
+from tests.test_gpu_sampling import _first_divergence
 from tests.test_structured_engine import SCHEMA, _requests
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +29,6 @@ def _run(model_dir: str) -> tuple[list, dict]:
         return outs, (llm.collective_rpc("step_stats") or [None])[0] or {}
     finally:
         llm.shutdown()
-
-
-def _first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def test_grammar_head_draws_what_the_eager_sampler_draws_with_steps_built_ahead(model_dir, monkeypatch):
