@@ -149,7 +149,7 @@ def test_an_error_in_a_step_ends_the_engine(model_factory, monkeypatch):
     from workers.model_runner import ModelRunner
     prompt = {"prompt_token_ids": [5, 6, 7]}
     with LLM(model_factory("qwen3"), multiprocess=False, max_model_len=64, block_size=4) as llm:
-        def broken(self, so, prev=None):
+        def broken(self, so, prev=None, host_step=None):
             raise RuntimeError("a broken kernel")
         monkeypatch.setattr(ModelRunner, "launch", broken)
         with pytest.raises(RuntimeError, match="a broken kernel"):
