@@ -436,9 +436,8 @@ class ModelRunner:
         """prepare()'s device part: the inputs that are prev's tokens (sampled by now) located, the
         host inputs uploaded, and the attention metadata built."""
         self.batch.write_rows()   # (after the step before has sampled: it records into their slots)
-        batch, token_starts = host_step.batch, host_step.token_starts
-        host, num_scheduled, graph_size, cascade = batch.host, batch.num_scheduled, batch.decode_graph_size, \
-            host_step.cascade
+        batch, token_starts, cascade = host_step.batch, host_step.token_starts, host_step.cascade
+        host, num_scheduled, graph_size = batch.host, batch.num_scheduled, batch.decode_graph_size
         if prev is not None and prev.tokens is not None:
             if (feed := feed_indices(prev, batch.states, batch.computed_before, token_starts, graph_size is not None)):
                 host.graph_feed_rows, host.fed_token_index, host.fed_from_rows = feed
@@ -450,10 +449,10 @@ class ModelRunner:
         batch.device = device = self._upload(host, graph_size, cascade)
         if device.fed_token_index is not None:  # decode inputs that are prev's tokens come straight from the device
             device.input_ids.index_copy_(0, device.fed_token_index, prev.tokens.index_select(0, device.fed_from_rows))
-        attention = attention_metadata(host, device, num_scheduled, self.backend) if graph_size is None else None
-        batch.attention = attention
-        mm = host_step.mm
-        batch.inputs_embeds = self.mm.embeddings(mm, device.input_ids) if mm else None
+        batch.attention = attention = (attention_metadata(host, device, num_scheduled, self.backend)
+                                       if graph_size is None else None)
+        if host_step.mm:
+            batch.inputs_embeds = self.mm.embeddings(host_step.mm, device.input_ids)
         self.mm.free(host_step.free_encoder_hashes)   # after this step's use: the scheduler frees as it advances
         if host_step.calibrate:
             attention.calculate_kv_scales, self.kv_scales_pending = True, False
