@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import random
+import sys
 import threading
 import time
 import traceback
@@ -760,6 +761,7 @@ def run_engine_core(config_dict: dict, ipc_dir: str, clients: list[tuple[str, st
     config.data_parallel_rank = dp.rank if dp is not None else 0
     if dp is not None and config.device != "cpu" and config.data_parallel_size > 1:
         select_devices(dp.local_rank, config.tensor_parallel_size)   # before any worker starts
+    sys.setswitchinterval(envs.LOOM_ENGINE_SWITCH_INTERVAL_MS / 1e3)
     if envs.LOOM_DEBUG_DISABLE_GC:
         import gc
         gc.disable()  # leak tests: finished requests must be freed by reference counting alone

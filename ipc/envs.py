@@ -179,6 +179,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_ENGINE_REPLY_SPIN_MS": EnvVar(0.0, _float, "milliseconds the engine core busy-polls for a step's reply "
                                         "before it blocks on the workers' sockets (a blocked wait wakes through "
                                         "ZMQ's threads); for A/B runs of speculation's round trip"),
+    "LOOM_ENGINE_SWITCH_INTERVAL_MS": EnvVar(5.0, _float, "the engine core's GIL switch interval "
+                                             "(sys.setswitchinterval, Python's default 5 ms): how long the busy loop "
+                                             "may keep the GIL from the bitmask fill's thread once its fill is done"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),
     "LOOM_EAGLE_DRAFT_GRAPHS": EnvVar(True, _switch, "0: an EAGLE head's draft steps run eagerly, not as "
