@@ -15,6 +15,7 @@ local layers' blocks too; not built here)."""
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 
 import msgspec
 
@@ -36,6 +37,58 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def common_blocks(a: list[int], b: list[int], limit: int, block_size: int) -> int:
+    """How many leading blocks (at most limit) a and b hold the same tokens in: list slices
+    compared in C, the whole span first (requests that share a prefix agree on all of it),
+    else a bisection over spans that each compare once."""
+    limit = min(limit, len(a) // block_size, len(b) // block_size)
+    end = limit * block_size
+    if a[:end] == b[:end]:
+        return limit
+    lo, hi = 0, limit   # blocks [0, lo) agree; [0, hi) do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo * block_size:mid * block_size] == b[lo * block_size:mid * block_size]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RecentPrefixes:
+    """The last few prompts' block hashes, by their first block's hash: a request whose prompt
+    begins as one of theirs takes their hashes for the blocks both hold the same tokens in, and
+    hashes only the rest. Equal tokens under the same first block (its hash covers the adapter)
+    chain to equal hashes, so the hashes are the ones hashing would give. The shared-prefix
+    workload's requests (2,048 shared + 64 own tokens) hashed 132 blocks each in the engine's
+    schedule(): 128 new requests a step took ~40 ms of it. Prompts with images are never taken
+    nor kept (their blocks hash the images too)."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._by_first: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
+
+    def take(self, prompt: list[int], first: bytes, block_size: int) -> list[bytes]:
+        """The leading hashes of prompt's blocks a kept prompt gives (first's, at least)."""
+        kept = self._by_first.get(first)
+        if kept is None:
+            return [first]
+        self._by_first.move_to_end(first)
+        other, hashes = kept
+        return hashes[:max(common_blocks(prompt, other, len(hashes), block_size), 1)]
+
+    def keep(self, prompt: list[int], hashes: list[bytes]) -> None:
+        """prompt's hashes (its request's list, which grows past the prompt: only the prompt's
+        blocks are read), replacing the kept prompt of the same first block."""
+        self._by_first[hashes[0]] = (prompt, hashes)
+        self._by_first.move_to_end(hashes[0])
+        if len(self._by_first) > self.capacity:
+            self._by_first.popitem(last=False)
+
+    def clear(self) -> None:
+        self._by_first.clear()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None):
         """sliding_window: the window of every attention layer, to trim blocks to (None: keep all)."""
@@ -45,6 +98,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock | None]] = {}   # None: a block trimmed behind the window
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of a request already published
+        self.recent = RecentPrefixes()
 
     @property
     def num_blocks(self) -> int:
@@ -57,6 +111,10 @@ class KVCacheManager:
         """Extend req.block_hashes over every full block of its known tokens."""
         bs = self.block_size
         hashes = req.block_hashes
+        if not hashes and not req.mm_items and req.num_prompt_tokens >= 2 * bs:   # (else nothing to share)
+            prompt = req.prompt_token_ids
+            hashes += self.recent.take(prompt, hash_block(block_hash_root(req.lora_request), prompt[:bs]), bs)
+            self.recent.keep(prompt, hashes)
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else block_hash_root(req.lora_request),
@@ -78,12 +136,9 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         if self.sliding_window is not None:
             return self._window_hits(req.block_hashes[:max_blocks])
-        hits = []
-        for h in req.block_hashes[:max_blocks]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
+        hits = list(map(self.pool.cached.get, req.block_hashes[:max_blocks]))   # (a loop in C)
+        if None in hits:   # the hit is the run before the first miss
+            del hits[hits.index(None):]
         if self.pool.cpu_tier is not None and len(hits) < max_blocks:
             hits += self._load_from_cpu(req, hits, max_blocks)
         return hits
@@ -141,15 +196,21 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         first_needed = self._first_needed_block(num_computed)
         self._trim(held, first_needed)
-        hits = [b if len(held) + i >= first_needed else None for i, b in enumerate(computed_blocks)]
+        if self.sliding_window is None:   # nothing trimmed: every hit is a block
+            hits = taken = computed_blocks
+        else:
+            hits = [b if len(held) + i >= first_needed else None for i, b in enumerate(computed_blocks)]
+            taken = [b for b in hits if b is not None]
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(hits)
         # Hits that sit in the free queue stop being free once touched.
-        revived = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
+        revived = sum(1 for b in taken if b.ref_cnt == 0)
         if need + revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch([b for b in hits if b is not None])
+        self.pool.touch(taken)
         new_blocks = self.pool.take_new(max(need, 0))
         blocks = self.req_blocks.setdefault(req.request_id, held)
+        if hits and not held:   # hits are published blocks (or trimmed ones): cache_blocks starts past them
+            self.num_cached_blocks[req.request_id] = len(hits)
         blocks.extend(hits)
         blocks.extend(new_blocks)
         return new_blocks

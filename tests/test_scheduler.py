@@ -298,3 +298,50 @@ def test_block_hashes_chain_over_prompt_and_output_tokens():
         parent = hash_block(parent, tokens[4 * i:4 * i + 4])
         want.append(parent)
     assert r.block_hashes == want and len(want) == 4
+
+
+def _hashed_alone(tokens: list[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+    want, parent = [], root
+    for i in range(len(tokens) // block_size):
+        parent = hash_block(parent, tokens[block_size * i:block_size * (i + 1)])
+        want.append(parent)
+    return want
+
+
+def test_hashes_taken_from_a_recent_prompt_equal_hashing_alone():
+    """Requests whose prompts begin alike take the kept prompt's hashes over the blocks both hold
+    the same tokens in (RecentPrefixes): prompts diverging at every block and mid-block, shorter
+    and longer than the kept one, a kept one with outputs past its prompt, another adapter's, and
+    more first blocks than are kept: every request's hashes are those hashing alone gives."""
+    import random
+
+    from ipc.lora import LoRARequest
+    rng = random.Random(0)
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    kv.recent.capacity = 3
+    prefixes = [[rng.randrange(1000) for _ in range(40)] for _ in range(5)]
+    for i in range(300):
+        base = prefixes[rng.randrange(len(prefixes))]
+        cut = rng.randrange(len(base) + 1)
+        prompt = base[:cut] + [rng.randrange(1000) for _ in range(rng.randrange(12))]
+        lora = LoRARequest("a", 1, "/none") if i % 7 == 0 else None
+        r = Request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=4), [0], lora_request=lora), 256, 0)
+        kv.update_block_hashes(r)
+        assert r.block_hashes == _hashed_alone(prompt, 4, b"lora:1" if lora else None), (i, cut)
+        if i % 5 == 0:   # outputs past the prompt: the kept list grows; only its prompt's blocks are taken
+            r.output_token_ids += [rng.randrange(1000) for _ in range(9)]
+            kv.update_block_hashes(r)
+            assert r.block_hashes == _hashed_alone(prompt + r.output_token_ids, 4, b"lora:1" if lora else None)
+    assert len(kv.recent._by_first) <= 3
+
+
+def test_common_blocks():
+    from engine_core.kv_cache_manager import common_blocks
+    a = list(range(100))
+    for diff in (0, 3, 4, 5, 31, 32, 63, 99):
+        b = list(a)
+        b[diff] = -1
+        assert common_blocks(a, b, 100, 4) == diff // 4
+    assert common_blocks(a, a, 100, 4) == 25
+    assert common_blocks(a, a[:50], 100, 4) == 12    # full blocks of the shorter one
+    assert common_blocks(a, a, 7, 4) == 7            # at most `limit`
