@@ -15,12 +15,12 @@ local layers' blocks too; not built here)."""
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import msgspec
 
 from engine_core.block_pool import BlockPool, KVBlock
 from engine_core.kv_events import MEDIUM_GPU, BlockStored
+from engine_core.recent_prompts import RecentPrompts
 from engine_core.request import Request
 from ipc.lora import block_hash_root
 
@@ -37,58 +37,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def common_blocks(a: list[int], b: list[int], limit: int, block_size: int) -> int:
-    """How many leading blocks (at most limit) a and b hold the same tokens in: list slices
-    compared in C, the whole span first (requests that share a prefix agree on all of it),
-    else a bisection over spans that each compare once."""
-    limit = min(limit, len(a) // block_size, len(b) // block_size)
-    end = limit * block_size
-    if a[:end] == b[:end]:
-        return limit
-    lo, hi = 0, limit   # blocks [0, lo) agree; [0, hi) do not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo * block_size:mid * block_size] == b[lo * block_size:mid * block_size]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-class RecentPrefixes:
-    """The last few prompts' block hashes, by their first block's hash: a request whose prompt
-    begins as one of theirs takes their hashes for the blocks both hold the same tokens in, and
-    hashes only the rest. Equal tokens under the same first block (its hash covers the adapter)
-    chain to equal hashes, so the hashes are the ones hashing would give. The shared-prefix
-    workload's requests (2,048 shared + 64 own tokens) hashed 132 blocks each in the engine's
-    schedule(): 128 new requests a step took ~40 ms of it. Prompts with images are never taken
-    nor kept (their blocks hash the images too)."""
-
-    def __init__(self, capacity: int = 8):
-        self.capacity = capacity
-        self._by_first: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
-
-    def take(self, prompt: list[int], first: bytes, block_size: int) -> list[bytes]:
-        """The leading hashes of prompt's blocks a kept prompt gives (first's, at least)."""
-        kept = self._by_first.get(first)
-        if kept is None:
-            return [first]
-        self._by_first.move_to_end(first)
-        other, hashes = kept
-        return hashes[:max(common_blocks(prompt, other, len(hashes), block_size), 1)]
-
-    def keep(self, prompt: list[int], hashes: list[bytes]) -> None:
-        """prompt's hashes (its request's list, which grows past the prompt: only the prompt's
-        blocks are read), replacing the kept prompt of the same first block."""
-        self._by_first[hashes[0]] = (prompt, hashes)
-        self._by_first.move_to_end(hashes[0])
-        if len(self._by_first) > self.capacity:
-            self._by_first.popitem(last=False)
-
-    def clear(self) -> None:
-        self._by_first.clear()
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None):
         """sliding_window: the window of every attention layer, to trim blocks to (None: keep all)."""
@@ -98,7 +46,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock | None]] = {}   # None: a block trimmed behind the window
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of a request already published
-        self.recent = RecentPrefixes()
+        self.recent = RecentPrompts()   # the last requests' hashes, by their first block
 
     @property
     def num_blocks(self) -> int:
@@ -112,9 +60,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         if not hashes and not req.mm_items and req.num_prompt_tokens >= 2 * bs:   # (else nothing to share)
-            prompt = req.prompt_token_ids
-            hashes += self.recent.take(prompt, hash_block(block_hash_root(req.lora_request), prompt[:bs]), bs)
-            self.recent.keep(prompt, hashes)
+            self.recent.take(req, hash_block(block_hash_root(req.lora_request), req.prompt_token_ids[:bs]), bs)
         while (len(hashes) + 1) * bs <= req.num_tokens:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else block_hash_root(req.lora_request),

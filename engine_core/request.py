@@ -45,7 +45,7 @@ class Request:
                  "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "stop_reason", "block_hashes",
                  "arrival_time", "priority", "first_scheduled_time", "first_token_time", "num_preemptions", "admitted_step",
                  "grammar", "spec_token_ids", "draft_slots", "prompt_logprobs_sent", "prompt_logprobs_seen",
-                 "mm_items", "group", "fair_key", "lora_request", "__weakref__")
+                 "mm_items", "group", "fair_key", "lora_request", "prompt_source", "__weakref__")
 
     def __init__(self, req: EngineCoreRequest, max_model_len: int, seed: int):
         self.request_id = req.request_id
@@ -81,6 +81,9 @@ class Request:
         # the draft slots of each step in flight that samples for it, oldest first (one entry per
         # output placeholder; 0: no drafts): its rejected slots roll back when its output comes
         self.draft_slots: list[int] = []
+        # (a weak reference to an earlier request, n): this prompt's first n tokens are that one's
+        # (engine_core/recent_prompts.py); None: no such request was known
+        self.prompt_source: tuple[weakref.ref, int] | None = None
         Request.live.add(self)
 
     @property

@@ -354,14 +354,28 @@ class Scheduler:
             self.running.append(req)
         plan.num_scheduled[req.request_id] = n
         plan.token_budget -= n
+        source, shared = self._prompt_source(req)
         plan.new_reqs.append(NewRequestData(
-            req.request_id, req.prompt_token_ids, req.sampling_params,
+            req.request_id, req.prompt_token_ids[shared:] if shared else req.prompt_token_ids, req.sampling_params,
             self.kv.block_ids(req.request_id), num_hit, list(req.output_token_ids), req.seed,
-            req.eos_token_ids, req.mm_items, lora_request=req.lora_request))
+            req.eos_token_ids, req.mm_items, lora_request=req.lora_request, shared_from=source, shared_len=shared))
         # publish its prompt blocks now: a later request of this step with the same prefix
         # (the n children of one request) hits them. This step's forward writes their KV
         # (each layer's cache write runs before its attention) before anyone reads them.
         self.kv.cache_blocks(req, num_hit + n)
+
+    def _prompt_source(self, req: Request) -> tuple[str, int]:
+        """The running request whose prompt begins with req's first n tokens, and n (("", 0):
+        none): the workers hold it through this step (a request preempted in this step is not
+        running, one admitted before req in it is added first), and copy those tokens from its
+        row rather than receive them (NewRequestData.shared_from)."""
+        if req.prompt_source is None or req.mm_items:
+            return "", 0
+        ref, n = req.prompt_source
+        source = ref()
+        if source is None or source.status != RequestStatus.RUNNING or self.requests.get(source.request_id) is not source:
+            return "", 0
+        return source.request_id, n
 
     def _advance(self, plan: _StepPlan) -> None:
         """Move every scheduled request's counters past this step, as if its tokens were back."""

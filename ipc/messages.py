@@ -213,6 +213,11 @@ class NewRequestData(_Msg):
     eos_token_ids: list[int] = []      # min_tokens masks these
     mm_items: list[MultiModalItem] = []
     lora_request: LoRARequest | None = None   # its adapter (workers/lora/manager.py)
+    # a request the workers hold (its finished ids applied, the new requests before it added) whose
+    # prompt begins with this one's first shared_len tokens: prompt_token_ids holds the rest, and
+    # the worker copies those from its row (engine_core/recent_prompts.py)
+    shared_from: str = ""
+    shared_len: int = 0
 
 
 class CachedRequestData(_Msg):

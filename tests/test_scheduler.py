@@ -309,10 +309,11 @@ def _hashed_alone(tokens: list[int], block_size: int, root: bytes | None = None)
 
 
 def test_hashes_taken_from_a_recent_prompt_equal_hashing_alone():
-    """Requests whose prompts begin alike take the kept prompt's hashes over the blocks both hold
-    the same tokens in (RecentPrefixes): prompts diverging at every block and mid-block, shorter
-    and longer than the kept one, a kept one with outputs past its prompt, another adapter's, and
-    more first blocks than are kept: every request's hashes are those hashing alone gives."""
+    """Requests whose prompts begin alike take a recent request's hashes over the blocks both hold
+    the same tokens in (RecentPrompts): prompts diverging at every block and mid-block, shorter
+    and longer than the other one, one with outputs past its prompt, another adapter's, requests
+    gone (held weakly), and more first blocks than are kept: every request's hashes are those
+    hashing alone gives, and its prompt_source's tokens begin its prompt."""
     import random
 
     from ipc.lora import LoRARequest
@@ -320,6 +321,7 @@ def test_hashes_taken_from_a_recent_prompt_equal_hashing_alone():
     kv = KVCacheManager(64, 4, enable_caching=True)
     kv.recent.capacity = 3
     prefixes = [[rng.randrange(1000) for _ in range(40)] for _ in range(5)]
+    alive, taken = [], 0
     for i in range(300):
         base = prefixes[rng.randrange(len(prefixes))]
         cut = rng.randrange(len(base) + 1)
@@ -328,15 +330,21 @@ def test_hashes_taken_from_a_recent_prompt_equal_hashing_alone():
         r = Request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=4), [0], lora_request=lora), 256, 0)
         kv.update_block_hashes(r)
         assert r.block_hashes == _hashed_alone(prompt, 4, b"lora:1" if lora else None), (i, cut)
+        if r.prompt_source is not None:
+            source, n = r.prompt_source[0](), r.prompt_source[1]
+            assert source.prompt_token_ids[:n] == prompt[:n] and n >= 4
+            taken += 1
+        if rng.random() < 0.8:   # (the others are gone at once)
+            alive.append(r)
         if i % 5 == 0:   # outputs past the prompt: the kept list grows; only its prompt's blocks are taken
             r.output_token_ids += [rng.randrange(1000) for _ in range(9)]
             kv.update_block_hashes(r)
             assert r.block_hashes == _hashed_alone(prompt + r.output_token_ids, 4, b"lora:1" if lora else None)
-    assert len(kv.recent._by_first) <= 3
+    assert len(kv.recent._by_first) <= 3 and taken > 50, taken
 
 
 def test_common_blocks():
-    from engine_core.kv_cache_manager import common_blocks
+    from engine_core.recent_prompts import common_blocks
     a = list(range(100))
     for diff in (0, 3, 4, 5, 31, 32, 63, 99):
         b = list(a)

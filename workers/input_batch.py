@@ -58,10 +58,19 @@ class InputBatch:
         self._row_writes: list[partial] = []   # device rows of added slots, until write_rows()
 
     def add(self, req_id: str, prompt: list[int], outputs: list[int], block_ids: list[int],
-            num_computed: int, params: SamplingParams, seed: int, eos: list[int]) -> None:
+            num_computed: int, params: SamplingParams, seed: int, eos: list[int],
+            shared_from: str = "", shared_len: int = 0) -> None:
+        """A new request. shared_from: a request held here whose prompt's first shared_len tokens
+        begin this one's (prompt: the rest; NewRequestData.shared_from), copied row to row."""
         slot = self.free_slots.pop()
-        n_prompt, n = len(prompt), len(prompt) + len(outputs)
-        self.token_ids[slot, :n_prompt] = prompt
+        n_prompt = shared_len + len(prompt)
+        n = n_prompt + len(outputs)
+        if shared_len:
+            self.token_ids[slot, :shared_len] = self.token_ids[self.requests[shared_from].slot, :shared_len]
+            self.token_ids[slot, shared_len:n_prompt] = prompt
+            prompt = self.token_ids[slot, :n_prompt].copy()   # (whole, for the penalty rows)
+        else:
+            self.token_ids[slot, :n_prompt] = prompt
         self.token_ids[slot, n_prompt:n] = outputs
         self.block_table[slot, :len(block_ids)] = block_ids
         self.requests[req_id] = CachedRequestState(req_id, slot, n_prompt, n, num_computed,
@@ -89,8 +98,8 @@ class InputBatch:
             write()
         self._row_writes.clear()
 
-    def _set_penalty_rows(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
-        def ids(xs: list[int]) -> torch.Tensor:
+    def _set_penalty_rows(self, slot: int, prompt: list[int] | np.ndarray, outputs: list[int]) -> None:
+        def ids(xs: list[int] | np.ndarray) -> torch.Tensor:
             a = np.asarray(xs, dtype=np.int64)
             return torch.from_numpy(a[(a >= 0) & (a < self.vocab_size)]).to(self.device)
         self.prompt_mask[slot].zero_()
@@ -131,6 +140,10 @@ class InputBatch:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.free_slots.append(st.slot)
+
+    def prompt(self, st: CachedRequestState) -> np.ndarray:
+        """st's prompt, as its row holds it."""
+        return self.token_ids[st.slot, :st.num_prompt_tokens]
 
     def mrope_positions(self, states: list[CachedRequestState], positions: np.ndarray,
                         query_start_loc: np.ndarray) -> np.ndarray:

@@ -28,15 +28,15 @@ class MultimodalInputs:
         self.store = ObjectStoreReader(rank)
         self.refused: dict[str, str] = {}                  # req_id -> why (its own inputs), until the step takes them
 
-    def add_request(self, st: CachedRequestState, r) -> None:
-        """A new request's items; M-RoPE models also compute its positions, once per request
-        (again after a preemption: it comes back as new)."""
+    def add_request(self, st: CachedRequestState, r, prompt: np.ndarray) -> None:
+        """A new request's items; M-RoPE models also compute its positions (from its whole prompt),
+        once per request (again after a preemption: it comes back as new)."""
         st.mm_items = list(r.mm_items)
         if not self.uses_mrope:
             return
         try:
             items = [(it.offset, it.length, self.store.get(it.store_name, it.store_addr)) for it in st.mm_items]
-            st.mrope_positions, st.mrope_delta = self.model.mrope_positions(np.asarray(r.prompt_token_ids), items)
+            st.mrope_positions, st.mrope_delta = self.model.mrope_positions(prompt, items)
         except Exception as e:  # a bad handle or grid: text positions while the request is dropped
             self._fail(st.req_id, f"its multimodal items could not be read: {e}")
 

@@ -470,9 +470,11 @@ class ModelRunner:
             self.drafts.pop(rid, None)
         for r in so.new_requests:
             self.batch.add(r.req_id, r.prompt_token_ids, r.output_token_ids, r.block_ids,
-                           r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids)
+                           r.num_computed_tokens, r.sampling_params, r.seed, r.eos_token_ids,
+                           r.shared_from, r.shared_len)
             if r.mm_items:
-                self.mm.add_request(self.batch.requests[r.req_id], r)
+                st = self.batch.requests[r.req_id]
+                self.mm.add_request(st, r, self.batch.prompt(st))
         self.mm.release(so.released_mm)
         c = so.cached_requests
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
