@@ -326,7 +326,10 @@ class Scheduler:
             self._admit(req, num_hit, n, plan)
             if not self.by_priority:
                 self.fair.admitted(req)
-                counts = self.fair.running_counts(self.running)
+                if counts is not None:   # (req joined the running requests: its group's count, not a recount)
+                    counts[req.group] += 1
+                else:
+                    counts = self.fair.running_counts(self.running)
         self.waiting.extendleft(reversed(passed))
 
     def _lora_fits(self, req: Request) -> bool:

@@ -262,6 +262,19 @@ def test_a_fan_out_leaves_room_for_another_request():
     assert [n.req_id for n in so.new_requests] == ["c"]
 
 
+def test_a_fan_out_stops_at_its_cap_within_one_step():
+    """Past the cap's threshold of running requests, each admission counts toward its group in
+    the same step: a fan-out queued behind two single requests stops at the cap (60 of 64)."""
+    s = Scheduler(cfg(max_num_seqs=64, max_num_batched_tokens=1024), 1024)
+    for i in range(2):
+        s.add_request(_grouped(f"s{i}", ""))
+    for i in range(70):
+        s.add_request(_grouped(f"a-{i}", "A"))
+    so, _ = fake_step(s)
+    assert sum(r.startswith("a-") for r in so.req_ids) == s.fair.cap == 60
+    assert len(s.running) == 62
+
+
 def test_fan_outs_take_turns_and_single_requests_stay_first_come_first_served():
     s = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=256), 1024)
     for i in range(8):
