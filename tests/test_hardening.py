@@ -785,3 +785,16 @@ def test_error_bodies_carry_no_tracebacks():
     (status, text), (dead_status, dead_text) = run_fake(Broken(), scenario)
     assert status == 500 and "/secret" not in text and "KeyError" not in text, text
     assert dead_status == 503 and "File" not in dead_text and "IndexError" in dead_text
+
+
+def test_token_id_check_refuses_exactly_the_ids_outside_the_vocabulary():
+    """check_token_ids' one-pass check (msgspec) and its min()/max() fallback: an error, naming
+    every bad id, exactly when some id lies outside [0, vocab); bools, floats and tuples as before."""
+    from ipc.validation import RequestError, check_token_ids
+    for ids in ([0, 9], [10], [-1], [3, 10, -2, 4, 11], [True, 9], [1.5, 2], [2 ** 70], (1, 2), (1, 12), [9] * 3000):
+        bad = [t for t in ids if not 0 <= t < 10]
+        if bad:
+            with pytest.raises(RequestError, match=", ".join(map(str, bad[:50]))):
+                check_token_ids("prompt", ids, 10)
+        else:
+            check_token_ids("prompt", ids, 10)
