@@ -82,8 +82,9 @@ def run(args, config, runner, planner, scheduler, rng, run_index: int, times: li
     for i, p in enumerate(prompts(rng, args, TINY_QWEN3["vocab_size"] - 16)):
         scheduler.add_request(Request(EngineCoreRequest(f"r{run_index}-{i}", p, params, eos_token_ids=[151645]),
                                       config.max_model_len, i))
-    token = 11
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+    token, decodes = 11, 0
+    while (scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running)
+           or decodes < args.decode_steps):
         t = {}
         if profile is not None:
             profile.enable()
@@ -113,10 +114,12 @@ def run(args, config, runner, planner, scheduler, rng, run_index: int, times: li
         t8 = time.perf_counter()
         if profile is not None:
             profile.disable()
-        if so.new_requests:
+        decodes += not so.new_requests
+        if so.new_requests or (run_index == args.runs - 1 and args.decode_steps):
             for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4, t5, t7), (t1, t2, t3, t4, t5, t6, t8)):
                 t[name] = 1e3 * (b - a)
-            t.update(run=run_index, reqs=len(so.req_ids), new=len(so.new_requests),
+            t.update(run=run_index, kind="prefill" if so.new_requests else "decode", reqs=len(so.req_ids),
+                     new=len(so.new_requests),
                      tokens=int(np.sum(so.num_scheduled_tokens)))
             times.append(t)
 
@@ -128,6 +131,8 @@ def main() -> int:
     p.add_argument("--own-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=2, help="runs, each over a fresh prefix (cascade.py: warm-up, timed)")
+    p.add_argument("--decode-steps", type=int, default=0, metavar="N",
+                   help="also time the last run's first N steps after every prompt has run (decodes)")
     p.add_argument("--profile", type=int, default=0, metavar="N")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -150,22 +155,26 @@ def main() -> int:
         scheduler.finish_requests([r.request_id for r in scheduler.running], RequestStatus.FINISHED_LENGTH)
         runner.prepare_host(SchedulerOutput([], CachedRequestData(), [], [], finished_req_ids=scheduler.finished_req_ids))
         scheduler.finished_req_ids = []
-    print(f"{'run':>3s} {'reqs':>5s} {'new':>4s} {'tokens':>6s} " + " ".join(f"{k:>8s}" for k in PHASES)
+    print(f"{'run':>3s} {'kind':>7s} {'reqs':>5s} {'new':>4s} {'tokens':>6s} " + " ".join(f"{k:>8s}" for k in PHASES)
           + f" {'sum':>8s}")
     for t in times:
-        print(f"{t['run']:3d} {t['reqs']:5d} {t['new']:4d} {t['tokens']:6d} "
+        print(f"{t['run']:3d} {t['kind']:>7s} {t['reqs']:5d} {t['new']:4d} {t['tokens']:6d} "
               + " ".join(f"{t[k]:8.2f}" for k in PHASES) + f" {sum(t[k] for k in PHASES):8.2f}")
-    timed = [t for t in times if t["run"] == args.runs - 1]
-    mean = {k: sum(t[k] for t in timed) / len(timed) for k in PHASES}
-    print(f"last run, mean of {len(timed)} steps: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
-          + f"; engine (schedule+encode+update) {mean['schedule'] + mean['encode'] + mean['update']:.2f}, "
-          f"worker (decode+prepare+stage+cascade) {mean['decode'] + mean['prepare'] + mean['stage'] + mean['cascade']:.2f}")
+    for kind in ("prefill", "decode"):
+        timed = [t for t in times if t["run"] == args.runs - 1 and t["kind"] == kind]
+        if not timed:
+            continue
+        mean = {k: sum(t[k] for t in timed) / len(timed) for k in PHASES}
+        print(f"last run, mean of {len(timed)} {kind} steps: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
+              + f"; engine (schedule+encode+update) {mean['schedule'] + mean['encode'] + mean['update']:.2f}, "
+              f"worker (decode+prepare+stage+cascade) "
+              f"{mean['decode'] + mean['prepare'] + mean['stage'] + mean['cascade']:.2f}")
     if prof is not None:
         import pstats
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"steps": times, "mean_last_run": mean}, f, indent=1)
+            json.dump({"steps": times}, f, indent=1)
     return 0
 
 
