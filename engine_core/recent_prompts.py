@@ -5,12 +5,13 @@ tokens in, instead of redoing it per token or block:
 - its block hashes (KVCacheManager.update_block_hashes): equal tokens under the same first block
   (whose hash covers the adapter) chain to equal hashes, so they are the ones hashing gives. The
   shared-prefix workload (512 x (2,048 shared + 64 own) tokens, blocks of 16) hashed 132 blocks
-  per new request in schedule(): 28-37 ms of a 128-request step on the CPU box, ~9 ms after.
+  per new request in schedule(): 28-37 ms of a 128-request step on the CPU box, 7-9 ms after.
 - its prompt on the way to the workers (Scheduler._admit): while the earlier request runs, the
   step's message names it and carries only the rest of the prompt (NewRequestData.shared_from);
   the worker copies the shared tokens from that request's row. 270,000 prompt ints a step were
   encoded, decoded into Python ints and converted into the worker's numpy rows: ~12 ms of the
-  worker's host time per prefill step.
+  worker's host time per prefill step, and the message (0.9-1.2 MB) overflowed the ring's 1 MiB
+  chunks onto its ZMQ socket (now 60-100 kB).
 
 Requests are held weakly: a request that is gone is no one's source. Prompts with images take no
 part (their blocks hash the images too, and the workers read their prompts whole)."""
