@@ -203,12 +203,17 @@ def standard_check(model_dir: str, num_prompts: int) -> dict:
                 standard_tok_s=wl.output_tokens / elapsed)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The workload's shape: requests x (shared prefix + own) prompt tokens, output tokens."""
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--own-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p)
     p.add_argument("--modes", nargs="+", choices=["off", "on", "beside"], default=["off", "on"],
                    help="beside: cascade on with its prefix launch on a side stream (LOOM_CASCADE_BESIDE=1)")
     p.add_argument("--no-kernel", action="store_true", help="skip the per-kernel rows")

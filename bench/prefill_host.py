@@ -31,6 +31,8 @@ import random
 import tempfile
 import time
 
+from bench.cascade import add_shape_args
+
 # a Qwen3 as narrow as it gets: the runner's host work is the same as Qwen3-0.6B's
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "bos_token_id": 151643,
@@ -126,10 +128,7 @@ def run(args, config, runner, planner, scheduler, rng, run_index: int, times: li
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--prefix-len", type=int, default=2048)
-    p.add_argument("--own-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--runs", type=int, default=2, help="runs, each over a fresh prefix (cascade.py: warm-up, timed)")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
                    help="also time the last run's first N steps after every prompt has run (decodes)")
