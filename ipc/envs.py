@@ -133,8 +133,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
                                        "(no alignment, no padding), above it the grouped GEMMs (0: never)"),
     "LOOM_MOE_GEMV_TILES": EnvVar("", _text, "the fused MoE GEMV path's tiles, UP_BLOCK_N,UP_BLOCK_K,"
                                   "DOWN_BLOCK_N,DOWN_BLOCK_K,num_warps (unset: 2,2048,2,256,4)"),
-    "LOOM_W4A16_DENSE_ROWS": EnvVar(1024, _int, "rows from which a W4A16 linear dequantizes its weight whole "
-                                    "and runs cuBLAS (below: the fused dequantizing GEMM; kernels/w4a16.py)"),
+    "LOOM_W4A16_DENSE_ROWS": EnvVar(9, _int, "rows from which a W4A16 linear dequantizes its weight whole "
+                                    "and runs cuBLAS (from 9 to this: the fused dequantizing GEMM; kernels/w4a16.py)"),
     "LOOM_W4A16_GEMV_TILES": EnvVar("", _text, "BLOCK_N,BLOCK_KW,WARPS,STAGES of the W4A16 decode GEMV "
                                     "at one row (bench/quant_kernels.py --sweep; empty: kernels/w4a16.gemv_tiles)"),
     "LOOM_FP8_GEMV": EnvVar("gemv", _text, "the FP8 decode GEMV: gemv (kernels/gemv.py's, fp8 weights, "
@@ -179,8 +179,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_ENGINE_REPLY_SPIN_MS": EnvVar(0.0, _float, "milliseconds the engine core busy-polls for a step's reply "
                                         "before it blocks on the workers' sockets (a blocked wait wakes through "
                                         "ZMQ's threads); for A/B runs of speculation's round trip"),
-    "LOOM_ENGINE_SWITCH_INTERVAL_MS": EnvVar(5.0, _float, "the engine core's GIL switch interval "
-                                             "(sys.setswitchinterval, Python's default 5 ms): how long the busy loop "
+    "LOOM_ENGINE_SWITCH_INTERVAL_MS": EnvVar(0.5, _float, "the engine core's GIL switch interval "
+                                             "(sys.setswitchinterval; Python's default is 5): how long the busy loop "
                                              "may keep the GIL from the bitmask fill's thread once its fill is done"),
     "LOOM_DECODE_GRAPHS_ON_CPU": EnvVar(False, _switch, "1: on the CPU, run the decode graphs' work "
                                         "uncaptured (tests of the graph path)"),

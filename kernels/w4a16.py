@@ -491,9 +491,11 @@ def dequantize_nk_to(qweight, scales, zeros, group: int, dtype: torch.dtype) -> 
 
 
 def w4a16_linear_nk(x: torch.Tensor, qweight, scales, zeros, perm, group: int, bias=None) -> torch.Tensor:
-    """y = x W^T (+ b) for any M, the N x K layout: the GEMV at decode rows, the fused GEMM up to
-    LOOM_W4A16_DENSE_ROWS rows, then dequantize-whole + cuBLAS (at prefill sizes the one
-    dequantization is a few percent of the GEMM)."""
+    """y = x W^T (+ b) for any M, the N x K layout: the GEMV at decode rows, then dequantize-whole +
+    cuBLAS; the fused GEMM only below LOOM_W4A16_DENSE_ROWS rows (an A/B switch: on the H200 it
+    lost at every row count it ran, one Llama-3.1-8B layer's four linears at 16 / 64 / 256 rows
+    403 / 1,217 / 1,210 us against the dense path's 278 / 285 / 355: its dequantization runs per
+    row tile, in fp32, and bounds it; bench/RESULTS.md, session 39)."""
     m = x.shape[0]
     if not x.is_cuda:   # the CPU path (models in fp32 on CPU): the reference; the tests run the kernels
         return w4a16_nk_ref(x, qweight, scales, zeros, perm, group, bias)
