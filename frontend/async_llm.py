@@ -8,6 +8,7 @@ disconnects and the handler is cancelled), the request is aborted in the engine.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from typing import Any, AsyncIterator
 
@@ -34,13 +35,23 @@ class _Collector:
     """One user request in this API server: the state and metrics of each of its choices, and
     the deltas that _on_outputs made but generate() has not taken yet. Deltas pile up while the
     consumer is busy and are taken together, so a slow client gets fewer, larger deltas (vLLM's
-    RequestOutputCollector)."""
+    RequestOutputCollector).
 
-    __slots__ = ("states", "metrics", "unfinished", "num_cached_tokens", "deltas", "error", "_waiter", "engine",
-                 "interval", "_pending", "_started", "_loop")
+    A consumer that can take an output at once (a stream's writer: RequestStream.push) sets `sink`:
+    the deltas then go to it from _on_outputs, in the engine output's own turn of the loop, and
+    the consumer's task is woken only at the end, on an error, or when the sink refuses (its
+    client's socket buffer is full: the consumer then takes them and waits for the socket). A
+    task switch and the async generators between the collector and the socket, per chunk, cost
+    about as much as the chunk's encoding and write together (py-spy, c512 streaming)."""
 
-    def __init__(self, states: dict[str, RequestState], metrics: dict[str, RequestMetrics], engine: int = 0,
-                 interval: int = 1):
+    __slots__ = ("request_id", "prompt_token_ids", "states", "metrics", "unfinished", "num_cached_tokens",
+                 "deltas", "error", "_waiter", "engine", "interval", "_pending", "_started", "_loop", "sink",
+                 "_ready", "_due")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], states: dict[str, RequestState],
+                 metrics: dict[str, RequestMetrics], engine: int = 0, interval: int = 1, ready: list | None = None):
+        self.request_id = request_id   # the user request's id (its outputs carry it)
+        self.prompt_token_ids = prompt_token_ids
         self.engine = engine   # the engine core (data-parallel rank) it runs on
         self.states = states
         self.metrics = metrics
@@ -57,6 +68,13 @@ class _Collector:
         # made in generate(), on the loop: asyncio.get_running_loop() is a getpid() system call
         # per call on Python 3.11, and take() waits once per chunk
         self._loop = asyncio.get_running_loop()
+        # callable(RequestOutput) -> bool: False when it took nothing (RequestStream.push)
+        self.sink = None
+        # where it puts itself when it has deltas for its consumer, to be handed over (hand_over)
+        # once every output of the engine's step is processed: one chunk, one write, for all of a
+        # request's choices (None: handed over at once)
+        self._ready = ready
+        self._due = False
 
     def process(self, out: EngineCoreOutput, now: float) -> bool:
         """Turn one engine output into a delta. True: a stop string ended it here (abort in the engine)."""
@@ -81,7 +99,11 @@ class _Collector:
             if (self.interval <= 1 or not self._started or delta.finish_reason is not None
                     or self._pending >= self.interval):
                 self._started = True
-                self._wake()
+                if self._ready is None:
+                    self._wake()
+                elif not self._due:
+                    self._due = True
+                    self._ready.append(self)
         return abort
 
     def fail(self, error: BaseException) -> None:
@@ -89,13 +111,37 @@ class _Collector:
             self.error = error
         self._wake()
 
+    def hand_over(self) -> None:
+        """The deltas of this step to the sink, or the consumer woken for them."""
+        self._due = False
+        self._wake()
+
     def _wake(self) -> None:
+        if self.sink is not None and self.error is None and self._push():
+            return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _push(self) -> bool:
+        """Every delta to the sink. True: it took them and the consumer has nothing to do yet."""
+        try:
+            if not self.sink(self.output(self.deltas)):
+                return False
+        except Exception as e:  # noqa: BLE001  (the consumer's to raise, as if it had taken the deltas)
+            self.error = e
+            return False
+        self.deltas = []
+        self._pending = 0
+        return bool(self.unfinished)
+
+    def output(self, deltas: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, _merge(deltas),
+                             finished=not self.unfinished, num_cached_tokens=self.num_cached_tokens)
+
     async def take(self) -> list[CompletionOutput]:
-        """Every delta made since the last call, waiting for one if there is none."""
-        while not self.deltas and self.error is None:
+        """Every delta made since the last call, waiting for one if there is none ([] at the
+        end, when the sink took the last)."""
+        while not self.deltas and self.error is None and self.unfinished:
             self._waiter = self._loop.create_future()
             await self._waiter
         if self.error is not None:
@@ -103,6 +149,36 @@ class _Collector:
         deltas, self.deltas = self.deltas, []
         self._pending = 0
         return deltas
+
+
+class RequestStream:
+    """What AsyncLLM.generate() returns: the request's RequestOutputs, taken with `async for`, or,
+    once the first was taken, pushed to a callable as they come (push)."""
+
+    __slots__ = ("gen", "collector")
+
+    def __init__(self):
+        self.gen = None         # the async generator of AsyncLLM._generate
+        self.collector = None   # its _Collector, once it runs
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self.gen.__anext__()
+
+    def aclose(self):
+        return self.gen.aclose()
+
+    def push(self, sink) -> bool:
+        """From now on, sink(RequestOutput) -> bool gets every output in the turn of the loop that
+        made it; an output it refuses (False: it took nothing), and the end, still come through
+        `async for`, which the caller keeps running. An exception in sink ends the stream with it.
+        False: the request has not started (nothing will be pushed)."""
+        if self.collector is None:
+            return False
+        self.collector.sink = sink
+        return True
 
 
 class AsyncLLM:
@@ -116,6 +192,7 @@ class AsyncLLM:
                                             self._on_outputs, self._on_dead, config.data_parallel_size)
         self.router = DPRouter(config.data_parallel_size, config.block_size, client_index, config.max_num_seqs)
         self._requests: dict[str, _Collector] = {}   # engine request id -> its user request
+        self._ready: list[_Collector] = []   # those with deltas for their consumer (_Collector._ready)
         self._background: set[asyncio.Task] = set()
         self.stat_listeners: list = []   # callables(EngineCoreOutputs), e.g. metrics
         self.stat_logger = None          # metrics.PrometheusStatLogger: gets each request's RequestMetrics
@@ -173,6 +250,7 @@ class AsyncLLM:
         if outs.load is not None:
             self.router.on_load(outs.engine_index, outs.load)
         stopped = []
+        ready = self._ready
         for out in outs.outputs:
             req = self._requests.get(out.request_id)
             if req is None:
@@ -182,6 +260,9 @@ class AsyncLLM:
                     stopped.append(out.request_id)
             except Exception as e:  # noqa: BLE001  (one request's failure must not stop the others')
                 req.fail(e)
+        for req in ready:
+            req.hand_over()
+        ready.clear()
         for listener in self.stat_listeners:   # after the outputs: metrics write this step's tokens at once
             listener(outs)
         if stopped:
@@ -198,10 +279,9 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       mm_items: list | None = None, data_parallel_rank: int | None = None,
-                       priority: int = 0, group_id: str = "", lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 mm_items: list | None = None, data_parallel_rank: int | None = None,
+                 priority: int = 0, group_id: str = "", lora_request: LoRARequest | None = None) -> RequestStream:
         """The caller has validated the request (ipc/validation.py; the API server does, before it
         answers); the engine checks it again and fails a bad one alone (a ValueError here).
         mm_items: the prompt's images, already in this server's store (one reference, taken over
@@ -209,7 +289,16 @@ class AsyncLLM:
         data_parallel_rank pins the request to that engine core; else the router picks one.
         priority: its place under --scheduling-policy priority (lower runs first).
         group_id: the HTTP request's id when it is one of its several prompts: the engine shares
-        its batch slots fairly between groups (engine_core/fairness.py)."""
+        its batch slots fairly between groups (engine_core/fairness.py).
+        Nothing runs until the stream's first output is asked for (as an async generator's body)."""
+        stream = RequestStream()
+        stream.gen = self._generate(stream, prompt_token_ids, params, request_id, mm_items, data_parallel_rank,
+                                    priority, group_id, lora_request)
+        return stream
+
+    async def _generate(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+                        request_id: str, mm_items: list | None, data_parallel_rank: int | None, priority: int,
+                        group_id: str, lora_request: LoRARequest | None) -> AsyncIterator[RequestOutput]:
         if self.is_dead:
             if mm_items:
                 self.mm.unref(mm_items)
@@ -244,18 +333,17 @@ class AsyncLLM:
                                                self.tokenizer, self.token_texts) for i, ecr in enumerate(ecrs)}
         rms = {ecr.request_id: RequestMetrics(self.stat_logger, len(prompt_token_ids), params, arrival, i == 0)
                for i, ecr in enumerate(ecrs)}
-        req = _Collector(states, rms, engine, self.stream_interval)
+        req = stream.collector = _Collector(request_id, prompt_token_ids, states, rms, engine, self.stream_interval,
+                                                self._ready)
         for rid in states:   # before any await: _on_dead must see it
             self._requests[rid] = req
         try:
             for ecr in ecrs:
                 await self.client.add_request(ecr, engine)
-            finished = False
-            while not finished:
+            while req.unfinished:
                 deltas = await req.take()
-                finished = not req.unfinished
-                yield RequestOutput(request_id, None, prompt_token_ids, _merge(deltas), finished=finished,
-                                    num_cached_tokens=req.num_cached_tokens)
+                if deltas:
+                    yield req.output(deltas)
         finally:
             for rid in states:
                 self._requests.pop(rid, None)
@@ -289,15 +377,20 @@ class AsyncLLM:
 
 
 def _merge(deltas: list) -> list:
-    """Several deltas of the same choice become one."""
+    """Several deltas of the same choice become one (a new one: a sink may refuse the merged output,
+    and the deltas are then taken again)."""
     if len(deltas) == 1:   # the common case: one delta per chunk (one token per engine step)
         return deltas
     merged: dict[int, Any] = {}
+    copied: set[int] = set()
     for d in deltas:
         m = merged.get(d.index)
         if m is None:
             merged[d.index] = d
             continue
+        if d.index not in copied:
+            copied.add(d.index)
+            m = merged[d.index] = copy.copy(m)
         m.text += d.text
         m.token_ids = m.token_ids + d.token_ids
         if d.logprobs is not None:

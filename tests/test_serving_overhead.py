@@ -117,7 +117,8 @@ def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interv
 
     async def stream() -> list[tuple[str, list[int]]]:
         st = RequestState("r", 0, [1, 2, 3], params, tok, TokenTexts(tok))
-        req = _Collector({"r": st}, {"r": RequestMetrics(None, 3, params, 0.0, True)}, interval=interval)
+        req = _Collector("r", [1, 2, 3], {"r": st}, {"r": RequestMetrics(None, 3, params, 0.0, True)},
+                         interval=interval)
         got = []
 
         async def consume():
@@ -144,6 +145,83 @@ def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interv
         assert sizes == [1] * len(ids)
     else:   # 11 tokens: the first alone, then 4, 4, and the last 2 at the end
         assert sizes == [1, 4, 4, 2]
+
+
+
+@pytest.mark.parametrize("refuse", ["never", "some", "error"])
+def test_pushed_outputs_are_the_taken_ones(tiny_model_dir, refuse):
+    """RequestStream.push: a sink gets each step's output in the step's own turn (n=2: both choices
+    in one output); what it refuses (a full socket) the consumer takes, in order, and the consumer
+    is woken for the end; an exception in the sink is the consumer's to raise."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from frontend.async_llm import RequestStream, _Collector
+    from frontend.detokenizer import TokenTexts
+    from frontend.output_processor import RequestState
+    from ipc.messages import EngineCoreOutput
+    from ipc.sampling_params import SamplingParams
+    from metrics.request_metrics import RequestMetrics
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog again and again", add_special_tokens=False)[:9]
+    params = SamplingParams(max_tokens=len(ids), n=2)
+
+    async def run():
+        rids = ("r-0", "r-1")
+        states = {rid: RequestState(rid, i, [1, 2, 3], params, tok, TokenTexts(tok)) for i, rid in enumerate(rids)}
+        rms = {rid: RequestMetrics(None, 3, params, 0.0, i == 0) for i, rid in enumerate(rids)}
+        ready = []
+        req = _Collector("r", [1, 2, 3], states, rms, ready=ready)
+        stream = RequestStream()
+        stream.collector = req
+        got, calls = [], [0]
+
+        def sink(out) -> bool:
+            calls[0] += 1
+            if refuse == "error" and calls[0] == 3:
+                raise RuntimeError("the client's socket broke")
+            if refuse == "some" and calls[0] % 3 == 0:
+                return False
+            got.append(("pushed", out))
+            return True
+
+        async def consume():   # as AsyncLLM._generate does
+            while req.unfinished:
+                deltas = await req.take()
+                if deltas:
+                    got.append(("taken", req.output(deltas)))
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)
+        assert stream.push(sink)
+        for j, t in enumerate(ids):   # one engine step per token: both choices, then the hand-over
+            last = j == len(ids) - 1
+            for rid in rids:
+                req.process(EngineCoreOutput(rid, [t], "length" if last else None), 0.0)
+            for r in ready:
+                r.hand_over()
+            ready.clear()
+            await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)
+        return got
+
+    if refuse == "error":
+        with pytest.raises(RuntimeError, match="socket broke"):
+            asyncio.run(run())
+        return
+    got = asyncio.run(run())
+    kinds = [k for k, _ in got]
+    assert kinds.count("pushed") == (len(ids) if refuse == "never" else len(ids) - len(ids) // 3)
+    assert "taken" in kinds if refuse == "some" else "taken" not in kinds
+    for index in (0, 1):
+        outs = [c for _, o in got for c in o.outputs if c.index == index]
+        assert "".join(c.text for c in outs) == tok.decode(ids)
+        assert [i for c in outs for i in c.token_ids] == ids
+        assert [c.finish_reason for c in outs][-1] == "length"
+    assert all(len(o.outputs) == 2 for _, o in got)   # one output per step, both choices in it
+    assert got[-1][1].finished and not any(o.finished for _, o in got[:-1])
 
 
 def test_api_server_process_computes_media_on_one_intra_op_thread():

@@ -700,12 +700,11 @@ class OpenAIServer:
             await stream.aclose()
 
     async def _stream_completions(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
-        async def emit(item) -> None:
+        def emit(item) -> bytes:
             i, out = item   # every choice's chunk of this output in one write (a send() each)
             chunks = [ctx.completion_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
                       for k, choice, _ in ctx.completion_delta(i, out)]
-            if chunks:
-                await resp.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
         def final() -> bytes:
             return ctx.completion_chunk([], ctx.usage()) if ctx.include_usage else b""
@@ -713,11 +712,10 @@ class OpenAIServer:
         return await pump_sse(resp, stream, first, emit, final)
 
     async def _stream_chat(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
-        async def emit(item) -> None:
+        def emit(item) -> bytes:
             chunks = [ctx.chat_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
                       for k, choice, _ in ctx.chat_delta(item[1])]
-            if chunks:
-                await resp.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
         def final() -> bytes:
             return ctx.chat_chunk([], ctx.usage()) if ctx.include_usage else b""

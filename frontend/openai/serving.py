@@ -338,6 +338,11 @@ class _Indexed:
     async def aclose(self) -> None:
         await self.gen.aclose()
 
+    def push(self, sink) -> bool:
+        """sink((0, output)) for each output, where the generator can push them (AsyncLLM's RequestStream)."""
+        push = getattr(self.gen, "push", None)
+        return push is not None and push(lambda out: sink((0, out)))
+
 
 def merged(gens: list[AsyncIterator]):
     """merge(gens), where one generator is wrapped instead of driven (what start() returns)."""
@@ -365,9 +370,46 @@ async def outputs(first, stream: AsyncIterator):
             return
 
 
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+class SSEResponse(web.StreamResponse):
+    """A text/event-stream response whose events can also be written without an await
+    (write_now), from a callback: while its connection's write buffer is under the transport's
+    high-water mark, a write is one transport.write (the HTTP chunk framed here, as aiohttp's
+    chunked writer frames it). aiohttp's own write goes through two coroutines and a
+    _writelines per chunk."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._writer = None     # the connection's payload writer, once its headers are out
+        self._protocol = None
+
+    async def prepare(self, request: web.BaseRequest):
+        writer = await super().prepare(request)
+        # headers written (StreamResponse sends them at prepare), no compression, no fixed length:
+        # the body is plain chunks (or, to an HTTP/1.0 client, plain bytes)
+        if writer is not None and writer.output_size > 0 and not self.compression and writer.length is None:
+            self._writer, self._protocol = writer, request.protocol
+        return writer
+
+    @property
+    def can_write_now(self) -> bool:
+        """write_now would write at once: there is a connection under its high-water mark."""
+        return self._writer is not None and not self._protocol.writing_paused
+
+    def write_now(self, data: bytes) -> None:
+        """`data` to the connection, in this turn of the loop (only where can_write_now)."""
+        writer = self._writer
+        transport = writer.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        if writer.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        writer.output_size += len(data)   # (what aiohttp counts: the response's body_length)
+        transport.write(data)
+
+
+async def sse_response(request: web.Request) -> SSEResponse:
+    resp = SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     return resp
 
@@ -376,19 +418,31 @@ def openai_error_event(message: str, status: int, param: str | None = None) -> b
     return sse(error_body(message, status, param))
 
 
-async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: bytes = b"",
+async def pump_sse(resp: SSEResponse, stream, first, emit, final, begin: bytes = b"",
                    error_event=openai_error_event, done: bytes = SSE_DONE) -> web.StreamResponse:
-    """Write `begin`, every output as SSE (`emit`), then `final()`'s events (usage) and `done` with the
-    end of the body in one write; an error becomes `error_event(message, status, param)` instead of
-    `final()`'s (each API its own shape). A dead client (write fails) ends it: the caller's finally
-    closes the stream, which aborts."""
+    """Write `begin` and the first output's events (`emit(item) -> bytes`) in one write, then every
+    other output's, then `final()`'s events (usage) and `done` with the end of the body in one
+    write; an error becomes `error_event(message, status, param)` instead of `final()`'s (each
+    API its own shape). A dead client (write fails) ends it: the caller's finally closes the
+    stream, which aborts.
+    Where the stream can push (AsyncLLM's, one prompt), the outputs after the first are emitted and
+    written in the turn of the loop that made them (SSEResponse.write_now), and this task is
+    woken only for those its connection could not take at once (it waits for the connection
+    here) and for the end."""
+    unsent = begin
     try:
-        if begin:
-            await resp.write(begin)
-        if first is not _END:   # (the stream itself, not outputs(): one async generator less per chunk)
-            await emit(first)
+        if first is not _END:
+            unsent += emit(first)
+            if unsent:
+                await resp.write(unsent)
+            unsent = b""
+            push = getattr(stream, "push", None)
+            if push is not None and resp.can_write_now:
+                push(lambda item: _write_now(resp, emit, item))
             async for item in stream:
-                await emit(item)
+                data = emit(item)
+                if data:
+                    await resp.write(data)
         tail = final()
     except ConnectionResetError:
         logger.debug("client went away mid-stream")
@@ -406,10 +460,21 @@ async def pump_sse(resp: web.StreamResponse, stream, first, emit, final, begin: 
         logger.exception("error while streaming")
         tail = error_event("Internal server error (see the server log)", 500)
     try:
-        await resp.write_eof(tail + done)
+        await resp.write_eof(unsent + tail + done)
     except ConnectionResetError:
         pass
     return resp
+
+
+def _write_now(resp: SSEResponse, emit, item) -> bool:
+    """A pushed output's events written at once; False (nothing emitted) while the connection's
+    buffer is full: the stream hands the output to pump_sse's loop, which waits for it."""
+    if not resp.can_write_now:
+        return False
+    data = emit(item)
+    if data:
+        resp.write_now(data)
+    return True
 
 
 async def chat_answer(ctx: GenerationContext, stream, first) -> dict:

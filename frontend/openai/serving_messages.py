@@ -44,10 +44,8 @@ class MessagesAPI:
                                                      anthropic.usage(prompt_tokens, 0)))
             resp = await sse_response(request)
 
-            async def emit(item) -> None:
-                data = b"".join(events.delta(d) for d in chat_deltas(ctx, item[1]))
-                if data:
-                    await resp.write(data)
+            def emit(item) -> bytes:
+                return b"".join(events.delta(d) for d in chat_deltas(ctx, item[1]))
 
             def final() -> bytes:
                 c = ctx.choices[0]

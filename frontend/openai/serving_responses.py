@@ -112,10 +112,8 @@ class ResponsesAPI:
         events = ResponseStream(response)
         resp = await sse_response(ctx.request)
 
-        async def emit(item) -> None:
-            data = b"".join(events.delta(d) for d in chat_deltas(ctx, item[1]))
-            if data:
-                await resp.write(data)
+        def emit(item) -> bytes:
+            return b"".join(events.delta(d) for d in chat_deltas(ctx, item[1]))
 
         def final() -> bytes:
             tail = events.end(ctx.choices[0].finish_reason, ctx.usage())
