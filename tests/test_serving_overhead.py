@@ -5,6 +5,7 @@ import os
 import socket
 import time
 
+import msgspec
 import pytest
 
 from bench import server_cpu
@@ -22,6 +23,59 @@ def test_chunk_frame_bytes_equal_plain_encoding(usage_):
     chat = [chat_chunk_choice(0, {"content": "hi"}, "length", None)]
     frame = ChunkFrame(rid, "chat.completion.chunk", 5, model)
     assert frame.sse(chat, usage_) == sse(chat_chunk(rid, 5, model, chat, usage_))
+
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("options", [{}, {"n": 2}, {"logprobs": 1}, {"return_token_ids": True},
+                                     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                                     {"echo": True}])
+def test_stream_events_equal_the_plain_encoding_of_their_choices(chat, options):
+    """completion_events / chat_events (a text-only chunk spliced into its choice's template) give the
+    bytes of each choice dict of completion_delta / chat_delta encoded as its own chunk, for a
+    stream's first, middle (text, empty text) and last outputs."""
+    from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, build_sampling_params, \
+        stream_usage
+    from frontend.openai.serving import GenerationContext, Prompt
+    from frontend.outputs import CompletionOutput, Logprob, RequestOutput
+    from ipc.validation import Limits
+
+    if chat and "echo" in options:
+        options = {"echo": True, "messages": [{"role": "user", "content": "x"}]}
+    body = {"model": "m", "stream": True, **options}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": [1, 2, 3]})
+    if chat and "logprobs" in options:
+        body.update(logprobs=True, top_logprobs=1)
+    req = msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest if chat else CompletionRequest)
+    params = build_sampling_params(req, chat=chat, limits=Limits(1000, 1024))
+    steps = [(" a\u00e9\"", None), ("", None), (" b</", None), ("c", "length")]
+
+    def contexts():
+        include, continuous = stream_usage(req)
+        return [GenerationContext(request=None, req=req, chat=chat, rid="cmpl-\"x", created=5, model="m/\u4e2d",
+                                  params=params, prompts=[Prompt(None, [1, 2, 3])], include_usage=include,
+                                  continuous_usage=continuous, echo_texts=["x y z"], decode=str)
+                for _ in range(2)]
+
+    def output(j, text, finish):
+        lp = [{7 + j: Logprob(-0.5, 1, text)}] if params.logprobs is not None else None
+        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(i, text, [7 + j], finish, None, lp)
+                                                   for i in range(params.n)])
+
+    fast, plain = contexts()
+    for j, (text, finish) in enumerate(steps):
+        item = (0, output(j, text, finish))
+        if chat:
+            want = [plain.chat_chunk([c], plain.usage(k) if plain.continuous_usage else None)
+                    for k, c, _ in plain.chat_delta(item[1])]
+            got = fast.chat_events((0, output(j, text, finish)))
+        else:
+            want = [plain.completion_chunk([c], plain.usage(k) if plain.continuous_usage else None)
+                    for k, c, _ in plain.completion_delta(0, item[1])]
+            got = fast.completion_events((0, output(j, text, finish)))
+        assert got == b"".join(want)
+    assert fast.usage() == plain.usage()
+    assert [c.text for c in fast.choices] == [c.text for c in plain.choices]
 
 
 def test_server_cpu_finds_the_listening_process_and_its_cpu():

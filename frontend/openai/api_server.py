@@ -700,27 +700,17 @@ class OpenAIServer:
             await stream.aclose()
 
     async def _stream_completions(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
-        def emit(item) -> bytes:
-            i, out = item   # every choice's chunk of this output in one write (a send() each)
-            chunks = [ctx.completion_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
-                      for k, choice, _ in ctx.completion_delta(i, out)]
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
         def final() -> bytes:
             return ctx.completion_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final)
+        # every choice's chunk of an output in one write (a send() each)
+        return await pump_sse(resp, stream, first, ctx.completion_events, final)
 
     async def _stream_chat(self, ctx: GenerationContext, resp, stream, first) -> web.StreamResponse:
-        def emit(item) -> bytes:
-            chunks = [ctx.chat_chunk([choice], ctx.usage(k) if ctx.continuous_usage else None)
-                      for k, choice, _ in ctx.chat_delta(item[1])]
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
         def final() -> bytes:
             return ctx.chat_chunk([], ctx.usage()) if ctx.include_usage else b""
 
-        return await pump_sse(resp, stream, first, emit, final, begin=ctx.chat_begin())
+        return await pump_sse(resp, stream, first, ctx.chat_events, final, begin=ctx.chat_begin())
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's POST /invocations: a chat request when the body has "messages", a completion

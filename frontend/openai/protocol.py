@@ -502,6 +502,19 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+TEXT_SLOT = "\x00loom-text-slot\x00"   # a string no chunk has: where chunk_template cuts
+_TEXT_SLOT_JSON = _encoder.encode(TEXT_SLOT)
+encode_json = _encoder.encode
+
+
+def chunk_template(chunk: bytes) -> tuple[bytes, bytes]:
+    """A chunk with TEXT_SLOT as its one text, cut around the slot's JSON: before + encode_json(text)
+    + after is that chunk with `text` in the slot, byte for byte (its other fields fixed)."""
+    before, slot, after = chunk.rpartition(_TEXT_SLOT_JSON)
+    assert slot and _TEXT_SLOT_JSON not in before, "one text slot"
+    return before, after
+
+
 class ChunkFrame:
     """One stream's chunk events as bytes: the fields every chunk repeats (id, object, created,
     model) encoded once, so a chunk encodes only its choices (and usage). Byte for byte what

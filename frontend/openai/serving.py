@@ -16,10 +16,10 @@ import msgspec
 from aiohttp import web
 
 from frontend.errors import EngineDeadError, engine_dead_message
-from frontend.openai.protocol import (SSE_DONE, APIError, ChunkFrame, chat_choice, chat_chunk, chat_chunk_choice,
-                               chat_logprobs, chat_response, completion_choice, completion_logprobs,
-                               completion_response, error_body, merge_completion_logprobs, prompt_logprobs_json,
-                               sse, usage)
+from frontend.openai.protocol import (SSE_DONE, TEXT_SLOT, APIError, ChunkFrame, chat_choice, chat_chunk,
+                               chat_chunk_choice, chat_logprobs, chat_response, chunk_template, completion_choice,
+                               completion_logprobs, completion_response, encode_json, error_body,
+                               merge_completion_logprobs, prompt_logprobs_json, sse, usage)
 from frontend.openai.chat_output import ChatOutput, ToolUse
 from frontend.outputs import RequestFault
 from ipc.sampling_params import SamplingParams
@@ -80,6 +80,7 @@ class GenerationContext:
     on_tool_parse: Any = None         # callable(ChatOutput, streaming): counts tool-parser invocations
     harmony: bool = False             # chat: a gpt-oss output, parsed by channel (frontend/openai/harmony.py)
     _frame: Any = None                # its stream chunks' fixed bytes (protocol.ChunkFrame), made at the first
+    _text_chunks: dict = field(default_factory=dict)   # choice index -> its text-only chunk, cut at the text
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
@@ -121,44 +122,89 @@ class GenerationContext:
     def completion_delta(self, i: int, out) -> list[tuple[int, dict, Choice]]:
         """Apply one RequestOutput of prompt i; returns [(choice index, choice dict for a chunk, state)]."""
         res = []
-        prompt = self.prompts[i]
         self.num_cached_tokens[i] = out.num_cached_tokens
         for c in out.outputs:
             k = i * self.n + c.index
-            st = self.choices[k]
-            text, ids, entries = c.text, list(c.token_ids), c.logprobs or []
-            prompt_token_ids = None
-            if not st.started:
-                st.started = True
-                st.prompt_logprobs = c.prompt_logprobs
-                if self.return_token_ids:
-                    prompt_token_ids = prompt.token_ids
-                if self.req.echo:
-                    echo = "" if self.return_token_ids else self.echo_texts[i]
-                    plp = c.prompt_logprobs or [None] * len(prompt.token_ids)
-                    if self.echo_only:
-                        text, ids, entries = echo, prompt.token_ids, plp
-                    else:
-                        text, ids, entries = echo + text, prompt.token_ids + ids, plp + entries
-            elif self.echo_only:
-                text, ids, entries = "", [], []
-            st.text.append(text)
-            st.token_ids.extend(c.token_ids)
-            st.num_tokens += len(c.token_ids)
-            lp = None
-            if self.params.logprobs is not None and ids:
-                lp, st.text_offset = completion_logprobs(ids, entries, self.params.logprobs, st.text_offset,
-                                                         self.as_ids, self.decode)
-                st.logprobs.append(lp)
-            if c.finish_reason is not None:
-                st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
-            check_choice(st)
-            if not text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
-                continue
-            res.append((k, completion_choice(k, text, st.finish_reason, st.stop_reason, lp,
-                                             prompt_token_ids=prompt_token_ids,
-                                             token_ids=list(c.token_ids) if self.return_token_ids else None), st))
+            choice = self._completion_choice(i, k, c)
+            if choice is not None:
+                res.append((k, choice, self.choices[k]))
         return res
+
+    def completion_events(self, item: tuple[int, Any]) -> bytes:
+        """The stream's chunks of one output (prompt i's: item is (i, RequestOutput)), one per choice
+        with something to send, as completion_delta's choices encoded one per chunk. A text-only
+        chunk (the stream's usual one) is its choice's template with the text's JSON spliced in."""
+        i, out = item
+        self.num_cached_tokens[i] = out.num_cached_tokens
+        plain = self._plain_text_chunks()
+        chunks = []
+        for c in out.outputs:
+            k = i * self.n + c.index
+            st = self.choices[k]
+            if plain and st.started and c.text and c.finish_reason is None:
+                st.text.append(c.text)
+                st.token_ids.extend(c.token_ids)
+                st.num_tokens += len(c.token_ids)
+                chunks.append(self._text_chunk(k, c.text))
+                continue
+            choice = self._completion_choice(i, k, c)
+            if choice is not None:
+                chunks.append(self.completion_chunk([choice], self.usage(k) if self.continuous_usage else None))
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _plain_text_chunks(self) -> bool:
+        """Whether a started choice's chunk with text and no finish carries nothing but its text
+        (no logprobs, token ids or usage): then its bytes are a template's (_text_chunk)."""
+        return (self.params.logprobs is None and not self.return_token_ids and not self.continuous_usage
+                and not self.echo_only)
+
+    def _text_chunk(self, k: int, text: str) -> bytes:
+        cut = self._text_chunks.get(k)
+        if cut is None:
+            if self.chat:
+                choice = chat_chunk_choice(k, {"content": TEXT_SLOT}, None, None, None, token_ids=None)
+                chunk = self.chat_chunk([choice])
+            else:
+                choice = completion_choice(k, TEXT_SLOT, None, None, None, prompt_token_ids=None, token_ids=None)
+                chunk = self.completion_chunk([choice])
+            cut = self._text_chunks[k] = chunk_template(chunk)
+        return cut[0] + encode_json(text) + cut[1]
+
+    def _completion_choice(self, i: int, k: int, c) -> dict | None:
+        """Apply choice k's delta `c` (of prompt i); its choice dict for a chunk, or None (nothing to send)."""
+        prompt = self.prompts[i]
+        st = self.choices[k]
+        text, ids, entries = c.text, list(c.token_ids), c.logprobs or []
+        prompt_token_ids = None
+        if not st.started:
+            st.started = True
+            st.prompt_logprobs = c.prompt_logprobs
+            if self.return_token_ids:
+                prompt_token_ids = prompt.token_ids
+            if self.req.echo:
+                echo = "" if self.return_token_ids else self.echo_texts[i]
+                plp = c.prompt_logprobs or [None] * len(prompt.token_ids)
+                if self.echo_only:
+                    text, ids, entries = echo, prompt.token_ids, plp
+                else:
+                    text, ids, entries = echo + text, prompt.token_ids + ids, plp + entries
+        elif self.echo_only:
+            text, ids, entries = "", [], []
+        st.text.append(text)
+        st.token_ids.extend(c.token_ids)
+        st.num_tokens += len(c.token_ids)
+        lp = None
+        if self.params.logprobs is not None and ids:
+            lp, st.text_offset = completion_logprobs(ids, entries, self.params.logprobs, st.text_offset,
+                                                     self.as_ids, self.decode)
+            st.logprobs.append(lp)
+        if c.finish_reason is not None:
+            st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+        check_choice(st)
+        if not text and lp is None and st.finish_reason is None and not (self.return_token_ids and c.token_ids):
+            return None
+        return completion_choice(k, text, st.finish_reason, st.stop_reason, lp, prompt_token_ids=prompt_token_ids,
+                                 token_ids=list(c.token_ids) if self.return_token_ids else None)
 
     def completion_body(self) -> dict:
         choices = []
@@ -207,6 +253,20 @@ class GenerationContext:
                 c.index, delta, st.api_finish_reason, st.stop_reason, lp,
                 token_ids=list(c.token_ids) if self.return_token_ids else None), st))
         return res
+
+    def chat_events(self, item: tuple[int, Any]) -> bytes:
+        """The stream's chunks of one output (item: (0, RequestOutput)), one per choice with something
+        to send; a content-only chunk is its choice's template with the text's JSON spliced in."""
+        plain = self._plain_text_chunks()
+        chunks = []
+        for k, choice, st in self.chat_delta(item[1]):
+            delta = choice["delta"]
+            if (plain and choice["finish_reason"] is None and len(delta) == 1 and type(delta.get("content")) is str
+                    and delta["content"]):
+                chunks.append(self._text_chunk(k, delta["content"]))
+            else:
+                chunks.append(self.chat_chunk([choice], self.usage(k) if self.continuous_usage else None))
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _chat_output_delta(self, st: Choice, text: str, token_ids=()) -> dict:
         """The delta fields (reasoning_content, content, tool_calls) this text makes sendable."""
