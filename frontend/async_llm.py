@@ -89,18 +89,18 @@ class _Collector:
             return False
         delta, abort = st.process(out)
         if delta is not None:
-            self.metrics[rid].num_cached_tokens = st.num_cached_tokens
-            self.metrics[rid].on_output(now, len(delta.token_ids), delta.finish_reason)
-            if delta.finish_reason is not None:
+            n, finish_reason = len(delta.token_ids), delta.finish_reason
+            metrics = self.metrics[rid]
+            metrics.num_cached_tokens = self.num_cached_tokens = st.num_cached_tokens
+            metrics.on_output(now, n, finish_reason)
+            if finish_reason is not None:
                 self.unfinished.discard(rid)
-            self.num_cached_tokens = st.num_cached_tokens
             self.deltas.append(delta)
-            self._pending += len(delta.token_ids)
-            if (self.interval <= 1 or not self._started or delta.finish_reason is not None
-                    or self._pending >= self.interval):
+            self._pending += n
+            if self.interval <= 1 or not self._started or finish_reason is not None or self._pending >= self.interval:
                 self._started = True
                 if self._ready is None:
-                    self._wake()
+                    self.hand_over()
                 elif not self._due:
                     self._due = True
                     self._ready.append(self)
@@ -109,23 +109,25 @@ class _Collector:
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
-        self._wake()
+        self._wake_consumer()
 
     def hand_over(self) -> None:
-        """The deltas of this step to the sink, or the consumer woken for them."""
+        """This step's deltas to the sink, or the consumer woken for them."""
         self._due = False
-        self._wake()
+        if self.sink is None or self.error is not None or not self._push():
+            self._wake_consumer()
 
-    def _wake(self) -> None:
-        if self.sink is not None and self.error is None and self._push():
-            return
+    def _wake_consumer(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _push(self) -> bool:
         """Every delta to the sink. True: it took them and the consumer has nothing to do yet."""
+        deltas = self.deltas
         try:
-            if not self.sink(self.output(self.deltas)):
+            if not self.sink(RequestOutput(self.request_id, None, self.prompt_token_ids,
+                                           deltas if len(deltas) == 1 else _merge(deltas), not self.unfinished,
+                                           self.num_cached_tokens)):
                 return False
         except Exception as e:  # noqa: BLE001  (the consumer's to raise, as if it had taken the deltas)
             self.error = e
@@ -135,8 +137,8 @@ class _Collector:
         return bool(self.unfinished)
 
     def output(self, deltas: list[CompletionOutput]) -> RequestOutput:
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, _merge(deltas),
-                             finished=not self.unfinished, num_cached_tokens=self.num_cached_tokens)
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, _merge(deltas), not self.unfinished,
+                             self.num_cached_tokens)
 
     async def take(self) -> list[CompletionOutput]:
         """Every delta made since the last call, waiting for one if there is none ([] at the

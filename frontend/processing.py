@@ -20,7 +20,10 @@ def load_tokenizer(config: EngineConfig):
 
 
 def _is_ids(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(type(t) is int for t in value)   # (not bools)
+    return isinstance(value, (list, tuple)) and set(map(type, value)) <= _INT   # (not bools; the set made in C)
+
+
+_INT = {int}
 
 
 # A prompt of more than this many characters per token of its limit is probed before it is

@@ -17,6 +17,12 @@ _SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def may_constrain(req) -> bool:
+    """Whether request_constraint may find a constraint (else it is None: no thread hop for it)."""
+    return (req.response_format is not None or req.structured_outputs is not None
+            or any(getattr(req, f) is not None for f in _GUIDED))
+
+
 def request_constraint(req) -> StructuredOutputsParams | None:
     """The constraint of response_format / structured_outputs / guided_*: at most one of them."""
     found: list[tuple[str, StructuredOutputsParams]] = []

@@ -192,25 +192,32 @@ def check_model(req_model: str | None, served_name: str, also: str | None = None
     raise model_not_found(req_model)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _all_ints(values: list) -> bool:
+    """Every value an int, not a bool (JSON's ints decode as int): the types' set, made in C."""
+    return set(map(type, values)) <= _INT
+
+
+_INT = {int}
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """OpenAI's prompt forms: "text", [ids], ["text", ...], [[ids], ...] -> list of prompts."""
-    bad = APIError("'prompt' must be a string, a list of token ids, a list of strings, "
-                   "or a list of token-id lists", 400, "prompt")
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list):
-        raise bad
+        raise _bad_prompt()
     if not prompt:
         raise APIError("'prompt' must not be empty", 400, "prompt")
-    if all(_is_int(t) for t in prompt):
+    if _all_ints(prompt):
         return [list(prompt)]
-    if all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt):
+    if all(isinstance(p, str) or (isinstance(p, list) and _all_ints(p)) for p in prompt):
         return [p if isinstance(p, str) else list(p) for p in prompt]   # a batch (strings and id lists may mix)
-    raise bad
+    raise _bad_prompt()
+
+
+def _bad_prompt() -> APIError:
+    return APIError("'prompt' must be a string, a list of token ids, a list of strings, or a list of token-id lists",
+                    400, "prompt")
 
 
 def check_stream_options(req: _SamplingFields) -> None:

@@ -8,6 +8,7 @@ take it instead of a long argument list.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -81,6 +82,7 @@ class GenerationContext:
     harmony: bool = False             # chat: a gpt-oss output, parsed by channel (frontend/openai/harmony.py)
     _frame: Any = None                # its stream chunks' fixed bytes (protocol.ChunkFrame), made at the first
     _text_chunks: dict = field(default_factory=dict)   # choice index -> its text-only chunk, cut at the text
+    _plain: bool | None = None        # _plain_text_chunks(), once asked
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
@@ -136,10 +138,10 @@ class GenerationContext:
         chunk (the stream's usual one) is its choice's template with the text's JSON spliced in."""
         i, out = item
         self.num_cached_tokens[i] = out.num_cached_tokens
-        plain = self._plain_text_chunks()
+        plain = self._plain if self._plain is not None else self._plain_text_chunks()
         chunks = []
         for c in out.outputs:
-            k = i * self.n + c.index
+            k = i * self.params.n + c.index
             st = self.choices[k]
             if plain and st.started and c.text and c.finish_reason is None:
                 st.text.append(c.text)
@@ -155,8 +157,9 @@ class GenerationContext:
     def _plain_text_chunks(self) -> bool:
         """Whether a started choice's chunk with text and no finish carries nothing but its text
         (no logprobs, token ids or usage): then its bytes are a template's (_text_chunk)."""
-        return (self.params.logprobs is None and not self.return_token_ids and not self.continuous_usage
-                and not self.echo_only)
+        self._plain = (self.params.logprobs is None and not self.return_token_ids and not self.continuous_usage
+                       and not self.echo_only)
+        return self._plain
 
     def _text_chunk(self, k: int, text: str) -> bytes:
         cut = self._text_chunks.get(k)
@@ -257,7 +260,7 @@ class GenerationContext:
     def chat_events(self, item: tuple[int, Any]) -> bytes:
         """The stream's chunks of one output (item: (0, RequestOutput)), one per choice with something
         to send; a content-only chunk is its choice's template with the text's JSON spliced in."""
-        plain = self._plain_text_chunks()
+        plain = self._plain if self._plain is not None else self._plain_text_chunks()
         chunks = []
         for k, choice, st in self.chat_delta(item[1]):
             delta = choice["delta"]
@@ -431,40 +434,43 @@ async def outputs(first, stream: AsyncIterator):
 
 
 class SSEResponse(web.StreamResponse):
-    """A text/event-stream response whose events can also be written without an await
-    (write_now), from a callback: while its connection's write buffer is under the transport's
-    high-water mark, a write is one transport.write (the HTTP chunk framed here, as aiohttp's
-    chunked writer frames it). aiohttp's own write goes through two coroutines and a
-    _writelines per chunk."""
+    """A text/event-stream response whose events can also be written without an await, from a
+    callback (push): while its connection's write buffer is under the transport's high-water mark,
+    an output's events are one transport.write (the HTTP chunk framed here, as aiohttp's chunked
+    writer frames it). aiohttp's own write goes through two coroutines and a _writelines per chunk."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._writer = None     # the connection's payload writer, once its headers are out
-        self._protocol = None
+        self._writer = self._protocol = self._transport = None   # once its headers are out
 
     async def prepare(self, request: web.BaseRequest):
         writer = await super().prepare(request)
         # headers written (StreamResponse sends them at prepare), no compression, no fixed length:
         # the body is plain chunks (or, to an HTTP/1.0 client, plain bytes)
-        if writer is not None and writer.output_size > 0 and not self.compression and writer.length is None:
-            self._writer, self._protocol = writer, request.protocol
+        if (writer is not None and writer.output_size > 0 and not self.compression and writer.length is None
+                and writer.transport is not None):
+            self._writer, self._protocol, self._transport = writer, request.protocol, writer.transport
         return writer
 
     @property
-    def can_write_now(self) -> bool:
-        """write_now would write at once: there is a connection under its high-water mark."""
-        return self._writer is not None and not self._protocol.writing_paused
+    def can_push(self) -> bool:
+        return self._writer is not None
 
-    def write_now(self, data: bytes) -> None:
-        """`data` to the connection, in this turn of the loop (only where can_write_now)."""
-        writer = self._writer
-        transport = writer.transport
-        if transport is None or transport.is_closing():
+    def push(self, emit, item) -> bool:
+        """emit(item)'s bytes to the connection in this turn of the loop; False (emit not called)
+        while its buffer is full: the caller hands the item to a task that waits for the connection."""
+        if self._protocol.writing_paused:
+            return False
+        transport = self._transport
+        if transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
-        if writer.chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        writer.output_size += len(data)   # (what aiohttp counts: the response's body_length)
-        transport.write(data)
+        data = emit(item)
+        if data:
+            if self._writer.chunked:
+                data = b"%x\r\n%b\r\n" % (len(data), data)
+            self._writer.output_size += len(data)   # (what aiohttp counts: the response's body_length)
+            transport.write(data)
+        return True
 
 
 async def sse_response(request: web.Request) -> SSEResponse:
@@ -486,7 +492,7 @@ async def pump_sse(resp: SSEResponse, stream, first, emit, final, begin: bytes =
     API its own shape). A dead client (write fails) ends it: the caller's finally closes the
     stream, which aborts.
     Where the stream can push (AsyncLLM's, one prompt), the outputs after the first are emitted and
-    written in the turn of the loop that made them (SSEResponse.write_now), and this task is
+    written in the turn of the loop that made them (SSEResponse.push), and this task is
     woken only for those its connection could not take at once (it waits for the connection
     here) and for the end."""
     unsent = begin
@@ -497,8 +503,8 @@ async def pump_sse(resp: SSEResponse, stream, first, emit, final, begin: bytes =
                 await resp.write(unsent)
             unsent = b""
             push = getattr(stream, "push", None)
-            if push is not None and resp.can_write_now:
-                push(lambda item: _write_now(resp, emit, item))
+            if push is not None and resp.can_push:
+                push(functools.partial(resp.push, emit))
             async for item in stream:
                 data = emit(item)
                 if data:
@@ -524,17 +530,6 @@ async def pump_sse(resp: SSEResponse, stream, first, emit, final, begin: bytes =
     except ConnectionResetError:
         pass
     return resp
-
-
-def _write_now(resp: SSEResponse, emit, item) -> bool:
-    """A pushed output's events written at once; False (nothing emitted) while the connection's
-    buffer is full: the stream hands the output to pump_sse's loop, which waits for it."""
-    if not resp.can_write_now:
-        return False
-    data = emit(item)
-    if data:
-        resp.write_now(data)
-    return True
 
 
 async def chat_answer(ctx: GenerationContext, stream, first) -> dict:
