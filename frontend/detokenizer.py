@@ -70,6 +70,19 @@ class IncrementalDetokenizer:
         self._undecoded.clear()
         return self._append(piece)
 
+    def add_unstopped(self, token_id: int) -> str:
+        """add() then take_delta(False) for a request without stop strings (nothing held back):
+        the token's new text, in one call."""
+        self._num_tokens += 1
+        piece = self._stream.step(self._tok, token_id)
+        if piece is None:
+            self._undecoded.append(token_id)
+            return ""
+        self._undecoded.clear()
+        self.text += piece
+        self._sent = len(self.text)
+        return piece
+
     def flush(self) -> str | None:
         """At the end: bytes of an incomplete character decode as U+FFFD, as a full decode would."""
         if not self._undecoded:

@@ -101,9 +101,8 @@ class RequestState:
         """The stream's usual step, as process() makes it: one token that no stop string, logprob or
         finish comes with (~1 us less a token at c512 than process()'s general loop)."""
         self.token_ids.append(token_id)
-        self.detok.add(token_id)
         self.num_cached_tokens = num_cached_tokens
-        return CompletionOutput(self.index, self.detok.take_delta(False), [token_id])
+        return CompletionOutput(self.index, self.detok.add_unstopped(token_id), [token_id])
 
     def _process_final_only(self, out: EngineCoreOutput) -> CompletionOutput | None:
         """Ids only until the end; then the whole output in one delta, as the stream would have made it."""

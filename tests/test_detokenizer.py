@@ -206,3 +206,24 @@ def test_stop_and_bad_words_strings_stay_with_the_client():
     for ecr in engine_requests("r", [1, 2], params, [0], 0.0):
         assert ecr.sampling_params.stop == [] and ecr.sampling_params.bad_words == []
         assert ecr.sampling_params.bad_words_token_ids == [[5]] and ecr.sampling_params.n == 1
+
+
+def test_one_token_steps_give_what_the_general_loop_gives(tokenizer):
+    """RequestState's one-token step (add_unstopped: no stop strings) makes the deltas of the general
+    loop, text and ids, token by token, with characters split over tokens (U+FFFD until whole)."""
+    from ipc.messages import EngineCoreOutput
+
+    ids = tokenizer.encode("Zen 禅 é 😀 and the 🐍 of Python", add_special_tokens=False)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)   # some characters span tokens
+    fast = RequestState("a", 0, [1, 2, 3], SamplingParams(max_tokens=64), tokenizer, TokenTexts(tokenizer))
+    # a one-character stop string that never matches holds nothing back and takes the general loop
+    slow = RequestState("b", 0, [1, 2, 3], SamplingParams(max_tokens=64, stop=["\x07"]), tokenizer,
+                        TokenTexts(tokenizer))
+    got, want = [], []
+    for j, t in enumerate(ids):
+        finish = "length" if j == len(ids) - 1 else None
+        for st, out in ((fast, got), (slow, want)):
+            delta, abort = st.process(EngineCoreOutput(st.engine_id, [t], finish))
+            out.append((delta.text, delta.token_ids, delta.finish_reason))
+    assert got == want
+    assert "".join(text for text, _, _ in got) == tokenizer.decode(ids)
