@@ -291,3 +291,117 @@ def test_api_server_process_computes_media_on_one_intra_op_thread():
                                      check=True).stdout.split()[-1]
     assert run(env) == "1"
     assert run(dict(env, OMP_NUM_THREADS="2")) == "2"
+
+
+def test_a_client_that_reads_late_gets_every_pushed_and_refused_chunk_in_order(tiny_model_dir, monkeypatch,
+                                                                               tmp_path):
+    """A real AsyncLLM stream (the engine's outputs handed to _on_outputs one step at a time) through
+    pump_sse to a client that reads nothing for a while, on small socket buffers: the writer refuses
+    once the connection's buffer is over its high-water mark, the handler's task writes those
+    chunks and waits for the connection, then pushing resumes; the client gets every token's text,
+    in order, then the usage and [DONE]."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from frontend.async_llm import AsyncLLM
+    from frontend.openai import serving
+    from frontend.openai.protocol import CompletionRequest, build_sampling_params, stream_usage
+    from frontend.openai.serving import GenerationContext, Prompt, first_output, merged, pump_sse, sse_response
+    from ipc.config import EngineConfig
+    from ipc.messages import EngineCoreOutput, EngineCoreOutputs
+    from ipc.validation import Limits
+
+    n_tokens = 400
+    refused = []
+    push = serving.SSEResponse.push
+
+    def counting_push(self, emit, item):
+        ok = push(self, emit, item)
+        refused.append(not ok)
+        return ok
+
+    monkeypatch.setattr(serving.SSEResponse, "push", counting_push)
+
+    async def scenario():
+        llm = AsyncLLM(EngineConfig(model=tiny_model_dir), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+
+        async def add_request(ecr, engine=None):   # no engine: this test hands the outputs over itself
+            pass
+
+        llm.client.add_request = add_request
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": n_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        req = msgspec.json.decode(msgspec.json.encode(body), type=CompletionRequest)
+        params = build_sampling_params(req, chat=False, limits=Limits(1000, 4096))
+        vocab = llm.tokenizer.vocab_size
+        tokens = [(7 * j + 5) % (vocab - 10) + 5 for j in range(n_tokens)]
+
+        async def handler(request):
+            include, continuous = stream_usage(req)
+            ctx = GenerationContext(request=request, req=req, chat=False, rid="cmpl-x", created=1, model="m",
+                                    params=params, prompts=[Prompt(None, [1, 2, 3])], include_usage=include,
+                                    continuous_usage=continuous)
+            stream = merged([llm.generate([1, 2, 3], params, "r0")])
+            try:
+                first = await first_output(stream)
+                resp = await sse_response(request)
+                sock = request.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                request.transport.set_write_buffer_limits(high=512)
+                return await pump_sse(resp, stream, first, ctx.completion_events,
+                                      lambda: ctx.completion_chunk([], ctx.usage()))
+            finally:
+                await stream.aclose()
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+
+        async def engine():   # one token a step, once the request is in
+            while "r0" not in llm._requests:
+                await asyncio.sleep(0.001)
+            for j, t in enumerate(tokens):
+                llm._on_outputs(EngineCoreOutputs([EngineCoreOutput("r0", [t], "length" if j == n_tokens - 1
+                                                                    else None)]))
+                await asyncio.sleep(0)
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        payload = json.dumps(body).encode()
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                      b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(payload), payload))
+        await asyncio.wait_for(engine(), 30)   # every output produced before the client reads a byte
+        raw = b""
+        while piece := await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+            raw += piece
+        sock.close()
+        await runner.cleanup()
+        llm.close()
+        return raw, tokens, llm.tokenizer
+
+    raw, tokens, tok = asyncio.run(scenario())
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    data = b""
+    while True:   # the chunked body, unframed
+        size, _, body = body.partition(b"\r\n")
+        if int(size, 16) == 0:
+            break
+        data, body = data + body[:int(size, 16)], body[int(size, 16) + 2:]
+    events = [e[6:] for e in data.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(tokens) and chunks[-1]["choices"] == []
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert text == tok.decode(tokens)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert any(refused) and not all(refused)   # pushed, refused (the socket was full), then pushed again
