@@ -616,13 +616,14 @@ def _engine_core_pid(server: Server) -> int:
 def test_engine_death_mid_stream(aux_server):
     """Runs last on aux_server: kills its engine core while a stream is open."""
     url = aux_server.url
+    engine_core = _engine_core_pid(aux_server)   # (before the stream: its ps calls can outlast 450 tokens on a busy box)
     r = requests.post(url + "/v1/completions", stream=True, headers=AUTH, timeout=60,
                       json={"prompt": PROMPT, "max_tokens": 450, "ignore_eos": True, "stream": True})
     assert r.status_code == 200
     lines = r.iter_lines()
     first = next(line for line in lines if line)
     assert first.startswith(b"data: {")
-    os.kill(_engine_core_pid(aux_server), signal.SIGKILL)
+    os.kill(engine_core, signal.SIGKILL)
     t0 = time.monotonic()
     events = []
     try:
