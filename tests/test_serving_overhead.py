@@ -150,10 +150,11 @@ def test_images_of_many_requests_are_processed_at_once_and_stored_as_one_at_a_ti
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("pushed", [False, True])
 @pytest.mark.parametrize("interval", [1, 4])
-def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interval):
-    """--stream-interval N: the consumer is woken with the first token, then once N tokens wait, and
-    at the end; the text and ids are the same as token by token."""
+def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interval, pushed):
+    """--stream-interval N: the consumer is woken (or the sink handed an output) with the first token,
+    then once N tokens wait, and at the end; the text and ids are the same as token by token."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -182,7 +183,13 @@ def test_stream_interval_gathers_tokens_into_fewer_deltas(tiny_model_dir, interv
                 if merged.finish_reason is not None:
                     return
 
-        task = asyncio.ensure_future(consume())
+        async def pushed_to():   # the sink takes every output; the consumer wakes at the end
+            while await req.take():
+                pass
+
+        if pushed:
+            req.sink = lambda out: got.append((out.outputs[0].text, list(out.outputs[0].token_ids))) or True
+        task = asyncio.ensure_future(pushed_to() if pushed else consume())
         for j, t in enumerate(ids):   # one engine step per token, the consumer runs in between
             last = j == len(ids) - 1
             req.process(EngineCoreOutput("r", [t], "length" if last else None), 0.0)
