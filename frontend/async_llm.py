@@ -40,9 +40,9 @@ class _Collector:
     A consumer that can take an output at once (a stream's writer: RequestStream.push) sets `sink`:
     the deltas then go to it from _on_outputs, in the engine output's own turn of the loop, and
     the consumer's task is woken only at the end, on an error, or when the sink refuses (its
-    client's socket buffer is full: the consumer then takes them and waits for the socket). A
-    task switch and the async generators between the collector and the socket, per chunk, cost
-    about as much as the chunk's encoding and write together (py-spy, c512 streaming)."""
+    client's socket buffer is full: the consumer then takes them and waits for the socket). The
+    task switch, the four coroutine layers and aiohttp's write path that a chunk went through
+    otherwise were about a quarter of the API server's CPU at c512 (py-spy, CPU box)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "states", "metrics", "unfinished", "num_cached_tokens",
                  "deltas", "error", "_waiter", "engine", "interval", "_pending", "_started", "_loop", "sink",
@@ -123,11 +123,8 @@ class _Collector:
 
     def _push(self) -> bool:
         """Every delta to the sink. True: it took them and the consumer has nothing to do yet."""
-        deltas = self.deltas
         try:
-            if not self.sink(RequestOutput(self.request_id, None, self.prompt_token_ids,
-                                           deltas if len(deltas) == 1 else _merge(deltas), not self.unfinished,
-                                           self.num_cached_tokens)):
+            if not self.sink(self.output(self.deltas)):
                 return False
         except Exception as e:  # noqa: BLE001  (the consumer's to raise, as if it had taken the deltas)
             self.error = e
