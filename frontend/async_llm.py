@@ -1,9 +1,11 @@
 """AsyncLLM: what an API server talks to. Tokenizer + engine client + output processing.
 
 Outputs are turned into deltas (detokenized, stop strings, metrics) as they
-arrive, for every request at once; `generate()` yields what has piled up for
-its request as one RequestOutput. If its consumer goes away (a client
-disconnects and the handler is cancelled), the request is aborted in the engine.
+arrive, for every request at once; the stream `generate()` returns yields what
+has piled up for its request as one RequestOutput, or pushes each step's output
+to a callable (RequestStream.push: a streamed response's writer). If its consumer
+goes away (a client disconnects and the handler is cancelled), the request is
+aborted in the engine.
 """
 from __future__ import annotations
 
