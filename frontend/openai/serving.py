@@ -82,7 +82,6 @@ class GenerationContext:
     harmony: bool = False             # chat: a gpt-oss output, parsed by channel (frontend/openai/harmony.py)
     _frame: Any = None                # its stream chunks' fixed bytes (protocol.ChunkFrame), made at the first
     _text_chunks: dict = field(default_factory=dict)   # choice index -> its text-only chunk, cut at the text
-    _plain: bool | None = None        # _plain_text_chunks(), once asked
 
     def __post_init__(self):
         self.choices = [Choice() for _ in range(self.n * len(self.prompts))]
@@ -138,7 +137,7 @@ class GenerationContext:
         chunk (the stream's usual one) is its choice's template with the text's JSON spliced in."""
         i, out = item
         self.num_cached_tokens[i] = out.num_cached_tokens
-        plain = self._plain if self._plain is not None else self._plain_text_chunks()
+        plain = self._plain_text_chunks
         chunks = []
         for c in out.outputs:
             k = i * self.params.n + c.index
@@ -154,12 +153,12 @@ class GenerationContext:
                 chunks.append(self.completion_chunk([choice], self.usage(k) if self.continuous_usage else None))
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    @functools.cached_property
     def _plain_text_chunks(self) -> bool:
         """Whether a started choice's chunk with text and no finish carries nothing but its text
         (no logprobs, token ids or usage): then its bytes are a template's (_text_chunk)."""
-        self._plain = (self.params.logprobs is None and not self.return_token_ids and not self.continuous_usage
-                       and not self.echo_only)
-        return self._plain
+        return (self.params.logprobs is None and not self.return_token_ids and not self.continuous_usage
+                and not self.echo_only)
 
     def _text_chunk(self, k: int, text: str) -> bytes:
         cut = self._text_chunks.get(k)
@@ -260,7 +259,7 @@ class GenerationContext:
     def chat_events(self, item: tuple[int, Any]) -> bytes:
         """The stream's chunks of one output (item: (0, RequestOutput)), one per choice with something
         to send; a content-only chunk is its choice's template with the text's JSON spliced in."""
-        plain = self._plain if self._plain is not None else self._plain_text_chunks()
+        plain = self._plain_text_chunks
         chunks = []
         for k, choice, st in self.chat_delta(item[1]):
             delta = choice["delta"]
