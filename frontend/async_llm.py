@@ -250,6 +250,8 @@ class AsyncLLM:
             self.mm.store.maybe_unlink()
         if outs.load is not None:
             self.router.on_load(outs.engine_index, outs.load)
+        if self.stat_logger is not None:   # what processing records (a finish: its success, latencies) is of
+            self.stat_logger.use_engine(outs.engine_index)   # this engine's requests, not the last sender's
         stopped = []
         ready = self._ready
         for out in outs.outputs:
