@@ -19,7 +19,8 @@ def load_tokenizer(config: EngineConfig):
     return AutoTokenizer.from_pretrained(config.tokenizer_dir, trust_remote_code=config.trust_remote_code)
 
 
-def _is_ids(value) -> bool:
+def is_token_ids(value) -> bool:
+    """A list (or tuple) of ints, not bools."""
     return isinstance(value, (list, tuple)) and set(map(type, value)) <= _INT   # (not bools; the set made in C)
 
 
@@ -60,13 +61,13 @@ def tokenize_prompt(tokenizer, prompt, add_special_tokens: bool = True,
     prompt that can run may have (encode_bounded; None: any)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            if not _is_ids(prompt["prompt_token_ids"]):
+            if not is_token_ids(prompt["prompt_token_ids"]):
                 raise RequestError("prompt_token_ids must be a list of token ids (integers)", "prompt")
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
         return prompt, encode_bounded(tokenizer, prompt, add_special_tokens, limit)
-    if _is_ids(prompt):
+    if is_token_ids(prompt):
         return None, list(prompt)
     raise RequestError("a prompt must be a string or a list of token ids", "prompt")
 

@@ -504,10 +504,10 @@ class OpenAIServer:
         check_stream_options(req)
         check_request_chat_template(req, self.options.trust_request_chat_template)
         messages = self._messages(req)
-        if may_constrain(req) or req.tools or req.tool_choice not in (None, "none"):
+        if may_constrain(req):   # xgrammar: off the loop
             tools, constraint = await self.tokenizers.run(0, lambda _: self._chat_constraint(req))
-        else:   # (what _chat_constraint finds, without a thread hop)
-            tools, constraint = ToolUse("none"), None
+        else:
+            tools, constraint = self._chat_constraint(req)
         if self.harmony and constraint is not None:   # a grammar from the first token has no channels to parse
             raise APIError("a gpt-oss (harmony) chat cannot be constrained yet: tool_choice 'required' or a named "
                            "tool, response_format and structured_outputs are not supported with it", 400,

@@ -18,9 +18,11 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 def may_constrain(req) -> bool:
-    """Whether request_constraint may find a constraint (else it is None: no thread hop for it)."""
+    """Whether request_constraint or a chat's tool_use may find a grammar for xgrammar to compile
+    (else finding none is cheap: no thread hop for it)."""
     return (req.response_format is not None or req.structured_outputs is not None
-            or any(getattr(req, f) is not None for f in _GUIDED))
+            or any(getattr(req, f) is not None for f in _GUIDED)
+            or bool(getattr(req, "tools", None)) or getattr(req, "tool_choice", None) not in (None, "none"))
 
 
 def request_constraint(req) -> StructuredOutputsParams | None:

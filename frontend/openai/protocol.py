@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from frontend.processing import is_token_ids
 from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from ipc.validation import Limits, RequestError, check_priority, check_sampling_params
 
@@ -192,14 +193,6 @@ def check_model(req_model: str | None, served_name: str, also: str | None = None
     raise model_not_found(req_model)
 
 
-def _all_ints(values: list) -> bool:
-    """Every value an int, not a bool (JSON's ints decode as int): the types' set, made in C."""
-    return set(map(type, values)) <= _INT
-
-
-_INT = {int}
-
-
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """OpenAI's prompt forms: "text", [ids], ["text", ...], [[ids], ...] -> list of prompts."""
     if isinstance(prompt, str):
@@ -208,9 +201,9 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         raise _bad_prompt()
     if not prompt:
         raise APIError("'prompt' must not be empty", 400, "prompt")
-    if _all_ints(prompt):
+    if is_token_ids(prompt):
         return [list(prompt)]
-    if all(isinstance(p, str) or (isinstance(p, list) and _all_ints(p)) for p in prompt):
+    if all(isinstance(p, str) or (isinstance(p, list) and is_token_ids(p)) for p in prompt):
         return [p if isinstance(p, str) else list(p) for p in prompt]   # a batch (strings and id lists may mix)
     raise _bad_prompt()
 
