@@ -35,7 +35,7 @@ _GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": 
 def snapshot(model_name: str, registry=None) -> dict[str, dict[str, float]]:
     """The values the log line needs, by engine (data-parallel rank)."""
     out: dict[str, dict[str, float]] = {}
-    for family in (registry or collect_registry()).collect():
+    for family in (registry or collect_registry(("counter", "gauge"))).collect():
         for sample in family.samples:
             key = _COUNTERS.get(sample.name) or _GAUGES.get(sample.name)
             if key is None or sample.labels.get("model_name") != model_name:

@@ -52,6 +52,24 @@ def test_merge_skips_a_file_another_process_is_creating(tmp_path, monkeypatch):
     assert values == {"loom_x_total": 3.0}
 
 
+def test_stats_line_reads_counters_and_gauges_only(tmp_path, monkeypatch):
+    # the periodic stats line merges only the counter and gauge files; /metrics merges every file
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from metrics.multiproc import ENV
+    from metrics.registry import collect_registry
+    for name, key in (("counter_7.db", mmap_key("c", "c_total", [], [], "c")),
+                      ("gauge_livesum_7.db", mmap_key("g", "g", [], [], "g")),
+                      ("histogram_7.db", mmap_key("h", "h_sum", [], [], "h"))):
+        d = MmapedDict(str(tmp_path / name))
+        d.write_value(key, 2.0, 0.0)
+        d.close()
+    monkeypatch.setenv(ENV, str(tmp_path))
+    names = {s.name for fam in collect_registry(("counter", "gauge")).collect() for s in fam.samples}
+    assert names == {"c_total", "g"}
+    assert "h_sum" in {s.name for fam in collect_registry().collect() for s in fam.samples}
+
+
 def test_scheduler_counts_attention_work_of_chunks():
     s = Scheduler(cfg(max_num_batched_tokens=8, enable_prefix_caching=False), 64)
     s.add_request(req("a", list(range(1, 13)), max_tokens=2))   # 12 prompt tokens: chunks of 8 and 4
