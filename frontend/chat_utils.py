@@ -164,6 +164,14 @@ def image_parts(messages: list[dict]) -> list[dict]:
     return [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
 
 
+def media_chars(messages: list[dict]) -> int:
+    """The characters of the image and audio URLs in parsed messages (base64 data: URLs, mostly):
+    a request body's size less these is what its chat template renders, since an item is only a
+    placeholder there."""
+    return sum(len(p.get("image_url") or p.get("audio_url") or "") for m in messages
+               if isinstance(m["content"], list) for p in m["content"] if p["type"] in ("image", "audio"))
+
+
 def image_urls(messages: list[dict]) -> list[str]:
     """The image URLs of parsed messages, in prompt order (an HTTP request's images)."""
     return [p["image_url"] for p in image_parts(messages) if "image_url" in p]

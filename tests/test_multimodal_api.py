@@ -80,6 +80,23 @@ def test_image_chat_matches_hf_and_streaming_equals_non_streaming(client, vl_dir
     assert full.choices[0].message.content == AutoTokenizer.from_pretrained(vl_dir).decode(ref, skip_special_tokens=True)
 
 
+def test_a_large_image_with_a_short_text_takes_the_small_lane(client, server):
+    # the chat template sees an image as one placeholder: a request of a 300 KB image and a short
+    # text renders in the API server's small lane, with no tokenizer process to start (its start
+    # held a VL benchmark's first requests for ~10 s on the H200)
+    from tests.conftest import child_pids, is_tokenizer_process, serve_processes
+    url = png_url(random_image(32, 320, 320))
+    assert len(url) > 4 * 65536
+    api = serve_processes(server)["api_server"]
+    assert not any(is_tokenizer_process(k) for k in child_pids(api))
+    assert chat(client, image_message(url)).usage.completion_tokens > 0
+    assert not any(is_tokenizer_process(k) for k in child_pids(api))
+    # a long text with it still goes to the tokenizer process (the lane is by the text's size)
+    with pytest.raises(openai.BadRequestError, match="context"):   # (longer than --max-model-len)
+        chat(client, image_message(url, text="Describe it. " * 6000))
+    assert any(is_tokenizer_process(k) for k in child_pids(api))
+
+
 def test_two_images_jpeg_webp_and_local_file(client, media_dir):
     out = chat(client, image_message(png_url(random_image(32, 60, 60), "JPEG"),
                                      png_url(random_image(33, 80, 60), "WEBP")))

@@ -41,8 +41,8 @@ from frontend.dp_router import check_rank
 from frontend.errors import EngineDeadError, engine_dead_message
 from frontend.openai import anthropic
 from frontend.openai.http_errors import OpenAIErrorRunner
-from frontend.chat_utils import (audio_urls, detect_content_format, image_urls, message_text, parse_chat_messages,
-                                 render_chat)
+from frontend.chat_utils import (audio_urls, detect_content_format, image_urls, media_chars, message_text,
+                                 parse_chat_messages, render_chat)
 from frontend.processing import tokenize_bad_words, tokenize_prompts, truncate_prompt
 from frontend.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                TokenizeRequest, build_sampling_params, check_model, check_request_chat_template,
@@ -177,6 +177,10 @@ class _Tokenizers:
         LOOM_CHAT_TEMPLATE_TIMEOUT_S: its loops can run for ever, and only a process can be stopped."""
         own_template = (kwargs.get("chat_template") is not None
                         or "chat_template" in (kwargs.get("chat_template_kwargs") or {}))
+        # an image's or audio clip's URL is one placeholder in the template: a request with a 1 MB
+        # image and a short text takes the small lane (it went to the tokenizer process, whose
+        # start took ~10 s of a VL benchmark's first requests on the H200)
+        size = max(size - media_chars(messages), 0)
         if (size > _SMALL_INPUT_CHARS or own_template) and self.process is not None:
             budget = envs.LOOM_CHAT_TEMPLATE_TIMEOUT_S if own_template else None
             ids = await self.process.run(ChatJob(messages, **kwargs), budget)
