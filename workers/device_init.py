@@ -61,5 +61,5 @@ def wait() -> None:
     if _thread is None:
         return
     if _thread.is_alive():
-        from transformers import AutoConfig, PretrainedConfig  # noqa: F401 - the model loader's, now
+        from transformers import AutoConfig, PretrainedConfig  # noqa: F401 - workers/hf_config.py's, now
     _thread.join()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from workers.distributed import tp_rank, tp_size
+from workers.hf_config import load_config
 from workers.models.interfaces import supports_multimodal
 from workers.models.layers import LayerNorm, PerHeadLayerNorm, RMSNorm, get_head_dim, get_num_kv_heads, heads_of_rank
 from workers.models.registry import get_model_class
@@ -45,23 +46,6 @@ def kv_cache_shape(model: nn.Module) -> tuple[int, int, int]:
     (`model.kv_cache_shape`: the generic path, which learns it from its attention modules),
     else model_kv_shape of its config."""
     return getattr(model, "kv_cache_shape", None) or model_kv_shape(model.config)
-
-
-def load_config(model_dir: str):
-    """The checkpoint's transformers config. A config that transformers reads only through remote
-    code (InternLM2's) but whose architecture Loom implements is read as a plain PretrainedConfig
-    of config.json's fields: no remote code runs (nor is asked for)."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    from workers.models.registry import MODELS
-    try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except ValueError:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            raw = json.load(f)
-        if (raw.get("architectures") or [None])[0] not in MODELS:
-            raise
-        return PretrainedConfig.from_dict(raw)
 
 
 def apply_hf_overrides(config, overrides: dict, tokenizer_dir: str) -> None:

@@ -50,7 +50,9 @@ class EagleHeadConfig:
 def read_head_config(model_dir: str, method: str) -> EagleHeadConfig:
     """The head's config.json: an HF Llama-style config (EAGLE's own releases) or the
     speculators format (its `transformer_layer_config`, the algorithm's fields beside it)."""
-    from transformers import LlamaConfig
+    from workers.hf_config import without_model_table
+    with without_model_table():   # the config class alone (workers/hf_config.py)
+        from transformers import LlamaConfig
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
     speculators = "speculators_model_type" in raw or "transformer_layer_config" in raw
