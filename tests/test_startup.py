@@ -90,9 +90,9 @@ def test_launcher_checks_import_neither_torch_nor_transformers(tiny_model_dir):
     assert out.stdout.strip() == "[]"
 
 
-# What transformers' config classes pulled in through their docstrings' model-class lookup
-# (workers/hf_config.py): the model table itself, GenerationMixin, and what 5.17's GenerationMixin
-# imports (scikit-learn where installed, DTensor, FSDP). None of them in a worker after its config.
+# What transformers' config classes pulled in (workers/hf_config.py): the model-class table,
+# GenerationMixin and what 5.17's imports (scikit-learn where installed), and the DTensor and FSDP
+# that Llama's config validators imported through the activations. None in a worker after its config.
 MODEL_STACK = ("transformers.models.auto.modeling_auto", "transformers.generation.utils", "sklearn",
                "torch.distributed.tensor", "torch.distributed.fsdp")
 
@@ -100,7 +100,8 @@ MODEL_STACK = ("transformers.models.auto.modeling_auto", "transformers.generatio
 def test_worker_reads_its_config_without_transformers_model_stack(tmp_path):
     """The worker's config path (after the worker's own imports) imports none of MODEL_STACK, and
     gives AutoConfig's object: the class and every field. The presets' config.json are 4.x style
-    (rope_theta at the top, Llama 3's rope_scaling), which transformers 5 normalises."""
+    (rope_theta at the top, Llama 3's rope_scaling), which transformers 5 normalises. The stand-in
+    activation table is gone afterwards."""
     import subprocess
     import sys
 
@@ -120,14 +121,15 @@ def test_worker_reads_its_config_without_transformers_model_stack(tmp_path):
         "import workers.worker, workers.model_runner, workers.model_loader  # the worker's imports\n"
         "from workers.hf_config import load_config\n"
         f"configs = [load_config(d) for d in {dirs!r}]\n"
-        "print(json.dumps({'classes': [type(c).__name__ for c in configs],\n"
-        "                  'configs': [json.loads(c.to_json_string(use_diff=False)) for c in configs],\n"
-        f"                  'loaded': [m for m in {MODEL_STACK!r} if m in sys.modules]}}))\n")
+        f"loaded = [m for m in {MODEL_STACK!r} if m in sys.modules]\n"
+        "from transformers.activations import ACT2FN  # the real one, once the config is read\n"
+        "print(json.dumps({'classes': [type(c).__name__ for c in configs], 'loaded': loaded, 'silu': 'silu' in ACT2FN,\n"
+        "                  'configs': [json.loads(c.to_json_string(use_diff=False)) for c in configs]}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["loaded"] == []
+    assert got["loaded"] == [] and got["silu"]
     for d, cls, cfg in zip(dirs, got["classes"], got["configs"], strict=True):
         want = AutoConfig.from_pretrained(d)
         assert cls == type(want).__name__ and cfg == json.loads(want.to_json_string(use_diff=False)), d

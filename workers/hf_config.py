@@ -2,16 +2,22 @@
 
     config = load_config(model_dir)      # AutoConfig's object, without transformers' model stack
 
-Every transformers config class is decorated with `auto_docstring`, which, when the class's module
-is imported, looks the model class up in `transformers.models.auto.modeling_auto` to write the
-docstring. In transformers 5.17 (the H200 image's) importing that table imports `auto_factory`, and
-with it `GenerationMixin`: scikit-learn (through generation/candidate_generator), the DTensor
-package and FSDP (through transformers/distributed), torch._dynamo (masking_utils). That was most
-of the worker's 8.9 s "config" phase on the device, for a docstring; later transformers import
-GenerationMixin lazily. While the config loads, the table is hidden (`sys.modules[name] = None`,
-Python's way to make an import fail), so the decorator takes its own `except ImportError` path:
-the class is the same, its docstring names no model class. The worker never needs the table
-unless it serves a model on the generic transformers path, which imports it afterwards.
+Importing a config class's module imports more of transformers than the class needs, twice over:
+- Every config class is decorated with `auto_docstring`, which looks the model class up in
+  `transformers.models.auto.modeling_auto` to write the docstring. In transformers 5.17 (the H200
+  image's) that table imports `auto_factory`, and with it `GenerationMixin`: scikit-learn (through
+  generation/candidate_generator), DTensor and FSDP (transformers/distributed), torch._dynamo
+  (masking_utils). Most of the worker's 8.9 s "config" phase on the device, for a docstring (later
+  transformers import GenerationMixin lazily).
+- Llama's config (and a dozen others') imports `transformers.utils.type_validators` for one range
+  check; that module imports the activation table (`transformers.activations`) to check
+  `hidden_act`, and the activations import the weight-loading code, DTensor and FSDP (5.17 and 5.24).
+While the config loads, the table's import fails (`sys.modules[name] = None`, Python's way to
+make an import fail), so the decorator takes its own `except ImportError` path, and the
+validators find an empty activation table, as they do without torch, and leave `hidden_act`
+unchecked. The class and its fields are AutoConfig's; its docstring names no model class. Both
+stand-ins are gone afterwards: the generic transformers path, which needs the real modules,
+imports them then.
 """
 from __future__ import annotations
 
@@ -19,29 +25,38 @@ import contextlib
 import json
 import os
 import sys
+import types
 
 MODEL_TABLE = "transformers.models.auto.modeling_auto"
+ACTIVATIONS = "transformers.activations"
+VALIDATORS = "transformers.utils.type_validators"
 
 
 @contextlib.contextmanager
-def without_model_table():
-    """Imports of transformers' model-class table fail inside (those already made stand)."""
-    if MODEL_TABLE in sys.modules:
-        yield
-        return
-    sys.modules[MODEL_TABLE] = None
+def config_classes_only():
+    """Inside, transformers' config classes import without its model stack: importing the model
+    table fails, and the validators, imported here first, get an empty activation table. Modules
+    already imported stand."""
+    stand_ins: dict[str, types.ModuleType | None] = {}
+    if MODEL_TABLE not in sys.modules:
+        stand_ins[MODEL_TABLE] = None
+    if VALIDATORS not in sys.modules and ACTIVATIONS not in sys.modules:
+        stand_ins[ACTIVATIONS] = types.ModuleType(ACTIVATIONS)
+        stand_ins[ACTIVATIONS].ACT2FN = {}
+    sys.modules.update(stand_ins)
     try:
         yield
     finally:
-        if sys.modules.get(MODEL_TABLE, 0) is None:
-            del sys.modules[MODEL_TABLE]
+        for name, module in stand_ins.items():
+            if name in sys.modules and sys.modules[name] is module:
+                del sys.modules[name]
 
 
 def load_config(model_dir: str):
-    """The checkpoint's transformers config (AutoConfig's), read with the model-class table hidden;
-    again without hiding it where the config path of some transformers needs the table."""
+    """The checkpoint's transformers config (AutoConfig's), read with config classes only; read
+    again plainly where some transformers' config path needs a module that was stood in for."""
     try:
-        with without_model_table():
+        with config_classes_only():
             return _read_config(model_dir)
     except ImportError:
         return _read_config(model_dir)

@@ -50,8 +50,8 @@ class EagleHeadConfig:
 def read_head_config(model_dir: str, method: str) -> EagleHeadConfig:
     """The head's config.json: an HF Llama-style config (EAGLE's own releases) or the
     speculators format (its `transformer_layer_config`, the algorithm's fields beside it)."""
-    from workers.hf_config import without_model_table
-    with without_model_table():   # the config class alone (workers/hf_config.py)
+    from workers.hf_config import config_classes_only
+    with config_classes_only():   # the config class alone (workers/hf_config.py)
         from transformers import LlamaConfig
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
