@@ -15,9 +15,12 @@ Importing a config class's module imports more of transformers than the class ne
 While the config loads, the table's import fails (`sys.modules[name] = None`, Python's way to
 make an import fail), so the decorator takes its own `except ImportError` path, and the
 validators find an empty activation table, as they do without torch, and leave `hidden_act`
-unchecked. The class and its fields are AutoConfig's; its docstring names no model class. Both
-stand-ins are gone afterwards: the generic transformers path, which needs the real modules,
-imports them then.
+unchecked (in configs made later in this process too: the validators keep that table). The class
+and its fields are AutoConfig's; its docstring names no model class. Both stand-ins are gone
+afterwards: the generic transformers path, which needs the real modules, imports them then.
+Measured without bytecode (as the device image runs), after the worker's imports, on the CPU box:
+Qwen3-0.6B's config 7.8 -> 1.7 s and Llama-3.1-8B's 8.1 -> 2.0 s with transformers 5.17 and
+scikit-learn (3,600 -> 1,900 modules); Llama-3.1-8B's 4.2 -> 1.4 s with 5.24.
 """
 from __future__ import annotations
 
