@@ -59,3 +59,28 @@ def test_vision_demo_bf16_on_gpu_matches_hf(tmp_path):
         ids, ref = _hf_on_gpu(d, p, imgs, 6, torch.bfloat16)  # HF stops at <|im_end|>, inclusive
         assert o.prompt_token_ids == ids
         assert o.outputs[0].token_ids[:len(ref)] == ref, (p, o.outputs[0].token_ids, ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_vision_tower_packed_attention_and_rotary_match_the_grouped_path(dtype):
+    """The tower's GPU paths: one flash-attention call over the packed windows (varlen) equals the
+    per-length batched SDPA calls; the Triton rotation equals HF's fp32 math rounded once."""
+    from workers.models.qwen2_5_vl import Segments, _rotary, apply_rotary_ref
+    if not Segments([4], torch.device("cuda"), getattr(torch, dtype)).packed:
+        pytest.skip("no torch.nn.attention.varlen in this torch")
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    lens = [64, 32, 64, 16, 1, 64, 32, 7]
+    n, h, d = sum(lens), 16, 80
+    q, k, v = (torch.randn(n, h, d, device="cuda", dtype=dt) for _ in range(3))
+    packed = Segments(lens, torch.device("cuda"), dt)
+    grouped = Segments(lens, torch.device("cpu"), dt)
+    grouped.groups = [(idx.cuda(), g, length) for idx, g, length in grouped.groups]
+    a, b = packed.attention(q, k, v), grouped.attention(q, k, v)
+    assert a.shape == b.shape == (n, h, d)
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    cos, sin = torch.randn(n, d, device="cuda").cos(), torch.randn(n, d, device="cuda").sin()
+    qr, kr = _rotary(q, k, cos, sin)
+    qe, ke = apply_rotary_ref(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], cos[None], sin[None])
+    torch.testing.assert_close(qr.float(), qe[0].transpose(0, 1).to(dt).float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(kr.float(), ke[0].transpose(0, 1).to(dt).float(), atol=1e-2, rtol=1e-2)

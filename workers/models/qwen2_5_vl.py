@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rotary_apply import apply_rotary, apply_rotary_ref
 from multimodal.info import MultiModalInfo, preprocessor_config
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard
+from workers.models import layers
 from workers.models.layers import KVCache, VocabParallelEmbedding, replicated
 from workers.models.llama import LlamaModel
 from workers.models.weights import STACKED_PARAMS, load_weights
@@ -65,26 +67,19 @@ class Qwen2_5_VLImages(MultiModalInfo):
         return int(grid.prod()) // (merge * merge) if ok else None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as HF's Qwen2_5_VLRMSNorm: variance in fp32, weight times the input dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class VisionRMSNorm(nn.Module):
+    """HF's Qwen2RMSNorm (variance in fp32, the weight times the input dtype), through the models'
+    norm op: one kernel on the GPU (workers/models/layers.py), with the residual add fused in."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x):
-        return _rms_norm(x, self.weight, self.eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return layers.rms_norm(x, self.weight, self.eps)
+        return layers.fused_add_rms_norm(x, residual, self.weight, self.eps)   # (norm(x + residual), x + residual)
 
 
 class VisionAttention(nn.Module):
@@ -94,35 +89,80 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        qf, kf = q.float(), k.float()
-        q = (qf * c + _rotate_half(qf) * s).to(x.dtype)
-        k = (kf * c + _rotate_half(kf) * s).to(x.dtype)
-        return self.proj(varlen_attention(q, k, v, segments).reshape(n, -1))
+        q, k = _rotary(q, k, cos, sin)
+        return self.proj(segments.attention(q, k, v).reshape(n, -1))
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF's rotation of q, k [N, H, D] by cos, sin [N, D]: in fp32, rounded once to their dtype
+    (kernels/rotary_apply.py: one launch on the GPU, where HF's ops were about twenty)."""
+    qh, kh = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
+    if q.is_cuda:
+        qh, kh = apply_rotary(qh, kh, cos[None], sin[None])
+    else:
+        qh, kh = apply_rotary_ref(qh.float(), kh.float(), cos[None], sin[None])
+        qh, kh = qh.to(q.dtype), kh.to(k.dtype)
+    return qh[0].transpose(0, 1), kh[0].transpose(0, 1)
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev` without a stream sync: a pageable copy waits for the queued steps
+    (the tower's five inputs were five syncs before its first layer)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+try:   # flash attention over packed sequences (torch >= 2.9, CUDA, fp16/bf16)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:   # pragma: no cover - older torch: the grouped calls below
+    varlen_attn = None
+
+
+class Segments:
+    """Packed segments (the windows, or whole frames) of the tower's tokens, which attend within
+    themselves. On the GPU in fp16/bf16 one flash-attention call takes them all (cumulative
+    lengths); otherwise segments are grouped by length and each group is one batched SDPA call,
+    with no N x N mask (the CPU, fp32)."""
+
+    def __init__(self, lens: list[int], dev: torch.device, dtype: torch.dtype):
+        self.lens = lens
+        self.packed = varlen_attn is not None and dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if self.packed:
+            self.cu = _to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)), dev)
+            self.max_len = max(lens)
+        else:
+            self.groups = segment_groups(lens, dev)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Bidirectional attention within each segment: q, k, v [N, H, D] -> [N, H, D]."""
+        if self.packed:
+            return varlen_attn(q, k, v, self.cu, self.cu, self.max_len, self.max_len)
+        return varlen_attention(q, k, v, self.groups)
 
 
 def segment_groups(lens: list[int], device) -> list[tuple[torch.Tensor, int, int]]:
-    """Packed segments (windows, or whole images) grouped by length: (token index [G*L], G, L)
-    per length, so that attention runs as a few batched fused calls, with no N x N mask."""
+    """Packed segments grouped by length: (token index [G*L], G, L) per length, so that attention
+    runs as a few batched fused calls."""
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     groups = []
     for length in sorted(set(lens)):
         first = starts[np.asarray(lens) == length]
         idx = (first[:, None] + np.arange(length)[None, :]).reshape(-1)
-        groups.append((torch.from_numpy(idx).to(device), len(first), int(length)))
+        groups.append((_to_device(torch.from_numpy(idx), device), len(first), int(length)))
     return groups
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list) -> torch.Tensor:
-    """Bidirectional attention within each segment: q, k, v [N, H, D] -> [N, H, D]."""
+    """Bidirectional attention within each segment (segment_groups): q, k, v [N, H, D] -> [N, H, D]."""
     out = torch.empty_like(q)
     h, d = q.shape[1], q.shape[2]
     for idx, g, length in groups:
         qs, ks, vs = (t.index_select(0, idx).view(g, length, h, d).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs)   # fused (flash / memory-efficient) on GPU
+        o = F.scaled_dot_product_attention(qs, ks, vs)
         out.index_copy_(0, idx, o.transpose(1, 2).reshape(g * length, h, d))
     return out
 
@@ -149,9 +189,15 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = VisionMLP(dim, hidden)
 
-    def forward(self, x, cos, sin, segments):
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, residual, cos, sin, segments):
+        """(this block's MLP output, its residual stream before that output): the adds are fused
+        into the next norm, vLLM's layout."""
+        if residual is None:
+            h, residual = self.norm1(x), x
+        else:
+            h, residual = self.norm1(x, residual)
+        h, residual = self.norm2(self.attn(h, cos, sin, segments), residual)
+        return self.mlp(h), residual
 
 
 class PatchEmbed(nn.Module):
@@ -229,17 +275,20 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self.patch_embed(pixels)
         n = x.shape[0]
         win_index, win_lens = self._windows(grids)
-        win_index = win_index.to(dev)
+        win_index = _to_device(win_index, dev)
         x = x.view(n // unit, unit, -1)[win_index].reshape(n, -1)
-        freqs = self._positions(grids).to(dev)[..., None].float() * self.inv_freq.to(dev)  # [n, 2, d/4]
+        freqs = _to_device(self._positions(grids), dev)[..., None].float() * _to_device(self.inv_freq, dev)  # [n, 2, d/4]
         freqs = freqs.view(n // unit, unit, -1)[win_index].reshape(n, -1)
         emb = torch.cat([freqs, freqs], -1)
         cos, sin = emb.cos(), emb.sin()
-        full = segment_groups([h * w for t, h, w in grids for _ in range(t)], dev)  # per frame
-        windows = segment_groups(win_lens, dev)
+        # the windows, and whole frames for the full-attention blocks: each contiguous in the
+        # window order (an image's windows fill its frames in turn)
+        full = Segments([h * w for t, h, w in grids for _ in range(t)], dev, x.dtype)
+        windows = Segments(win_lens, dev, x.dtype)
+        residual = None
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full if i in self.fullatt else windows)
-        return self.merger(x)[torch.argsort(win_index)]
+            x, residual = blk(x, residual, cos, sin, full if i in self.fullatt else windows)
+        return self.merger(x + residual)[torch.argsort(win_index)]
 
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
@@ -283,7 +332,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         grids = [tuple(int(v) for v in np.asarray(it["image_grid_thw"]).reshape(3)) for it in items]
         # each item straight from the store to the device, joined there: a host-side cat first copied
         # every patch once more (~90 MB of fp32 for an HD image) before the encoder could start
-        pixels = torch.cat([torch.from_numpy(np.asarray(it["pixel_values"])).to(dev) for it in items]).to(dtype)
+        pixels = torch.cat([_to_device(torch.from_numpy(np.asarray(it["pixel_values"])), dev) for it in items]).to(dtype)
         out = self.visual(pixels, grids)
         unit = self.visual.merge ** 2
         return list(out.split([t * h * w // unit for t, h, w in grids]))
