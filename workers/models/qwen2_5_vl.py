@@ -18,6 +18,7 @@ from kernels.rotary_apply import apply_rotary, apply_rotary_ref
 from multimodal.info import MultiModalInfo, preprocessor_config
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard
+from workers.host_to_device import pinned
 from workers.models import layers
 from workers.models.layers import KVCache, VocabParallelEmbedding, replicated
 from workers.models.llama import LlamaModel
@@ -108,12 +109,12 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return qh[0].transpose(0, 1), kh[0].transpose(0, 1)
 
 
-def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host tensor on `dev` without a stream sync: a pageable copy waits for the queued steps
-    (the tower's five inputs were five syncs before its first layer)."""
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+def _to_device(t: torch.Tensor | list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """Host tensors (a list: concatenated) on `dev` without a stream sync (workers/host_to_device.py:
+    a pageable copy waits for the queued steps; the tower's inputs were five such waits)."""
+    if isinstance(t, torch.Tensor) and t.device == dev:
+        return t
+    return pinned(t, dev).to(dev, non_blocking=True)
 
 
 try:   # flash attention over packed sequences (torch >= 2.9, CUDA, fp16/bf16)
@@ -332,7 +333,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         grids = [tuple(int(v) for v in np.asarray(it["image_grid_thw"]).reshape(3)) for it in items]
         # each item straight from the store to the device, joined there: a host-side cat first copied
         # every patch once more (~90 MB of fp32 for an HD image) before the encoder could start
-        pixels = torch.cat([_to_device(torch.from_numpy(np.asarray(it["pixel_values"])), dev) for it in items]).to(dtype)
+        pixels = _to_device([torch.from_numpy(np.asarray(it["pixel_values"])) for it in items], dev).to(dtype)
         out = self.visual(pixels, grids)
         unit = self.visual.merge ** 2
         return list(out.split([t * h * w // unit for t, h, w in grids]))
