@@ -245,6 +245,35 @@ def test_step_stats_splits_host_time_by_phase():
     assert not any(k.startswith("host_ms_") and k != "host_ms_per_step" for k in s["encoder"])
 
 
+def test_step_stats_reads_an_encoder_between_the_steps_around_it():
+    """A step's encoder is launched inside it, before its own device work, while the step before
+    is still running (async pipeline): its mark is read after that step's and before its own, so
+    each idle is the gap to the work just before it (read at once, the encoder's idle held the
+    whole previous step)."""
+    import torch
+
+    from workers.step_stats import StepStats
+
+    class Event:   # a fired CUDA event at time t (ms)
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+        def query(self):
+            return True
+
+    stats = StepStats(torch.device("cpu"))
+    prev = ("graph", Event(0.0), Event(6.0), 8, [])
+    encoder = ("encoder", Event(10.0), Event(68.0), 4, [])
+    step = ("eager+encoder", Event(70.0), Event(200.0), 4000, [encoder])
+    stats.finished(prev)
+    stats.finished(step)
+    assert stats.idle_s["encoder"] == pytest.approx(0.004) and stats.device_s["encoder"] == pytest.approx(0.058)
+    assert stats.idle_s["eager+encoder"] == pytest.approx(0.002) and stats.idle_s["graph"] == 0
+
+
 def test_trace_steps_counts_a_step_with_its_head_graph_as_one():
     """A decode step replays the model graph, then the head graph (two launches, no op between):
     one step, from its first graph kernel to the next step's."""

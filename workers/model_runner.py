@@ -377,7 +377,7 @@ class ModelRunner:
             # (LOOM_STEP_STATS: the encoder's and the cross K/V's host time are phases of their own;
             # "prepare" sums the rest, its laps before and after them)
             self._lap(stats_token, "prepare")
-            self._run_encoders(so)
+            self._run_encoders(so, stats_token)
             self._lap(stats_token, "encoder")
         host = host_inputs(self.batch, num_scheduled, start, slots, self.block_size)
         mm = self.mm.spans(states, start, num_scheduled, host.query_start_loc) if self.mm.enabled else []
@@ -502,12 +502,16 @@ class ModelRunner:
                 spec[rid] = drafts
         so.scheduled_spec_decode_tokens = spec
 
-    def _run_encoders(self, so: SchedulerOutput) -> None:
+    def _run_encoders(self, so: SchedulerOutput, step_token=None) -> None:
         encoder_token = self.stats.begin() if self.stats is not None else None
         self.mm.run_encoders(self.batch.requests, so)
         if encoder_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
             images = sum(map(len, so.scheduled_encoder_inputs.values()))
-            self.stats.finished(self.stats.end(encoder_token, "encoder", images))
+            mark = self.stats.end(encoder_token, "encoder", images)
+            if step_token is not None:
+                step_token.inner.append(mark)   # read with the step, after the step before it
+            else:
+                self.stats.finished(mark)
 
     def _upload(self, host: HostInputs, graph_size: int | None, cascade: int = 0) -> DeviceInputs:
         """The step's host arrays on the device: one copy per dtype, except for a decode graph,

@@ -36,6 +36,10 @@ class StepToken:
     t0: float
     start: object
     laps: list[tuple[str, float]] = field(default_factory=list)
+    # marks of work launched inside this step before its own device work (its encoder): read
+    # with it, first, so that marks stay in launch order (an encoder's mark read at once came
+    # before the previous step's, and its idle then held that whole step's device time)
+    inner: list[tuple] = field(default_factory=list)
 
 
 class StepStats:
@@ -94,17 +98,19 @@ class StepStats:
         if start is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
-        return kind, start, stop, num_tokens
+        return kind, start, stop, num_tokens, token.inner
 
     def finished(self, mark, wait: bool = False, host_s: float = 0.0) -> None:
         """Call when the step is delivered (host_s: the host time its finishing took); device
         times are read, in launch order, once their events fire."""
         if mark is not None and host_s:
             self.finish_s[mark[0]] += host_s
-        if mark is not None and mark[1] is not None:
-            self._unread.append(mark)
+        if mark is not None:
+            self._unread.extend(m for m in mark[4] if m[1] is not None)
+            if mark[1] is not None:
+                self._unread.append(mark)
         while self._unread and (wait or self._unread[0][2].query()):
-            kind, start, stop, num_tokens = self._unread.popleft()
+            kind, start, stop, num_tokens, _ = self._unread.popleft()
             device = start.elapsed_time(stop) / 1e3
             self.device_s[kind] += device
             bucket = self.by_tokens[kind, 1 << max(num_tokens - 1, 0).bit_length()]
