@@ -121,7 +121,10 @@ class ObjectStoreWriter:
             return addr
 
     def put(self, key: str, arrays: dict[str, np.ndarray]) -> int:
-        """Store arrays under key (or reference the stored copy); the entry's address."""
+        """Store arrays under key (or reference the stored copy); the entry's address. The arrays
+        are copied in outside the lock, so that the API server's media threads copy at once (an HD
+        image is ~22 MB of fp32 patches, and the copy faults in fresh pages): the entry is taken
+        and held by this request first, and lookups find it once it is whole."""
         metas, off = [], 0
         for k, a in arrays.items():
             metas.append([k, a.dtype.str, list(a.shape), off])
@@ -138,18 +141,21 @@ class ObjectStoreWriter:
             size = _round_up(data_off + off)
             addr = self._alloc(size)
             buf = self._buf
-            struct.pack_into("<QQ", buf, addr, size, 1)
+            struct.pack_into("<QQ", buf, addr, size, 1)   # (issued once: in use, never evicted meanwhile)
             buf[addr + 16:addr + 16 + 8 * self.n_readers] = bytes(8 * self.n_readers)
             struct.pack_into("<I", buf, addr + head, len(meta))
             buf[addr + head + 4:addr + head + 4 + len(meta)] = meta
-            for (k, _, _, o), a in zip(metas, arrays.values()):
-                dst = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=addr + data_off + o)
-                dst[:] = np.ascontiguousarray(a).reshape(-1)
             self._entries[addr] = key
             bisect.insort(self._addrs, addr)
-            self._by_key[key] = addr
+        for (k, _, _, o), a in zip(metas, arrays.values()):
+            dst = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=addr + data_off + o)
+            dst[:] = np.ascontiguousarray(a).reshape(-1)
+        with self._lock:
+            # (a put of the same item meanwhile may have made its own copy first: both are whole,
+            # each held by its own request; lookups find the first)
+            self._by_key.setdefault(key, addr)
             self.maybe_unlink()
-            return addr
+        return addr
 
     def unref(self, addr: int) -> None:
         """Take back one reference of a request that never reached the engine."""
@@ -197,7 +203,9 @@ class ObjectStoreWriter:
             busy = [a for a in in_the_way if not self._is_free(a)]
             if not busy:
                 for a in in_the_way:
-                    self._by_key.pop(self._entries.pop(a))
+                    key = self._entries.pop(a)
+                    if self._by_key.get(key) == a:   # (not a second copy's: see put)
+                        del self._by_key[key]
                     del self._addrs[bisect.bisect_left(self._addrs, a)]
                 self._head = end
                 return start

@@ -111,3 +111,40 @@ def test_a_reader_refuses_a_segment_too_small_for_a_header():
     finally:
         r.close()
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_concurrent_puts_copy_at_once_and_each_entry_is_whole():
+    """Media threads put at once (the copies run outside the store's lock): every entry reads back
+    whole; two puts of one item made at once may each make a copy, held by its own request,
+    and lookups find one; evicting either copy leaves the other's lookup intact."""
+    import threading
+    w = ObjectStoreWriter(_name("e"), 8 << 20, n_readers=1)
+    r = ObjectStoreReader(0)
+    try:
+        items = {f"k{i % 6}": np.full((256, 256), i % 6, dtype=np.float32) for i in range(6)}
+        addrs: dict[int, tuple[str, int]] = {}
+        start = threading.Barrier(12)
+
+        def put(i):
+            key = f"k{i % 6}"
+            start.wait()
+            addrs[i] = key, w.put(key, {"pixel_values": items[key]})
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for key, addr in addrs.values():
+            np.testing.assert_array_equal(r.get(w.name, addr)["pixel_values"], items[key])
+        for key in items:
+            found = w.lookup(key)   # (a reference, given back)
+            assert found in {a for k, a in addrs.values() if k == key}
+            r.release(w.name, found)
+        for key, addr in addrs.values():   # every request done with its entry: all may be evicted
+            r.release(w.name, addr)
+        for i in range(40):   # the ring goes round: every old entry (and any second copy) is evicted
+            r.release(w.name, w.put(f"new{i}", {"pixel_values": np.zeros((256, 256), dtype=np.float32)}))
+        assert all(w.lookup(k) is None for k in items)
+    finally:
+        r.close()
+        w.close()
