@@ -130,7 +130,6 @@ class Segments:
     with no N x N mask (the CPU, fp32)."""
 
     def __init__(self, lens: list[int], dev: torch.device, dtype: torch.dtype):
-        self.lens = lens
         self.packed = varlen_attn is not None and dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
         if self.packed:
             self.cu = _to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)), dev)
