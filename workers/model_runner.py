@@ -502,16 +502,13 @@ class ModelRunner:
                 spec[rid] = drafts
         so.scheduled_spec_decode_tokens = spec
 
-    def _run_encoders(self, so: SchedulerOutput, step_token=None) -> None:
+    def _run_encoders(self, so: SchedulerOutput, step_token) -> None:
         encoder_token = self.stats.begin() if self.stats is not None else None
         self.mm.run_encoders(self.batch.requests, so)
         if encoder_token is not None:  # the encoder's share of step time (LOOM_STEP_STATS=1)
             images = sum(map(len, so.scheduled_encoder_inputs.values()))
-            mark = self.stats.end(encoder_token, "encoder", images)
-            if step_token is not None:
-                step_token.inner.append(mark)   # read with the step, after the step before it
-            else:
-                self.stats.finished(mark)
+            # read with the step, after the step before it (step_stats.StepToken.inner)
+            step_token.inner.append(self.stats.end(encoder_token, "encoder", images))
 
     def _upload(self, host: HostInputs, graph_size: int | None, cascade: int = 0) -> DeviceInputs:
         """The step's host arrays on the device: one copy per dtype, except for a decode graph,
