@@ -38,6 +38,12 @@ def pinned(host: torch.Tensor | list[torch.Tensor], device: torch.device) -> tor
     return torch.cat(parts, out=out)
 
 
+def to_device(host: torch.Tensor | list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A host tensor (a list: concatenated) on `device`, copied from pinned memory without a
+    stream sync (pinned)."""
+    return pinned(host, device).to(device, non_blocking=True)
+
+
 def _shell(struct: Struct, skip: frozenset[str], leaves: list) -> Struct:
     """A copy of a structure with its array fields None (nested structures copied alike), and,
     appended to `leaves`, (the copy's field dict, field name, array) for each array field not

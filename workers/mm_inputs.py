@@ -14,7 +14,7 @@ import torch
 
 from ipc.messages import SchedulerOutput
 from shm.object_store import ObjectStoreReader
-from workers.host_to_device import pinned
+from workers.host_to_device import to_device
 from workers.input_batch import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,7 @@ class MultimodalInputs:
         """The step's input embeddings with encoder outputs scattered at the placeholder tokens."""
         embeds = self.model.embed_input_ids(input_ids)
         # (from pinned memory: a pageable copy would wait here for the step's encoder to finish)
-        index = pinned(torch.from_numpy(np.concatenate([dst for dst, _ in spans])), embeds.device)
-        index = index.to(embeds.device, non_blocking=True)
+        index = to_device(torch.from_numpy(np.concatenate([dst for dst, _ in spans])), embeds.device)
         src = torch.cat([self.encoder_cache[h][a:b] for _, (h, a, b) in spans])
         return embeds.index_copy(0, index, src.to(embeds.dtype))
 

@@ -18,7 +18,7 @@ from kernels.rotary_apply import apply_rotary, apply_rotary_ref
 from multimodal.info import MultiModalInfo, preprocessor_config
 from workers.attention import AttentionMetadata
 from workers.distributed import LogitsShard
-from workers.host_to_device import pinned
+from workers.host_to_device import to_device
 from workers.models import layers
 from workers.models.layers import KVCache, VocabParallelEmbedding, replicated
 from workers.models.llama import LlamaModel
@@ -109,14 +109,6 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return qh[0].transpose(0, 1), kh[0].transpose(0, 1)
 
 
-def _to_device(t: torch.Tensor | list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """Host tensors (a list: concatenated) on `dev` without a stream sync (workers/host_to_device.py:
-    a pageable copy waits for the queued steps; the tower's inputs were five such waits)."""
-    if isinstance(t, torch.Tensor) and t.device == dev:
-        return t
-    return pinned(t, dev).to(dev, non_blocking=True)
-
-
 try:   # flash attention over packed sequences (torch >= 2.9, CUDA, fp16/bf16)
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:   # pragma: no cover - older torch: the grouped calls below
@@ -132,7 +124,7 @@ class Segments:
     def __init__(self, lens: list[int], dev: torch.device, dtype: torch.dtype):
         self.packed = varlen_attn is not None and dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
         if self.packed:
-            self.cu = _to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)), dev)
+            self.cu = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)), dev)
             self.max_len = max(lens)
         else:
             self.groups = segment_groups(lens, dev)
@@ -152,7 +144,7 @@ def segment_groups(lens: list[int], device) -> list[tuple[torch.Tensor, int, int
     for length in sorted(set(lens)):
         first = starts[np.asarray(lens) == length]
         idx = (first[:, None] + np.arange(length)[None, :]).reshape(-1)
-        groups.append((_to_device(torch.from_numpy(idx), device), len(first), int(length)))
+        groups.append((to_device(torch.from_numpy(idx), device), len(first), int(length)))
     return groups
 
 
@@ -236,7 +228,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         theta = float(rope.get("rope_theta", 10000.0))
         half = self.head_dim // 2
         inv = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.inv_freq = inv   # (on the host, in fp32: the positions' frequencies are made there, one copy up)
         self.patch_embed = PatchEmbed(vc.patch_size, vc.temporal_patch_size, vc.in_channels, vc.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(vc.hidden_size, vc.num_heads, vc.intermediate_size)
                                     for _ in range(vc.depth))
@@ -275,9 +267,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self.patch_embed(pixels)
         n = x.shape[0]
         win_index, win_lens = self._windows(grids)
-        win_index = _to_device(win_index, dev)
+        win_index = to_device(win_index, dev)
         x = x.view(n // unit, unit, -1)[win_index].reshape(n, -1)
-        freqs = _to_device(self._positions(grids), dev)[..., None].float() * _to_device(self.inv_freq, dev)  # [n, 2, d/4]
+        freqs = to_device(self._positions(grids)[..., None].float() * self.inv_freq, dev)  # [n, 2, d/4]
         freqs = freqs.view(n // unit, unit, -1)[win_index].reshape(n, -1)
         emb = torch.cat([freqs, freqs], -1)
         cos, sin = emb.cos(), emb.sin()
@@ -332,7 +324,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         grids = [tuple(int(v) for v in np.asarray(it["image_grid_thw"]).reshape(3)) for it in items]
         # each item straight from the store to the device, joined there: a host-side cat first copied
         # every patch once more (~90 MB of fp32 for an HD image) before the encoder could start
-        pixels = _to_device([torch.from_numpy(np.asarray(it["pixel_values"])) for it in items], dev).to(dtype)
+        pixels = to_device([torch.from_numpy(np.asarray(it["pixel_values"])) for it in items], dev).to(dtype)
         out = self.visual(pixels, grids)
         unit = self.visual.merge ** 2
         return list(out.split([t * h * w // unit for t, h, w in grids]))

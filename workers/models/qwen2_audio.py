@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multimodal.audio_info import AudioInfo
-from workers.host_to_device import pinned
+from workers.host_to_device import to_device
 from workers.models.audio_lm import AudioLanguageModel
 from workers.models.layers import replicated
 from workers.models.qwen2 import Qwen2ForCausalLM
@@ -124,9 +124,9 @@ class Qwen2AudioForConditionalGeneration(AudioLanguageModel):
         feature_attention_mask [1, frames] each) -> embeddings [tokens, hidden] each, in one pass."""
         w = self.multi_modal_projector.linear.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
-        feats = pinned(clips, w.device).to(w.device, non_blocking=True).to(w.dtype)
+        feats = to_device(clips, w.device).to(w.dtype)
         frames = [int(np.asarray(it["feature_attention_mask"]).sum()) for it in items]
-        lengths = pinned(torch.tensor(frames), w.device).to(w.device, non_blocking=True)
+        lengths = to_device(torch.tensor(frames), w.device)
         out = self.multi_modal_projector.linear(self.audio_tower(feats, lengths))
         return [o[:conv_output_lengths(n)[1]] for o, n in zip(out, frames)]
 

@@ -28,7 +28,7 @@ from torch import nn
 from multimodal.audio_info import AudioInfo
 from multimodal.media import MediaError
 from workers.attention import Attention, AttentionMetadata
-from workers.host_to_device import pinned
+from workers.host_to_device import to_device
 from workers.models.layers import KVCache, replicated, replicated_loader
 from workers.models.qwen2_audio import AudioEncoderLayer
 
@@ -192,7 +192,7 @@ class WhisperForConditionalGeneration(nn.Module):
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
-        feats = pinned(clips, w.device).to(w.device, non_blocking=True).to(w.dtype)
+        feats = to_device(clips, w.device).to(w.dtype)
         tower = self.audio_tower if self.encoder_graphs is None else self.encoder_graphs
         return list(tower(feats).unsqueeze(1))
 
