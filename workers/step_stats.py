@@ -133,7 +133,9 @@ class StepStats:
                 for kind, n in self.steps.items()} | {
             "by_tokens": {f"{kind} <={b}": {"steps": n, "device_ms": round(1e3 * d, 1), "idle_ms": round(1e3 * i, 1)}
                           for (kind, b), (n, d, i) in sorted(self.by_tokens.items())},
-            "triton_compiles_while_serving": mid_run_compiles()}
+            "triton_compiles_while_serving": mid_run_compiles(),
+            # a retry frees every cached block (cudaFree: a device sync) before allocating again
+            "allocator_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else 0}
 
     def log(self) -> None:
         for kind, s in self.summary().items():

@@ -124,7 +124,7 @@ class Qwen2AudioForConditionalGeneration(AudioLanguageModel):
         feature_attention_mask [1, frames] each) -> embeddings [tokens, hidden] each, in one pass."""
         w = self.multi_modal_projector.linear.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
-        feats = to_device(clips, w.device).to(w.dtype)
+        feats = to_device(clips, w.device, w.dtype)
         frames = [int(np.asarray(it["feature_attention_mask"]).sum()) for it in items]
         lengths = to_device(torch.tensor(frames), w.device)
         out = self.multi_modal_projector.linear(self.audio_tower(feats, lengths))

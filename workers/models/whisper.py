@@ -192,7 +192,7 @@ class WhisperForConditionalGeneration(nn.Module):
         turns into the request's cross-attention keys and values."""
         w = self.audio_tower.conv1.weight
         clips = [torch.from_numpy(np.asarray(it["input_features"])) for it in items]
-        feats = to_device(clips, w.device).to(w.dtype)
+        feats = to_device(clips, w.device, w.dtype)
         tower = self.audio_tower if self.encoder_graphs is None else self.encoder_graphs
         return list(tower(feats).unsqueeze(1))
 
