@@ -25,7 +25,7 @@ from kernels.jit import sm_count
 
 # (q heads, kv heads, head dim) of one rank
 SHAPES = {"qwen3": (16, 8, 128), "llama8b": (32, 8, 128), "qwen3-8b-tp2": (16, 4, 128),
-          "llama70b-tp2": (32, 4, 128)}
+          "llama70b-tp2": (32, 4, 128), "qwen2.5-7b": (28, 4, 128)}
 
 
 def _time(fn) -> float:
@@ -96,8 +96,13 @@ def main() -> int:
     ap.add_argument("--trajectory-sweep", action="store_true",
                     help="sweep split counts and tiles at the late, small decode batches of the offline "
                          "workload and its halves, where split-KV decides")
+    ap.add_argument("--decode", nargs="+", metavar="MODEL:BATCHxCONTEXT",
+                    help="only these decode batches (e.g. qwen2.5-7b:32x2200: 32 decodes of 2,200 keys, "
+                         "longest first as in the engine), over splits, tiles, warps and stages")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.decode:
+        return decode_shapes(args.top, gen, args.decode)
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     if args.mixed is not None:
         return mixed(args.top, gen, args.mixed or (64, 128, 256), args.models)
@@ -172,6 +177,16 @@ def mixed(top: int, gen, sizes=(64, 128, 256), models=("qwen3", "llama8b")) -> i
         for bs in sizes:
             lens = [rng.randint(101, 2048) for _ in range(bs)]
             sweep(f"decode {bs}@mixed (mean {sum(lens) // bs})", model, [1] * bs, lens, grid, top, gen)
+    return 0
+
+
+def decode_shapes(top: int, gen, specs: list[str]) -> int:
+    """Decode batches of one context length per spec (MODEL:BATCHxCONTEXT)."""
+    grid = _grid(ordered=[True], splits=[1, 2, 4, 8, 16], block_n=[64, 128], num_warps=[4, 8], num_stages=[1, 2, 3])
+    for spec in specs:
+        model, shape = spec.split(":")
+        batch, ctx = (int(x) for x in shape.split("x"))
+        sweep(f"decode {batch}@{ctx}", model, [1] * batch, [ctx] * batch, grid, top, gen)
     return 0
 
 
