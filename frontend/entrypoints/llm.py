@@ -70,8 +70,6 @@ class LLM(PoolingMixin):
         if not self.multiprocess and (self.config.tensor_parallel_size > 1 or self.config.data_parallel_size > 1):
             raise ValueError("multiprocess=False (LOOM_ENABLE_MULTIPROCESSING=0) runs one engine with one worker: "
                              "it takes neither tensor_parallel_size > 1 nor data_parallel_size > 1")
-        self.tokenizer = load_tokenizer(self.config)
-        self.token_texts = TokenTexts(self.tokenizer)
         self.mm = make_mm_processor(self.config, 0, multimodal_info)  # its store, before any child starts
         n = self.config.data_parallel_size
         if self.multiprocess:
@@ -97,8 +95,11 @@ class LLM(PoolingMixin):
         self._finalizer = weakref.finalize(self, _shutdown, self.engine_procs, self.client, self.ipc_dir,
                                            self.mm.store if self.mm else None)
         try:
+            # the tokenizer loads while the engine starts (transformers' import alone is seconds)
+            self.tokenizer = load_tokenizer(self.config)
+            self.token_texts = TokenTexts(self.tokenizer)
             ready = self.client.wait_ready()
-        except Exception:
+        except BaseException:
             self.shutdown()
             raise
         self.num_gpu_blocks = ready.num_gpu_blocks
