@@ -196,8 +196,10 @@ PY
       LOOM_STEP_STATS=1 LOOM_LOG_LEVEL=INFO $LOOM serve /tmp/qvl7b --load-format dummy --max-model-len 8192 --port 8124 \
         --limit-mm-per-prompt.image 4 > "$OUT/vl-server.log" 2>&1 & pid=$!
       for _ in $(seq 240); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+      # (--random-input-len 1491: the 2026-11-28 baseline's texts, when random-mm's 256 random ids decoded
+      # to text of ~1,491 tokens on average; the texts now hold exactly the input length, as vLLM's)
       TAIL=30 run vl-serve 240 $LOOM bench serve --base-url http://127.0.0.1:8124 --dataset-name random-mm \
-        --random-input-len 256 --random-output-len 128 --num-prompts 200 --max-concurrency 32 \
+        --random-input-len 1491 --random-output-len 128 --num-prompts 200 --max-concurrency 32 \
         --random-mm-base-items-per-request 1 --random-mm-bucket-config "{(448, 448, 1): 0.5, (720, 1280, 1): 0.5}" \
         --result-file "$OUT/vl-serve.json" --disable-tqdm
       kill -INT $pid; wait $pid

@@ -3,7 +3,9 @@ images. Each request carries --random-mm-base-items-per-request images (varied b
 --random-mm-num-mm-items-range-ratio, capped by --random-mm-limit-mm-per-prompt), each of a
 size drawn from --random-mm-bucket-config {(height, width, frames): probability} (frames 1:
 images; video buckets are not supported). Images are random RGB JPEGs sent as data URLs,
-made before the clock starts."""
+made before the clock starts. Each text is --random-input-len tokens long, as vLLM's: random ids
+decode to text that re-encodes to another count (rare ids of a large vocabulary: ~6x as many),
+so the text is re-encoded and cut or padded until it holds that many (texts_of_length)."""
 from __future__ import annotations
 
 import ast
@@ -53,6 +55,32 @@ def _jpeg_url(rng: random.Random, h: int, w: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+SPECIAL = re.compile(r"<\|[^|<>]*\|>")   # random ids may decode to special tokens (image pads)
+MAX_ROUNDS = 10   # vLLM's gen_prompt_decode_to_target_len: max_retry
+
+
+async def texts_of_length(call, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's random ids as a text that the server's tokenizer encodes to as many tokens
+    (vLLM's gen_prompt_decode_to_target_len): decode, re-encode, cut or pad, for at most
+    MAX_ROUNDS rounds (then the last text, a token or so off).
+    call(path, payload) -> the JSON answer of one of the server's /tokenize and /detokenize."""
+    out = []
+    for ids in prompts:
+        target, cur = len(ids), list(ids)
+        rng = random.Random(target)
+        for _ in range(MAX_ROUNDS):
+            text = SPECIAL.sub("", (await call("/detokenize", {"tokens": cur}))["prompt"])
+            cur = (await call("/tokenize", {"prompt": text, "add_special_tokens": False}))["tokens"]
+            if len(cur) == target:
+                break
+            # too long: cut to one short, then pad with the re-encoded text's own tokens, drawn anew each
+            # round (cutting alone can end on the same broken character every round)
+            keep = min(len(cur), target - 1)
+            cur = cur[:keep] + rng.choices(cur, k=target - keep)
+        out.append(text)
+    return out
+
+
 def make_requests(args, texts: list[str]) -> list[list[dict]]:
     """One user message (content parts: the images, then the text) per prompt text."""
     rng = random.Random(args.seed)
@@ -63,7 +91,6 @@ def make_requests(args, texts: list[str]) -> list[list[dict]]:
     sizes, weights = zip(*buckets)
     messages = []
     for text in texts:
-        text = re.sub(r"<\|[^|<>]*\|>", "", text)  # random ids may decode to special tokens (image pads)
         k = rng.randint(lo, max(lo, hi))
         parts = [{"type": "image_url", "image_url": {"url": _jpeg_url(rng, *rng.choices(sizes, weights)[0])}}
                  for _ in range(k)]

@@ -302,10 +302,13 @@ async def run(args) -> dict:
         if is_asr and args.endpoint == "/v1/completions":
             endpoint = "/v1/audio/transcriptions"
         url = base + endpoint
-        if mm:  # the random token ids as text (through the server's tokenizer), plus the images
-            texts = [(await _get_json(session, base + "/detokenize", headers, {"model": model, "tokens": p}))[1]
-                     ["prompt"] for p in wl.prompts]
-            wl.prompts = random_mm.make_requests(args, texts)
+        if mm:  # the random token ids as text of as many tokens (through the server's tokenizer), plus the images
+            async def call(path: str, payload: dict) -> dict:
+                status, answer = await _get_json(session, base + path, headers, {"model": model, **payload})
+                if status != 200:
+                    raise SystemExit(f"POST {base}{path} answered {status}: {answer}")
+                return answer
+            wl.prompts = random_mm.make_requests(args, await random_mm.texts_of_length(call, wl.prompts))
         if is_asr:
             wl.prompts = asr.clips(args, args.num_prompts)
 

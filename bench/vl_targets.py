@@ -1,5 +1,6 @@
 """The table of `bench/gpu_suite.sh vl` (issue 49 item 6): Qwen2.5-VL-7B shapes under random-mm at
-c32, requests/s against 1.5x the 7.99 req/s measured on 2026-11-28, and the GPU's idle time before
+c32, requests/s against 1.5x the 7.99 req/s measured on 2026-11-28 (the same workload: 200 requests
+of ~2,240 prompt tokens, texts of 1,491; see gpu_suite.sh), and the GPU's idle time before
 encoder steps (the worker's LOOM_STEP_STATS summary, "step stats encoder: {...}" in the server's
 log) as a share of the benchmark's duration, against 5%.
 

@@ -242,6 +242,31 @@ def test_bench_serve_random_mm(server, tmp_path):
     assert min(result["input_lens"]) > 16   # the images' tokens count in the prompt
 
 
+def test_random_mm_texts_hold_the_input_length_in_tokens(server):
+    """random-mm's texts encode to --random-input-len tokens, as vLLM's: random ids (byte tokens
+    here, which decode to broken UTF-8 that re-encodes longer) are decoded, re-encoded and cut
+    or padded until they do."""
+    import asyncio
+    import random
+
+    from bench.random_mm import texts_of_length
+    model = requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    async def call(path, payload):
+        return requests.post(server.url + path, json={"model": model, **payload}, timeout=30).json()
+
+    def length(text):
+        return len(asyncio.run(call("/tokenize", {"prompt": text, "add_special_tokens": False}))["tokens"])
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (16, 40, 7)]   # (0-2: special tokens)
+    raw = [asyncio.run(call("/detokenize", {"tokens": p}))["prompt"] for p in prompts]
+    assert all(length(t) > len(p) + 2 for t, p in zip(raw, prompts))   # decoded once, the texts run long
+    # as vLLM's, a text whose cut lands inside a character of several tokens may stay a token or two off
+    got = [length(t) for t in asyncio.run(texts_of_length(call, prompts))]
+    assert got[:2] == [16, 40] and abs(got[2] - 7) <= 2, got
+
+
 def test_images_past_the_context_stop_loading_at_once(vl_dir):
     """A chat whose first image already makes the prompt longer than the context fails there:
     the other images are not fetched, decoded and processed (16 large ones took 30 s of the
