@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -13,9 +14,9 @@ from bench.workloads import (OFFLINE_OUTPUT_TOKENS, OFFLINE_PROMPT_TOKENS, fixed
 from tests.conftest import ROOT
 
 
-def _loom(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _loom(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "bench", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_default_offline_workload_totals():
@@ -90,10 +91,14 @@ def test_bench_throughput_tiny(model_factory, tmp_path):
     prof = tmp_path / "prof"
     r = _loom("throughput", "--model", model_factory("qwen3"), "--num-prompts", "4", "--input-len", "8",
               "--output-len", "8", "--output-json", str(out), "--sampling", "topp", "penalties", "logprobs", "n4seed",
-              "--profiler-dir", str(prof), "--shard", "1/2")
+              "--profiler-dir", str(prof), "--shard", "1/2", env={"LOOM_STEP_STATS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
-    # the plain run was traced (a CPU trace: no GPU kernels to sum)
-    assert list(prof.glob("throughput_*rank0*.json")) and "no kernels in" in r.stdout
+    # the plain run was traced (a CPU trace: no GPU kernels to sum), with the step stats' phase marks
+    [trace] = prof.glob("throughput_*rank0*.json")
+    assert "no kernels in" in r.stdout
+    marks = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"loom.begin", "loom.prepare", "loom.forward", "loom.sample"} <= marks, marks
+    assert any(m.startswith("loom.end.") for m in marks)
     res = json.loads(out.read_text())
     assert res["num_requests"] == 2 and res["shard"] == [1, 2]   # requests 1 and 3 of 4
     assert 0 < res["hbm_floor_s"] and "HBM floor" in r.stdout
@@ -119,6 +124,36 @@ def test_kernel_table_sums_device_time_and_gaps(tmp_path):
     assert lines[0].startswith("3 kernels: 0.040 ms of kernels per step, GPU span 0.040 ms, idle between "
                                "kernels 0.005 ms")
     assert lines[1].split() == ["0.030", "ms", "attn"] and lines[2].split() == ["0.010", "ms", "gemm"]
+
+
+def test_trace_gaps_names_the_host_phase_that_queued_each_gap_late(tmp_path):
+    """bench.trace_gaps: each device gap is traced to the launch of the op after it (correlation id)
+    and to the phase whose end mark comes next on the host; a launch before the gap began is not late."""
+    from bench.trace_gaps import BETWEEN, gaps, report
+
+    def kernel(name, ts, dur, corr):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+    def mark(name, ts):
+        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": 0}
+
+    events = [mark("loom.begin", 0), launch(1, 1), mark("loom.prepare", 10), launch(395, 2),
+              mark("loom.encoder", 400), mark("loom.forward", 420), mark("loom.end.eager", 430), launch(880, 3),
+              mark("loom.begin", 900), mark("loom.forward", 960),
+              kernel("copy", 20, 100, 1),        # then idle 120..600: queued at 395, in the encoder phase
+              kernel("tower", 600, 50, 2),
+              kernel("gemm", 1000, 10, 3)]       # idle 650..1000: queued at 880, between steps
+    found, span, busy = gaps(events, 50)
+    assert span == 1010 - 20 and busy == 160
+    assert [(g.us, g.phase, g.late_us) for g in found] == [(480, "encoder", 275), (350, BETWEEN, 230)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    lines = report(str(path))
+    assert lines[0].startswith("device span 1.0 ms, busy 0.2 ms") and "0.8 ms (83.8%) in 2 gaps" in lines[0]
+    assert lines[2].split() == ["encoder", "1", "0.5", "0.5"] and lines[3].split()[-3:] == ["1", "0.3", "0.3"]
 
 
 # (the LoRA mode lists every op: whether the LoRA ops are in the step, not where they rank by CPU time,

@@ -18,6 +18,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "loom"
+recording = False   # a WorkerProfiler of this process is recording
+
+
+def mark(name: str) -> None:
+    """A zero-length named range in the trace being recorded (nothing when none is): the step
+    phases' ends that StepStats marks (LOOM_STEP_STATS=1), so that a trace's GPU idle gaps can be
+    read against what the host was doing then (python -m bench.trace_gaps)."""
+    if recording:
+        with torch.profiler.record_function(name):
+            pass
 
 
 class WorkerProfiler:
@@ -48,6 +58,8 @@ class WorkerProfiler:
             activities=activities,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.out_dir, worker_name=self.trace_name))
         self._prof.start()
+        global recording
+        recording = True
         logger.info("profiler started: traces go to %s/%s.*", self.out_dir, self.trace_name)
         return self.trace_name
 
@@ -55,6 +67,8 @@ class WorkerProfiler:
         if self._prof is None:
             raise ValueError("the profiler is not running: start it first")
         prof, self._prof = self._prof, None
+        global recording
+        recording = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         prof.stop()   # writes the trace (on_trace_ready)

@@ -26,6 +26,7 @@ import torch
 
 from ipc.profiling import step_stats_mode
 from workers.compile_ahead import mid_run_compiles
+from workers.profiler import mark
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class StepStats:
 
     def begin(self):
         """Call before launching a step; returns the token for end()."""
+        mark("loom.begin")
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record()
@@ -84,9 +86,11 @@ class StepStats:
     def lap(token: StepToken, phase: str) -> None:
         """The host time since begin() or the previous lap was `phase`'s."""
         token.laps.append((phase, time.perf_counter()))
+        mark(f"loom.{phase}")
 
     def end(self, token: StepToken, kind: str, num_tokens: int):
         """Call after the step's last kernel is queued; returns what finished() takes."""
+        mark(f"loom.end.{kind}")
         start, t0 = token.start, token.t0
         self.host_s[kind] += time.perf_counter() - t0
         for phase, t in token.laps:
