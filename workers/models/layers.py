@@ -388,6 +388,43 @@ def _column_loader(shards: dict, param: nn.Parameter, loaded, shard_id=None) -> 
     param.data.narrow(0, s.offset, s.size).copy_(_narrow(loaded, 0, s.start, s.size))
 
 
+def aligned(n: int, to: int = 64) -> int:
+    """n rounded up to a multiple of `to`."""
+    return -(-n // to) * to
+
+
+@torch.no_grad()
+def padded_columns_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """A checkpoint's [out, in] into the parameter's first `in` columns (its full_shape); the
+    padding columns after them stay as they are (zero)."""
+    _check_shape(loaded, param.full_shape)
+    param.data.narrow(1, 0, param.full_shape[1]).copy_(_narrow(loaded, 0, 0, param.full_shape[0]))
+
+
+class ReplicatedGatedMLP(nn.Module):
+    """An encoder's down(silu(gate(x)) * up(x)), whole on every rank (plain linears with biases),
+    in two matmuls: gate and up stacked in one weight (loaded through the language model's
+    gate_up_proj mapping: gate_proj, up_proj), the SiLU and product in one kernel. The hidden
+    width is padded with zero rows (gate, up) and zero columns (down) to a multiple of 64, which
+    leaves the output as it is: cuBLAS runs its fast kernels only on 16-byte aligned rows."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        wide = aligned(hidden)
+        self.gate_up_proj = nn.Linear(dim, 2 * wide)
+        self.gate_up_proj.shards = {0: Shard(hidden, 0, hidden, 0), 1: Shard(hidden, 0, hidden, wide)}
+        self.down_proj = nn.Linear(wide, dim)
+        for p in (self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj.weight):
+            p.requires_grad_(False).zero_()   # (the padding: never written by a loader)
+        loader = functools.partial(_column_loader, self.gate_up_proj.shards)
+        _set_loader(self.gate_up_proj.weight, loader, (2 * hidden, dim), self.gate_up_proj.shards)
+        _set_loader(self.gate_up_proj.bias, loader, (2 * hidden,), self.gate_up_proj.shards)
+        _set_loader(self.down_proj.weight, padded_columns_loader, (dim, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over the ranks: each rank computes its slice
     of y, no communication. A fused layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up])

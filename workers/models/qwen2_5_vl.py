@@ -7,7 +7,6 @@ F.scaled_dot_product_attention); the language model is our Llama/Qwen2 stack, fe
 `visual.*`) and transformers 5's (`model.language_model.*`, `model.visual.*`)."""
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import numpy as np
@@ -157,40 +156,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: 
     return out
 
 
-def _aligned(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
-
-
-@torch.no_grad()
-def _padded_columns_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
-    """The checkpoint's [out, in] into the first `in` columns; the padding columns stay zero."""
-    layers._check_shape(loaded, param.full_shape)
-    param.data.narrow(1, 0, param.full_shape[1]).copy_(layers._narrow(loaded, 0, 0, param.full_shape[0]))
-
-
-class VisionMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) in two matmuls: gate and up stacked in one weight (loaded
-    through the language model's gate_up_proj mapping), the SiLU and product in one kernel.
-    The hidden width is padded with zero rows (gate, up) and zero columns (down) to a multiple
-    of 64, which leaves the output as it is: at Qwen2.5-VL's 3420 a bf16 row is 6,840 bytes,
-    not 16-byte aligned, and cuBLAS falls back to sm80 kernels, ~3x slower on an H200 (22 of
-    the 35 ms of GPU time of an HD + 448 encode)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        wide = _aligned(hidden)
-        self.gate_up_proj = nn.Linear(dim, 2 * wide)
-        self.gate_up_proj.shards = {0: layers.Shard(hidden, 0, hidden, 0), 1: layers.Shard(hidden, 0, hidden, wide)}
-        self.down_proj = nn.Linear(wide, dim)
-        for p in (self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj.weight):
-            p.requires_grad_(False).zero_()   # (the padding: never written by a loader)
-        loader = functools.partial(layers._column_loader, self.gate_up_proj.shards)
-        layers._set_loader(self.gate_up_proj.weight, loader, (2 * hidden, dim), self.gate_up_proj.shards)
-        layers._set_loader(self.gate_up_proj.bias, loader, (2 * hidden,), self.gate_up_proj.shards)
-        layers._set_loader(self.down_proj.weight, _padded_columns_loader, (dim, hidden))
-
-    def forward(self, x):
-        return self.down_proj(layers.silu_and_mul(self.gate_up_proj(x)))
+class VisionMLP(layers.ReplicatedGatedMLP):
+    """The tower's SwiGLU: its width, 3,420, is padded to 3,456 (layers.ReplicatedGatedMLP: a bf16
+    row of 3,420 is not 16-byte aligned, and cuBLAS ran sm80 kernels on it, ~3x slower on an H200:
+    22 of the 35 ms of GPU time of an HD + 448 encode)."""
 
 
 class VisionBlock(nn.Module):
