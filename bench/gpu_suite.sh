@@ -39,7 +39,9 @@ for section in "$@"; do case $section in
            # (--log-level debug), then one table last. First the GPU tests of the dry runs (an
            # engine started with them samples as one without). Starts stop at a 270 s budget.
            TAIL=4 run startup-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
-           TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 ;;
+           # (--compile-bytecode: the image ships packages without .pyc files and sets PYTHONDONTWRITEBYTECODE;
+           # an installed Loom has them, as pip writes them at install)
+           TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 --compile-bytecode ;;
   targets) bash "$0" targets-a targets-b ;;   # every target, in two device calls: run the parts apart
   targets-a) # the offline targets (docs/performance.md, issue 49): standard workload, sampling ratios,
              # structured outputs, Llama-3.1-8B, batch-1; then the table of what $OUT holds

@@ -121,6 +121,20 @@ def table(rows: list[tuple[str, str, float | None, float | None, dict]]) -> list
     return out
 
 
+def compile_bytecode(paths: list[str] | None = None) -> float:
+    """Byte-compile every directory on the import path (or `paths`), as pip does at install; the
+    seconds it took. An image that sets PYTHONDONTWRITEBYTECODE and ships packages without .pyc files
+    otherwise has each process of each start compile its imports from source (~1,500 modules,
+    3.4 s a process on the device image: bench/RESULTS.md, session 36), which an installed Loom
+    does not pay."""
+    import compileall
+    t0 = time.perf_counter()
+    for path in dict.fromkeys(p for p in (sys.path if paths is None else paths) if p and os.path.isdir(p)):
+        if not compileall.compile_dir(path, quiet=2, workers=0):   # (a read-only directory stays as it is)
+            print(f"  could not byte-compile all of {path}")
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=list(TARGETS))
@@ -130,8 +144,15 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=380.0,
                    help="seconds for every start together: a start that would pass it is cut or skipped")
     p.add_argument("--no-serial", action="store_true", help="skip the fresh start with LOOM_COMPILE_THREADS=0")
+    p.add_argument("--compile-bytecode", action="store_true",
+                   help="first byte-compile the import path (compile_bytecode: what pip's install does, where "
+                        "the environment has no .pyc files and PYTHONDONTWRITEBYTECODE is set)")
     args = p.parse_args(argv)
     from bench.presets import write_preset
+
+    if args.compile_bytecode:
+        print(f"byte-compiled the import path in {compile_bytecode():.1f} s "
+              f"(PYTHONDONTWRITEBYTECODE {'set' if sys.flags.dont_write_bytecode else 'unset'})")
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()

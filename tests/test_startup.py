@@ -212,3 +212,17 @@ def test_startup_bench_keeps_to_its_budget(tmp_path, capsys):
         < out.index("LOOM_COMPILE_THREADS=0: skipped")
     assert json.loads((tmp_path / "startup.json").read_text()) == {}
     assert out.rstrip().splitlines()[-2].startswith("loom serve to healthy (dummy)")
+
+
+def test_startup_bench_byte_compiles_the_import_path(tmp_path):
+    """--compile-bytecode: every module under the given directories gets its .pyc, as a pip install
+    writes them (the device image ships none and sets PYTHONDONTWRITEBYTECODE)."""
+    import importlib.util
+
+    from bench.startup import compile_bytecode
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("X = 1\n")
+    compile_bytecode([str(tmp_path)])
+    for name in ("pkg/__init__.py", "pkg/mod.py"):
+        assert os.path.exists(importlib.util.cache_from_source(str(tmp_path / name))), name
