@@ -39,7 +39,7 @@ def phase_at(marks: list[tuple[float, str]], t: float) -> str:
     i = bisect.bisect_left(marks, (t, ""))
     if i == len(marks):
         return "after the last mark"
-    name = marks[i][1].removeprefix("loom.")
+    name = marks[i][1].removeprefix("loom.").removeprefix("end.")   # (end.encoder: the encoder's own stats)
     return BETWEEN if name == "begin" else name
 
 
