@@ -76,7 +76,7 @@ async def texts_of_length(call, prompts: list[list[int]]) -> list[str]:
             # too long: cut to one short, then pad with the re-encoded text's own tokens, drawn anew each
             # round (cutting alone can end on the same broken character every round)
             keep = min(len(cur), target - 1)
-            cur = cur[:keep] + rng.choices(cur, k=target - keep)
+            cur = cur[:keep] + rng.choices(cur or ids, k=target - keep)   # (or ids: a text that was all special tokens)
         out.append(text)
     return out
 

@@ -101,9 +101,9 @@ def main() -> int:
                          "longest first as in the engine), over splits, tiles, warps and stages")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     if args.decode:
         return decode_shapes(args.top, gen, args.decode)
-    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     if args.mixed is not None:
         return mixed(args.top, gen, args.mixed or (64, 128, 256), args.models)
     if args.trajectory is not None:
