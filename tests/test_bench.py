@@ -289,7 +289,7 @@ def test_step_stats_reads_an_encoder_between_the_steps_around_it():
     whole previous step)."""
     import torch
 
-    from workers.step_stats import StepStats
+    from workers.step_stats import StepMark, StepStats
 
     class Event:   # a fired CUDA event at time t (ms)
         def __init__(self, t):
@@ -302,9 +302,9 @@ def test_step_stats_reads_an_encoder_between_the_steps_around_it():
             return True
 
     stats = StepStats(torch.device("cpu"))
-    prev = ("graph", Event(0.0), Event(6.0), 8, [])
-    encoder = ("encoder", Event(10.0), Event(68.0), 4, [])
-    step = ("eager+encoder", Event(70.0), Event(200.0), 4000, [encoder])
+    prev = StepMark("graph", Event(0.0), Event(6.0), 8, [])
+    encoder = StepMark("encoder", Event(10.0), Event(68.0), 4, [])
+    step = StepMark("eager+encoder", Event(70.0), Event(200.0), 4000, [encoder])
     stats.finished(prev)
     stats.finished(step)
     assert stats.idle_s["encoder"] == pytest.approx(0.004) and stats.device_s["encoder"] == pytest.approx(0.058)

@@ -41,7 +41,7 @@ from workers.spec_decode.verify_layout import SpecLayout, spec_layout
 from workers.spec_decode.verify_sampling import first_landings, per_token_params
 from workers.step_inputs import (DeviceInputs, HostInputs, HostStep, StepBatch, attention_metadata, feed_indices,
                                  host_inputs)
-from workers.step_stats import StepStats
+from workers.step_stats import StepMark, StepStats
 from workers.warmup import capture_graphs, warm_up
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class PendingStep:
     event: object = None
     topk: TopLogprobs | None = None           # logprob tensors; pinned host copies after copy_back()
     prompt_logprobs: PromptLogprobSpans | None = None
-    stats_mark: tuple | None = None           # StepStats bookkeeping (LOOM_STEP_STATS=1)
+    stats_mark: StepMark | None = None        # StepStats bookkeeping (LOOM_STEP_STATS=1)
     unsampled: DeferredSample | None = None   # while its sampling waits for a bitmask
     failed: dict | None = None                # req_id -> error: requests that failed alone in this step
     refused: dict | None = None               # ... for their own inputs: no token left, an unreadable image

@@ -26,7 +26,7 @@ import torch
 
 from ipc.profiling import step_stats_mode
 from workers.compile_ahead import mid_run_compiles
-from workers.profiler import mark
+from workers import profiler
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,18 @@ class StepToken:
     # marks of work launched inside this step before its own device work (its encoder): read
     # with it, first, so that marks stay in launch order (an encoder's mark read at once came
     # before the previous step's, and its idle then held that whole step's device time)
-    inner: list[tuple] = field(default_factory=list)
+    inner: list[StepMark] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepMark:
+    """A launched step's record (end() makes it, finished() reads it): its device time is
+    read from its events once they fire (start None: not on a GPU)."""
+    kind: str
+    start: object
+    stop: object
+    num_tokens: int
+    inner: list[StepMark]
 
 
 class StepStats:
@@ -57,7 +68,7 @@ class StepStats:
         self.by_tokens: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self._last_stop = None  # the end event of the newest step read
         self.serving = False
-        self._unread: deque = deque()  # marks whose events may not have fired yet, in launch order
+        self._unread: deque[StepMark] = deque()  # marks whose events may not have fired yet, in launch order
 
     def start_serving(self) -> None:
         """From now on (the worker's warm-up and graph capture are done): with
@@ -70,7 +81,7 @@ class StepStats:
 
     def begin(self):
         """Call before launching a step; returns the token for end()."""
-        mark("loom.begin")
+        profiler.mark("loom.begin")
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record()
@@ -86,11 +97,11 @@ class StepStats:
     def lap(token: StepToken, phase: str) -> None:
         """The host time since begin() or the previous lap was `phase`'s."""
         token.laps.append((phase, time.perf_counter()))
-        mark(f"loom.{phase}")
+        profiler.mark(f"loom.{phase}")
 
-    def end(self, token: StepToken, kind: str, num_tokens: int):
+    def end(self, token: StepToken, kind: str, num_tokens: int) -> StepMark:
         """Call after the step's last kernel is queued; returns what finished() takes."""
-        mark(f"loom.end.{kind}")
+        profiler.mark(f"loom.end.{kind}")
         start, t0 = token.start, token.t0
         self.host_s[kind] += time.perf_counter() - t0
         for phase, t in token.laps:
@@ -102,19 +113,20 @@ class StepStats:
         if start is not None:
             stop = torch.cuda.Event(enable_timing=True)
             stop.record()
-        return kind, start, stop, num_tokens, token.inner
+        return StepMark(kind, start, stop, num_tokens, token.inner)
 
-    def finished(self, mark, wait: bool = False, host_s: float = 0.0) -> None:
+    def finished(self, mark: StepMark | None, wait: bool = False, host_s: float = 0.0) -> None:
         """Call when the step is delivered (host_s: the host time its finishing took); device
         times are read, in launch order, once their events fire."""
         if mark is not None and host_s:
-            self.finish_s[mark[0]] += host_s
+            self.finish_s[mark.kind] += host_s
         if mark is not None:
-            self._unread.extend(m for m in mark[4] if m[1] is not None)
-            if mark[1] is not None:
+            self._unread.extend(m for m in mark.inner if m.start is not None)
+            if mark.start is not None:
                 self._unread.append(mark)
-        while self._unread and (wait or self._unread[0][2].query()):
-            kind, start, stop, num_tokens, _ = self._unread.popleft()
+        while self._unread and (wait or self._unread[0].stop.query()):
+            m = self._unread.popleft()
+            kind, start, stop, num_tokens = m.kind, m.start, m.stop, m.num_tokens
             device = start.elapsed_time(stop) / 1e3
             self.device_s[kind] += device
             bucket = self.by_tokens[kind, 1 << max(num_tokens - 1, 0).bit_length()]
