@@ -16,7 +16,8 @@ known. So the phase runs twice:
    sampler's tables) is not written by a skipped kernel; what torch ops write into it is what the
    phase's idle inputs make them write anyway (tests/test_compile_ahead.py runs the warm-up and
    the decode graphs dry on the CPU and checks the engine's tokens after). Leaving
-   AsyncCompileMode waits for every compile.
+   AsyncCompileMode waits for every compile; then each new variant is made launchable in the same
+   pool (its launcher built, its binary loaded: what its first launch would do, one by one).
 2. for real: every launch finds its variant compiled (in memory and in Triton's cache dir).
 
 The worker runs its profiling run this way, and its warm-up together with the graph capture's
@@ -220,7 +221,12 @@ class DryLaunches:
         self.launches = 0
         self.thread = threading.get_ident()
         self.compiles: dict[str, int] = {}   # kernel name -> variants submitted to compile
-        self.futures: set[int] = set()       # those compiles (a variant launched again shares its own)
+        self.futures: dict[int, object] = {}   # those compiles by id (a variant launched again shares its own)
+
+    def compiled(self) -> list:
+        """The CompiledKernels of the variants this pass submitted (once AsyncCompileMode has
+        waited for them; a variant whose compile failed is left out)."""
+        return [k for k in (getattr(f, "kernel", None) for f in self.futures.values()) if k is not None]
 
     def summary(self) -> str:
         """The kernels compiled, the most variants first: `name xN, ...`."""
@@ -242,7 +248,7 @@ class DryLaunches:
             dry.launches += 1
             kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
             if type(kernel).__name__ == "FutureKernel" and id(kernel) not in dry.futures:   # a new variant
-                dry.futures.add(id(kernel))
+                dry.futures[id(kernel)] = kernel
                 name = getattr(getattr(self, "fn", None), "__name__", "?")
                 dry.compiles[name] = dry.compiles.get(name, 0) + 1
             return kernel
@@ -283,16 +289,33 @@ def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
     import triton
     t0 = time.perf_counter()
     dry = DryLaunches()
-    try:
-        with ThreadPoolExecutor(num_threads, thread_name_prefix="loom-compile") as pool, \
-                triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations():
-            phase()
-            launched = time.perf_counter() - t0
-    except Exception as e:   # noqa: BLE001 - the real run compiles whatever this one did not
-        logger.warning("compiling the %s's kernels ahead failed (%s: %s); they compile as it runs",
-                       name, type(e).__name__, e)
-        return
-    torch.cuda.synchronize(torch.device("cuda", torch.cuda.current_device()))
+    with ThreadPoolExecutor(num_threads, thread_name_prefix="loom-compile") as pool:
+        try:
+            with triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations():
+                phase()
+                launched = time.perf_counter() - t0
+        except Exception as e:   # noqa: BLE001 - the real run compiles whatever this one did not
+            logger.warning("compiling the %s's kernels ahead failed (%s: %s); they compile as it runs",
+                           name, type(e).__name__, e)
+            return
+        compiled = time.perf_counter() - t0
+        device = torch.device("cuda", torch.cuda.current_device())
+        kernels = dry.compiled()
+        list(pool.map(lambda kernel: _load(kernel, device), kernels))
+    torch.cuda.synchronize(device)
     logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, %d variants compiled after %.2f s "
-                 "(%d threads): %s", name, dry.launches, launched, sum(dry.compiles.values()),
+                 "and loaded after %.2f s (%d threads): %s", name, dry.launches, launched, len(kernels), compiled,
                  time.perf_counter() - t0, num_threads, dry.summary())
+
+
+def _load(kernel, device: torch.device) -> None:
+    """A compiled variant made launchable, in a compile thread: its launcher built (Triton 3.6
+    compiles a C stub per signature with the host compiler, ~0.1-0.3 s, cached on disk) and its
+    binary loaded into the CUDA context. Otherwise its first real launch does both, one variant
+    after another on the phase's thread. A failure (a variant over the GPU's shared memory, say)
+    is left for that launch to raise, as it would have."""
+    torch.cuda.set_device(device)
+    try:
+        kernel._init_handles()   # (Triton's own first-launch step; a Triton without it loads at the launch)
+    except Exception:   # noqa: BLE001 - raised again at the variant's launch
+        pass
