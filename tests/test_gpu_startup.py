@@ -13,6 +13,7 @@ import triton.language as tl
 
 from workers import compile_ahead as compile_ahead_module
 from workers.compile_ahead import compile_ahead, run_compiled_ahead, threads
+from workers.compile_processes import CompileProcesses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,10 +34,17 @@ def _phase(x: torch.Tensor, table: torch.Tensor, scales: list[int]) -> list[torc
     return out
 
 
-def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch, processes):
+    """The dry run compiles the phase's new variants (in compile threads, or in compile processes
+    that write them to the cache dir); the real run then compiles nothing more, builds no
+    launcher, and its results are exact."""
+    from triton.runtime import driver
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("LOOM_COMPILE_THREADS", "4")
     monkeypatch.setattr(compile_ahead_module, "_known_start", False)   # (an engine of an earlier test may have set it)
+    pool = CompileProcesses.start(processes, dict(vars(driver.active.get_current_target()))) if processes else None
+    monkeypatch.setattr(compile_ahead_module, "_processes", pool)
     device = torch.device("cuda", torch.cuda.current_device())
     assert threads(device) == 4
     scales = random.sample(range(3, 10_000), 6)   # variants no earlier run compiled
@@ -44,16 +52,21 @@ def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch):
     table = torch.randn(97, device=device)
     kernels = _scaled_index.device_caches[device.index][0]
     before = len(kernels)
-    compile_ahead(lambda: _phase(x, table, scales), device, "test")
-    assert len(kernels) == before + len(scales)
-    # each made launchable in the pool: its binary loaded, its launcher built (Triton 3.6 writes
-    # the launcher's C stub into the cache dir at the first launch otherwise)
-    assert all(getattr(k, "module", None) is not None for k in kernels.values())
-    on_disk = sorted(os.listdir(tmp_path))
-    assert len(on_disk) >= len(scales)
-    got = run_compiled_ahead(lambda: _phase(x, table, scales), device, "test")   # a second dry run: all cached;
-    # the real run writes nothing to the cache dir (no compile, no launcher)
-    assert len(kernels) == before + len(scales) and sorted(os.listdir(tmp_path)) == on_disk
+    try:
+        compile_ahead(lambda: _phase(x, table, scales), device, "test")
+        if pool is None:   # each compiled here and made launchable in the pool: binary loaded, launcher built
+            assert len(kernels) == before + len(scales)
+            assert all(getattr(k, "module", None) is not None for k in kernels.values())
+        else:              # each compiled by a process; no placeholder left in the kernel cache
+            assert len(kernels) == before and not pool.failed and pool.pending == 0
+        on_disk = sorted(os.listdir(tmp_path))
+        assert len(on_disk) > len(scales)   # the variants and their launcher (Triton 3.6 builds one per signature)
+        got = run_compiled_ahead(lambda: _phase(x, table, scales), device, "test")   # a second dry run: all cached;
+        # the real run writes nothing to the cache dir (no compile, no launcher)
+        assert len(kernels) == before + len(scales) and sorted(os.listdir(tmp_path)) == on_disk
+    finally:
+        if pool is not None:
+            pool.close()
     for scale, g in zip(scales, got):
         torch.testing.assert_close(g, table[(x * scale) % table.numel()] * 2, rtol=0, atol=0)
 

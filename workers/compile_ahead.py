@@ -1,24 +1,25 @@
 """A start-up phase's Triton compiles in parallel: the phase runs once dry, then for real.
 
 On a fresh machine the warm-up compiled ~60 kernel variants one after another (31 s on an H200):
-each variant compiles when it is first launched, and the launch waits for it. Most of a compile
-is MLIR's passes (which release the GIL) and ptxas (a subprocess), so compiles overlap well in
-threads; what serializes them is only that a launch needs its binary before the next launch is
-known. So the phase runs twice:
+each variant compiles when it is first launched, and the launch waits for it, so that the next
+launch is not known until then. So the phase runs twice:
 
-1. dry: every Triton launch becomes Triton's own `warmup` call under `triton.AsyncCompileMode`,
-   which submits the variant's compile to a thread pool and launches nothing. The torch ops
-   between the launches still run, so every later launch sees the shapes, dtypes, int values and
+1. dry: every Triton launch becomes Triton's own `warmup` call, which launches nothing. A new
+   variant's compile goes to a compile process (workers/compile_processes.py: the worker's GIL
+   stays free for the dry pass) when its kernel can be imported there by name, else to a thread
+   pool under `triton.AsyncCompileMode`. The torch ops between the launches still run, so every
+   later launch sees the shapes, dtypes, int values and
    alignments it will see for real. What the kernels would have written stays as allocated, and
    every tensor allocated in the dry pass is zero-filled (a TorchDispatchMode): a value that
    comes out of a skipped kernel and indexes a torch op (a sampled token id, say) is a valid
    index, never the allocator's leftovers. The state allocated before (weights, KV cache, the
    sampler's tables) is not written by a skipped kernel; what torch ops write into it is what the
    phase's idle inputs make them write anyway (tests/test_compile_ahead.py runs the warm-up and
-   the decode graphs dry on the CPU and checks the engine's tokens after). Leaving
-   AsyncCompileMode waits for every compile; then each new variant is made launchable in the same
-   pool (its launcher built, its binary loaded: what its first launch would do, one by one).
-2. for real: every launch finds its variant compiled (in memory and in Triton's cache dir).
+   the decode graphs dry on the CPU and checks the engine's tokens after). At its end the pass
+   waits for every compile; then each variant compiled in a thread is made launchable in
+   the pool (its launcher built, its binary loaded: what its first launch would do, one by one).
+2. for real: every launch finds its variant compiled (in memory, or in Triton's cache dir with
+   its launcher: a process's).
 
 The worker runs its profiling run this way, and its warm-up together with the graph capture's
 eager steps (workers/warmup.py: one pool, one wait). A start already completed on the same
@@ -37,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipc import envs
+from workers.compile_processes import CompileJob, CompileProcesses
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +68,8 @@ _KEY_IGNORES = {"LOOM_LOG_LEVEL", "LOOM_ENGINE_AUTH_KEY", "LOOM_RUN_ID", "LOOM_S
                 "LOOM_PROFILE_DIR", "LOOM_TORCH_PROFILER_DIR", "LOOM_STEP_STATS", "LOOM_COMPILE_THREADS"}
 _marker: str | None = None    # this start's file under the compile cache (note_start)
 _known_start = False          # the same start completed on this cache before: no dry runs
+_processes: CompileProcesses | None = None   # the dry runs' compile processes (note_start to mark_started)
+_SHIPPED = object()           # a variant's placeholder in its kernel cache while a process compiles it
 
 
 def start_key(config, device_name: str) -> str:
@@ -103,6 +108,28 @@ def note_start(config, device: torch.device) -> None:
     name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
     _marker = os.path.join(compile_cache_dir(), "loom-starts", start_key(config, name))
     _known_start = os.path.exists(_marker)
+    _start_processes(device)
+
+
+def _start_processes(device: torch.device) -> None:
+    """The compile processes of this start's dry runs, started now so that their imports overlap
+    the worker's own start (none for a known start, or where no dry run runs)."""
+    global _processes
+    n = threads(device)
+    if n == 0 or _processes is not None:
+        return
+    try:
+        from triton.runtime import driver
+        _processes = CompileProcesses.start(n, dict(vars(driver.active.get_current_target())))
+    except Exception as e:   # noqa: BLE001 - the dry runs then compile in threads only
+        logger.warning("no compile processes (%s: %s): the start-up compiles in threads", type(e).__name__, e)
+
+
+def _stop_processes() -> None:
+    global _processes
+    if _processes is not None:
+        _processes.close()
+        _processes = None
 
 
 def mark_started() -> None:
@@ -110,6 +137,7 @@ def mark_started() -> None:
     later starts of the same key (note_start) run no dry runs; and from now on every Triton
     variant that still compiles (or loads from the disk cache) is logged (watch_mid_run_compiles)."""
     global _known_start
+    _stop_processes()
     watch_mid_run_compiles()
     if _marker is None:   # (not a CUDA worker: nothing runs dry)
         return
@@ -168,7 +196,7 @@ def watch_mid_run_compiles() -> None:
 
 
 def threads(device: torch.device) -> int:
-    """Compile threads for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
+    """Compile threads (and processes) for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
     core, at most 16, and none under tensor parallelism) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
     once, compiling as it launches); 0 too once this start is known (note_start)."""
     if _known_start:
@@ -221,6 +249,7 @@ class DryLaunches:
         self.launches = 0
         self.thread = threading.get_ident()
         self.compiles: dict[str, int] = {}   # kernel name -> variants submitted to compile
+        self.shipped = 0                     # of them, those sent to the compile processes
         self.futures: dict[int, object] = {}   # those compiles by id (a variant launched again shares its own)
 
     def compiled(self) -> list:
@@ -291,21 +320,69 @@ def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
     dry = DryLaunches()
     with ThreadPoolExecutor(num_threads, thread_name_prefix="loom-compile") as pool:
         try:
-            with triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations():
+            with triton.AsyncCompileMode(pool, ignore_errors=True), dry.patched(), ZeroedAllocations(), \
+                    _shipped_to(_processes, dry):
                 phase()
                 launched = time.perf_counter() - t0
         except Exception as e:   # noqa: BLE001 - the real run compiles whatever this one did not
             logger.warning("compiling the %s's kernels ahead failed (%s: %s); they compile as it runs",
                            name, type(e).__name__, e)
             return
+        if _processes is not None:
+            _processes.wait()
+            if _processes.failed:
+                logger.warning("%d kernel variants failed to compile in a process (they compile at their first "
+                               "launch): %s", len(_processes.failed), "; ".join(_processes.failed[:3]))
+                _processes.failed.clear()
         compiled = time.perf_counter() - t0
         device = torch.device("cuda", torch.cuda.current_device())
         kernels = dry.compiled()
         list(pool.map(lambda kernel: _load(kernel, device), kernels))
     torch.cuda.synchronize(device)
-    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, %d variants compiled after %.2f s "
-                 "and loaded after %.2f s (%d threads): %s", name, dry.launches, launched, len(kernels), compiled,
-                 time.perf_counter() - t0, num_threads, dry.summary())
+    logger.debug("compiled the %s's kernels ahead: %d launches dry in %.2f s, %d variants compiled (%d in processes) "
+                 "after %.2f s, loaded after %.2f s: %s", name, dry.launches, launched, sum(dry.compiles.values()),
+                 dry.shipped, compiled, time.perf_counter() - t0, dry.summary())
+
+
+@contextlib.contextmanager
+def _shipped_to(processes: CompileProcesses | None, dry: DryLaunches):
+    """While active: a new variant the dry pass meets is compiled by a compile process
+    (workers/compile_processes.py) when its kernel can be imported there by name; Triton's
+    jit_cache_hook, called before a variant compiles, ships its specialization data and skips the
+    compile here. A placeholder in the kernel's cache makes the variant's later dry launches find
+    it (they launch nothing); the placeholders are gone when the pass ends, so that the real run
+    loads each variant from the disk cache. Other variants compile in the threads as before."""
+    if processes is None:
+        yield
+        return
+    from triton import knobs
+    placed: list[tuple[dict, object]] = []
+
+    def ship(*, key, fn=None, compile=None, is_manual_warmup=False, **_) -> bool:
+        jit = getattr(fn, "jit_function", None)
+        if (threading.get_ident() != dry.thread or not is_manual_warmup or jit is None or not compile
+                or "specialization_data" not in compile):
+            return False
+        module, name = jit.fn.__module__, jit.fn.__qualname__
+        if getattr(sys.modules.get(module), name, None) is not jit:   # (made at run time: not importable)
+            return False
+        cache = jit.device_caches[compile["device"]][0]
+        cache[key] = _SHIPPED
+        placed.append((cache, key))
+        dry.shipped += 1
+        dry.compiles[name] = dry.compiles.get(name, 0) + 1
+        processes.submit(CompileJob(module, name, compile["specialization_data"]))
+        return True
+
+    runtime = knobs.runtime
+    previous, runtime.jit_cache_hook = runtime.jit_cache_hook, ship
+    try:
+        yield
+    finally:
+        runtime.jit_cache_hook = previous
+        for cache, key in placed:
+            if cache.get(key) is _SHIPPED:
+                del cache[key]
 
 
 def _load(kernel, device: torch.device) -> None:
