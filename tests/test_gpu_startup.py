@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -44,6 +45,9 @@ def test_compiled_ahead_the_real_run_compiles_nothing(tmp_path, monkeypatch, pro
     monkeypatch.setenv("LOOM_COMPILE_THREADS", "4")
     monkeypatch.setattr(compile_ahead_module, "_known_start", False)   # (an engine of an earlier test may have set it)
     pool = CompileProcesses.start(processes, dict(vars(driver.active.get_current_target()))) if processes else None
+    deadline = time.monotonic() + 120
+    while pool is not None and pool.ready < processes and time.monotonic() < deadline:   # (until then: threads)
+        time.sleep(0.05)
     monkeypatch.setattr(compile_ahead_module, "_processes", pool)
     device = torch.device("cuda", torch.cuda.current_device())
     assert threads(device) == 4
