@@ -8,16 +8,16 @@ launch is not known until then. So the phase runs twice:
    variant's compile goes to a compile process (workers/compile_processes.py: the worker's GIL
    stays free for the dry pass) when its kernel can be imported there by name, else to a thread
    pool under `triton.AsyncCompileMode`. The torch ops between the launches still run, so every
-   later launch sees the shapes, dtypes, int values and
-   alignments it will see for real. What the kernels would have written stays as allocated, and
+   later launch sees the shapes, dtypes, int values and alignments it will see for real. What
+   the kernels would have written stays as allocated, and
    every tensor allocated in the dry pass is zero-filled (a TorchDispatchMode): a value that
    comes out of a skipped kernel and indexes a torch op (a sampled token id, say) is a valid
    index, never the allocator's leftovers. The state allocated before (weights, KV cache, the
    sampler's tables) is not written by a skipped kernel; what torch ops write into it is what the
    phase's idle inputs make them write anyway (tests/test_compile_ahead.py runs the warm-up and
    the decode graphs dry on the CPU and checks the engine's tokens after). At its end the pass
-   waits for every compile; then each variant compiled in a thread is made launchable in
-   the pool (its launcher built, its binary loaded: what its first launch would do, one by one).
+   waits for every compile; then each variant compiled in a thread is made launchable in the
+   pool (its launcher built, its binary loaded: what its first launch would do, one by one).
 2. for real: every launch finds its variant compiled (in memory, or in Triton's cache dir with
    its launcher: a process's).
 
@@ -196,9 +196,10 @@ def watch_mid_run_compiles() -> None:
 
 
 def threads(device: torch.device) -> int:
-    """Compile threads (and processes) for a phase on this device: LOOM_COMPILE_THREADS (unset: one per CPU
-    core, at most 16, and none under tensor parallelism) on CUDA with a Triton that has AsyncCompileMode, else 0 (the phase runs
-    once, compiling as it launches); 0 too once this start is known (note_start)."""
+    """Compile threads (and processes) for a phase on this device: LOOM_COMPILE_THREADS (unset:
+    one per CPU core, at most 16, and none under tensor parallelism) on CUDA with a Triton that
+    has AsyncCompileMode, else 0 (the phase runs once, compiling as it launches); 0 too once this
+    start is known (note_start)."""
     if _known_start:
         return 0
     n = envs.LOOM_COMPILE_THREADS
@@ -330,10 +331,9 @@ def _dry_run(phase: Callable[[], object], num_threads: int, name: str) -> None:
             return
         if _processes is not None:
             _processes.wait()
-            if _processes.failed:
+            if failed := _processes.take_failed():
                 logger.warning("%d kernel variants failed to compile in a process (they compile at their first "
-                               "launch): %s", len(_processes.failed), "; ".join(_processes.failed[:3]))
-                _processes.failed.clear()
+                               "launch): %s", len(failed), "; ".join(failed[:3]))
         compiled = time.perf_counter() - t0
         device = torch.device("cuda", torch.cuda.current_device())
         kernels = dry.compiled()

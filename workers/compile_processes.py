@@ -99,6 +99,12 @@ class CompileProcesses:
             if not reply:
                 return
 
+    def take_failed(self) -> list[str]:
+        """The failures reported since the last call."""
+        with self.done:
+            failed, self.failed = self.failed, []
+        return failed
+
     def wait(self, timeout: float = 600.0) -> None:
         """Until every submitted job is answered (or no child is left to answer the rest)."""
         with self.done:
