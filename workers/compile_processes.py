@@ -18,7 +18,8 @@ A child never touches the GPU: its Triton driver is told the worker's device and
 creates no CUDA context (no device memory) while the KV cache holds nearly all of it.
 
 A variant a child fails to compile (or a child that dies) is reported; the worker then compiles
-it at its first launch, as it would have without the dry run.
+it at its first launch, as it would have without the dry run. A child exits at the end of its
+stdin: when the worker closes the pool after its start-up, or when the worker dies.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -137,6 +139,7 @@ def _reap(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
 def _serve(target: dict) -> None:
     """The child: one job per line of stdin, one JSON reply per line on the original stdout
     (anything else the compile prints goes to stderr)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a Ctrl-C reaches the whole group: the worker ends it)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     import importlib
