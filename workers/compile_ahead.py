@@ -108,14 +108,18 @@ def note_start(config, device: torch.device) -> None:
     name = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
     _marker = os.path.join(compile_cache_dir(), "loom-starts", start_key(config, name))
     _known_start = os.path.exists(_marker)
-    _start_processes(device)
+    _start_processes(device, config.data_parallel_size)
 
 
-def _start_processes(device: torch.device) -> None:
+def _start_processes(device: torch.device, engines: int) -> None:
     """The compile processes of this start's dry runs, started now so that their imports overlap
-    the worker's own start (none for a known start, or where no dry run runs)."""
+    the worker's own start (none for a known start, or where no dry run runs): as many as its
+    compile threads, the CPU's cores shared among the data-parallel engines' workers (each child
+    holds its own torch: a few hundred MB)."""
     global _processes
     n = threads(device)
+    if not envs.LOOM_COMPILE_THREADS:
+        n = min(n, max(1, _cores() // engines))
     if n == 0 or _processes is not None:
         return
     try:
@@ -207,7 +211,7 @@ def threads(device: torch.device) -> int:
         from workers.distributed import tp_size
         if tp_size() > 1:   # not by default under tensor parallelism: its peer kernels (flags, Lamport
             return 0        # buffers) are untested skipped; LOOM_COMPILE_THREADS=N turns it on
-        n = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        n = min(16, _cores())
     if n <= 0 or device.type != "cuda":
         return 0
     try:
@@ -218,6 +222,10 @@ def threads(device: torch.device) -> int:
     if getattr(triton, "AsyncCompileMode", None) is None or not hasattr(JITFunction, "run"):
         return 0
     return n
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ZeroedAllocations(TorchDispatchMode):
