@@ -1,7 +1,7 @@
 """Triton compiles in child processes, for a start-up dry run (workers/compile_ahead.py).
 
     processes = CompileProcesses.start(n, target)   # `python -m workers.compile_processes` x n
-    processes.submit(module, name, specialization_data)
+    processes.submit(CompileJob(module, name, specialization_data))   # once processes.ready
     processes.wait(); processes.close()
 
 In compile threads, a variant's compile holds the GIL for about half its time (Triton's AST code
@@ -24,7 +24,6 @@ stdin: when the worker closes the pool after its start-up, or when the worker di
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import signal
@@ -32,8 +31,6 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
