@@ -360,8 +360,8 @@ def _shipped_to(processes: CompileProcesses | None, dry: DryLaunches):
     compile here. A placeholder in the kernel's cache makes the variant's later dry launches find
     it (they launch nothing); the placeholders are gone when the pass ends, so that the real run
     loads each variant from the disk cache. Other variants compile in the threads as before, and
-    so do all while no process is ready yet (the profiling run's five: threads had them compiled
-    3.1 s into a fresh start, processes 4.1 s)."""
+    so do all while no process is ready yet (children still importing torch: a dry pass that
+    waited for them would be slower than the threads)."""
     if processes is None:
         yield
         return
@@ -372,7 +372,7 @@ def _shipped_to(processes: CompileProcesses | None, dry: DryLaunches):
         jit = getattr(fn, "jit_function", None)
         if (threading.get_ident() != dry.thread or not is_manual_warmup or jit is None or not compile
                 or "specialization_data" not in compile or processes.ready == 0):
-            return False   # (no child has imported torch yet: the profiling run's few variants, say)
+            return False   # (a thread compiles it)
         module, name = jit.fn.__module__, jit.fn.__qualname__
         if getattr(sys.modules.get(module), name, None) is not jit:   # (made at run time: not importable)
             return False
