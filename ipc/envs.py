@@ -108,9 +108,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "LOOM_PDL": EnvVar(True, _switch, "0: no programmatic dependent launch of the Triton kernels"),
     "LOOM_COMPILE_THREADS": EnvVar(None, _int, "compile processes (and threads) that compile a worker's "
                                    "start-up Triton kernels ahead of the phase that launches them "
-                                   "(workers/compile_ahead.py; unset: one per "
-                                   "CPU core, at most 16, none at TP > 1; 0: each compiled at its first "
-                                   "launch, one by one)"),
+                                   "(workers/compile_ahead.py; unset: one per CPU core, at most 16, none at "
+                                   "TP > 1, the processes' cores shared among data-parallel engines; 0: each "
+                                   "compiled at its first launch, one by one)"),
     "LOOM_ATTENTION_STREAMS": EnvVar(True, _switch, "0: a mixed step's prompt tiles and decodes launch one "
                                      "after the other, not on two streams"),
     "LOOM_CASCADE_ATTN": EnvVar("auto", _text, "cascade (prefix-aware) attention: auto (when a step's "
