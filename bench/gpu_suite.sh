@@ -38,7 +38,7 @@ for section in "$@"; do case $section in
            # LOOM_COMPILE_THREADS=0 (compiled one by one: the A/B); each start's breakdown
            # (--log-level debug), then one table last. First the GPU tests of the dry runs (an
            # engine started with them samples as one without). Starts stop at a 270 s budget.
-           TAIL=4 run startup-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
+           TAIL=4 run startup-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_startup.py
            # (--compile-bytecode: the image ships packages without .pyc files and sets PYTHONDONTWRITEBYTECODE;
            # an installed Loom has them, as pip writes them at install)
            TAIL=60 run startup 290 python3 -m bench.startup --out "$OUT" --budget 270 --compile-bytecode ;;
