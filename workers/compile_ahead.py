@@ -100,7 +100,8 @@ def start_key(config, device_name: str) -> str:
 def note_start(config, device: torch.device) -> None:
     """Before a worker's first phase: whether this same start (start_key) completed on this
     compile cache before. Then every kernel loads from the cache and a dry run would only repeat
-    its phase's host work (0.5-1 s each), so none runs."""
+    its phase's host work (0.5-1 s each), so none runs; else the dry runs' compile processes
+    start now."""
     global _marker, _known_start
     if device.type != "cuda":
         return
@@ -261,6 +262,10 @@ class DryLaunches:
         self.shipped = 0                     # of them, those sent to the compile processes
         self.futures: dict[int, object] = {}   # those compiles by id (a variant launched again shares its own)
 
+    def count(self, kernel_name: str) -> None:
+        """One more variant of this kernel submitted to compile."""
+        self.compiles[kernel_name] = self.compiles.get(kernel_name, 0) + 1
+
     def compiled(self) -> list:
         """The CompiledKernels of the variants this pass submitted (once AsyncCompileMode has
         waited for them; a variant whose compile failed is left out)."""
@@ -287,8 +292,7 @@ class DryLaunches:
             kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
             if type(kernel).__name__ == "FutureKernel" and id(kernel) not in dry.futures:   # a new variant
                 dry.futures[id(kernel)] = kernel
-                name = getattr(getattr(self, "fn", None), "__name__", "?")
-                dry.compiles[name] = dry.compiles.get(name, 0) + 1
+                dry.count(getattr(getattr(self, "fn", None), "__name__", "?"))
             return kernel
 
         with DryLaunches._lock:
@@ -380,7 +384,7 @@ def _shipped_to(processes: CompileProcesses | None, dry: DryLaunches):
         cache[key] = _SHIPPED
         placed.append((cache, key))
         dry.shipped += 1
-        dry.compiles[name] = dry.compiles.get(name, 0) + 1
+        dry.count(name)
         processes.submit(CompileJob(module, name, compile["specialization_data"]))
         return True
 
