@@ -211,8 +211,19 @@ class EngineCore:
         A step whose grammar bitmask needs step N's tokens runs its model at once and
         samples once they are in (vLLM's deferred sample_tokens)."""
         if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
-            if self._schedule_and_submit() and len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
-                return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
+            with self.loop_stats.phase("schedule"):
+                so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
+                    or so.kv_transfers):
+                with self.loop_stats.phase("submit"):
+                    self.in_flight.append((so, self.executor.submit(so)))
+                # (filled while this step was scheduled) after the step, which the worker holds until
+                # this sample: it builds the step's host inputs meanwhile (workers/step_pipeline.py)
+                self._send_bitmask()
+                if so.defer_sample and len(self.in_flight) == 1:
+                    self._sample_deferred(so)
+                if len(self.in_flight) < self._in_flight_limit() and self._can_schedule():
+                    return self.scheduler.update_from_output(ModelRunnerOutput([], []))  # fill the pipeline
         if not self.in_flight:
             return self.scheduler.update_from_output(ModelRunnerOutput([], []))
         outputs = self._take_oldest()
@@ -221,26 +232,18 @@ class EngineCore:
             # are published: the device idles only for this loop's update and schedule (under
             # LOOM_SPEC_ASYNC the step after the one in flight, which must reach the worker
             # before that one ends: the worker places its drafts once it has finished it)
-            self._schedule_and_submit()
+            with self.loop_stats.phase("schedule"):
+                so = self.scheduler.schedule(allow_new=self.control.admits_new)
+            if (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
+                    or so.kv_transfers):
+                with self.loop_stats.phase("submit"):
+                    self.in_flight.append((so, self.executor.submit(so)))
+                self._send_bitmask()
+                if so.defer_sample and len(self.in_flight) == 1:   # (else its bitmask follows the step before)
+                    self._sample_deferred(so)
             for ci, outs in self.scheduler.update_from_output(ModelRunnerOutput([], [])).items():
                 outputs.setdefault(ci, []).extend(outs)   # (requests the schedule failed, if any)
         return outputs
-
-    def _schedule_and_submit(self) -> bool:
-        """Schedule the next step and send it to the workers; False: it had nothing to run."""
-        with self.loop_stats.phase("schedule"):
-            so = self.scheduler.schedule(allow_new=self.control.admits_new)
-        if not (so.req_ids or so.new_requests or so.finished_req_ids or so.released_mm or so.free_encoder_hashes
-                or so.kv_transfers):
-            return False
-        with self.loop_stats.phase("submit"):
-            self.in_flight.append((so, self.executor.submit(so)))
-        # (filled while this step was scheduled) after the step, which the worker holds until
-        # this sample: it builds the step's host inputs meanwhile (workers/step_pipeline.py)
-        self._send_bitmask()
-        if so.defer_sample and len(self.in_flight) == 1:   # (else its bitmask follows the step before)
-            self._sample_deferred(so)
-        return True
 
     def _verifies_next(self) -> bool:
         """Whether the next step goes out before the outputs just taken are published: the one
